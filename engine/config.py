@@ -1,0 +1,157 @@
+"""Frozen, validated configuration for a pdserve engine and node.
+
+Each dataclass validates itself in ``__post_init__`` and raises ``ConfigError`` with a
+message that names the flag to fix. CLI flags are derived from these fields
+(see ``engine.server.cli_args``): a field ``max_num_seqs`` becomes ``--max-num-seqs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag to fix."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{_flag(name)}: {msg}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = field(default="tiny", metadata={"help": "HF checkpoint directory or 'tiny'"})
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "name clients use in 'model' (default: --model)"}
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = field(
+        default="float32", metadata={"help": "weight and KV cache dtype"}
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context length (default: model's maximum)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed for the 'tiny' model's weights"})
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "model", "must be a checkpoint directory or 'tiny'")
+        _require(
+            self.model == "tiny" or os.path.isdir(self.model),
+            "model",
+            f"{self.model!r} is neither 'tiny' nor a directory with config.json",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len > 0,
+            "max_model_len",
+            "must be a positive number of tokens",
+        )
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    num_blocks: int | None = field(
+        default=None, metadata={"help": "KV blocks per rank (overrides --kv-memory-fraction)"}
+    )
+    kv_memory_fraction: float = field(
+        default=0.05, metadata={"help": "fraction of device memory for the KV cache"}
+    )
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size > 0 and (self.block_size & (self.block_size - 1)) == 0,
+            "block_size",
+            f"must be a power of two, got {self.block_size}",
+        )
+        _require(
+            self.num_blocks is None or self.num_blocks >= 2,
+            "num_blocks",
+            "must be at least 2",
+        )
+        _require(
+            0.0 < self.kv_memory_fraction <= 0.95,
+            "kv_memory_fraction",
+            "must be in (0, 0.95]",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = field(default=1, metadata={"help": "tensor-parallel size (worker processes)"})
+    device: Literal["cpu", "cuda"] = field(default="cpu", metadata={"help": "cpu or cuda"})
+    worker_threads: int = field(
+        default=1, metadata={"help": "torch intra-op threads per CPU worker"}
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.tp >= 1, "tp", "must be >= 1")
+        _require(self.worker_threads >= 1, "worker_threads", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=64, metadata={"help": "max running requests per step"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "token budget per step (chunked prefill)"}
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Connector settings. ``kv_connector='none'`` is colocated serving."""
+
+    kv_connector: Literal["none", "nixl"] = field(
+        default="none", metadata={"help": "KV connector: none (colocated) or nixl"}
+    )
+    kv_role: Literal["both", "producer", "consumer"] = field(
+        default="both", metadata={"help": "producer (prefill), consumer (decode) or both"}
+    )
+    side_channel_host: str = field(
+        default="127.0.0.1", metadata={"help": "address the side channel binds/advertises"}
+    )
+    side_channel_port: int = field(default=0, metadata={"help": "side-channel port (0 = free)"})
+    kv_transfer_timeout: float = field(
+        default=30.0, metadata={"help": "seconds any KV-transfer wait may last"}
+    )
+    kv_failure_policy: Literal["recompute", "fail"] = field(
+        default="recompute", metadata={"help": "on transfer failure: recompute or fail"}
+    )
+    engine_id: str = field(
+        default_factory=lambda: uuid.uuid4().hex[:12],
+        metadata={"help": "engine id advertised to peers (default: random)"},
+    )
+
+    def __post_init__(self) -> None:
+        _require(
+            0 <= self.side_channel_port < 65536, "side_channel_port", "must be in [0, 65535]"
+        )
+        _require(self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0 seconds")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
+    def replace(self, **sections: object) -> EngineConfig:
+        return dataclasses.replace(self, **sections)  # type: ignore[arg-type]

@@ -1,0 +1,47 @@
+"""The paged KV cache layout of one TP rank.
+
+One tensor per rank::
+
+    # [num_blocks, num_layers, 2 (k, v), num_kv_heads_local, block_size, head_dim]
+
+A block is the leading index, so one block of one rank -- all layers, K and V -- is a
+single contiguous byte range, and a run of consecutive block ids is one range too. The
+transfer path (kvconnector) moves a run of blocks as one descriptor. Within a block and
+layer, a head's tokens are contiguous (HND), so a contiguous head range can later be
+sliced out for heterogeneous TP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_blocks: int
+    num_layers: int
+    num_kv_heads: int  # per rank
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (
+            self.num_blocks,
+            self.num_layers,
+            2,
+            self.num_kv_heads,
+            self.block_size,
+            self.head_dim,
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim * elem
+
+    def allocate(self, device: str | torch.device = "cpu") -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=device)
