@@ -1,0 +1,42 @@
+"""Sampling parameters of one request (validated; errors name the field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request parameter is invalid. ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1  # -1: disabled
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise InvalidRequestError("max_tokens must be an integer", "max_tokens")
+        if self.max_tokens <= 0:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
+            )
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature must be >= 0", "temperature")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
+        if self.top_k == 0 or self.top_k < -1:
+            raise InvalidRequestError("top_k must be -1 (disabled) or >= 1", "top_k")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
