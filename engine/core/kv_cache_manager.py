@@ -1,0 +1,94 @@
+"""Maps requests to KV blocks: allocation, prefix-cache lookup, freeing."""
+
+from __future__ import annotations
+
+from engine.core.block_pool import BlockPool
+from engine.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._blocks: dict[str, list[int]] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._blocks.get(request_id, [])
+
+    def has_blocks(self, request_id: str) -> bool:
+        return request_id in self._blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _hash_chain(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else 0
+            hashes.append(hash((parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]))))
+        return hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Longest cached prefix of full blocks; always leaves >= 1 token to compute."""
+        if not self.pool.enable_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        out = []
+        for h in self._hash_chain(request, max_blocks):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens; ``None`` if the pool is too full.
+
+        ``computed_blocks`` (first allocation only) are prefix-cache hits to take first.
+        """
+        computed_blocks = computed_blocks or []
+        have = self._blocks.get(request.request_id, [])
+        total = len(have) + len(computed_blocks)
+        target = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        need = max(0, target - total)
+        reclaimed = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        if need > self.pool.num_free - reclaimed:
+            return None
+        for b in computed_blocks:
+            self.pool.touch(b)
+        blocks = self._blocks.setdefault(request.request_id, [])
+        blocks.extend(computed_blocks)
+        blocks.extend(self.pool.allocate(need))
+        return blocks
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        blocks = self._blocks.get(request.request_id)
+        if not blocks:
+            return
+        n_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        for block, h in zip(blocks[:n_full], self._hash_chain(request, n_full), strict=True):
+            self.pool.cache(block, h)
+
+    def detach(self, request_id: str) -> list[int]:
+        """Take the request's blocks away without freeing them (the caller owns them)."""
+        return self._blocks.pop(request_id, [])
+
+    def free(self, request_id: str) -> None:
+        blocks = self._blocks.pop(request_id, None)
+        if blocks:
+            self.pool.free(blocks)

@@ -1,0 +1,99 @@
+"""The request data object: tokens, token accounting and state. No behaviour beyond that."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from engine.outputs import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+class Request:
+    """One generation request.
+
+    Token accounting: ``all_token_ids`` is prompt + output; ``num_computed_tokens`` counts
+    the tokens whose KV is in the cache. Each step schedules
+    ``num_tokens - num_computed_tokens`` (capped by the budget); prefill, chunked prefill,
+    remote KV (which advances ``num_computed_tokens`` without a forward pass) and decode
+    are all this one rule.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.kv_transfer_params = kv_transfer_params
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # hashes of this request's full blocks
+        self.arrival_time = time.monotonic()
+        self.error: str | None = None
+        # Output tokens not yet handed to the caller.
+        self._num_emitted = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def take_new_output_tokens(self) -> list[int]:
+        out = self.output_token_ids[self._num_emitted :]
+        self._num_emitted += len(out)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id}, {self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

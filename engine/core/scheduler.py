@@ -1,0 +1,325 @@
+"""Continuous-batching scheduler with one token-accounting model.
+
+Every request's ``num_computed_tokens`` catches up with its ``num_tokens``: a step gives
+each running request ``num_tokens - num_computed_tokens`` tokens (capped by the step's
+token budget, which makes long prompts chunked), and samples the next token when the
+step reaches the last known token. Remote KV (from a prefill node) advances
+``num_computed_tokens`` without a forward pass. When blocks run out, the most recently
+admitted running request is preempted and later recomputed from scratch (its prefix
+cache entries usually make that cheap).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from engine.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.outputs import RequestOutput
+from engine.sampling_params import InvalidRequestError
+from kvconnector.base import KVConnectorScheduler
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        connector: KVConnectorScheduler,
+    ) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.block_size = config.cache.block_size
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote_waiting: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
+        self.held: dict[str, Request] = {}  # finished; blocks held by the connector
+        # Blocks of failed remote loads that a late WRITE may still touch.
+        self.quarantine: dict[str, list[int]] = {}
+        self._finished_ids: set[str] = set()
+        self._outputs: list[RequestOutput] = []
+        self._step = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_preemptions_total = 0
+
+    # -- admission -----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens",
+                "prompt",
+            )
+        total = min(n + request.sampling_params.max_tokens, self.max_model_len)
+        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {self.kv.blocks_needed(total)} KV blocks but this node "
+                f"has {self.kv.num_blocks}; lower max_tokens or the prompt length",
+                "max_tokens",
+            )
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str, error: str | None = None) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.status.finished:
+            return
+        status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
+        self._finish(req, status, error)
+
+    def has_work(self) -> bool:
+        return bool(
+            self.waiting
+            or self.running
+            or self.remote_waiting
+            or self.held
+            or self.quarantine
+            or self._outputs
+            or self.connector.has_pending_work()
+        )
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._step += 1
+        self._apply_connector_events()
+        budget = self.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            blocks = self.kv.allocate_slots(req, n)
+            while blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is req:
+                    break
+                blocks = self.kv.allocate_slots(req, n)
+            if blocks is None:
+                break
+            seqs.append(self._scheduled(req, n, blocks))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self._admit(req, budget, seqs):
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.RUNNING:
+                budget -= seqs[-1].num_tokens
+
+        out = SchedulerOutput(step_id=self._step, seqs=seqs, finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _admit(self, req: Request, budget: int, seqs: list[ScheduledSeq]) -> bool:
+        """Try to start ``req``; False when there is no room this step."""
+        computed = self.kv.get_computed_blocks(req)
+        num_cached = len(computed) * self.block_size
+        ext, load_async = 0, False
+        if req.status == RequestStatus.WAITING:  # not for preempted requests
+            ext, load_async = self.connector.get_num_new_matched_tokens(req, num_cached)
+        if load_async:
+            # Reserve blocks for the remote KV; the request waits until it has landed.
+            req.num_computed_tokens = num_cached
+            blocks = self.kv.allocate_slots(req, ext, computed)
+            if blocks is None:
+                req.num_computed_tokens = 0
+                return False
+            req.num_cached_tokens = num_cached
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            self.remote_waiting[req.request_id] = req
+            self.connector.update_state_after_alloc(req, blocks, ext)
+            return True
+        req.num_computed_tokens = num_cached
+        n = min(req.num_tokens - num_cached, budget)
+        blocks = self.kv.allocate_slots(req, n, computed)
+        if blocks is None:
+            req.num_computed_tokens = 0
+            return False
+        req.num_cached_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        seqs.append(self._scheduled(req, n, blocks))
+        return True
+
+    def _scheduled(self, req: Request, n: int, blocks: list[int]) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        samples = start + n == req.num_tokens
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + n],
+            start_pos=start,
+            block_ids=list(blocks),
+            sampling_params=req.sampling_params if samples else None,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        logger.info("preempting %s (recompute later)", req.request_id)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(
+        self, sched_out: SchedulerOutput, output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        for seq in sched_out.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished (aborted) while the step ran
+            req.num_computed_tokens += seq.num_tokens
+            if req.num_computed_tokens <= req.num_prompt_tokens:
+                self.prompt_tokens_total += seq.num_tokens
+            self.kv.cache_computed_blocks(req)
+            if seq.sampling_params is not None:
+                self._append(req, output.sampled_token_ids[req.request_id])
+
+        for rid in output.finished_recving:
+            req = self.remote_waiting.pop(rid, None)
+            if req is None:
+                continue
+            self._remote_kv_landed(req, output.kv_recv_info.get(rid, {}))
+
+        for rid in output.finished_sending:
+            self._release_held(rid)
+
+        self.connector.update_connector_output(output)
+        return self.take_outputs()
+
+    def take_outputs(self) -> list[RequestOutput]:
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def _remote_kv_landed(self, req: Request, info: dict) -> None:
+        """The prompt's KV arrived: continue from the first token the prefill node sampled."""
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_computed_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        first = info.get("first_token")
+        if first is None:  # no token came with the KV: compute the last prompt token again
+            req.num_computed_tokens -= 1
+            return
+        self._append(req, int(first))
+
+    def _append(self, req: Request, token: int) -> None:
+        req.append_token(token)
+        self.generation_tokens_total += 1
+        sp = req.sampling_params
+        status = None
+        if (not sp.ignore_eos and token == req.eos_token_id) or token in sp.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self._finish(req, status)
+        else:
+            self._emit(req)
+
+    # -- endings -------------------------------------------------------------------------
+    def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
+        rid = req.request_id
+        prev = req.status
+        req.status = status
+        req.error = error
+        if prev == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif prev in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        elif prev == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.remote_waiting[rid]
+        delay_free, params = self.connector.request_finished(req, self.kv.block_ids(rid))
+        self._finished_ids.add(rid)
+        if delay_free:
+            self.held[rid] = req
+        else:
+            self.kv.free(rid)
+            del self.requests[rid]
+        self._emit(req, params)
+
+    def _release_held(self, rid: str) -> None:
+        req = self.held.pop(rid, None)
+        if req is not None:
+            self.kv.free(rid)
+            self.requests.pop(rid, None)
+
+    def _emit(self, req: Request, kv_transfer_params: dict | None = None) -> None:
+        self._outputs.append(
+            RequestOutput(
+                request_id=req.request_id,
+                new_token_ids=req.take_new_output_tokens(),
+                finished=req.status.finished,
+                finish_reason=req.status.finish_reason,
+                error=req.error,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_output_tokens=req.num_output_tokens,
+                kv_transfer_params=kv_transfer_params,
+            )
+        )
+
+    def _apply_connector_events(self) -> None:
+        events = self.connector.take_events()
+        for rid, reason in events.failed_loads.items():
+            req = self.remote_waiting.pop(rid, None)
+            if req is None:
+                continue
+            # A WRITE into the reserved blocks may still land: park them until the
+            # connector says they are safe (a later free_blocks event), and go on with
+            # fresh blocks -- or fail the request, by the failure policy.
+            self.quarantine[rid] = self.kv.detach(rid)
+            if self.config.kv_transfer.kv_failure_policy == "fail":
+                req.status = RequestStatus.FINISHED_ERROR
+                req.error = f"KV transfer failed: {reason}"
+                self._finished_ids.add(rid)
+                del self.requests[rid]
+                self._emit(req)
+            else:
+                logger.warning("request %s: remote KV failed (%s); recomputing", rid, reason)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.PREEMPTED
+                self.waiting.appendleft(req)
+        for rid in events.free_blocks:
+            self._release_held(rid)
+            blocks = self.quarantine.pop(rid, None)
+            if blocks:
+                self.kv.pool.free(blocks)
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_waiting_for_remote_kv": len(self.remote_waiting),
+            "num_held": len(self.held),
+            "num_quarantined_blocks": sum(len(b) for b in self.quarantine.values()),
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_free": self.kv.pool.num_free,
+            "kv_blocks_used": self.kv.pool.num_used,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_preemptions_total": self.num_preemptions_total,
+        }

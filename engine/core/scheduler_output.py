@@ -1,0 +1,66 @@
+"""What the scheduler sends to every worker each step, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's slice of this step: tokens at positions ``start_pos ..``."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # == request.num_computed_tokens
+    block_ids: list[int]  # the request's whole block table
+    # Set when this step computes the request's last known token: sample the next one.
+    sampling_params: SamplingParams | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    # Requests that finished since the last step (workers drop per-request state).
+    finished_request_ids: set[str] = field(default_factory=set)
+    # Per-step connector metadata (kvconnector.base.KVConnectorMetadata); bound by each
+    # worker before the forward pass and cleared at the end of the step.
+    kv_connector_metadata: Any = None
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass
+class WorkerOutput:
+    """One TP rank's result for one step (un-aggregated: never given to the scheduler)."""
+
+    rank: int
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # rank 0 only
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    # Per-request data that arrived with received KV (e.g. the first sampled token).
+    kv_recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per-request transfer failures seen by this rank: request id -> reason.
+    kv_failed: dict[str, str] = field(default_factory=dict)
+    kv_stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The aggregated result of a step across all TP ranks: what the scheduler sees."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    kv_recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kv_failed: dict[str, str] = field(default_factory=dict)
+    kv_stats: dict[str, float] = field(default_factory=dict)

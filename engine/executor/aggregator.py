@@ -1,0 +1,97 @@
+"""All-ranks aggregation of per-worker step outputs (seed rule 1).
+
+Each TP worker reports, per step, the request ids whose KV it finished sending and
+finished receiving. A request is finished for the scheduler only in the step in which the
+*last* rank reports it. The per-rank sets never reach the scheduler: the aggregated output
+always carries freshly built sets -- empty ones in steps where nothing completed on all
+ranks (the upstream bug passed rank 0's partial sets through in that case). Counts live
+across steps; once a request completes its count is dropped, so a later report of the
+same id starts a new count.
+
+One implementation serves both collection paths: ``aggregate`` takes the outputs,
+``async_aggregate`` takes futures of them and calls ``aggregate`` when all are done.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+from engine.core.scheduler_output import ModelRunnerOutput, WorkerOutput
+
+
+class KVOutputAggregator:
+    def __init__(self, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError("world_size must be >= 1")
+        self.world_size = world_size
+        self._remaining_send: dict[str, int] = {}
+        self._remaining_recv: dict[str, int] = {}
+        # Info that came with a rank's receive report, kept until all ranks reported.
+        self._recv_info: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    def _count(self, remaining: dict[str, int], ids: set[str], done: set[str]) -> None:
+        for req_id in ids:
+            left = remaining.get(req_id, self.world_size) - 1
+            if left == 0:
+                remaining.pop(req_id, None)
+                done.add(req_id)
+            else:
+                remaining[req_id] = left
+
+    def aggregate(self, outputs: Sequence[WorkerOutput], output_rank: int = 0) -> ModelRunnerOutput:
+        if len(outputs) != self.world_size:
+            raise ValueError(f"expected {self.world_size} worker outputs, got {len(outputs)}")
+        finished_sending: set[str] = set()
+        finished_recving: set[str] = set()
+        kv_failed: dict[str, str] = {}
+        kv_stats: dict[str, float] = {}
+        with self._lock:
+            for out in outputs:
+                self._count(self._remaining_send, out.finished_sending, finished_sending)
+                self._count(self._remaining_recv, out.finished_recving, finished_recving)
+                for req_id, info in out.kv_recv_info.items():
+                    self._recv_info.setdefault(req_id, {}).update(info)
+                kv_failed.update(out.kv_failed)
+                for k, v in out.kv_stats.items():
+                    kv_stats[k] = kv_stats.get(k, 0.0) + v
+            kv_recv_info = {r: self._recv_info.pop(r, {}) for r in finished_recving}
+        sampled = next(o for o in outputs if o.rank == output_rank).sampled_token_ids
+        return ModelRunnerOutput(
+            sampled_token_ids=sampled,
+            finished_sending=finished_sending,
+            finished_recving=finished_recving,
+            kv_recv_info=kv_recv_info,
+            kv_failed=kv_failed,
+            kv_stats=kv_stats,
+        )
+
+    def async_aggregate(
+        self, futures: Sequence[Future[WorkerOutput]], output_rank: int = 0
+    ) -> Future[ModelRunnerOutput]:
+        """A future of ``aggregate(results)``, resolved when every rank's future is done."""
+        result: Future[ModelRunnerOutput] = Future()
+        pending = [len(futures)]
+        lock = threading.Lock()
+
+        def on_done(_: Future) -> None:
+            with lock:
+                pending[0] -= 1
+                if pending[0] != 0:
+                    return
+            try:
+                outputs = [f.result() for f in futures]
+                result.set_result(self.aggregate(outputs, output_rank))
+            except BaseException as e:  # a worker died or failed: propagate
+                result.set_exception(e)
+
+        for f in futures:
+            f.add_done_callback(on_done)
+        return result
+
+    @property
+    def pending_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._remaining_send) | set(self._remaining_recv)

@@ -1,0 +1,189 @@
+"""Multiprocess executor: one worker process per TP rank.
+
+Each step's ``SchedulerOutput`` is pickled once and sent to every rank over its task
+pipe; a reader thread per rank turns results into futures, and
+``KVOutputAggregator.async_aggregate`` combines them (the synchronous path waits on that
+same future). A monitor thread watches the processes: when one dies, the executor is
+dead, every pending step fails with ``WorkerDiedError``, and the engine turns unhealthy.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing as mp
+import pickle
+import socket
+import threading
+from concurrent.futures import Future
+from multiprocessing.connection import Connection, wait
+
+from engine.config import EngineConfig
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, WorkerOutput
+from engine.executor.aggregator import KVOutputAggregator
+from engine.worker.worker_proc import WorkerError, worker_main
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+SHUTDOWN_GRACE_S = 5.0
+
+
+class WorkerDiedError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, num_blocks: int, log_level: str = "INFO") -> None:
+        self.world_size = config.parallel.tp
+        self.aggregator = KVOutputAggregator(self.world_size)
+        self.dead_reason: str | None = None
+        self._shutting_down = False
+        self._lock = threading.Lock()
+        self._pending: list[collections.deque[Future[WorkerOutput]]] = [
+            collections.deque() for _ in range(self.world_size)
+        ]
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.procs: list[mp.process.BaseProcess] = []
+        self._task: list[Connection] = []
+        self._result: list[Connection] = []
+        for rank in range(self.world_size):
+            task_r, task_w = ctx.Pipe(duplex=False)
+            res_r, res_w = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=worker_main,
+                args=(rank, self.world_size, config, num_blocks, port, task_r, res_w, log_level),
+                name=f"pdserve-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            task_r.close()
+            res_w.close()
+            self.procs.append(proc)
+            self._task.append(task_w)
+            self._result.append(res_r)
+        try:
+            self.worker_infos = [self._wait_ready(rank) for rank in range(self.world_size)]
+        except BaseException:
+            self.shutdown()
+            raise
+        self._threads = [
+            threading.Thread(target=self._reader, args=(r,), daemon=True, name=f"tp{r}-reader")
+            for r in range(self.world_size)
+        ]
+        self._threads.append(threading.Thread(target=self._monitor, daemon=True, name="monitor"))
+        for t in self._threads:
+            t.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def _wait_ready(self, rank: int) -> dict:
+        conn, proc = self._result[rank], self.procs[rank]
+        ready = wait([conn, proc.sentinel], timeout=STARTUP_TIMEOUT_S)
+        if conn in ready:
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                kind, payload = "error", "worker exited during startup"
+            if kind == "ready":
+                return payload
+            raise RuntimeError(f"TP worker {rank} failed to start:\n{payload}")
+        if not ready:
+            raise RuntimeError(f"TP worker {rank} not ready after {STARTUP_TIMEOUT_S:.0f}s")
+        raise RuntimeError(f"TP worker {rank} died during startup (exit {proc.exitcode})")
+
+    # -- steps -----------------------------------------------------------------------------
+    def execute_model(
+        self, sched: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        payload = pickle.dumps(sched)
+        futures: list[Future[WorkerOutput]] = []
+        with self._lock:
+            if self.dead_reason is not None:
+                raise WorkerDiedError(self.dead_reason)
+            for rank in range(self.world_size):
+                fut: Future[WorkerOutput] = Future()
+                self._pending[rank].append(fut)
+                futures.append(fut)
+        try:
+            for conn in self._task:
+                conn.send_bytes(payload)
+        except OSError as e:
+            self._mark_dead(f"lost the pipe to a TP worker: {e}")
+        result = self.aggregator.async_aggregate(futures)
+        return result if non_block else result.result()
+
+    def _reader(self, rank: int) -> None:
+        conn = self._result[rank]
+        while True:
+            try:
+                out = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                if not self._shutting_down:
+                    self._mark_dead(f"TP worker {rank} closed its pipe")
+                return
+            with self._lock:
+                fut = self._pending[rank].popleft() if self._pending[rank] else None
+            if fut is None or fut.done():
+                continue
+            if isinstance(out, WorkerError):
+                fut.set_exception(out)
+            else:
+                fut.set_result(out)
+
+    def _monitor(self) -> None:
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs)}
+        ready = wait(list(sentinels))
+        if self._shutting_down:
+            return
+        rank, proc = sentinels[ready[0]]
+        proc.join(0.1)
+        self._mark_dead(f"TP worker {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
+
+    def _mark_dead(self, reason: str) -> None:
+        with self._lock:
+            if self.dead_reason is None:
+                self.dead_reason = reason
+                logger.error("executor dead: %s", reason)
+            pending = [f for q in self._pending for f in q]
+            for q in self._pending:
+                q.clear()
+        for f in pending:
+            if not f.done():
+                f.set_exception(WorkerDiedError(reason))
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    def shutdown(self) -> None:
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        for conn in self._task:
+            try:
+                conn.send_bytes(b"shutdown")
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(SHUTDOWN_GRACE_S)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(SHUTDOWN_GRACE_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._task + self._result:
+            conn.close()
+        if self.dead_reason is None:
+            self.dead_reason = "executor shut down"
+        self._mark_dead(self.dead_reason)

@@ -1,0 +1,50 @@
+"""Offline, synchronous use of the engine (tests, benchmarks, scripts)."""
+
+from __future__ import annotations
+
+import itertools
+
+from engine.config import EngineConfig
+from engine.core.request import Request
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, config: EngineConfig, log_level: str = "WARNING") -> None:
+        self.core = EngineCore(config, log_level)
+        self._ids = itertools.count()
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run the prompts (token ids) to completion together; returns output token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = []
+        for prompt, sp in zip(prompts, plist, strict=True):
+            rid = f"llm-{next(self._ids)}"
+            self.core.add_request(Request(rid, prompt, sp, eos_token_id=None))
+            ids.append(rid)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        done: set[str] = set()
+        while len(done) < len(ids):
+            outputs, _ = self.core.step()
+            for out in outputs:
+                results[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    if out.finish_reason == "error":
+                        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                    done.add(out.request_id)
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict[str, float]:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

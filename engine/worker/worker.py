@@ -1,0 +1,64 @@
+"""One TP rank's step: connector hooks around the model runner (seed rule 2 lives here)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core.scheduler_output import SchedulerOutput, WorkerOutput
+from kvconnector.base import KVConnectorWorker
+from kvconnector.factory import create_worker_connector
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int,
+        world_size: int,
+        num_blocks: int,
+        device: str,
+        connector: KVConnectorWorker | None = None,
+        model_runner: Any = None,
+    ) -> None:
+        self.rank = rank
+        if model_runner is None:
+            from engine.worker.model_runner import ModelRunner
+
+            model_runner = ModelRunner(config, rank, world_size, num_blocks, device)
+        self.model_runner = model_runner
+        self.connector = connector or create_worker_connector(config, rank, world_size)
+        self.connector.register_kv_caches(model_runner.kv_cache, model_runner.kv_spec)
+
+    def handshake_info(self) -> dict[str, Any]:
+        return self.connector.handshake_info()
+
+    def execute_model(self, sched: SchedulerOutput) -> WorkerOutput:
+        """Run one step. Clearing the connector metadata is the step's last connector call,
+        on every path: normal, nothing scheduled, and a forward that raises."""
+        connector = self.connector
+        try:
+            connector.bind_connector_metadata(sched.kv_connector_metadata)
+            connector.start_load_kv()
+            sampled: dict[str, int] = {}
+            if sched.num_scheduled_tokens > 0:
+                sampled = self.model_runner.execute(sched)
+            connector.wait_for_save()
+            sending, recving = connector.get_finished(sched.finished_request_ids)
+            return WorkerOutput(
+                rank=self.rank,
+                sampled_token_ids=sampled,
+                finished_sending=sending,
+                finished_recving=recving,
+                kv_recv_info=connector.take_recv_info(),
+                kv_failed=connector.take_failures(),
+                kv_stats=connector.stats(),
+            )
+        finally:
+            connector.clear_connector_metadata()
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()

@@ -1,0 +1,93 @@
+"""Entry point of a TP worker process: set up torch.distributed, serve steps over pipes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+
+from engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_S = 1.0
+
+
+class WorkerError(Exception):
+    """A worker failed a step; carries the rank and the worker's traceback."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"worker rank {rank}: {message}")
+        self.rank = rank
+
+
+def _setup_logging(rank: int, level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s [tp{rank} pid%(process)d] %(name)s: %(message)s",
+    )
+
+
+def worker_main(
+    rank: int,
+    world_size: int,
+    config: EngineConfig,
+    num_blocks: int,
+    dist_port: int,
+    task_conn: Connection,
+    result_conn: Connection,
+    log_level: str = "INFO",
+) -> None:
+    _setup_logging(rank, log_level)
+    parent = os.getppid()
+    device = "cpu"
+    if config.parallel.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    else:
+        torch.set_num_threads(config.parallel.worker_threads)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{dist_port}",
+            rank=rank,
+            world_size=world_size,
+        )
+    from engine.worker.worker import Worker
+
+    try:
+        worker = Worker(config, rank, world_size, num_blocks, device)
+        result_conn.send(("ready", worker.handshake_info()))
+    except Exception:
+        logger.exception("worker failed to start")
+        result_conn.send(("error", traceback.format_exc()))
+        return
+    logger.info("worker ready (%d KV blocks)", num_blocks)
+    try:
+        while True:
+            if not task_conn.poll(PARENT_CHECK_S):
+                if os.getppid() != parent:
+                    logger.warning("engine process went away; worker exiting")
+                    return
+                continue
+            msg = task_conn.recv_bytes()
+            if msg == b"shutdown":
+                return
+            sched = pickle.loads(msg)
+            try:
+                out = worker.execute_model(sched)
+                result_conn.send_bytes(pickle.dumps(out))
+            except Exception:
+                logger.exception("step %s failed", sched.step_id)
+                result_conn.send_bytes(pickle.dumps(WorkerError(rank, traceback.format_exc())))
+    except (EOFError, OSError, KeyboardInterrupt):
+        return
+    finally:
+        worker.shutdown()

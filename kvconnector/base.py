@@ -1,0 +1,179 @@
+"""The KV connector contract -- written once, here.
+
+A connector moves KV cache between engines. It has two halves that live in different
+processes and never share memory:
+
+* ``KVConnectorScheduler`` runs in the engine process next to the scheduler. It decides
+  which tokens come from a peer, keeps per-request transfer state, and tells the workers
+  what to do each step through a ``KVConnectorMetadata`` object attached to the
+  ``SchedulerOutput``.
+* ``KVConnectorWorker`` runs in every TP worker process. It owns the worker's side of the
+  transport (registered KV memory, NIXL agent) and carries out the step's metadata.
+
+Scheduler side, called by ``engine.core.scheduler.Scheduler``:
+
+1. ``get_num_new_matched_tokens(request, num_computed_tokens) -> (n, load_async)`` when a
+   waiting request is first considered: ``n`` tokens beyond the local prefix-cache hit will
+   arrive from a peer. ``load_async=True`` puts the request in ``WAITING_FOR_REMOTE_KV``
+   after its blocks are reserved; it is not scheduled until the KV has landed.
+2. ``update_state_after_alloc(request, block_ids, num_external_tokens)`` right after the
+   blocks for those tokens were allocated (the decode side announces them to the peer).
+3. ``build_connector_meta(scheduler_output) -> KVConnectorMetadata`` once per step, after
+   scheduling. Always returns an object (possibly empty); the scheduler attaches it to
+   the step.
+4. ``request_finished(request, block_ids) -> (delay_free, kv_transfer_params)`` when a
+   request ends for any reason. ``delay_free=True`` means the connector still needs the
+   blocks (a send in flight, or a peer that may still write into them); the scheduler
+   then frees them only when the request appears in an aggregated ``finished_sending``
+   set or in ``take_blocks_to_free()``.
+5. ``update_connector_output(output)`` with each step's *aggregated* ``ModelRunnerOutput``.
+6. ``take_events() -> ConnectorEvents`` once per step: requests whose remote KV failed or
+   timed out (the scheduler recomputes or fails them by the failure policy) and held
+   blocks that may now be freed. This is where every connector deadline turns into a
+   terminal outcome.
+
+Worker side, called by ``engine.worker.worker.Worker`` every step, in this order::
+
+    bind_connector_metadata(meta)      # before the forward pass
+    start_load_kv()                    # pull-style loads (unused by push)
+    ...forward pass (skipped when nothing is scheduled)...
+    wait_for_save()                    # issue/advance sends of this step
+    get_finished(finished_req_ids)     # -> (finished_sending, finished_recving) of THIS rank
+    clear_connector_metadata()         # always last, also when the forward raised
+
+Per-rank finished sets are aggregated across all ranks by
+``engine.executor.aggregator.KVOutputAggregator`` before the scheduler sees them: a
+request is finished only when every rank has reported it.
+
+``register_kv_caches(kv_cache, spec)`` is called once at worker start; ``handshake_info()``
+returns what peers need to reach this rank (sent to the engine at start and served on the
+side channel). Optional transports (``nixl``, ``ucxx``) are imported inside
+``try/except ImportError`` so that this package imports without them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.core.request import Request
+    from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from engine.kv_cache_layout import KVCacheSpec
+
+
+class KVConnectorMetadata(ABC):  # noqa: B024 - abstract on purpose, see is_empty
+    """Per-step instructions from the scheduler-side connector to every worker.
+
+    Abstract: each connector defines its own subclass. Instances are pickled to the
+    workers with the ``SchedulerOutput``.
+    """
+
+    @abstractmethod
+    def is_empty(self) -> bool:
+        """True when the step carries no connector work."""
+
+
+@dataclass
+class ConnectorEvents:
+    """Terminal outcomes the scheduler-side connector reached since the last step."""
+
+    # request id -> reason: its remote KV will not come (timeout, failure, refusal).
+    failed_loads: dict[str, str] = field(default_factory=dict)
+    # request ids whose held blocks may be freed now (sends done, cancelled, timed out).
+    free_blocks: set[str] = field(default_factory=set)
+
+
+class KVConnectorScheduler(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    def set_worker_info(self, infos: list[dict[str, Any]]) -> None:  # noqa: B027
+        """Called once at start with every rank's ``handshake_info()`` (rank order)."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]: ...
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None: ...
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata: ...
+
+    @abstractmethod
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]: ...
+
+    def update_connector_output(self, output: ModelRunnerOutput) -> None:  # noqa: B027
+        """Sees each step's aggregated output."""
+
+    def take_events(self) -> ConnectorEvents:
+        return ConnectorEvents()
+
+    def has_pending_work(self) -> bool:
+        """True while transfers or holds are outstanding (the engine keeps stepping)."""
+        return False
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def shutdown(self) -> None:  # noqa: B027
+        pass
+
+
+class KVConnectorWorker(ABC):
+    def __init__(self, config: EngineConfig, rank: int, world_size: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self._metadata: KVConnectorMetadata | None = None
+
+    # -- metadata lifecycle (seed rule 2) ---------------------------------------------
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata | None) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    @property
+    def connector_metadata(self) -> KVConnectorMetadata | None:
+        return self._metadata
+
+    # -- transport ---------------------------------------------------------------------
+    @abstractmethod
+    def register_kv_caches(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> None: ...
+
+    def handshake_info(self) -> dict[str, Any]:
+        return {}
+
+    def start_load_kv(self) -> None:  # noqa: B027
+        pass
+
+    def wait_for_save(self) -> None:  # noqa: B027
+        pass
+
+    @abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """This rank's (finished_sending, finished_recving) since the last call."""
+
+    def take_recv_info(self) -> dict[str, dict[str, Any]]:
+        """Data that arrived with finished receives (e.g. the first sampled token)."""
+        return {}
+
+    def take_failures(self) -> dict[str, str]:
+        return {}
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def shutdown(self) -> None:  # noqa: B027
+        pass
