@@ -139,9 +139,7 @@ class KVTransferConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(
-            0 <= self.side_channel_port < 65536, "side_channel_port", "must be in [0, 65535]"
-        )
+        _require(0 <= self.side_channel_port < 65536, "side_channel_port", "must be in [0, 65535]")
         _require(self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0 seconds")
 
 

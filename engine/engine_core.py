@@ -101,4 +101,3 @@ class EngineCore:
     def shutdown(self) -> None:
         self.connector.shutdown()
         self.executor.shutdown()
-

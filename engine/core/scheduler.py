@@ -128,7 +128,9 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:
                 budget -= seqs[-1].num_tokens
 
-        out = SchedulerOutput(step_id=self._step, seqs=seqs, finished_request_ids=self._finished_ids)
+        out = SchedulerOutput(
+            step_id=self._step, seqs=seqs, finished_request_ids=self._finished_ids
+        )
         self._finished_ids = set()
         out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out

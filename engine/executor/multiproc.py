@@ -10,6 +10,7 @@ dead, every pending step fails with ``WorkerDiedError``, and the engine turns un
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import multiprocessing as mp
 import pickle
@@ -170,10 +171,8 @@ class MultiprocExecutor:
             return
         self._shutting_down = True
         for conn in self._task:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send_bytes(b"shutdown")
-            except OSError:
-                pass
         for proc in self.procs:
             proc.join(SHUTDOWN_GRACE_S)
             if proc.is_alive():
