@@ -1,0 +1,217 @@
+"""Architecture description of a Llama-family decoder, parsed from an HF ``config.json``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint's config describes something this engine cannot run."""
+
+
+def _normalize_rope_scaling(
+    rope_scaling: dict[str, Any] | None, arch: str
+) -> dict[str, Any] | None:
+    """Return a validated copy of ``rope_scaling`` or None for plain RoPE."""
+    if not rope_scaling:
+        return None
+    scaling = dict(rope_scaling)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    scaling["rope_type"] = rope_type
+    if rope_type == "default":
+        return None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"{arch}: rope_scaling type {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if "factor" not in scaling:
+        raise ModelConfigError(f"{arch}: rope_scaling {rope_type!r} needs a 'factor'")
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in scaling:
+                raise ModelConfigError(f"{arch}: llama3 rope_scaling is missing {key!r}")
+    return scaling
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def _all_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # bias on q/k/v projections (Qwen2); o_proj never has one here
+    bos_token_id: int | None
+    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...] = ()  # all stop ids from config.json (Llama 3 lists several)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ModelConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], max_model_len: int | None = None) -> ModelArchConfig:
+        """Parse an HF ``config.json`` dict (transformers 4.x or 5.x layout).
+
+        ``max_model_len`` (if given) is the context length the engine will serve; a Mistral
+        sliding window is only accepted when it covers that length.
+        """
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(d.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"architecture {arch!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        max_pos = int(d.get("max_position_embeddings", 2048))
+
+        # transformers 5 folds rope_theta / rope_scaling into ``rope_parameters``.
+        rope_params = d.get("rope_parameters") or {}
+        rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        rope_scaling = d.get("rope_scaling") or (rope_params if rope_params else None)
+        rope_scaling = _normalize_rope_scaling(rope_scaling, arch)
+
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias = True
+            window = d.get("sliding_window") if d.get("use_sliding_window") else None
+        else:
+            if d.get("mlp_bias"):
+                raise ModelConfigError(f"{arch}: mlp_bias=true is not supported")
+            qkv_bias = bool(d.get("attention_bias", False))
+            if qkv_bias:
+                # Llama's attention_bias also puts a bias on o_proj, which we do not model.
+                raise ModelConfigError(f"{arch}: attention_bias=true is not supported")
+            window = d.get("sliding_window") if arch == "MistralForCausalLM" else None
+        limit = max_model_len or max_pos
+        if window is not None and int(window) < limit:
+            raise ModelConfigError(
+                f"{arch}: sliding_window={window} is smaller than the context length {limit}; "
+                "sliding-window attention is not supported (lower --max-model-len to "
+                f"<= {window} to serve this model)"
+            )
+        hidden_act = d.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ModelConfigError(f"{arch}: hidden_act={hidden_act!r} is not supported")
+
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            bos_token_id=_first_id(d.get("bos_token_id")),
+            eos_token_id=_first_id(d.get("eos_token_id")),
+            eos_token_ids=_all_ids(d.get("eos_token_id")),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str, max_model_len: int | None = None) -> ModelArchConfig:
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ModelConfigError(f"{path!r} has no config.json")
+        with open(config_path, encoding="utf-8") as f:
+            return cls.from_hf_dict(json.load(f), max_model_len=max_model_len)
+
+    @classmethod
+    def tiny(cls) -> ModelArchConfig:
+        """A small random Llama used for tests and CPU demos (byte tokenizer vocab fits)."""
+        return cls(
+            architecture="LlamaForCausalLM",
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            rope_scaling=None,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            qkv_bias=False,
+            bos_token_id=256,
+            eos_token_id=257,
+            eos_token_ids=(257,),
+        )
+
+    def validate_tp(self, tp: int) -> None:
+        """Raise ModelConfigError unless heads, kv heads, vocab and MLP split evenly."""
+        if tp < 1:
+            raise ModelConfigError(f"tensor-parallel size must be >= 1, got {tp}")
+        for name, value in (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("vocab_size", self.vocab_size),
+            ("intermediate_size", self.intermediate_size),
+        ):
+            if value % tp != 0:
+                raise ModelConfigError(
+                    f"--tp {tp}: {name}={value} is not divisible by the tensor-parallel size"
+                )
+
+    def num_kv_heads_per_rank(self, tp: int) -> int:
+        self.validate_tp(tp)
+        return self.num_key_value_heads // tp
+
+    def num_heads_per_rank(self, tp: int) -> int:
+        self.validate_tp(tp)
+        return self.num_attention_heads // tp
+
+
+def _arch_from_model_type(model_type: str | None) -> str:
+    return {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "mistral": "MistralForCausalLM",
+    }.get(model_type or "", str(model_type))

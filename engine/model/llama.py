@@ -1,0 +1,258 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) with tensor parallelism and a paged KV cache.
+
+Each module holds only its TP rank's shard; ``load_weights`` fills them from HF-named
+checkpoint tensors through a reader that can fetch just the needed slice.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.model.attention import paged_attention
+from engine.model.attention_metadata import AttentionMetadata
+from engine.model.config import ModelArchConfig
+from engine.model.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    ShardReader,
+    VocabParallelEmbedding,
+    load_replicated,
+)
+from engine.model.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+# HF name -> a getter for a reader of that tensor; supplied by the loader.
+ReaderFactory = Callable[[str], ShardReader]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        layer_idx: int,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // tp_size
+        self.scale = cfg.head_dim**-0.5
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size,
+            [q_size, kv_size, kv_size],
+            cfg.qkv_bias,
+            tp_rank,
+            tp_size,
+            dtype,
+            device,
+        )
+        self.o_proj = RowParallelLinear(
+            q_size, cfg.hidden_size, False, tp_rank, tp_size, dtype, device
+        )
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q_local, kv_local = self.qkv_proj.local_sizes[0], self.qkv_proj.local_sizes[1]
+        q, k, v = self.qkv_proj(x).split([q_local, kv_local, kv_local], dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, self.layer_idx, attn, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))  # [T, H]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, cfg: ModelArchConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, device: str
+    ) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, [inter, inter], False, tp_rank, tp_size, dtype, device
+        )
+        self.down_proj = RowParallelLinear(
+            inter, cfg.hidden_size, False, tp_rank, tp_size, dtype, device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, inter / tp]
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        layer_idx: int,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp_rank, tp_size, dtype, device)
+        self.mlp = LlamaMLP(cfg, tp_rank, tp_size, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF suffix inside a layer -> (module path, param name, fused part index)
+_LAYER_PARAMS: dict[str, tuple[str, str, int]] = {
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj", "weight", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj", "weight", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj", "weight", 2),
+    "self_attn.q_proj.bias": ("self_attn.qkv_proj", "bias", 0),
+    "self_attn.k_proj.bias": ("self_attn.qkv_proj", "bias", 1),
+    "self_attn.v_proj.bias": ("self_attn.qkv_proj", "bias", 2),
+    "self_attn.o_proj.weight": ("self_attn.o_proj", "weight", 0),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj", "weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj", "weight", 1),
+    "mlp.down_proj.weight": ("mlp.down_proj", "weight", 0),
+    "input_layernorm.weight": ("input_layernorm", "weight", -1),
+    "post_attention_layernorm.weight": ("post_attention_layernorm", "weight", -1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], attn, kv_cache) -> hidden [T, H]`` (final-normed);
+    ``compute_logits(hidden [S, H]) -> [S, vocab]`` float32, full vocab on every rank."""
+
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ) -> None:
+        super().__init__()
+        cfg.validate_tp(tp_size)
+        self.config = cfg
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size, dtype, device
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, tp_rank, tp_size, dtype, device)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = ParallelLMHead(
+            cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size, dtype, device
+        )
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.embed_tokens)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            x = layer(x, positions, attn, kv_cache)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [S, vocab] float32
+
+    def load_weights(self, names: list[str], reader_for: ReaderFactory) -> None:
+        """Fill every parameter from the HF-named tensors in ``names``; raise if any is missing."""
+        loaded: set[str] = set()
+        for name in names:
+            target = self._resolve(name)
+            if target is None:
+                logger.debug("ignoring checkpoint tensor %s", name)
+                continue
+            module, param_name, part = target
+            reader = reader_for(name)
+            if part < 0:
+                load_replicated(getattr(module, param_name), reader, name)
+            else:
+                module.load_shard(param_name, reader, part)
+            loaded.add(name)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        elif "lm_head.weight" not in loaded and "model.embed_tokens.weight" in loaded:
+            logger.warning("checkpoint has no lm_head.weight; tying it to the embeddings")
+            self.lm_head.tie_to(self.embed_tokens)
+            loaded.add("lm_head.weight")
+        missing = sorted(set(self.expected_weight_names()) - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+    def expected_weight_names(self) -> list[str]:
+        cfg = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        suffixes = [s for s in _LAYER_PARAMS if cfg.qkv_bias or not s.endswith("proj.bias")]
+        for i in range(cfg.num_hidden_layers):
+            names.extend(f"model.layers.{i}.{s}" for s in suffixes)
+        return names
+
+    def _resolve(self, name: str) -> tuple[nn.Module, str, int] | None:
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens, "weight", 0
+        if name == "model.norm.weight":
+            return self.norm, "weight", -1
+        if name == "lm_head.weight":
+            return None if self.config.tie_word_embeddings else (self.lm_head, "weight", 0)
+        match = _LAYER_RE.match(name)
+        if match is None:
+            return None
+        layer_idx, suffix = int(match.group(1)), match.group(2)
+        if layer_idx >= len(self.layers) or suffix not in _LAYER_PARAMS:
+            return None
+        path, param_name, part = _LAYER_PARAMS[suffix]
+        return self.layers[layer_idx].get_submodule(path), param_name, part

@@ -1,0 +1,310 @@
+"""Tokenizers: a byte-level one for the 'tiny' model and HF ``tokenizer.json`` checkpoints.
+
+``load_tokenizer(model)`` picks one. ``IncrementalDetokenizer`` turns a growing list of
+generated ids into printable text deltas, holding back incomplete UTF-8 sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from abc import ABC, abstractmethod
+from datetime import datetime
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TINY_MODEL = "tiny"
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def _message_text(content: Any) -> str:
+    """OpenAI content may be a string or a list of parts; keep the text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def simple_chat_template(messages: list[dict[str, Any]]) -> str:
+    """``<|role|>\\ncontent\\n`` per message, then the assistant prompt ``<|assistant|>\\n``."""
+    parts = [f"<|{m.get('role', 'user')}|>\n{_message_text(m.get('content'))}\n" for m in messages]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+class Tokenizer(ABC):
+    @abstractmethod
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. For an already rendered chat prompt pass
+        ``add_special_tokens=False`` (the template carries BOS itself)."""
+
+    @abstractmethod
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; never raises on invalid UTF-8 or unknown ids."""
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """The rendered prompt string, ending with the assistant generation prompt."""
+
+    @property
+    @abstractmethod
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    @abstractmethod
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """All ids that end generation (Llama 3 instruct has several)."""
+        return [] if self.eos_token_id is None else [self.eos_token_id]
+
+
+class ByteTokenizer(Tokenizer):
+    """ids 0..255 are bytes; BOS=256, EOS=257. It adds no special tokens when encoding."""
+
+    BOS = 256
+    EOS = 257
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                out.append(i)
+            elif not skip_special_tokens and i in (self.BOS, self.EOS):
+                out.extend(b"<|bos|>" if i == self.BOS else b"<|eos|>")
+        return out.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        return simple_chat_template(messages)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.EOS
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.BOS
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _token_str(value: Any) -> str | None:
+    """tokenizer_config special tokens are a string or a serialized AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _select_template(value: Any) -> str | None:
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer(Tokenizer):
+    """A checkpoint's ``tokenizer.json`` via the ``tokenizers`` library."""
+
+    def __init__(self, model_dir: str) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{model_dir!r} has no tokenizer.json")
+        self._tok = RustTokenizer.from_file(path)
+        self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        tok_cfg = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        model_cfg = _read_json(os.path.join(model_dir, "config.json"))
+        gen_cfg = _read_json(os.path.join(model_dir, "generation_config.json"))
+
+        self.bos_token = _token_str(tok_cfg.get("bos_token"))
+        self.eos_token = _token_str(tok_cfg.get("eos_token"))
+        self._special_strings = {
+            key: s for key in ("pad_token", "unk_token") if (s := _token_str(tok_cfg.get(key)))
+        }
+        self._bos_id = self._lookup(self.bos_token)
+        if self._bos_id is None and _ids(model_cfg.get("bos_token_id")):
+            self._bos_id = _ids(model_cfg.get("bos_token_id"))[0]
+        eos_ids: list[int] = []
+        for candidate in (
+            [self._lookup(self.eos_token)],
+            _ids(gen_cfg.get("eos_token_id")),
+            _ids(model_cfg.get("eos_token_id")),
+        ):
+            eos_ids.extend(i for i in candidate if i is not None and i not in eos_ids)
+        self._eos_ids = eos_ids
+        self._chat_template = self._find_template(model_dir, tok_cfg)
+        self._compiled: Any = None
+
+    def _lookup(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    @staticmethod
+    def _find_template(model_dir: str, tok_cfg: dict[str, Any]) -> str | None:
+        jinja_path = os.path.join(model_dir, "chat_template.jinja")
+        if os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                return f.read()
+        template = _select_template(tok_cfg.get("chat_template"))
+        if template is None:
+            template = _select_template(
+                _read_json(os.path.join(model_dir, "chat_template.json")).get("chat_template")
+            )
+        return template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        valid = [i for i in ids if 0 <= i < self._vocab_size]  # model vocab may be padded
+        return self._tok.decode(valid, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if self._chat_template is None:
+            logger.warning("checkpoint has no chat_template; using the simple built-in one")
+            return simple_chat_template(messages)
+        if self._compiled is None:
+            self._compiled = _compile_template(self._chat_template)
+            if self._compiled is None:
+                return simple_chat_template(messages)
+        return self._compiled.render(
+            messages=messages,
+            add_generation_prompt=True,
+            tools=None,
+            documents=None,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **self._special_strings,
+        )
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_ids[0] if self._eos_ids else None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos_ids)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+
+def _compile_template(source: str) -> Any:
+    """Compile a chat template the way transformers does; None if jinja2 is missing."""
+    try:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        logger.warning("jinja2 is not installed; using the simple built-in chat template")
+        return None
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template error: {message}")
+
+    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def load_tokenizer(model: str) -> Tokenizer:
+    """'tiny' -> ``ByteTokenizer``; a checkpoint directory -> ``HFTokenizer``."""
+    if model == TINY_MODEL:
+        return ByteTokenizer()
+    return HFTokenizer(model)
+
+
+class IncrementalDetokenizer:
+    """Streams text for generated ids. ``add`` returns only new, complete text: output that
+    ends in an incomplete UTF-8 sequence (a trailing U+FFFD) is held back until a later
+    token completes it, or until ``flush`` at the end of the stream.
+
+    Decoding restarts from a few tokens before the new ones (``prompt_ids`` seeds that
+    context), so tokenizers that drop a leading space at the start of a decode still
+    produce the right spacing.
+    """
+
+    CONTEXT_TOKENS = 5
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS :]) if prompt_ids else []
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = len(self._ids)  # ids before this are already emitted
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _emit(self, force: bool) -> str:
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if not force and full_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        new_text = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += new_text
+        return new_text
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append ``token_ids``; return the newly printable text (may be empty)."""
+        self._ids.extend(token_ids)
+        if self._read_offset == len(self._ids):
+            return ""
+        return self._emit(force=False)
+
+    def flush(self) -> str:
+        """At the end of a stream: return held-back text (with U+FFFD for broken bytes)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        return self._emit(force=True)

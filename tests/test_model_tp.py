@@ -1,0 +1,92 @@
+"""TP=2 (two gloo processes, each with its own KV cache shard) matches TP=1."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest_model import make_hf_model, random_prompt, save_hf_model  # noqa: E402
+
+from engine.model.loader import load_model  # noqa: E402
+from engine.model.testing import PagedRunner, tp_greedy_worker  # noqa: E402
+
+TP = 2
+MAX_NEW_TOKENS = 24
+RESULT_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_tp(jobs: list[tuple[str, list[list[int]], int]]) -> list:
+    """Run ``jobs`` on TP ranks in spawned processes; return rank 0's results."""
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [
+        ctx.Process(target=tp_greedy_worker, args=(rank, TP, init_method, jobs, results_q))
+        for rank in range(TP)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        by_rank: dict[int, object] = {}
+        for _ in range(TP):
+            try:
+                rank, payload = results_q.get(timeout=RESULT_TIMEOUT_S)
+            except queue.Empty:
+                pytest.fail(f"TP workers gave no result within {RESULT_TIMEOUT_S}s")
+            if isinstance(payload, str):
+                pytest.fail(f"TP rank {rank} failed:\n{payload}")
+            by_rank[rank] = payload
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0, f"worker exit code {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+    # Every rank computes the full-vocab logits, so all ranks must agree.
+    for rank in range(1, TP):
+        for job0, job_r in zip(by_rank[0], by_rank[rank], strict=True):
+            assert job0[0] == job_r[0], f"rank {rank} tokens differ from rank 0"
+    return by_rank[0]  # type: ignore[return-value]
+
+
+def _tp1(model: str, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    net, cfg = load_model(model)
+    runner = PagedRunner(net, cfg, num_blocks=64, block_size=16)
+    tokens, logits = [], []
+    for i, prompt in enumerate(prompts):
+        toks, rows = runner.greedy(i, prompt, MAX_NEW_TOKENS)
+        tokens.append(toks)
+        logits.append(rows)
+    return tokens, logits
+
+
+@pytest.mark.timeout(240)
+def test_tp2_matches_tp1(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    ckpt = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", max_shard_size="100KB")
+    jobs = [
+        (ckpt, [random_prompt(n, 256, seed=n) for n in (5, 17, 40)], MAX_NEW_TOKENS),
+        ("tiny", [list(b"The quick brown fox"), list(range(40, 90))], MAX_NEW_TOKENS),
+    ]
+    tp2 = _run_tp(jobs)
+    for (model, prompts, _), (tp2_tokens, tp2_logits) in zip(jobs, tp2, strict=True):
+        tp1_tokens, tp1_logits = _tp1(model, prompts)
+        assert tp2_tokens == tp1_tokens, model
+        for ref, got in zip(tp1_logits, tp2_logits, strict=True):
+            atol = 1e-4 * max(1.0, float(ref.abs().max()))
+            assert torch.allclose(torch.from_numpy(got), ref, atol=atol, rtol=0), model
