@@ -9,6 +9,7 @@ and ``healthy`` turns False.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -75,6 +76,9 @@ class AsyncLLMEngine:
                 f"context length is {self.max_model_len} tokens",
                 "prompt",
             )
+        self.core.connector.validate_params(kv_transfer_params)
+        if kv_transfer_params and kv_transfer_params.get("do_remote_decode"):
+            params = dataclasses.replace(params, max_tokens=1)  # P only samples the first
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._streams_lock:
             if request_id in self._streams:
@@ -84,7 +88,7 @@ class AsyncLLMEngine:
             request_id,
             prompt_token_ids,
             params,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_ids=self.tokenizer.eos_token_ids,
             kv_transfer_params=kv_transfer_params,
         )
         self._inbox.put(("add", req))
@@ -113,6 +117,9 @@ class AsyncLLMEngine:
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
+
+    def kv_info(self) -> dict[str, Any]:
+        return self.core.connector.info()
 
     # -- engine thread -----------------------------------------------------------------------
     def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:

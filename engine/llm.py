@@ -23,7 +23,7 @@ class LLM:
         ids = []
         for prompt, sp in zip(prompts, plist, strict=True):
             rid = f"llm-{next(self._ids)}"
-            self.core.add_request(Request(rid, prompt, sp, eos_token_id=None))
+            self.core.add_request(Request(rid, prompt, sp))
             ids.append(rid)
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         done: set[str] = set()

@@ -95,6 +95,20 @@ class KVConnectorScheduler(ABC):
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:  # noqa: B027
         """Called once at start with every rank's ``handshake_info()`` (rank order)."""
 
+    def validate_params(self, params: dict[str, Any] | None) -> None:
+        """Raise ``InvalidRequestError`` for transfer parameters this node can't serve."""
+        if params and (params.get("do_remote_prefill") or params.get("do_remote_decode")):
+            from engine.sampling_params import InvalidRequestError
+
+            raise InvalidRequestError(
+                "kv_transfer_params need a KV connector; start the node with --kv-connector nixl",
+                "kv_transfer_params",
+            )
+
+    def info(self) -> dict[str, Any]:
+        """What clients (the proxy) need to pair this node with peers."""
+        return {}
+
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

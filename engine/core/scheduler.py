@@ -233,7 +233,7 @@ class Scheduler:
         self.generation_tokens_total += 1
         sp = req.sampling_params
         status = None
-        if (not sp.ignore_eos and token == req.eos_token_id) or token in sp.stop_token_ids:
+        if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
             status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH

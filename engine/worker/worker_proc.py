@@ -60,6 +60,9 @@ def worker_main(
             rank=rank,
             world_size=world_size,
         )
+    from engine.model.parallel import init_tp
+
+    init_tp(rank, world_size)
     from engine.worker.worker import Worker
 
     try:

@@ -1,0 +1,134 @@
+"""Command-line flags derived from the config dataclasses.
+
+A field ``max_num_seqs`` becomes ``--max-num-seqs``; its type comes from the annotation
+(``Literal`` -> choices, ``bool`` -> ``--x/--no-x``, ``int | None`` -> optional int) and
+its help from ``metadata["help"]``. Flags not given on the command line are absent from
+the parsed namespace, so the dataclass defaults (and ``parser.set_defaults``) apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+from engine.config import ConfigError, EngineConfig
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def config_sections() -> dict[str, type]:
+    """EngineConfig's section name -> section dataclass (model, cache, parallel, ...)."""
+    hints = typing.get_type_hints(EngineConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig)}
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(get_args(tp)) == 2:
+            return args[0], True
+        raise TypeError(f"unsupported union type for a CLI flag: {tp}")
+    return tp, False
+
+
+def _default_text(f: dataclasses.Field[Any]) -> str:
+    if f.default is not dataclasses.MISSING:
+        return "" if f.default is None else f" (default: {f.default})"
+    return ""
+
+
+def _add_field(group: Any, f: dataclasses.Field[Any], tp: Any) -> None:
+    tp, _ = _unwrap_optional(tp)
+    help_text = f.metadata.get("help", "") + _default_text(f)
+    kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+    if tp is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif get_origin(tp) is Literal:
+        choices = list(get_args(tp))
+        kwargs.update(type=type(choices[0]), choices=choices)
+    elif tp in (int, float, str):
+        kwargs["type"] = tp
+    else:
+        raise TypeError(f"unsupported type for CLI flag {flag_name(f.name)}: {tp}")
+    group.add_argument(flag_name(f.name), **kwargs)
+
+
+def add_config_args(
+    parser: argparse.ArgumentParser, dataclass_types: list[type] | None = None
+) -> argparse.ArgumentParser:
+    """Add one flag per field of each dataclass (default: every EngineConfig section)."""
+    seen: dict[str, type] = {}
+    for cls in dataclass_types or list(config_sections().values()):
+        hints = typing.get_type_hints(cls)
+        title = cls.__name__.removesuffix("Config") or cls.__name__
+        doc = (cls.__doc__ or "").strip()
+        if doc.startswith(cls.__name__ + "("):  # dataclass-generated signature, not prose
+            doc = ""
+        group = parser.add_argument_group(f"{title} options", doc or None)
+        for f in dataclasses.fields(cls):
+            if f.name in seen:
+                raise TypeError(
+                    f"flag {flag_name(f.name)} is defined by both {seen[f.name].__name__} "
+                    f"and {cls.__name__}"
+                )
+            seen[f.name] = cls
+            _add_field(group, f, hints[f.name])
+    return parser
+
+
+def set_flag_default(parser: argparse.ArgumentParser, dest: str, value: Any) -> None:
+    """Override a config flag's default (e.g. kv_role per node role), help text included."""
+    parser.set_defaults(**{dest: value})
+    for action in parser._actions:
+        if action.dest == dest and action.help:
+            action.help = re.sub(r" \(default: [^)]*\)$", "", action.help)
+            action.help += f" (default: {value})"
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("server options")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    group.add_argument(
+        "--port", type=int, default=8000, help="HTTP port (0 = any free port) (default: 8000)"
+    )
+    group.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="INFO",
+        help="logging level (default: INFO)",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the EngineConfig from parsed flags. Raises ConfigError naming the flag."""
+    sections: dict[str, Any] = {}
+    for name, cls in config_sections().items():
+        kwargs = {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
+        }
+        sections[name] = cls(**kwargs)
+    return EngineConfig(**sections)
+
+
+def parse_config(
+    parser: argparse.ArgumentParser, argv: list[str] | None = None
+) -> tuple[argparse.Namespace, EngineConfig]:
+    """Parse ``argv``; a bad value exits with status 2 and a message naming the flag."""
+    args = parser.parse_args(argv)
+    if not 0 <= getattr(args, "port", 0) < 65536:
+        parser.error(f"--port: must be in [0, 65535], got {args.port}")
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    return args, config

@@ -1,0 +1,166 @@
+"""Entry point shared by the prefill and decode nodes: flags -> engine -> HTTP server.
+
+Lifecycle: parse flags (a bad value exits 2 naming the flag), bind the HTTP socket (a busy
+port fails fast, before the model loads), start the engine, serve with uvicorn. SIGTERM or
+SIGINT stops the server, shuts the engine (and its worker processes) down and exits 0;
+a signal during engine startup aborts the startup the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any, Literal
+
+from engine.server.cli_args import (
+    add_config_args,
+    add_server_args,
+    parse_config,
+    set_flag_default,
+)
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+_ROLE_KV = {"prefill": "producer", "decode": "consumer"}
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"
+
+
+class _Terminated(BaseException):
+    """Raised from the signal handler to abort a blocking engine startup."""
+
+
+def build_parser(role: Role) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"{role}-node",
+        description=f"pdserve {role} node: an OpenAI-compatible server over one engine",
+    )
+    add_server_args(parser)
+    add_config_args(parser)
+    set_flag_default(parser, "kv_role", _ROLE_KV[role])
+    return parser
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Signals:
+    """SIGTERM/SIGINT: abort startup, stop serving, or be ignored while shutting down."""
+
+    def __init__(self) -> None:
+        self.phase = "starting"
+        self.server: Any = None
+        self.received: list[int] = []
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.received.append(signum)
+        name = signal.Signals(signum).name
+        if self.phase == "starting":
+            logger.info("%s during startup: aborting", name)
+            raise _Terminated(signum)
+        if self.phase == "serving" and self.server is not None:
+            logger.info("%s: shutting down", name)
+            if self.server.should_exit:
+                self.server.force_exit = True
+            self.server.should_exit = True
+        else:
+            logger.info("%s: already shutting down", name)
+
+
+def _make_server(config: Any, on_started: Callable[[], None]) -> Any:
+    import uvicorn
+
+    class NodeServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield  # run_node owns the signal handlers (and must not re-raise them)
+
+        def install_signal_handlers(self) -> None:  # older uvicorn versions
+            pass
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                on_started()
+
+    return NodeServer(config)
+
+
+def run_node(role: Role, argv: list[str] | None = None) -> int:
+    """Run a node until SIGTERM/SIGINT; returns the process exit status."""
+    args, config = parse_config(build_parser(role), argv)
+    logging.basicConfig(level=args.log_level, format=_LOG_FORMAT, stream=sys.stderr)
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        logger.error("cannot listen on %s:%s: %s", args.host, args.port, e)
+        return 1
+    port = sock.getsockname()[1]
+    signals = _Signals()
+    signals.install()
+    engine = None
+    try:
+        import uvicorn
+
+        from engine.async_engine import AsyncLLMEngine
+        from engine.server.app import build_app
+
+        logger.info("starting %s engine: %s", role, config)
+        engine = AsyncLLMEngine.start(config, log_level=args.log_level)
+        app = build_app(engine)
+        uv_config = uvicorn.Config(
+            app,
+            log_config=None,
+            log_level=args.log_level.lower(),
+            access_log=args.log_level == "DEBUG",
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        url_host = f"[{args.host}]" if ":" in args.host else args.host
+        banner = (
+            f"pdserve {role} node listening on http://{url_host}:{port} "
+            f"(model {engine.model_name}, tp {config.parallel.tp})"
+        )
+
+        def on_started() -> None:
+            print(banner, flush=True)  # noqa: T201 - CLI output
+
+        server = _make_server(uv_config, on_started)
+        signals.server = server
+        signals.phase = "serving"
+        if signals.received:  # a signal raced with the end of startup
+            server.should_exit = True
+        asyncio.run(server.serve(sockets=[sock]))
+        return 0
+    except _Terminated:
+        return 0
+    finally:
+        signals.phase = "stopping"
+        sock.close()
+        if engine is not None:
+            logger.info("shutting down the engine")
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
+        logger.info("%s node stopped", role)

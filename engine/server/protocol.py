@@ -1,0 +1,480 @@
+"""OpenAI-compatible request parsing, validation and error bodies.
+
+Everything here is pure (no engine, no I/O) so it can be unit-tested directly. Errors are
+raised as ``APIError`` carrying the HTTP status and an OpenAI error body whose ``param``
+names the offending field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import InvalidRequestError, SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+CHAT_ROLES = ("system", "user", "assistant", "developer")
+
+
+class APIError(Exception):
+    """An error answered to the client as ``{"error": {...}}`` with ``status_code``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status_code: int = 400,
+        err_type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status_code = status_code
+        self.err_type = err_type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.param, self.code)
+
+
+def error_body(
+    message: str,
+    err_type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------------------------------
+# Typed field getters. Each raises APIError naming the field on a wrong type.
+# ---------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _bad_type(name: str, expected: str, value: Any) -> APIError:
+    return APIError(
+        f"'{name}' must be {expected}, got {_type_name(value)} {value!r:.60}",
+        param=name,
+        code="invalid_type",
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def _get_int(body: dict[str, Any], name: str, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer() and not isinstance(value, bool):
+        return int(value)
+    if not _is_int(value):
+        raise _bad_type(name, "an integer", value)
+    return value
+
+
+def _get_float(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise _bad_type(name, "a number", value)
+    return float(value)
+
+
+def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad_type(name, "a boolean", value)
+    return value
+
+
+def _get_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _bad_type(name, "a string", value)
+    return value
+
+
+def _unsupported(name: str, detail: str) -> APIError:
+    return APIError(f"'{name}' {detail} is not supported", param=name, code="unsupported_parameter")
+
+
+# ---------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class BaseRequest:
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Build engine SamplingParams; ``max_tokens`` is the resolved completion budget."""
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                seed=self.seed,
+                stop_token_ids=list(self.stop_token_ids),
+                ignore_eos=self.ignore_eos,
+            )
+        except InvalidRequestError as e:
+            raise APIError(str(e), param=e.param) from e
+
+
+@dataclass
+class CompletionRequest(BaseRequest):
+    # Either a text prompt or pre-tokenized ids (exactly one is set).
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclass
+class ChatCompletionRequest(BaseRequest):
+    # Normalized to [{"role": str, "content": str}].
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise APIError(
+            f"request body must be a JSON object, got {_type_name(body)}", code="invalid_body"
+        )
+    return body
+
+
+def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
+    """Fill the shared fields of ``req`` from ``body`` and reject unsupported features."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad_type("model", "a string", model)
+    req.model = model
+
+    req.temperature = _get_float(body, "temperature", 1.0)
+    if req.temperature < 0:
+        raise APIError(f"'temperature' must be >= 0, got {req.temperature}", param="temperature")
+    req.top_p = _get_float(body, "top_p", 1.0)
+    if not 0.0 < req.top_p <= 1.0:
+        raise APIError(f"'top_p' must be in (0, 1], got {req.top_p}", param="top_p")
+    top_k = _get_int(body, "top_k", -1)
+    if top_k == 0:  # common client convention for "disabled"
+        top_k = -1
+    if top_k < -1:
+        raise APIError(f"'top_k' must be -1 (disabled) or >= 1, got {top_k}", param="top_k")
+    req.top_k = top_k
+    req.seed = _get_int(body, "seed", None)
+
+    stop = body.get("stop")
+    if stop is None:
+        req.stop = []
+    elif isinstance(stop, str):
+        req.stop = [stop] if stop else []
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        req.stop = [s for s in stop if s]
+    else:
+        raise _bad_type("stop", "a string or an array of strings", stop)
+
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        req.stop_token_ids = []
+    elif isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids):
+        req.stop_token_ids = list(ids)
+    else:
+        raise _bad_type("stop_token_ids", "an array of non-negative integers", ids)
+    req.ignore_eos = _get_bool(body, "ignore_eos", False)
+
+    req.stream = _get_bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise _bad_type("stream_options", "an object", opts)
+        if not req.stream:
+            raise APIError(
+                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+            )
+        req.include_usage = _get_bool(opts, "include_usage", False)
+
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise _bad_type("kv_transfer_params", "an object", kv)
+    req.kv_transfer_params = kv
+    if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
+        raise _bad_type("user", "a string", body["user"])
+
+    _reject_unsupported(body, chat=chat)
+
+
+def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
+    n = _get_int(body, "n", 1)
+    if n != 1:
+        raise _unsupported("n", f"= {n} (only n = 1)")
+    best_of = _get_int(body, "best_of", 1)
+    if best_of != 1:
+        raise _unsupported("best_of", f"= {best_of} (only best_of = 1)")
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        if _get_float(body, name, neutral) != neutral:
+            raise _unsupported(name, f"other than {neutral}")
+    if _get_float(body, "repetition_penalty", 1.0) != 1.0:
+        raise _unsupported("repetition_penalty", "other than 1.0")
+    if body.get("logit_bias"):
+        raise _unsupported("logit_bias", "")
+    if chat:
+        if body.get("logprobs") not in (None, False):
+            raise _unsupported("logprobs", "(log probabilities)")
+        if body.get("top_logprobs") not in (None, 0):
+            raise _unsupported("top_logprobs", "(log probabilities)")
+        for name in ("tools", "functions"):
+            if body.get(name):
+                raise _unsupported(name, "(tool calling)")
+        for name in ("tool_choice", "function_call"):
+            if body.get(name) not in (None, "none"):
+                raise _unsupported(name, "(tool calling)")
+        fmt = body.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise _unsupported("response_format", "other than {'type': 'text'}")
+    else:
+        if body.get("logprobs") is not None:
+            raise _unsupported("logprobs", "(log probabilities)")
+        if body.get("echo") not in (None, False):
+            raise _unsupported("echo", "= true")
+        if body.get("suffix") not in (None, ""):
+            raise _unsupported("suffix", "")
+
+
+def _parse_max_tokens(body: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = _get_int(body, name, default)
+    if value is not None and value <= 0:
+        raise APIError(f"'{name}' must be at least 1, got {value}", param=name)
+    return value
+
+
+def _parse_prompt(body: dict[str, Any], req: CompletionRequest) -> None:
+    if "prompt" not in body or body["prompt"] is None:
+        raise APIError("'prompt' is required", param="prompt", code="missing_required_parameter")
+    prompt = body["prompt"]
+    # A batch of one is accepted; larger batches are not.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise APIError(
+            "batched prompts are not supported; send one prompt per request", param="prompt"
+        )
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError("'prompt' must not be empty", param="prompt")
+        req.prompt_text = prompt
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise APIError("'prompt' must not be empty", param="prompt")
+        if not all(_is_int(t) for t in prompt):
+            raise _bad_type("prompt", "a string or an array of token ids", prompt)
+        req.prompt_token_ids = list(prompt)
+    else:
+        raise _bad_type("prompt", "a string or an array of token ids", prompt)
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a ``/v1/completions`` JSON body."""
+    body = _require_object(body)
+    req = CompletionRequest()
+    _parse_prompt(body, req)
+    req.max_tokens = _parse_max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+    _parse_common(body, req, chat=False)
+    return req
+
+
+def _message_content(content: Any, i: int) -> str:
+    where = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise _bad_type(f"{where}[{j}]", "an object", part)
+            if part.get("type") != "text":
+                raise _unsupported(f"{where}[{j}].type", f"= {part.get('type')!r} (only 'text')")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _bad_type(f"{where}[{j}].text", "a string", text)
+            parts.append(text)
+        return "\n".join(parts)
+    raise _bad_type(where, "a string or an array of content parts", content)
+
+
+def _parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    if body.get("messages") is None:
+        raise APIError(
+            "'messages' is required", param="messages", code="missing_required_parameter"
+        )
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise _bad_type("messages", "an array of messages", messages)
+    if not messages:
+        raise APIError("'messages' must not be empty", param="messages")
+    out: list[dict[str, str]] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise _bad_type(f"messages[{i}]", "an object", msg)
+        role = msg.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise APIError(
+                f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}, got {role!r:.40}",
+                param=f"messages[{i}].role",
+            )
+        if msg.get("tool_calls"):
+            raise _unsupported(f"messages[{i}].tool_calls", "(tool calling)")
+        content = msg.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _message_content(content, i)})  # fmt: skip
+    return out
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    """Validate a ``/v1/chat/completions`` JSON body. ``max_tokens`` stays None if absent."""
+    body = _require_object(body)
+    req = ChatCompletionRequest()
+    req.messages = _parse_messages(body)
+    mct = _parse_max_tokens(body, "max_completion_tokens", None)
+    mt = _parse_max_tokens(body, "max_tokens", None)
+    req.max_tokens = mct if mct is not None else mt
+    _parse_common(body, req, chat=True)
+    return req
+
+
+# ---------------------------------------------------------------------------------------
+# Checks that need engine facts (served name, context length, vocabulary size)
+# ---------------------------------------------------------------------------------------
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(
+            f"The model '{requested}' does not exist; this server serves '{served}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    for t in token_ids:
+        if not 0 <= t < vocab_size:
+            raise APIError(
+                f"token id {t} in '{param}' is out of range [0, {vocab_size})", param=param
+            )
+
+
+def resolve_max_tokens(
+    max_tokens: int | None, prompt_len: int, max_model_len: int, prompt_param: str = "prompt"
+) -> int:
+    """Check the context budget and return the completion budget.
+
+    ``max_tokens=None`` (chat without a limit) means "the rest of the context".
+    """
+    if prompt_len <= 0:
+        raise APIError(f"'{prompt_param}' must not be empty", param=prompt_param)
+    if prompt_len >= max_model_len and max_tokens is None:
+        max_tokens = 1  # report the prompt as the problem below
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    total = prompt_len + max_tokens
+    if total > max_model_len:
+        where = "messages" if prompt_param == "messages" else "prompt"
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {total} tokens ({prompt_len} in the {where}, {max_tokens} for the "
+            f"completion). Please reduce the length of the {where} or completion.",
+            param=prompt_param if prompt_len >= max_model_len else "max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+# ---------------------------------------------------------------------------------------
+# Stop strings
+# ---------------------------------------------------------------------------------------
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text and holds back text that may begin one.
+
+    ``feed`` returns the text that is safe to emit and whether a stop string was hit; on a
+    hit the returned text ends right before the stop string.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, new_text: str, final: bool = False) -> tuple[str, bool]:
+        if not self._stops:
+            return new_text, False
+        buf = self._held + new_text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[: min(hits)], True
+        if final:
+            self._held = ""
+            return buf, False
+        hold = self._partial_suffix_len(buf)
+        self._held = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold], False
+
+    def _partial_suffix_len(self, buf: str) -> int:
+        longest = max(len(s) for s in self._stops) - 1
+        for k in range(min(longest, len(buf)), 0, -1):
+            suffix = buf[-k:]
+            if any(s.startswith(suffix) for s in self._stops):
+                return k
+        return 0

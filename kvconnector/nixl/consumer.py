@@ -1,0 +1,114 @@
+"""Decode-side (consumer) transfer state of the NIXL connector.
+
+A D request with ``do_remote_prefill`` gets blocks reserved for its prompt and waits in
+``WAITING_FOR_REMOTE_KV``. Its reservation is sent to P off the engine thread; the KV is
+in when every D rank has its notification (aggregated). Every state has a deadline:
+
+* waiting for the KV: ``kv_transfer_timeout`` from the reservation; then the request
+  fails over (recompute or error, by policy) and P is told to cancel.
+* blocks a WRITE may still land in (after a timeout, an unconfirmed cancel, or an abort
+  while waiting) are *quarantined*: freed when P confirms the cancel, when the KV lands
+  anyway, or after another ``kv_transfer_timeout`` (P drops a transfer it could not start
+  within its own deadline, so nothing can land after that).
+
+Not thread-safe on its own: the scheduler-side connector calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RemoteRecv:
+    request_id: str
+    transfer_id: str
+    p_address: str
+    block_ids: list[int]  # D blocks P writes into
+    skip_blocks: int  # leading prompt blocks D had in its prefix cache
+    deadline: float
+    reserved: bool = False
+
+
+@dataclass
+class ConsumerOutcome:
+    failed_loads: dict[str, str] = field(default_factory=dict)
+    free_blocks: set[str] = field(default_factory=set)
+    cancels: list[tuple[str, str, str]] = field(default_factory=list)  # p_addr, transfer, req
+
+
+class Consumer:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.recvs: dict[str, RemoteRecv] = {}  # D request id -> waiting load
+        self.quarantine: dict[str, float] = {}  # D request id -> release deadline
+        self.outcome = ConsumerOutcome()
+        self.loads_failed = 0
+
+    def expect(self, recv: RemoteRecv) -> None:
+        self.recvs[recv.request_id] = recv
+
+    def reserved(self, request_id: str) -> None:
+        recv = self.recvs.get(request_id)
+        if recv is not None:
+            recv.reserved = True
+
+    def landed(self, request_id: str) -> None:
+        """All D ranks have the KV (aggregated finished_recving)."""
+        self.recvs.pop(request_id, None)
+        if self.quarantine.pop(request_id, None) is not None:
+            self.outcome.free_blocks.add(request_id)  # late KV: nothing more will land
+
+    def fail(self, request_id: str, why: str, safe: bool) -> None:
+        """The KV will not come. ``safe``: P will not write into the blocks any more."""
+        recv = self.recvs.pop(request_id, None)
+        if recv is None:
+            if safe and self.quarantine.pop(request_id, None) is not None:
+                self.outcome.free_blocks.add(request_id)
+            return
+        self.loads_failed += 1
+        self.outcome.failed_loads[request_id] = why
+        if safe:
+            self.outcome.free_blocks.add(request_id)
+        else:
+            self._quarantine(recv)
+
+    def aborted(self, request_id: str) -> bool:
+        """The request ended while waiting; True when its blocks must be held."""
+        recv = self.recvs.pop(request_id, None)
+        if recv is None:
+            return False
+        self._quarantine(recv)
+        return True
+
+    def cancel_confirmed(self, request_id: str) -> None:
+        if self.quarantine.pop(request_id, None) is not None:
+            self.outcome.free_blocks.add(request_id)
+
+    def _quarantine(self, recv: RemoteRecv) -> None:
+        self.quarantine[recv.request_id] = time.monotonic() + self.timeout
+        self.outcome.cancels.append((recv.p_address, recv.transfer_id, recv.request_id))
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for rid, recv in list(self.recvs.items()):
+            if now >= recv.deadline:
+                logger.warning(
+                    "request %s: no KV from %s within %.1fs", rid, recv.p_address, self.timeout
+                )
+                self.fail(rid, f"timed out after {self.timeout:.1f}s waiting for KV", safe=False)
+        for rid, deadline in list(self.quarantine.items()):
+            if now >= deadline:
+                del self.quarantine[rid]
+                self.outcome.free_blocks.add(rid)
+
+    def take_outcome(self) -> ConsumerOutcome:
+        out, self.outcome = self.outcome, ConsumerOutcome()
+        return out
+
+    def num_states(self) -> int:
+        return len(self.recvs) + len(self.quarantine)

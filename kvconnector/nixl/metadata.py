@@ -1,0 +1,30 @@
+"""Per-step instructions from the NIXL scheduler-side connector to its workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvconnector.base import KVConnectorMetadata
+
+
+@dataclass
+class SendSpec:
+    """Push the local blocks of a finished prefill into a decode node's blocks."""
+
+    request_id: str  # P's request id (reported back in finished_sending)
+    peer_key: str  # D engine id + incarnation
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    notif: bytes
+
+
+@dataclass
+class NixlConnectorMetadata(KVConnectorMetadata):
+    # peer key -> every rank's transport metadata of that peer (worker r uses entry r).
+    add_peers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    remove_peers: list[str] = field(default_factory=list)
+    sends: list[SendSpec] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.add_peers or self.remove_peers or self.sends)

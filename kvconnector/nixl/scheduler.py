@@ -1,0 +1,417 @@
+"""Scheduler-side NIXL connector: transfer bookkeeping, side channel, handshakes.
+
+Runs in the engine process. It owns the node's side-channel server (peers reach it for
+handshakes, reservations, cancels and failure notices) and a small thread pool for the
+calls this node makes to peers, so that no network wait ever runs on the engine's step
+loop. Prefill-side state lives in ``Producer``, decode-side state in ``Consumer``; a node
+with ``kv_role=both`` runs both.
+
+Flow (push, D reserves while P prefills):
+  D: request arrives -> blocks reserved -> ``reserve`` to P (handshake first, once per P
+     incarnation) -> WAITING_FOR_REMOTE_KV -> all D ranks got their notif -> decode.
+  P: request prefills -> first token sampled -> request finished, blocks held ->
+     reservation known -> workers WRITE + notif -> all P ranks done -> blocks freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from engine.core.request import RequestStatus
+from engine.sampling_params import InvalidRequestError
+from kvconnector.base import ConnectorEvents, KVConnectorScheduler
+from kvconnector.nixl.consumer import Consumer, RemoteRecv
+from kvconnector.nixl.messages import (
+    CONNECTOR_VERSION,
+    LAYOUT,
+    check_compat,
+    model_fingerprint,
+    pack_notif,
+)
+from kvconnector.nixl.metadata import NixlConnectorMetadata, SendSpec
+from kvconnector.nixl.producer import Producer, Reservation
+from kvconnector.side_channel import SideChannelClient, SideChannelServer
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.core.request import Request
+    from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 5.0
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class HandshakeError(RuntimeError):
+    pass
+
+
+class NixlConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        from engine.model.loader import load_arch_config
+
+        kvc = config.kv_transfer
+        self.engine_id = kvc.engine_id
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.peer_key = f"{self.engine_id}:{self.incarnation}"
+        self.timeout = kvc.kv_transfer_timeout
+        self.block_size = config.cache.block_size
+        arch = load_arch_config(config.model.model)
+        self.compat = {
+            "connector_version": CONNECTOR_VERSION,
+            "layout": LAYOUT,
+            "model": model_fingerprint(config.model.model, config.model.seed),
+            "num_layers": arch.num_hidden_layers,
+            "num_kv_heads": arch.num_key_value_heads,
+            "head_dim": arch.head_dim,
+            "dtype": config.model.dtype,
+            "block_size": config.cache.block_size,
+            "tp_size": config.parallel.tp,
+        }
+        self.producer = Producer(self.timeout)
+        self.consumer = Consumer(self.timeout)
+        self._lock = threading.RLock()
+        self._ranks: list[dict[str, Any]] = []
+        # P side: decode peers by key, and which of them the workers have added.
+        self._d_peers: dict[str, dict[str, Any]] = {}
+        self._workers_have: set[str] = set()
+        self._remove: list[str] = []
+        # D side: handshake results by P address.
+        self._p_peers: dict[str, dict[str, Any]] = {}
+        self._p_locks: dict[str, threading.Lock] = {}
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-rpc")
+        self._client = SideChannelClient()
+        self._stats: dict[str, float] = {}
+        self._durations: list[int] = [0] * (len(DURATION_BUCKETS) + 1)
+        self._duration_sum = 0.0
+        self.handshakes = 0
+        self.handshake_failures = 0
+        self.failed_transfers = 0
+        self._server = SideChannelServer(kvc.side_channel_host, kvc.side_channel_port, self._handle)
+        self.address = self._server.address
+        logger.info("NIXL connector %s listening on %s", self.peer_key, self.address)
+
+    def set_worker_info(self, infos: list[dict[str, Any]]) -> None:
+        self._ranks = infos
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "incarnation": self.incarnation,
+            "side_channel": self.address,
+            "role": self.config.kv_transfer.kv_role,
+            "compat": self.compat,
+        }
+
+    # -- request parameters -------------------------------------------------------------
+    def validate_params(self, params: dict[str, Any] | None) -> None:
+        if not params:
+            return
+        if params.get("do_remote_prefill"):
+            addr = params.get("remote_side_channel")
+            if not isinstance(addr, str) or not addr.startswith("tcp://"):
+                raise InvalidRequestError(
+                    "kv_transfer_params.remote_side_channel must be the prefill node's "
+                    "side-channel address (tcp://host:port)",
+                    "kv_transfer_params",
+                )
+        tid = params.get("transfer_id")
+        if tid is not None and not isinstance(tid, str):
+            raise InvalidRequestError(
+                "kv_transfer_params.transfer_id must be a string", "kv_transfer_params"
+            )
+
+    @staticmethod
+    def _transfer_id(request: Request) -> str:
+        params = request.kv_transfer_params or {}
+        return str(params.get("transfer_id") or request.request_id)
+
+    # -- decode side ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill") or request.num_output_tokens > 0:
+            return 0, False
+        return request.num_prompt_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        if num_external_tokens == 0:
+            return
+        params = request.kv_transfer_params or {}
+        skip = request.num_computed_tokens // self.block_size
+        recv = RemoteRecv(
+            request_id=request.request_id,
+            transfer_id=self._transfer_id(request),
+            p_address=params["remote_side_channel"],
+            block_ids=list(block_ids[skip:]),
+            skip_blocks=skip,
+            deadline=time.monotonic() + self.timeout,
+        )
+        with self._lock:
+            self.consumer.expect(recv)
+        self._pool.submit(self._reserve_job, recv)
+
+    def _reserve_job(self, recv: RemoteRecv) -> None:
+        msg = {
+            "kind": "reserve",
+            "transfer_id": recv.transfer_id,
+            "d_request_id": recv.request_id,
+            "peer_key": self.peer_key,
+            "address": self.address,
+            "block_ids": recv.block_ids,
+            "skip_blocks": recv.skip_blocks,
+        }
+        try:
+            for attempt in range(2):
+                self._ensure_handshake(recv.p_address, force=attempt > 0)
+                reply = self._client.request(recv.p_address, msg, RPC_TIMEOUT_S)
+                if reply.get("ok") or reply.get("code") != "handshake_required":
+                    break
+        except HandshakeError as e:
+            with self._lock:
+                self.consumer.fail(recv.request_id, str(e), safe=True)
+            return
+        except Exception as e:  # unreachable P: it may have the reservation; not safe
+            with self._lock:
+                self.consumer.fail(recv.request_id, f"prefill unreachable: {e}", safe=False)
+            return
+        with self._lock:
+            if reply.get("ok"):
+                self.consumer.reserved(recv.request_id)
+            else:
+                self.consumer.fail(recv.request_id, str(reply.get("error")), safe=True)
+
+    def _ensure_handshake(self, address: str, force: bool = False) -> dict[str, Any]:
+        with self._lock:
+            lock = self._p_locks.setdefault(address, threading.Lock())
+        with lock:  # one handshake per peer at a time; others wait here, off the loop
+            peer = self._p_peers.get(address)
+            if peer is not None and not force:
+                return peer
+            msg = {
+                "kind": "handshake",
+                "engine_id": self.engine_id,
+                "incarnation": self.incarnation,
+                "peer_key": self.peer_key,
+                "compat": self.compat,
+                "ranks": self._ranks,
+                "address": self.address,
+            }
+            reply = self._client.request(address, msg, RPC_TIMEOUT_S)
+            self.handshakes += 1
+            if not reply.get("ok"):
+                self.handshake_failures += 1
+                raise HandshakeError(
+                    f"prefill {address} refused the handshake: {reply.get('error')}"
+                )
+            mismatch = check_compat(self.compat, reply.get("compat", {}))
+            if mismatch:
+                self.handshake_failures += 1
+                raise HandshakeError(f"prefill {address} is incompatible: {mismatch}")
+            self._p_peers[address] = reply
+            logger.info("handshake with prefill %s (%s) done", reply.get("engine_id"), address)
+            return reply
+
+    # -- prefill side --------------------------------------------------------------------
+    def _on_handshake(self, msg: dict[str, Any]) -> dict[str, Any]:
+        mismatch = check_compat(self.compat, msg.get("compat", {}))
+        if mismatch:
+            self.handshake_failures += 1
+            logger.warning("refusing handshake from %s: %s", msg.get("address"), mismatch)
+            return {"ok": False, "error": f"incompatible peer: {mismatch}"}
+        key = msg["peer_key"]
+        with self._lock:
+            for old, peer in list(self._d_peers.items()):
+                if peer["engine_id"] == msg["engine_id"] and old != key:
+                    logger.info("decode %s restarted; dropping %s", msg["engine_id"], old)
+                    del self._d_peers[old]
+                    if old in self._workers_have:
+                        self._workers_have.discard(old)
+                        self._remove.append(old)
+            self._d_peers[key] = {"engine_id": msg["engine_id"], "ranks": msg["ranks"]}
+            self.handshakes += 1
+        return {"ok": True, **self.info(), "ranks": self._ranks}
+
+    def _on_reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            if msg["peer_key"] not in self._d_peers:
+                return {"ok": False, "code": "handshake_required", "error": "handshake first"}
+            res = Reservation(
+                transfer_id=msg["transfer_id"],
+                d_request_id=msg["d_request_id"],
+                peer_key=msg["peer_key"],
+                d_address=msg["address"],
+                block_ids=list(msg["block_ids"]),
+                skip_blocks=int(msg["skip_blocks"]),
+                expires=time.monotonic() + self.timeout,
+            )
+            return self.producer.reserve(res)
+
+    def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        kind = msg.get("kind")
+        if kind == "handshake":
+            return self._on_handshake(msg)
+        if kind == "reserve":
+            return self._on_reserve(msg)
+        if kind == "cancel":
+            with self._lock:
+                return self.producer.cancel(msg["transfer_id"])
+        if kind == "transfer_failed":
+            with self._lock:
+                self.consumer.fail(msg["d_request_id"], msg["reason"], safe=bool(msg["safe"]))
+            return {"ok": True}
+        if kind == "ping":
+            return {"ok": True, "engine_id": self.engine_id, "incarnation": self.incarnation}
+        return {"ok": False, "error": f"unknown message kind {kind!r}"}
+
+    # -- both sides ----------------------------------------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        with self._lock:
+            if params.get("do_remote_prefill"):
+                return self.consumer.aborted(request.request_id), None
+            if not params.get("do_remote_decode"):
+                return False, None
+            tid = self._transfer_id(request)
+            if request.status not in (
+                RequestStatus.FINISHED_STOPPED,
+                RequestStatus.FINISHED_LENGTH,
+            ):
+                self.producer.prefill_failed(tid, f"prefill {request.status.value}")
+                return False, None
+            first = request.output_token_ids[0] if request.num_output_tokens else None
+            self.producer.prefill_finished(request.request_id, tid, block_ids, first)
+        return True, {
+            "transfer_id": tid,
+            "first_token": first,
+            "remote_engine_id": self.engine_id,
+            "remote_side_channel": self.address,
+        }
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
+        md = NixlConnectorMetadata()
+        with self._lock:
+            md.remove_peers, self._remove = self._remove, []
+            for send in self.producer.ready_sends(lambda k: k in self._d_peers):
+                res = send.reservation
+                assert res is not None
+                local = send.block_ids[res.skip_blocks : res.skip_blocks + len(res.block_ids)]
+                if len(local) != len(res.block_ids):
+                    self._notify_failed(
+                        res.d_address, res.d_request_id, "block count mismatch", safe=True
+                    )
+                    self.producer.send_finished(send.request_id)
+                    self.producer.outcome.free_blocks.add(send.request_id)
+                    continue
+                if res.peer_key not in self._workers_have:
+                    md.add_peers[res.peer_key] = self._d_peers[res.peer_key]["ranks"]
+                    self._workers_have.add(res.peer_key)
+                md.sends.append(
+                    SendSpec(
+                        request_id=send.request_id,
+                        peer_key=res.peer_key,
+                        local_block_ids=local,
+                        remote_block_ids=res.block_ids,
+                        notif=pack_notif(res.d_request_id, send.transfer_id, 1, send.first_token),
+                    )
+                )
+        return md
+
+    def update_connector_output(self, output: ModelRunnerOutput) -> None:
+        with self._lock:
+            for rid in output.finished_recving:
+                self.consumer.landed(rid)
+            for rid in output.finished_sending:
+                send = self.producer.send_finished(rid)
+                if send is None or send.started_at is None:
+                    continue
+                self._observe(time.monotonic() - send.started_at)
+                if rid in output.kv_failed and send.reservation is not None:
+                    self.failed_transfers += 1
+                    r = send.reservation
+                    self._notify_failed(r.d_address, r.d_request_id, output.kv_failed[rid], True)
+            if output.kv_stats:
+                self._stats = dict(output.kv_stats)
+
+    def take_events(self) -> ConnectorEvents:
+        with self._lock:
+            self.producer.expire()
+            self.consumer.expire()
+            p, c = self.producer.take_outcome(), self.consumer.take_outcome()
+        for addr, d_req, why in p.notify_failed:
+            self._notify_failed(addr, d_req, why, safe=True)
+        for p_addr, tid, rid in c.cancels:
+            self._pool.submit(self._cancel_job, p_addr, tid, rid)
+        return ConnectorEvents(
+            failed_loads=c.failed_loads, free_blocks=p.free_blocks | c.free_blocks
+        )
+
+    def _notify_failed(self, address: str, d_request_id: str, why: str, safe: bool) -> None:
+        msg = {"kind": "transfer_failed", "d_request_id": d_request_id, "reason": why, "safe": safe}
+        self._pool.submit(self._send_quietly, address, msg)
+
+    def _send_quietly(self, address: str, msg: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            return self._client.request(address, msg, RPC_TIMEOUT_S)
+        except Exception as e:
+            logger.info("side-channel %s to %s failed: %s", msg.get("kind"), address, e)
+            return None
+
+    def _cancel_job(self, address: str, transfer_id: str, request_id: str) -> None:
+        reply = self._send_quietly(address, {"kind": "cancel", "transfer_id": transfer_id})
+        if reply and reply.get("state") == "cancelled":
+            with self._lock:
+                self.consumer.cancel_confirmed(request_id)
+
+    def has_pending_work(self) -> bool:
+        with self._lock:
+            return self.producer.num_states() + self.consumer.num_states() > 0
+
+    # -- metrics -------------------------------------------------------------------------
+    def _observe(self, seconds: float) -> None:
+        self._duration_sum += seconds
+        for i, le in enumerate(DURATION_BUCKETS):
+            if seconds <= le:
+                self._durations[i] += 1
+                return
+        self._durations[-1] += 1
+
+    def duration_histogram(self) -> tuple[list[tuple[float, int]], float]:
+        """Cumulative (le, count) buckets incl. +Inf, and the sum of observations."""
+        out, acc = [], 0
+        for le, n in zip((*DURATION_BUCKETS, float("inf")), self._durations, strict=True):
+            acc += n
+            out.append((le, acc))
+        return out, self._duration_sum
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {
+                "kv_transfers_in_flight": len(self.producer.in_flight),
+                "kv_transfers_started_total": self.producer.sends_started,
+                "kv_transfer_failures_total": self.failed_transfers,
+                "kv_loads_failed_total": self.consumer.loads_failed,
+                "kv_loads_waiting": len(self.consumer.recvs),
+                "kv_quarantined_requests": len(self.consumer.quarantine),
+                "kv_held_for_send": len(self.producer.pending),
+                "kv_handshakes_total": self.handshakes,
+                "kv_handshake_failures_total": self.handshake_failures,
+                **self._stats,
+            }
+
+    def shutdown(self) -> None:
+        self._server.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+

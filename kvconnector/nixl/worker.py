@@ -1,0 +1,133 @@
+"""Worker-side NIXL connector: one NIXL agent per TP rank.
+
+P ranks carry out the step's sends: each rank WRITEs its own shard of a request's blocks
+into the same block ids of the matching D rank (homogeneous TP: rank r -> rank r), with a
+notification that NIXL delivers after the data. D ranks count notifications and report a
+request received once their expected parts are in; the executor's aggregator reports it
+to the scheduler only when every D rank has.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from kvconnector.base import KVConnectorWorker
+from kvconnector.nixl.messages import unpack_notif
+from kvconnector.nixl.metadata import NixlConnectorMetadata
+from kvconnector.nixl_transport import DONE, ERROR, NixlTransport, TransferHandle
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.kv_cache_layout import KVCacheSpec
+
+logger = logging.getLogger(__name__)
+
+
+class NixlConnectorWorker(KVConnectorWorker):
+    def __init__(self, config: EngineConfig, rank: int, world_size: int) -> None:
+        super().__init__(config, rank, world_size)
+        self.transport: NixlTransport | None = None
+        self._sending: dict[str, TransferHandle] = {}  # P request id -> WRITE in flight
+        self._finished_sending: set[str] = set()
+        self._parts: dict[str, int] = {}  # D request id -> notifications seen
+        self._recv_info: dict[str, dict[str, Any]] = {}
+        self._failures: dict[str, str] = {}
+        self._notifs = 0
+        self._timeout = config.kv_transfer.kv_transfer_timeout
+
+    def register_kv_caches(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:
+        name = f"{self.config.kv_transfer.engine_id}-{uuid.uuid4().hex[:8]}-tp{self.rank}"
+        self.transport = NixlTransport(
+            name, kv_cache, spec.block_bytes, xfer_timeout_s=self._timeout
+        )
+
+    def handshake_info(self) -> dict[str, Any]:
+        assert self.transport is not None
+        return self.transport.metadata()
+
+    def wait_for_save(self) -> None:
+        md = self.connector_metadata
+        if not isinstance(md, NixlConnectorMetadata) or md.is_empty():
+            return
+        t = self.transport
+        assert t is not None
+        for key in md.remove_peers:
+            t.remove_peer(key)
+        for key, ranks in md.add_peers.items():
+            try:
+                t.add_peer(key, ranks[self.rank])
+            except Exception as e:
+                logger.error("tp%d: adding NIXL peer %s failed: %s", self.rank, key, e)
+        for send in md.sends:
+            try:
+                handle = t.write_blocks(
+                    send.peer_key, send.local_block_ids, send.remote_block_ids, send.notif
+                )
+            except Exception as e:  # unknown peer, bad ids: this rank's part failed
+                logger.error("tp%d: send of %s failed: %s", self.rank, send.request_id, e)
+                self._failures[send.request_id] = str(e)
+                self._finished_sending.add(send.request_id)
+                continue
+            self._sending[send.request_id] = handle
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        t = self.transport
+        assert t is not None
+        for rid, handle in list(self._sending.items()):
+            state = t.poll(handle)
+            if state in (DONE, ERROR):
+                if state == ERROR:
+                    logger.warning("tp%d: WRITE for %s failed: %s", self.rank, rid, handle.error)
+                    self._failures[rid] = handle.error or "transfer error"
+                t.release(handle)
+                del self._sending[rid]
+                self._finished_sending.add(rid)
+        recving: set[str] = set()
+        for raw in t.get_notifs():
+            msg = unpack_notif(raw)
+            if msg is None:
+                logger.warning("tp%d: ignoring malformed notification %r", self.rank, raw[:64])
+                continue
+            self._notifs += 1
+            rid = msg["r"]
+            seen = self._parts.get(rid, 0) + 1
+            if seen >= int(msg.get("n", 1)):
+                self._parts.pop(rid, None)
+                recving.add(rid)
+                self._recv_info[rid] = {"first_token": msg.get("ft"), "arrived": time.time()}
+            else:
+                self._parts[rid] = seen
+        sending, self._finished_sending = self._finished_sending, set()
+        return sending, recving
+
+    def take_recv_info(self) -> dict[str, dict[str, Any]]:
+        info, self._recv_info = self._recv_info, {}
+        return info
+
+    def take_failures(self) -> dict[str, str]:
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def stats(self) -> dict[str, float]:
+        if self.transport is None:
+            return {}
+        s = self.transport.stats
+        return {
+            "kv_bytes_sent_total": s.bytes_written,
+            "kv_blocks_sent_total": s.blocks_written,
+            "kv_descriptors_total": s.descriptors_total,
+            "kv_rank_transfers_started_total": s.transfers_started,
+            "kv_rank_transfers_done_total": s.transfers_done,
+            "kv_rank_transfers_failed_total": s.transfers_failed,
+            "kv_notifs_received_total": self._notifs,
+        }
+
+    def shutdown(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
