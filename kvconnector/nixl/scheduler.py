@@ -414,4 +414,3 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def shutdown(self) -> None:
         self._server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-

@@ -1,0 +1,201 @@
+"""A small request/reply side channel over ZeroMQ + msgpack.
+
+Used to exchange NIXL agent metadata and other small control messages between prefill
+and decode workers (NIXL's own metadata listener is not used).
+
+Wire format: one msgpack-encoded map per message, each way. The server is a ROUTER
+socket served by one background thread; the client opens a fresh DEALER socket for
+every request and closes it afterwards (linger 0), so a reply that arrives after a
+timeout can never be mistaken for the reply to a later request.
+
+Threading: ``SideChannelServer`` runs its handler on its own thread, one request at a
+time (a slow handler delays later requests; keep handlers short). ``SideChannelClient``
+is safe to use from several threads at once: sockets are per call, and the shared
+``zmq.Context`` is thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+_POLL_INTERVAL_MS = 50
+_WILDCARD_HOSTS = ("", "*", "0.0.0.0")
+
+
+class SideChannelError(Exception):
+    """A side-channel request failed (bad reply, socket error)."""
+
+
+class SideChannelTimeout(SideChannelError, TimeoutError):
+    """No reply arrived within the request's timeout."""
+
+
+def _pack(msg: dict[str, Any]) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False)
+
+
+def _remaining_ms(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000))
+
+
+class SideChannelServer:
+    """Serve ``handler(request) -> reply`` on a ROUTER socket from a background thread.
+
+    ``port=0`` binds an ephemeral port; the bound port is ``.port`` and the address
+    clients should use is ``.address`` (``tcp://host:port``, where a wildcard bind host
+    is replaced by ``advertise_host``, default ``127.0.0.1``). A handler exception or a
+    non-dict reply is answered with ``{"ok": False, "error": "..."}``.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        *,
+        advertise_host: str | None = None,
+        name: str = "side-channel",
+    ) -> None:
+        self._handler = handler
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._bind_error: BaseException | None = None
+        bind_host = "*" if host in _WILDCARD_HOSTS else host
+        self._bind_addr = f"tcp://{bind_host}:{port if port else '*'}"
+        self.port: int = 0
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._bind_error is not None:
+            self._thread.join()
+            raise SideChannelError(
+                f"cannot bind {self._bind_addr}: {self._bind_error}"
+            ) from self._bind_error
+        adv = advertise_host or (host if host not in _WILDCARD_HOSTS else "127.0.0.1")
+        self.address: str = f"tcp://{adv}:{self.port}"
+        logger.info("side channel %s listening on %s", name, self.address)
+
+    def _serve(self) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self._bind_addr)
+            endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.port = int(endpoint.rsplit(":", 1)[1])
+        except Exception as exc:
+            self._bind_error = exc
+            sock.close()
+            self._ready.set()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(_POLL_INTERVAL_MS):
+                    continue
+                while not self._stop.is_set():
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply = self._dispatch(frames)
+                    if reply is not None:
+                        try:
+                            sock.send_multipart([frames[0], reply], zmq.NOBLOCK)
+                        except zmq.ZMQError as exc:
+                            logger.warning("side channel: reply not sent: %s", exc)
+        except zmq.ZMQError:
+            if not self._stop.is_set():
+                logger.exception("side channel server loop failed")
+        finally:
+            sock.close(linger=0)
+
+    def _dispatch(self, frames: list[bytes]) -> bytes | None:
+        # DEALER request: [identity, payload] (an empty delimiter frame is tolerated).
+        payload_frames = [f for f in frames[1:] if f]
+        if len(frames) < 2 or len(payload_frames) != 1:
+            logger.warning("side channel: malformed request (%d frames)", len(frames))
+            return None if len(frames) < 2 else _pack({"ok": False, "error": "malformed request"})
+        try:
+            msg = _unpack(payload_frames[0])
+            if not isinstance(msg, dict):
+                raise TypeError(f"request must be a map, got {type(msg).__name__}")
+            reply = self._handler(msg)
+            if not isinstance(reply, dict):
+                raise TypeError(f"handler returned {type(reply).__name__}, expected dict")
+            return _pack(reply)
+        except Exception as exc:
+            logger.warning("side channel handler failed: %r", exc, exc_info=True)
+            return _pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving and close the socket; returns within ~poll interval + handler time."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("side channel server thread did not stop within %.1fs", timeout)
+
+    def __enter__(self) -> SideChannelServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SideChannelClient:
+    """Request/reply client; one DEALER socket per request, closed afterwards."""
+
+    def __init__(self, context: zmq.Context | None = None) -> None:
+        self._ctx = context or zmq.Context.instance()
+
+    def request(self, address: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Send ``msg`` to ``address`` and return the reply map.
+
+        Raises ``SideChannelTimeout`` when no reply arrives within ``timeout`` seconds
+        (including when nothing listens at ``address``), ``SideChannelError`` on a reply
+        that is not a msgpack map. An ``{"ok": False, ...}`` reply is returned, not raised.
+        """
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Do not queue the request for a peer that never connects; the timeout covers it.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        try:
+            sock.connect(address)
+            deadline = time.monotonic() + timeout
+            # The request may wait for the connection; one deadline bounds both waits.
+            if not sock.poll(_remaining_ms(deadline), zmq.POLLOUT):
+                raise SideChannelTimeout(f"no connection to {address} within {timeout:.3f}s")
+            sock.send(_pack(msg), zmq.NOBLOCK)
+            if not sock.poll(_remaining_ms(deadline), zmq.POLLIN):
+                raise SideChannelTimeout(f"no reply from {address} within {timeout:.3f}s")
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise SideChannelError(f"side channel request to {address} failed: {exc}") from exc
+        finally:
+            sock.close(linger=0)
+        payload = [f for f in frames if f]
+        try:
+            reply = _unpack(payload[-1]) if payload else None
+        except Exception as exc:
+            raise SideChannelError(f"undecodable reply from {address}: {exc}") from exc
+        if not isinstance(reply, dict):
+            raise SideChannelError(f"reply from {address} is not a map: {type(reply).__name__}")
+        return reply

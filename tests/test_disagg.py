@@ -1,0 +1,139 @@
+"""Step 2: P pushes KV over real NIXL (UCX, DRAM) into blocks D reserved; D decodes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from engine.engine_core import EngineCore
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest_model import hf_greedy, make_hf_model, random_prompt, save_hf_model  # noqa: E402
+from pd_utils import disagg_generate, nixl_config  # noqa: E402
+
+pytest.importorskip("nixl._api")
+
+BS = 16
+LENGTHS = [1, BS - 1, BS, BS + 1, 5 * BS + 3, 990]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> dict:
+    model = make_hf_model("llama", seed=0)
+    path = tmp_path_factory.mktemp("ckpt") / "llama"
+    save_hf_model(model, path)
+    prompts = [random_prompt(n, 256, seed=n) for n in LENGTHS]
+    hf = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    base = EngineConfig(model=ModelConfig(model=str(path)), cache=CacheConfig(num_blocks=256))
+    with LLM(base) as llm:
+        colocated = llm.generate(prompts, GREEDY)
+        seeded = llm.generate(prompts, SEEDED)
+    return {
+        "path": str(path),
+        "prompts": prompts,
+        "hf": hf,
+        "colocated": colocated,
+        "seeded": seeded,
+        "base": base,
+    }
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_disaggregated_output_matches_colocated_and_transformers(checkpoint, tp):
+    base = EngineConfig(
+        model=ModelConfig(model=checkpoint["path"]),
+        cache=CacheConfig(num_blocks=256),
+        parallel=ParallelConfig(tp=tp),
+    )
+    p = EngineCore(nixl_config(base, "producer"))
+    d = EngineCore(nixl_config(base, "consumer"))
+    try:
+        prompts = checkpoint["prompts"]
+        res = disagg_generate(p, d, prompts, GREEDY)
+        assert res["tokens"] == checkpoint["colocated"]
+        assert res["tokens"] == checkpoint["hf"]
+        assert all(f.finish_reason == "length" and f.error is None for f in res["final"])
+        # D never computed the prompts: it only decoded.
+        assert d.stats()["prompt_tokens_total"] == 0
+
+        # The bytes NIXL moved are exactly the prompts' KV blocks, on every rank, and
+        # each rank used one descriptor per contiguous run (fresh pools: one run each).
+        ps = p.stats()
+        blocks = sum(-(-len(x) // BS) for x in prompts)
+        assert ps["kv_blocks_sent_total"] == blocks * tp
+        assert ps["kv_bytes_sent_total"] == blocks * tp * p.block_bytes
+        assert ps["kv_descriptors_total"] <= len(prompts) * tp
+
+        seeded = disagg_generate(p, d, prompts, SEEDED, tag="s")
+        assert seeded["tokens"] == checkpoint["seeded"]
+        for eng in (p, d):
+            s = eng.stats()
+            assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_64_concurrent_requests_leave_no_state(checkpoint):
+    base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=512))
+    p = EngineCore(nixl_config(base, "producer"))
+    d = EngineCore(nixl_config(base, "consumer"))
+    try:
+        prompts = [random_prompt(1 + (i * 37) % 150, 256, seed=i) for i in range(64)]
+        res = disagg_generate(p, d, prompts, SamplingParams(max_tokens=8, temperature=0))
+        assert len(res["tokens"]) == 64
+        assert all(len(t) == 8 for t in res["tokens"])
+        with LLM(base) as llm:
+            assert res["tokens"] == llm.generate(
+                prompts, SamplingParams(max_tokens=8, temperature=0)
+            )
+        for eng in (p, d):
+            s = eng.stats()
+            assert s["kv_blocks_free"] == s["kv_blocks_total"], s
+            assert s["kv_transfers_in_flight"] == 0
+            assert s["kv_loads_waiting"] == 0 and s["kv_held_for_send"] == 0
+            assert not eng.scheduler.requests and not eng.scheduler.held
+            assert not eng.connector.has_pending_work()
+            assert eng.executor.aggregator.pending_ids == set()
+        assert p.stats()["kv_rank_transfers_done_total"] == 64
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_incompatible_peer_is_refused(policy):
+    p_cfg = nixl_config(EngineConfig(cache=CacheConfig(num_blocks=64, block_size=16)), "producer")
+    d_cfg = nixl_config(
+        EngineConfig(cache=CacheConfig(num_blocks=64, block_size=32)),
+        "consumer",
+        kv_failure_policy=policy,
+    )
+    p, d = EngineCore(p_cfg), EngineCore(d_cfg)
+    try:
+        prompt = random_prompt(40, 256, seed=3)
+        res = disagg_generate(p, d, [prompt], GREEDY)
+        final = res["final"][0]
+        if policy == "recompute":
+            assert final.error is None
+            with LLM(EngineConfig(cache=CacheConfig(num_blocks=64))) as llm:
+                assert res["tokens"][0] == llm.generate([prompt], GREEDY)[0]
+            assert d.stats()["prompt_tokens_total"] == 40  # computed locally
+        else:
+            assert final.finish_reason == "error"
+            assert "block_size mismatch" in final.error
+        assert d.stats()["kv_handshake_failures_total"] >= 1
+        assert p.stats()["kv_handshake_failures_total"] >= 1
+        for eng in (p, d):
+            s = eng.stats()
+            assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    finally:
+        p.shutdown()
+        d.shutdown()
