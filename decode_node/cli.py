@@ -1,0 +1,11 @@
+"""`decode-node` command: an OpenAI-compatible decode node (see engine.server.node_main)."""
+
+from __future__ import annotations
+
+import sys
+
+from engine.server.node_main import run_node
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(run_node("decode", argv))

@@ -1,0 +1,122 @@
+"""Node CLI: flags derived from the config dataclasses; bad values exit 2 naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.server.cli_args import add_config_args, add_server_args, config_from_args, parse_config
+from engine.server.node_main import build_parser
+
+
+def _run(*argv: str, module: str = "decode_node") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--block-size", "3"], "--block-size"),
+        (["--tp", "0"], "--tp"),
+        (["--model", "/nonexistent"], "--model"),
+        (["--max-num-seqs", "abc"], "--max-num-seqs"),
+        (["--device", "tpu"], "--device"),
+        (["--kv-memory-fraction", "2"], "--kv-memory-fraction"),
+        (["--port", "70000"], "--port"),
+    ],
+)
+def test_bad_flag_exits_2_naming_it(argv: list[str], flag: str) -> None:
+    proc = _run(*argv)
+    assert proc.returncode == 2, proc.stderr
+    assert flag in proc.stderr
+
+
+def test_prefill_node_bad_flag() -> None:
+    proc = _run("--tp", "0", module="prefill_node")
+    assert proc.returncode == 2 and "--tp" in proc.stderr
+
+
+@pytest.mark.parametrize("module", ["prefill_node", "decode_node"])
+def test_help(module: str) -> None:
+    proc = _run("--help", module=module)
+    assert proc.returncode == 0, proc.stderr
+    for flag in (
+        "--tp",
+        "--device",
+        "--dtype",
+        "--block-size",
+        "--num-blocks",
+        "--kv-memory-fraction",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--model",
+        "--host",
+        "--port",
+        "--log-level",
+        "--kv-connector",
+        "--side-channel-host",
+        "--side-channel-port",
+        "--kv-transfer-timeout",
+        "--kv-failure-policy",
+        "--no-enable-prefix-caching",
+    ):
+        assert flag in proc.stdout, flag
+
+
+def test_role_defaults() -> None:
+    _, cfg = parse_config(build_parser("prefill"), [])
+    assert cfg.kv_transfer.kv_role == "producer" and cfg.kv_transfer.kv_connector == "none"
+    _, cfg = parse_config(build_parser("decode"), [])
+    assert cfg.kv_transfer.kv_role == "consumer"
+    _, cfg = parse_config(build_parser("decode"), ["--kv-role", "both"])
+    assert cfg.kv_transfer.kv_role == "both"
+
+
+def test_flags_map_to_config() -> None:
+    parser = add_config_args(add_server_args(argparse.ArgumentParser()))
+    args, cfg = parse_config(
+        parser,
+        [
+            "--tp", "2",
+            "--dtype", "bfloat16",
+            "--block-size", "32",
+            "--num-blocks", "100",
+            "--max-num-seqs", "8",
+            "--max-num-batched-tokens", "512",
+            "--max-model-len", "1024",
+            "--no-enable-prefix-caching",
+            "--kv-connector", "nixl",
+            "--side-channel-port", "5600",
+            "--kv-transfer-timeout", "2.5",
+            "--kv-failure-policy", "fail",
+            "--port", "9000",
+            "--log-level", "debug",
+        ],
+    )  # fmt: skip
+    assert (args.port, args.host, args.log_level) == (9000, "127.0.0.1", "DEBUG")
+    assert cfg.parallel.tp == 2 and cfg.model.dtype == "bfloat16"
+    assert cfg.model.max_model_len == 1024
+    assert cfg.cache.block_size == 32 and cfg.cache.num_blocks == 100
+    assert not cfg.cache.enable_prefix_caching
+    assert cfg.scheduler.max_num_seqs == 8 and cfg.scheduler.max_num_batched_tokens == 512
+    kv = cfg.kv_transfer
+    assert kv.kv_connector == "nixl" and kv.side_channel_port == 5600
+    assert kv.kv_transfer_timeout == 2.5 and kv.kv_failure_policy == "fail"
+
+
+def test_unset_flags_keep_dataclass_defaults() -> None:
+    parser = add_config_args(argparse.ArgumentParser())
+    cfg = config_from_args(parser.parse_args([]))
+    default = EngineConfig()
+    assert cfg.cache == default.cache and cfg.scheduler == default.scheduler
+    assert cfg.parallel == default.parallel and cfg.model == default.model
+    assert len(cfg.kv_transfer.engine_id) == 12  # default_factory still applies

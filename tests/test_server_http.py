@@ -1,0 +1,647 @@
+"""End-to-end HTTP tests against a real decode node (tiny model, CPU) in a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+MODEL = "tiny"
+STARTUP_TIMEOUT_S = 180.0
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- process helpers (no psutil: /proc) ----------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        for path in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                with open(path) as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            out.extend(kids)
+            stack.extend(kids)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if _alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@dataclass
+class Node:
+    proc: subprocess.Popen[bytes]
+    url: str
+    stdout_path: Path
+    stderr_path: Path
+
+    def logs(self) -> str:
+        return self.stderr_path.read_text(errors="replace")[-4000:]
+
+
+def _spawn_node(tmp: Path, *extra: str) -> Node:
+    port = _free_port()
+    out, err = tmp / "stdout.log", tmp / "stderr.log"
+    cmd = [sys.executable, "-m", "decode_node", "--model", MODEL, "--port", str(port)]
+    cmd += ["--num-blocks", "256", *extra]
+    with open(out, "wb") as fo, open(err, "wb") as fe:
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, cwd=REPO_ROOT)
+    return Node(proc, f"http://127.0.0.1:{port}", out, err)
+
+
+def _start_node(tmp: Path, *extra: str) -> Node:
+    node = _spawn_node(tmp, *extra)
+    proc = node.proc
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"node exited with {proc.returncode} during startup:\n{node.logs()}")
+        try:
+            if httpx.get(node.url + "/health", timeout=2).status_code == 200:
+                return node
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    _stop_node(node)
+    raise RuntimeError(f"node not healthy after {STARTUP_TIMEOUT_S}s:\n{node.logs()}")
+
+
+def _stop_node(node: Node) -> None:
+    """Stop by PID (SIGTERM, then SIGKILL), and any descendants it left behind."""
+    kids = _descendants(node.proc.pid)
+    if node.proc.poll() is None:
+        node.proc.send_signal(signal.SIGTERM)
+        try:
+            node.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            node.proc.wait(10)
+    for pid in _wait_gone(kids, 10):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    n = _start_node(tmp_path_factory.mktemp("node"))
+    try:
+        yield n
+    finally:
+        _stop_node(n)
+
+
+@pytest.fixture(scope="module")
+def max_model_len(node: Node) -> int:
+    return int(httpx.get(node.url + "/v1/models").json()["data"][0]["max_model_len"])
+
+
+# -- request helpers -----------------------------------------------------------------------
+
+
+def _post(node: Node, path: str, body: Any, **kw: Any) -> httpx.Response:
+    return httpx.post(node.url + path, json=body, timeout=120, **kw)
+
+
+def _sse_events(resp: httpx.Response) -> list[Any]:
+    """Parse an SSE body into JSON objects; the final [DONE] becomes the string 'DONE'."""
+    events: list[Any] = []
+    for line in resp.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: ") :]
+        events.append("DONE" if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _stream(node: Node, path: str, body: dict[str, Any]) -> tuple[httpx.Response, list[Any]]:
+    with httpx.stream("POST", node.url + path, json=body, timeout=120) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            return resp, []
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        return resp, _sse_events(resp)
+
+
+def _metric(node: Node, name: str) -> float:
+    text = httpx.get(node.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
+
+
+def _assert_error(resp: httpx.Response, status: int, mention: str | None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if mention is not None:
+        assert mention in err["message"] or err["param"] == mention, err
+    return err
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+# -- basic endpoints -----------------------------------------------------------------------
+
+
+def test_health_and_models(node: Node) -> None:
+    assert httpx.get(node.url + "/health").json() == {"status": "ok"}
+    models = httpx.get(node.url + "/v1/models").json()
+    assert models["object"] == "list"
+    card = models["data"][0]
+    assert card["id"] == MODEL and card["object"] == "model"
+    assert isinstance(card["max_model_len"], int) and card["max_model_len"] > 0
+
+
+def test_banner_printed(node: Node) -> None:
+    out = node.stdout_path.read_text()
+    assert f"pdserve decode node listening on {node.url} (model {MODEL}, tp 1)" in out
+
+
+def test_completion_non_stream(node: Node) -> None:
+    resp = _post(
+        node, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 6, **GREEDY}
+    )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == MODEL and isinstance(body["created"], int)
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and isinstance(choice["text"], str)
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert len(choice["token_ids"]) == 6
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 6
+    assert "kv_transfer_params" not in body
+    assert resp.headers["x-request-id"] == body["id"].removeprefix("cmpl-")
+
+
+def test_request_id_header_honoured(node: Node) -> None:
+    resp = _post(
+        node,
+        "/v1/completions",
+        {"prompt": "Hi", "max_tokens": 2},
+        headers={"X-Request-Id": "req-abc-1"},
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-request-id"] == "req-abc-1"
+    assert resp.json()["id"] == "cmpl-req-abc-1"
+
+
+def test_prompt_token_ids(node: Node) -> None:
+    resp = _post(node, "/v1/completions", {"prompt": [72, 101, 108, 108, 111], "max_tokens": 3})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["prompt_tokens"] == 5
+
+
+def test_completion_stream_matches_non_stream(node: Node) -> None:
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 10, **GREEDY}
+    full = _post(node, "/v1/completions", body).json()
+    resp, events = _stream(
+        node, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert resp.status_code == 200
+    assert events[-1] == "DONE"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 10
+    chunks = events[:-2]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert all(c["usage"] is None for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert ids == full["choices"][0]["token_ids"]
+    assert text == full["choices"][0]["text"]
+
+
+def test_stream_without_usage(node: Node) -> None:
+    resp, events = _stream(
+        node, "/v1/completions", {"prompt": "abc", "max_tokens": 3, "stream": True}
+    )
+    assert resp.status_code == 200 and events[-1] == "DONE"
+    assert all("usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_chat_non_stream(node: Node) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi!"}],
+        "max_tokens": 5,
+        **GREEDY,
+    }
+    resp = _post(node, "/v1/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["id"].startswith("chatcmpl-") and out["object"] == "chat.completion"
+    (choice,) = out["choices"]
+    assert choice["message"]["role"] == "assistant" and isinstance(
+        choice["message"]["content"], str
+    )
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 5
+    assert out["usage"]["completion_tokens"] == 5
+
+
+def test_chat_stream(node: Node) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_completion_tokens": 6,
+        **GREEDY,
+    }
+    full = _post(node, "/v1/chat/completions", body).json()
+    resp, events = _stream(node, "/v1/chat/completions", {**body, "stream": True})
+    assert resp.status_code == 200 and events[-1] == "DONE"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert ids == full["choices"][0]["token_ids"]
+    assert text == full["choices"][0]["message"]["content"]
+
+
+def test_stop_string(node: Node) -> None:
+    # Find a greedy output with some text, then stop on a piece of it.
+    for prompt in ("Once upon a time", "abc", "Hello world", "1 2 3 4", "The", "xyz", "Zebra"):
+        body = {"prompt": prompt, "max_tokens": 24, **GREEDY}
+        text = _post(node, "/v1/completions", body).json()["choices"][0]["text"]
+        if len(text.strip()) >= 3:
+            break
+    else:
+        pytest.fail("the tiny model produced no text for any prompt")
+    k = next(i for i, ch in enumerate(text) if i > 0 and not ch.isspace())
+    stop = text[k : k + 2]
+    expected = text[: text.find(stop)]
+    out = _post(node, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == expected
+    resp, events = _stream(node, "/v1/completions", {**body, "stop": stop, "stream": True})
+    chunks = events[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    _wait_idle(node)
+
+
+def test_concurrent_requests(node: Node) -> None:
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=node.url, timeout=120) as client:
+            reqs = [
+                client.post("/v1/completions", json={"prompt": f"request {i}", "max_tokens": 4 + i})
+                for i in range(6)
+            ]
+            return await asyncio.gather(*reqs)
+
+    for i, resp in enumerate(asyncio.run(run())):
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] <= 4 + i
+
+
+# -- openai client -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(node: Node) -> openai.OpenAI:
+    return openai.OpenAI(base_url=node.url + "/v1", api_key="EMPTY", max_retries=0)
+
+
+def test_openai_client_completions(client: openai.OpenAI) -> None:
+    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0)
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(resp.choices[0].text, str) and resp.usage is not None
+    assert resp.usage.completion_tokens <= 5
+    stream = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 5
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == resp.choices[0].text
+
+
+def test_openai_client_chat(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "Say hi"}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0
+    )
+    msg = resp.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == msg.content
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_openai_client_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    assert "max_tokens" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert "no-such-model" in str(info.value)
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+_CHAT_MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "path, body, mention",
+    [
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "abc"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": 5}, "prompt"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+        ("/v1/completions", ["not", "an", "object"], None),
+        ("/v1/chat/completions", {"model": MODEL}, "messages"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+        ("/v1/chat/completions", {"messages": _CHAT_MSG, "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": _CHAT_MSG, "tools": [{"type": "function"}]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": _CHAT_MSG, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": _CHAT_MSG}, "model"),
+    ],
+)
+def test_bad_requests(node: Node, path: str, body: Any, mention: str | None) -> None:
+    err = _assert_error(_post(node, path, body), 400, mention)
+    assert err["type"] == "invalid_request_error"
+    if mention is not None:
+        assert err["param"] == mention
+
+
+def test_unknown_model_code(node: Node) -> None:
+    err = _assert_error(
+        _post(node, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 400, "model"
+    )
+    assert err["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_malformed_json(node: Node, stream: bool) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        resp = httpx.post(
+            node.url + path,
+            content=b'{"prompt": "x", "stream": ' + (b"true" if stream else b"false") + b",",
+            headers={"content-type": "application/json"},
+        )
+        err = _assert_error(resp, 400, None)
+        assert "JSON" in err["message"]
+
+
+def test_context_length(node: Node, max_model_len: int) -> None:
+    resp = _post(node, "/v1/completions", {"prompt": "hello", "max_tokens": max_model_len})
+    err = _assert_error(resp, 400, "max_tokens")
+    assert f"maximum context length is {max_model_len} tokens" in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    # A prompt as long as the context (ids, then text) leaves no room for the completion.
+    resp = _post(node, "/v1/completions", {"prompt": [65] * max_model_len, "max_tokens": 1})
+    assert _assert_error(resp, 400, "prompt")["param"] == "prompt"
+    resp = _post(node, "/v1/completions", {"prompt": "a " * max_model_len, "max_tokens": 1})
+    assert "maximum context length" in _assert_error(resp, 400, "prompt")["message"]
+    resp = _post(
+        node,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a " * max_model_len}]},
+    )
+    assert _assert_error(resp, 400, "messages")["param"] == "messages"
+
+
+def test_stream_errors_are_json_400(node: Node) -> None:
+    resp, _ = _stream(node, "/v1/completions", {"prompt": "x", "max_tokens": 0, "stream": True})
+    _assert_error(resp, 400, "max_tokens")
+
+
+def test_unknown_route_is_openai_error(node: Node) -> None:
+    _assert_error(httpx.get(node.url + "/v1/nope"), 404, None)
+
+
+def test_still_serving_after_bad_requests(node: Node) -> None:
+    assert httpx.get(node.url + "/health").status_code == 200
+    resp = _post(node, "/v1/completions", {"prompt": "still alive?", "max_tokens": 2})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] <= 2
+
+
+# -- aborts --------------------------------------------------------------------------------
+
+
+def _wait_idle(node: Node, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (
+            _metric(node, "pdserve_num_requests_running") == 0
+            and _metric(node, "pdserve_num_requests_waiting") == 0
+        ):
+            return
+        time.sleep(0.1)
+    raise AssertionError("engine still has requests after the client went away")
+
+
+def test_stream_disconnect_aborts(node: Node, max_model_len: int) -> None:
+    max_tokens = max_model_len - 64
+    before = _metric(node, "pdserve_generation_tokens_total")
+    body = {"prompt": "a long story", "max_tokens": max_tokens, "stream": True, **GREEDY}
+    with httpx.stream("POST", node.url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        got = [line for line, _ in zip(lines, range(6), strict=False) if line]
+        assert got
+    _wait_idle(node)
+    generated = _metric(node, "pdserve_generation_tokens_total") - before
+    assert generated < max_tokens
+
+
+def test_non_stream_disconnect_aborts(node: Node, max_model_len: int) -> None:
+    max_tokens = max_model_len - 64
+    before = _metric(node, "pdserve_generation_tokens_total")
+    body = {"prompt": "another long story", "max_tokens": max_tokens, **GREEDY}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(node.url + "/v1/completions", json=body, timeout=1.0)
+    _wait_idle(node)
+    assert _metric(node, "pdserve_generation_tokens_total") - before < max_tokens
+
+
+def test_abort_endpoint(node: Node, max_model_len: int) -> None:
+    result: dict[str, Any] = {}
+    body = {"prompt": "to be aborted", "max_tokens": max_model_len - 64, **GREEDY}
+
+    def run() -> None:
+        result["resp"] = _post(node, "/v1/completions", body, headers={"X-Request-Id": "abort-me"})
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 30
+    while _metric(node, "pdserve_num_requests_running") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    resp = _post(node, "/v1/abort", {"request_id": "abort-me"})
+    assert resp.status_code == 200, resp.text
+    t.join(30)
+    assert not t.is_alive()
+    out = result["resp"].json()
+    assert out["choices"][0]["finish_reason"] == "abort"
+    assert out["usage"]["completion_tokens"] < body["max_tokens"]
+    _wait_idle(node)
+    _assert_error(_post(node, "/v1/abort", {}), 400, "request_id")
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+def test_metrics(node: Node) -> None:
+    _post(node, "/v1/completions", {"prompt": "count me", "max_tokens": 2})
+    resp = httpx.get(node.url + "/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    for name in (
+        "pdserve_engine_healthy",
+        "pdserve_num_requests_running",
+        "pdserve_num_requests_waiting",
+        "pdserve_kv_blocks_used",
+        "pdserve_kv_blocks_free",
+        "pdserve_prompt_tokens_total",
+        "pdserve_generation_tokens_total",
+        "pdserve_http_requests_total",
+        "pdserve_request_finished_total",
+        "pdserve_time_to_first_token_seconds",
+    ):
+        assert name in resp.text, name
+    assert _metric(node, "pdserve_generation_tokens_total") > 0
+    assert _metric(node, "pdserve_engine_healthy") == 1
+    assert 'path="/v1/completions",status="200"' in resp.text
+
+
+# -- lifecycle -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_exits_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
+    node = _start_node(tmp_path)
+    try:
+        assert _post(node, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+        kids = _descendants(node.proc.pid)
+        node.proc.send_signal(sig)
+        assert node.proc.wait(60) == 0, node.logs()
+        assert _wait_gone(kids, 15) == [], f"orphaned children: {kids}\n{node.logs()}"
+    finally:
+        _stop_node(node)
+
+
+def test_signal_during_startup(tmp_path: Path) -> None:
+    node = _spawn_node(tmp_path)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _descendants(node.proc.pid) and time.monotonic() < deadline:
+            assert node.proc.poll() is None, node.logs()
+            time.sleep(0.05)
+        kids = _descendants(node.proc.pid)  # workers are being spawned / loading
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(60) == 0, node.logs()
+        assert _wait_gone(kids, 15) == [], f"orphaned children: {kids}\n{node.logs()}"
+    finally:
+        _stop_node(node)
+
+
+def _worker_pids(pid: int) -> list[int]:
+    out = []
+    for kid in _descendants(pid):
+        try:
+            with open(f"/proc/{kid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(kid)
+        except OSError:
+            pass
+    return out
+
+
+def test_engine_death_is_reported(tmp_path: Path) -> None:
+    node = _start_node(tmp_path)
+    try:
+        workers = _worker_pids(node.proc.pid)
+        assert workers, "no TP worker process found"
+        body = {"prompt": "doomed", "max_tokens": 2000, "stream": True, **GREEDY}
+        with httpx.stream("POST", node.url + "/v1/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line)
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        err = json.loads(rest[-2][len("data: ") :])["error"]
+        assert err["type"] == "server_error" and err["message"]
+        health = httpx.get(node.url + "/health")
+        assert health.status_code == 503 and health.json()["reason"]
+        resp = _post(node, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert _assert_error(resp, 503, None)["code"] == "engine_dead"
+        assert _metric(node, "pdserve_engine_healthy") == 0
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(60) == 0, node.logs()
+    finally:
+        _stop_node(node)

@@ -1,0 +1,326 @@
+"""Unit tests of OpenAI request parsing/validation and stop-string matching (no engine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.server.protocol import (
+    APIError,
+    StopStringMatcher,
+    check_model,
+    check_token_ids,
+    error_body,
+    parse_chat_request,
+    parse_completion_request,
+    resolve_max_tokens,
+)
+
+
+def _err(fn: Any, body: Any) -> APIError:
+    with pytest.raises(APIError) as info:
+        fn(body)
+    return info.value
+
+
+# -- completions ---------------------------------------------------------------------------
+
+
+def test_completion_defaults() -> None:
+    req = parse_completion_request({"model": "m", "prompt": "hello"})
+    assert req.prompt_text == "hello" and req.prompt_token_ids is None
+    assert req.max_tokens == 16
+    assert (req.temperature, req.top_p, req.top_k, req.seed) == (1.0, 1.0, -1, None)
+    assert req.stop == [] and req.stop_token_ids == [] and not req.ignore_eos
+    assert not req.stream and not req.include_usage and req.kv_transfer_params is None
+
+
+def test_completion_all_fields() -> None:
+    body = {
+        "model": "m",
+        "prompt": [1, 2, 3],
+        "max_tokens": 7,
+        "temperature": 0,
+        "top_p": 0.5,
+        "top_k": 5,
+        "seed": 42,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "stop": ["\n", "END"],
+        "stop_token_ids": [9],
+        "ignore_eos": True,
+        "n": 1,
+        "echo": False,
+        "logprobs": None,
+        "user": "someone",
+        "kv_transfer_params": {"do_remote_decode": True},
+        "some_future_field": 1,  # unknown fields are ignored
+    }
+    req = parse_completion_request(body)
+    assert req.prompt_token_ids == [1, 2, 3] and req.prompt_text is None
+    assert req.max_tokens == 7 and req.temperature == 0.0 and req.top_p == 0.5
+    assert req.top_k == 5 and req.seed == 42 and req.stream and req.include_usage
+    assert req.stop == ["\n", "END"] and req.stop_token_ids == [9] and req.ignore_eos
+    assert req.kv_transfer_params == {"do_remote_decode": True}
+    sp = req.sampling_params(7)
+    assert sp.max_tokens == 7 and sp.greedy and sp.top_k == 5 and sp.seed == 42
+    assert sp.stop_token_ids == [9] and sp.ignore_eos
+
+
+@pytest.mark.parametrize(
+    "prompt, text, ids",
+    [
+        ("abc", "abc", None),
+        (["abc"], "abc", None),
+        ([[4, 5]], None, [4, 5]),
+        ([4, 5], None, [4, 5]),
+    ],
+)
+def test_prompt_forms(prompt: Any, text: str | None, ids: list[int] | None) -> None:
+    req = parse_completion_request({"prompt": prompt})
+    assert req.prompt_text == text and req.prompt_token_ids == ids
+
+
+def test_stop_string_single() -> None:
+    assert parse_completion_request({"prompt": "x", "stop": "END"}).stop == ["END"]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "prompt"),
+        ({"prompt": None}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1.5]}, "prompt"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": "abc"}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "temperature": -0.1}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "top_k": -2}, "top_k"),
+        ({"prompt": "x", "top_k": "5"}, "top_k"),
+        ({"prompt": "x", "seed": "1"}, "seed"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x", "stop": 3}, "stop"),
+        ({"prompt": "x", "stop": ["a", 3]}, "stop"),
+        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": "x", "stop_token_ids": "1"}, "stop_token_ids"),
+        ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "stream": True, "stream_options": []}, "stream_options"),
+        ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
+        ({"prompt": "x", "kv_transfer_params": "x"}, "kv_transfer_params"),
+        ({"prompt": "x", "model": 3}, "model"),
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logprobs": 1}, "logprobs"),
+        ({"prompt": "x", "logprobs": 0}, "logprobs"),
+        ({"prompt": "x", "suffix": "s"}, "suffix"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
+        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ],
+)
+def test_completion_rejects(body: dict[str, Any], param: str) -> None:
+    e = _err(parse_completion_request, body)
+    assert e.status_code == 400
+    assert e.param == param
+    assert param in e.message
+    err = e.body()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+@pytest.mark.parametrize("body", [[], "x", 5, None])
+def test_body_must_be_object(body: Any) -> None:
+    assert _err(parse_completion_request, body).status_code == 400
+    assert _err(parse_chat_request, body).status_code == 400
+
+
+def test_top_k_zero_means_disabled() -> None:
+    assert parse_completion_request({"prompt": "x", "top_k": 0}).top_k == -1
+
+
+def test_integral_float_accepted_for_int() -> None:
+    assert parse_completion_request({"prompt": "x", "max_tokens": 8.0}).max_tokens == 8
+
+
+# -- chat ----------------------------------------------------------------------------------
+
+
+def test_chat_parsing() -> None:
+    req = parse_chat_request(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "developer", "content": "dev"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "assistant", "content": None},
+            ],
+            "max_completion_tokens": 9,
+            "max_tokens": 100,
+            "response_format": {"type": "text"},
+            "logprobs": False,
+            "tool_choice": "none",
+        }
+    )
+    assert req.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "system", "content": "dev"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": ""},
+    ]
+    assert req.max_tokens == 9  # max_completion_tokens wins
+
+
+def test_chat_max_tokens_default_none() -> None:
+    req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]})
+    assert req.max_tokens is None
+    assert (
+        parse_chat_request(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        ).max_tokens
+        == 3
+    )
+
+
+_MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": ["hi"]}, "messages[0]"),
+        ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+            "messages[0].content[0].text",
+        ),
+        ({"messages": _MSG, "max_tokens": 0}, "max_tokens"),
+        ({"messages": _MSG, "max_completion_tokens": -3}, "max_completion_tokens"),
+        ({"messages": _MSG, "temperature": "hot"}, "temperature"),
+        ({"messages": _MSG, "n": 3}, "n"),
+        ({"messages": _MSG, "logprobs": True}, "logprobs"),
+        ({"messages": _MSG, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": _MSG, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": _MSG, "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": _MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_chat_rejects(body: dict[str, Any], param: str) -> None:
+    e = _err(parse_chat_request, body)
+    assert e.status_code == 400 and e.param == param and param in e.message
+
+
+# -- engine-dependent checks ---------------------------------------------------------------
+
+
+def test_check_model() -> None:
+    check_model(None, "tiny")
+    check_model("tiny", "tiny")
+    with pytest.raises(APIError) as info:
+        check_model("gpt-4", "tiny")
+    e = info.value
+    assert e.status_code == 400 and e.param == "model" and e.code == "model_not_found"
+    assert "gpt-4" in e.message
+
+
+def test_check_token_ids() -> None:
+    check_token_ids([0, 511], 512)
+    with pytest.raises(APIError) as info:
+        check_token_ids([1, 512], 512)
+    assert info.value.param == "prompt" and "512" in info.value.message
+
+
+def test_resolve_max_tokens() -> None:
+    assert resolve_max_tokens(10, 5, 100) == 10
+    assert resolve_max_tokens(95, 5, 100) == 95
+    assert resolve_max_tokens(None, 30, 100, "messages") == 70
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(96, 5, 100)
+    e = info.value
+    assert e.param == "max_tokens" and e.code == "context_length_exceeded"
+    assert e.message.startswith("This model's maximum context length is 100 tokens.")
+    assert "requested 101 tokens (5 in the prompt, 96 for the completion)" in e.message
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(1, 100, 100)
+    assert info.value.param == "prompt"
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(None, 120, 100, "messages")
+    assert info.value.param == "messages" and "120 in the messages" in info.value.message
+    with pytest.raises(APIError):
+        resolve_max_tokens(5, 0, 100)
+
+
+def test_error_body_shape() -> None:
+    assert error_body("m", param="p") == {
+        "error": {"message": "m", "type": "invalid_request_error", "param": "p", "code": None}
+    }
+
+
+# -- stop strings --------------------------------------------------------------------------
+
+
+def _feed_all(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
+    m = StopStringMatcher(stops)
+    out = []
+    for i, p in enumerate(pieces):
+        text, hit = m.feed(p, final=i == len(pieces) - 1)
+        out.append(text)
+        if hit:
+            return "".join(out), True
+    return "".join(out), False
+
+
+def test_stop_no_stops_passthrough() -> None:
+    m = StopStringMatcher([])
+    assert m.feed("abc") == ("abc", False)
+
+
+def test_stop_within_one_piece() -> None:
+    assert _feed_all(["END"], ["helloENDworld"]) == ("hello", True)
+
+
+def test_stop_across_pieces_and_holdback() -> None:
+    m = StopStringMatcher(["END"])
+    assert m.feed("abcE") == ("abc", False)  # "E" may start "END": held back
+    assert m.feed("N") == ("", False)
+    assert m.feed("Dxyz") == ("", True)
+
+
+def test_stop_false_start_released() -> None:
+    m = StopStringMatcher(["END"])
+    assert m.feed("abE") == ("ab", False)
+    assert m.feed("x") == ("Ex", False)
+
+
+def test_stop_final_flushes_held_text() -> None:
+    assert _feed_all(["END"], ["abc", "EN"]) == ("abcEN", False)
+
+
+def test_stop_earliest_of_several() -> None:
+    assert _feed_all(["world", "lo"], ["hello world"]) == ("hel", True)
+    assert _feed_all(["\n"], ["line1", "\nline2"]) == ("line1", True)
