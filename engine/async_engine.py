@@ -37,6 +37,7 @@ class AsyncLLMEngine:
         self.tokenizer = load_tokenizer(config.model.model)
         self.core = EngineCore(config, log_level)
         self.max_model_len = self.core.max_model_len
+        self.vocab_size = self.core.arch.vocab_size
         self.dead_reason: str | None = None
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -120,6 +121,10 @@ class AsyncLLMEngine:
 
     def kv_info(self) -> dict[str, Any]:
         return self.core.connector.info()
+
+    def kv_transfer_histogram(self) -> tuple[list[tuple[float, int]], float] | None:
+        hist = getattr(self.core.connector, "duration_histogram", None)
+        return hist() if hist is not None else None
 
     # -- engine thread -----------------------------------------------------------------------
     def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:

@@ -169,6 +169,8 @@ async def _generate_steps(engine: Any, job: _Job, detok: Any) -> AsyncIterator[_
     """Engine outputs -> _Steps; aborts the engine request unless it finished by itself."""
     matcher = StopStringMatcher(job.req.stop)
     finished = False
+    # The proxy already streamed the first token it got from the prefill node.
+    skip_first = bool((job.req.kv_transfer_params or {}).get("skip_first_token"))
     outputs = engine.generate(
         job.request_id, job.prompt_ids, job.params, kv_transfer_params=job.req.kv_transfer_params
     )
@@ -178,6 +180,10 @@ async def _generate_steps(engine: Any, job: _Job, detok: Any) -> AsyncIterator[_
             if ids and job.first_token_at is None:
                 job.first_token_at = time.monotonic()
             job.completion_tokens += len(ids)
+            if skip_first and ids:
+                skip_first = False
+                detok.add(ids[:1])  # context for the text of later tokens only
+                ids = ids[1:]
             text = detok.add(ids) if ids else ""
             if out.finished:
                 text += detok.flush()  # text held back for an incomplete UTF-8 sequence
@@ -423,7 +429,7 @@ def build_app(engine: Any) -> FastAPI:
             check_serving()
             if req.prompt_token_ids is not None:
                 ids = req.prompt_token_ids
-                check_token_ids(ids, engine.tokenizer.vocab_size)
+                check_token_ids(ids, getattr(engine, "vocab_size", engine.tokenizer.vocab_size))
             else:
                 ids = list(engine.tokenizer.encode(req.prompt_text or ""))
             return await run_job(request, make_job(request, False, req, ids))
@@ -467,6 +473,11 @@ def build_app(engine: Any) -> FastAPI:
             "max_model_len": engine.max_model_len,
         }
         return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/kv_transfer_info")
+    async def kv_transfer_info() -> JSONResponse:
+        """What a proxy needs to pair this node: engine id, side channel, role."""
+        return JSONResponse(engine.kv_info() if hasattr(engine, "kv_info") else {})
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -18,7 +18,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,17 @@ class EngineStatsCollector(Collector):
                 continue
             # Unknown keys (scheduler/connector extras) are exported as gauges as-is.
             yield _family(f"{PREFIX}_engine_{_sanitize(key)}", "gauge", key, float(value))
+        hist = getattr(self._engine, "kv_transfer_histogram", lambda: None)()
+        if hist is not None:
+            buckets, total = hist
+            h = HistogramMetricFamily(
+                f"{PREFIX}_kv_transfer_duration_seconds",
+                "KV push duration, from issuing the WRITEs to all ranks done",
+            )
+            h.add_metric(
+                [], [("+Inf" if le == float("inf") else repr(le), n) for le, n in buckets], total
+            )
+            yield h
 
 
 def _family(name: str, kind: str, doc: str, value: float) -> Metric:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import traceback
 from multiprocessing.connection import Connection
 
@@ -43,6 +44,8 @@ def worker_main(
     log_level: str = "INFO",
 ) -> None:
     _setup_logging(rank, log_level)
+    # Ctrl-C reaches the whole process group; the engine process shuts workers down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     device = "cpu"
     if config.parallel.device == "cuda":
