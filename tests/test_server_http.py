@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import glob
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,103 +20,21 @@ import pytest
 MODEL = "tiny"
 STARTUP_TIMEOUT_S = 180.0
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
 
 
-# -- process helpers (no psutil: /proc) ----------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        for path in glob.glob(f"/proc/{p}/task/*/children"):
-            try:
-                with open(path) as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            out.extend(kids)
-            stack.extend(kids)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = [p for p in pids if _alive(p)]
-        if not left:
-            return []
-        time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
-
-
-@dataclass
-class Node:
-    proc: subprocess.Popen[bytes]
-    url: str
-    stdout_path: Path
-    stderr_path: Path
-
-    def logs(self) -> str:
-        return self.stderr_path.read_text(errors="replace")[-4000:]
+from node_utils import Node, spawn_node, start_node, worker_pids
+from node_utils import descendants as _descendants
+from node_utils import stop_node as _stop_node
+from node_utils import wait_gone as _wait_gone
 
 
 def _spawn_node(tmp: Path, *extra: str) -> Node:
-    port = _free_port()
-    out, err = tmp / "stdout.log", tmp / "stderr.log"
-    cmd = [sys.executable, "-m", "decode_node", "--model", MODEL, "--port", str(port)]
-    cmd += ["--num-blocks", "256", *extra]
-    with open(out, "wb") as fo, open(err, "wb") as fe:
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, cwd=REPO_ROOT)
-    return Node(proc, f"http://127.0.0.1:{port}", out, err)
+    return spawn_node(tmp, "--model", MODEL, "--num-blocks", "256", *extra)
 
 
 def _start_node(tmp: Path, *extra: str) -> Node:
-    node = _spawn_node(tmp, *extra)
-    proc = node.proc
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"node exited with {proc.returncode} during startup:\n{node.logs()}")
-        try:
-            if httpx.get(node.url + "/health", timeout=2).status_code == 200:
-                return node
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    _stop_node(node)
-    raise RuntimeError(f"node not healthy after {STARTUP_TIMEOUT_S}s:\n{node.logs()}")
-
-
-def _stop_node(node: Node) -> None:
-    """Stop by PID (SIGTERM, then SIGKILL), and any descendants it left behind."""
-    kids = _descendants(node.proc.pid)
-    if node.proc.poll() is None:
-        node.proc.send_signal(signal.SIGTERM)
-        try:
-            node.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            node.proc.kill()
-            node.proc.wait(10)
-    for pid in _wait_gone(kids, 10):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    return start_node(tmp, "--model", MODEL, "--num-blocks", "256", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -608,22 +521,10 @@ def test_signal_during_startup(tmp_path: Path) -> None:
         _stop_node(node)
 
 
-def _worker_pids(pid: int) -> list[int]:
-    out = []
-    for kid in _descendants(pid):
-        try:
-            with open(f"/proc/{kid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    out.append(kid)
-        except OSError:
-            pass
-    return out
-
-
 def test_engine_death_is_reported(tmp_path: Path) -> None:
     node = _start_node(tmp_path)
     try:
-        workers = _worker_pids(node.proc.pid)
+        workers = worker_pids(node.proc.pid)
         assert workers, "no TP worker process found"
         body = {"prompt": "doomed", "max_tokens": 2000, "stream": True, **GREEDY}
         with httpx.stream("POST", node.url + "/v1/completions", json=body, timeout=60) as resp:
