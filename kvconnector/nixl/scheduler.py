@@ -406,6 +406,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 "kv_loads_waiting": len(self.consumer.recvs),
                 "kv_quarantined_requests": len(self.consumer.quarantine),
                 "kv_held_for_send": len(self.producer.pending),
+                "kv_reservations_waiting": len(self.producer.early),
                 "kv_handshakes_total": self.handshakes,
                 "kv_handshake_failures_total": self.handshake_failures,
                 **self._stats,
