@@ -1,0 +1,193 @@
+"""Step 2 fault handling with real nodes: every waiting state ends, no block is reused early."""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from node_utils import Node, descendants, start_node, stop_node, wait_gone
+
+pytest.importorskip("nixl._api")
+
+TIMEOUT_S = 3.0
+NODE_ARGS = (
+    "--kv-connector",
+    "nixl",
+    "--kv-transfer-timeout",
+    str(TIMEOUT_S),
+    "--num-blocks",
+    "128",
+)
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def wait_for(cond, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def decode(tmp_path_factory: pytest.TempPathFactory):
+    node = start_node(tmp_path_factory.mktemp("d"), *NODE_ARGS, module="decode_node")
+    try:
+        yield node
+    finally:
+        stop_node(node)
+
+
+@pytest.fixture(scope="module")
+def prefill(tmp_path_factory: pytest.TempPathFactory):
+    node = start_node(tmp_path_factory.mktemp("p"), *NODE_ARGS, module="prefill_node")
+    try:
+        yield node
+    finally:
+        stop_node(node)
+
+
+def side_channel(node: Node) -> str:
+    return httpx.get(node.url + "/v1/kv_transfer_info", timeout=5).json()["side_channel"]
+
+
+def d_body(prompt: list[int], tid: str, p_addr: str, n: int = 12) -> dict:
+    return {
+        "prompt": prompt,
+        "max_tokens": n,
+        **GREEDY,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "remote_side_channel": p_addr,
+        },
+    }
+
+
+def pools_full(node: Node) -> bool:
+    return node.metric("pdserve_kv_blocks_used") == 0
+
+
+def test_prefill_killed_after_decode_reserved(decode: Node, tmp_path: Path):
+    prefill = start_node(tmp_path, *NODE_ARGS, module="prefill_node")
+    try:
+        prompt = [random.Random(1).randint(0, 255) for _ in range(40)]
+        before_prompt = decode.metric("pdserve_prompt_tokens_total")
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(
+                httpx.post,
+                decode.url + "/v1/completions",
+                json=d_body(prompt, "killed-1", side_channel(prefill)),
+                timeout=60,
+            )
+            # D reserved its blocks and P holds the reservation (no prefill was sent to P).
+            wait_for(
+                lambda: prefill.metric("pdserve_engine_kv_reservations_waiting") == 1,
+                10,
+                "P to hold the reservation",
+            )
+            assert decode.metric("pdserve_engine_num_waiting_for_remote_kv") == 1
+            kids = descendants(prefill.proc.pid)
+            prefill.proc.kill()
+            prefill.proc.wait(10)
+            killed = time.monotonic()
+            resp = fut.result(timeout=60)
+            took = time.monotonic() - killed
+        assert resp.status_code == 200, resp.text
+        assert took < TIMEOUT_S + 5, f"recompute took {took:.1f}s after P died"
+        tokens = resp.json()["choices"][0]["token_ids"]
+        # Recomputed locally, with the same result as a plain colocated request.
+        assert decode.metric("pdserve_prompt_tokens_total") - before_prompt >= 40
+        assert decode.metric("pdserve_engine_kv_loads_failed_total") >= 1
+        # The reserved blocks are not reused right away: they stay quarantined while a
+        # late WRITE could still land, and come back after the deadline.
+        assert decode.metric("pdserve_engine_num_quarantined_blocks") == 3
+        wait_for(lambda: pools_full(decode), TIMEOUT_S + 5, "D's quarantined blocks to free")
+        assert decode.metric("pdserve_engine_num_quarantined_blocks") == 0
+        ref = httpx.post(
+            decode.url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 12, **GREEDY},
+            timeout=60,
+        ).json()["choices"][0]["token_ids"]
+        assert tokens == ref
+        wait_gone(kids, 10)
+    finally:
+        stop_node(prefill)
+
+
+def test_decode_abort_while_waiting_cancels_on_prefill(decode: Node, prefill: Node):
+    prompt = list(range(1, 30))
+    rid = "abort-waiting-1"
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(
+            httpx.post,
+            decode.url + "/v1/completions",
+            json=d_body(prompt, rid, side_channel(prefill)),
+            headers={"X-Request-Id": rid},
+            timeout=60,
+        )
+        wait_for(
+            lambda: prefill.metric("pdserve_engine_kv_reservations_waiting") == 1, 10, "reserve"
+        )
+        httpx.post(decode.url + "/v1/abort", json={"request_id": rid}, timeout=10)
+        resp = fut.result(timeout=30)
+    assert resp.status_code in (200, 499, 500), resp.text
+    # P confirms the cancel (nothing was written), so D frees at once, before the deadline.
+    took = wait_for(lambda: pools_full(decode), TIMEOUT_S, "D to free the aborted blocks")
+    assert took < TIMEOUT_S
+    assert prefill.metric("pdserve_engine_kv_reservations_waiting") == 0
+    # A late prefill for the cancelled transfer is not pushed anywhere; P frees its blocks.
+    p = httpx.post(
+        prefill.url + "/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": 1,
+            **GREEDY,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": rid},
+        },
+        timeout=30,
+    )
+    assert p.status_code == 200
+    wait_for(lambda: pools_full(prefill), TIMEOUT_S + 5, "P to free the tombstoned blocks")
+
+
+def test_prefill_frees_blocks_when_no_reservation_comes(prefill: Node):
+    sent_before = prefill.metric("pdserve_engine_kv_transfers_started_total")
+    resp = httpx.post(
+        prefill.url + "/v1/completions",
+        json={
+            "prompt": list(range(1, 50)),
+            "max_tokens": 1,
+            **GREEDY,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "nobody-wants-it"},
+        },
+        timeout=30,
+    )
+    assert resp.status_code == 200
+    params = resp.json()["kv_transfer_params"]
+    assert params["first_token"] == resp.json()["choices"][0]["token_ids"][0]
+    assert prefill.metric("pdserve_engine_kv_held_for_send") == 1
+    assert prefill.metric("pdserve_kv_blocks_used") == 4  # held for the decode node
+    took = wait_for(lambda: pools_full(prefill), TIMEOUT_S + 5, "P's held blocks to free")
+    assert took > TIMEOUT_S / 2  # held until the deadline, not dropped at once
+    assert prefill.metric("pdserve_engine_kv_held_for_send") == 0
+    assert prefill.metric("pdserve_engine_kv_transfers_started_total") == sent_before
+
+
+def test_transfer_params_without_connector_are_refused(tmp_path: Path):
+    node = start_node(tmp_path, "--num-blocks", "64")
+    try:
+        resp = httpx.post(
+            node.url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}},
+            timeout=30,
+        )
+        assert resp.status_code == 400
+        assert "--kv-connector" in resp.json()["error"]["message"]
+    finally:
+        stop_node(node)
