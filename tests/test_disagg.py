@@ -137,3 +137,32 @@ def test_incompatible_peer_is_refused(policy):
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_decode_prefix_cache_hit_shrinks_the_transfer():
+    """D already holds the prompt's first blocks: it reserves, and P pushes, only the rest."""
+    from pd_utils import run_until
+
+    from engine.core.request import Request
+
+    base = EngineConfig(cache=CacheConfig(num_blocks=128, block_size=BS))
+    p = EngineCore(nixl_config(base, "producer"))
+    d = EngineCore(nixl_config(base, "consumer"))
+    try:
+        prompt = random_prompt(5 * BS + 3, 256, seed=11)
+        local: list[int] = []
+        d.add_request(Request("warm", prompt, GREEDY))
+        run_until(
+            [d],
+            lambda: not d.has_work(),
+            lambda e, o: local.extend(o.new_token_ids),
+        )
+        res = disagg_generate(p, d, [prompt], GREEDY)
+        assert res["tokens"][0] == local
+        ps = p.stats()
+        assert ps["kv_blocks_sent_total"] == 1  # blocks 0-4 came from D's prefix cache
+        assert ps["kv_bytes_sent_total"] == p.block_bytes
+        assert d.stats()["kv_blocks_free"] == 128
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -178,8 +178,8 @@ class RowParallelLinear(nn.Module):
         _copy_into(self.weight, reader(1, start, start + self.input_size_local), "weight")
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocab rows; out-of-shard ids give zeros, then all-reduce."""
+class _VocabShard(nn.Module):
+    """A [vocab_local, hidden] weight holding this rank's contiguous slice of the vocab."""
 
     def __init__(
         self,
@@ -202,6 +202,14 @@ class VocabParallelEmbedding(nn.Module):
             requires_grad=False,
         )
 
+    def load_shard(self, param_name: str, reader: ShardReader, part: int = 0) -> None:
+        end = self.vocab_start + self.vocab_local
+        _copy_into(self.weight, reader(0, self.vocab_start, end), param_name)
+
+
+class VocabParallelEmbedding(_VocabShard):
+    """Embedding table split by vocab rows; out-of-shard ids give zeros, then all-reduce."""
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return nn.functional.embedding(input_ids, self.weight)
@@ -211,33 +219,9 @@ class VocabParallelEmbedding(nn.Module):
         emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)  # [T, H]
         return tp_all_reduce(emb, self.tp_size)
 
-    def load_shard(self, param_name: str, reader: ShardReader, part: int = 0) -> None:
-        end = self.vocab_start + self.vocab_local
-        _copy_into(self.weight, reader(0, self.vocab_start, end), param_name)
 
-
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_VocabShard):
     """Output projection split by vocab rows; logits are all-gathered to the full vocab."""
-
-    def __init__(
-        self,
-        vocab_size: int,
-        hidden_size: int,
-        tp_rank: int,
-        tp_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        super().__init__()
-        if vocab_size % tp_size != 0:
-            raise ValueError(f"vocab size {vocab_size} not divisible by tp size {tp_size}")
-        self.vocab_local = vocab_size // tp_size
-        self.vocab_start = tp_rank * self.vocab_local
-        self.tp_size = tp_size
-        self.weight = nn.Parameter(
-            torch.empty(self.vocab_local, hidden_size, dtype=dtype, device=device),
-            requires_grad=False,
-        )
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's shard (same vocab split on both sides)."""
@@ -246,7 +230,3 @@ class ParallelLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = nn.functional.linear(hidden, self.weight).float()  # [S, vocab_local]
         return tp_all_gather_last_dim(logits, self.tp_size)  # [S, vocab]
-
-    def load_shard(self, param_name: str, reader: ShardReader, part: int = 0) -> None:
-        end = self.vocab_start + self.vocab_local
-        _copy_into(self.weight, reader(0, self.vocab_start, end), param_name)
