@@ -122,9 +122,9 @@ class AsyncLLMEngine:
     def kv_info(self) -> dict[str, Any]:
         return self.core.connector.info()
 
-    def kv_transfer_histogram(self) -> tuple[list[tuple[float, int]], float] | None:
-        hist = getattr(self.core.connector, "duration_histogram", None)
-        return hist() if hist is not None else None
+    def histograms(self) -> dict[str, Any]:
+        """Connector histograms by metric name (``kvconnector.histogram.Histogram``)."""
+        return dict(getattr(self.core.connector, "histograms", {}))
 
     # -- engine thread -----------------------------------------------------------------------
     def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:

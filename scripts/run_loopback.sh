@@ -87,6 +87,7 @@ import sys, urllib.request
 text = urllib.request.urlopen(sys.argv[1] + "/metrics", timeout=5).read().decode()
 for line in text.splitlines():
     if line.startswith(("pdserve_engine_kv_bytes_sent_total", "pdserve_engine_kv_descriptors_total",
-                        "pdserve_engine_kv_transfers_started_total", "pdserve_kv_transfer_duration_seconds_count")):
+                        "pdserve_engine_kv_transfers_started_total", "pdserve_kv_transfer_duration_seconds_count",
+                        "pdserve_kv_transfer_descriptors_sum")):
         print(line)
 PYEOF

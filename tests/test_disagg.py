@@ -70,6 +70,10 @@ def test_disaggregated_output_matches_colocated_and_transformers(checkpoint, tp)
         assert ps["kv_blocks_sent_total"] == blocks * tp
         assert ps["kv_bytes_sent_total"] == blocks * tp * p.block_bytes
         assert ps["kv_descriptors_total"] <= len(prompts) * tp
+        hists = p.connector.histograms
+        assert hists["kv_transfer_duration_seconds"].count == len(prompts)
+        buckets, total = hists["kv_transfer_descriptors"].snapshot()
+        assert buckets[0] == (1, len(prompts)) and total == len(prompts)
 
         seeded = disagg_generate(p, d, prompts, SEEDED, tag="s")
         assert seeded["tokens"] == checkpoint["seeded"]

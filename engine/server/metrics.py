@@ -76,13 +76,10 @@ class EngineStatsCollector(Collector):
                 continue
             # Unknown keys (scheduler/connector extras) are exported as gauges as-is.
             yield _family(f"{PREFIX}_engine_{_sanitize(key)}", "gauge", key, float(value))
-        hist = getattr(self._engine, "kv_transfer_histogram", lambda: None)()
-        if hist is not None:
-            buckets, total = hist
-            h = HistogramMetricFamily(
-                f"{PREFIX}_kv_transfer_duration_seconds",
-                "KV push duration, from issuing the WRITEs to all ranks done",
-            )
+        histograms = getattr(self._engine, "histograms", dict)()
+        for name, hist in sorted(histograms.items()):
+            buckets, total = hist.snapshot()
+            h = HistogramMetricFamily(f"{PREFIX}_{name}", hist.doc)
             h.add_metric(
                 [], [("+Inf" if le == float("inf") else repr(le), n) for le, n in buckets], total
             )

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 from engine.core.request import RequestStatus
 from engine.sampling_params import InvalidRequestError
 from kvconnector.base import ConnectorEvents, KVConnectorScheduler
+from kvconnector.block_runs import block_runs
+from kvconnector.histogram import Histogram
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
 from kvconnector.nixl.messages import (
     CONNECTOR_VERSION,
@@ -46,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
 
 class HandshakeError(RuntimeError):
@@ -89,8 +92,15 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-rpc")
         self._client = SideChannelClient()
         self._stats: dict[str, float] = {}
-        self._durations: list[int] = [0] * (len(DURATION_BUCKETS) + 1)
-        self._duration_sum = 0.0
+        self.histograms = {
+            "kv_transfer_duration_seconds": Histogram(
+                "KV push duration: from issuing the WRITEs to all ranks done", DURATION_BUCKETS
+            ),
+            "kv_transfer_descriptors": Histogram(
+                "NIXL descriptors per transfer per rank (one per contiguous block run)",
+                DESCRIPTOR_BUCKETS,
+            ),
+        }
         self.handshakes = 0
         self.handshake_failures = 0
         self.failed_transfers = 0
@@ -318,6 +328,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 if res.peer_key not in self._workers_have:
                     md.add_peers[res.peer_key] = self._d_peers[res.peer_key]["ranks"]
                     self._workers_have.add(res.peer_key)
+                self.histograms["kv_transfer_descriptors"].observe(
+                    len(block_runs(local, res.block_ids))
+                )
                 md.sends.append(
                     SendSpec(
                         request_id=send.request_id,
@@ -337,7 +350,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 send = self.producer.send_finished(rid)
                 if send is None or send.started_at is None:
                     continue
-                self._observe(time.monotonic() - send.started_at)
+                self.histograms["kv_transfer_duration_seconds"].observe(
+                    time.monotonic() - send.started_at
+                )
                 if rid in output.kv_failed and send.reservation is not None:
                     self.failed_transfers += 1
                     r = send.reservation
@@ -380,22 +395,6 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return self.producer.num_states() + self.consumer.num_states() > 0
 
     # -- metrics -------------------------------------------------------------------------
-    def _observe(self, seconds: float) -> None:
-        self._duration_sum += seconds
-        for i, le in enumerate(DURATION_BUCKETS):
-            if seconds <= le:
-                self._durations[i] += 1
-                return
-        self._durations[-1] += 1
-
-    def duration_histogram(self) -> tuple[list[tuple[float, int]], float]:
-        """Cumulative (le, count) buckets incl. +Inf, and the sum of observations."""
-        out, acc = [], 0
-        for le, n in zip((*DURATION_BUCKETS, float("inf")), self._durations, strict=True):
-            acc += n
-            out.append((le, acc))
-        return out, self._duration_sum
-
     def stats(self) -> dict[str, float]:
         with self._lock:
             return {
