@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -76,7 +77,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     model = bench_model_dir(args.layers)
     base = EngineConfig(
@@ -91,54 +92,49 @@ def main() -> None:
         replace(base, kv_transfer=KVTransferConfig(kv_connector="nixl", kv_role="consumer"))
     )
     sp = SamplingParams(max_tokens=1, temperature=0)
+    hist = p.connector.histograms["kv_transfer_duration_seconds"]
     print(f"model: {args.layers} layers, block {p.block_bytes} B/rank, tp={args.tp}")
     print(
-        f"{'tokens':>7} {'KV MiB':>8} {'descs':>6} {'push ms':>8} {'GB/s':>6} {'memcpy GB/s':>11} {'ratio':>6}"
+        f"{'tokens':>7} {'KV MiB':>8} {'descs':>6} {'push ms (med)':>13} {'GB/s':>6} "
+        f"{'memcpy GB/s':>11} {'ratio':>6}"
     )
     n = 0
     try:
-        for length in args.lengths:
+        for row, length in enumerate([args.lengths[0], *args.lengths]):
+            durations = []
             for _ in range(args.repeat):
                 n += 1
                 tid = f"b{n}"
                 prompt = [(i * 7) % 250 + 1 for i in range(length)]
-                before = p.connector.histograms["kv_transfer_duration_seconds"].snapshot()[1]
-                before_desc = p.stats().get("kv_descriptors_total", 0)
-                before_bytes = p.stats().get("kv_bytes_sent_total", 0)
-                p.add_request(
-                    Request(
-                        f"p{tid}",
-                        prompt,
-                        sp,
-                        kv_transfer_params={"do_remote_decode": True, "transfer_id": tid},
-                    )
-                )
-                d.add_request(
-                    Request(
-                        f"d{tid}",
-                        prompt,
-                        replace(sp, max_tokens=2),
-                        kv_transfer_params={
-                            "do_remote_prefill": True,
-                            "transfer_id": tid,
-                            "remote_side_channel": p.connector.address,
-                        },
-                    )
-                )
+                before, stats0 = hist.snapshot()[1], p.stats()
+                p_params = {"do_remote_decode": True, "transfer_id": tid}
+                d_params = {
+                    "do_remote_prefill": True,
+                    "transfer_id": tid,
+                    "remote_side_channel": p.connector.address,
+                }
+                p.add_request(Request(f"p{tid}", prompt, sp, kv_transfer_params=p_params))
+                d_sp = replace(sp, max_tokens=2)
+                d.add_request(Request(f"d{tid}", prompt, d_sp, kv_transfer_params=d_params))
                 step_until([p, d], lambda: not p.has_work() and not d.has_work())
-                secs = p.connector.histograms["kv_transfer_duration_seconds"].snapshot()[1] - before
-                nbytes = p.stats()["kv_bytes_sent_total"] - before_bytes
-                descs = p.stats()["kv_descriptors_total"] - before_desc
-                src = torch.empty(int(nbytes), dtype=torch.uint8)
-                dst = torch.empty_like(src)
-                dst.copy_(src)
+                durations.append(hist.snapshot()[1] - before)
+                nbytes = p.stats()["kv_bytes_sent_total"] - stats0.get("kv_bytes_sent_total", 0)
+                descs = p.stats()["kv_descriptors_total"] - stats0.get("kv_descriptors_total", 0)
+            if row == 0:
+                continue  # warm-up: the first push to a peer adds it to the NIXL agents
+            src = torch.ones(int(nbytes), dtype=torch.uint8)
+            dst = torch.zeros_like(src)
+            copies = []
+            for _ in range(5):
                 t = time.perf_counter()
                 dst.copy_(src)
-                mc = time.perf_counter() - t
-                gbps = nbytes / secs / 1e9
-                print(
-                    f"{length:>7} {nbytes / 2**20:>8.1f} {descs:>6.0f} {secs * 1e3:>8.2f} {gbps:>6.2f} {nbytes / mc / 1e9:>11.2f} {gbps / (nbytes / mc / 1e9):>6.2f}"
-                )
+                copies.append(time.perf_counter() - t)
+            med = statistics.median(durations)
+            gbps, mc = nbytes / med / 1e9, nbytes / min(copies) / 1e9
+            print(
+                f"{length:>7} {nbytes / 2**20:>8.1f} {descs:>6.0f} {med * 1e3:>13.2f} "
+                f"{gbps:>6.2f} {mc:>11.2f} {gbps / mc:>6.2f}"
+            )
     finally:
         p.shutdown()
         d.shutdown()
