@@ -1,0 +1,116 @@
+"""`pd-proxy` command: ``serve`` the proxy, or try a deployment with ``complete``/``chat``.
+
+    pd-proxy serve --prefill URL [URL ...] --decode URL [URL ...] --port 8000
+    pd-proxy complete "Hello" --url http://127.0.0.1:8000 --max-tokens 32 --stream
+    pd-proxy chat --url http://127.0.0.1:8000
+
+Bad settings exit 2 with a message naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+from proxy.client import run_chat, run_complete
+from proxy.config import ProxyConfigError, add_proxy_args, config_from_sources
+
+logger = logging.getLogger(__name__)
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"
+DEFAULT_URL = os.environ.get("PDPROXY_URL", "http://127.0.0.1:8000")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pd-proxy", description="pdserve proxy: pairs prefill and decode nodes per request"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible proxy")
+    add_proxy_args(serve)
+
+    def client_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--url", default=DEFAULT_URL, help=f"proxy URL (default: {DEFAULT_URL})")
+        p.add_argument("--model", default=None, help="model name (default: the served one)")
+        p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate")
+        p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+        p.add_argument("--timeout", type=float, default=300.0, help="request timeout, seconds")
+
+    complete = sub.add_parser("complete", help="send one completion request and print it")
+    complete.add_argument("prompt", help="the prompt text")
+    client_args(complete)
+    complete.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    chat = sub.add_parser("chat", help="interactive chat (reads lines until EOF or /exit)")
+    client_args(chat)
+    chat.add_argument("--system", default=None, help="an optional system message")
+    return parser
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        cfg = config_from_sources(args)
+    except ProxyConfigError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=cfg.log_level, format=_LOG_FORMAT, stream=sys.stderr)
+    if cfg.log_level != "DEBUG":
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per node call
+    try:
+        sock = _bind(cfg.host, cfg.port)
+    except OSError as e:
+        logger.error("cannot listen on %s:%s: %s", cfg.host, cfg.port, e)
+        return 1
+    import uvicorn
+
+    from proxy.app import build_app
+
+    port = sock.getsockname()[1]
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    banner = (
+        f"pdserve proxy listening on http://{host}:{port} "
+        f"(prefill: {' '.join(cfg.prefill)}; decode: {' '.join(cfg.decode)})"
+    )
+
+    class ProxyServer(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                print(banner, flush=True)  # noqa: T201 - CLI output
+
+    config = uvicorn.Config(
+        build_app(cfg),
+        log_config=None,
+        log_level=cfg.log_level.lower(),
+        access_log=cfg.log_level == "DEBUG",
+        timeout_graceful_shutdown=5,
+    )
+    try:
+        ProxyServer(config).run(sockets=[sock])
+    finally:
+        sock.close()
+    logger.info("proxy stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        sys.exit(serve(args, parser))
+    if args.command == "complete":
+        sys.exit(run_complete(args))
+    sys.exit(run_chat(args))

@@ -1,0 +1,250 @@
+"""Frozen, validated proxy configuration, from flags, environment and a config file.
+
+Precedence (highest first): command-line flags, environment (``PDPROXY_<FIELD>``, e.g.
+``PDPROXY_PREFILL``, ``PDPROXY_MAX_INFLIGHT``), a ``--config`` file (JSON or TOML, keys are
+field names with ``_`` or ``-``), then the defaults below. Every error names the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: JSON config files only
+    tomllib = None  # type: ignore[assignment]
+
+ENV_PREFIX = "PDPROXY_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class ProxyConfigError(ValueError):
+    """A proxy setting is invalid; the message names the flag to fix."""
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ProxyConfigError(f"{flag_name(name)}: {msg}")
+
+
+_URL_RE = re.compile(r"^https?://[^/\s]+$")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill: tuple[str, ...] = field(
+        default=(), metadata={"help": "prefill node URLs (http://host:port), one or more"}
+    )
+    decode: tuple[str, ...] = field(
+        default=(), metadata={"help": "decode node URLs (http://host:port), one or more"}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=8000, metadata={"help": "HTTP port (0 = any free port)"})
+    max_inflight: int = field(
+        default=256, metadata={"help": "in-flight requests before answering 429"}
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "context length for max_tokens checks (default: the nodes' own)"},
+    )
+    max_retries: int = field(
+        default=1, metadata={"help": "retries on another P/D pair before any token was sent"}
+    )
+    health_interval: float = field(
+        default=1.0, metadata={"help": "seconds between node health checks"}
+    )
+    health_timeout: float = field(
+        default=2.0, metadata={"help": "timeout of one node health check, in seconds"}
+    )
+    connect_timeout: float = field(
+        default=5.0, metadata={"help": "timeout to connect to a node, in seconds"}
+    )
+    request_timeout: float = field(
+        default=600.0, metadata={"help": "max seconds to wait for a node's next bytes"}
+    )
+    max_connections: int = field(
+        default=1024, metadata={"help": "pooled HTTP connections to nodes, in total"}
+    )
+    node_skip_first_token: bool = field(
+        default=False,
+        metadata={
+            "help": "ask decode nodes to omit the first token (kv_transfer_params."
+            "skip_first_token) instead of dropping it in the proxy"
+        },
+    )
+    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "decode"):
+            urls = getattr(self, role)
+            _require(bool(urls), role, f"at least one {role} node URL is required")
+            for url in urls:
+                _require(
+                    bool(_URL_RE.match(url)),
+                    role,
+                    f"{url!r} is not a node base URL like http://10.0.0.1:8100",
+                )
+            _require(len(set(urls)) == len(urls), role, "a node URL is listed twice")
+        _require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _require(self.max_inflight >= 1, "max_inflight", "must be >= 1")
+        _require(
+            self.max_model_len is None or self.max_model_len >= 2,
+            "max_model_len",
+            "must be at least 2 tokens",
+        )
+        _require(0 <= self.max_retries <= 5, "max_retries", "must be in [0, 5]")
+        for name in ("health_interval", "health_timeout", "connect_timeout", "request_timeout"):
+            _require(getattr(self, name) > 0, name, "must be > 0 seconds")
+        _require(self.max_connections >= 1, "max_connections", "must be >= 1")
+        _require(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
+
+
+_HINTS = typing.get_type_hints(ProxyConfig)
+_FIELDS = {f.name: f for f in dataclasses.fields(ProxyConfig)}
+
+
+def _base_type(name: str) -> Any:
+    tp = _HINTS[name]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is tuple:
+        return tuple
+    if args and typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return args[0]
+    return tp
+
+
+def _split_urls(value: Any, name: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(u for u in re.split(r"[,\s]+", value) if u)
+    if isinstance(value, list | tuple) and all(isinstance(u, str) for u in value):
+        return tuple(u.strip() for u in value if u.strip())
+    raise ProxyConfigError(f"{flag_name(name)}: must be a list of URLs, got {value!r:.80}")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Convert a file/env value to the field's type; errors name the flag."""
+    tp = _base_type(name)
+    if value is None:
+        return None
+    if tp is tuple:
+        return _split_urls(value, name)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ProxyConfigError(f"{flag_name(name)}: must be true or false, got {value!r}")
+    if name == "log_level":
+        return str(value).upper()
+    try:
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return tp(value)
+    except (TypeError, ValueError):
+        raise ProxyConfigError(
+            f"{flag_name(name)}: must be {'an integer' if tp is int else 'a number'}, "
+            f"got {value!r:.80}"
+        ) from None
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a JSON or TOML (by extension; else JSON then TOML) file of settings."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ProxyConfigError(f"--config: cannot read {path}: {e}") from e
+    if tomllib is None and path.endswith(".toml"):
+        raise ProxyConfigError("--config: TOML files need Python >= 3.11; use JSON")
+    try:
+        if path.endswith(".toml"):
+            data: Any = tomllib.loads(raw.decode())
+        else:
+            try:
+                data = json.loads(raw)
+            except json.JSONDecodeError:
+                if path.endswith(".json") or tomllib is None:
+                    raise
+                data = tomllib.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProxyConfigError(f"--config: {path} is neither valid JSON nor TOML: {e}") from e
+    if isinstance(data, dict) and isinstance(data.get("proxy"), dict):
+        data = data["proxy"]  # allow a [proxy] table
+    if not isinstance(data, dict):
+        raise ProxyConfigError(f"--config: {path} must hold an object/table of settings")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in _FIELDS:
+            raise ProxyConfigError(f"--config: unknown setting {key!r} in {path}")
+        out[name] = _coerce(name, value)
+    return out
+
+
+def env_settings(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in _FIELDS:
+        value = environ.get(ENV_PREFIX + name.upper())
+        if value is not None and value.strip() != "":
+            out[name] = _coerce(name, value)
+    return out
+
+
+def add_proxy_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per field; values not given stay absent (so file/env/defaults apply)."""
+    parser.add_argument(
+        "--config", metavar="FILE", help="JSON or TOML file of settings (keys = flag names)"
+    )
+    for name, f in _FIELDS.items():
+        tp = _base_type(name)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        env = ENV_PREFIX + name.upper()
+        help_text = f.metadata.get("help", "")
+        if default not in (None, ()):
+            help_text += f" (default: {default})"
+        help_text += f" [env {env}]"
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        if tp is tuple:
+            kwargs.update(nargs="+", metavar="URL")
+        elif tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif name == "log_level":
+            kwargs.update(type=str.upper, choices=LOG_LEVELS)
+        else:
+            kwargs["type"] = tp
+        parser.add_argument(flag_name(name), **kwargs)
+
+
+def config_from_sources(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> ProxyConfig:
+    """Merge defaults < config file < environment < flags into a validated ProxyConfig."""
+    settings: dict[str, Any] = {}
+    path = getattr(args, "config", None) or (environ or os.environ).get(ENV_PREFIX + "CONFIG")
+    if path:
+        settings.update(load_config_file(path))
+    settings.update(env_settings(os.environ if environ is None else environ))
+    for name in _FIELDS:
+        if hasattr(args, name):
+            value = getattr(args, name)
+            settings[name] = _split_urls(value, name) if _base_type(name) is tuple else value
+    try:
+        return ProxyConfig(**settings)
+    except TypeError as e:  # pragma: no cover - guarded by _FIELDS
+        raise ProxyConfigError(str(e)) from e

@@ -1,0 +1,88 @@
+"""Background health polling of every node.
+
+Every ``health_interval`` seconds each node gets ``GET /health`` (with a timeout). A node
+that answers 200 is (re)admitted once its facts are known: ``GET /v1/models`` (model name,
+context length) and ``GET /v1/kv_transfer_info`` (side-channel address, incarnation);
+these are fetched again whenever the node comes back, since it may have restarted. A
+connection error, timeout or non-200 answer takes the node out of rotation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import httpx
+
+from proxy.nodes import Node, NodePool
+
+logger = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    def __init__(self, pool: NodePool, client: httpx.AsyncClient, interval: float) -> None:
+        self.pool = pool
+        self.client = client
+        self.interval = interval
+        self._task: asyncio.Task[None] | None = None
+        self._first_round = asyncio.Event()
+
+    async def check_node(self, node: Node) -> None:
+        try:
+            resp = await self.client.get(node.url + "/health")
+        except httpx.HTTPError as e:
+            node.set_healthy(False, f"health check failed: {type(e).__name__}: {e}")
+            return
+        if resp.status_code != 200:
+            node.set_healthy(False, f"health check answered {resp.status_code}")
+            return
+        if not node.healthy or node.model is None or node.incarnation is None:
+            try:
+                node.update_info(await self._get_json(node, "/v1/kv_transfer_info"), None)
+                node.update_info(None, await self._get_json(node, "/v1/models"))
+            except (httpx.HTTPError, ValueError) as e:
+                node.set_healthy(False, f"node facts unavailable: {e}")
+                return
+            if node.role == "prefill" and node.side_channel is None:
+                node.set_healthy(False, "prefill node advertises no KV side channel")
+                return
+        node.set_healthy(True)
+
+    async def _get_json(self, node: Node, path: str) -> dict[str, Any] | None:
+        resp = await self.client.get(node.url + path)
+        if resp.status_code == 404 and path == "/v1/kv_transfer_info" and node.role == "decode":
+            return None  # a decode node need not advertise its side channel
+        resp.raise_for_status()
+        data = resp.json()
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} did not return a JSON object")
+        return data
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check_node(n) for n in self.pool.all()))
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+            except Exception:  # never let the poller die
+                logger.exception("health check round failed")
+            self._first_round.set()
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="pdproxy-health")
+
+    async def wait_first_round(self, timeout: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._first_round.wait(), timeout)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -1,0 +1,199 @@
+"""The two legs of a disaggregated request: one prefill call and one decode call.
+
+``Legs`` owns the shared ``httpx.AsyncClient`` to the nodes and knows how to start a
+pair (``Attempt``): P gets the client's body with ``do_remote_decode`` (non-streaming; it
+answers with the first token), D gets it with ``do_remote_prefill`` and P's side-channel
+address. Both legs carry the same request id (``X-Request-Id``) and transfer id. A leg
+that fails raises ``UpstreamError``; ``node_fault`` tells a node failure (connection
+error, timeout, 5xx: retry elsewhere) from a refusal of the request (4xx: the client's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import httpx
+
+from proxy.nodes import Node
+from proxy.validation import ProxyRequest
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class UpstreamError(Exception):
+    def __init__(
+        self,
+        node: Node,
+        message: str,
+        *,
+        status: int | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(f"{node.role} node {node.url}: {message}")
+        self.detail = message
+        self.node = node
+        self.status = status
+        self.body = body
+
+    @property
+    def node_fault(self) -> bool:
+        return self.status is None or self.status >= 500
+
+
+async def _error_from_response(node: Node, resp: httpx.Response) -> UpstreamError:
+    raw = await resp.aread()
+    body: dict[str, Any] | None = None
+    with contextlib.suppress(ValueError):
+        parsed = json.loads(raw)
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            body = parsed
+    detail = body["error"].get("message") if body else raw[:200].decode("utf-8", "replace")
+    return UpstreamError(node, f"HTTP {resp.status_code}: {detail}", status=resp.status_code,
+                         body=body)  # fmt: skip
+
+
+class Legs:
+    """Shared node client plus fire-and-forget housekeeping (aborts, stream closes)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` detached (survives the cancellation of the request that spawned it)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
+
+    async def abort(self, node: Node, request_id: str) -> None:
+        try:
+            resp = await self.client.post(
+                node.url + "/v1/abort",
+                json={"request_id": request_id},
+                headers={REQUEST_ID_HEADER: request_id},
+                timeout=5.0,
+            )
+            if resp.status_code != 200:
+                logger.info("abort of %s on %s answered %s", request_id, node.url, resp.status_code)
+        except httpx.HTTPError as e:
+            logger.info("abort of %s on %s failed: %s", request_id, node.url, e)
+
+    async def prefill(self, req: ProxyRequest, node: Node, rid: str) -> dict[str, Any]:
+        body = {k: v for k, v in req.body.items() if k != "stream_options"}
+        body["stream"] = False
+        body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": rid}
+        with node.lease():
+            try:
+                resp = await self.client.post(
+                    node.url + req.path, json=body, headers={REQUEST_ID_HEADER: rid}
+                )
+            except httpx.HTTPError as e:
+                raise UpstreamError(node, f"{type(e).__name__}: {e}") from e
+            if resp.status_code != 200:
+                raise await _error_from_response(node, resp)
+            try:
+                data = resp.json()
+                data["choices"][0]  # noqa: B018 - shape check
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                raise UpstreamError(node, f"malformed prefill response: {e}", status=502) from e
+        return data
+
+    async def open_decode(
+        self, req: ProxyRequest, node: Node, rid: str, side_channel: str, skip_first: bool
+    ) -> httpx.Response:
+        """Send the decode leg; returns the (streaming) response once its headers arrived."""
+        kv: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "transfer_id": rid,
+            "remote_side_channel": side_channel,
+        }
+        if skip_first:
+            kv["skip_first_token"] = True
+        body = {**req.body, "kv_transfer_params": kv}
+        request = self.client.build_request(
+            "POST", node.url + req.path, json=body, headers={REQUEST_ID_HEADER: rid}
+        )
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise UpstreamError(node, f"{type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            try:
+                raise await _error_from_response(node, resp)
+            finally:
+                await resp.aclose()
+        return resp
+
+
+class Attempt:
+    """One (P, D) pair working on one request; ``release`` cleans up whatever is left."""
+
+    def __init__(
+        self, legs: Legs, req: ProxyRequest, p: Node, d: Node, rid: str, skip_first: bool
+    ) -> None:
+        assert p.side_channel is not None
+        self.legs, self.p, self.d, self.rid = legs, p, d, rid
+        self.p_task = asyncio.ensure_future(legs.prefill(req, p, rid))
+        d.outstanding += 1
+        d.requests_total += 1
+        self._d_leased = True
+        self.d_task = asyncio.ensure_future(
+            legs.open_decode(req, d, rid, p.side_channel, skip_first)
+        )
+        self.d_stream: httpx.Response | None = None
+        self.finished = False  # D's answer was read to its end
+        self._aborted = False
+
+    async def wait_prefill(self) -> dict[str, Any]:
+        """P's answer. If D fails first, its error is raised instead (and P is dropped)."""
+        while not self.p_task.done():
+            await asyncio.wait({self.p_task, self.d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if self.d_task.done() and self.d_task.exception() is not None:
+                raise self.d_task.exception()  # type: ignore[misc]
+        return self.p_task.result()
+
+    async def wait_decode(self) -> httpx.Response:
+        """D's open response. If P fails first, P's error is raised."""
+        while not self.d_task.done():
+            await asyncio.wait({self.p_task, self.d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if self.p_task.done() and self.p_task.exception() is not None:
+                raise self.p_task.exception()  # type: ignore[misc]
+        self.d_stream = self.d_task.result()
+        return self.d_stream
+
+    def release(self) -> None:
+        """Drop both legs; unless D finished, abort the request on both nodes.
+
+        Never awaits, so it is safe in ``finally`` blocks of cancelled tasks.
+        """
+        for task in (self.p_task, self.d_task):
+            if not task.done():
+                task.cancel()
+            task.add_done_callback(_consume)
+        if self.d_stream is not None:
+            self.legs.spawn(self.d_stream.aclose())
+            self.d_stream = None
+        if self._d_leased:
+            self._d_leased = False
+            self.d.outstanding -= 1
+        if not self.finished and not self._aborted:
+            self._aborted = True
+            self.legs.spawn(self.legs.abort(self.d, self.rid))
+            self.legs.spawn(self.legs.abort(self.p, self.rid))
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Retrieve a finished leg's outcome so asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()

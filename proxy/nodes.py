@@ -1,0 +1,123 @@
+"""What the proxy knows about each prefill and decode node.
+
+A ``Node`` is routable when it is healthy (its last health check passed and no request
+failed on it since) and its facts are known (model, context length and, for prefill
+nodes, the KV side-channel address D nodes must reach). Only the event loop touches
+these objects, so they need no locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass
+class Node:
+    url: str
+    role: Role
+    healthy: bool = False
+    outstanding: int = 0
+    requests_total: int = 0
+    failures_total: int = 0
+    last_error: str | None = None
+    changed_at: float = field(default_factory=time.monotonic)
+    # Facts from GET /v1/kv_transfer_info and GET /v1/models.
+    engine_id: str | None = None
+    incarnation: str | None = None
+    side_channel: str | None = None
+    model: str | None = None
+    max_model_len: int | None = None
+
+    @property
+    def ready(self) -> bool:
+        if not self.healthy or self.model is None:
+            return False
+        return self.role == "decode" or self.side_channel is not None
+
+    def set_healthy(self, healthy: bool, reason: str | None = None) -> None:
+        if healthy == self.healthy:
+            if reason:
+                self.last_error = reason
+            return
+        self.healthy = healthy
+        self.changed_at = time.monotonic()
+        if healthy:
+            logger.info("%s node %s is healthy again", self.role, self.url)
+            self.last_error = None
+        else:
+            self.last_error = reason
+            logger.warning("%s node %s taken out of rotation: %s", self.role, self.url, reason)
+
+    def mark_failed(self, reason: str) -> None:
+        """A request failed on this node (connection error or 5xx): stop routing to it."""
+        self.failures_total += 1
+        self.set_healthy(False, reason)
+
+    def update_info(self, kv_info: dict[str, Any] | None, models: dict[str, Any] | None) -> None:
+        if kv_info is not None:
+            incarnation = kv_info.get("incarnation")
+            if self.incarnation is not None and incarnation != self.incarnation:
+                logger.info(
+                    "%s node %s restarted (incarnation %s -> %s)",
+                    self.role, self.url, self.incarnation, incarnation,
+                )  # fmt: skip
+            self.engine_id = kv_info.get("engine_id")
+            self.incarnation = incarnation
+            side = kv_info.get("side_channel")
+            self.side_channel = side if isinstance(side, str) and side else None
+        if models is not None:
+            cards = models.get("data") or []
+            if cards and isinstance(cards[0], dict):
+                self.model = str(cards[0].get("id"))
+                mml = cards[0].get("max_model_len")
+                self.max_model_len = int(mml) if isinstance(mml, int) else None
+
+    @contextmanager
+    def lease(self) -> Iterator[Node]:
+        """Count one outstanding request on this node for the duration of the block."""
+        self.outstanding += 1
+        self.requests_total += 1
+        try:
+            yield self
+        finally:
+            self.outstanding -= 1
+
+
+class NodePool:
+    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...]) -> None:
+        self.prefill = [Node(url.rstrip("/"), "prefill") for url in prefill]
+        self.decode = [Node(url.rstrip("/"), "decode") for url in decode]
+
+    def all(self) -> list[Node]:
+        return [*self.prefill, *self.decode]
+
+    def nodes(self, role: Role) -> list[Node]:
+        return self.prefill if role == "prefill" else self.decode
+
+    def ready(self, role: Role) -> list[Node]:
+        return [n for n in self.nodes(role) if n.ready]
+
+    @property
+    def serving(self) -> bool:
+        """At least one prefill and one decode node can take requests."""
+        return bool(self.ready("prefill")) and bool(self.ready("decode"))
+
+    def model_names(self) -> list[str]:
+        names: list[str] = []
+        for n in self.all():
+            if n.model is not None and n.model not in names:
+                names.append(n.model)
+        return names
+
+    def max_model_len(self) -> int | None:
+        lens = [n.max_model_len for n in self.all() if n.max_model_len is not None]
+        return min(lens) if lens else None

@@ -1,0 +1,348 @@
+"""One client request served by a prefill/decode pair, with retries and first-token streaming.
+
+Non-streaming: P and D are called concurrently; D's answer (all tokens, the first one
+included) is the client's. Streaming: as soon as P answers, its first token goes to the
+client; D's stream follows with that token dropped (by D itself with
+``skip_first_token``, else here), so each token is sent exactly once.
+
+A pair failing (connection error, timeout, 5xx) before any of D's tokens reached the
+client is retried on another pair (``max_retries``). If P's first token was already
+streamed, the retried pair must produce the same first token (always so for greedy or
+seeded sampling), else the client gets an error event. Once D's tokens flow, a failure
+ends the stream with ``data: {"error": ...}`` and ``data: [DONE]``: never a silently
+truncated answer. Requests with stop strings are not pre-streamed (a stop string may
+start inside the first token), they stream from D alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from engine.server.protocol import APIError, error_body
+from proxy.config import ProxyConfig
+from proxy.legs import Attempt, Legs, UpstreamError
+from proxy.metrics import ProxyMetrics
+from proxy.router import NoHealthyNode, Router
+from proxy.validation import ProxyRequest
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class PassThrough(Exception):
+    """A node refused the request (4xx): answer the client with the node's error."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(body.get("error", {}).get("message", ""))
+        self.status = status
+        self.body = body
+
+
+class _Skipper:
+    """Drops what the client already got (P's first token) from the start of D's stream."""
+
+    def __init__(self, ids: int = 0, text: str = "") -> None:
+        self.ids = ids
+        self.text = text
+
+    def apply(self, ids: list[int], text: str) -> tuple[list[int], str]:
+        if self.ids:
+            n = min(self.ids, len(ids))
+            ids, self.ids = ids[n:], self.ids - n
+        if self.text and text:
+            if text.startswith(self.text):
+                text, self.text = text[len(self.text) :], ""
+            elif self.text.startswith(text):
+                text, self.text = "", self.text[len(text) :]
+            else:
+                logger.warning("decode text does not continue the first token's text")
+                self.text = ""
+        return ids, text
+
+
+class Session:
+    def __init__(
+        self,
+        req: ProxyRequest,
+        request_id: str,
+        cfg: ProxyConfig,
+        router: Router,
+        legs: Legs,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.req, self.request_id, self.cfg = req, request_id, cfg
+        self.router, self.legs, self.metrics = router, legs, metrics
+        self.arrival = time.monotonic()
+        self.created = int(time.time())
+        self.attempts = 0
+        self.excluded: set[str] = set()
+        self.current: Attempt | None = None
+        # Streaming state.
+        self.prestream = req.stream and not req.parsed.stop
+        self.sent_ids: list[int] | None = None  # P's first token, once sent to the client
+        self.first_chunk: str | None = None
+        self._skip = _Skipper()
+        self.model: str | None = req.parsed.model
+        self.role_sent = False
+        self.ttft_seen = False
+        self.outcome = "pending"  # "ok", "error" (reported to the client) or still pending
+        self._closed = False
+
+    # -- shared ----------------------------------------------------------------------------
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.req.chat else "cmpl-") + self.request_id
+
+    def _launch(self) -> Attempt:
+        """Start the next pair; raises APIError 503 when no pair is healthy."""
+        try:
+            p, d = self.router.pick_pair(self.excluded)
+        except NoHealthyNode as e:
+            raise APIError(
+                f"no healthy prefill/decode pair is available: {e}",
+                status_code=503,
+                err_type="server_error",
+                code="no_healthy_nodes",
+            ) from e
+        rid = self.request_id if self.attempts == 0 else f"{self.request_id}-retry{self.attempts}"
+        self.attempts += 1
+        skip = self.prestream and self.cfg.node_skip_first_token
+        logger.info(
+            "request %s: %s via prefill %s + decode %s (attempt %d, node id %s)",
+            self.request_id, self.req.endpoint, p.url, d.url, self.attempts, rid,
+        )  # fmt: skip
+        self.current = Attempt(self.legs, self.req, p, d, rid, skip)
+        return self.current
+
+    def _failed(self, attempt: Attempt, err: UpstreamError) -> None:
+        """Clean up a failed pair; raise unless another attempt is allowed."""
+        attempt.release()
+        if not err.node_fault:
+            logger.info("request %s refused by %s", self.request_id, err)
+            raise PassThrough(err.status or 400, err.body or error_body(str(err)))
+        logger.warning("request %s: %s", self.request_id, err)
+        err.node.mark_failed(err.detail)
+        self.excluded.add(err.node.url)
+        if self.attempts > self.cfg.max_retries:
+            raise APIError(
+                f"the request failed on {self.attempts} prefill/decode pair(s); last error: {err}",
+                status_code=502,
+                err_type="server_error",
+                code="upstream_error",
+            ) from err
+        self.metrics.retries.labels(err.node.role).inc()
+
+    def _saw_first_token(self) -> None:
+        if not self.ttft_seen:
+            self.ttft_seen = True
+            self.metrics.ttft.observe(time.monotonic() - self.arrival)
+
+    def close(self) -> None:
+        """Release whatever pair is still held (client gone, error, or done)."""
+        if self.current is not None:
+            self.current.release()
+            self.current = None
+        if not self._closed:
+            self._closed = True
+            self.metrics.e2e.observe(time.monotonic() - self.arrival)
+
+    # -- non-streaming ---------------------------------------------------------------------
+    async def complete(self) -> dict[str, Any]:
+        """The whole answer as one JSON body (D's, with the proxy's id)."""
+        while True:
+            attempt = self._launch()
+            try:
+                resp = await attempt.wait_decode()
+                raw = await resp.aread()
+                attempt.finished = True
+                body = json.loads(raw)
+            except UpstreamError as e:
+                self._failed(attempt, e)
+                continue
+            except (httpx.HTTPError, ValueError) as e:
+                self._failed(attempt, UpstreamError(attempt.d, f"reading the answer: {e}"))
+                continue
+            self._saw_first_token()
+            body.pop("kv_transfer_params", None)
+            body["id"] = self.response_id
+            self.outcome = "ok"
+            return body
+
+    # -- streaming -------------------------------------------------------------------------
+    async def start_stream(self) -> None:
+        """Run pairs until the first bytes for the client are known (or raise)."""
+        while True:
+            attempt = self._launch()
+            try:
+                if self.prestream:
+                    first = await attempt.wait_prefill()
+                    self.first_chunk = self._first_chunk(first)
+                else:
+                    await attempt.wait_decode()
+                return
+            except UpstreamError as e:
+                self._failed(attempt, e)
+
+    def _first_tokens(self, p_body: dict[str, Any]) -> tuple[list[int], str]:
+        choice = p_body["choices"][0]
+        ids = choice.get("token_ids")
+        if ids is None:
+            first = (p_body.get("kv_transfer_params") or {}).get("first_token")
+            ids = [] if first is None else [first]
+        text = choice.get("message", {}).get("content") if self.req.chat else choice.get("text")
+        return list(ids), text or ""
+
+    def _first_chunk(self, p_body: dict[str, Any]) -> str:
+        ids, text = self._first_tokens(p_body)
+        self._saw_first_token()
+        self.model = p_body.get("model") or self.model
+        if "\ufffd" in text and not self.cfg.node_skip_first_token:
+            text = ""  # an incomplete UTF-8 sequence: let D's text carry the character
+        self.sent_ids = ids
+        self._skip = _Skipper(0, "") if self.cfg.node_skip_first_token else _Skipper(len(ids), text)
+        choice: dict[str, Any] = {"index": 0}
+        if self.req.chat:
+            choice["delta"] = {"role": "assistant", "content": text}
+            self.role_sent = True
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=None, token_ids=ids)
+        return sse(self._envelope([choice], usage=True))
+
+    def _envelope(self, choices: list[dict[str, Any]], usage: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.response_id,
+            "object": "chat.completion.chunk" if self.req.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage and self.req.parsed.include_usage:
+            body["usage"] = None
+        return body
+
+    async def _reopen_after_first_token(self) -> httpx.Response:
+        """D failed after P's token was streamed: rerun a pair that agrees on that token."""
+        while True:
+            attempt = self._launch()
+            try:
+                first = await attempt.wait_prefill()
+                ids, _ = self._first_tokens(first)
+                if ids != self.sent_ids:
+                    attempt.release()
+                    raise APIError(
+                        "the retried request produced a different first token than the one "
+                        "already streamed",
+                        status_code=502,
+                        err_type="server_error",
+                        code="retry_diverged",
+                    )
+                return await attempt.wait_decode()
+            except UpstreamError as e:
+                self._failed(attempt, e)
+
+    async def events(self) -> AsyncIterator[str]:
+        """The SSE body. Must run after ``start_stream``; always ends with [DONE]."""
+        last = time.monotonic()
+        try:
+            if self.first_chunk is not None:
+                yield self.first_chunk
+                last = time.monotonic()
+            else:
+                self._skip = _Skipper()
+            assert self.current is not None
+            try:
+                resp = await self.current.wait_decode()
+            except UpstreamError as e:
+                self._failed(self.current, e)
+                resp = await self._reopen_after_first_token()
+            done = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    self.metrics.errors.labels("stream_error").inc()
+                    logger.warning("request %s: decode reported %s", self.request_id, obj)
+                    self.outcome = "error"
+                    yield sse(obj)
+                    break
+                out = self._rewrite(obj)
+                if out is None:
+                    continue
+                n = len(out["choices"][0].get("token_ids") or []) if out["choices"] else 0
+                if n:
+                    self._saw_first_token()
+                    now = time.monotonic()
+                    self.metrics.itl.observe((now - last) / n)
+                    last = now
+                yield sse(out)
+            if done:
+                assert self.current is not None
+                self.current.finished = True
+                self.outcome = "ok"
+            elif self.outcome == "error":
+                pass  # D's error event was forwarded
+            else:
+                raise UpstreamError(self.current.d, "the decode stream ended without [DONE]")
+            yield SSE_DONE
+        except (UpstreamError, APIError, PassThrough, httpx.HTTPError, ValueError) as e:
+            if isinstance(e, UpstreamError) and e.node_fault:
+                e.node.mark_failed(e.detail)
+            elif isinstance(e, httpx.HTTPError) and self.current is not None:
+                self.current.d.mark_failed(f"decode stream broke: {e}")
+            logger.warning("request %s failed mid-stream: %s", self.request_id, e)
+            self.metrics.errors.labels("stream_error").inc()
+            self.outcome = "error"
+            msg = e.message if isinstance(e, APIError) else f"upstream failure: {e}"
+            if isinstance(e, PassThrough):
+                msg = f"the request was refused after the first token: {e}"
+            yield sse(error_body(msg, "server_error", None, "upstream_error"))
+            yield SSE_DONE
+        finally:
+            self.close()
+
+    def _rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        obj.pop("kv_transfer_params", None)
+        obj["id"] = self.response_id
+        obj["created"] = self.created
+        choices = obj.get("choices") or []
+        if not choices:
+            return obj  # the usage chunk
+        c = choices[0]
+        ids = list(c.get("token_ids") or [])
+        if self.req.chat:
+            delta = c.setdefault("delta", {})
+            text = delta.get("content") or ""
+        else:
+            text = c.get("text") or ""
+        ids, text = self._skip.apply(ids, text)
+        c["token_ids"] = ids
+        role_added = False
+        if self.req.chat:
+            if self.role_sent:
+                delta.pop("role", None)
+            else:
+                delta["role"] = "assistant"
+                self.role_sent = role_added = True
+            delta["content"] = text
+        else:
+            c["text"] = text
+        if not ids and not text and c.get("finish_reason") is None and not role_added:
+            return None
+        return obj

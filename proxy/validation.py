@@ -1,0 +1,91 @@
+"""Request checks the proxy makes before any node is touched.
+
+The field-level validation is the node's own (``engine.server.protocol``), imported, so
+the proxy and the nodes accept exactly the same requests. On top of it the proxy checks
+what it can without a tokenizer: the model name and ``max_tokens`` against the context
+length (the prompt's own length is checked by the nodes, which answer 400 and are not
+retried).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.server.protocol import (
+    APIError,
+    BaseRequest,
+    check_model,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+COMPLETIONS = "completions"
+CHAT = "chat"
+
+
+@dataclass
+class ProxyRequest:
+    """A validated client request: the raw body (forwarded) and its parsed form."""
+
+    endpoint: str  # COMPLETIONS or CHAT
+    body: dict[str, Any]
+    parsed: BaseRequest
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == CHAT
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    @property
+    def stream(self) -> bool:
+        return self.parsed.stream
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(
+            f"We could not parse the JSON body of your request: {e}", code="invalid_json"
+        ) from e
+
+
+def validate_request(
+    endpoint: str, raw: bytes, model_names: list[str], max_model_len: int | None
+) -> ProxyRequest:
+    """Parse and check one request; raises ``APIError`` (400) naming the problem."""
+    body = parse_json(raw)
+    parsed = parse_chat_request(body) if endpoint == CHAT else parse_completion_request(body)
+    if parsed.kv_transfer_params is not None:
+        raise APIError(
+            "'kv_transfer_params' is set by the proxy and must not be sent by clients",
+            param="kv_transfer_params",
+            code="unsupported_parameter",
+        )
+    if len(model_names) == 1:
+        check_model(parsed.model, model_names[0])
+    elif parsed.model is not None and model_names and parsed.model not in model_names:
+        raise APIError(
+            f"The model '{parsed.model}' does not exist; this server serves "
+            f"{', '.join(model_names)}",
+            param="model",
+            code="model_not_found",
+        )
+    limit = max_model_len
+    if limit is not None and parsed.max_tokens is not None and parsed.max_tokens >= limit:
+        name = "max_tokens"
+        if endpoint == CHAT and body.get("max_completion_tokens") is not None:
+            name = "max_completion_tokens"
+        raise APIError(
+            f"'{name}' is {parsed.max_tokens}, but this model's maximum context length "
+            f"is {limit} tokens (prompt included); use at most "
+            f"{limit - 1}",
+            param=name,
+            code="context_length_exceeded",
+        )
+    return ProxyRequest(endpoint, body, parsed)

@@ -1,0 +1,129 @@
+"""Node failures behind the proxy: a decode node SIGKILLed mid-stream and before its first token.
+
+One prefill and two decode nodes (real processes, NIXL), and proxies in front of them:
+``fast`` polls health every 0.5 s; ``slow_*`` poll once a minute, so they still believe a
+killed node is healthy and route to it, which exercises the retry on another pair.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_proxy_support import (
+    GREEDY,
+    Proc,
+    metric,
+    spawn_node,
+    spawn_proxy,
+    sse_events,
+    stop_all,
+    stream_ids,
+    wait_for,
+    wait_healthy,
+)
+
+
+class Setup:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        nixl = ("--kv-connector", "nixl")
+        self.p = spawn_node("p1", "prefill_node", tmp, *nixl)
+        self.d = [spawn_node(f"d{i}", "decode_node", tmp, *nixl) for i in (1, 2)]
+        self.procs: list[Proc] = [self.p, *self.d]
+        wait_healthy(self.procs)
+        self.fast = self.proxy("fast")
+        self.slow_stream = self.proxy("slow-stream", "--health-interval", "60")
+        self.slow_plain = self.proxy("slow-plain", "--health-interval", "60")
+        wait_healthy([self.fast, self.slow_stream, self.slow_plain], timeout=60)
+        self.killed: Proc | None = None
+
+    def proxy(self, name: str, *extra: str) -> Proc:
+        p = spawn_proxy(name, self.tmp, [self.p.url], [d.url for d in self.d], *extra)
+        self.procs.append(p)
+        return p
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    s: Setup | None = None
+    try:
+        s = Setup(tmp_path_factory.mktemp("failover"))
+        yield s
+    finally:
+        if s is not None:
+            stop_all(s.procs)
+
+
+BODY = {"prompt": "The quick brown fox", "max_tokens": 8, **GREEDY}
+
+
+def _decode_health(proxy: Proc) -> dict[str, dict]:
+    return {n["url"]: n for n in httpx.get(proxy.url + "/health", timeout=5).json()["decode"]}
+
+
+def test_decode_killed_mid_stream_gets_error_event(setup: Setup) -> None:
+    ref = httpx.post(setup.fast.url + "/v1/completions", json=BODY, timeout=60)
+    assert ref.status_code == 200, ref.text
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, **GREEDY}
+    with httpx.stream("POST", setup.fast.url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        first = [next(lines) for _ in range(6)]
+        serving = [u for u, n in _decode_health(setup.fast).items() if n["outstanding"] == 1]
+        assert len(serving) == 1, _decode_health(setup.fast)
+        victim = next(d for d in setup.d if d.url == serving[0])
+        victim.kill9()
+        setup.killed = victim
+        rest = list(lines)
+    events = [json.loads(ln[6:]) for ln in first + rest if ln.startswith("data: {")]
+    assert [ln for ln in rest if ln][-1] == "data: [DONE]"
+    assert "error" in events[-1], events[-3:]
+    assert all("error" not in e for e in events[:-1])
+    assert stream_ids(events[:-1]), "some tokens arrived before the failure"
+    assert not any(e.get("choices", [{}])[0].get("finish_reason") for e in events[:-1])
+    # The dead node leaves the rotation once its health check fails ...
+    wait_for(lambda: not _decode_health(setup.fast)[victim.url]["healthy"], 10, "health check")
+    routed = metric(setup.fast.url, "pdproxy_node_requests_total", {"url": victim.url})
+    # ... and the proxy keeps serving with the remaining nodes.
+    for _ in range(4):
+        out = httpx.post(setup.fast.url + "/v1/completions", json=BODY, timeout=60)
+        assert out.status_code == 200, out.text
+        assert out.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
+    assert metric(setup.fast.url, "pdproxy_node_requests_total", {"url": victim.url}) == routed
+    assert httpx.get(setup.fast.url + "/health").status_code == 200
+
+
+def _retries(proxy: Proc) -> float:
+    return metric(proxy.url, "pdproxy_request_retries_total", {"role": "decode"})
+
+
+def test_dead_decode_before_first_token_is_retried(setup: Setup) -> None:
+    if setup.killed is None:
+        pytest.skip("needs the node killed by the previous test")
+    victim = setup.killed
+    ref = httpx.post(setup.fast.url + "/v1/completions", json=BODY, timeout=60).json()
+    ref_ids = ref["choices"][0]["token_ids"]
+    # The slow proxies still route to the dead node (their last health check passed):
+    # round-robin ties send one of the first two requests there; it is retried.
+    for _ in range(3):
+        with httpx.stream(
+            "POST", setup.slow_stream.url + "/v1/completions",
+            json={**BODY, "stream": True}, timeout=60,
+        ) as resp:  # fmt: skip
+            assert resp.status_code == 200
+            events = sse_events(resp)
+        assert events[-1] == "DONE" and all("error" not in e for e in events[:-1]), events
+        assert stream_ids(events[:-1]) == ref_ids
+        resp = httpx.post(setup.slow_plain.url + "/v1/completions", json=BODY, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == ref_ids
+    for proxy in (setup.slow_stream, setup.slow_plain):
+        assert _retries(proxy) >= 1
+        assert metric(proxy.url, "pdproxy_node_failures_total", {"url": victim.url}) >= 1
+        # Taken out at the first failure: nothing else went there.
+        assert metric(proxy.url, "pdproxy_node_requests_total", {"url": victim.url}) == 1
+        assert not _decode_health(proxy)[victim.url]["healthy"]
