@@ -127,6 +127,13 @@ class KVConnectorScheduler(ABC):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]: ...
 
+    def abort_held(self, request: Request) -> None:  # noqa: B027
+        """A finished request whose blocks the connector holds was aborted by its client.
+
+        Drop work that has not started (so its blocks come back in a ``free_blocks``
+        event); a transfer already in flight still runs to completion.
+        """
+
     def update_connector_output(self, output: ModelRunnerOutput) -> None:  # noqa: B027
         """Sees each step's aggregated output."""
 

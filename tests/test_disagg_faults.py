@@ -179,6 +179,28 @@ def test_prefill_frees_blocks_when_no_reservation_comes(prefill: Node):
     assert prefill.metric("pdserve_engine_kv_transfers_started_total") == sent_before
 
 
+def test_abort_on_prefill_frees_blocks_held_for_send(prefill: Node):
+    """The proxy aborts P when D died before reserving: P frees at once, not at the deadline."""
+    rid = "abort-held-1"
+    resp = httpx.post(
+        prefill.url + "/v1/completions",
+        json={
+            "prompt": list(range(1, 40)),
+            "max_tokens": 1,
+            **GREEDY,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": rid},
+        },
+        headers={"X-Request-Id": rid},
+        timeout=30,
+    )
+    assert resp.status_code == 200
+    assert prefill.metric("pdserve_engine_kv_held_for_send") == 1
+    httpx.post(prefill.url + "/v1/abort", json={"request_id": rid}, timeout=10)
+    took = wait_for(lambda: pools_full(prefill), TIMEOUT_S, "P to free the aborted hold")
+    assert took < TIMEOUT_S / 2
+    assert prefill.metric("pdserve_engine_kv_held_for_send") == 0
+
+
 def test_transfer_params_without_connector_are_refused(tmp_path: Path):
     node = start_node(tmp_path, "--num-blocks", "64")
     try:

@@ -80,7 +80,11 @@ class Scheduler:
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:
         req = self.requests.get(request_id)
-        if req is None or req.status.finished:
+        if req is None:
+            return
+        if req.status.finished:
+            if request_id in self.held:
+                self.connector.abort_held(req)
             return
         status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
         self._finish(req, status, error)

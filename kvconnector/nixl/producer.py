@@ -137,6 +137,17 @@ class Producer:
             self.early[res.transfer_id] = res
         return {"ok": True}
 
+    def abort(self, transfer_id: str) -> None:
+        """The P request's client went away: drop its send unless it already started."""
+        send = self.pending.pop(transfer_id, None)
+        if send is None:
+            return
+        self._tombstone(transfer_id, "aborted on prefill")
+        self.outcome.free_blocks.add(send.request_id)
+        if send.reservation is not None:
+            r = send.reservation
+            self.outcome.notify_failed.append((r.d_address, r.d_request_id, "aborted on prefill"))
+
     def cancel(self, transfer_id: str) -> dict:
         """D gives up on a transfer. ``cancelled``: nothing was or will be written."""
         if any(s.transfer_id == transfer_id for s in self.in_flight.values()):

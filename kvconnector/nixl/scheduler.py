@@ -310,6 +310,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             "remote_side_channel": self.address,
         }
 
+    def abort_held(self, request: Request) -> None:
+        with self._lock:
+            self.producer.abort(self._transfer_id(request))
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
         md = NixlConnectorMetadata()
         with self._lock:
