@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 
+from engine.server.net import bind_socket
 from proxy.client import run_chat, run_complete
 from proxy.config import ProxyConfigError, add_proxy_args, config_from_sources
 
@@ -49,18 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         cfg = config_from_sources(args)
@@ -70,7 +59,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if cfg.log_level != "DEBUG":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per node call
     try:
-        sock = _bind(cfg.host, cfg.port)
+        sock = bind_socket(cfg.host, cfg.port)
     except OSError as e:
         logger.error("cannot listen on %s:%s: %s", cfg.host, cfg.port, e)
         return 1

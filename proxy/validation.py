@@ -9,7 +9,6 @@ retried).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ from engine.server.protocol import (
     check_model,
     parse_chat_request,
     parse_completion_request,
+    parse_json_body,
 )
 
 COMPLETIONS = "completions"
@@ -46,20 +46,11 @@ class ProxyRequest:
         return self.parsed.stream
 
 
-def parse_json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(
-            f"We could not parse the JSON body of your request: {e}", code="invalid_json"
-        ) from e
-
-
 def validate_request(
     endpoint: str, raw: bytes, model_names: list[str], max_model_len: int | None
 ) -> ProxyRequest:
     """Parse and check one request; raises ``APIError`` (400) naming the problem."""
-    body = parse_json(raw)
+    body = parse_json_body(raw)
     parsed = parse_chat_request(body) if endpoint == CHAT else parse_completion_request(body)
     if parsed.kv_transfer_params is not None:
         raise APIError(

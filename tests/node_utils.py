@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -150,3 +152,25 @@ def stop_node(node: Node) -> None:
     for pid in wait_gone(kids, 10):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def wait_for(cond: Any, timeout: float, what: str, interval: float = 0.05) -> float:
+    """Poll ``cond()`` until true; returns the seconds it took, raises after ``timeout``."""
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+    return time.monotonic() - start
+
+
+def sse_events(resp: httpx.Response) -> list[Any]:
+    """An SSE body as JSON objects; the final [DONE] becomes the string 'DONE'."""
+    events: list[Any] = []
+    for line in resp.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: ") :]
+        events.append("DONE" if data == "[DONE]" else json.loads(data))
+    return events

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from node_utils import Node, descendants, start_node, stop_node, wait_gone
+from node_utils import Node, descendants, start_node, stop_node, wait_for, wait_gone
 
 pytest.importorskip("nixl._api")
 
@@ -23,15 +23,6 @@ NODE_ARGS = (
     "128",
 )
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def wait_for(cond, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,8 @@ also when a test fails. No tests live in this module.
 from __future__ import annotations
 
 import contextlib
-import glob
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from node_utils import alive, descendants, free_port, sse_events, wait_for  # noqa: F401
 
 MODEL = "tiny"
 STARTUP_TIMEOUT_S = 240.0
@@ -28,35 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        for path in glob.glob(f"/proc/{p}/task/*/children"):
-            try:
-                with open(path) as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            out.extend(kids)
-            stack.extend(kids)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+_descendants = descendants
+_alive = alive
 
 
 @dataclass
@@ -169,34 +140,12 @@ def node_generate_requests(url: str) -> float:
     )
 
 
-def wait_for(cond: Any, timeout: float, what: str, interval: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if cond():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
 def kv_pool_full(url: str) -> bool:
     free = metric(url, "pdserve_kv_blocks_free")
     total = metric(url, "pdserve_engine_kv_blocks_total")
     running = metric(url, "pdserve_num_requests_running")
     waiting = metric(url, "pdserve_num_requests_waiting")
     return free == total and running == 0 and waiting == 0
-
-
-def sse_events(resp: httpx.Response) -> list[Any]:
-    """An SSE body as JSON objects; the final [DONE] becomes the string 'DONE'."""
-    events: list[Any] = []
-    for line in resp.iter_lines():
-        if not line:
-            continue
-        assert line.startswith("data: "), line
-        data = line[len("data: ") :]
-        events.append("DONE" if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def stream_ids(events: list[Any]) -> list[int]:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from node_utils import Node, spawn_node, start_node, worker_pids
 from node_utils import descendants as _descendants
+from node_utils import sse_events as _sse_events
 from node_utils import stop_node as _stop_node
 from node_utils import wait_gone as _wait_gone
 
@@ -56,18 +57,6 @@ def max_model_len(node: Node) -> int:
 
 def _post(node: Node, path: str, body: Any, **kw: Any) -> httpx.Response:
     return httpx.post(node.url + path, json=body, timeout=120, **kw)
-
-
-def _sse_events(resp: httpx.Response) -> list[Any]:
-    """Parse an SSE body into JSON objects; the final [DONE] becomes the string 'DONE'."""
-    events: list[Any] = []
-    for line in resp.iter_lines():
-        if not line:
-            continue
-        assert line.startswith("data: "), line
-        data = line[len("data: ") :]
-        events.append("DONE" if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def _stream(node: Node, path: str, body: dict[str, Any]) -> tuple[httpx.Response, list[Any]]:

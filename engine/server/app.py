@@ -36,6 +36,7 @@ from engine.server.protocol import (
     error_body,
     parse_chat_request,
     parse_completion_request,
+    parse_json_body,
     resolve_max_tokens,
 )
 
@@ -284,13 +285,7 @@ def build_app(engine: Any) -> FastAPI:
         return JSONResponse(error_body(str(exc.detail), err_type), status_code=exc.status_code)
 
     async def read_json(request: Request) -> Any:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(
-                f"We could not parse the JSON body of your request: {e}", code="invalid_json"
-            ) from e
+        return parse_json_body(await request.body())
 
     def check_serving() -> None:
         if not engine.healthy:

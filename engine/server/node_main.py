@@ -25,6 +25,7 @@ from engine.server.cli_args import (
     parse_config,
     set_flag_default,
 )
+from engine.server.net import bind_socket
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +47,6 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
     add_config_args(parser)
     set_flag_default(parser, "kv_role", _ROLE_KV[role])
     return parser
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class _Signals:
@@ -111,7 +100,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
     args, config = parse_config(build_parser(role), argv)
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT, stream=sys.stderr)
     try:
-        sock = _bind(args.host, args.port)
+        sock = bind_socket(args.host, args.port)
     except OSError as e:
         logger.error("cannot listen on %s:%s: %s", args.host, args.port, e)
         return 1

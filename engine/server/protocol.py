@@ -7,6 +7,7 @@ names the offending field.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -478,3 +479,13 @@ class StopStringMatcher:
             if any(s.startswith(suffix) for s in self._stops):
                 return k
         return 0
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """A request body as JSON, or a 400 ``APIError`` that says why it is not."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(
+            f"We could not parse the JSON body of your request: {e}", code="invalid_json"
+        ) from e
