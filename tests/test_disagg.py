@@ -112,18 +112,26 @@ def test_64_concurrent_requests_leave_no_state(checkpoint):
         d.shutdown()
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_incompatible_peer_is_refused(policy):
-    p_cfg = nixl_config(EngineConfig(cache=CacheConfig(num_blocks=64, block_size=16)), "producer")
-    d_cfg = nixl_config(
-        EngineConfig(cache=CacheConfig(num_blocks=64, block_size=32)),
-        "consumer",
-        kv_failure_policy=policy,
+@pytest.mark.parametrize(
+    ("policy", "mismatch"),
+    [("recompute", "block_size"), ("fail", "block_size"), ("fail", "model")],
+)
+def test_incompatible_peer_is_refused(policy, mismatch):
+    # P would hold its blocks for 600 s unless D's cancel reaches it.
+    p_cfg = nixl_config(
+        EngineConfig(cache=CacheConfig(num_blocks=64, block_size=16)),
+        "producer",
+        kv_transfer_timeout=600.0,
     )
+    d_base = EngineConfig(cache=CacheConfig(num_blocks=64, block_size=32))
+    if mismatch == "model":  # same geometry, other weights: its KV would be garbage
+        d_base = EngineConfig(model=ModelConfig(seed=1), cache=CacheConfig(num_blocks=64))
+    d_cfg = nixl_config(d_base, "consumer", kv_failure_policy=policy)
     p, d = EngineCore(p_cfg), EngineCore(d_cfg)
     try:
         prompt = random_prompt(40, 256, seed=3)
-        res = disagg_generate(p, d, [prompt], GREEDY)
+        # Returns only once P is idle too: D's cancel made P drop its held blocks.
+        res = disagg_generate(p, d, [prompt], GREEDY, timeout=60)
         final = res["final"][0]
         if policy == "recompute":
             assert final.error is None
@@ -132,7 +140,7 @@ def test_incompatible_peer_is_refused(policy):
             assert d.stats()["prompt_tokens_total"] == 40  # computed locally
         else:
             assert final.finish_reason == "error"
-            assert "block_size mismatch" in final.error
+            assert f"{mismatch} mismatch" in final.error
         assert d.stats()["kv_handshake_failures_total"] >= 1
         assert p.stats()["kv_handshake_failures_total"] >= 1
         for eng in (p, d):

@@ -74,6 +74,9 @@ class Consumer:
         self.outcome.failed_loads[request_id] = why
         if safe:
             self.outcome.free_blocks.add(request_id)
+            # Rejection is a message too: P drops what it holds for this transfer now
+            # instead of at its own deadline.
+            self.outcome.cancels.append((recv.p_address, recv.transfer_id, request_id))
         else:
             self._quarantine(recv)
 
