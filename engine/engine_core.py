@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.core.kv_cache_manager import cdiv
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.multiproc import MultiprocExecutor
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.loader import load_arch_config
@@ -85,9 +86,21 @@ class EngineCore:
     def step(self) -> tuple[list[RequestOutput], int]:
         """One engine step; returns the outputs and the number of tokens computed."""
         sched = self.scheduler.schedule()
-        result = self.executor.execute_model(sched)
-        outputs = self.scheduler.update_from_output(sched, result)  # type: ignore[arg-type]
+        if self._workers_idle(sched):
+            result = ModelRunnerOutput()  # nothing for the workers to do or report
+        else:
+            result = self.executor.execute_model(sched)  # type: ignore[assignment]
+        outputs = self.scheduler.update_from_output(sched, result)
         return outputs, sched.num_scheduled_tokens
+
+    def _workers_idle(self, sched: SchedulerOutput) -> bool:
+        md = sched.kv_connector_metadata
+        return (
+            sched.num_scheduled_tokens == 0
+            and not sched.finished_request_ids
+            and (md is None or md.is_empty())
+            and not self.connector.needs_worker_poll()
+        )
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """End every request with an error (the executor died)."""

@@ -144,6 +144,14 @@ class KVConnectorScheduler(ABC):
         """True while transfers or holds are outstanding (the engine keeps stepping)."""
         return False
 
+    def needs_worker_poll(self) -> bool:
+        """True while workers may report progress (sends in flight, KV expected).
+
+        A step with no tokens, no finished requests and empty metadata is not sent to the
+        workers unless this is True; held blocks that only wait on a deadline need none.
+        """
+        return False
+
     def stats(self) -> dict[str, float]:
         return {}
 

@@ -398,6 +398,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         with self._lock:
             return self.producer.num_states() + self.consumer.num_states() > 0
 
+    def needs_worker_poll(self) -> bool:
+        with self._lock:
+            c = self.consumer
+            return bool(self.producer.in_flight or c.recvs or c.quarantine)
+
     # -- metrics -------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         with self._lock:
