@@ -9,7 +9,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from node_utils import Node, descendants, start_node, stop_node, wait_for, wait_gone
+from node_utils import (
+    Node,
+    descendants,
+    free_port,
+    start_node,
+    stop_node,
+    wait_for,
+    wait_gone,
+)
 
 pytest.importorskip("nixl._api")
 
@@ -190,6 +198,52 @@ def test_abort_on_prefill_frees_blocks_held_for_send(prefill: Node):
     took = wait_for(lambda: pools_full(prefill), TIMEOUT_S, "P to free the aborted hold")
     assert took < TIMEOUT_S / 2
     assert prefill.metric("pdserve_engine_kv_held_for_send") == 0
+
+
+def _disagg(prefill: Node, decode: Node, prompt: list[int], tid: str) -> list[int]:
+    with ThreadPoolExecutor(1) as pool:
+        p_fut = pool.submit(
+            httpx.post,
+            prefill.url + "/v1/completions",
+            json={
+                "prompt": prompt,
+                "max_tokens": 1,
+                **GREEDY,
+                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
+            },
+            timeout=60,
+        )
+        d = httpx.post(
+            decode.url + "/v1/completions",
+            json=d_body(prompt, tid, side_channel(prefill)),
+            timeout=60,
+        )
+        assert p_fut.result().status_code == 200
+    assert d.status_code == 200, d.text
+    return d.json()["choices"][0]["token_ids"]
+
+
+def test_restarted_decode_replaces_its_old_incarnation(prefill: Node, tmp_path: Path):
+    """A D restarted behind the same side-channel address is a new peer; the old one is
+    dropped on P (its NIXL agents and descriptor lists), and pushes go to the new one."""
+    port = str(free_port())
+    args = (*NODE_ARGS, "--side-channel-port", port)
+    prompt = list(range(3, 40))
+    first = start_node(tmp_path, *args, module="decode_node")
+    try:
+        tokens = _disagg(prefill, first, prompt, "restart-1")
+        peers = prefill.metric("pdserve_engine_kv_decode_peers")
+    finally:
+        stop_node(first)
+    before = prefill.metric("pdserve_engine_kv_handshakes_total")
+    second = start_node(tmp_path, *args, module="decode_node")
+    try:
+        assert _disagg(prefill, second, prompt, "restart-2") == tokens
+        assert prefill.metric("pdserve_engine_kv_handshakes_total") == before + 1
+        assert prefill.metric("pdserve_engine_kv_decode_peers") == peers  # replaced, not added
+        assert second.metric("pdserve_prompt_tokens_total") == 0  # the KV was pushed
+    finally:
+        stop_node(second)
 
 
 def test_transfer_params_without_connector_are_refused(tmp_path: Path):

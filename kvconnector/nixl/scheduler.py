@@ -242,13 +242,20 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         key = msg["peer_key"]
         with self._lock:
             for old, peer in list(self._d_peers.items()):
-                if peer["engine_id"] == msg["engine_id"] and old != key:
-                    logger.info("decode %s restarted; dropping %s", msg["engine_id"], old)
+                # Same engine id or same side-channel address, new incarnation: the old
+                # process is gone (restarted); forget its agents and descriptor lists.
+                same = peer["engine_id"] == msg["engine_id"] or peer["address"] == msg["address"]
+                if same and old != key:
+                    logger.info("decode at %s restarted; dropping peer %s", msg["address"], old)
                     del self._d_peers[old]
                     if old in self._workers_have:
                         self._workers_have.discard(old)
                         self._remove.append(old)
-            self._d_peers[key] = {"engine_id": msg["engine_id"], "ranks": msg["ranks"]}
+            self._d_peers[key] = {
+                "engine_id": msg["engine_id"],
+                "address": msg["address"],
+                "ranks": msg["ranks"],
+            }
             self.handshakes += 1
         return {"ok": True, **self.info(), "ranks": self._ranks}
 
@@ -416,6 +423,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 "kv_held_for_send": len(self.producer.pending),
                 "kv_reservations_waiting": len(self.producer.early),
                 "kv_handshakes_total": self.handshakes,
+                "kv_decode_peers": len(self._d_peers),
                 "kv_handshake_failures_total": self.handshake_failures,
                 **self._stats,
             }
