@@ -178,3 +178,46 @@ def test_decode_prefix_cache_hit_shrinks_the_transfer():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_handshake_wait_does_not_stall_other_requests():
+    """A prefill peer that never answers: the request waiting on it does not hold up the
+    engine loop; it fails over (recompute) after the handshake deadline."""
+    import time
+
+    import zmq
+    from pd_utils import run_until
+
+    from engine.core.request import Request
+
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # accepts connections, never replies
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    d = EngineCore(nixl_config(EngineConfig(cache=CacheConfig(num_blocks=64)), "consumer"))
+    try:
+        prompt = random_prompt(20, 256, seed=5)
+        params = {
+            "do_remote_prefill": True,
+            "transfer_id": "silent-1",
+            "remote_side_channel": f"tcp://127.0.0.1:{port}",
+        }
+        d.add_request(Request("waits", prompt, GREEDY, kv_transfer_params=params))
+        d.add_request(Request("local", prompt[:10], GREEDY))
+        done: dict[str, float] = {}
+        tokens: dict[str, list[int]] = {"waits": [], "local": []}
+
+        def on_output(_, out):
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                done[out.request_id] = time.monotonic()
+
+        start = time.monotonic()
+        run_until([d], lambda: len(done) == 2, on_output, timeout=60)
+        assert done["local"] - start < 5, "the colocated request waited for the handshake"
+        assert done["waits"] > done["local"]
+        assert d.stats()["kv_loads_failed_total"] == 1  # then recomputed locally
+        with LLM(EngineConfig(cache=CacheConfig(num_blocks=64))) as llm:
+            assert tokens["waits"] == llm.generate([prompt], GREEDY)[0]
+    finally:
+        d.shutdown()
+        silent.close(linger=0)

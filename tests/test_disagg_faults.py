@@ -51,6 +51,13 @@ def prefill(tmp_path_factory: pytest.TempPathFactory):
         stop_node(node)
 
 
+def test_kv_transfer_info_reports_the_transport(prefill: Node):
+    info = httpx.get(prefill.url + "/v1/kv_transfer_info", timeout=5).json()
+    assert info["role"] == "producer" and info["side_channel"].startswith("tcp://127.0.0.1:")
+    assert info["transport"]["backend"] == "UCX" and info["transport"]["mem_type"] == "DRAM"
+    assert info["compat"]["block_size"] == 16 and info["incarnation"]
+
+
 def side_channel(node: Node) -> str:
     return httpx.get(node.url + "/v1/kv_transfer_info", timeout=5).json()["side_channel"]
 

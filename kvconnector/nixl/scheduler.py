@@ -16,6 +16,7 @@ Flow (push, D reserves while P prefills):
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -110,6 +111,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:
         self._ranks = infos
+        logger.info("KV transport: %s", self.transport_info())
 
     def info(self) -> dict[str, Any]:
         return {
@@ -118,6 +120,17 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             "side_channel": self.address,
             "role": self.config.kv_transfer.kv_role,
             "compat": self.compat,
+            "transport": self.transport_info(),
+        }
+
+    def transport_info(self) -> dict[str, Any]:
+        """Which transport this node uses, so that a silent fallback to TCP is visible."""
+        return {
+            "library": "nixl",
+            "backend": "UCX",
+            "mem_type": self._ranks[0].get("mem_type") if self._ranks else None,
+            "UCX_TLS": os.environ.get("UCX_TLS", "(UCX default: all available)"),
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "(UCX default: all)"),
         }
 
     # -- request parameters -------------------------------------------------------------
