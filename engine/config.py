@@ -95,9 +95,14 @@ class ParallelConfig:
     worker_threads: int = field(
         default=1, metadata={"help": "torch intra-op threads per CPU worker"}
     )
+    step_timeout: float = field(
+        default=600.0,
+        metadata={"help": "seconds a step may take before its workers count as hung"},
+    )
 
     def __post_init__(self) -> None:
         _require(self.tp >= 1, "tp", "must be >= 1")
+        _require(self.step_timeout > 0, "step_timeout", "must be > 0 seconds")
         _require(self.worker_threads >= 1, "worker_threads", "must be >= 1")
 
 

@@ -77,3 +77,26 @@ def test_request_larger_than_the_cache_is_refused():
             llm.generate([[1] * 40], SamplingParams(max_tokens=40))
         # The engine still serves a request that fits.
         assert len(llm.generate([[1] * 10], SamplingParams(max_tokens=5))[0]) == 5
+
+
+def test_hung_worker_turns_into_an_error_not_a_hang():
+    import os
+    import signal
+    import time
+
+    from engine.executor.multiproc import WorkerDiedError
+
+    cfg = EngineConfig(
+        cache=CacheConfig(num_blocks=64), parallel=ParallelConfig(tp=2, step_timeout=3.0)
+    )
+    llm = LLM(cfg)
+    stopped = llm.core.executor.pids[1]
+    try:
+        os.kill(stopped, signal.SIGSTOP)  # alive but stuck
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="did not finish a step"):
+            llm.generate([[1, 2, 3]], GREEDY)
+        assert time.monotonic() - start < 30
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+        llm.shutdown()

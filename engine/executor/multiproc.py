@@ -17,6 +17,7 @@ import pickle
 import socket
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from multiprocessing.connection import Connection, wait
 
 from engine.config import EngineConfig
@@ -43,6 +44,7 @@ def free_port() -> int:
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, num_blocks: int, log_level: str = "INFO") -> None:
         self.world_size = config.parallel.tp
+        self.step_timeout = config.parallel.step_timeout
         self.aggregator = KVOutputAggregator(self.world_size)
         self.dead_reason: str | None = None
         self._shutting_down = False
@@ -121,7 +123,13 @@ class MultiprocExecutor:
         except OSError as e:
             self._mark_dead(f"lost the pipe to a TP worker: {e}")
         result = self.aggregator.async_aggregate(futures)
-        return result if non_block else result.result()
+        if non_block:
+            return result
+        try:
+            return result.result(timeout=self.step_timeout)
+        except FutureTimeoutError:
+            self._mark_dead(f"a TP worker did not finish a step within {self.step_timeout:.0f}s")
+            raise WorkerDiedError(self.dead_reason) from None
 
     def _reader(self, rank: int) -> None:
         conn = self._result[rank]
