@@ -12,6 +12,8 @@
 # UCX_NET_DEVICES, UCX_LOG_LEVEL, ...) are passed through to the node unchanged.
 # scripts/launch_decode.sh is the same script with ROLE=decode.
 set -euo pipefail
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 ROLE="${ROLE:-prefill}"
 case "$ROLE" in
@@ -79,24 +81,17 @@ echo "$PID" >"$PIDFILE"
 CHECK_HOST="$HOST"
 [[ "$HOST" == "0.0.0.0" || "$HOST" == "::" ]] && CHECK_HOST=127.0.0.1
 URL="http://$CHECK_HOST:$PORT"
-deadline=$((SECONDS + STARTUP_TIMEOUT))
-until "$PYTHON" - "$URL/health" <<'PY' 2>/dev/null
-import sys, urllib.request
-sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=2).status == 200 else 1)
-PY
-do
-  if ! kill -0 "$PID" 2>/dev/null; then
-    echo "$ROLE node exited during startup; last log lines ($LOG):" >&2
-    tail -n 20 "$LOG" >&2
-    rm -f "$PIDFILE"
-    exit 1
-  fi
-  if (( SECONDS > deadline )); then
-    echo "$ROLE node not healthy after ${STARTUP_TIMEOUT}s (pid $PID still running, log $LOG)" >&2
-    exit 1
-  fi
-  sleep 1
-done
+status=0
+pds_wait_healthy "$URL" "$PID" "$STARTUP_TIMEOUT" || status=$?
+if [[ $status == 1 ]]; then
+  echo "$ROLE node exited during startup; last log lines ($LOG):" >&2
+  tail -n 20 "$LOG" >&2
+  rm -f "$PIDFILE"
+  exit 1
+elif [[ $status == 2 ]]; then
+  echo "$ROLE node not healthy after ${STARTUP_TIMEOUT}s (pid $PID still running, log $LOG)" >&2
+  exit 1
+fi
 
 SIDE="$("$PYTHON" - "$URL/v1/kv_transfer_info" <<'PY' 2>/dev/null || true
 import json, sys, urllib.request

@@ -9,6 +9,8 @@
 # LOG_DIR, RUN_DIR, STARTUP_TIMEOUT (s), PYTHON. Any PDPROXY_* variable (PDPROXY_MAX_INFLIGHT,
 # PDPROXY_CONFIG, ...) reaches the proxy too; see `pd-proxy serve --help`.
 set -euo pipefail
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 PREFILL_URLS="${PREFILL_URLS:-${PDPROXY_PREFILL:-}}"; DECODE_URLS="${DECODE_URLS:-${PDPROXY_DECODE:-}}"
 PORT="${PORT:-8000}"; HOST="${HOST:-0.0.0.0}"
@@ -51,27 +53,19 @@ echo "$PID" >"$PIDFILE"
 CHECK_HOST="$HOST"
 [[ "$HOST" == "0.0.0.0" || "$HOST" == "::" ]] && CHECK_HOST=127.0.0.1
 URL="http://$CHECK_HOST:$PORT"
-deadline=$((SECONDS + STARTUP_TIMEOUT))
 ready=1
-until "$PYTHON" - "$URL/health" <<'PY' 2>/dev/null
-import sys, urllib.request
-sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=2).status == 200 else 1)
-PY
-do
-  if ! kill -0 "$PID" 2>/dev/null; then
-    echo "proxy exited during startup; last log lines ($LOG):" >&2
-    tail -n 20 "$LOG" >&2
-    rm -f "$PIDFILE"
-    exit 1
-  fi
-  if (( SECONDS > deadline )); then
-    ready=0
-    echo "warning: proxy runs but is not ready after ${STARTUP_TIMEOUT}s (no healthy P/D pair);" \
-      "see $URL/health" >&2
-    break
-  fi
-  sleep 1
-done
+status=0
+pds_wait_healthy "$URL" "$PID" "$STARTUP_TIMEOUT" || status=$?
+if [[ $status == 1 ]]; then
+  echo "proxy exited during startup; last log lines ($LOG):" >&2
+  tail -n 20 "$LOG" >&2
+  rm -f "$PIDFILE"
+  exit 1
+elif [[ $status == 2 ]]; then
+  ready=0
+  echo "warning: proxy runs but is not ready after ${STARTUP_TIMEOUT}s (no healthy P/D pair);" \
+    "see $URL/health" >&2
+fi
 echo "proxy listening on http://$HOST:$PORT (pid $PID; ready: $([[ $ready == 1 ]] && echo yes || echo no))"
 echo "  prefill: ${PREFILL[*]}"
 echo "  decode:  ${DECODE[*]}"

@@ -6,6 +6,8 @@
 #
 #   scripts/run_loopback.sh [--tp N] [--model tiny|DIR] [--prompt TEXT] [--max-tokens N] [--no-proxy]
 set -euo pipefail
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 TP=${TP:-2}
 MODEL=${MODEL:-tiny}
@@ -13,6 +15,7 @@ PROMPT=${PROMPT:-"The capital of France is"}
 MAX_TOKENS=${MAX_TOKENS:-24}
 USE_PROXY=1
 PY=${PYTHON:-python3}
+export PYTHON=$PY
 while [ $# -gt 0 ]; do
   case "$1" in
     --tp) TP=$2; shift 2 ;;
@@ -44,15 +47,8 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_healthy() {  # url name
-  for _ in $(seq 1 600); do
-    if "$PY" - "$1" <<'PYEOF' 2>/dev/null; then return 0; fi
-import sys, urllib.request
-urllib.request.urlopen(sys.argv[1] + "/health", timeout=1).read()
-PYEOF
-    sleep 0.5
-  done
-  echo "run_loopback.sh: $2 did not become healthy" >&2; return 1
+wait_healthy() {  # url pid name
+  pds_wait_healthy "$1" "$2" 300 || { echo "run_loopback.sh: $3 did not become healthy" >&2; return 1; }
 }
 
 P_PORT=$(free_port); D_PORT=$(free_port)
@@ -62,8 +58,8 @@ pids+=($!)
 "$PY" -m decode_node "${common[@]}" --port "$D_PORT" >"$workdir/decode.log" 2>&1 &
 pids+=($!)
 P_URL=http://127.0.0.1:$P_PORT; D_URL=http://127.0.0.1:$D_PORT
-wait_healthy "$P_URL" "prefill node"
-wait_healthy "$D_URL" "decode node"
+wait_healthy "$P_URL" "${pids[0]}" "prefill node"
+wait_healthy "$D_URL" "${pids[1]}" "decode node"
 echo "prefill node: $P_URL (tp=$TP)   decode node: $D_URL (tp=$TP)"
 
 if [ "$USE_PROXY" = 1 ] && "$PY" -c 'import proxy.app' 2>/dev/null; then
@@ -71,7 +67,7 @@ if [ "$USE_PROXY" = 1 ] && "$PY" -c 'import proxy.app' 2>/dev/null; then
   "$PY" -m proxy serve --prefill "$P_URL" --decode "$D_URL" --port "$X_PORT" >"$workdir/proxy.log" 2>&1 &
   pids+=($!)
   X_URL=http://127.0.0.1:$X_PORT
-  wait_healthy "$X_URL" "proxy"
+  wait_healthy "$X_URL" "${pids[2]}" "proxy"
   echo "proxy: $X_URL"
   echo "--- streamed completion through the proxy ---"
   "$PY" -m proxy complete "$PROMPT" --url "$X_URL" --max-tokens "$MAX_TOKENS" --temperature 0 --stream
