@@ -1,0 +1,79 @@
+"""scripts/launch_{prefill,decode,proxy}.sh: one process per call, printing where it listens
+and how to stop it; together they make a working deployment."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from node_utils import descendants, free_port, wait_gone
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def launch(script: str, tmp: Path, *args: str) -> tuple[str, int]:
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "LOG_DIR": str(tmp / "logs"),
+        "RUN_DIR": str(tmp / "run"),
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pid = int(re.search(r"stop: kill (\d+)", proc.stdout).group(1))
+    return proc.stdout, pid
+
+
+def test_launch_scripts_bring_up_a_deployment(tmp_path: Path):
+    pids: list[int] = []
+    kids: list[int] = []
+    try:
+        p_port, d_port, x_port = free_port(), free_port(), free_port()
+        out, pid = launch(
+            "launch_prefill.sh", tmp_path, "--host", "127.0.0.1", "--port", str(p_port)
+        )
+        pids.append(pid)
+        assert f"prefill node listening on http://127.0.0.1:{p_port}" in out
+        assert "KV side channel: tcp://127.0.0.1:" in out
+        out, pid = launch(
+            "launch_decode.sh", tmp_path, "--host", "127.0.0.1", "--port", str(d_port)
+        )
+        pids.append(pid)
+        assert f"decode node listening on http://127.0.0.1:{d_port}" in out
+        out, pid = launch(
+            "launch_proxy.sh",
+            tmp_path,
+            "--host", "127.0.0.1", "--port", str(x_port),
+            "--prefill", f"http://127.0.0.1:{p_port}",
+            "--decode", f"http://127.0.0.1:{d_port}",
+        )  # fmt: skip
+        pids.append(pid)
+        assert "ready: yes" in out
+        resp = httpx.post(
+            f"http://127.0.0.1:{x_port}/v1/completions",
+            json={"prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
+        assert resp.status_code == 200, resp.text
+        assert len(resp.json()["choices"][0]["token_ids"]) == 6
+        p_metrics = httpx.get(f"http://127.0.0.1:{p_port}/metrics", timeout=10).text
+        assert re.search(r"pdserve_engine_kv_bytes_sent_total [1-9]", p_metrics)
+        for pid in pids:
+            kids += descendants(pid)
+    finally:
+        for pid in pids:  # "stop: kill <pid>", as the scripts print
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    assert wait_gone(pids + kids, 60) == []
