@@ -253,6 +253,50 @@ def test_restarted_decode_replaces_its_old_incarnation(prefill: Node, tmp_path: 
         stop_node(second)
 
 
+def test_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(prefill: Node, tmp_path: Path):
+    """D reserved, then died before P's push: the WRITE errors (no hang), P frees its
+    blocks, counts the failure and forgets the dead peer's agents."""
+    dead = start_node(tmp_path, *NODE_ARGS, module="decode_node")
+    try:
+        _disagg(prefill, dead, list(range(5, 30)), "dead-0")  # the peer is known to P
+        peers = prefill.metric("pdserve_engine_kv_decode_peers")
+        failures = prefill.metric("pdserve_engine_kv_transfer_failures_total")
+        prompt, tid = list(range(5, 40)), "dead-1"
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(
+                httpx.post,
+                dead.url + "/v1/completions",
+                json=d_body(prompt, tid, side_channel(prefill)),
+                timeout=30,
+            )
+            wait_for(
+                lambda: prefill.metric("pdserve_engine_kv_reservations_waiting") == 1,
+                10,
+                "P to hold the reservation",
+            )
+            kids = descendants(dead.proc.pid)
+            dead.proc.kill()
+            dead.proc.wait(10)
+            wait_gone(kids, 10)
+        resp = httpx.post(
+            prefill.url + "/v1/completions",
+            json={
+                "prompt": prompt,
+                "max_tokens": 1,
+                **GREEDY,
+                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
+            },
+            timeout=30,
+        )
+        assert resp.status_code == 200
+        wait_for(lambda: pools_full(prefill), 15, "P to free the failed push's blocks")
+        assert prefill.metric("pdserve_engine_kv_transfer_failures_total") == failures + 1
+        assert prefill.metric("pdserve_engine_kv_decode_peers") == peers - 1
+        assert prefill.metric("pdserve_engine_kv_transfers_in_flight") == 0
+    finally:
+        stop_node(dead)
+
+
 def test_transfer_params_without_connector_are_refused(tmp_path: Path):
     node = start_node(tmp_path, "--num-blocks", "64")
     try:

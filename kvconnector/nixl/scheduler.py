@@ -381,8 +381,19 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     self.failed_transfers += 1
                     r = send.reservation
                     self._notify_failed(r.d_address, r.d_request_id, output.kv_failed[rid], True)
+                    self._evict_peer(r.peer_key, output.kv_failed[rid])
             if output.kv_stats:
                 self._stats = dict(output.kv_stats)
+
+    def _evict_peer(self, key: str, why: str) -> None:
+        """A push to this decode peer failed: forget it (agents, descriptor lists). A live
+        peer's next reservation is answered ``handshake_required`` and it handshakes anew."""
+        if self._d_peers.pop(key, None) is None:
+            return
+        logger.warning("dropping decode peer %s after a failed push: %s", key, why)
+        if key in self._workers_have:
+            self._workers_have.discard(key)
+            self._remove.append(key)
 
     def take_events(self) -> ConnectorEvents:
         with self._lock:
