@@ -75,6 +75,16 @@ def d_body(prompt: list[int], tid: str, p_addr: str, n: int = 12) -> dict:
     }
 
 
+def p_body(prompt: list[int], tid: str) -> dict:
+    """The prefill leg: compute the prompt, sample the first token, push to D."""
+    return {
+        "prompt": prompt,
+        "max_tokens": 1,
+        **GREEDY,
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
+    }
+
+
 def pools_full(node: Node) -> bool:
     return node.metric("pdserve_kv_blocks_used") == 0
 
@@ -150,12 +160,7 @@ def test_decode_abort_while_waiting_cancels_on_prefill(decode: Node, prefill: No
     # A late prefill for the cancelled transfer is not pushed anywhere; P frees its blocks.
     p = httpx.post(
         prefill.url + "/v1/completions",
-        json={
-            "prompt": prompt,
-            "max_tokens": 1,
-            **GREEDY,
-            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": rid},
-        },
+        json=p_body(prompt, rid),
         timeout=30,
     )
     assert p.status_code == 200
@@ -166,12 +171,7 @@ def test_prefill_frees_blocks_when_no_reservation_comes(prefill: Node):
     sent_before = prefill.metric("pdserve_engine_kv_transfers_started_total")
     resp = httpx.post(
         prefill.url + "/v1/completions",
-        json={
-            "prompt": list(range(1, 50)),
-            "max_tokens": 1,
-            **GREEDY,
-            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "nobody-wants-it"},
-        },
+        json=p_body(list(range(1, 50)), "nobody-wants-it"),
         timeout=30,
     )
     assert resp.status_code == 200
@@ -190,12 +190,7 @@ def test_abort_on_prefill_frees_blocks_held_for_send(prefill: Node):
     rid = "abort-held-1"
     resp = httpx.post(
         prefill.url + "/v1/completions",
-        json={
-            "prompt": list(range(1, 40)),
-            "max_tokens": 1,
-            **GREEDY,
-            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": rid},
-        },
+        json=p_body(list(range(1, 40)), rid),
         headers={"X-Request-Id": rid},
         timeout=30,
     )
@@ -212,12 +207,7 @@ def _disagg(prefill: Node, decode: Node, prompt: list[int], tid: str) -> list[in
         p_fut = pool.submit(
             httpx.post,
             prefill.url + "/v1/completions",
-            json={
-                "prompt": prompt,
-                "max_tokens": 1,
-                **GREEDY,
-                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
-            },
+            json=p_body(prompt, tid),
             timeout=60,
         )
         d = httpx.post(
@@ -280,12 +270,7 @@ def test_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(prefill: Node, t
             wait_gone(kids, 10)
         resp = httpx.post(
             prefill.url + "/v1/completions",
-            json={
-                "prompt": prompt,
-                "max_tokens": 1,
-                **GREEDY,
-                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
-            },
+            json=p_body(prompt, tid),
             timeout=30,
         )
         assert resp.status_code == 200
