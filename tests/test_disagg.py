@@ -19,8 +19,8 @@ from pd_utils import disagg_generate, nixl_config  # noqa: E402
 pytest.importorskip("nixl._api")
 
 BS = 16
-LENGTHS = [1, BS - 1, BS, BS + 1, 5 * BS + 3, 990]
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+LENGTHS = [1, BS - 1, BS, BS + 1, 5 * BS + 3, 300, 990]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=1234)
 
 
