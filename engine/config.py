@@ -138,6 +138,10 @@ class KVTransferConfig:
     kv_failure_policy: Literal["recompute", "fail"] = field(
         default="recompute", metadata={"help": "on transfer failure: recompute or fail"}
     )
+    peer_ping_interval: float = field(
+        default=1.0,
+        metadata={"help": "seconds between liveness pings to prefill peers (0 = off)"},
+    )
     engine_id: str = field(
         default_factory=lambda: uuid.uuid4().hex[:12],
         metadata={"help": "engine id advertised to peers (default: random)"},
@@ -146,6 +150,7 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         _require(0 <= self.side_channel_port < 65536, "side_channel_port", "must be in [0, 65535]")
         _require(self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0 seconds")
+        _require(self.peer_ping_interval >= 0, "peer_ping_interval", "must be >= 0 seconds")
 
 
 @dataclass(frozen=True)

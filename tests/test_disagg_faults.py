@@ -136,6 +136,38 @@ def test_prefill_killed_after_decode_reserved(decode: Node, tmp_path: Path):
         stop_node(prefill)
 
 
+def test_liveness_ends_the_wait_long_before_the_deadline(tmp_path: Path):
+    """With a 120 s transfer deadline, D notices the dead P by its missed pings and
+    recomputes within seconds; the reserved blocks stay quarantined (P went silent)."""
+    long = ("--kv-connector", "nixl", "--kv-transfer-timeout", "120", "--num-blocks", "64")
+    decode = start_node(tmp_path, *long, module="decode_node")
+    prefill = start_node(tmp_path, *long, module="prefill_node")
+    try:
+        prompt = list(range(7, 47))
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(
+                httpx.post,
+                decode.url + "/v1/completions",
+                json=d_body(prompt, "liveness-1", side_channel(prefill)),
+                timeout=120,
+            )
+            wait_for(
+                lambda: prefill.metric("pdserve_engine_kv_reservations_waiting") == 1, 10, "reserve"
+            )
+            prefill.proc.kill()
+            prefill.proc.wait(10)
+            killed = time.monotonic()
+            resp = fut.result(timeout=120)
+            took = time.monotonic() - killed
+        assert resp.status_code == 200, resp.text
+        assert took < 20, f"recovered after {took:.1f}s; the liveness pings should end it sooner"
+        assert decode.metric("pdserve_engine_kv_prefill_peers_lost_total") == 1
+        assert decode.metric("pdserve_engine_num_quarantined_blocks") == 3
+    finally:
+        stop_node(prefill)
+        stop_node(decode)
+
+
 def test_decode_abort_while_waiting_cancels_on_prefill(decode: Node, prefill: Node):
     prompt = list(range(1, 30))
     rid = "abort-waiting-1"

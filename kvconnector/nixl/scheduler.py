@@ -29,6 +29,7 @@ from kvconnector.base import ConnectorEvents, KVConnectorScheduler
 from kvconnector.block_runs import block_runs
 from kvconnector.histogram import Histogram
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
+from kvconnector.nixl.liveness import PeerLiveness
 from kvconnector.nixl.messages import (
     CONNECTOR_VERSION,
     LAYOUT,
@@ -105,6 +106,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.handshakes = 0
         self.handshake_failures = 0
         self.failed_transfers = 0
+        self.liveness = PeerLiveness(
+            kvc.peer_ping_interval, self._client.request, self._pool, self._prefill_lost
+        )
         self._server = SideChannelServer(kvc.side_channel_host, kvc.side_channel_port, self._handle)
         self.address = self._server.address
         logger.info("NIXL connector %s listening on %s", self.peer_key, self.address)
@@ -395,11 +399,26 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self._workers_have.discard(key)
             self._remove.append(key)
 
+    def _prefill_lost(self, address: str, why: str, safe: bool) -> None:
+        """Liveness: the prefill peer at ``address`` restarted or went silent."""
+        with self._lock:
+            if safe:
+                self._p_peers.pop(address, None)  # re-handshake with the new incarnation
+            for rid, recv in list(self.consumer.recvs.items()):
+                if recv.p_address == address:
+                    self.consumer.fail(rid, why, safe=safe)
+
     def take_events(self) -> ConnectorEvents:
         with self._lock:
             self.producer.expire()
             self.consumer.expire()
             p, c = self.producer.take_outcome(), self.consumer.take_outcome()
+            watched = {
+                r.p_address: self._p_peers[r.p_address]["incarnation"]
+                for r in self.consumer.recvs.values()
+                if r.reserved and r.p_address in self._p_peers
+            }
+        self.liveness.tick(watched)
         for addr, d_req, why in p.notify_failed:
             self._notify_failed(addr, d_req, why, safe=True)
         for p_addr, tid, rid in c.cancels:
@@ -447,6 +466,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 "kv_held_for_send": len(self.producer.pending),
                 "kv_reservations_waiting": len(self.producer.early),
                 "kv_handshakes_total": self.handshakes,
+                "kv_prefill_peers_lost_total": self.liveness.peers_lost,
                 "kv_decode_peers": len(self._d_peers),
                 "kv_handshake_failures_total": self.handshake_failures,
                 **self._stats,

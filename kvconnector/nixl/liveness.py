@@ -1,0 +1,84 @@
+"""Decode-side liveness of the prefill peers a node is waiting on.
+
+While a D request waits for KV from P (its reservation acknowledged), D pings P's side
+channel every ``interval`` seconds, off the engine thread. Two outcomes end the wait
+before its deadline:
+
+* P answers with a new incarnation: the process that held the reservation is gone, so no
+  WRITE of it can land -- the waits fail and their blocks are free at once;
+* P does not answer ``misses`` pings in a row: the waits fail over, but their blocks stay
+  quarantined (a silent peer may still be alive behind a broken side channel).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class PeerLiveness:
+    def __init__(
+        self,
+        interval: float,
+        request: Callable[[str, dict[str, Any], float], dict[str, Any]],
+        pool: Executor,
+        on_lost: Callable[[str, str, bool], None],
+        misses: int = 2,
+    ) -> None:
+        self.interval = interval
+        self._request = request
+        self._pool = pool
+        self._on_lost = on_lost  # (address, why, safe)
+        self._misses_allowed = misses
+        self._misses: dict[str, int] = {}
+        self._in_flight: set[str] = set()
+        self._last = 0.0
+        self._lock = threading.Lock()
+        self.peers_lost = 0
+
+    def tick(self, watched: dict[str, str]) -> None:
+        """Ping, at most once per interval, each address in ``watched`` (-> incarnation)."""
+        if self.interval <= 0 or not watched:
+            return
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            return
+        self._last = now
+        with self._lock:
+            todo = [a for a in watched if a not in self._in_flight]
+            self._in_flight.update(todo)
+        for address in todo:
+            self._pool.submit(self._ping, address, watched[address])
+
+    def _ping(self, address: str, incarnation: str) -> None:
+        try:
+            reply: dict[str, Any] | None = self._request(
+                address, {"kind": "ping"}, max(1.0, self.interval)
+            )
+        except Exception:
+            reply = None
+        with self._lock:
+            self._in_flight.discard(address)
+            if reply is not None:
+                self._misses.pop(address, None)
+            else:
+                self._misses[address] = self._misses.get(address, 0) + 1
+            silent = self._misses.get(address, 0) >= self._misses_allowed
+            if silent:
+                self._misses.pop(address, None)
+        if reply is not None and reply.get("incarnation") != incarnation:
+            self.peers_lost += 1
+            logger.warning(
+                "prefill %s restarted (incarnation %s)", address, reply.get("incarnation")
+            )
+            self._on_lost(address, "the prefill node restarted", True)
+        elif silent:
+            self.peers_lost += 1
+            logger.warning("prefill %s stopped answering pings", address)
+            self._on_lost(address, f"prefill {address} stopped answering", False)
