@@ -102,6 +102,7 @@ class AsyncLLMEngine:
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
+                    finished = True  # refused or failed: nothing of ours to abort
                     raise item
                 finished = item.finished
                 yield item
@@ -155,11 +156,11 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain_inbox(block=not self.core.has_work())
-            if not self.core.has_work():
-                self._stats = self.core.stats()
-                continue
             try:
+                self._drain_inbox(block=not self.core.has_work())
+                if not self.core.has_work():
+                    self._stats = self.core.stats()
+                    continue
                 outputs, num_tokens = self.core.step()
             except Exception as e:
                 self._die(f"{type(e).__name__}: {e}")

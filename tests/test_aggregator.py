@@ -120,3 +120,23 @@ def test_async_path_propagates_worker_failure():
     futures[1].set_exception(RuntimeError("rank 1 died"))
     with pytest.raises(RuntimeError, match="rank 1 died"):
         result.result(timeout=5)
+
+
+def test_async_path_fails_at_once_when_one_rank_fails():
+    """A failed rank must not wait for ranks that may be stuck in a collective with it."""
+    agg = KVOutputAggregator(2)
+    futures: list[Future[WorkerOutput]] = [Future(), Future()]
+    result = agg.async_aggregate(futures)
+    futures[1].set_exception(RuntimeError("rank 1 raised"))  # rank 0 never answers
+    with pytest.raises(RuntimeError, match="rank 1 raised"):
+        result.result(timeout=1)
+
+
+def test_send_failure_survives_until_all_ranks_finished():
+    agg = KVOutputAggregator(2)
+    failed = wo(1, sent={"p1"})
+    failed.kv_failed = {"p1": "timeout"}
+    out = agg.aggregate([wo(0), failed])
+    assert out.finished_sending == set() and out.kv_failed == {}
+    out = agg.aggregate([wo(0, sent={"p1"}), wo(1)])
+    assert out.finished_sending == {"p1"} and out.kv_failed == {"p1": "timeout"}

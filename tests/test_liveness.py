@@ -26,12 +26,12 @@ def make(replies: list):
             raise reply
         return reply
 
-    live = PeerLiveness(0.001, request, Inline(), lambda a, w, s: lost.append((a, w, s)))
+    live = PeerLiveness(0.001, request, Inline(), lambda a, i, w, s: lost.append((a, i, w, s)))
     live._last = -1.0
     return live, lost
 
 
-def tick(live: PeerLiveness, watched: dict[str, str]) -> None:
+def tick(live: PeerLiveness, watched: set[tuple[str, str]]) -> None:
     live._last = -1.0  # ignore the interval in the test
     live.tick(watched)
 
@@ -39,31 +39,31 @@ def tick(live: PeerLiveness, watched: dict[str, str]) -> None:
 def test_same_incarnation_is_alive():
     live, lost = make([{"ok": True, "incarnation": "a"}] * 3)
     for _ in range(3):
-        tick(live, {"tcp://p:1": "a"})
+        tick(live, {("tcp://p:1", "a")})
     assert lost == [] and live.peers_lost == 0
 
 
 def test_new_incarnation_means_restarted_and_safe():
     live, lost = make([{"ok": True, "incarnation": "b"}])
-    tick(live, {"tcp://p:1": "a"})
-    assert lost == [("tcp://p:1", "the prefill node restarted", True)]
+    tick(live, {("tcp://p:1", "a")})
+    assert lost == [("tcp://p:1", "a", "the prefill node restarted", True)]
 
 
 def test_two_missed_pings_in_a_row_mean_silent_and_unsafe():
     live, lost = make(
         [TimeoutError(), {"ok": True, "incarnation": "a"}, TimeoutError(), TimeoutError()]
     )
-    tick(live, {"tcp://p:1": "a"})  # miss 1
-    tick(live, {"tcp://p:1": "a"})  # answered: the count starts over
-    tick(live, {"tcp://p:1": "a"})  # miss 1
+    tick(live, {("tcp://p:1", "a")})  # miss 1
+    tick(live, {("tcp://p:1", "a")})  # answered: the count starts over
+    tick(live, {("tcp://p:1", "a")})  # miss 1
     assert lost == []
-    tick(live, {"tcp://p:1": "a"})  # miss 2
-    assert lost == [("tcp://p:1", "prefill tcp://p:1 stopped answering", False)]
+    tick(live, {("tcp://p:1", "a")})  # miss 2
+    assert lost == [("tcp://p:1", None, "prefill tcp://p:1 stopped answering", False)]
 
 
 def test_disabled_or_nothing_watched_sends_nothing():
     live, lost = make([])
-    tick(live, {})
+    tick(live, set())
     live.interval = 0
-    tick(live, {"tcp://p:1": "a"})
+    tick(live, {("tcp://p:1", "a")})
     assert lost == []

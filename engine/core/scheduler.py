@@ -57,7 +57,7 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         rid = request.request_id
-        if rid in self.requests:
+        if rid in self.requests or rid in self.quarantine:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
         n = request.num_prompt_tokens
         if n == 0:
@@ -204,6 +204,9 @@ class Scheduler:
             if seq.sampling_params is not None:
                 self._append(req, output.sampled_token_ids[req.request_id])
 
+        # The connector learns first what landed and what was sent, so that a request
+        # finishing right below is not mistaken for one aborted while still waiting.
+        self.connector.update_connector_output(output)
         for rid in output.finished_recving:
             req = self.remote_waiting.pop(rid, None)
             if req is None:
@@ -212,8 +215,6 @@ class Scheduler:
 
         for rid in output.finished_sending:
             self._release_held(rid)
-
-        self.connector.update_connector_output(output)
         return self.take_outputs()
 
     def take_outputs(self) -> list[RequestOutput]:
@@ -296,7 +297,7 @@ class Scheduler:
             # A WRITE into the reserved blocks may still land: park them until the
             # connector says they are safe (a later free_blocks event), and go on with
             # fresh blocks -- or fail the request, by the failure policy.
-            self.quarantine[rid] = self.kv.detach(rid)
+            self.quarantine.setdefault(rid, []).extend(self.kv.detach(rid))
             if self.config.kv_transfer.kv_failure_policy == "fail":
                 req.status = RequestStatus.FINISHED_ERROR
                 req.error = f"KV transfer failed: {reason}"

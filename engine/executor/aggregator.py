@@ -30,6 +30,8 @@ class KVOutputAggregator:
         self._remaining_recv: dict[str, int] = {}
         # Info that came with a rank's receive report, kept until all ranks reported.
         self._recv_info: dict[str, dict] = {}
+        # Send failures a rank reported, kept until the send is finished on all ranks.
+        self._send_failed: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def _count(self, remaining: dict[str, int], ids: set[str], done: set[str]) -> None:
@@ -46,7 +48,6 @@ class KVOutputAggregator:
             raise ValueError(f"expected {self.world_size} worker outputs, got {len(outputs)}")
         finished_sending: set[str] = set()
         finished_recving: set[str] = set()
-        kv_failed: dict[str, str] = {}
         kv_stats: dict[str, float] = {}
         with self._lock:
             for out in outputs:
@@ -54,10 +55,13 @@ class KVOutputAggregator:
                 self._count(self._remaining_recv, out.finished_recving, finished_recving)
                 for req_id, info in out.kv_recv_info.items():
                     self._recv_info.setdefault(req_id, {}).update(info)
-                kv_failed.update(out.kv_failed)
+                self._send_failed.update(out.kv_failed)
                 for k, v in out.kv_stats.items():
                     kv_stats[k] = kv_stats.get(k, 0.0) + v
             kv_recv_info = {r: self._recv_info.pop(r, {}) for r in finished_recving}
+            kv_failed = {
+                r: self._send_failed.pop(r) for r in finished_sending if r in self._send_failed
+            }
         sampled = next(o for o in outputs if o.rank == output_rank).sampled_token_ids
         return ModelRunnerOutput(
             sampled_token_ids=sampled,
@@ -76,9 +80,16 @@ class KVOutputAggregator:
         pending = [len(futures)]
         lock = threading.Lock()
 
-        def on_done(_: Future) -> None:
+        def on_done(f: Future) -> None:
             with lock:
+                if result.done():
+                    return
                 pending[0] -= 1
+                if f.exception() is not None:
+                    # Fail at once: the other ranks may be stuck in a collective with the
+                    # failed one and never answer.
+                    result.set_exception(f.exception())  # type: ignore[arg-type]
+                    return
                 if pending[0] != 0:
                     return
             try:

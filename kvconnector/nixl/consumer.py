@@ -8,8 +8,8 @@ in when every D rank has its notification (aggregated). Every state has a deadli
   fails over (recompute or error, by policy) and P is told to cancel.
 * blocks a WRITE may still land in (after a timeout, an unconfirmed cancel, or an abort
   while waiting) are *quarantined*: freed when P confirms the cancel, when the KV lands
-  anyway, or after another ``kv_transfer_timeout`` (P drops a transfer it could not start
-  within its own deadline, so nothing can land after that).
+  anyway, or after 2 x ``kv_transfer_timeout`` (P starts no push later than that timeout
+  after the reservation, and a WRITE lasts at most that long, so nothing lands after it).
 
 Not thread-safe on its own: the scheduler-side connector calls it under its lock.
 """
@@ -32,6 +32,7 @@ class RemoteRecv:
     skip_blocks: int  # leading prompt blocks D had in its prefix cache
     deadline: float
     reserved: bool = False
+    p_incarnation: str | None = None  # the P process that accepted the reservation
 
 
 @dataclass
@@ -52,10 +53,11 @@ class Consumer:
     def expect(self, recv: RemoteRecv) -> None:
         self.recvs[recv.request_id] = recv
 
-    def reserved(self, request_id: str) -> None:
+    def reserved(self, request_id: str, p_incarnation: str | None) -> None:
         recv = self.recvs.get(request_id)
         if recv is not None:
             recv.reserved = True
+            recv.p_incarnation = p_incarnation
 
     def landed(self, request_id: str) -> None:
         """All D ranks have the KV (aggregated finished_recving)."""
@@ -81,10 +83,13 @@ class Consumer:
             self._quarantine(recv)
 
     def aborted(self, request_id: str) -> bool:
-        """The request ended while waiting; True when its blocks must be held."""
+        """The request ended while waiting; True when its blocks must be held.
+
+        Also True when its load already failed unsafely but the scheduler has not seen
+        that event yet: the blocks are quarantined, not free."""
         recv = self.recvs.pop(request_id, None)
         if recv is None:
-            return False
+            return request_id in self.quarantine
         self._quarantine(recv)
         return True
 
@@ -93,7 +98,9 @@ class Consumer:
             self.outcome.free_blocks.add(request_id)
 
     def _quarantine(self, recv: RemoteRecv) -> None:
-        self.quarantine[recv.request_id] = time.monotonic() + self.timeout
+        # P starts a push at most T after it got the reservation and a WRITE lasts at most
+        # T: after 2T from now (>= the reservation), nothing of this transfer can land.
+        self.quarantine[recv.request_id] = time.monotonic() + 2 * self.timeout
         self.outcome.cancels.append((recv.p_address, recv.transfer_id, recv.request_id))
 
     def expire(self) -> None:

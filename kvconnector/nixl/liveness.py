@@ -28,13 +28,13 @@ class PeerLiveness:
         interval: float,
         request: Callable[[str, dict[str, Any], float], dict[str, Any]],
         pool: Executor,
-        on_lost: Callable[[str, str, bool], None],
+        on_lost: Callable[[str, str | None, str, bool], None],
         misses: int = 2,
     ) -> None:
         self.interval = interval
         self._request = request
         self._pool = pool
-        self._on_lost = on_lost  # (address, why, safe)
+        self._on_lost = on_lost  # (address, lost incarnation or None for all, why, safe)
         self._misses_allowed = misses
         self._misses: dict[str, int] = {}
         self._in_flight: set[str] = set()
@@ -42,8 +42,8 @@ class PeerLiveness:
         self._lock = threading.Lock()
         self.peers_lost = 0
 
-    def tick(self, watched: dict[str, str]) -> None:
-        """Ping, at most once per interval, each address in ``watched`` (-> incarnation)."""
+    def tick(self, watched: set[tuple[str, str]]) -> None:
+        """Ping, at most once per interval, each (address, incarnation) in ``watched``."""
         if self.interval <= 0 or not watched:
             return
         now = time.monotonic()
@@ -51,10 +51,10 @@ class PeerLiveness:
             return
         self._last = now
         with self._lock:
-            todo = [a for a in watched if a not in self._in_flight]
+            todo = [w for w in watched if w not in self._in_flight]
             self._in_flight.update(todo)
-        for address in todo:
-            self._pool.submit(self._ping, address, watched[address])
+        for address, incarnation in todo:
+            self._pool.submit(self._ping, address, incarnation)
 
     def _ping(self, address: str, incarnation: str) -> None:
         try:
@@ -64,7 +64,7 @@ class PeerLiveness:
         except Exception:
             reply = None
         with self._lock:
-            self._in_flight.discard(address)
+            self._in_flight.discard((address, incarnation))
             if reply is not None:
                 self._misses.pop(address, None)
             else:
@@ -77,8 +77,8 @@ class PeerLiveness:
             logger.warning(
                 "prefill %s restarted (incarnation %s)", address, reply.get("incarnation")
             )
-            self._on_lost(address, "the prefill node restarted", True)
+            self._on_lost(address, incarnation, "the prefill node restarted", True)
         elif silent:
             self.peers_lost += 1
             logger.warning("prefill %s stopped answering pings", address)
-            self._on_lost(address, f"prefill {address} stopped answering", False)
+            self._on_lost(address, None, f"prefill {address} stopped answering", False)

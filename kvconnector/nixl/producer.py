@@ -62,13 +62,19 @@ class Producer:
     # -- from the engine thread -----------------------------------------------------------
     def prefill_finished(
         self, request_id: str, transfer_id: str, block_ids: list[int], first_token: int | None
-    ) -> None:
+    ) -> bool:
+        """Hold the blocks for a push; False when the transfer id is already taken."""
         now = time.monotonic()
+        in_flight = any(s.transfer_id == transfer_id for s in self.in_flight.values())
+        if transfer_id in self.pending or transfer_id in self.tombstones or in_flight:
+            logger.error("transfer id %s is already in use; not pushing it twice", transfer_id)
+            return False
         send = PendingSend(
             request_id, transfer_id, list(block_ids), first_token, now + self.timeout
         )
         send.reservation = self.early.pop(transfer_id, None)
         self.pending[transfer_id] = send
+        return True
 
     def prefill_failed(self, transfer_id: str, why: str) -> None:
         """The P request ended without KV to send (aborted, error)."""
@@ -80,8 +86,19 @@ class Producer:
     def ready_sends(self, peer_ready) -> list[PendingSend]:
         """Pending sends whose reservation is known and whose peer the workers can reach."""
         out = []
+        now = time.monotonic()
         for tid, send in list(self.pending.items()):
             res = send.reservation
+            if res is not None and now >= res.expires:
+                # D has given up on this reservation (its deadline is the same length):
+                # never push into blocks it may already have reused.
+                del self.pending[tid]
+                self._tombstone(tid, "reservation expired before the push could start")
+                self.outcome.free_blocks.add(send.request_id)
+                self.outcome.notify_failed.append(
+                    (res.d_address, res.d_request_id, "reservation expired on prefill")
+                )
+                continue
             if res is None or not peer_ready(res.peer_key):
                 continue
             del self.pending[tid]

@@ -200,7 +200,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         }
         try:
             for attempt in range(2):
-                self._ensure_handshake(recv.p_address, force=attempt > 0)
+                peer = self._ensure_handshake(recv.p_address, force=attempt > 0)
                 reply = self._client.request(recv.p_address, msg, RPC_TIMEOUT_S)
                 if reply.get("ok") or reply.get("code") != "handshake_required":
                     break
@@ -214,7 +214,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return
         with self._lock:
             if reply.get("ok"):
-                self.consumer.reserved(recv.request_id)
+                self.consumer.reserved(recv.request_id, peer.get("incarnation"))
             else:
                 self.consumer.fail(recv.request_id, str(reply.get("error")), safe=True)
 
@@ -326,7 +326,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 self.producer.prefill_failed(tid, f"prefill {request.status.value}")
                 return False, None
             first = request.output_token_ids[0] if request.num_output_tokens else None
-            self.producer.prefill_finished(request.request_id, tid, block_ids, first)
+            if not self.producer.prefill_finished(request.request_id, tid, block_ids, first):
+                return False, None
         return True, {
             "transfer_id": tid,
             "first_token": first,
@@ -384,7 +385,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 if rid in output.kv_failed and send.reservation is not None:
                     self.failed_transfers += 1
                     r = send.reservation
-                    self._notify_failed(r.d_address, r.d_request_id, output.kv_failed[rid], True)
+                    # Part of an errored WRITE may still land: D quarantines (safe=False).
+                    self._notify_failed(r.d_address, r.d_request_id, output.kv_failed[rid], False)
                     self._evict_peer(r.peer_key, output.kv_failed[rid])
             if output.kv_stats:
                 self._stats = dict(output.kv_stats)
@@ -399,13 +401,14 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self._workers_have.discard(key)
             self._remove.append(key)
 
-    def _prefill_lost(self, address: str, why: str, safe: bool) -> None:
-        """Liveness: the prefill peer at ``address`` restarted or went silent."""
+    def _prefill_lost(self, address: str, incarnation: str | None, why: str, safe: bool) -> None:
+        """Liveness: the prefill process at ``address`` restarted (``incarnation`` is gone:
+        its waits are safe to free) or went silent (every wait there, quarantined)."""
         with self._lock:
-            if safe:
+            if safe and self._p_peers.get(address, {}).get("incarnation") == incarnation:
                 self._p_peers.pop(address, None)  # re-handshake with the new incarnation
             for rid, recv in list(self.consumer.recvs.items()):
-                if recv.p_address == address:
+                if recv.p_address == address and incarnation in (None, recv.p_incarnation):
                     self.consumer.fail(rid, why, safe=safe)
 
     def take_events(self) -> ConnectorEvents:
@@ -414,9 +417,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self.consumer.expire()
             p, c = self.producer.take_outcome(), self.consumer.take_outcome()
             watched = {
-                r.p_address: self._p_peers[r.p_address]["incarnation"]
+                (r.p_address, r.p_incarnation)
                 for r in self.consumer.recvs.values()
-                if r.reserved and r.p_address in self._p_peers
+                if r.reserved and r.p_incarnation is not None
             }
         self.liveness.tick(watched)
         for addr, d_req, why in p.notify_failed:
