@@ -123,7 +123,7 @@ def test_prefill_killed_after_decode_reserved(decode: Node, tmp_path: Path):
         # The reserved blocks are not reused right away: they stay quarantined while a
         # late WRITE could still land, and come back after the deadline.
         assert decode.metric("pdserve_engine_num_quarantined_blocks") == 3
-        wait_for(lambda: pools_full(decode), TIMEOUT_S + 5, "D's quarantined blocks to free")
+        wait_for(lambda: pools_full(decode), 2 * TIMEOUT_S + 5, "D's quarantined blocks to free")
         assert decode.metric("pdserve_engine_num_quarantined_blocks") == 0
         ref = httpx.post(
             decode.url + "/v1/completions",
