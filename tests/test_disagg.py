@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -221,3 +222,49 @@ def test_handshake_wait_does_not_stall_other_requests():
     finally:
         d.shutdown()
         silent.close(linger=0)
+
+
+def test_unseeded_sampling_agrees_between_prefill_and_a_recomputing_decode():
+    """P samples the first token; D, failing over to local recompute, samples it again:
+    without a client seed both draw from the transfer id's seed, so they agree."""
+    import socket
+
+    from pd_utils import run_until
+
+    from engine.core.request import Request
+    from engine.core.scheduler import transfer_seed
+
+    sampled = SamplingParams(max_tokens=8, temperature=1.0)  # no seed
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    base = EngineConfig(cache=CacheConfig(num_blocks=64))
+    p = EngineCore(nixl_config(base, "producer"))
+    d = EngineCore(nixl_config(base, "consumer"))
+    try:
+        prompt = random_prompt(30, 256, seed=9)
+        out: dict[str, list[int]] = {"p": [], "d": []}
+        p.add_request(
+            Request("p", prompt, dataclasses.replace(sampled, max_tokens=1),
+                    kv_transfer_params={"do_remote_decode": True, "transfer_id": "tx-9"})
+        )  # fmt: skip
+        d.add_request(
+            Request("d", prompt, sampled, kv_transfer_params={
+                "do_remote_prefill": True, "transfer_id": "tx-9", "remote_side_channel": dead})
+        )  # fmt: skip
+        done: set[str] = set()
+
+        def on_output(_, o):
+            out[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                done.add(o.request_id)
+
+        run_until([p, d], lambda: done == {"p", "d"}, on_output, timeout=60)
+        assert d.stats()["kv_loads_failed_total"] == 1  # D recomputed locally
+        assert out["d"][0] == out["p"][0]
+        with LLM(base) as llm:
+            seeded = dataclasses.replace(sampled, seed=transfer_seed("tx-9"))
+            assert out["d"] == llm.generate([prompt], seeded)[0]
+    finally:
+        p.shutdown()
+        d.shutdown()

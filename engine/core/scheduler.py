@@ -11,6 +11,8 @@ cache entries usually make that cheap).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 from collections import deque
 
@@ -23,6 +25,11 @@ from engine.sampling_params import InvalidRequestError
 from kvconnector.base import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
+
+
+def transfer_seed(transfer_id: str) -> int:
+    """The sampling seed of an unseeded disaggregated request, the same on P and D."""
+    return int.from_bytes(hashlib.sha256(transfer_id.encode()).digest()[:8], "little") >> 1
 
 
 class Scheduler:
@@ -75,6 +82,12 @@ class Scheduler:
                 f"has {self.kv.num_blocks}; lower max_tokens or the prompt length",
                 "max_tokens",
             )
+        sp = request.sampling_params
+        if request.kv_transfer_params and sp.seed is None and not sp.greedy:
+            # Both legs of a disaggregated request (and D's recompute after a failed load)
+            # must sample the same first token: seed the request from its transfer id.
+            tid = str(request.kv_transfer_params.get("transfer_id") or rid)
+            request.sampling_params = dataclasses.replace(sp, seed=transfer_seed(tid))
         self.requests[rid] = request
         self.waiting.append(request)
 
