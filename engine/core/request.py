@@ -61,7 +61,6 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # hashes of this request's full blocks
         self.arrival_time = time.monotonic()

@@ -166,7 +166,6 @@ class Scheduler:
             if blocks is None:
                 req.num_computed_tokens = 0
                 return False
-            req.num_cached_tokens = num_cached
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV
             self.remote_waiting[req.request_id] = req
             self.connector.update_state_after_alloc(req, blocks, ext)
@@ -177,7 +176,6 @@ class Scheduler:
         if blocks is None:
             req.num_computed_tokens = 0
             return False
-        req.num_cached_tokens = num_cached
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         seqs.append(self._scheduled(req, n, blocks))

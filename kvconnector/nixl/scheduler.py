@@ -235,17 +235,18 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 "address": self.address,
             }
             reply = self._client.request(address, msg, RPC_TIMEOUT_S)
-            self.handshakes += 1
             if not reply.get("ok"):
-                self.handshake_failures += 1
-                raise HandshakeError(
-                    f"prefill {address} refused the handshake: {reply.get('error')}"
-                )
-            mismatch = check_compat(self.compat, reply.get("compat", {}))
-            if mismatch:
-                self.handshake_failures += 1
-                raise HandshakeError(f"prefill {address} is incompatible: {mismatch}")
-            self._p_peers[address] = reply
+                error = f"prefill {address} refused the handshake: {reply.get('error')}"
+            elif mismatch := check_compat(self.compat, reply.get("compat", {})):
+                error = f"prefill {address} is incompatible: {mismatch}"
+            else:
+                error = None
+            with self._lock:
+                self.handshakes += 1
+                if error is not None:
+                    self.handshake_failures += 1
+                    raise HandshakeError(error)
+                self._p_peers[address] = reply
             logger.info("handshake with prefill %s (%s) done", reply.get("engine_id"), address)
             return reply
 
@@ -253,7 +254,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def _on_handshake(self, msg: dict[str, Any]) -> dict[str, Any]:
         mismatch = check_compat(self.compat, msg.get("compat", {}))
         if mismatch:
-            self.handshake_failures += 1
+            with self._lock:
+                self.handshake_failures += 1
             logger.warning("refusing handshake from %s: %s", msg.get("address"), mismatch)
             return {"ok": False, "error": f"incompatible peer: {mismatch}"}
         key = msg["peer_key"]
