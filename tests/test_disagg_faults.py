@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -85,6 +87,28 @@ def p_body(prompt: list[int], tid: str) -> dict:
     }
 
 
+@contextlib.contextmanager
+def decode_leg_waiting(
+    prefill: Node, decode: Node, prompt: list[int], tid: str, timeout: float = 60
+) -> Iterator[Future]:
+    """Send only D's leg (no prefill): yields the future of D's response once P holds
+    D's reservation, i.e. D reserved blocks and waits for KV that P never computes."""
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(
+            httpx.post,
+            decode.url + "/v1/completions",
+            json=d_body(prompt, tid, side_channel(prefill)),
+            headers={"X-Request-Id": tid},
+            timeout=timeout,
+        )
+        wait_for(
+            lambda: prefill.metric("pdserve_engine_kv_reservations_waiting") == 1,
+            10,
+            "P to hold the reservation",
+        )
+        yield fut
+
+
 def pools_full(node: Node) -> bool:
     return node.metric("pdserve_kv_blocks_used") == 0
 
@@ -94,19 +118,7 @@ def test_prefill_killed_after_decode_reserved(decode: Node, tmp_path: Path):
     try:
         prompt = [random.Random(1).randint(0, 255) for _ in range(40)]
         before_prompt = decode.metric("pdserve_prompt_tokens_total")
-        with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(
-                httpx.post,
-                decode.url + "/v1/completions",
-                json=d_body(prompt, "killed-1", side_channel(prefill)),
-                timeout=60,
-            )
-            # D reserved its blocks and P holds the reservation (no prefill was sent to P).
-            wait_for(
-                lambda: prefill.metric("pdserve_engine_kv_reservations_waiting") == 1,
-                10,
-                "P to hold the reservation",
-            )
+        with decode_leg_waiting(prefill, decode, prompt, "killed-1") as fut:
             assert decode.metric("pdserve_engine_num_waiting_for_remote_kv") == 1
             kids = descendants(prefill.proc.pid)
             prefill.proc.kill()
@@ -144,16 +156,7 @@ def test_liveness_ends_the_wait_long_before_the_deadline(tmp_path: Path):
     prefill = start_node(tmp_path, *long, module="prefill_node")
     try:
         prompt = list(range(7, 47))
-        with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(
-                httpx.post,
-                decode.url + "/v1/completions",
-                json=d_body(prompt, "liveness-1", side_channel(prefill)),
-                timeout=120,
-            )
-            wait_for(
-                lambda: prefill.metric("pdserve_engine_kv_reservations_waiting") == 1, 10, "reserve"
-            )
+        with decode_leg_waiting(prefill, decode, prompt, "liveness-1", timeout=120) as fut:
             prefill.proc.kill()
             prefill.proc.wait(10)
             killed = time.monotonic()
@@ -171,17 +174,7 @@ def test_liveness_ends_the_wait_long_before_the_deadline(tmp_path: Path):
 def test_decode_abort_while_waiting_cancels_on_prefill(decode: Node, prefill: Node):
     prompt = list(range(1, 30))
     rid = "abort-waiting-1"
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(
-            httpx.post,
-            decode.url + "/v1/completions",
-            json=d_body(prompt, rid, side_channel(prefill)),
-            headers={"X-Request-Id": rid},
-            timeout=60,
-        )
-        wait_for(
-            lambda: prefill.metric("pdserve_engine_kv_reservations_waiting") == 1, 10, "reserve"
-        )
+    with decode_leg_waiting(prefill, decode, prompt, rid) as fut:
         httpx.post(decode.url + "/v1/abort", json={"request_id": rid}, timeout=10)
         resp = fut.result(timeout=30)
     assert resp.status_code in (200, 499, 500), resp.text
@@ -284,18 +277,7 @@ def test_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(prefill: Node, t
         peers = prefill.metric("pdserve_engine_kv_decode_peers")
         failures = prefill.metric("pdserve_engine_kv_transfer_failures_total")
         prompt, tid = list(range(5, 40)), "dead-1"
-        with ThreadPoolExecutor(1) as pool:
-            pool.submit(
-                httpx.post,
-                dead.url + "/v1/completions",
-                json=d_body(prompt, tid, side_channel(prefill)),
-                timeout=30,
-            )
-            wait_for(
-                lambda: prefill.metric("pdserve_engine_kv_reservations_waiting") == 1,
-                10,
-                "P to hold the reservation",
-            )
+        with decode_leg_waiting(prefill, dead, prompt, tid, timeout=30):
             kids = descendants(dead.proc.pid)
             dead.proc.kill()
             dead.proc.wait(10)

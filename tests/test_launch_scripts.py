@@ -73,6 +73,12 @@ def test_launch_scripts_bring_up_a_deployment(tmp_path: Path):
         for pid in pids:
             kids += descendants(pid)
     finally:
+        # Also what a script started before it failed: its pid file is in RUN_DIR.
+        for pidfile in (tmp_path / "run").glob("*.pid"):
+            pid = int(pidfile.read_text())
+            if pid not in pids:
+                pids.append(pid)
+                kids += descendants(pid)
         for pid in pids:  # "stop: kill <pid>", as the scripts print
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
