@@ -33,13 +33,24 @@ class ModelConfig:
     served_model_name: str | None = field(
         default=None, metadata={"help": "name clients use in 'model' (default: --model)"}
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = field(
-        default="float32", metadata={"help": "weight and KV cache dtype"}
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto",
+        metadata={
+            "help": "weight and KV cache dtype; auto: the checkpoint's, bfloat16 instead of "
+            "float32 on cuda, float32 on cpu"
+        },
     )
     max_model_len: int | None = field(
         default=None, metadata={"help": "context length (default: model's maximum)"}
     )
     seed: int = field(default=0, metadata={"help": "seed for the 'tiny' model's weights"})
+    attention_backend: Literal["auto", "reference", "triton"] = field(
+        default="auto",
+        metadata={"help": "attention kernels: auto (triton on cuda, reference on cpu)"},
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "never use CUDA graphs (decode steps run eagerly)"}
+    )
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must be a checkpoint directory or 'tiny'")
@@ -66,7 +77,14 @@ class CacheConfig:
         default=None, metadata={"help": "KV blocks per rank (overrides --kv-memory-fraction)"}
     )
     kv_memory_fraction: float = field(
-        default=0.05, metadata={"help": "fraction of device memory for the KV cache"}
+        default=0.05, metadata={"help": "cpu: fraction of host memory for the KV cache"}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={
+            "help": "cuda: fraction of GPU memory this node may use (weights, activations, "
+            "KV cache); the KV cache gets what the profiled model leaves"
+        },
     )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
 
@@ -85,6 +103,11 @@ class CacheConfig:
             0.0 < self.kv_memory_fraction <= 0.95,
             "kv_memory_fraction",
             "must be in (0, 0.95]",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            "must be in (0, 1]",
         )
 
 

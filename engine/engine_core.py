@@ -6,6 +6,7 @@ driven by one thread (``AsyncLLMEngine``'s loop, or ``LLM.generate`` offline).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -15,26 +16,35 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.multiproc import MultiprocExecutor
-from engine.kv_cache_layout import KVCacheSpec
+from engine.kv_cache_layout import TORCH_DTYPES, KVCacheSpec
+from engine.model.config import resolve_dtype
 from engine.model.loader import load_arch_config
 from engine.outputs import RequestOutput
-from engine.worker.model_runner import DTYPES
 from kvconnector.factory import create_scheduler_connector
 
 logger = logging.getLogger(__name__)
 
 
-def decide_num_blocks(config: EngineConfig, spec: KVCacheSpec, max_model_len: int) -> int:
-    """KV blocks per rank: ``--num-blocks``, else a fraction of memory (capped by need)."""
+def decide_num_blocks(
+    config: EngineConfig, spec: KVCacheSpec, max_model_len: int, kv_bytes: list[int | None]
+) -> int:
+    """KV blocks per rank: ``--num-blocks``; on CUDA what the smallest profiled rank can hold
+    (``--gpu-memory-utilization``); on CPU ``--kv-memory-fraction`` of host memory, capped
+    by what ``--max-num-seqs`` full-length requests need."""
     if config.cache.num_blocks is not None:
         return config.cache.num_blocks
-    if config.parallel.device == "cuda":
-        import torch
-
-        total = torch.cuda.get_device_properties(0).total_memory
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        total //= config.parallel.tp  # all ranks share the host's memory
+    profiled = [b for b in kv_bytes if b is not None]
+    if profiled:
+        blocks = min(profiled) // spec.block_bytes
+        if blocks < 2:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache ({min(profiled) / 2**30:.2f} GiB after "
+                "the weights and activations): raise --gpu-memory-utilization, lower "
+                "--max-num-batched-tokens, or free the GPU"
+            )
+        return blocks
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total //= config.parallel.tp  # all ranks share the host's memory
     by_memory = int(total * config.cache.kv_memory_fraction) // spec.block_bytes
     by_need = config.scheduler.max_num_seqs * cdiv(max_model_len, config.cache.block_size)
     return max(2, min(by_memory, by_need))
@@ -42,8 +52,11 @@ def decide_num_blocks(config: EngineConfig, spec: KVCacheSpec, max_model_len: in
 
 class EngineCore:
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
-        self.config = config
         self.arch = load_arch_config(config.model.model)
+        # Resolve --dtype auto once, so workers and the connector's compat check agree.
+        dtype = resolve_dtype(config.model.dtype, config.parallel.device, self.arch)
+        config = config.replace(model=dataclasses.replace(config.model, dtype=dtype))
+        self.config = config
         tp = config.parallel.tp
         self.arch.validate_tp(tp)
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
@@ -53,20 +66,27 @@ class EngineCore:
             num_kv_heads=self.arch.num_key_value_heads // tp,
             block_size=config.cache.block_size,
             head_dim=self.arch.head_dim,
-            dtype=DTYPES[config.model.dtype],
+            dtype=TORCH_DTYPES[dtype],
         )
-        self.num_blocks = decide_num_blocks(config, spec, self.max_model_len)
         self.block_bytes = spec.block_bytes
+        self.connector = create_scheduler_connector(config)
+        self.executor = MultiprocExecutor(
+            config,
+            lambda kv_bytes: decide_num_blocks(config, spec, self.max_model_len, kv_bytes),
+            log_level,
+        )
+        self.num_blocks = self.executor.num_blocks
         logger.info(
-            "engine: model=%s tp=%d blocks=%d x %d B per rank, max_model_len=%d",
+            "engine: model=%s dtype=%s tp=%d blocks=%d x %d B per rank (%.2f GiB), "
+            "max_model_len=%d",
             config.model.model,
+            dtype,
             tp,
             self.num_blocks,
             spec.block_bytes,
+            self.num_blocks * spec.block_bytes / 2**30,
             self.max_model_len,
         )
-        self.connector = create_scheduler_connector(config)
-        self.executor = MultiprocExecutor(config, self.num_blocks, log_level)
         try:
             self.connector.set_worker_info(self.executor.worker_infos)
         except BaseException:

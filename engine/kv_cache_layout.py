@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:

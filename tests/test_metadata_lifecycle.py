@@ -44,6 +44,9 @@ class FakeRunner:
         self.fail = fail
         self.calls = 0
 
+    def init_kv_cache(self, num_blocks):
+        pass
+
     def execute(self, sched):
         self.calls += 1
         if self.fail:
@@ -61,7 +64,9 @@ def _step(with_tokens: bool) -> SchedulerOutput:
 
 
 def _worker(runner: FakeRunner, conn: RecordingConnector) -> Worker:
-    return Worker(EngineConfig(), 0, 1, 4, "cpu", connector=conn, model_runner=runner)
+    worker = Worker(EngineConfig(), 0, 1, "cpu", connector=conn, model_runner=runner)
+    worker.init_kv_cache(4)
+    return worker
 
 
 def test_normal_step_binds_then_clears_last():

@@ -16,9 +16,11 @@ import multiprocessing as mp
 import pickle
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, WorkerOutput
@@ -42,7 +44,16 @@ def free_port() -> int:
 
 
 class MultiprocExecutor:
-    def __init__(self, config: EngineConfig, num_blocks: int, log_level: str = "INFO") -> None:
+    """Starts the workers in two phases: each loads its shard and reports how many KV bytes
+    it can hold (``None`` on CPU); ``decide_num_blocks`` turns those reports into the
+    number of blocks every rank allocates; then each worker reports ready."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        decide_num_blocks: Callable[[list[int | None]], int],
+        log_level: str = "INFO",
+    ) -> None:
         self.world_size = config.parallel.tp
         self.step_timeout = config.parallel.step_timeout
         self.aggregator = KVOutputAggregator(self.world_size)
@@ -62,7 +73,7 @@ class MultiprocExecutor:
             res_r, res_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, self.world_size, config, num_blocks, port, task_r, res_w, log_level),
+                args=(rank, self.world_size, config, port, task_r, res_w, log_level),
                 name=f"pdserve-tp{rank}",
                 daemon=True,
             )
@@ -73,7 +84,11 @@ class MultiprocExecutor:
             self._task.append(task_w)
             self._result.append(res_r)
         try:
-            self.worker_infos = [self._wait_ready(rank) for rank in range(self.world_size)]
+            kv_bytes = [self._wait_for(rank, "loaded") for rank in range(self.world_size)]
+            self.num_blocks = decide_num_blocks(kv_bytes)
+            for conn in self._task:
+                conn.send(self.num_blocks)
+            self.worker_infos = [self._wait_for(rank, "ready") for rank in range(self.world_size)]
         except BaseException:
             self.shutdown()
             raise
@@ -89,7 +104,7 @@ class MultiprocExecutor:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]
 
-    def _wait_ready(self, rank: int) -> dict:
+    def _wait_for(self, rank: int, expected: str) -> Any:
         conn, proc = self._result[rank], self.procs[rank]
         ready = wait([conn, proc.sentinel], timeout=STARTUP_TIMEOUT_S)
         if conn in ready:
@@ -97,7 +112,7 @@ class MultiprocExecutor:
                 kind, payload = conn.recv()
             except EOFError:
                 kind, payload = "error", "worker exited during startup"
-            if kind == "ready":
+            if kind == expected:
                 return payload
             raise RuntimeError(f"TP worker {rank} failed to start:\n{payload}")
         if not ready:

@@ -78,6 +78,7 @@ class ModelArchConfig:
     bos_token_id: int | None
     eos_token_id: int | None
     eos_token_ids: tuple[int, ...] = ()  # all stop ids from config.json (Llama 3 lists several)
+    checkpoint_dtype: str = "float32"  # the weights' dtype per config.json ('torch_dtype'/'dtype')
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -152,6 +153,7 @@ class ModelArchConfig:
             bos_token_id=_first_id(d.get("bos_token_id")),
             eos_token_id=_first_id(d.get("eos_token_id")),
             eos_token_ids=_all_ids(d.get("eos_token_id")),
+            checkpoint_dtype=_checkpoint_dtype(d),
         )
 
     @classmethod
@@ -207,6 +209,22 @@ class ModelArchConfig:
     def num_heads_per_rank(self, tp: int) -> int:
         self.validate_tp(tp)
         return self.num_attention_heads // tp
+
+
+def _checkpoint_dtype(d: dict[str, Any]) -> str:
+    value = d.get("torch_dtype") or d.get("dtype") or "float32"
+    value = str(value).removeprefix("torch.")
+    return value if value in ("float32", "bfloat16", "float16") else "float32"
+
+
+def resolve_dtype(requested: str, device: str, arch: ModelArchConfig) -> str:
+    """``--dtype auto``: the checkpoint's dtype, but bf16 instead of fp32 on CUDA and fp32 on
+    CPU (half-precision matmuls are slow there); an explicit dtype is kept."""
+    if requested != "auto":
+        return requested
+    if device != "cuda":
+        return "float32"
+    return "bfloat16" if arch.checkpoint_dtype == "float32" else arch.checkpoint_dtype
 
 
 def _arch_from_model_type(model_type: str | None) -> str:

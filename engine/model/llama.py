@@ -13,8 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.model.attention import paged_attention
-from engine.model.attention_metadata import AttentionMetadata
+from engine.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from engine.model.config import ModelArchConfig
 from engine.model.parallel import (
     ColumnParallelLinear,
@@ -24,7 +23,7 @@ from engine.model.parallel import (
     VocabParallelEmbedding,
     load_replicated,
 )
-from engine.model.rotary import RotaryEmbedding
+from engine.model.rotary import RotaryEmbedding, apply_rotary
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +54,11 @@ class LlamaAttention(nn.Module):
         tp_size: int,
         dtype: torch.dtype,
         device: str,
+        backend: AttentionBackend,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.backend = backend
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_attention_heads // tp_size
         self.num_kv_heads = cfg.num_key_value_heads // tp_size
@@ -76,12 +77,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             q_size, cfg.hidden_size, False, tp_rank, tp_size, dtype, device
         )
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -91,8 +91,8 @@ class LlamaAttention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, self.layer_idx, attn, self.scale)
+        q, k = apply_rotary(rope, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, self.layer_idx, attn, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))  # [T, H]
 
 
@@ -123,9 +123,10 @@ class LlamaDecoderLayer(nn.Module):
         tp_size: int,
         dtype: torch.dtype,
         device: str,
+        backend: AttentionBackend,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, tp_rank, tp_size, dtype, device)
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp_rank, tp_size, dtype, device, backend)
         self.mlp = LlamaMLP(cfg, tp_rank, tp_size, dtype, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -133,11 +134,11 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, attn, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -170,9 +171,11 @@ class LlamaForCausalLM(nn.Module):
         tp_size: int = 1,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        attention_backend: str = "auto",
     ) -> None:
         super().__init__()
         cfg.validate_tp(tp_size)
+        self.attn_backend = get_attention_backend(attention_backend, device)
         self.config = cfg
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -180,10 +183,11 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size, dtype, device
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, tp_rank, tp_size, dtype, device)
+            LlamaDecoderLayer(cfg, i, tp_rank, tp_size, dtype, device, self.attn_backend)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.lm_head = ParallelLMHead(
             cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size, dtype, device
         )
@@ -199,8 +203,9 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
+        rope = self.rotary.cos_sin(positions)  # once per step, shared by all layers
         for layer in self.layers:
-            x = layer(x, positions, attn, kv_cache)
+            x = layer(x, rope, attn, kv_cache)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -13,6 +13,7 @@ from contextlib import ExitStack
 
 import torch
 
+from engine.kv_cache_layout import TORCH_DTYPES
 from engine.model.config import ModelArchConfig, ModelConfigError
 from engine.model.llama import LlamaForCausalLM
 from engine.model.parallel import ShardReader
@@ -27,9 +28,7 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-            dtype
-        ]
+        return TORCH_DTYPES[dtype]
     except KeyError:
         raise ValueError(f"unsupported dtype {dtype!r}") from None
 
@@ -131,13 +130,14 @@ def load_model(
     device: torch.device | str = "cpu",
     seed: int = 0,
     max_model_len: int | None = None,
+    attention_backend: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Build rank ``tp_rank``'s shard of ``model`` ('tiny' or a checkpoint dir), in eval mode."""
     torch_dtype = _parse_dtype(dtype)
     device_str = str(device)
     cfg = load_arch_config(model, max_model_len=max_model_len)
     cfg.validate_tp(tp_size)
-    net = LlamaForCausalLM(cfg, tp_rank, tp_size, torch_dtype, device_str)
+    net = LlamaForCausalLM(cfg, tp_rank, tp_size, torch_dtype, device_str, attention_backend)
     if model == TINY_MODEL:
         sd = tiny_state_dict(cfg, seed)
         net.load_weights(list(sd), lambda name: _narrow_reader(sd[name]))

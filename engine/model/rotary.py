@@ -53,14 +53,25 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling).to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [T, 1, D]`` (fp32) for ``positions [T]``; computed once per forward."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        return emb.cos(), emb.sin()
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions [T]`` (math in fp32)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos(), emb.sin()
-        qf, kf = q.float(), k.float()
-        q_out = qf * cos + _rotate_half(qf) * sin
-        k_out = kf * cos + _rotate_half(kf) * sin
-        return q_out.to(q.dtype), k_out.to(k.dtype)
+        return apply_rotary(self.cos_sin(positions), q, k)
+
+
+def apply_rotary(
+    rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``rope = (cos, sin) [T, 1, D]``."""
+    cos, sin = rope
+    qf, kf = q.float(), k.float()
+    q_out = qf * cos + _rotate_half(qf) * sin
+    k_out = kf * cos + _rotate_half(kf) * sin
+    return q_out.to(q.dtype), k_out.to(k.dtype)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_cache_layout import KVCacheSpec
-from engine.model.attention_metadata import AttentionMetadata
+from engine.model.attention import pack_step
 from engine.model.config import ModelArchConfig
 from engine.model.llama import LlamaForCausalLM
 
@@ -63,37 +63,21 @@ class PagedRunner:
 
     def step(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """Run one forward pass; returns each sequence's logits ``[n_new, vocab]``."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens, seq_lens, query_start, tables = [], [], [], []
+        starts, tables = [], []
         for seq_id, toks in new_tokens.items():
             seq = self.seqs[seq_id]
-            start = len(seq.tokens)
-            query_start.append(len(ids))
-            for j, tok in enumerate(toks):
-                ids.append(tok)
-                positions.append(start + j)
-                slots.append(self._slot(seq, start + j))
+            starts.append(len(seq.tokens))
+            for j in range(len(toks)):
+                self._slot(seq, len(seq.tokens) + j)  # allocate blocks as needed
             seq.tokens.extend(toks)
-            query_lens.append(len(toks))
-            seq_lens.append(len(seq.tokens))
-            tables.append(torch.tensor(seq.blocks, dtype=torch.long, device=self.device))
-        attn = AttentionMetadata(
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            query_start=query_start,
-            block_tables=tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_size=self.block_size,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos, attn, self.kv_cache)  # [T, H]
+            tables.append(list(seq.blocks))
+        packed = pack_step(list(new_tokens.values()), starts, tables, self.block_size)
+        step = packed.to_device(torch.device(self.device))
+        hidden = self.model(step.input_ids, step.positions, step.attn, self.kv_cache)  # [T, H]
         logits = self.model.compute_logits(hidden)  # [T, vocab]
         return {
-            seq_id: logits[s : s + n]
-            for seq_id, s, n in zip(new_tokens, query_start, query_lens, strict=True)
+            seq_id: logits[s : s + len(toks)]
+            for (seq_id, toks), s in zip(new_tokens.items(), packed.query_start, strict=True)
         }
 
     def prefill(self, seq_id: int, prompt: list[int], chunk: int | None = None) -> torch.Tensor:

@@ -1,4 +1,12 @@
-"""Runs the model on one TP rank: builds the flattened batch, forwards, samples."""
+"""Runs the model on one TP rank: packs the step's batch, forwards, samples.
+
+Life of a runner: load the model (``__init__``), ``profile_kv_bytes()`` (CUDA: how much
+memory the KV cache may take), ``init_kv_cache(num_blocks)`` (allocate, then capture the
+decode CUDA graphs), then ``execute(sched)`` every step.
+
+A step's inputs are packed on the host into one buffer and copied in one transfer; nothing
+in the forward reads a device value back; the only host read is the sampled token ids.
+"""
 
 from __future__ import annotations
 
@@ -8,81 +16,157 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import SchedulerOutput
-from engine.kv_cache_layout import KVCacheSpec
-from engine.model.attention_metadata import AttentionMetadata
+from engine.kv_cache_layout import TORCH_DTYPES, KVCacheSpec
+from engine.model.attention import pack_step
 from engine.model.loader import load_model
+from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.sampler import Sampler
+from engine.worker.staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class ModelRunner:
-    def __init__(
-        self, config: EngineConfig, rank: int, world_size: int, num_blocks: int, device: str
-    ) -> None:
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, device: str) -> None:
+        self.config = config
         self.rank = rank
+        self.world_size = world_size
         self.device = torch.device(device)
-        dtype = DTYPES[config.model.dtype]
+        self.dtype = TORCH_DTYPES[config.model.dtype]  # resolved by the engine (never "auto")
         self.model, self.arch = load_model(
-            config.model.model, rank, world_size, dtype, self.device, config.model.seed
+            config.model.model,
+            rank,
+            world_size,
+            self.dtype,
+            self.device,
+            config.model.seed,
+            attention_backend=config.model.attention_backend,
         )
         self.block_size = config.cache.block_size
-        self.kv_spec = KVCacheSpec(
+        max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
+        self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
+        self.kv_spec: KVCacheSpec | None = None
+        self.kv_cache: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.sampler = Sampler()
+        self.staging = HostStaging(self.device)
+
+    def _spec(self, num_blocks: int) -> KVCacheSpec:
+        return KVCacheSpec(
             num_blocks=num_blocks,
             num_layers=self.arch.num_hidden_layers,
-            num_kv_heads=self.arch.num_key_value_heads // world_size,
+            num_kv_heads=self.arch.num_key_value_heads // self.world_size,
             block_size=self.block_size,
             head_dim=self.arch.head_dim,
-            dtype=dtype,
+            dtype=self.dtype,
         )
-        # [num_blocks, num_layers, 2, kv_heads_local, block_size, head_dim]
-        self.kv_cache = self.kv_spec.allocate(self.device)
-        self.sampler = Sampler()
 
+    # -- start-up ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_kv_bytes(self) -> int | None:
+        """CUDA: bytes the KV cache may take on this rank, ``--gpu-memory-utilization`` of the
+        device less the weights and the peak of a dummy forward at the largest step. None on
+        CPU (the engine sizes the cache from host memory)."""
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free_before, total = torch.cuda.mem_get_info(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        sched = self.config.scheduler
+        tokens = sched.max_num_batched_tokens
+        # A dummy step at the token budget, as one prefill over a small scratch cache.
+        spec = self._spec(cdiv(tokens, self.block_size) + 1)
+        scratch = spec.allocate(self.device)
+        blocks = list(range(1, spec.num_blocks))
+        packed = pack_step([[0] * tokens], [0], [blocks], self.block_size)
+        step = packed.to_device(self.device)
+        hidden = self.model(step.input_ids, step.positions, step.attn, scratch)
+        rows = min(sched.max_num_seqs, tokens)
+        self.model.compute_logits(hidden[:rows]).softmax(-1)  # the sampler's [S, V] temporaries
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - spec.block_bytes * spec.num_blocks
+        del scratch, hidden, step
+        torch.cuda.empty_cache()
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        budget = int(total * self.config.cache.gpu_memory_utilization)
+        # Memory this process holds outside torch's allocator (CUDA context, NCCL, ...).
+        non_torch = max(0, (total - free_after) - torch.cuda.memory_reserved(self.device))
+        activations = max(0, peak - weights)
+        kv_bytes = budget - weights - activations - non_torch
+        # Never plan on more than is free now (other processes share the GPU).
+        kv_bytes = min(kv_bytes, free_after - activations)
+        logger.info(
+            "rank %d memory: total %.2f GiB, budget %.2f GiB (%.0f%%), weights %.2f GiB, "
+            "activation peak %.2f GiB, non-torch %.2f GiB, free %.2f GiB -> KV cache %.2f GiB",
+            self.rank,
+            total / 2**30,
+            budget / 2**30,
+            100 * self.config.cache.gpu_memory_utilization,
+            weights / 2**30,
+            activations / 2**30,
+            non_torch / 2**30,
+            free_before / 2**30,
+            kv_bytes / 2**30,
+        )
+        return max(0, kv_bytes)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``[num_blocks, layers, 2, kv_heads, block_size, head_dim]``; capture the
+        decode graphs on CUDA unless ``--enforce-eager``."""
+        self.kv_spec = self._spec(num_blocks)
+        self.kv_cache = self.kv_spec.allocate(self.device)
+        use_graphs = (
+            self.device.type == "cuda"
+            and not self.config.model.enforce_eager
+            and self.model.attn_backend.name != "reference"
+        )
+        if use_graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache,
+                self.block_size,
+                self.max_blocks_per_seq,
+                self.config.scheduler.max_num_seqs,
+                self.device,
+            )
+            self.graphs.capture()
+
+    # -- steps ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> dict[str, int]:
         """Forward the step's tokens; returns sampled tokens (rank 0 only, else {})."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens, seq_lens, query_start, tables = [], [], [], []
-        for seq in sched.seqs:
-            query_start.append(len(ids))
-            ids.extend(seq.token_ids)
-            pos = range(seq.start_pos, seq.start_pos + seq.num_tokens)
-            positions.extend(pos)
-            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in pos)
-            query_lens.append(seq.num_tokens)
-            seq_lens.append(seq.start_pos + seq.num_tokens)
-            tables.append(torch.tensor(seq.block_ids, dtype=torch.long, device=self.device))
-        attn = AttentionMetadata(
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            query_start=query_start,
-            block_tables=tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_size=bs,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos_t, attn, self.kv_cache)  # [num_tokens, hidden]
-
+        assert self.kv_cache is not None, "init_kv_cache() first"
+        seqs = sched.seqs
+        token_ids = [s.token_ids for s in seqs]
+        starts = [s.start_pos for s in seqs]
+        tables = [s.block_ids for s in seqs]
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(token_ids):
+            packed, hidden = graphs.run(token_ids, starts, tables)
+        else:
+            packed = pack_step(token_ids, starts, tables, self.block_size)
+            step = packed.unpack(self.staging.to_device(packed.buffer))
+            hidden = self.model(step.input_ids, step.positions, step.attn, self.kv_cache)
+        # hidden: [T, H]; sample from each sampling sequence's last row.
         rows = [
-            query_start[i] + query_lens[i] - 1
-            for i, seq in enumerate(sched.seqs)
+            packed.query_start[i] + packed.query_lens[i] - 1
+            for i, seq in enumerate(seqs)
             if seq.sampling_params is not None
         ]
         if not rows:
             return {}
-        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab], all ranks
+        row_idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[row_idx])  # [S, vocab] float32, all ranks
         if self.rank != 0:
             return {}
-        sampled = [s for s in sched.seqs if s.sampling_params is not None]
+        sampled = [s for s in seqs if s.sampling_params is not None]
         tokens = self.sampler.sample(
-            logits.float().cpu(),
+            logits,
             [s.sampling_params for s in sampled],  # type: ignore[misc]
             [s.start_pos + s.num_tokens for s in sampled],
         )

@@ -1,19 +1,27 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seed.
+"""Token sampling for the whole batch on the logits' device: greedy, temperature, top-k,
+top-p, per-request seeds.
 
-A seeded request draws the token at position ``p`` from a generator seeded with
-``(seed, p)`` alone, so the same token comes out whichever node (prefill, decode or a
-colocated one) samples that position.
+Sampling is an exponential race: the token is ``argmax(p_j / E_j)`` over the (top-k/top-p
+filtered) probabilities ``p`` with ``E_j = -log(u_j)``, which draws ``j`` with probability
+``p_j``. The uniforms ``u_j`` are a counter-based hash of ``(key, j)`` computed with integer
+tensor ops, so they are the same on every device. A seeded request's key at position ``p``
+is ``position_seed(seed, p)`` alone, so the same token comes out whichever node (prefill,
+decode or a colocated one) samples that position; an unseeded row gets a random key.
+
+One host read per step: the sampled ids (``.tolist()``). Greedy-only batches skip the
+noise, and batches without top-k/top-p skip the sort.
 """
 
 from __future__ import annotations
 
-import os
+import random
 
 import torch
 
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
+_M32 = 0xFFFFFFFF
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -26,37 +34,67 @@ def position_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & _MASK64
 
 
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2**32)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def hashed_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``u [S, vocab]`` in (0, 1), float32: a hash of ``(keys[s], j)``; ``keys`` [S] int64 >= 0."""
+    lo = (keys & _M32)[:, None]  # [S, 1]
+    hi = _fmix32(((keys >> 32) & _M32) ^ 0x27D4EB2F)[:, None]
+    j = torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :]  # [1, V]
+    h = _fmix32(((j * 0x9E3779B1) & _M32) ^ lo)
+    h = _fmix32(h ^ hi)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
 class Sampler:
     def __init__(self) -> None:
-        self._rng = torch.Generator()
-        self._rng.manual_seed(int.from_bytes(os.urandom(8), "little") & _MASK64)
+        self._rng = random.SystemRandom()
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
     ) -> list[int]:
-        """``logits``: [num_seqs, vocab] float32; ``positions``: where each token will sit."""
-        out: list[int] = []
-        for row, sp, pos in zip(logits, params, positions, strict=True):
-            out.append(self._sample_one(row, sp, pos))
-        return out
+        """``logits``: [S, vocab] float32 (any device); ``positions``: where each token will
+        sit. Returns the S sampled token ids."""
+        if all(sp.greedy for sp in params):
+            return logits.argmax(dim=-1).tolist()
+        dev = logits.device
+        num, vocab = logits.shape
+        temps = [sp.temperature if not sp.greedy else 1.0 for sp in params]
+        keys = [
+            position_seed(sp.seed, pos) if sp.seed is not None else self._rng.getrandbits(63)
+            for sp, pos in zip(params, positions, strict=True)
+        ]
+        top_k = [sp.top_k if 0 < sp.top_k < vocab else vocab for sp in params]
+        top_p = [sp.top_p for sp in params]
+        greedy = [sp.greedy for sp in params]
+        # One host->device copy for the per-row parameters.
+        f32 = torch.tensor([temps, top_p], dtype=torch.float32).to(dev, non_blocking=True)
+        i64 = torch.tensor([keys, top_k, greedy], dtype=torch.int64).to(dev, non_blocking=True)
+        temp_t, top_p_t = f32[0], f32[1]
+        keys_t, top_k_t, greedy_t = i64[0], i64[1], i64[2].bool()
 
-    def _sample_one(self, row: torch.Tensor, sp: SamplingParams, position: int) -> int:
-        if sp.greedy:
-            return int(torch.argmax(row).item())
-        x = row.float() / sp.temperature
-        if sp.top_k > 0 and sp.top_k < x.numel():
-            kth = torch.topk(x, sp.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if sp.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_p, dim=-1)
-            drop = (cum - sorted_p) >= sp.top_p  # keep the smallest set reaching top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        if sp.seed is not None:
-            gen = torch.Generator()
-            gen.manual_seed(position_seed(sp.seed, position))
+        x = logits.float() / temp_t[:, None]  # [S, V]
+        noise = -torch.log(hashed_uniform(keys_t, vocab))  # [S, V] Exp(1)
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_x, idx = torch.sort(x, dim=-1, descending=True)  # [S, V]
+            rank = torch.arange(vocab, device=dev)[None, :]
+            sorted_x = sorted_x.masked_fill(rank >= top_k_t[:, None], float("-inf"))
+            probs = torch.softmax(sorted_x, dim=-1)
+            cum = torch.cumsum(probs, dim=-1)
+            drop = (cum - probs) >= top_p_t[:, None]  # keep the smallest set reaching top_p
+            probs = probs.masked_fill(drop, 0.0)
+            # Noise follows the token id, not its rank, so ties sort the same everywhere.
+            pick = torch.argmax(probs / noise.gather(1, idx), dim=-1, keepdim=True)
+            sampled = idx.gather(1, pick).squeeze(1)
         else:
-            gen = self._rng
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+            probs = torch.softmax(x, dim=-1)
+            sampled = torch.argmax(probs / noise, dim=-1)
+        out = torch.where(greedy_t, logits.argmax(dim=-1), sampled)
+        return out.tolist()

@@ -19,7 +19,6 @@ class Worker:
         config: EngineConfig,
         rank: int,
         world_size: int,
-        num_blocks: int,
         device: str,
         connector: KVConnectorWorker | None = None,
         model_runner: Any = None,
@@ -28,10 +27,18 @@ class Worker:
         if model_runner is None:
             from engine.worker.model_runner import ModelRunner
 
-            model_runner = ModelRunner(config, rank, world_size, num_blocks, device)
+            model_runner = ModelRunner(config, rank, world_size, device)
         self.model_runner = model_runner
         self.connector = connector or create_worker_connector(config, rank, world_size)
-        self.connector.register_kv_caches(model_runner.kv_cache, model_runner.kv_spec)
+
+    def profile_kv_bytes(self) -> int | None:
+        """Bytes this rank's KV cache may take (CUDA), or None (the engine decides)."""
+        return self.model_runner.profile_kv_bytes()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache and register it with the connector (before any step)."""
+        self.model_runner.init_kv_cache(num_blocks)
+        self.connector.register_kv_caches(self.model_runner.kv_cache, self.model_runner.kv_spec)
 
     def handshake_info(self) -> dict[str, Any]:
         return self.connector.handshake_info()

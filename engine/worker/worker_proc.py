@@ -37,7 +37,6 @@ def worker_main(
     rank: int,
     world_size: int,
     config: EngineConfig,
-    num_blocks: int,
     dist_port: int,
     task_conn: Connection,
     result_conn: Connection,
@@ -68,9 +67,15 @@ def worker_main(
     init_tp(rank, world_size)
     from engine.worker.worker import Worker
 
+    # Start-up in two phases: load and profile, then allocate the KV cache the engine sized.
     try:
-        worker = Worker(config, rank, world_size, num_blocks, device)
+        worker = Worker(config, rank, world_size, device)
+        result_conn.send(("loaded", worker.profile_kv_bytes()))
+        num_blocks = task_conn.recv()
+        worker.init_kv_cache(num_blocks)
         result_conn.send(("ready", worker.handshake_info()))
+    except (EOFError, OSError):
+        return  # the engine went away during start-up
     except Exception:
         logger.exception("worker failed to start")
         result_conn.send(("error", traceback.format_exc()))

@@ -1,6 +1,8 @@
-"""Paged attention on the KV cache layout of ``engine.kv_cache_layout`` (reference, per sequence).
+"""Reference paged attention: the definition of correct (CPU, tests), one sequence at a time.
 
 The cache of one rank is ``[num_blocks, num_layers, 2, num_kv_heads_local, block_size, head_dim]``.
+It reads the host copies of the step metadata and syncs freely; the fast backends are
+checked against it.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention_metadata import AttentionMetadata
+from engine.model.attention.metadata import AttentionMetadata
 
 
 def write_kv(
@@ -100,7 +102,26 @@ def paged_attention(
             k_i = k[start : start + q_len].transpose(0, 1).to(kv_cache.dtype)  # [Hkv, L, D]
             v_i = v[start : start + q_len].transpose(0, 1).to(kv_cache.dtype)
         else:
-            k_i, v_i = gather_kv(kv_cache, layer, attn.block_tables[i], seq_len, attn.block_size)
+            table = attn.block_tables[i]
+            k_i, v_i = gather_kv(kv_cache, layer, table, seq_len, attn.block_size)
         o_i = _causal_attention(q_i, k_i.to(q.dtype), v_i.to(q.dtype), scale)  # [Hq, Lq, D]
         out[start : start + q_len] = o_i.transpose(0, 1)
     return out
+
+
+class ReferenceAttentionBackend:
+    """Per-sequence SDPA over gathered K/V (any device, any dtype)."""
+
+    name = "reference"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        attn: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, layer, attn, scale)
