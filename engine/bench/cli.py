@@ -1,0 +1,60 @@
+"""``pd-bench``: measure pdserve.
+
+    pd-bench offline --workload throughput --model DIR --device cuda --compare-hf
+    pd-bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 32
+    pd-bench make-model --out /tmp/llama-886m --preset llama-886m
+
+Each subcommand imports what it needs only when it runs: ``serve`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from engine.bench.models import add_make_model_args
+    from engine.bench.offline import add_offline_args
+    from engine.bench.serve import add_serve_args
+
+    parser = argparse.ArgumentParser(prog="pd-bench", description="pdserve benchmarks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    offline = sub.add_parser(
+        "offline", help="engine throughput/latency without HTTP (engine.llm.LLM)"
+    )
+    add_offline_args(offline)
+    offline.set_defaults(_parser=offline)
+    serve = sub.add_parser(
+        "serve", help="load an OpenAI endpoint (node or pd-proxy), like `vllm bench serve`"
+    )
+    add_serve_args(serve)
+    serve.set_defaults(_parser=serve)
+    make = sub.add_parser(
+        "make-model", help="write a random HF Llama/Qwen2 checkpoint for benchmarks"
+    )
+    add_make_model_args(make)
+    make.set_defaults(_parser=make)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sub = args._parser
+    del args._parser
+    if args.command == "offline":
+        from engine.bench.offline import run_offline
+
+        return run_offline(args, sub)
+    if args.command == "serve":
+        from engine.bench.serve import run_serve
+
+        return run_serve(args, sub)
+    from engine.bench.models import run_make_model
+
+    return run_make_model(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""``pd-bench make-model``: a random Hugging Face Llama / Qwen2 checkpoint for benchmarks.
+
+The directory holds what ``--model DIR`` needs: ``config.json``, ``*.safetensors``
+(written by transformers ``save_pretrained``) and a word-level ``tokenizer.json`` (pdserve
+nodes load a checkpoint's tokenizer at startup, so one is always written). Weights are
+drawn with std 0.02 (sane activations at any depth) and the LM head is scaled so greedy
+choices are not near-ties (a float32 run matches transformers token for token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from engine.bench.words import WORDS
+
+LM_HEAD_SCALE = 20.0
+INIT_STD = 0.02
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
+BOS_ID, EOS_ID = 1, 2
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str  # "llama" or "qwen2"
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_position_embeddings: int
+    dtype: str  # float32 | bfloat16 | float16
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings and LM head included)."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        if self.arch == "qwen2":
+            attn += self.head_dim * (self.heads + 2 * self.kv_heads)  # q/k/v biases
+        mlp = 3 * self.hidden * self.intermediate
+        layer = attn + mlp + 2 * self.hidden
+        head = 0 if self.tie_word_embeddings else self.vocab * self.hidden
+        return self.layers * layer + self.vocab * self.hidden + head + self.hidden
+
+
+PRESETS: dict[str, ModelSpec] = {
+    # ~886M parameters: the size the GPU targets in docs/performance.md are stated for.
+    "llama-886m": ModelSpec(
+        arch="llama",
+        layers=16,
+        hidden=2048,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=5632,
+        vocab=32000,
+        max_position_embeddings=16384,
+        dtype="bfloat16",
+    ),
+    # Seconds to write and run on a CPU; for smoke tests.
+    "tiny-llama": ModelSpec(
+        arch="llama",
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=128,
+        vocab=512,
+        max_position_embeddings=2048,
+        dtype="float32",
+    ),
+    "tiny-qwen2": ModelSpec(
+        arch="qwen2",
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=128,
+        vocab=512,
+        max_position_embeddings=2048,
+        dtype="float32",
+    ),
+}
+
+# flag -> ModelSpec field
+OVERRIDES = {
+    "arch": ("arch", str),
+    "layers": ("layers", int),
+    "hidden": ("hidden", int),
+    "heads": ("heads", int),
+    "kv_heads": ("kv_heads", int),
+    "head_dim": ("head_dim", int),
+    "intermediate": ("intermediate", int),
+    "vocab": ("vocab", int),
+    "max_position_embeddings": ("max_position_embeddings", int),
+    "rope_theta": ("rope_theta", float),
+}
+
+
+def add_make_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="directory to write (created)")
+    p.add_argument(
+        "--preset", choices=sorted(PRESETS), default="tiny-llama", help="(default: tiny-llama)"
+    )
+    p.add_argument("--arch", choices=["llama", "qwen2"], help="override the preset's family")
+    for name, (_, tp) in OVERRIDES.items():
+        if name == "arch":
+            continue
+        p.add_argument("--" + name.replace("_", "-"), type=tp, help="override the preset")
+    p.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, help="override")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    p.add_argument(
+        "--lm-head-scale",
+        type=float,
+        default=LM_HEAD_SCALE,
+        help=f"LM head multiplier, widens logit gaps (default: {LM_HEAD_SCALE})",
+    )
+    p.add_argument("--force", action="store_true", help="write into a non-empty directory")
+
+
+def spec_from_args(args: argparse.Namespace) -> ModelSpec:
+    spec = PRESETS[args.preset]
+    changes: dict[str, Any] = {}
+    for name, (fld, _) in OVERRIDES.items():
+        value = getattr(args, name, None)
+        if value is not None:
+            changes[fld] = value
+    if getattr(args, "dtype", None):
+        changes["dtype"] = args.dtype
+    if getattr(args, "tie_word_embeddings", None) is not None:
+        changes["tie_word_embeddings"] = args.tie_word_embeddings
+    spec = replace(spec, **changes)
+    if spec.heads % spec.kv_heads:
+        raise ValueError(f"--heads {spec.heads} is not a multiple of --kv-heads {spec.kv_heads}")
+    if spec.vocab <= len(SPECIAL_TOKENS):
+        raise ValueError(f"--vocab must be > {len(SPECIAL_TOKENS)}")
+    return spec
+
+
+def hf_config(spec: ModelSpec) -> Any:
+    import transformers
+
+    common = dict(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=spec.rope_theta,
+        initializer_range=INIT_STD,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=None,
+    )
+    if spec.arch == "llama":
+        return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    if spec.arch == "qwen2":
+        return transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    raise ValueError(f"unknown arch {spec.arch!r} (llama or qwen2)")
+
+
+def build_model(spec: ModelSpec, seed: int = 0, lm_head_scale: float = LM_HEAD_SCALE) -> Any:
+    """The random transformers model (in ``spec.dtype``, on the CPU, eval mode)."""
+    import torch
+
+    config, cls = hf_config(spec)
+    dtype = getattr(torch, spec.dtype)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+        if spec.tie_word_embeddings:  # the head is the embedding: scale the final norm
+            model.model.norm.weight.mul_(lm_head_scale)
+        else:
+            model.lm_head.weight.mul_(lm_head_scale)
+        # Non-persistent buffers (rotary inv_freq) were left uninitialised on "meta":
+        # rebuild each rotary module on the CPU and take its buffers.
+        for module in model.modules():
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                fresh = type(module)(config=module.config)
+                for name, buf in fresh.named_buffers(recurse=False):
+                    setattr(module, name, buf)
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def vocab_words(vocab: int) -> list[str]:
+    """Token strings: the special tokens, then ``WORDS``, then ``t<id>`` fillers."""
+    words = [*SPECIAL_TOKENS, *WORDS][:vocab]
+    words += [f"t{i}" for i in range(len(words), vocab)]
+    return words
+
+
+def write_tokenizer(out: str, vocab: int, max_len: int) -> None:
+    """A word-level ``tokenizer.json`` (whitespace split) with one token per model id."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    vocab_map = {w: i for i, w in enumerate(vocab_words(vocab))}
+    tok = Tokenizer(WordLevel(vocab_map, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(os.path.join(out, "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<unk>",
+        "model_max_length": max_len,
+    }
+    with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def make_model(
+    out: str,
+    spec: ModelSpec,
+    seed: int = 0,
+    lm_head_scale: float = LM_HEAD_SCALE,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Write the checkpoint to ``out``; returns a description (also in ``pd_bench.json``)."""
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise FileExistsError(f"{out!r} is not empty (use --force to write into it)")
+    os.makedirs(out, exist_ok=True)
+    t0 = time.perf_counter()
+    model = build_model(spec, seed, lm_head_scale)
+    model.save_pretrained(out)
+    write_tokenizer(out, spec.vocab, spec.max_position_embeddings)
+    info = {
+        "spec": asdict(spec),
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "seed": seed,
+        "lm_head_scale": lm_head_scale,
+        "init_std": INIT_STD,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    with open(os.path.join(out, "pd_bench.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2)
+    return info
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    try:
+        spec = spec_from_args(args)
+        info = make_model(args.out, spec, args.seed, args.lm_head_scale, args.force)
+    except (ValueError, FileExistsError) as e:
+        print(f"pd-bench make-model: error: {e}")
+        return 2
+    n = info["num_params"]
+    print(
+        f"wrote {args.out}: {spec.arch} {spec.layers} layers, hidden {spec.hidden}, "
+        f"{spec.heads}/{spec.kv_heads} heads x {spec.head_dim}, intermediate "
+        f"{spec.intermediate}, vocab {spec.vocab}, {spec.dtype}, {n / 1e6:.1f}M params "
+        f"({info['seconds']:.1f}s)"
+    )
+    return 0

@@ -1,0 +1,516 @@
+"""``pd-bench offline``: throughput and latency of the engine itself (no HTTP).
+
+Drives ``engine.llm.LLM``'s ``EngineCore`` step by step, so every request's first-token
+and finish times are known to one step: random token-id prompts (seeded), greedy,
+``ignore_eos`` so exactly ``--output-len`` tokens come out. A warm-up run with other
+prompts of the same shape comes first (fresh prompts every run: the prefix cache never
+turns a measured prefill into a cache hit).
+
+``--compare-hf`` runs the same prompts through transformers ``generate`` (greedy, batch,
+same dtype and device) in the same process after the engine is shut down, and prints the
+throughput ratio and, in float32, whether the first prompt's tokens agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.bench.stats import Summary, _json_float
+
+WORKLOADS: dict[str, dict[str, int]] = {
+    "throughput": {"num_prompts": 32, "input_len": 512, "output_len": 128},
+    "latency": {"num_prompts": 1, "input_len": 512, "output_len": 128},
+    "prefill": {"num_prompts": 1, "input_len": 8000, "output_len": 1},
+}
+DEFAULT_SHAPE = {"num_prompts": 8, "input_len": 128, "output_len": 32}
+
+
+def add_offline_args(p: argparse.ArgumentParser) -> None:
+    from engine.server.cli_args import add_config_args
+
+    g = p.add_argument_group("workload options")
+    g.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        help="preset shape: throughput 32x512->128, latency 1x512->128, prefill 1x8000->1 "
+        "(explicit --num-prompts/--input-len/--output-len override it)",
+    )
+    g.add_argument("--num-prompts", type=int, help="prompts in the batch (default: 8)")
+    g.add_argument("--input-len", type=int, help="prompt tokens per prompt (default: 128)")
+    g.add_argument("--output-len", type=int, help="tokens generated per prompt (default: 32)")
+    g.add_argument(
+        "--prompt-seed", type=int, default=0, help="seed of the random prompts (default: 0)"
+    )
+    g.add_argument(
+        "--token-id-range",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        help="prompt token ids are drawn from [LO, HI) (default: [3, vocab size))",
+    )
+    g.add_argument("--num-warmup", type=int, default=1, help="warm-up runs (default: 1)")
+    g.add_argument("--num-iters", type=int, default=1, help="measured runs (default: 1)")
+    g.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also run transformers generate on the same prompts (--model must be a "
+        "checkpoint directory) and print the ratio",
+    )
+    g.add_argument(
+        "--matmul-peak",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure the device's matmul peak (cuda only; default: on for --workload prefill)",
+    )
+    g.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
+    g.add_argument(
+        "--log-level",
+        type=str.upper,
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="engine log level (default: WARNING)",
+    )
+    add_config_args(p)
+
+
+def resolve_shape(args: argparse.Namespace) -> dict[str, int]:
+    shape = dict(WORKLOADS[args.workload] if args.workload else DEFAULT_SHAPE)
+    for k in shape:
+        if getattr(args, k, None) is not None:
+            shape[k] = getattr(args, k)
+    for k, v in shape.items():
+        if v < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {v}")
+    return shape
+
+
+def random_prompts(n: int, length: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------------------
+
+
+def prefill_flops(arch: Any, n: int, logits_rows: int = 1) -> dict[str, float]:
+    """FLOPs of one causal prefill of ``n`` tokens from an empty cache.
+
+    Matmuls: 2 x (weights touched per token) x n for q/k/v/o and the MLP (embeddings are a
+    lookup), plus the LM head for the ``logits_rows`` sampled positions. Attention: QK^T and
+    PV, each 2 x head_dim FLOPs per (query, key) pair, n(n+1)/2 causal pairs per head and
+    layer, i.e. about 2 x layers x heads x head_dim x n^2.
+    """
+    h, d = arch.hidden_size, arch.head_dim
+    heads, kv = arch.num_attention_heads, arch.num_key_value_heads
+    per_layer = h * d * (2 * heads + 2 * kv) + 3 * h * arch.intermediate_size
+    linear = 2.0 * n * arch.num_hidden_layers * per_layer
+    lm_head = 2.0 * logits_rows * h * arch.vocab_size
+    attention = 2 * 2.0 * d * arch.num_hidden_layers * heads * n * (n + 1) / 2
+    return {
+        "linear": linear,
+        "lm_head": lm_head,
+        "attention": attention,
+        "total": linear + lm_head + attention,
+    }
+
+
+def matmul_peak_flops(dtype_name: str, device: str, n: int = 8192, iters: int = 20) -> float:
+    """Achieved FLOP/s of a large square ``torch.matmul`` (a practical peak)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    c = torch.empty(n, n, dtype=dtype, device=device)
+    for _ in range(3):
+        torch.matmul(a, b, out=c)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        torch.matmul(a, b, out=c)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del a, b, c
+    torch.cuda.empty_cache()
+    return 2.0 * n**3 * iters / seconds
+
+
+# ---------------------------------------------------------------------------------------
+# Running the engine
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """One batch through the engine. Times in seconds from the first ``add_request``."""
+
+    elapsed: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft: list[float]
+    e2e: list[float]
+    tokens: list[list[int]] = field(repr=False)
+    steps: int = 0
+
+    def tpot(self) -> list[float]:
+        return [
+            (e - t) / (len(toks) - 1)
+            for t, e, toks in zip(self.ttft, self.e2e, self.tokens, strict=True)
+            if len(toks) > 1
+        ]
+
+    def numbers(self) -> dict[str, Any]:
+        el = self.elapsed
+        tpot = self.tpot()
+        out: dict[str, Any] = {
+            "elapsed_s": el,
+            "steps": self.steps,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "requests_per_s": len(self.e2e) / el,
+            "output_tokens_per_s": self.output_tokens / el,
+            "total_tokens_per_s": (self.prompt_tokens + self.output_tokens) / el,
+            "ttft_ms": Summary.of(self.ttft).scaled(1e3).to_dict(),
+            "tpot_ms": Summary.of(tpot).scaled(1e3).to_dict(),
+            "e2e_ms": Summary.of(self.e2e).scaled(1e3).to_dict(),
+        }
+        if len(self.e2e) == 1:
+            out["single_ttft_ms"] = self.ttft[0] * 1e3
+            out["ms_per_output_token"] = tpot[0] * 1e3 if tpot else None
+            out["prefill_tokens_per_s"] = self.prompt_tokens / self.ttft[0]
+        return out
+
+
+class _Ids:
+    n = 0
+
+    @classmethod
+    def next(cls) -> str:
+        cls.n += 1
+        return f"bench-{cls.n}"
+
+
+def run_batch(core: Any, prompts: list[list[int]], output_len: int) -> RunResult:
+    """Add every prompt, step the engine until all finish; time each request's first token
+    and finish (to the step that produced it)."""
+    from engine.core.request import Request
+    from engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    rids = [_Ids.next() for _ in prompts]
+    index = {rid: i for i, rid in enumerate(rids)}
+    tokens: list[list[int]] = [[] for _ in prompts]
+    first: list[float | None] = [None] * len(prompts)
+    done: list[float | None] = [None] * len(prompts)
+    remaining = len(prompts)
+    steps = 0
+    t0 = time.perf_counter()
+    for rid, prompt in zip(rids, prompts, strict=True):
+        core.add_request(Request(rid, prompt, sp))
+    while remaining:
+        if not core.has_work():
+            raise RuntimeError("the engine has no work left but requests did not finish")
+        outputs, _ = core.step()
+        steps += 1
+        now = time.perf_counter() - t0
+        for out in outputs:
+            i = index.get(out.request_id)
+            if i is None:
+                continue
+            if out.new_token_ids:
+                tokens[i].extend(out.new_token_ids)
+                if first[i] is None:
+                    first[i] = now
+            if out.finished:
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                done[i] = now
+                remaining -= 1
+    ttft = [f if f is not None else math.nan for f in first]
+    e2e = [d if d is not None else math.nan for d in done]
+    return RunResult(
+        elapsed=max(e2e),
+        prompt_tokens=sum(len(p) for p in prompts),
+        output_tokens=sum(len(t) for t in tokens),
+        ttft=ttft,
+        e2e=e2e,
+        tokens=tokens,
+        steps=steps,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# transformers baseline
+# ---------------------------------------------------------------------------------------
+
+
+def run_hf(
+    model_dir: str,
+    dtype_name: str,
+    device: str,
+    prompts: list[list[int]],
+    output_len: int,
+    num_threads: int | None,
+) -> dict[str, Any]:
+    """transformers ``generate`` on the same prompts: greedy, exactly ``output_len`` new
+    tokens, one left-padded batch. Returns timing, throughput and the generated tokens."""
+    import torch
+    import transformers
+
+    if device == "cpu" and num_threads:
+        torch.set_num_threads(num_threads)
+    dtype = getattr(torch, dtype_name)
+    transformers.utils.logging.disable_progress_bar()
+    major = int(transformers.__version__.split(".")[0])
+    kw = {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
+    dev = "cuda:0" if device == "cuda" else device
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kw).to(dev).eval()
+
+    def batch(ps: list[list[int]]) -> tuple[Any, Any]:
+        width = max(len(p) for p in ps)
+        ids = torch.zeros(len(ps), width, dtype=torch.long)
+        mask = torch.zeros(len(ps), width, dtype=torch.long)
+        for i, p in enumerate(ps):  # left padding
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        return ids.to(dev), mask.to(dev)
+
+    def generate(ps: list[list[int]], n: int) -> Any:
+        ids, mask = batch(ps)
+        with torch.inference_mode():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=0,
+            )[:, ids.shape[1] :]
+
+    def sync() -> None:
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    generate(prompts[:1], min(2, output_len))  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    out = generate(prompts, output_len)
+    sync()
+    elapsed = time.perf_counter() - t0
+    tokens = out.tolist()
+    n_out = sum(len(t) for t in tokens)
+    n_in = sum(len(p) for p in prompts)
+    model = None  # free it before the caller goes on
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {
+        "transformers_version": transformers.__version__,
+        "elapsed_s": elapsed,
+        "output_tokens": n_out,
+        "output_tokens_per_s": n_out / elapsed,
+        "total_tokens_per_s": (n_in + n_out) / elapsed,
+        "threads": torch.get_num_threads() if device == "cpu" else None,
+        "tokens": tokens,
+    }
+
+
+def first_prompt_match(a: list[int], b: list[int]) -> dict[str, Any]:
+    prefix = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        prefix += 1
+    return {"equal": a == b, "matching_prefix": prefix, "length": len(a)}
+
+
+# ---------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------
+
+
+def _median_numbers(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-key median over measured runs of the top-level numbers (the last run's
+    nested summaries)."""
+    out = dict(runs[-1])
+    for k, v in runs[-1].items():
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            vals = [r[k] for r in runs if isinstance(r.get(k), int | float)]
+            out[k] = statistics.median(vals)
+    return out
+
+
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:{spec}}"
+
+
+def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from engine.config import ConfigError
+    from engine.server.cli_args import config_from_args
+
+    try:
+        shape = resolve_shape(args)
+    except ValueError as e:
+        parser.error(str(e))
+    n, in_len, out_len = shape["num_prompts"], shape["input_len"], shape["output_len"]
+    # One prefill step per prompt unless the user chose the token budget.
+    if not hasattr(args, "max_num_batched_tokens") and in_len > 2048:
+        args.max_num_batched_tokens = in_len
+    if args.compare_hf:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            print("--compare-hf: transformers is not installed; skipping the comparison")
+            args.compare_hf = False
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.compare_hf and config.model.model == "tiny":
+        print("--compare-hf: --model tiny is not a checkpoint directory; skipping the comparison")
+        args.compare_hf = False
+    device = config.parallel.device
+    want_peak = args.matmul_peak if args.matmul_peak is not None else args.workload == "prefill"
+
+    from engine.llm import LLM
+
+    report: dict[str, Any] = {
+        "command": "offline",
+        "workload": args.workload,
+        "shape": shape,
+        "config": dataclasses.asdict(config),
+    }
+    print(
+        f"pd-bench offline: {n} x {in_len} -> {out_len} tokens, model {config.model.model}, "
+        f"device {device}, tp {config.parallel.tp}",
+        flush=True,
+    )
+    t_start = time.perf_counter()
+    llm = LLM(config, log_level=args.log_level)
+    try:
+        core = llm.core
+        dtype = core.config.model.dtype  # resolved ("auto" -> a concrete dtype)
+        arch = core.arch
+        report["dtype"] = dtype
+        report["engine_start_s"] = time.perf_counter() - t_start
+        report["num_blocks"] = getattr(core, "num_blocks", None)
+        vocab = arch.vocab_size
+        lo, hi = args.token_id_range or (min(3, vocab - 1), vocab)
+        if not 0 <= lo < hi <= vocab:
+            parser.error(f"--token-id-range: need 0 <= LO < HI <= vocab size {vocab}")
+        if in_len + out_len > core.max_model_len:
+            parser.error(
+                f"--input-len {in_len} + --output-len {out_len} exceed the model's context "
+                f"length {core.max_model_len} (lower them or raise --max-model-len)"
+            )
+        for w in range(args.num_warmup):
+            seed = args.prompt_seed + 1_000_003 * (w + 1)
+            run_batch(core, random_prompts(n, in_len, lo, hi, seed), out_len)
+        runs, last_prompts, last = [], [], None
+        for it in range(args.num_iters):
+            prompts = random_prompts(n, in_len, lo, hi, args.prompt_seed + 7919 * it)
+            last = run_batch(core, prompts, out_len)
+            short = [i for i, t in enumerate(last.tokens) if len(t) != out_len]
+            if short:
+                print(f"warning: {len(short)} requests did not produce {out_len} tokens")
+            runs.append(last.numbers())
+            last_prompts = prompts
+        assert last is not None
+    finally:
+        llm.shutdown()
+    result = _median_numbers(runs)
+    report["iterations"] = runs
+    report["result"] = result
+
+    print(f"dtype {dtype}, {args.num_warmup} warm-up + {args.num_iters} measured run(s)")
+    print(
+        f"  elapsed                 {result['elapsed_s'] * 1e3:10.1f} ms  ({result['steps']} steps)"
+    )
+    print(f"  output throughput       {result['output_tokens_per_s']:10.1f} tok/s")
+    print(f"  total throughput        {result['total_tokens_per_s']:10.1f} tok/s (prompt + output)")
+    print(f"  requests                {result['requests_per_s']:10.2f} req/s")
+    print(
+        f"  TTFT mean/median        {_fmt(result['ttft_ms']['mean'])} / "
+        f"{_fmt(result['ttft_ms']['median'])} ms"
+    )
+    print(f"  TPOT mean               {_fmt(result['tpot_ms']['mean'], '.3f')} ms/token")
+    if n == 1:
+        print(f"  single-stream TTFT      {result['single_ttft_ms']:10.2f} ms")
+        print(f"  ms per output token     {_fmt(result['ms_per_output_token'], '10.3f')} (decode)")
+        print(f"  prefill                 {result['prefill_tokens_per_s']:10.1f} tok/s")
+        flops = prefill_flops(arch, in_len)
+        achieved = flops["total"] / (result["single_ttft_ms"] / 1e3)
+        pre: dict[str, Any] = {
+            "tokens": in_len,
+            "flops": flops,
+            "achieved_tflops": achieved / 1e12,
+            "params_linear": int(flops["linear"] / (2 * in_len)),
+        }
+        print(
+            f"  prefill compute         {achieved / 1e12:10.4g} TFLOP/s "
+            f"({flops['total'] / 1e12:.4g} TFLOP: linear {flops['linear'] / 1e12:.4g}, "
+            f"attention {flops['attention'] / 1e12:.4g}, LM head {flops['lm_head'] / 1e12:.4g})"
+        )
+        if want_peak and device == "cuda":
+            peak = matmul_peak_flops(dtype, "cuda")
+            pre["matmul_peak_tflops"] = peak / 1e12
+            pre["fraction_of_peak"] = achieved / peak
+            print(
+                f"  {dtype} matmul peak     {peak / 1e12:10.1f} TFLOP/s (measured) -> "
+                f"prefill at {100 * achieved / peak:.1f}% of peak"
+            )
+        elif want_peak:
+            print("  matmul peak             n/a (measured on cuda only)")
+        report["prefill"] = pre
+
+    if args.compare_hf:
+        threads = config.parallel.worker_threads * config.parallel.tp
+        print(f"transformers generate on the same {n} prompts ...", flush=True)
+        hf = run_hf(config.model.model, dtype, device, last_prompts, out_len, threads)
+        ratio = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        match = first_prompt_match(last.tokens[0], hf["tokens"][0])
+        hf_tokens = hf.pop("tokens")
+        report["hf"] = {**hf, "speedup": ratio, "first_prompt": match}
+        report["hf"]["first_prompt_tokens"] = hf_tokens[0]
+        report["first_prompt_tokens"] = last.tokens[0]
+        where = f" ({hf['threads']} threads)" if hf["threads"] else ""
+        print(f"  transformers            {hf['output_tokens_per_s']:10.1f} tok/s output{where}")
+        print(f"  pdserve / transformers  {ratio:10.2f}x")
+        if dtype == "float32":
+            print(
+                f"  first prompt tokens equal: {match['equal']} "
+                f"({match['matching_prefix']}/{match['length']} leading tokens match)"
+            )
+        else:
+            print(
+                f"  first prompt tokens: {match['matching_prefix']}/{match['length']} leading "
+                f"tokens match (not checked for equality in {dtype})"
+            )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(_clean(report), f, indent=2)
+        print(f"wrote {args.json}")
+    sys.stdout.flush()
+    return 0
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, float):
+        return _json_float(obj)
+    return obj

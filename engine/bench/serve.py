@@ -1,0 +1,391 @@
+"""``pd-bench serve``: load an OpenAI-compatible endpoint and measure it (like ``vllm bench
+serve``).
+
+Requests are streamed (``stream: true``, greedy, ``ignore_eos``, ``max_tokens``); every
+SSE chunk is timed on arrival. Per request: TTFT (send -> first chunk carrying a token),
+ITL (the gaps between successive chunks carrying tokens; pdserve sends one token per
+chunk, and a chunk's tokens are counted from its ``token_ids``), TPOT ((E2E - TTFT) /
+(tokens - 1)) and E2E. Arrivals are Poisson at ``--request-rate`` (``inf``: all at once),
+at most ``--max-concurrency`` in flight.
+
+This module imports no torch and no engine code that does, so it runs on a machine that
+only has the proxy installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.bench.stats import RequestResult, ServeSummary
+from engine.bench.words import WORDS
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("endpoint")
+    g.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="node or pd-proxy URL (default: http://127.0.0.1:8000)",
+    )
+    g.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        help="/v1/completions (default) or /v1/chat/completions",
+    )
+    g.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
+    g.add_argument(
+        "--timeout", type=float, default=600.0, help="per-request timeout, s (default: 600)"
+    )
+    g = p.add_argument_group("load")
+    g.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
+    g.add_argument(
+        "--max-concurrency", type=int, help="most requests in flight (default: unlimited)"
+    )
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrival rate, req/s; inf sends all at once (default: inf)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="prompt and arrival seed (default: 0)")
+    g.add_argument(
+        "--num-warmup",
+        type=int,
+        default=1,
+        help="requests sent one at a time before the measurement, not counted (default: 1)",
+    )
+    g = p.add_argument_group("prompts")
+    g.add_argument("--input-len", type=int, default=1024, help="prompt length (default: 1024)")
+    g.add_argument("--output-len", type=int, default=64, help="max_tokens (default: 64)")
+    g.add_argument(
+        "--prompt-type",
+        choices=["ids", "text"],
+        default="ids",
+        help="ids: random token-id lists of --input-len tokens (exact); text: --input-len "
+        "random words (the token count is the server's; chat endpoints always use text)",
+    )
+    g.add_argument(
+        "--token-id-range",
+        type=int,
+        nargs=2,
+        default=(3, 256),
+        metavar=("LO", "HI"),
+        help="token ids are drawn from [LO, HI) (default: 3 256, valid for every model)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly --output-len tokens (default: on)",
+    )
+    g.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
+    g.add_argument(
+        "--extra-body", type=json.loads, default=None, help="JSON object merged into each body"
+    )
+    g = p.add_argument_group("results")
+    g.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT SLO, ms")
+    g.add_argument("--slo-itl-ms", type=float, help="goodput: SLO on a request's largest ITL, ms")
+    g.add_argument("--json", metavar="PATH", help="write the summary and per-request results")
+    g.add_argument("--plot", metavar="PATH.png", help="latency CDFs (TTFT, ITL, E2E); matplotlib")
+    g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+@dataclass
+class Prompt:
+    prompt: list[int] | str
+    num_tokens: int  # exact for ids; the word count for text (the server reports the truth)
+
+
+def make_prompts(
+    n: int, input_len: int, kind: str, id_range: tuple[int, int], seed: int
+) -> list[Prompt]:
+    """Random prompts, different from their first token on (no prefix-cache hits)."""
+    rng = random.Random(seed)
+    lo, hi = id_range
+    out = []
+    for _ in range(n):
+        if kind == "ids":
+            out.append(Prompt([rng.randrange(lo, hi) for _ in range(input_len)], input_len))
+        else:
+            out.append(Prompt(" ".join(rng.choice(WORDS) for _ in range(input_len)), input_len))
+    return out
+
+
+def arrival_delays(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (s from the start) of ``n`` Poisson arrivals at ``rate`` req/s."""
+    if math.isinf(rate) or rate <= 0:
+        return [0.0] * n
+    rng = random.Random(seed + 1)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def request_body(args: argparse.Namespace, model: str | None, prompt: Prompt) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "max_tokens": args.output_len,
+        "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    if args.endpoint.rstrip("/").endswith("chat/completions"):
+        text = (
+            prompt.prompt if isinstance(prompt.prompt, str) else " ".join(map(str, prompt.prompt))
+        )
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = prompt.prompt
+    if args.extra_body:
+        body.update(args.extra_body)
+    return body
+
+
+def _chunk_tokens(chunk: dict[str, Any]) -> int:
+    """Tokens a streamed chunk carries: its ``token_ids`` (pdserve), else 1 if it has text."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return 0
+    c = choices[0]
+    ids = c.get("token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    text = c.get("text")
+    if text is None:
+        text = (c.get("delta") or {}).get("content")
+    return 1 if text else 0
+
+
+async def send_one(client: Any, url: str, body: dict[str, Any], prompt: Prompt) -> RequestResult:
+    """One streamed request, timed per chunk. Never raises: failures are in the result."""
+    r = RequestResult(prompt_tokens=prompt.num_tokens)
+    start = time.perf_counter()
+    last: float | None = None
+    done = False
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                raw = (await resp.aread()).decode("utf-8", "replace")
+                r.error = f"HTTP {resp.status_code}: {_error_message(raw)}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    r.error = f"stream error: {_error_message(json.dumps(chunk))}"
+                    return r
+                n = _chunk_tokens(chunk)
+                if n:
+                    now = time.perf_counter()
+                    if last is None:
+                        r.ttft = now - start
+                    else:
+                        r.itl.append(now - last)
+                    last = now
+                    r.output_tokens += n
+                usage = chunk.get("usage")
+                if usage:
+                    r.usage_completion_tokens = usage.get("completion_tokens")
+                    if usage.get("prompt_tokens"):
+                        r.prompt_tokens = int(usage["prompt_tokens"])
+        r.e2e = time.perf_counter() - start
+        if not done:
+            r.error = "stream ended without [DONE]"
+        elif r.output_tokens == 0:
+            r.error = "no tokens received"
+        else:
+            r.ok = True
+    except Exception as e:  # a failed request never stops the benchmark
+        r.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return r
+
+
+def _error_message(raw: str) -> str:
+    try:
+        err = json.loads(raw).get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))[:300]
+        return str(err)[:300]
+    except (ValueError, AttributeError):
+        return raw[:300]
+
+
+class Progress:
+    """A plain-text progress line on stderr (``\\r``-updated on a terminal; otherwise a line
+    per 10%)."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total = total
+        self.enabled = enabled
+        self.done = self.failed = 0
+        self.t0 = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self._next_decile = 1
+
+    def update(self, ok: bool) -> None:
+        self.done += 1
+        self.failed += 0 if ok else 1
+        if not self.enabled:
+            return
+        frac = self.done / self.total
+        width = 30
+        bar = "#" * int(frac * width) + "." * (width - int(frac * width))
+        line = (
+            f"[{bar}] {self.done}/{self.total} requests, {self.failed} failed, "
+            f"{time.perf_counter() - self.t0:.1f}s"
+        )
+        if self.tty:
+            end = "\n" if self.done == self.total else ""
+            print("\r" + line, end=end, file=sys.stderr, flush=True)
+        elif frac * 10 >= self._next_decile or self.done == self.total:
+            self._next_decile = int(frac * 10) + 1
+            print(line, file=sys.stderr, flush=True)
+
+
+async def get_model(client: Any, base_url: str) -> str:
+    resp = await client.get(base_url + "/v1/models")
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+async def run_benchmark(args: argparse.Namespace) -> tuple[ServeSummary, list[RequestResult]]:
+    import httpx
+
+    base = args.base_url.rstrip("/")
+    url = base + "/" + args.endpoint.lstrip("/")
+    conc = args.max_concurrency or args.num_prompts
+    limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=conc + 4)
+    timeout = httpx.Timeout(args.timeout, connect=min(30.0, args.timeout))
+    kind = "text" if args.endpoint.rstrip("/").endswith("chat/completions") else args.prompt_type
+    prompts = make_prompts(
+        args.num_prompts, args.input_len, kind, tuple(args.token_id_range), args.seed
+    )
+    delays = arrival_delays(args.num_prompts, args.request_rate, args.seed)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = args.model or await get_model(client, base)
+        args.model = model
+        warm = make_prompts(
+            args.num_warmup, args.input_len, kind, tuple(args.token_id_range), args.seed + 10_007
+        )
+        for i, p in enumerate(warm):
+            r = await send_one(client, url, request_body(args, model, p), p)
+            if not r.ok:
+                print(f"warning: warm-up request {i} failed: {r.error}", file=sys.stderr)
+        sem = asyncio.Semaphore(conc)
+        progress = Progress(args.num_prompts, enabled=not args.no_progress)
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, delays[i] - (time.perf_counter() - t0)))
+            async with sem:
+                sent = time.perf_counter() - t0
+                r = await send_one(client, url, request_body(args, model, prompts[i]), prompts[i])
+            r.start = sent
+            progress.update(r.ok)
+            return r
+
+        results = await asyncio.gather(*(one(i) for i in range(args.num_prompts)))
+        duration = time.perf_counter() - t0
+    summary = ServeSummary.of(results, duration, args.slo_ttft_ms, args.slo_itl_ms)
+    return summary, list(results)
+
+
+def plot_cdfs(results: list[RequestResult], path: str) -> bool:
+    """TTFT, ITL and E2E latency CDFs to a PNG; False (with a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot: matplotlib is not installed; not writing {path}")
+        return False
+    ok = [r for r in results if r.ok]
+    series = {
+        "TTFT": [r.ttft * 1e3 for r in ok if r.ttft is not None],
+        "ITL": [x * 1e3 for r in ok for x in r.itl],
+        "E2E latency": [r.e2e * 1e3 for r in ok if r.e2e is not None],
+    }
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (name, xs) in zip(axes, series.items(), strict=True):
+        xs = sorted(xs)
+        if xs:
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step(xs, ys, where="post")
+        ax.set_title(f"{name} CDF (n={len(xs)})")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of samples")
+        ax.set_ylim(0, 1.02)
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.num_prompts < 1:
+        parser.error("--num-prompts must be >= 1")
+    if args.num_warmup < 0:
+        parser.error("--num-warmup must be >= 0")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error("--max-concurrency must be >= 1")
+    if args.request_rate <= 0:
+        parser.error("--request-rate must be > 0 (inf: all at once)")
+    if args.input_len < 1 or args.output_len < 1:
+        parser.error("--input-len and --output-len must be >= 1")
+    lo, hi = args.token_id_range
+    if not 0 <= lo < hi:
+        parser.error("--token-id-range: need 0 <= LO < HI")
+    if args.extra_body is not None and not isinstance(args.extra_body, dict):
+        parser.error("--extra-body must be a JSON object")
+
+
+def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    validate(args, parser)
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
+    print(
+        f"pd-bench serve: {args.num_prompts} requests, {args.input_len} -> {args.output_len} "
+        f"tokens, concurrency {args.max_concurrency or 'unlimited'}, rate {rate}, "
+        f"{args.base_url}{args.endpoint}",
+        flush=True,
+    )
+    try:
+        summary, results = asyncio.run(run_benchmark(args))
+    except Exception as e:  # the endpoint is unreachable or /v1/models is broken
+        print(f"pd-bench serve: error: cannot benchmark {args.base_url}: {e}", file=sys.stderr)
+        return 1
+    print(summary.format())
+    if args.json:
+        report = {
+            "command": "serve",
+            "args": {
+                k: (None if isinstance(v, float) and math.isinf(v) else v)
+                for k, v in vars(args).items()
+            },  # fmt: skip
+            "summary": summary.to_dict(),
+            "requests": [r.to_dict() for r in results],
+        }
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot and plot_cdfs(results, args.plot):
+        print(f"wrote {args.plot}")
+    return 0 if summary.completed else 1

@@ -1,0 +1,246 @@
+"""Percentiles, per-request results and benchmark summaries (pure Python, no torch)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation between closest ranks
+    (numpy's default ``linear`` method). NaN for no values."""
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile must be in [0, 100], got {q}")
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Distribution of one metric. Times are in whatever unit the values were given in."""
+
+    n: int
+    mean: float
+    std: float
+    min: float
+    median: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Summary:
+        xs = [float(v) for v in values]
+        if not xs:
+            nan = math.nan
+            return cls(0, nan, nan, nan, nan, nan, nan, nan)
+        mean = sum(xs) / len(xs)
+        std = math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+        return cls(
+            n=len(xs),
+            mean=mean,
+            std=std,
+            min=min(xs),
+            median=percentile(xs, 50),
+            p90=percentile(xs, 90),
+            p99=percentile(xs, 99),
+            max=max(xs),
+        )
+
+    def scaled(self, factor: float) -> Summary:
+        """The same distribution with every value multiplied by ``factor`` (e.g. s -> ms)."""
+        return Summary(
+            self.n,
+            *(v * factor for v in (self.mean, self.std, self.min, self.median)),
+            *(v * factor for v in (self.p90, self.p99, self.max)),
+        )
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: _json_float(v) for k, v in asdict(self).items()}
+
+
+def _json_float(v: float) -> float | None:
+    """NaN/inf are not JSON; write them as null."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+@dataclass
+class RequestResult:
+    """What one benchmark request measured. Times in seconds (``perf_counter`` based)."""
+
+    ok: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0  # as sent, or as the server's usage reported
+    output_tokens: int = 0  # tokens received (token_ids of the streamed chunks)
+    ttft: float | None = None  # send -> first chunk with a token
+    itl: list[float] = field(default_factory=list)  # gaps between successive token chunks
+    e2e: float | None = None  # send -> end of stream
+    start: float = 0.0  # send time, relative to the benchmark start
+    usage_completion_tokens: int | None = None  # the server's usage, when it sent one
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: (e2e - ttft) / (output_tokens - 1)."""
+        if not self.ok or self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def max_itl(self) -> float:
+        return max(self.itl, default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tpot"] = self.tpot
+        return d
+
+
+def meets_slo(r: RequestResult, slo_ttft_s: float | None, slo_itl_s: float | None) -> bool:
+    """A successful request whose TTFT is within ``slo_ttft_s`` and whose *largest* gap
+    between streamed tokens is within ``slo_itl_s`` (an SLO that is None always holds)."""
+    if not r.ok or r.ttft is None:
+        return False
+    if slo_ttft_s is not None and r.ttft > slo_ttft_s:
+        return False
+    return not (slo_itl_s is not None and r.max_itl > slo_itl_s)
+
+
+def count_good(
+    results: Iterable[RequestResult], slo_ttft_s: float | None, slo_itl_s: float | None
+) -> int:
+    return sum(meets_slo(r, slo_ttft_s, slo_itl_s) for r in results)
+
+
+@dataclass
+class ServeSummary:
+    """Aggregate of one ``pd-bench serve`` run. Latency summaries are in milliseconds."""
+
+    num_prompts: int
+    completed: int
+    failed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float  # completed requests / s
+    output_throughput: float  # output tokens / s
+    total_token_throughput: float  # (prompt + output) tokens / s
+    ttft_ms: Summary
+    tpot_ms: Summary
+    itl_ms: Summary
+    e2e_ms: Summary
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    good_requests: int | None = None
+    goodput: float | None = None  # requests meeting every SLO / s
+    errors: dict[str, int] = field(default_factory=dict)  # error message -> count
+
+    @classmethod
+    def of(
+        cls,
+        results: Sequence[RequestResult],
+        duration_s: float,
+        slo_ttft_ms: float | None = None,
+        slo_itl_ms: float | None = None,
+    ) -> ServeSummary:
+        ok = [r for r in results if r.ok]
+        dur = duration_s if duration_s > 0 else math.nan
+        tin = sum(r.prompt_tokens for r in ok)
+        tout = sum(r.output_tokens for r in ok)
+        errors: dict[str, int] = {}
+        for r in results:
+            if not r.ok:
+                key = (r.error or "unknown error")[:200]
+                errors[key] = errors.get(key, 0) + 1
+        good = goodput = None
+        if slo_ttft_ms is not None or slo_itl_ms is not None:
+            good = count_good(
+                ok,
+                None if slo_ttft_ms is None else slo_ttft_ms / 1e3,
+                None if slo_itl_ms is None else slo_itl_ms / 1e3,
+            )
+            goodput = good / dur
+        return cls(
+            num_prompts=len(results),
+            completed=len(ok),
+            failed=len(results) - len(ok),
+            duration_s=duration_s,
+            total_input_tokens=tin,
+            total_output_tokens=tout,
+            request_throughput=len(ok) / dur,
+            output_throughput=tout / dur,
+            total_token_throughput=(tin + tout) / dur,
+            ttft_ms=Summary.of(r.ttft for r in ok if r.ttft is not None).scaled(1e3),
+            tpot_ms=Summary.of(t for r in ok if (t := r.tpot) is not None).scaled(1e3),
+            itl_ms=Summary.of(x for r in ok for x in r.itl).scaled(1e3),
+            e2e_ms=Summary.of(r.e2e for r in ok if r.e2e is not None).scaled(1e3),
+            slo_ttft_ms=slo_ttft_ms,
+            slo_itl_ms=slo_itl_ms,
+            good_requests=good,
+            goodput=goodput,
+            errors=errors,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in self.__dict__.items():
+            out[k] = v.to_dict() if isinstance(v, Summary) else _json_float(v)
+        return out
+
+    def format(self) -> str:
+        """A human-readable table, in the spirit of ``vllm bench serve``."""
+        w = 50
+        lines = [
+            " Serving Benchmark Result ".center(w, "="),
+            _row("Successful requests:", self.completed),
+            _row("Failed requests:", self.failed),
+            _row("Benchmark duration (s):", f"{self.duration_s:.2f}"),
+            _row("Total input tokens:", self.total_input_tokens),
+            _row("Total generated tokens:", self.total_output_tokens),
+            _row("Request throughput (req/s):", f"{self.request_throughput:.2f}"),
+            _row("Output token throughput (tok/s):", f"{self.output_throughput:.2f}"),
+            _row("Total token throughput (tok/s):", f"{self.total_token_throughput:.2f}"),
+        ]
+        if self.goodput is not None:
+            slos = []
+            if self.slo_ttft_ms is not None:
+                slos.append(f"TTFT<={self.slo_ttft_ms:g}ms")
+            if self.slo_itl_ms is not None:
+                slos.append(f"max ITL<={self.slo_itl_ms:g}ms")
+            lines.append(_row(f"Good requests ({', '.join(slos)}):", self.good_requests))
+            lines.append(_row("Request goodput (req/s):", f"{self.goodput:.2f}"))
+        for title, s in (
+            ("Time to First Token", self.ttft_ms),
+            ("Time per Output Token (excl. 1st token)", self.tpot_ms),
+            ("Inter-token Latency", self.itl_ms),
+            ("End-to-end Latency", self.e2e_ms),
+        ):
+            short = title.split(" (")[0]
+            abbrev = {"Time to First Token": "TTFT", "Time per Output Token": "TPOT"}.get(
+                short, "ITL" if short.startswith("Inter") else "E2E"
+            )
+            lines.append(f" {title} ".center(w, "-"))
+            for label, v in (
+                ("Mean", s.mean),
+                ("Median", s.median),
+                ("P90", s.p90),
+                ("P99", s.p99),
+            ):
+                lines.append(_row(f"{label} {abbrev} (ms):", f"{v:.2f}"))
+        top = sorted(self.errors.items(), key=lambda kv: -kv[1])
+        for msg, n in top[:5]:
+            lines.append(f"error x{n}: {msg}")
+        if len(top) > 5:
+            lines.append(f"... and {len(top) - 5} other error messages (see --json)")
+        lines.append("=" * w)
+        return "\n".join(lines)
+
+
+def _row(label: str, value: object) -> str:
+    return f"{label:<40}{value!s:>10}"

@@ -1,0 +1,273 @@
+"""pd-bench: stats helpers, offline runs on 'tiny' and a random checkpoint, serve against a
+real node process."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from node_utils import REPO_ROOT, start_node, stop_node
+
+from engine.bench.stats import (
+    RequestResult,
+    ServeSummary,
+    Summary,
+    count_good,
+    meets_slo,
+    percentile,
+)
+
+# ---------------------------------------------------------------------------------------
+# stats
+# ---------------------------------------------------------------------------------------
+
+
+def test_percentile_matches_linear_interpolation():
+    xs = [float(x) for x in range(1, 11)]  # 1..10
+    assert percentile(xs, 0) == 1.0
+    assert percentile(xs, 100) == 10.0
+    assert percentile(xs, 50) == pytest.approx(5.5)
+    assert percentile(xs, 90) == pytest.approx(9.1)
+    assert percentile(xs, 99) == pytest.approx(9.91)
+    assert percentile(list(reversed(xs)), 25) == pytest.approx(3.25)  # order does not matter
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+def test_summary_of_known_data_and_scaling():
+    s = Summary.of([0.001, 0.002, 0.003, 0.004])
+    assert s.n == 4
+    assert s.mean == pytest.approx(0.0025)
+    assert s.median == pytest.approx(0.0025)
+    assert s.min == 0.001 and s.max == 0.004
+    ms = s.scaled(1e3)
+    assert ms.mean == pytest.approx(2.5) and ms.p99 == pytest.approx(3.97)
+    assert ms.n == 4
+    empty = Summary.of([])
+    assert empty.n == 0 and empty.to_dict()["mean"] is None  # NaN is written as null
+
+
+def _result(ttft: float, itl: list[float], ok: bool = True, out: int | None = None):
+    out = len(itl) + 1 if out is None else out
+    e2e = ttft + sum(itl)
+    return RequestResult(ok=ok, prompt_tokens=10, output_tokens=out, ttft=ttft, itl=itl, e2e=e2e)
+
+
+def test_tpot_and_goodput_counting():
+    r = _result(0.1, [0.01, 0.03, 0.02])
+    assert r.tpot == pytest.approx(0.06 / 3)
+    assert r.max_itl == pytest.approx(0.03)
+    assert _result(0.1, [], out=1).tpot is None
+
+    results = [
+        _result(0.05, [0.01, 0.01]),  # good
+        _result(0.20, [0.01, 0.01]),  # TTFT too slow
+        _result(0.05, [0.01, 0.09]),  # one gap too slow (the largest ITL counts)
+        _result(0.05, [0.01], ok=False),  # failed requests are never good
+        _result(0.10, [0.02, 0.02]),  # exactly at both SLOs: good
+    ]
+    assert count_good(results, 0.1, 0.02) == 2
+    assert count_good(results, None, 0.02) == 3
+    assert count_good(results, 0.1, None) == 3
+    assert count_good(results, None, None) == 4
+    assert not meets_slo(RequestResult(ok=True), None, None)  # no token ever came
+
+    summary = ServeSummary.of(results, duration_s=2.0, slo_ttft_ms=100, slo_itl_ms=20)
+    assert summary.completed == 4 and summary.failed == 1
+    assert summary.good_requests == 2 and summary.goodput == pytest.approx(1.0)
+    assert summary.request_throughput == pytest.approx(2.0)
+    assert summary.total_output_tokens == 3 + 3 + 3 + 3
+    assert summary.output_throughput == pytest.approx(6.0)
+    assert summary.total_token_throughput == pytest.approx((40 + 12) / 2)
+    assert summary.itl_ms.n == 8
+    assert summary.ttft_ms.median == pytest.approx(75.0)  # of 50, 50, 100, 200
+    d = summary.to_dict()
+    json.dumps(d)
+    assert d["ttft_ms"]["p99"] == pytest.approx(summary.ttft_ms.p99)
+    assert "Request goodput" in summary.format()
+    assert ServeSummary.of(results, 2.0).goodput is None  # no SLO given: no goodput
+
+
+def test_serve_helpers_without_a_server():
+    from engine.bench.serve import _chunk_tokens, arrival_delays, make_prompts
+
+    a = make_prompts(3, 16, "ids", (3, 256), seed=1)
+    b = make_prompts(3, 16, "ids", (3, 256), seed=1)
+    assert [p.prompt for p in a] == [p.prompt for p in b]  # seeded
+    assert all(len(p.prompt) == 16 and all(3 <= t < 256 for t in p.prompt) for p in a)
+    assert len({p.prompt[0] for p in make_prompts(20, 16, "ids", (3, 256), 2)}) > 1
+    text = make_prompts(2, 5, "text", (3, 256), seed=1)
+    assert all(isinstance(p.prompt, str) and len(p.prompt.split()) == 5 for p in text)
+    assert arrival_delays(4, math.inf, 0) == [0.0] * 4
+    d = arrival_delays(2000, 100.0, 0)
+    assert d == sorted(d) and d[-1] / 2000 == pytest.approx(0.01, rel=0.1)
+    assert _chunk_tokens({"choices": [{"text": "ab", "token_ids": [1, 2]}]}) == 2
+    assert _chunk_tokens({"choices": [{"text": "", "token_ids": [5]}]}) == 1
+    assert _chunk_tokens({"choices": [{"text": "x"}]}) == 1  # servers without token_ids
+    assert _chunk_tokens({"choices": [{"delta": {"content": "x"}}]}) == 1
+    assert _chunk_tokens({"choices": [], "usage": {"completion_tokens": 3}}) == 0
+
+
+def test_prefill_flops_formula():
+    from engine.bench.offline import prefill_flops
+    from engine.model.config import ModelArchConfig
+
+    arch = ModelArchConfig.tiny()
+    n = 100
+    f = prefill_flops(arch, n)
+    h, d, layers = arch.hidden_size, arch.head_dim, arch.num_hidden_layers
+    params = layers * (
+        h * d * (arch.num_attention_heads + 2 * arch.num_key_value_heads)  # q, k, v
+        + arch.num_attention_heads * d * h  # o
+        + 3 * h * arch.intermediate_size  # gate, up, down
+    )
+    assert f["linear"] == 2 * params * n
+    assert f["lm_head"] == 2 * h * arch.vocab_size
+    assert f["attention"] == pytest.approx(
+        2 * 2 * layers * arch.num_attention_heads * d * n * (n + 1) / 2
+    )
+    assert f["total"] == f["linear"] + f["lm_head"] + f["attention"]
+
+
+# ---------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------
+
+
+def pd_bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_offline_on_tiny_writes_positive_throughput(tmp_path: Path):
+    out = tmp_path / "offline.json"
+    proc = pd_bench(
+        "offline", "--model", "tiny", "--num-prompts", "2", "--input-len", "16",
+        "--output-len", "4", "--max-num-seqs", "4", "--json", str(out),
+    )  # fmt: skip
+    assert "output throughput" in proc.stdout
+    report = json.loads(out.read_text())
+    res = report["result"]
+    assert report["shape"] == {"num_prompts": 2, "input_len": 16, "output_len": 4}
+    assert report["config"]["scheduler"]["max_num_seqs"] == 4  # engine flags are honoured
+    assert res["output_tokens"] == 2 * 4 and res["prompt_tokens"] == 2 * 16
+    assert res["output_tokens_per_s"] > 0
+    assert res["total_tokens_per_s"] > res["output_tokens_per_s"]
+    assert res["ttft_ms"]["mean"] > 0
+
+
+def test_offline_single_stream_reports_ms_per_token(tmp_path: Path):
+    out = tmp_path / "latency.json"
+    pd_bench(
+        "offline", "--workload", "latency", "--input-len", "32", "--output-len", "5",
+        "--num-warmup", "0", "--json", str(out),
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    res = report["result"]
+    assert report["shape"]["num_prompts"] == 1  # from the preset
+    assert res["ms_per_output_token"] > 0 and res["single_ttft_ms"] > 0
+    assert res["prefill_tokens_per_s"] > 0
+    assert report["prefill"]["achieved_tflops"] > 0
+
+
+def test_make_model_and_compare_hf_tokens_equal(tmp_path: Path):
+    pytest.importorskip("transformers")
+    model = tmp_path / "tiny-llama"
+    proc = pd_bench("make-model", "--out", str(model), "--preset", "tiny-llama")
+    assert "wrote" in proc.stdout
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (model / name).is_file(), name
+    out = tmp_path / "hf.json"
+    proc = pd_bench(
+        "offline", "--model", str(model), "--dtype", "float32", "--num-prompts", "2",
+        "--input-len", "16", "--output-len", "8", "--compare-hf", "--json", str(out),
+    )  # fmt: skip
+    assert "first prompt tokens equal: True" in proc.stdout, proc.stdout
+    report = json.loads(out.read_text())
+    assert report["hf"]["first_prompt"] == {"equal": True, "matching_prefix": 8, "length": 8}
+    assert report["hf"]["output_tokens_per_s"] > 0 and report["hf"]["speedup"] > 0
+
+
+def test_make_model_refuses_a_non_empty_directory(tmp_path: Path):
+    (tmp_path / "x").write_text("keep me")
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "make-model", "--out", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "not empty" in proc.stdout
+    assert (tmp_path / "x").read_text() == "keep me"
+
+
+def test_serve_against_a_dead_endpoint_exits_1_without_a_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "serve", "--base-url", "http://127.0.0.1:9",
+         "--num-prompts", "2", "--no-progress"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "cannot benchmark" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def tiny_node(tmp_path: Path, request: pytest.FixtureRequest):
+    node = start_node(tmp_path, "--model", "tiny", "--max-num-seqs", "8")
+    request.addfinalizer(lambda: stop_node(node))
+    return node
+
+
+# serve must run where only the proxy is installed: it never imports torch.
+_SERVE_IN_PROCESS = """
+import sys
+from engine.bench.cli import main
+rc = main(sys.argv[1:])
+assert "torch" not in sys.modules, "pd-bench serve imported torch"
+sys.exit(rc)
+"""
+
+
+@pytest.mark.slow
+def test_serve_against_a_node(tiny_node, tmp_path: Path):
+    out, png = tmp_path / "serve.json", tmp_path / "cdf.png"
+    proc = subprocess.run(
+        [sys.executable, "-c", _SERVE_IN_PROCESS, "serve", "--base-url", tiny_node.url,
+         "--num-prompts", "4", "--max-concurrency", "2", "--input-len", "32",
+         "--output-len", "6", "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",
+         "--json", str(out), "--plot", str(png)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr + tiny_node.logs()
+    assert "Serving Benchmark Result" in proc.stdout
+    assert "4/4 requests" in proc.stderr  # the progress line
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert s["completed"] == 4 and s["failed"] == 0
+    assert s["good_requests"] == 4 and s["goodput"] > 0
+    assert s["total_input_tokens"] == 4 * 32 and s["total_output_tokens"] == 4 * 6
+    assert s["output_throughput"] > 0 and s["ttft_ms"]["median"] > 0
+    assert s["itl_ms"]["n"] == 4 * 5
+    assert report["args"]["model"] == "tiny"  # from GET /v1/models
+    assert len(report["requests"]) == 4
+    for r in report["requests"]:
+        assert r["ok"] and r["error"] is None
+        assert r["ttft"] > 0 and r["e2e"] >= r["ttft"]
+        assert r["output_tokens"] == 6 and r["usage_completion_tokens"] == 6
+        assert len(r["itl"]) == 5 and r["tpot"] > 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in proc.stdout
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
