@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_TEMPERATURE_EPS = 1e-5
+
 
 class InvalidRequestError(ValueError):
     """A request parameter is invalid. ``param`` names the offending field."""
@@ -39,4 +41,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # A temperature too small to divide logits by is greedy (vLLM's epsilon).
+        return self.temperature < GREEDY_TEMPERATURE_EPS

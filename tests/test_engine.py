@@ -100,3 +100,13 @@ def test_hung_worker_turns_into_an_error_not_a_hang():
     finally:
         os.kill(stopped, signal.SIGCONT)
         llm.shutdown()
+
+
+def test_a_step_that_raises_in_a_worker_fails_with_the_workers_traceback():
+    """The worker's error crosses the result pipe (it used to kill the reader thread, so the
+    step hung until --step-timeout and ended as "did not finish a step")."""
+    from engine.worker.worker_proc import WorkerError
+
+    cfg = EngineConfig(cache=CacheConfig(num_blocks=16), parallel=ParallelConfig(step_timeout=120))
+    with LLM(cfg) as llm, pytest.raises(WorkerError, match="IndexError"):
+        llm.generate([[10**6]], SamplingParams(max_tokens=2))  # no such embedding row

@@ -87,3 +87,19 @@ def test_hashed_uniform_is_in_the_open_unit_interval_and_looks_uniform():
     assert abs(float(u.mean()) - 0.5) < 0.01
     assert abs(float(u.var()) - 1 / 12) < 0.005
     assert not math.isclose(float(u[0, 0]), float(u[1, 0]))
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-6])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(temperature):
+    logits = _logits(3)
+    params = [SamplingParams(temperature=temperature, seed=s) for s in range(3)]
+    assert Sampler().sample(logits, params, [0, 1, 2]) == logits.argmax(-1).tolist()
+
+
+def test_a_worker_error_survives_the_pipe():
+    import pickle
+
+    from engine.worker.worker_proc import WorkerError
+
+    err = pickle.loads(pickle.dumps(WorkerError(1, "Traceback: boom")))
+    assert isinstance(err, WorkerError) and err.rank == 1 and "boom" in str(err)

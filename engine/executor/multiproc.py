@@ -155,6 +155,10 @@ class MultiprocExecutor:
                 if not self._shutting_down:
                     self._mark_dead(f"TP worker {rank} closed its pipe")
                 return
+            except Exception as e:  # an unreadable result: never leave steps waiting
+                logger.exception("TP worker %d sent an unreadable result", rank)
+                self._mark_dead(f"TP worker {rank} sent an unreadable result: {e!r}")
+                return
             with self._lock:
                 fut = self._pending[rank].popleft() if self._pending[rank] else None
             if fut is None or fut.done():

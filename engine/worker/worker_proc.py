@@ -24,6 +24,10 @@ class WorkerError(Exception):
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(f"worker rank {rank}: {message}")
         self.rank = rank
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[int, str]]:  # pickled through the result pipe
+        return (WorkerError, (self.rank, self.message))
 
 
 def _setup_logging(rank: int, level: str) -> None:
