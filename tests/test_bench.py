@@ -221,9 +221,9 @@ def test_serve_against_a_dead_endpoint_exits_1_without_a_traceback():
     assert "cannot benchmark" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.fixture
-def tiny_node(tmp_path: Path, request: pytest.FixtureRequest):
-    node = start_node(tmp_path, "--model", "tiny", "--max-num-seqs", "8")
+@pytest.fixture(scope="module")
+def tiny_node(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+    node = start_node(tmp_path_factory.mktemp("node"), "--model", "tiny", "--max-num-seqs", "8")
     request.addfinalizer(lambda: stop_node(node))
     return node
 
@@ -271,3 +271,20 @@ def test_serve_against_a_node(tiny_node, tmp_path: Path):
         assert "matplotlib is not installed" in proc.stdout
     else:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_serve_counts_failed_requests_and_keeps_going(tiny_node, tmp_path: Path):
+    out = tmp_path / "failed.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "serve", "--base-url", tiny_node.url,
+         "--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--num-warmup", "0",
+         "--token-id-range", "600", "700", "--no-progress", "--json", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # nothing completed
+    assert "Traceback" not in proc.stderr
+    s = json.loads(out.read_text())["summary"]
+    assert s["completed"] == 0 and s["failed"] == 3
+    assert all("HTTP 400" in msg and "out of range" in msg for msg in s["errors"])
+    assert sum(s["errors"].values()) == 3

@@ -268,6 +268,12 @@ def make_model(
     }
     with open(os.path.join(out, "pd_bench.json"), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=2)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(out):  # safetensors may be written 0600; readable like the rest
+        path = os.path.join(out, name)
+        if os.path.isfile(path):
+            os.chmod(path, 0o666 & ~umask)
     return info
 
 

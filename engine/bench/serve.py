@@ -42,7 +42,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     g.add_argument(
-        "--timeout", type=float, default=600.0, help="per-request timeout, s (default: 600)"
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may take in all (default: 600)",
     )
     g = p.add_argument_group("load")
     g.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
@@ -168,53 +171,64 @@ def _chunk_tokens(chunk: dict[str, Any]) -> int:
     return 1 if text else 0
 
 
-async def send_one(client: Any, url: str, body: dict[str, Any], prompt: Prompt) -> RequestResult:
-    """One streamed request, timed per chunk. Never raises: failures are in the result."""
+async def send_one(
+    client: Any, url: str, body: dict[str, Any], prompt: Prompt, timeout: float | None = None
+) -> RequestResult:
+    """One streamed request, timed per chunk, ended after ``timeout`` seconds in all.
+    Never raises: a failure is in the result's ``error``."""
     r = RequestResult(prompt_tokens=prompt.num_tokens)
+    try:
+        await asyncio.wait_for(_stream(client, url, body, r), timeout)
+    except asyncio.TimeoutError:
+        r.error = f"timed out after {timeout:g}s"
+    except Exception as e:  # a failed request never stops the benchmark
+        r.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    if r.error is not None:
+        r.ok = False
+    return r
+
+
+async def _stream(client: Any, url: str, body: dict[str, Any], r: RequestResult) -> None:
     start = time.perf_counter()
     last: float | None = None
     done = False
-    try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                raw = (await resp.aread()).decode("utf-8", "replace")
-                r.error = f"HTTP {resp.status_code}: {_error_message(raw)}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    r.error = f"stream error: {_error_message(json.dumps(chunk))}"
-                    return r
-                n = _chunk_tokens(chunk)
-                if n:
-                    now = time.perf_counter()
-                    if last is None:
-                        r.ttft = now - start
-                    else:
-                        r.itl.append(now - last)
-                    last = now
-                    r.output_tokens += n
-                usage = chunk.get("usage")
-                if usage:
-                    r.usage_completion_tokens = usage.get("completion_tokens")
-                    if usage.get("prompt_tokens"):
-                        r.prompt_tokens = int(usage["prompt_tokens"])
-        r.e2e = time.perf_counter() - start
-        if not done:
-            r.error = "stream ended without [DONE]"
-        elif r.output_tokens == 0:
-            r.error = "no tokens received"
-        else:
-            r.ok = True
-    except Exception as e:  # a failed request never stops the benchmark
-        r.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    return r
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            raw = (await resp.aread()).decode("utf-8", "replace")
+            r.error = f"HTTP {resp.status_code}: {_error_message(raw)}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                r.error = f"stream error: {_error_message(json.dumps(chunk))}"
+                return
+            n = _chunk_tokens(chunk)
+            if n:
+                now = time.perf_counter()
+                if last is None:
+                    r.ttft = now - start
+                else:
+                    r.itl.append(now - last)
+                last = now
+                r.output_tokens += n
+            usage = chunk.get("usage")
+            if usage:
+                r.usage_completion_tokens = usage.get("completion_tokens")
+                if usage.get("prompt_tokens"):
+                    r.prompt_tokens = int(usage["prompt_tokens"])
+    r.e2e = time.perf_counter() - start
+    if not done:
+        r.error = "stream ended without [DONE]"
+    elif r.output_tokens == 0:
+        r.error = "no tokens received"
+    else:
+        r.ok = True
 
 
 def _error_message(raw: str) -> str:
@@ -285,7 +299,7 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[ServeSummary, list[Re
             args.num_warmup, args.input_len, kind, tuple(args.token_id_range), args.seed + 10_007
         )
         for i, p in enumerate(warm):
-            r = await send_one(client, url, request_body(args, model, p), p)
+            r = await send_one(client, url, request_body(args, model, p), p, args.timeout)
             if not r.ok:
                 print(f"warning: warm-up request {i} failed: {r.error}", file=sys.stderr)
         sem = asyncio.Semaphore(conc)
@@ -296,7 +310,9 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[ServeSummary, list[Re
             await asyncio.sleep(max(0.0, delays[i] - (time.perf_counter() - t0)))
             async with sem:
                 sent = time.perf_counter() - t0
-                r = await send_one(client, url, request_body(args, model, prompts[i]), prompts[i])
+                r = await send_one(
+                    client, url, request_body(args, model, prompts[i]), prompts[i], args.timeout
+                )
             r.start = sent
             progress.update(r.ok)
             return r
