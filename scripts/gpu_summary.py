@@ -1,0 +1,143 @@
+"""Print the target table of docs/performance.md from the JSON files scripts/gpu_check.sh
+wrote: ``python scripts/gpu_summary.py OUT_DIR`` (Markdown on stdout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def _load(out: str, name: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(out, name), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _get(d: dict[str, Any] | None, *path: str) -> Any:
+    for key in path:
+        if not isinstance(d, dict) or key not in d or d[key] is None:
+            return None
+        d = d[key]
+    return d
+
+
+Row = tuple[str, str, Any, Callable[[float], bool], str]
+
+
+def rows(out: str) -> list[Row]:
+    thr = _load(out, "offline_throughput.json")
+    lat = _load(out, "offline_latency.json")
+    eager = _load(out, "offline_latency_eager.json")
+    pre = _load(out, "offline_prefill.json")
+    table: list[Row] = [
+        (
+            "offline 32x512->128 output tok/s",
+            ">= 10,000",
+            _get(thr, "result", "output_tokens_per_s"),
+            lambda v: v >= 10_000,
+            "{:,.0f}",
+        ),
+        (
+            "  vs transformers generate (same run)",
+            ">= 20x",
+            _get(thr, "hf", "speedup"),
+            lambda v: v >= 20,
+            "{:.1f}x",
+        ),
+        (
+            "single stream 512->128 ms/token (graphs)",
+            "<= 1.5",
+            _get(lat, "result", "ms_per_output_token"),
+            lambda v: v <= 1.5,
+            "{:.3f}",
+        ),
+        (
+            "  same, --enforce-eager",
+            "(info)",
+            _get(eager, "result", "ms_per_output_token"),
+            lambda v: True,
+            "{:.3f}",
+        ),
+        (
+            "prefill 8000 tokens, fraction of bf16 matmul peak",
+            ">= 30%",
+            _get(pre, "prefill", "fraction_of_peak"),
+            lambda v: v >= 0.30,
+            "{:.1%}",
+        ),
+        (
+            "  prefill TFLOP/s (achieved)",
+            "(info)",
+            _get(pre, "prefill", "achieved_tflops"),
+            lambda v: True,
+            "{:.1f}",
+        ),
+    ]
+    for name, label in (("serve_colocated.json", "colocated"), ("serve_pd.json", "P/D")):
+        s = _get(_load(out, name), "summary")
+        table += [
+            (
+                f"HTTP 64 req/32 conc/1024 in/64 out, {label}: ITL p50 ms",
+                "<= 10",
+                _get(s, "itl_ms", "median"),
+                lambda v: v <= 10,
+                "{:.2f}",
+            ),
+            (
+                f"  {label}: ITL p99 ms",
+                "<= 25",
+                _get(s, "itl_ms", "p99"),
+                lambda v: v <= 25,
+                "{:.2f}",
+            ),
+            (
+                f"  {label}: TTFT p50 ms",
+                "<= 150",
+                _get(s, "ttft_ms", "median"),
+                lambda v: v <= 150,
+                "{:.1f}",
+            ),
+            (
+                f"  {label}: completed / failed",
+                "64 / 0",
+                None if s is None else f"{s.get('completed')} / {s.get('failed')}",
+                lambda v: True,
+                "{}",
+            ),
+        ]
+    return table
+
+
+def main() -> None:
+    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/gpu_check"
+    print("| measure | target | measured | met |")
+    print("|---|---|---:|---|")
+    for name, target, value, ok, fmt in rows(out):
+        if value is None:
+            shown, met = "missing", "no"
+        elif isinstance(value, str):
+            shown, met = value, ""
+        else:
+            shown = fmt.format(value)
+            met = "" if target == "(info)" else ("yes" if ok(value) else "no")
+        print(f"| {name} | {target} | {shown} | {met} |")
+    prof = _load(out, "profile.json")
+    if prof:
+        print()
+        print("profile (one rank, in-process):", json.dumps(prof))
+    try:
+        with open(os.path.join(out, "steps.txt"), encoding="utf-8") as f:
+            failed = [line.strip() for line in f if not line.strip().endswith("rc=0")]
+    except OSError:
+        failed = ["steps.txt missing"]
+    print()
+    print("steps not ok:", ", ".join(failed) if failed else "none")
+
+
+if __name__ == "__main__":
+    main()
