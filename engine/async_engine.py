@@ -124,7 +124,7 @@ class AsyncLLMEngine:
         return self.core.connector.info()
 
     def histograms(self) -> dict[str, Any]:
-        """Connector histograms by metric name (``kvconnector.histogram.Histogram``)."""
+        """Connector histograms by metric name (``kvconnector.nixl.histogram.Histogram``)."""
         return dict(getattr(self.core.connector, "histograms", {}))
 
     # -- engine thread -----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Unit tests for kvconnector.block_runs."""
+"""Unit tests for kvconnector.nixl.block_runs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvconnector.block_runs import block_runs, expand_runs
+from kvconnector.nixl.block_runs import block_runs, expand_runs
 
 
 def test_empty() -> None:

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from engine.kv_cache_layout import KVCacheSpec
-from kvconnector.side_channel import SideChannelClient, SideChannelServer
+from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
 
-nixl_transport = pytest.importorskip("kvconnector.nixl_transport")
+nixl_transport = pytest.importorskip("kvconnector.nixl.transport")
 if not nixl_transport.NIXL_AVAILABLE:
     pytest.skip("nixl not installed", allow_module_level=True)
 NixlTransport = nixl_transport.NixlTransport

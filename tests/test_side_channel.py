@@ -1,4 +1,4 @@
-"""Tests for kvconnector.side_channel (real sockets on localhost)."""
+"""Tests for kvconnector.nixl.side_channel (real sockets on localhost)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvconnector.side_channel import (
+from kvconnector.nixl.side_channel import (
     SideChannelClient,
     SideChannelError,
     SideChannelServer,

@@ -1,6 +1,6 @@
 """Wire formats of the NIXL connector: compatibility info, side-channel messages, notifs.
 
-Side-channel messages (msgpack dicts over ``kvconnector.side_channel``), all with
+Side-channel messages (msgpack dicts over ``kvconnector.nixl.side_channel``), all with
 ``kind``:
 
 * ``handshake`` D -> P: ``engine_id``, ``incarnation``, ``compat``, ``ranks`` (each rank's

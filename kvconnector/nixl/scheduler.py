@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 from engine.core.request import RequestStatus
 from engine.sampling_params import InvalidRequestError
 from kvconnector.base import ConnectorEvents, KVConnectorScheduler
-from kvconnector.block_runs import block_runs
-from kvconnector.histogram import Histogram
+from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
+from kvconnector.nixl.histogram import Histogram
 from kvconnector.nixl.liveness import PeerLiveness
 from kvconnector.nixl.messages import (
     CONNECTOR_VERSION,
@@ -39,7 +39,7 @@ from kvconnector.nixl.messages import (
 )
 from kvconnector.nixl.metadata import NixlConnectorMetadata, SendSpec
 from kvconnector.nixl.producer import Producer, Reservation
-from kvconnector.side_channel import SideChannelClient, SideChannelServer
+from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig

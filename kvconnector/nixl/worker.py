@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvconnector.base import KVConnectorWorker
 from kvconnector.nixl.messages import unpack_notif
 from kvconnector.nixl.metadata import NixlConnectorMetadata
-from kvconnector.nixl_transport import DONE, ERROR, NixlTransport, TransferHandle
+from kvconnector.nixl.transport import DONE, ERROR, NixlTransport, TransferHandle
 
 if TYPE_CHECKING:
     import torch

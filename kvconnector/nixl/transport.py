@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvconnector.block_runs import BlockRun, block_runs
+from kvconnector.nixl.block_runs import BlockRun, block_runs
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
