@@ -9,27 +9,24 @@ poller. Requests are validated before any node is touched (400), refused at
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import re
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
-from engine.server.protocol import APIError, error_body
+from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
+from engine.httpkit.errors import install_error_handlers, json_error
+from engine.httpkit.request_id import RequestIdMiddleware
+from engine.httpkit.sse import SSEResponse
+from engine.server.protocol import APIError
 from proxy.config import ProxyConfig
 from proxy.health import HealthChecker
-from proxy.legs import REQUEST_ID_HEADER, Legs
+from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
 from proxy.nodes import NodePool
 from proxy.router import Router
@@ -37,56 +34,6 @@ from proxy.session import PassThrough, Session
 from proxy.validation import CHAT, COMPLETIONS, validate_request
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-_RID_OK = re.compile(r"[^A-Za-z0-9._:\-]")
-
-
-class _ClientDisconnected(Exception):
-    pass
-
-
-async def _race_disconnect(request: Request, coro: Awaitable[T]) -> T:
-    """Await ``coro``; if the client disconnects first, cancel it and raise."""
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(BaseException):
-                await work
-            raise _ClientDisconnected
-    return work.result()
-
-
-class _SSEResponse(StreamingResponse):
-    """A StreamingResponse that always closes its generator (runs its cleanup) at the end."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-def _request_id(request: Request) -> str:
-    given = _RID_OK.sub("", request.headers.get(REQUEST_ID_HEADER, ""))[:128]
-    return given or uuid.uuid4().hex
-
-
-def _json_error(err: APIError, rid: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(
-        err.body(), status_code=err.status_code, headers={REQUEST_ID_HEADER: rid, **(headers or {})}
-    )
 
 
 def build_app(cfg: ProxyConfig) -> FastAPI:
@@ -125,15 +72,12 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     app.state.pool = pool
     app.state.metrics = metrics
     app.state.config = cfg
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), err_type), status_code=exc.status_code)
+    app.add_middleware(RequestIdMiddleware)
+    install_error_handlers(app)
 
     async def generate(request: Request, endpoint: str) -> Response:
         nonlocal inflight
-        rid = _request_id(request)
+        rid = request.state.request_id
         path = "chat" if endpoint == CHAT else "completions"
 
         def answer(resp: Response, kind: str | None = None) -> Response:
@@ -146,7 +90,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             limit = cfg.max_model_len or pool.max_model_len()
             req = validate_request(endpoint, await request.body(), pool.model_names(), limit)
         except APIError as e:
-            return answer(_json_error(e, rid), "bad_request")
+            return answer(json_error(e), "bad_request")
         if inflight >= cfg.max_inflight:
             err = APIError(
                 f"the proxy is at its limit of {cfg.max_inflight} requests in flight; retry later",
@@ -154,7 +98,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                 err_type="rate_limit_error",
                 code="too_many_requests",
             )
-            return answer(_json_error(err, rid, {"Retry-After": "1"}), "overloaded")
+            return answer(json_error(err, {"Retry-After": "1"}), "overloaded")
         session = Session(req, rid, cfg, router, request.app.state.legs, metrics)
         inflight += 1
         metrics.inflight.inc()
@@ -168,18 +112,18 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
 
         try:
             if not req.stream:
-                body = await _race_disconnect(request, session.complete())
-                return answer(JSONResponse(body, headers={REQUEST_ID_HEADER: rid}))
-            await _race_disconnect(request, session.start_stream())
+                body = await race_disconnect(request, session.complete())
+                return answer(JSONResponse(body))
+            await race_disconnect(request, session.start_stream())
             streaming = True
-        except _ClientDisconnected:
+        except ClientDisconnected:
             logger.info("request %s: client disconnected; aborted on both nodes", rid)
             return answer(Response(status_code=499), "client_disconnect")
         except PassThrough as e:
-            return answer(JSONResponse(e.body, e.status, headers={REQUEST_ID_HEADER: rid}))
+            return answer(JSONResponse(e.body, e.status))
         except APIError as e:
             kind = "unavailable" if e.status_code == 503 else "upstream"
-            return answer(_json_error(e, rid), kind)
+            return answer(json_error(e), kind)
         finally:
             if not streaming:
                 done()
@@ -194,8 +138,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                     logger.info("request %s: client disconnected mid-stream; aborted", rid)
                 done()
 
-        headers = {REQUEST_ID_HEADER: rid, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return answer(_SSEResponse(body_iter(), media_type="text/event-stream", headers=headers))
+        return answer(SSEResponse(body_iter()))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

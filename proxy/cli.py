@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 
-from engine.server.net import bind_socket
+from engine.httpkit.serve import bind_socket, listen_url, make_server
 from proxy.client import run_chat, run_complete
 from proxy.config import ProxyConfigError, add_proxy_args, config_from_sources
 
@@ -63,32 +62,15 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except OSError as e:
         logger.error("cannot listen on %s:%s: %s", cfg.host, cfg.port, e)
         return 1
-    import uvicorn
-
     from proxy.app import build_app
 
-    port = sock.getsockname()[1]
-    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     banner = (
-        f"pdserve proxy listening on http://{host}:{port} "
+        f"pdserve proxy listening on {listen_url(cfg.host, sock.getsockname()[1])} "
         f"(prefill: {' '.join(cfg.prefill)}; decode: {' '.join(cfg.decode)})"
     )
-
-    class ProxyServer(uvicorn.Server):
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets=sockets)
-            if self.started and not self.should_exit:
-                print(banner, flush=True)  # noqa: T201 - CLI output
-
-    config = uvicorn.Config(
-        build_app(cfg),
-        log_config=None,
-        log_level=cfg.log_level.lower(),
-        access_log=cfg.log_level == "DEBUG",
-        timeout_graceful_shutdown=5,
-    )
+    server = make_server(build_app(cfg), log_level=cfg.log_level, banner=banner)
     try:
-        ProxyServer(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         sock.close()
     logger.info("proxy stopped")

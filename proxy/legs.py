@@ -19,12 +19,12 @@ from typing import Any
 
 import httpx
 
+from engine.httpkit.request_id import REQUEST_ID_HEADER
+from kvconnector.params import KVTransferParams
 from proxy.nodes import Node
 from proxy.validation import ProxyRequest
 
 logger = logging.getLogger(__name__)
-
-REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class UpstreamError(Exception):
@@ -92,7 +92,8 @@ class Legs:
     async def prefill(self, req: ProxyRequest, node: Node, rid: str) -> dict[str, Any]:
         body = {k: v for k, v in req.body.items() if k != "stream_options"}
         body["stream"] = False
-        body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": rid}
+        kv = KVTransferParams(do_remote_decode=True, transfer_id=rid)
+        body["kv_transfer_params"] = kv.to_dict()
         with node.lease():
             try:
                 resp = await self.client.post(
@@ -113,14 +114,13 @@ class Legs:
         self, req: ProxyRequest, node: Node, rid: str, side_channel: str, skip_first: bool
     ) -> httpx.Response:
         """Send the decode leg; returns the (streaming) response once its headers arrived."""
-        kv: dict[str, Any] = {
-            "do_remote_prefill": True,
-            "transfer_id": rid,
-            "remote_side_channel": side_channel,
-        }
-        if skip_first:
-            kv["skip_first_token"] = True
-        body = {**req.body, "kv_transfer_params": kv}
+        kv = KVTransferParams(
+            do_remote_prefill=True,
+            transfer_id=rid,
+            remote_side_channel=side_channel,
+            skip_first_token=skip_first,
+        )
+        body = {**req.body, "kv_transfer_params": kv.to_dict()}
         request = self.client.build_request(
             "POST", node.url + req.path, json=body, headers={REQUEST_ID_HEADER: rid}
         )

@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from engine.httpkit import openai
+from engine.httpkit.sse import SSE_DONE, sse_event
 from engine.server.protocol import APIError, error_body
 from proxy.config import ProxyConfig
 from proxy.legs import Attempt, Legs, UpstreamError
@@ -32,12 +34,6 @@ from proxy.router import NoHealthyNode, Router
 from proxy.validation import ProxyRequest
 
 logger = logging.getLogger(__name__)
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 class PassThrough(Exception):
@@ -102,7 +98,7 @@ class Session:
     # -- shared ----------------------------------------------------------------------------
     @property
     def response_id(self) -> str:
-        return ("chatcmpl-" if self.req.chat else "cmpl-") + self.request_id
+        return openai.response_id(self.request_id, self.req.chat)
 
     def _launch(self) -> Attempt:
         """Start the next pair; raises APIError 503 when no pair is healthy."""
@@ -218,16 +214,12 @@ class Session:
         else:
             choice["text"] = text
         choice.update(logprobs=None, finish_reason=None, token_ids=ids)
-        return sse(self._envelope([choice], usage=True))
+        return sse_event(self._envelope([choice], usage=True))
 
     def _envelope(self, choices: list[dict[str, Any]], usage: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self.response_id,
-            "object": "chat.completion.chunk" if self.req.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+        body = openai.envelope(
+            self.request_id, self.req.chat, True, self.created, self.model, choices
+        )
         if usage and self.req.parsed.include_usage:
             body["usage"] = None
         return body
@@ -280,7 +272,7 @@ class Session:
                     self.metrics.errors.labels("stream_error").inc()
                     logger.warning("request %s: decode reported %s", self.request_id, obj)
                     self.outcome = "error"
-                    yield sse(obj)
+                    yield sse_event(obj)
                     break
                 out = self._rewrite(obj)
                 if out is None:
@@ -291,7 +283,7 @@ class Session:
                     now = time.monotonic()
                     self.metrics.itl.observe((now - last) / n)
                     last = now
-                yield sse(out)
+                yield sse_event(out)
             if done:
                 assert self.current is not None
                 self.current.finished = True
@@ -312,7 +304,7 @@ class Session:
             msg = e.message if isinstance(e, APIError) else f"upstream failure: {e}"
             if isinstance(e, PassThrough):
                 msg = f"the request was refused after the first token: {e}"
-            yield sse(error_body(msg, "server_error", None, "upstream_error"))
+            yield sse_event(error_body(msg, "server_error", None, "upstream_error"))
             yield SSE_DONE
         finally:
             self.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from engine.server.net import bind_socket
+from engine.httpkit.serve import bind_socket
 
 
 def test_accepted_connections_send_small_writes_at_once():

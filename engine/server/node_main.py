@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
-import socket
 import sys
-from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, Literal
 
+from engine.httpkit.serve import bind_socket, listen_url, make_server
 from engine.server.cli_args import (
     add_config_args,
     add_server_args,
     parse_config,
     set_flag_default,
 )
-from engine.server.net import bind_socket
 
 logger = logging.getLogger(__name__)
 
@@ -76,25 +73,6 @@ class _Signals:
             logger.info("%s: already shutting down", name)
 
 
-def _make_server(config: Any, on_started: Callable[[], None]) -> Any:
-    import uvicorn
-
-    class NodeServer(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield  # run_node owns the signal handlers (and must not re-raise them)
-
-        def install_signal_handlers(self) -> None:  # older uvicorn versions
-            pass
-
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets=sockets)
-            if self.started and not self.should_exit:
-                on_started()
-
-    return NodeServer(config)
-
-
 def run_node(role: Role, argv: list[str] | None = None) -> int:
     """Run a node until SIGTERM/SIGINT; returns the process exit status."""
     args, config = parse_config(build_parser(role), argv)
@@ -109,32 +87,22 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
     signals.install()
     engine = None
     try:
-        import uvicorn
-
         from engine.async_engine import AsyncLLMEngine
         from engine.server.app import build_app
 
         logger.info("starting %s engine: %s", role, config)
         engine = AsyncLLMEngine.start(config, log_level=args.log_level)
-        app = build_app(engine)
-        uv_config = uvicorn.Config(
-            app,
-            log_config=None,
-            log_level=args.log_level.lower(),
-            access_log=args.log_level == "DEBUG",
-            lifespan="off",
-            timeout_graceful_shutdown=5,
-        )
-        url_host = f"[{args.host}]" if ":" in args.host else args.host
         banner = (
-            f"pdserve {role} node listening on http://{url_host}:{port} "
+            f"pdserve {role} node listening on {listen_url(args.host, port)} "
             f"(model {engine.model_name}, tp {config.parallel.tp})"
         )
-
-        def on_started() -> None:
-            print(banner, flush=True)  # noqa: T201 - CLI output
-
-        server = _make_server(uv_config, on_started)
+        server = make_server(
+            build_app(engine),
+            log_level=args.log_level,
+            banner=banner,
+            lifespan="off",
+            own_signals=True,  # _Signals also aborts a blocking engine start-up
+        )
         signals.server = server
         signals.phase = "serving"
         if signals.received:  # a signal raced with the end of startup

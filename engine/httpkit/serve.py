@@ -1,0 +1,75 @@
+"""The listening socket and the uvicorn server of a node or the proxy."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket (IPv4 or IPv6 by the host's form) for uvicorn to serve on.
+
+    Created with ``IPPROTO_TCP`` explicitly: asyncio turns Nagle off (TCP_NODELAY) only on
+    connections accepted from such a socket, and streamed tokens are small writes.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def listen_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def make_server(
+    app: Any,
+    *,
+    log_level: str,
+    banner: str,
+    lifespan: str = "auto",
+    own_signals: bool = False,
+    graceful_shutdown_s: float = 5.0,
+) -> Any:
+    """A ``uvicorn.Server`` for ``app`` that prints ``banner`` once it serves.
+
+    ``own_signals``: the caller handles SIGTERM/SIGINT itself (and sets ``should_exit``);
+    uvicorn then installs no handlers of its own.
+    """
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=log_level.lower(),
+        access_log=log_level.upper() == "DEBUG",
+        lifespan=lifespan,
+        timeout_graceful_shutdown=graceful_shutdown_s,
+    )
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if own_signals:
+                yield
+            else:
+                with super().capture_signals():
+                    yield
+
+        def install_signal_handlers(self) -> None:  # uvicorn versions before capture_signals
+            if not own_signals:
+                super().install_signal_handlers()
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                print(banner, flush=True)  # noqa: T201 - CLI output
+
+    return Server(config)

@@ -1,0 +1,34 @@
+"""What the HTTP layer needs from an engine (``AsyncLLMEngine`` implements it)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    dead_reason: str | None
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: Any = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    def kv_info(self) -> dict[str, Any]: ...

@@ -1,0 +1,162 @@
+"""One generation request as the HTTP layer sees it, and its engine outputs as steps."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from engine.httpkit import openai
+from engine.sampling_params import SamplingParams
+from engine.server.engine_client import EngineClient
+from engine.server.protocol import APIError, BaseRequest, StopStringMatcher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Step:
+    """Text and token ids produced by one engine output (after stop-string handling)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class Job:
+    chat: bool
+    request_id: str
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    req: BaseRequest
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    completion_tokens: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return "chat" if self.chat else "completions"
+
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.prompt_ids), self.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def envelope(self, choices: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
+        return openai.envelope(
+            self.request_id, self.chat, stream, self.created, self.model, choices
+        )
+
+    def choice(
+        self, text: str, ids: list[int], finish: str | None, *, stream: bool, first: bool = False
+    ) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0}
+        if not self.chat:
+            c["text"] = text
+        elif stream:
+            c["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        else:
+            c["message"] = {"role": "assistant", "content": text}
+        c.update(logprobs=None, finish_reason=finish, token_ids=ids)
+        return c
+
+    def chunk(self, step: Step, *, first: bool = False) -> dict[str, Any]:
+        choice = self.choice(
+            step.text, step.token_ids, step.finish_reason, stream=True, first=first
+        )
+        body = self.envelope([choice], stream=True)
+        if self.req.include_usage:
+            body["usage"] = None
+        if step.kv_transfer_params is not None:
+            body["kv_transfer_params"] = step.kv_transfer_params
+        return body
+
+    def usage_chunk(self) -> dict[str, Any]:
+        body = self.envelope([], stream=True)
+        body["usage"] = self.usage()
+        return body
+
+    def response(self, text: str, ids: list[int], last: Step) -> dict[str, Any]:
+        body = self.envelope(
+            [self.choice(text, ids, last.finish_reason, stream=False)], stream=False
+        )
+        body["usage"] = self.usage()
+        if last.kv_transfer_params is not None:
+            body["kv_transfer_params"] = last.kv_transfer_params
+        return body
+
+
+def engine_error(engine: EngineClient, message: str | None) -> APIError:
+    """503 when the engine is dead (with why), else a 500 carrying ``message``."""
+    if not engine.healthy:
+        reason = engine.dead_reason or message or "engine is not running"
+        return APIError(
+            f"engine unavailable: {reason}",
+            status_code=503,
+            err_type="server_error",
+            code="engine_dead",
+        )
+    return APIError(message or "internal engine error", status_code=500, err_type="server_error")
+
+
+async def abort_quietly(engine: EngineClient, request_id: str) -> None:
+    try:
+        with anyio.CancelScope(shield=True):
+            await engine.abort(request_id)
+    except Exception:
+        logger.warning("abort of request %s failed", request_id, exc_info=True)
+
+
+async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIterator[Step]:
+    """Engine outputs -> Steps; aborts the engine request unless it finished by itself."""
+    matcher = StopStringMatcher(job.req.stop)
+    finished = False
+    # The proxy already streamed the first token it got from the prefill node.
+    kv = job.req.kv_transfer_params
+    skip_first = kv is not None and kv.skip_first_token
+    outputs = engine.generate(
+        job.request_id, job.prompt_ids, job.params, kv_transfer_params=job.req.kv_transfer_params
+    )
+    try:
+        async for out in outputs:
+            ids = list(out.new_token_ids)
+            if ids and job.first_token_at is None:
+                job.first_token_at = time.monotonic()
+            job.completion_tokens += len(ids)
+            if skip_first and ids:
+                skip_first = False
+                detok.add(ids[:1])  # context for the text of later tokens only
+                ids = ids[1:]
+            text = detok.add(ids) if ids else ""
+            if out.finished:
+                text += detok.flush()  # text held back for an incomplete UTF-8 sequence
+            text, hit = matcher.feed(text, final=out.finished)
+            kv_out = out.kv_transfer_params.to_dict() if out.kv_transfer_params else None
+            if hit:
+                finished = out.finished
+                yield Step(text, ids, "stop", kv_transfer_params=kv_out)
+                return
+            if out.finished:
+                finished = True
+                reason = out.finish_reason or "stop"
+                yield Step(text, ids, reason, out.error, kv_out)
+                return
+            if text or ids:
+                yield Step(text, ids)
+        finished = True
+        yield Step("", [], "error", "engine output stream ended without a final output")
+    finally:
+        if not finished:
+            await abort_quietly(engine, job.request_id)
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            with anyio.CancelScope(shield=True):
+                await aclose()

@@ -1,0 +1,198 @@
+"""The node's OpenAI handlers: a request becomes a ``Job``, its steps a response or a stream."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
+from engine.httpkit.errors import json_error
+from engine.httpkit.sse import SSE_DONE, SSEResponse, sse_event
+from engine.sampling_params import InvalidRequestError
+from engine.server.engine_client import EngineClient
+from engine.server.jobs import Job, Step, engine_error, generate_steps
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import (
+    APIError,
+    BaseRequest,
+    check_model,
+    check_token_ids,
+    error_body,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+    resolve_max_tokens,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServing:
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    # -- endpoints ----------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        async def handle() -> Response:
+            req = parse_completion_request(parse_json_body(await request.body()))
+            self._check_serving(req)
+            if req.prompt_token_ids is not None:
+                ids = req.prompt_token_ids
+                check_token_ids(ids, self.engine.vocab_size)
+            else:
+                ids = list(self.engine.tokenizer.encode(req.prompt_text or ""))
+            return await self._run(request, self._job(request, False, req, ids))
+
+        return await self._guarded(request, handle)
+
+    async def chat_completions(self, request: Request) -> Response:
+        async def handle() -> Response:
+            req = parse_chat_request(parse_json_body(await request.body()))
+            self._check_serving(req)
+            tok = self.engine.tokenizer
+            ids = list(tok.encode(tok.apply_chat_template(req.messages), add_special_tokens=False))
+            return await self._run(request, self._job(request, True, req, ids))
+
+        return await self._guarded(request, handle)
+
+    async def abort(self, request: Request) -> Response:
+        async def handle() -> Response:
+            body = parse_json_body(await request.body())
+            rid = body.get("request_id") if isinstance(body, dict) else None
+            if not isinstance(rid, str) or not rid:
+                raise APIError("'request_id' must be a non-empty string", param="request_id")
+            logger.info("abort requested for %s", rid)
+            await self.engine.abort(rid)
+            return JSONResponse({"request_id": rid, "aborted": True})
+
+        return await self._guarded(request, handle)
+
+    # -- one job ------------------------------------------------------------------------------
+    def _check_serving(self, req: BaseRequest) -> None:
+        check_model(req.model, self.engine.model_name)
+        if not self.engine.healthy:
+            raise engine_error(self.engine, None)
+
+    def _job(self, request: Request, chat: bool, req: BaseRequest, ids: list[int]) -> Job:
+        param = "messages" if chat else "prompt"
+        max_tokens = resolve_max_tokens(req.max_tokens, len(ids), self.engine.max_model_len, param)
+        return Job(
+            chat=chat,
+            request_id=request.state.request_id,
+            model=self.engine.model_name,
+            prompt_ids=ids,
+            params=req.sampling_params(max_tokens),
+            req=req,
+        )
+
+    def _finish(self, job: Job, reason: str) -> None:
+        now = time.monotonic()
+        ttft = None if job.first_token_at is None else job.first_token_at - job.arrival
+        self.metrics.observe_finished(
+            job.endpoint,
+            reason,
+            len(job.prompt_ids),
+            job.completion_tokens,
+            ttft,
+            now - job.arrival,
+        )
+        logger.info(
+            "request %s finished: %s, prompt=%d completion=%d tokens, %.3fs",
+            job.request_id, reason, len(job.prompt_ids), job.completion_tokens, now - job.arrival,
+        )  # fmt: skip
+
+    async def _run(self, request: Request, job: Job) -> Response:
+        from engine.tokenizer import IncrementalDetokenizer
+
+        logger.info(
+            "request %s: %s prompt=%d tokens max_tokens=%d stream=%s",
+            job.request_id, job.endpoint, len(job.prompt_ids), job.params.max_tokens,
+            job.req.stream,
+        )  # fmt: skip
+        detok = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids=job.prompt_ids)
+        steps = generate_steps(self.engine, job, detok)
+        try:
+            if not job.req.stream:
+                return JSONResponse(await race_disconnect(request, self._collect(job, steps)))
+            first = await race_disconnect(request, anext(steps, None))
+        except ClientDisconnected:
+            logger.info("request %s: client disconnected, aborted", job.request_id)
+            self._finish(job, "abort")
+            return Response(status_code=499)
+        if first is None or first.finish_reason == "error":
+            await steps.aclose()  # type: ignore[attr-defined]
+            self._finish(job, "error")
+            raise engine_error(self.engine, first.error if first else None)
+        return SSEResponse(self._stream(job, first, steps))
+
+    async def _collect(self, job: Job, steps: AsyncIterator[Step]) -> dict[str, Any]:
+        texts: list[str] = []
+        ids: list[int] = []
+        last = Step("", [], "error", "no output")
+        async with contextlib.aclosing(steps):  # type: ignore[type-var]
+            async for step in steps:
+                texts.append(step.text)
+                ids.extend(step.token_ids)
+                last = step
+                if step.finish_reason is not None:
+                    break
+        self._finish(job, last.finish_reason or "error")
+        if last.finish_reason == "error":
+            raise engine_error(self.engine, last.error)
+        return job.response("".join(texts), ids, last)
+
+    async def _stream(
+        self, job: Job, first: Step, steps: AsyncIterator[Step]
+    ) -> AsyncIterator[str]:
+        reason = "abort"  # if the client goes away mid-stream
+        try:
+            if job.chat:
+                yield sse_event(job.chunk(Step("", []), first=True))
+            step: Step | None = first
+            while step is not None:
+                if step.finish_reason == "error":
+                    reason = "error"
+                    yield sse_event(engine_error(self.engine, step.error).body())
+                    break
+                yield sse_event(job.chunk(step))
+                if step.finish_reason is not None:
+                    reason = step.finish_reason
+                    break
+                step = await anext(steps, None)
+            if reason != "error" and job.req.include_usage:
+                yield sse_event(job.usage_chunk())
+            yield SSE_DONE
+        except Exception as e:
+            logger.exception("request %s failed while streaming", job.request_id)
+            reason = "error"
+            yield sse_event(error_body(f"internal error: {e}", "server_error"))
+            yield SSE_DONE
+        finally:
+            with anyio.CancelScope(shield=True):
+                await steps.aclose()  # type: ignore[attr-defined]
+            self._finish(job, reason)
+
+    async def _guarded(
+        self, request: Request, handler: Callable[[], Awaitable[Response]]
+    ) -> Response:
+        try:
+            return await handler()
+        except InvalidRequestError as e:  # raised by the engine, e.g. a duplicate request id
+            return JSONResponse(error_body(str(e), param=e.param), status_code=400)
+        except APIError as e:
+            if e.status_code >= 500:
+                logger.warning("request %s: %s", request.state.request_id, e.message)
+            return json_error(e)
+        except Exception as e:
+            if not self.engine.healthy:
+                return json_error(engine_error(self.engine, str(e)))
+            logger.exception("request %s failed", request.state.request_id)
+            return JSONResponse(error_body(f"internal error: {e}", "server_error"), 500)
