@@ -9,7 +9,6 @@ and ``healthy`` turns False.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -23,6 +22,7 @@ from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.tokenizer import load_tokenizer
+from kvconnector.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class AsyncLLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.healthy:
             raise RuntimeError(f"engine is dead: {self.dead_reason}")
@@ -77,9 +77,6 @@ class AsyncLLMEngine:
                 f"context length is {self.max_model_len} tokens",
                 "prompt",
             )
-        self.core.connector.validate_params(kv_transfer_params)
-        if kv_transfer_params and kv_transfer_params.get("do_remote_decode"):
-            params = dataclasses.replace(params, max_tokens=1)  # P only samples the first
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._streams_lock:
             if request_id in self._streams:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from kvconnector.params import KVTransferParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -18,4 +21,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     # Set on the prefill side when the request finished with KV held for a decode node.
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None

@@ -12,6 +12,14 @@ processes and never share memory:
 
 Scheduler side, called by ``engine.core.scheduler.Scheduler``:
 
+0. ``prepare_request(request)`` once, when the scheduler admits a request (after its id
+   and prompt checks, before the capacity check). It refuses transfer parameters this
+   node cannot serve (``InvalidRequestError``) and applies the P/D request policy: the
+   prefill leg samples only the first token (``max_tokens=1``); an unseeded sampled
+   request is seeded from its transfer id (``transfer_seed``), so that P, and a D that
+   recomputes after a failed load, draw the same first token. The parameters themselves
+   (``kvconnector.params.KVTransferParams``) were parsed and shape-checked where the
+   request entered the node; ``Request.transfer_id`` is the transfer id.
 1. ``get_num_new_matched_tokens(request, num_computed_tokens) -> (n, load_async)`` when a
    waiting request is first considered: ``n`` tokens beyond the local prefix-cache hit will
    arrive from a peer. ``load_async=True`` puts the request in ``WAITING_FOR_REMOTE_KV``
@@ -24,8 +32,11 @@ Scheduler side, called by ``engine.core.scheduler.Scheduler``:
 4. ``request_finished(request, block_ids) -> (delay_free, kv_transfer_params)`` when a
    request ends for any reason. ``delay_free=True`` means the connector still needs the
    blocks (a send in flight, or a peer that may still write into them); the scheduler
-   then frees them only when the request appears in an aggregated ``finished_sending``
-   set or in ``take_blocks_to_free()``.
+   keeps the request in ``held`` and frees them only when the request appears in an
+   aggregated ``finished_sending`` set or in the ``free_blocks`` of a later
+   ``take_events()``. ``kv_transfer_params`` (a ``KVTransferParams`` or None) goes out
+   with the request's final output (the prefill node's answer to the proxy).
+   ``abort_held(request)`` is called when the client of such a held request goes away.
 5. ``update_connector_output(output)`` with each step's *aggregated* ``ModelRunnerOutput``.
 6. ``take_events() -> ConnectorEvents`` once per step: requests whose remote KV failed or
    timed out (the scheduler recomputes or fails them by the failure policy) and held
@@ -53,9 +64,13 @@ side channel). Optional transports (``nixl``, ``ucxx``) are imported inside
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from engine.sampling_params import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +79,12 @@ if TYPE_CHECKING:
     from engine.core.request import Request
     from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from engine.kv_cache_layout import KVCacheSpec
+    from kvconnector.params import KVTransferParams
+
+
+def transfer_seed(transfer_id: str) -> int:
+    """The sampling seed of an unseeded disaggregated request, the same on P and D."""
+    return int.from_bytes(hashlib.sha256(transfer_id.encode()).digest()[:8], "little") >> 1
 
 
 class KVConnectorMetadata(ABC):  # noqa: B024 - abstract on purpose, see is_empty
@@ -95,15 +116,29 @@ class KVConnectorScheduler(ABC):
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:  # noqa: B027
         """Called once at start with every rank's ``handshake_info()`` (rank order)."""
 
-    def validate_params(self, params: dict[str, Any] | None) -> None:
-        """Raise ``InvalidRequestError`` for transfer parameters this node can't serve."""
-        if params and (params.get("do_remote_prefill") or params.get("do_remote_decode")):
-            from engine.sampling_params import InvalidRequestError
+    # True for connectors that move KV between nodes (they serve P/D requests).
+    moves_kv = False
 
+    def prepare_request(self, request: Request) -> None:
+        """Refuse P/D parameters this node can't serve; apply the P/D request policy.
+
+        The one place of that policy (see the module docstring, step 0); connectors do
+        not override it.
+        """
+        params = request.kv_transfer_params
+        if params is None or not params.disaggregated:
+            return
+        if not self.moves_kv:
             raise InvalidRequestError(
                 "kv_transfer_params need a KV connector; start the node with --kv-connector nixl",
                 "kv_transfer_params",
             )
+        sp = request.sampling_params
+        if params.do_remote_decode:
+            sp = dataclasses.replace(sp, max_tokens=1)  # P samples only the first token
+        if sp.seed is None and not sp.greedy:
+            sp = dataclasses.replace(sp, seed=transfer_seed(request.transfer_id))
+        request.sampling_params = sp
 
     def info(self) -> dict[str, Any]:
         """What clients (the proxy) need to pair this node with peers."""
@@ -125,7 +160,7 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]: ...
+    ) -> tuple[bool, KVTransferParams | None]: ...
 
     def abort_held(self, request: Request) -> None:  # noqa: B027
         """A finished request whose blocks the connector holds was aborted by its client.

@@ -6,7 +6,7 @@ lifecycle and the aggregation path are exercised on every step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvconnector.base import KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
 
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from engine.core.request import Request
     from engine.core.scheduler_output import SchedulerOutput
     from engine.kv_cache_layout import KVCacheSpec
+    from kvconnector.params import KVTransferParams
 
 
 class NoopConnectorMetadata(KVConnectorMetadata):
@@ -39,7 +40,7 @@ class NoopConnectorScheduler(KVConnectorScheduler):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         return False, None
 
 

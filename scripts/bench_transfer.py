@@ -28,6 +28,7 @@ from engine.core.request import Request
 from engine.engine_core import EngineCore
 from engine.model.config import ModelArchConfig
 from engine.sampling_params import SamplingParams
+from kvconnector.params import KVTransferParams
 
 
 def bench_model_dir(layers: int) -> str:
@@ -107,12 +108,12 @@ def main() -> None:
                 tid = f"b{n}"
                 prompt = [(i * 7) % 250 + 1 for i in range(length)]
                 before, stats0 = hist.snapshot()[1], p.stats()
-                p_params = {"do_remote_decode": True, "transfer_id": tid}
-                d_params = {
-                    "do_remote_prefill": True,
-                    "transfer_id": tid,
-                    "remote_side_channel": p.connector.address,
-                }
+                p_params = KVTransferParams(do_remote_decode=True, transfer_id=tid)
+                d_params = KVTransferParams(
+                    do_remote_prefill=True,
+                    transfer_id=tid,
+                    remote_side_channel=p.connector.address,
+                )
                 p.add_request(Request(f"p{tid}", prompt, sp, kv_transfer_params=p_params))
                 d_sp = replace(sp, max_tokens=2)
                 d.add_request(Request(f"d{tid}", prompt, d_sp, kv_transfer_params=d_params))

@@ -15,6 +15,7 @@ from engine.core.request import Request
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from kvconnector.params import KVTransferParams
 
 
 def nixl_config(base: EngineConfig, role: str, **kv: object) -> EngineConfig:
@@ -66,7 +67,7 @@ def disagg_generate(
                     f"p-{tid}",
                     prompt,
                     replace(params, max_tokens=1),
-                    kv_transfer_params={"do_remote_decode": True, "transfer_id": tid},
+                    kv_transfer_params=KVTransferParams(do_remote_decode=True, transfer_id=tid),
                 )
             )
         rid = f"d-{tid}"
@@ -76,12 +77,14 @@ def disagg_generate(
                 rid,
                 prompt,
                 params,
-                kv_transfer_params={
-                    "do_remote_prefill": True,
-                    "transfer_id": tid,
-                    "remote_side_channel": p.connector.address,
-                    **(d_params or {}),
-                },
+                kv_transfer_params=KVTransferParams.from_dict(
+                    {
+                        "do_remote_prefill": True,
+                        "transfer_id": tid,
+                        "remote_side_channel": p.connector.address,
+                        **(d_params or {}),
+                    }
+                ),
             )
         )
 

@@ -14,6 +14,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
+from kvconnector.params import KVTransferParams
 
 BLOCKS = 64
 
@@ -41,7 +42,7 @@ def decode():
 
 
 def remote(rid: str, address: str, max_tokens: int = 4) -> Request:
-    params = {"do_remote_prefill": True, "transfer_id": rid, "remote_side_channel": address}
+    params = KVTransferParams(do_remote_prefill=True, transfer_id=rid, remote_side_channel=address)
     return Request(
         rid, list(range(1, 30)), SamplingParams(max_tokens=max_tokens), kv_transfer_params=params
     )

@@ -12,6 +12,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from kvconnector.params import KVTransferParams
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest_model import hf_greedy, make_hf_model, random_prompt, save_hf_model  # noqa: E402
@@ -202,7 +203,9 @@ def test_handshake_wait_does_not_stall_other_requests():
             "transfer_id": "silent-1",
             "remote_side_channel": f"tcp://127.0.0.1:{port}",
         }
-        d.add_request(Request("waits", prompt, GREEDY, kv_transfer_params=params))
+        d.add_request(
+            Request("waits", prompt, GREEDY, kv_transfer_params=KVTransferParams.from_dict(params))
+        )
         d.add_request(Request("local", prompt[:10], GREEDY))
         done: dict[str, float] = {}
         tokens: dict[str, list[int]] = {"waits": [], "local": []}
@@ -232,7 +235,7 @@ def test_unseeded_sampling_agrees_between_prefill_and_a_recomputing_decode():
     from pd_utils import run_until
 
     from engine.core.request import Request
-    from engine.core.scheduler import transfer_seed
+    from kvconnector.base import transfer_seed
 
     sampled = SamplingParams(max_tokens=8, temperature=1.0)  # no seed
     with socket.socket() as s:
@@ -246,11 +249,11 @@ def test_unseeded_sampling_agrees_between_prefill_and_a_recomputing_decode():
         out: dict[str, list[int]] = {"p": [], "d": []}
         p.add_request(
             Request("p", prompt, dataclasses.replace(sampled, max_tokens=1),
-                    kv_transfer_params={"do_remote_decode": True, "transfer_id": "tx-9"})
+                    kv_transfer_params=KVTransferParams(do_remote_decode=True, transfer_id="tx-9"))
         )  # fmt: skip
         d.add_request(
-            Request("d", prompt, sampled, kv_transfer_params={
-                "do_remote_prefill": True, "transfer_id": "tx-9", "remote_side_channel": dead})
+            Request("d", prompt, sampled, kv_transfer_params=KVTransferParams(
+                do_remote_prefill=True, transfer_id="tx-9", remote_side_channel=dead))
         )  # fmt: skip
         done: set[str] = set()
 

@@ -16,6 +16,7 @@ from engine.server.protocol import (
     parse_completion_request,
     resolve_max_tokens,
 )
+from kvconnector.params import KVTransferParams
 
 
 def _err(fn: Any, body: Any) -> APIError:
@@ -62,7 +63,7 @@ def test_completion_all_fields() -> None:
     assert req.max_tokens == 7 and req.temperature == 0.0 and req.top_p == 0.5
     assert req.top_k == 5 and req.seed == 42 and req.stream and req.include_usage
     assert req.stop == ["\n", "END"] and req.stop_token_ids == [9] and req.ignore_eos
-    assert req.kv_transfer_params == {"do_remote_decode": True}
+    assert req.kv_transfer_params == KVTransferParams(do_remote_decode=True)
     sp = req.sampling_params(7)
     assert sp.max_tokens == 7 and sp.greedy and sp.top_k == 5 and sp.seed == 42
     assert sp.stop_token_ids == [9] and sp.ignore_eos

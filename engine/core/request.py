@@ -5,10 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Collection
-from typing import Any
 
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
+from kvconnector.params import KVTransferParams
 
 
 class RequestStatus(enum.Enum):
@@ -51,8 +51,13 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_ids: Collection[int] = (),
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, KVTransferParams):
+            raise TypeError(
+                "kv_transfer_params must be a KVTransferParams (parse a dict with "
+                f"KVTransferParams.from_dict), got {type(kv_transfer_params).__name__}"
+            )
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -67,6 +72,12 @@ class Request:
         self.error: str | None = None
         # Output tokens not yet handed to the caller.
         self._num_emitted = 0
+
+    @property
+    def transfer_id(self) -> str:
+        """Pairs the two legs of a disaggregated request: the given id, else the request id."""
+        params = self.kv_transfer_params
+        return (params.transfer_id if params is not None else None) or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,10 +11,9 @@ cache entries usually make that cheap).
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
@@ -24,12 +23,10 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidRequestError
 from kvconnector.base import KVConnectorScheduler
 
+if TYPE_CHECKING:
+    from kvconnector.params import KVTransferParams
+
 logger = logging.getLogger(__name__)
-
-
-def transfer_seed(transfer_id: str) -> int:
-    """The sampling seed of an unseeded disaggregated request, the same on P and D."""
-    return int.from_bytes(hashlib.sha256(transfer_id.encode()).digest()[:8], "little") >> 1
 
 
 class Scheduler:
@@ -63,6 +60,10 @@ class Scheduler:
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Admit a request. The one place that checks a request against this node -- its id
+        not in use, its prompt neither empty nor too long for the context, its blocks --
+        whoever submits it (HTTP layer or offline caller); the HTTP layer checks the
+        request's shape. Raises ``InvalidRequestError``."""
         rid = request.request_id
         if rid in self.requests or rid in self.quarantine:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
@@ -75,6 +76,7 @@ class Scheduler:
                 f"{self.max_model_len} tokens",
                 "prompt",
             )
+        self.connector.prepare_request(request)  # P/D policy: may set max_tokens and seed
         total = min(n + request.sampling_params.max_tokens, self.max_model_len)
         if self.kv.blocks_needed(total) > self.kv.num_blocks:
             raise InvalidRequestError(
@@ -82,12 +84,6 @@ class Scheduler:
                 f"has {self.kv.num_blocks}; lower max_tokens or the prompt length",
                 "max_tokens",
             )
-        sp = request.sampling_params
-        if request.kv_transfer_params and sp.seed is None and not sp.greedy:
-            # Both legs of a disaggregated request (and D's recompute after a failed load)
-            # must sample the same first token: seed the request from its transfer id.
-            tid = str(request.kv_transfer_params.get("transfer_id") or rid)
-            request.sampling_params = dataclasses.replace(sp, seed=transfer_seed(tid))
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -285,7 +281,7 @@ class Scheduler:
             self.kv.free(rid)
             self.requests.pop(rid, None)
 
-    def _emit(self, req: Request, kv_transfer_params: dict | None = None) -> None:
+    def _emit(self, req: Request, kv_transfer_params: KVTransferParams | None = None) -> None:
         self._outputs.append(
             RequestOutput(
                 request_id=req.request_id,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from kvconnector.params import KVTransferParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "user", "assistant", "developer")
@@ -153,7 +154,7 @@ class BaseRequest:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Build engine SamplingParams; ``max_tokens`` is the resolved completion budget."""
@@ -212,6 +213,8 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         raise APIError(f"'top_k' must be -1 (disabled) or >= 1, got {top_k}", param="top_k")
     req.top_k = top_k
     req.seed = _get_int(body, "seed", None)
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+        raise APIError("'seed' must fit in a signed 64-bit integer", param="seed")
 
     stop = body.get("stop")
     if stop is None:
@@ -246,7 +249,10 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise _bad_type("kv_transfer_params", "an object", kv)
-    req.kv_transfer_params = kv
+    try:
+        req.kv_transfer_params = None if kv is None else KVTransferParams.from_dict(kv)
+    except InvalidRequestError as e:
+        raise APIError(str(e), param=e.param) from e
     if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
         raise _bad_type("user", "a string", body["user"])
 
@@ -481,11 +487,48 @@ class StopStringMatcher:
         return 0
 
 
+MAX_JSON_DEPTH = 64
+
+
 def parse_json_body(raw: bytes) -> Any:
-    """A request body as JSON, or a 400 ``APIError`` that says why it is not."""
+    """A request body as JSON, or a 400 ``APIError`` that says why it is not: not JSON, not
+    UTF-8, nested deeper than ``MAX_JSON_DEPTH``, or a string holding a lone surrogate
+    (which no tokenizer or later UTF-8 encoding can take; ``param`` names the field)."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(
             f"We could not parse the JSON body of your request: {e}", code="invalid_json"
         ) from e
+    except RecursionError:  # deeper than the parser goes
+        raise _too_deep() from None
+    _check_json(body, "", 0)
+    return body
+
+
+def _too_deep() -> APIError:
+    return APIError(
+        f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json"
+    )
+
+
+def _check_json(value: Any, path: str, depth: int) -> None:
+    if depth > MAX_JSON_DEPTH:
+        raise _too_deep()
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            name = path or "body"
+            raise APIError(
+                f"'{name}' holds an invalid Unicode character (a lone UTF-16 surrogate)",
+                param=path or None,
+                code="invalid_unicode",
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_json(key, path or "body", depth + 1)
+            _check_json(item, f"{path}.{key}" if path else str(key), depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json(item, f"{path}[{i}]", depth + 1)

@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from engine.core.request import RequestStatus
-from engine.sampling_params import InvalidRequestError
 from kvconnector.base import ConnectorEvents, KVConnectorScheduler
 from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
@@ -40,6 +39,7 @@ from kvconnector.nixl.messages import (
 from kvconnector.nixl.metadata import NixlConnectorMetadata, SendSpec
 from kvconnector.nixl.producer import Producer, Reservation
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
+from kvconnector.params import KVTransferParams
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -58,6 +58,8 @@ class HandshakeError(RuntimeError):
 
 
 class NixlConnectorScheduler(KVConnectorScheduler):
+    moves_kv = True
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         from engine.model.loader import load_arch_config
@@ -137,35 +139,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "(UCX default: all)"),
         }
 
-    # -- request parameters -------------------------------------------------------------
-    def validate_params(self, params: dict[str, Any] | None) -> None:
-        if not params:
-            return
-        if params.get("do_remote_prefill"):
-            addr = params.get("remote_side_channel")
-            if not isinstance(addr, str) or not addr.startswith("tcp://"):
-                raise InvalidRequestError(
-                    "kv_transfer_params.remote_side_channel must be the prefill node's "
-                    "side-channel address (tcp://host:port)",
-                    "kv_transfer_params",
-                )
-        tid = params.get("transfer_id")
-        if tid is not None and not isinstance(tid, str):
-            raise InvalidRequestError(
-                "kv_transfer_params.transfer_id must be a string", "kv_transfer_params"
-            )
-
-    @staticmethod
-    def _transfer_id(request: Request) -> str:
-        params = request.kv_transfer_params or {}
-        return str(params.get("transfer_id") or request.request_id)
-
     # -- decode side ---------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill") or request.num_output_tokens > 0:
+        params = request.kv_transfer_params
+        if params is None or not params.do_remote_prefill or request.num_output_tokens > 0:
             return 0, False
         return request.num_prompt_tokens - num_computed_tokens, True
 
@@ -174,12 +153,13 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     ) -> None:
         if num_external_tokens == 0:
             return
-        params = request.kv_transfer_params or {}
+        params = request.kv_transfer_params
+        assert params is not None and params.remote_side_channel is not None
         skip = request.num_computed_tokens // self.block_size
         recv = RemoteRecv(
             request_id=request.request_id,
-            transfer_id=self._transfer_id(request),
-            p_address=params["remote_side_channel"],
+            transfer_id=request.transfer_id,
+            p_address=params.remote_side_channel,
             block_ids=list(block_ids[skip:]),
             skip_blocks=skip,
             deadline=time.monotonic() + self.timeout,
@@ -313,14 +293,14 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     # -- both sides ----------------------------------------------------------------------
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params or {}
+    ) -> tuple[bool, KVTransferParams | None]:
+        params = request.kv_transfer_params
+        if params is None or not params.disaggregated:
+            return False, None
         with self._lock:
-            if params.get("do_remote_prefill"):
+            if params.do_remote_prefill:
                 return self.consumer.aborted(request.request_id), None
-            if not params.get("do_remote_decode"):
-                return False, None
-            tid = self._transfer_id(request)
+            tid = request.transfer_id
             if request.status not in (
                 RequestStatus.FINISHED_STOPPED,
                 RequestStatus.FINISHED_LENGTH,
@@ -330,16 +310,16 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             first = request.output_token_ids[0] if request.num_output_tokens else None
             if not self.producer.prefill_finished(request.request_id, tid, block_ids, first):
                 return False, None
-        return True, {
-            "transfer_id": tid,
-            "first_token": first,
-            "remote_engine_id": self.engine_id,
-            "remote_side_channel": self.address,
-        }
+        return True, KVTransferParams(
+            transfer_id=tid,
+            first_token=first,
+            remote_engine_id=self.engine_id,
+            remote_side_channel=self.address,
+        )
 
     def abort_held(self, request: Request) -> None:
         with self._lock:
-            self.producer.abort(self._transfer_id(request))
+            self.producer.abort(request.transfer_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
         md = NixlConnectorMetadata()
