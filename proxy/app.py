@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.errors import install_error_handlers, json_error
 from engine.httpkit.request_id import RequestIdMiddleware
@@ -88,7 +90,11 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
 
         try:
             limit = cfg.max_model_len or pool.max_model_len()
-            req = validate_request(endpoint, await request.body(), pool.model_names(), limit)
+            raw = await read_body(request, cfg.max_request_bytes)
+            # Off the event loop: a huge body must not stall the other clients' streams.
+            req = await anyio.to_thread.run_sync(
+                validate_request, endpoint, raw, pool.model_names(), limit
+            )
         except APIError as e:
             return answer(json_error(e), "bad_request")
         if inflight >= cfg.max_inflight:

@@ -85,6 +85,10 @@ class ProxyConfig:
             "skip_first_token) instead of dropping it in the proxy"
         },
     )
+    max_request_bytes: int = field(
+        default=16 * 1024 * 1024,
+        metadata={"help": "largest request body accepted; larger ones get 413"},
+    )
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
@@ -109,6 +113,7 @@ class ProxyConfig:
         for name in ("health_interval", "health_timeout", "connect_timeout", "request_timeout"):
             _require(getattr(self, name) > 0, name, "must be > 0 seconds")
         _require(self.max_connections >= 1, "max_connections", "must be >= 1")
+        _require(self.max_request_bytes >= 1, "max_request_bytes", "must be >= 1")
         _require(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
 
 

@@ -13,6 +13,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.errors import install_error_handlers
 from engine.httpkit.request_id import RequestIdMiddleware
 from engine.server.engine_client import EngineClient
@@ -24,11 +25,11 @@ ROUTES = frozenset(
 )
 
 
-def build_app(engine: EngineClient) -> FastAPI:
+def build_app(engine: EngineClient, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient)."""
     app = FastAPI(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(engine, metrics)
+    serving = OpenAIServing(engine, metrics, max_request_bytes)
     app.state.engine = engine
     app.state.metrics = metrics
     started = int(time.time())

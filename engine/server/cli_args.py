@@ -16,6 +16,7 @@ import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
 from engine.config import ConfigError, EngineConfig
+from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -100,6 +101,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--port", type=int, default=8000, help="HTTP port (0 = any free port) (default: 8000)"
     )
     group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"largest request body accepted; larger ones get 413 "
+        f"(default: {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    group.add_argument(
         "--log-level",
         type=str.upper,
         choices=LOG_LEVELS,
@@ -127,6 +135,8 @@ def parse_config(
     args = parser.parse_args(argv)
     if not 0 <= getattr(args, "port", 0) < 65536:
         parser.error(f"--port: must be in [0, 65535], got {args.port}")
+    if getattr(args, "max_request_bytes", 1) < 1:
+        parser.error(f"--max-request-bytes: must be >= 1, got {args.max_request_bytes}")
     try:
         config = config_from_args(args)
     except ConfigError as e:

@@ -97,7 +97,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             f"(model {engine.model_name}, tp {config.parallel.tp})"
         )
         server = make_server(
-            build_app(engine),
+            build_app(engine, args.max_request_bytes),
             log_level=args.log_level,
             banner=banner,
             lifespan="off",

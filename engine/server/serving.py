@@ -12,6 +12,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES, read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.errors import json_error
 from engine.httpkit.sse import SSE_DONE, SSEResponse, sse_event
@@ -35,37 +36,41 @@ logger = logging.getLogger(__name__)
 
 
 class OpenAIServing:
-    def __init__(self, engine: EngineClient, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        metrics: ServerMetrics,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.max_request_bytes = max_request_bytes
+
+    async def _body(self, request: Request) -> bytes:
+        return await read_body(request, self.max_request_bytes)
 
     # -- endpoints ----------------------------------------------------------------------------
+    # Parsing, validation and tokenization run in a worker thread: a huge body (a long token
+    # list, a long text) must not hold the event loop that serves every other client.
     async def completions(self, request: Request) -> Response:
         async def handle() -> Response:
-            req = parse_completion_request(parse_json_body(await request.body()))
-            self._check_serving(req)
-            if req.prompt_token_ids is not None:
-                ids = req.prompt_token_ids
-                check_token_ids(ids, self.engine.vocab_size)
-            else:
-                ids = list(self.engine.tokenizer.encode(req.prompt_text or ""))
+            raw = await self._body(request)
+            req, ids = await anyio.to_thread.run_sync(self._prepare_completion, raw)
             return await self._run(request, self._job(request, False, req, ids))
 
         return await self._guarded(request, handle)
 
     async def chat_completions(self, request: Request) -> Response:
         async def handle() -> Response:
-            req = parse_chat_request(parse_json_body(await request.body()))
-            self._check_serving(req)
-            tok = self.engine.tokenizer
-            ids = list(tok.encode(tok.apply_chat_template(req.messages), add_special_tokens=False))
+            raw = await self._body(request)
+            req, ids = await anyio.to_thread.run_sync(self._prepare_chat, raw)
             return await self._run(request, self._job(request, True, req, ids))
 
         return await self._guarded(request, handle)
 
     async def abort(self, request: Request) -> Response:
         async def handle() -> Response:
-            body = parse_json_body(await request.body())
+            body = parse_json_body(await self._body(request))
             rid = body.get("request_id") if isinstance(body, dict) else None
             if not isinstance(rid, str) or not rid:
                 raise APIError("'request_id' must be a non-empty string", param="request_id")
@@ -74,6 +79,22 @@ class OpenAIServing:
             return JSONResponse({"request_id": rid, "aborted": True})
 
         return await self._guarded(request, handle)
+
+    def _prepare_completion(self, raw: bytes) -> tuple[BaseRequest, list[int]]:
+        req = parse_completion_request(parse_json_body(raw))
+        self._check_serving(req)
+        if req.prompt_token_ids is not None:
+            check_token_ids(req.prompt_token_ids, self.engine.vocab_size)
+            return req, req.prompt_token_ids
+        return req, list(self.engine.tokenizer.encode(req.prompt_text or ""))
+
+    def _prepare_chat(self, raw: bytes) -> tuple[BaseRequest, list[int]]:
+        req = parse_chat_request(parse_json_body(raw))
+        self._check_serving(req)
+        tok = self.engine.tokenizer
+        return req, list(
+            tok.encode(tok.apply_chat_template(req.messages), add_special_tokens=False)
+        )
 
     # -- one job ------------------------------------------------------------------------------
     def _check_serving(self, req: BaseRequest) -> None:
