@@ -8,54 +8,33 @@ killed node is healthy and route to it, which exercises the retry on another pai
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from test_proxy_support import (
-    GREEDY,
-    Proc,
-    metric,
-    spawn_node,
-    spawn_proxy,
-    sse_events,
-    stop_all,
-    stream_ids,
-    wait_for,
-    wait_healthy,
-)
+from harness import GREEDY, Proc, Procs, metric, sse_events, stream_ids, wait_for, wait_healthy
+
+pytestmark = pytest.mark.slow
 
 
 class Setup:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        nixl = ("--kv-connector", "nixl")
-        self.p = spawn_node("p1", "prefill_node", tmp, *nixl)
-        self.d = [spawn_node(f"d{i}", "decode_node", tmp, *nixl) for i in (1, 2)]
-        self.procs: list[Proc] = [self.p, *self.d]
-        wait_healthy(self.procs)
+    def __init__(self, procs: Procs) -> None:
+        self.procs = procs
+        pd = procs.pd(1, 2, "--num-blocks", "256")
+        self.p, self.d = pd.p, pd.decode
         self.fast = self.proxy("fast")
         self.slow_stream = self.proxy("slow-stream", "--health-interval", "60")
         self.slow_plain = self.proxy("slow-plain", "--health-interval", "60")
-        wait_healthy([self.fast, self.slow_stream, self.slow_plain], timeout=60)
+        wait_healthy(self.fast, self.slow_stream, self.slow_plain, timeout=60)
         self.killed: Proc | None = None
 
     def proxy(self, name: str, *extra: str) -> Proc:
-        p = spawn_proxy(name, self.tmp, [self.p.url], [d.url for d in self.d], *extra)
-        self.procs.append(p)
-        return p
+        urls = [d.url for d in self.d]
+        return self.procs.proxy([self.p.url], urls, *extra, name=name, wait=False)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    s: Setup | None = None
-    try:
-        s = Setup(tmp_path_factory.mktemp("failover"))
-        yield s
-    finally:
-        if s is not None:
-            stop_all(s.procs)
+def setup(module_procs: Procs) -> Setup:
+    return Setup(module_procs)
 
 
 BODY = {"prompt": "The quick brown fox", "max_tokens": 8, **GREEDY}
