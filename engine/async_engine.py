@@ -4,6 +4,12 @@ Callers (the HTTP server) use ``generate()``/``abort()`` from the event loop; re
 and aborts go to the engine thread through a queue, outputs come back through one
 asyncio queue per request. When the executor dies, every request ends with an error
 and ``healthy`` turns False.
+
+Requests are checked against the engine in one place, the scheduler's ``add_request``
+(request id in use, prompt empty or too long, blocks): a refusal comes back through the
+request's own queue. A request's queue is registered for its id only once the
+scheduler accepted it, on the engine thread, so a refused duplicate id never takes over
+the stream of the request that holds the id.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
@@ -30,6 +37,17 @@ IDLE_WAIT_S = 0.05
 EMPTY_STEP_SLEEP_S = 0.001
 
 
+@dataclass(eq=False)
+class _Stream:
+    """Where one request's outputs go: an asyncio queue and the loop that reads it."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
         self.config = config
@@ -40,7 +58,7 @@ class AsyncLLMEngine:
         self.vocab_size = self.core.arch.vocab_size
         self.dead_reason: str | None = None
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}  # accepted requests' output queues
         self._streams_lock = threading.Lock()
         self._stop = threading.Event()
         self._stats: dict[str, float] = self.core.stats()
@@ -69,19 +87,8 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         if not self.healthy:
             raise RuntimeError(f"engine is dead: {self.dead_reason}")
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum "
-                f"context length is {self.max_model_len} tokens",
-                "prompt",
-            )
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise InvalidRequestError(f"request id {request_id!r} is in use", "request_id")
-            self._streams[request_id] = (asyncio.get_running_loop(), q)
+        stream = _Stream(asyncio.get_running_loop(), q)
         req = Request(
             request_id,
             prompt_token_ids,
@@ -89,12 +96,10 @@ class AsyncLLMEngine:
             eos_token_ids=self.tokenizer.eos_token_ids,
             kv_transfer_params=kv_transfer_params,
         )
-        self._inbox.put(("add", req))
-        finished = False
+        self._inbox.put(("add", (req, stream)))
         if not self.healthy:  # died between the check above and the put
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
             raise RuntimeError(f"engine is dead: {self.dead_reason}")
+        finished = False
         try:
             while True:
                 item = await q.get()
@@ -106,10 +111,10 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self._inbox.put(("abort", request_id))
+            if finished:
+                self._unregister(request_id, stream)
+            else:  # the engine thread aborts the request if it is still ours
+                self._inbox.put(("cancel", (request_id, stream)))
 
     async def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -124,13 +129,20 @@ class AsyncLLMEngine:
         """Connector histograms by metric name (``kvconnector.nixl.histogram.Histogram``)."""
         return dict(getattr(self.core.connector, "histograms", {}))
 
+    def _unregister(self, request_id: str, stream: _Stream) -> bool:
+        """Forget ``stream`` if it is still the one registered for ``request_id``."""
+        with self._streams_lock:
+            if self._streams.get(request_id) is not stream:
+                return False
+            del self._streams[request_id]
+            return True
+
     # -- engine thread -----------------------------------------------------------------------
     def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
         with self._streams_lock:
             target = self._streams.get(request_id)
         if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, out)
+            target.put(out)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -140,10 +152,18 @@ class AsyncLLMEngine:
         while True:
             kind, payload = item
             if kind == "add":
+                req, stream = payload
                 try:
-                    self.core.add_request(payload)
+                    self.core.add_request(req)
                 except InvalidRequestError as e:
-                    self._deliver(e, payload.request_id)
+                    stream.put(e)
+                else:
+                    with self._streams_lock:
+                        self._streams[req.request_id] = stream
+            elif kind == "cancel":  # the caller stopped reading before the request finished
+                request_id, stream = payload
+                if self._unregister(request_id, stream):
+                    self.core.abort_request(request_id)
             elif kind == "abort":
                 self.core.abort_request(payload)
             try:
@@ -180,7 +200,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 break
             if kind == "add":
-                self._deliver(RuntimeError(f"engine is dead: {reason}"), payload.request_id)
+                payload[1].put(RuntimeError(f"engine is dead: {reason}"))
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -15,6 +15,19 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+def check_max_tokens(value: object, name: str = "max_tokens") -> int:
+    """The one check of a completion budget's shape: an integer of at least 1.
+
+    (Whether it fits the context or the KV cache is the scheduler's and the HTTP layer's
+    ``resolve_max_tokens``'s business, which know the engine.)
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(f"'{name}' must be an integer, got {value!r:.40}", name)
+    if value <= 0:
+        raise InvalidRequestError(f"'{name}' must be at least 1, got {value}", name)
+    return value
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -26,12 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise InvalidRequestError("max_tokens must be an integer", "max_tokens")
-        if self.max_tokens <= 0:
-            raise InvalidRequestError(
-                f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
-            )
+        check_max_tokens(self.max_tokens)
         if self.temperature < 0:
             raise InvalidRequestError("temperature must be >= 0", "temperature")
         if not (0.0 < self.top_p <= 1.0):

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling_params import InvalidRequestError, SamplingParams, check_max_tokens
 from kvconnector.params import KVTransferParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -298,8 +298,11 @@ def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
 
 def _parse_max_tokens(body: dict[str, Any], name: str, default: int | None) -> int | None:
     value = _get_int(body, name, default)
-    if value is not None and value <= 0:
-        raise APIError(f"'{name}' must be at least 1, got {value}", param=name)
+    if value is not None:
+        try:
+            check_max_tokens(value, name)
+        except InvalidRequestError as e:
+            raise APIError(str(e), param=e.param) from e
     return value
 
 
