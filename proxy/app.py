@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
+from engine.httpkit.drain import Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers, json_error
 from engine.httpkit.request_id import RequestIdMiddleware
 from engine.httpkit.sse import SSEResponse
@@ -74,6 +75,9 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     app.state.pool = pool
     app.state.metrics = metrics
     app.state.config = cfg
+    drainer = Drainer(frozenset(["/v1/completions", "/v1/chat/completions"]), cfg.shutdown_timeout)
+    app.state.drainer = drainer
+    app.add_middleware(DrainMiddleware, drainer=drainer)
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
 
@@ -174,6 +178,8 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if drainer.draining:
+            return JSONResponse({"status": "draining", "in_flight": drainer.in_flight}, 503)
         nodes = {
             role: [
                 {

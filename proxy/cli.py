@@ -68,7 +68,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"pdserve proxy listening on {listen_url(cfg.host, sock.getsockname()[1])} "
         f"(prefill: {' '.join(cfg.prefill)}; decode: {' '.join(cfg.decode)})"
     )
-    server = make_server(build_app(cfg), log_level=cfg.log_level, banner=banner)
+    app = build_app(cfg)
+    server = make_server(app, log_level=cfg.log_level, banner=banner, drainer=app.state.drainer)
     try:
         server.run(sockets=[sock])
     finally:

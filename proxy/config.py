@@ -89,6 +89,13 @@ class ProxyConfig:
         default=16 * 1024 * 1024,
         metadata={"help": "largest request body accepted; larger ones get 413"},
     )
+    shutdown_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "on SIGTERM, seconds in-flight requests may take before their streams "
+            "are ended with an error event"
+        },
+    )
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
@@ -114,6 +121,7 @@ class ProxyConfig:
             _require(getattr(self, name) > 0, name, "must be > 0 seconds")
         _require(self.max_connections >= 1, "max_connections", "must be >= 1")
         _require(self.max_request_bytes >= 1, "max_request_bytes", "must be >= 1")
+        _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0 seconds")
         _require(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
+
+from engine.httpkit.drain import Drainer
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -36,12 +40,15 @@ def make_server(
     banner: str,
     lifespan: str = "auto",
     own_signals: bool = False,
+    drainer: Drainer | None = None,
     graceful_shutdown_s: float = 5.0,
 ) -> Any:
     """A ``uvicorn.Server`` for ``app`` that prints ``banner`` once it serves.
 
-    ``own_signals``: the caller handles SIGTERM/SIGINT itself (and sets ``should_exit``);
-    uvicorn then installs no handlers of its own.
+    ``request_shutdown()`` (thread- and signal-safe) is what SIGTERM/SIGINT do: the first
+    drains through ``drainer`` (if given) and then stops, a second stops at once.
+    ``own_signals``: the caller installs the signal handlers itself and calls
+    ``request_shutdown()``; uvicorn then installs none of its own.
     """
     import uvicorn
 
@@ -67,7 +74,24 @@ def make_server(
             if not own_signals:
                 super().install_signal_handlers()
 
+        loop: asyncio.AbstractEventLoop | None = None
+
+        def request_shutdown(self) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            elif drainer is None or drainer.draining or self.loop is None:
+                self.should_exit = True
+            else:
+                self.loop.call_soon_threadsafe(drainer.start, self._drained)
+
+        def _drained(self) -> None:
+            self.should_exit = True
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            self.request_shutdown()
+
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            self.loop = asyncio.get_running_loop()
             await super().startup(sockets=sockets)
             if self.started and not self.should_exit:
                 print(banner, flush=True)  # noqa: T201 - CLI output

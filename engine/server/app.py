@@ -14,30 +14,40 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES
+from engine.httpkit.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers
 from engine.httpkit.request_id import RequestIdMiddleware
 from engine.server.engine_client import EngineClient
 from engine.server.metrics import ServerMetrics
 from engine.server.serving import OpenAIServing
 
+WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions"])
 ROUTES = frozenset(
     ["/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/abort", "/health", "/metrics"]
 )
 
 
-def build_app(engine: EngineClient, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient)."""
+def build_app(
+    engine: EngineClient,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
+    ``app.state.drainer`` drains it on shutdown (``engine.httpkit.drain``)."""
     app = FastAPI(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(engine, metrics, max_request_bytes)
+    drainer = Drainer(WORK_PATHS, shutdown_timeout)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.drainer = drainer
     started = int(time.time())
 
     def observe(method: str, path: str, status: int, seconds: float) -> None:
         metrics.observe_http(method, path if path in ROUTES else "other", status, seconds)
 
-    app.add_middleware(RequestIdMiddleware, observe=observe)
+    app.add_middleware(DrainMiddleware, drainer=drainer)
+    app.add_middleware(RequestIdMiddleware, observe=observe)  # outermost: ids on every answer
     install_error_handlers(app)
 
     @app.post("/v1/completions")
@@ -72,6 +82,8 @@ def build_app(engine: EngineClient, max_request_bytes: int = DEFAULT_MAX_REQUEST
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if drainer.draining:
+            return JSONResponse({"status": "draining", "in_flight": drainer.in_flight}, 503)
         if engine.healthy:
             return JSONResponse({"status": "ok"})
         reason = engine.dead_reason or "engine is not running"

@@ -17,6 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from engine.config import ConfigError, EngineConfig
 from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES
+from engine.httpkit.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -108,6 +109,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"(default: {DEFAULT_MAX_REQUEST_BYTES})",
     )
     group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM, seconds in-flight requests may take to finish before their "
+        f"streams are ended with an error (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})",
+    )
+    group.add_argument(
         "--log-level",
         type=str.upper,
         choices=LOG_LEVELS,
@@ -135,6 +143,8 @@ def parse_config(
     args = parser.parse_args(argv)
     if not 0 <= getattr(args, "port", 0) < 65536:
         parser.error(f"--port: must be in [0, 65535], got {args.port}")
+    if getattr(args, "shutdown_timeout", 0) < 0:
+        parser.error(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
     if getattr(args, "max_request_bytes", 1) < 1:
         parser.error(f"--max-request-bytes: must be >= 1, got {args.max_request_bytes}")
     try:

@@ -65,10 +65,8 @@ class _Signals:
             logger.info("%s during startup: aborting", name)
             raise _Terminated(signum)
         if self.phase == "serving" and self.server is not None:
-            logger.info("%s: shutting down", name)
-            if self.server.should_exit:
-                self.server.force_exit = True
-            self.server.should_exit = True
+            logger.info("%s: draining, then shutting down (again: stop now)", name)
+            self.server.request_shutdown()
         else:
             logger.info("%s: already shutting down", name)
 
@@ -96,12 +94,14 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             f"pdserve {role} node listening on {listen_url(args.host, port)} "
             f"(model {engine.model_name}, tp {config.parallel.tp})"
         )
+        app = build_app(engine, args.max_request_bytes, args.shutdown_timeout)
         server = make_server(
-            build_app(engine, args.max_request_bytes),
+            app,
             log_level=args.log_level,
             banner=banner,
             lifespan="off",
             own_signals=True,  # _Signals also aborts a blocking engine start-up
+            drainer=app.state.drainer,
         )
         signals.server = server
         signals.phase = "serving"

@@ -1,0 +1,108 @@
+"""SIGTERM drains a node: /health says draining, new requests get 503 + Retry-After, requests
+in flight finish, and streams still open at --shutdown-timeout end with an error event and
+[DONE] (real nodes, tiny model)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from harness import Procs, sse_data, wait_for
+
+pytestmark = pytest.mark.slow
+
+NODE_ARGS = ("--model", "tiny", "--num-blocks", "512")
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def _stream_in_thread(url: str, body: dict, out: dict) -> threading.Thread:
+    def run() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+            out["status"] = resp.status_code
+            assert resp.status_code == 200, resp.read()
+            lines = resp.iter_lines()
+            out["first"] = next(line for line in lines if line)  # streaming has begun
+            out["events"] = sse_data(lines)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_sigterm_refuses_new_work_and_lets_a_running_request_finish(procs: Procs):
+    node = procs.node(*NODE_ARGS, "--shutdown-timeout", "60")
+    out: dict = {}
+    body = {"prompt": "finish me", "max_tokens": 200, "stream": True, **GREEDY}
+    t = _stream_in_thread(node.url, body, out)
+    wait_for(lambda: "first" in out, 60, "the stream to start")
+    node.proc.send_signal(signal.SIGTERM)
+
+    def draining() -> bool:
+        return httpx.get(node.url + "/health", timeout=5).status_code == 503
+
+    wait_for(draining, 10, "/health to say draining")
+    assert httpx.get(node.url + "/health", timeout=5).json()["status"] == "draining"
+    refused = httpx.post(
+        node.url + "/v1/completions", json={"prompt": "new", "max_tokens": 2}, timeout=10
+    )
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert refused.json()["error"]["code"] == "draining"
+    t.join(120)
+    events = out["events"]
+    assert events[-1] == "DONE"
+    assert events[-2]["choices"][0]["finish_reason"] == "length", events[-3:]
+    tokens = sum(len(e["choices"][0]["token_ids"]) for e in events[:-1] if e.get("choices"))
+    assert tokens + 1 >= 200  # every token came (the first event was read before)
+    assert node.proc.wait(60) == 0, node.logs()
+
+
+def test_streams_open_at_the_shutdown_timeout_end_with_an_error_event(procs: Procs):
+    node = procs.node(*NODE_ARGS, "--shutdown-timeout", "1")
+    out: dict = {}
+    body = {"prompt": "never finishes", "max_tokens": 4000, "stream": True, **GREEDY}
+    t = _stream_in_thread(node.url, body, out)
+    wait_for(lambda: "first" in out, 60, "the stream to start")
+    start = time.monotonic()
+    node.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert not t.is_alive()
+    events = out["events"]
+    assert events[-1] == "DONE", events[-3:]
+    assert events[-2]["error"]["code"] == "draining", events[-3:]
+    assert node.proc.wait(60) == 0, node.logs()
+    assert time.monotonic() - start < 30  # not the engine's generation time
+
+
+def test_the_proxy_routes_around_a_draining_decode_node_and_drains_itself(procs: Procs):
+    pd = procs.pd(1, 2, *NODE_ARGS[2:], "--shutdown-timeout", "60")
+    d1, d2 = pd.decode
+    proxy = procs.proxy([pd.p.url], [d1.url, d2.url], "--shutdown-timeout", "1")
+    # Keep d1 draining: a long stream straight to it, then SIGTERM.
+    out: dict = {}
+    t = _stream_in_thread(d1.url, {"prompt": "hold", "max_tokens": 2000, "stream": True}, out)
+    wait_for(lambda: "first" in out, 60, "the stream on d1 to start")
+    d1.proc.send_signal(signal.SIGTERM)
+
+    def d1_out_of_rotation() -> bool:
+        nodes = httpx.get(proxy.url + "/health", timeout=5).json()["decode"]
+        return not next(n for n in nodes if n["url"] == d1.url)["healthy"]
+
+    wait_for(d1_out_of_rotation, 20, "the proxy to take the draining node out")
+    for _ in range(4):  # every request lands on d2
+        r = httpx.post(
+            proxy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+    # The proxy itself drains: its open stream ends with an error event and [DONE].
+    pout: dict = {}
+    body = {"prompt": "long", "max_tokens": 1500, "stream": True, **GREEDY}
+    pt = _stream_in_thread(proxy.url, body, pout)
+    wait_for(lambda: "first" in pout, 60, "the stream through the proxy to start")
+    proxy.proc.send_signal(signal.SIGTERM)
+    pt.join(60)
+    assert pout["events"][-1] == "DONE" and pout["events"][-2]["error"]["code"] == "draining"
+    assert proxy.proc.wait(30) == 0, proxy.logs()
+    t.join(0)
