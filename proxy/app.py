@@ -20,6 +20,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.httpkit.auth import ApiKeyMiddleware
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.drain import Drainer, DrainMiddleware
@@ -45,6 +46,8 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     metrics = ProxyMetrics(pool)
     inflight = 0
 
+    node_auth = {"Authorization": f"Bearer {cfg.node_api_key}"} if cfg.node_api_key else {}
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(
@@ -52,8 +55,8 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         )
         timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
         async with (
-            httpx.AsyncClient(limits=limits, timeout=timeout) as client,
-            httpx.AsyncClient(timeout=cfg.health_timeout) as health_client,
+            httpx.AsyncClient(limits=limits, timeout=timeout, headers=node_auth) as client,
+            httpx.AsyncClient(timeout=cfg.health_timeout, headers=node_auth) as health_client,
         ):
             health = HealthChecker(pool, health_client, cfg.health_interval)
             app.state.legs = Legs(client)
@@ -78,6 +81,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     drainer = Drainer(frozenset(["/v1/completions", "/v1/chat/completions"]), cfg.shutdown_timeout)
     app.state.drainer = drainer
     app.add_middleware(DrainMiddleware, drainer=drainer)
+    app.add_middleware(ApiKeyMiddleware, keys=(cfg.api_key,) if cfg.api_key else ())
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
 

@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate")
         p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
         p.add_argument("--timeout", type=float, default=300.0, help="request timeout, seconds")
+        p.add_argument(
+            "--api-key",
+            default=os.environ.get("PDPROXY_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+            help="the proxy's key (default: $PDPROXY_API_KEY or $OPENAI_API_KEY)",
+        )
 
     complete = sub.add_parser("complete", help="send one completion request and print it")
     complete.add_argument("prompt", help="the prompt text")

@@ -19,6 +19,11 @@ class ClientError(Exception):
     pass
 
 
+def _auth(args: argparse.Namespace) -> dict[str, str]:
+    key = getattr(args, "api_key", None)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _error_message(resp: httpx.Response) -> str:
     try:
         return str(resp.json()["error"]["message"])
@@ -67,7 +72,7 @@ def stream_text(
 
 
 def run_complete(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
+    with httpx.Client(base_url=args.url, timeout=args.timeout, headers=_auth(args)) as client:
         try:
             if args.stream:
                 stream_text(client, "/v1/completions", _body(args, prompt=args.prompt), out, False)
@@ -90,7 +95,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = 
         messages.append({"role": "system", "content": args.system})
     interactive = stdin.isatty()
     status = 0
-    with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
+    with httpx.Client(base_url=args.url, timeout=args.timeout, headers=_auth(args)) as client:
         while True:
             if interactive:
                 out.write("> ")

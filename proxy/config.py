@@ -96,6 +96,19 @@ class ProxyConfig:
             "are ended with an error event"
         },
     )
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "require 'Authorization: Bearer <key>' from clients on every path but "
+            "/health and /metrics"
+        },
+    )
+    node_api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={"help": "the nodes' --api-key, sent on every call to them"},
+    )
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:

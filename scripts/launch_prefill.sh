@@ -22,7 +22,7 @@ case "$ROLE" in
   *) echo "ROLE must be prefill or decode, got '$ROLE'" >&2; exit 2 ;;
 esac
 MODEL="${MODEL:-tiny}"; TP="${TP:-1}"; GPUS="${GPUS:-}"; PORT="${PORT:-$DEFAULT_PORT}"
-HOST="${HOST:-0.0.0.0}"; SIDE_CHANNEL_HOST="${SIDE_CHANNEL_HOST:-}"
+HOST="${HOST:-127.0.0.1}"; SIDE_CHANNEL_HOST="${SIDE_CHANNEL_HOST:-}"
 SIDE_CHANNEL_PORT="${SIDE_CHANNEL_PORT:-0}"; DEVICE="${DEVICE:-}"
 LOG_DIR="${LOG_DIR:-./logs}"; RUN_DIR="${RUN_DIR:-./run}"; STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-600}"
 PYTHON="${PYTHON:-python}"

@@ -13,7 +13,7 @@ set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
 PREFILL_URLS="${PREFILL_URLS:-${PDPROXY_PREFILL:-}}"; DECODE_URLS="${DECODE_URLS:-${PDPROXY_DECODE:-}}"
-PORT="${PORT:-8000}"; HOST="${HOST:-0.0.0.0}"
+PORT="${PORT:-8000}"; HOST="${HOST:-127.0.0.1}"
 LOG_DIR="${LOG_DIR:-./logs}"; RUN_DIR="${RUN_DIR:-./run}"; STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-120}"
 PYTHON="${PYTHON:-python}"
 EXTRA=()

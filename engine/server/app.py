@@ -13,6 +13,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.httpkit.auth import ApiKeyMiddleware
 from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers
@@ -31,6 +32,7 @@ def build_app(
     engine: EngineClient,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
     ``app.state.drainer`` drains it on shutdown (``engine.httpkit.drain``)."""
@@ -47,6 +49,7 @@ def build_app(
         metrics.observe_http(method, path if path in ROUTES else "other", status, seconds)
 
     app.add_middleware(DrainMiddleware, drainer=drainer)
+    app.add_middleware(ApiKeyMiddleware, keys=(api_key,) if api_key else ())
     app.add_middleware(RequestIdMiddleware, observe=observe)  # outermost: ids on every answer
     install_error_handlers(app)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -107,6 +108,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help=f"largest request body accepted; larger ones get 413 "
         f"(default: {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY") or None,
+        help="require 'Authorization: Bearer <key>' on every path but /health and /metrics "
+        "(default: $PDSERVE_API_KEY; unset: no key)",
     )
     group.add_argument(
         "--shutdown-timeout",
