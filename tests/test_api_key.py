@@ -3,6 +3,10 @@ and the proxy passes the nodes' key on every call to them (real processes)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import httpx
 import pytest
 from harness import Procs
@@ -41,9 +45,6 @@ def test_the_proxy_checks_its_key_and_passes_the_nodes_key(procs: Procs):
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["token_ids"]) == 3
     # The CLI client sends the key too.
-    import subprocess
-    import sys
-
     cli = [sys.executable, "-m", "proxy", "complete", "hi", "--url", proxy.url, "--max-tokens", "2"]
     refused = subprocess.run(cli, capture_output=True, text=True, timeout=120, env=_env(None))
     assert refused.returncode != 0 and "API key" in refused.stderr + refused.stdout
@@ -52,8 +53,6 @@ def test_the_proxy_checks_its_key_and_passes_the_nodes_key(procs: Procs):
 
 
 def _env(key: str | None) -> dict[str, str]:
-    import os
-
     env = {k: v for k, v in os.environ.items() if k not in ("PDPROXY_API_KEY", "OPENAI_API_KEY")}
     if key:
         env["PDPROXY_API_KEY"] = key
