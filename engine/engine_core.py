@@ -16,7 +16,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.multiproc import MultiprocExecutor
-from engine.kv_cache_layout import TORCH_DTYPES, KVCacheSpec
+from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import resolve_dtype
 from engine.model.loader import load_arch_config
 from engine.outputs import RequestOutput
@@ -60,16 +60,12 @@ class EngineCore:
         tp = config.parallel.tp
         self.arch.validate_tp(tp)
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
-        spec = KVCacheSpec(
-            num_blocks=1,
-            num_layers=self.arch.num_hidden_layers,
-            num_kv_heads=self.arch.num_key_value_heads // tp,
-            block_size=config.cache.block_size,
-            head_dim=self.arch.head_dim,
-            dtype=TORCH_DTYPES[dtype],
-        )
+        # This engine's KV layout per rank, built once; the connector's compatibility check
+        # is made from it (the workers allocate the same layout).
+        spec = KVCacheSpec.for_model(self.arch, config)
+        self.kv_spec = spec
         self.block_bytes = spec.block_bytes
-        self.connector = create_scheduler_connector(config)
+        self.connector = create_scheduler_connector(config, spec)
         self.executor = MultiprocExecutor(
             config,
             lambda kv_bytes: decide_num_blocks(config, spec, self.max_model_len, kv_bytes),

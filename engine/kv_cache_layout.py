@@ -14,8 +14,13 @@ sliced out for heterogeneous TP.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.model.config import ModelArchConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,6 +33,26 @@ class KVCacheSpec:
     block_size: int
     head_dim: int
     dtype: torch.dtype
+
+    @classmethod
+    def for_model(
+        cls, arch: ModelArchConfig, config: EngineConfig, num_blocks: int = 1
+    ) -> KVCacheSpec:
+        """One rank's layout for ``arch`` under ``config`` (TP size, block size, dtype).
+
+        ``config.model.dtype`` must be resolved (``EngineCore`` resolves ``auto`` first).
+        """
+        dtype = config.model.dtype
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"KV cache dtype must be resolved first, got {dtype!r}")
+        return cls(
+            num_blocks=num_blocks,
+            num_layers=arch.num_hidden_layers,
+            num_kv_heads=arch.num_key_value_heads // config.parallel.tp,
+            block_size=config.cache.block_size,
+            head_dim=arch.head_dim,
+            dtype=TORCH_DTYPES[dtype],
+        )
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -110,8 +110,11 @@ class ConnectorEvents:
 
 
 class KVConnectorScheduler(ABC):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_spec: KVCacheSpec) -> None:
+        """``kv_spec``: one rank's KV layout, computed once by the engine (its dtype and
+        sizes are what peers must match); the connector never loads the model itself."""
         self.config = config
+        self.kv_spec = kv_spec
 
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:  # noqa: B027
         """Called once at start with every rank's ``handshake_info()`` (rank order)."""

@@ -8,18 +8,20 @@ from kvconnector.base import KVConnectorScheduler, KVConnectorWorker
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.kv_cache_layout import KVCacheSpec
 
 
-def create_scheduler_connector(config: EngineConfig) -> KVConnectorScheduler:
+def create_scheduler_connector(config: EngineConfig, kv_spec: KVCacheSpec) -> KVConnectorScheduler:
+    """``kv_spec``: one rank's KV layout, as the engine computed it (dtype resolved)."""
     name = config.kv_transfer.kv_connector
     if name == "none":
         from kvconnector.noop import NoopConnectorScheduler
 
-        return NoopConnectorScheduler(config)
+        return NoopConnectorScheduler(config, kv_spec)
     if name == "nixl":
         from kvconnector.nixl.scheduler import NixlConnectorScheduler
 
-        return NixlConnectorScheduler(config)
+        return NixlConnectorScheduler(config, kv_spec)
     raise ValueError(f"--kv-connector: unknown connector {name!r} (choose none or nixl)")
 
 

@@ -13,6 +13,8 @@ from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConf
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput
+from engine.kv_cache_layout import KVCacheSpec
+from engine.model.loader import load_arch_config
 from engine.sampling_params import SamplingParams
 from kvconnector.params import KVTransferParams
 
@@ -28,13 +30,14 @@ def dead_address() -> str:
 @pytest.fixture
 def decode():
     cfg = EngineConfig(
-        model=ModelConfig(model="tiny", max_model_len=256),
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=BLOCKS),
         kv_transfer=KVTransferConfig(
             kv_connector="nixl", kv_role="consumer", kv_transfer_timeout=30, peer_ping_interval=0
         ),
     )
-    conn = nixl_scheduler.NixlConnectorScheduler(cfg)
+    spec = KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
+    conn = nixl_scheduler.NixlConnectorScheduler(cfg, spec)
     try:
         yield Scheduler(cfg, BLOCKS, 256, conn), conn
     finally:

@@ -108,27 +108,32 @@ def test_the_module_does_not_import_torch():
 
 
 def test_connector_policy_is_applied_once_at_admission():
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, ModelConfig
+    from engine.kv_cache_layout import KVCacheSpec
+    from engine.model.loader import load_arch_config
     from kvconnector.base import transfer_seed
     from kvconnector.noop import NoopConnectorScheduler
+
+    config = EngineConfig(model=ModelConfig(dtype="float32"))
+    spec = KVCacheSpec.for_model(load_arch_config("tiny"), config)
 
     class Moving(NoopConnectorScheduler):
         moves_kv = True
 
     sampled = SamplingParams(max_tokens=9, temperature=1.0)
     p = Request("p", [1, 2], sampled, kv_transfer_params=KVTransferParams.from_dict(P_LEG))
-    Moving(EngineConfig()).prepare_request(p)
+    Moving(config, spec).prepare_request(p)
     assert p.sampling_params.max_tokens == 1  # P samples only the first token
     assert p.sampling_params.seed == transfer_seed("t1")
     d = Request("d", [1, 2], sampled, kv_transfer_params=KVTransferParams.from_dict(D_LEG))
-    Moving(EngineConfig()).prepare_request(d)
+    Moving(config, spec).prepare_request(d)
     assert d.sampling_params.max_tokens == 9 and d.sampling_params.seed == transfer_seed("t1")
     seeded = Request("s", [1], SamplingParams(seed=5), kv_transfer_params=KVTransferParams())
-    Moving(EngineConfig()).prepare_request(seeded)
+    Moving(config, spec).prepare_request(seeded)
     assert seeded.sampling_params.seed == 5
 
     with pytest.raises(InvalidRequestError, match="--kv-connector nixl"):
-        NoopConnectorScheduler(EngineConfig()).prepare_request(p)
+        NoopConnectorScheduler(config, spec).prepare_request(p)
     local = Request("l", [1], sampled, kv_transfer_params=KVTransferParams(transfer_id="x"))
-    NoopConnectorScheduler(EngineConfig()).prepare_request(local)  # nothing to move: fine
+    NoopConnectorScheduler(config, spec).prepare_request(local)  # nothing to move: fine
     assert local.sampling_params == sampled

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.core.request import Request
     from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from engine.kv_cache_layout import KVCacheSpec
 
 logger = logging.getLogger(__name__)
 
@@ -60,27 +61,25 @@ class HandshakeError(RuntimeError):
 class NixlConnectorScheduler(KVConnectorScheduler):
     moves_kv = True
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
-        from engine.model.loader import load_arch_config
-
+    def __init__(self, config: EngineConfig, kv_spec: KVCacheSpec) -> None:
+        super().__init__(config, kv_spec)
         kvc = config.kv_transfer
         self.engine_id = kvc.engine_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.peer_key = f"{self.engine_id}:{self.incarnation}"
         self.timeout = kvc.kv_transfer_timeout
         self.block_size = config.cache.block_size
-        arch = load_arch_config(config.model.model)
+        tp = config.parallel.tp
         self.compat = {
             "connector_version": CONNECTOR_VERSION,
             "layout": LAYOUT,
             "model": model_fingerprint(config.model.model, config.model.seed),
-            "num_layers": arch.num_hidden_layers,
-            "num_kv_heads": arch.num_key_value_heads,
-            "head_dim": arch.head_dim,
+            "num_layers": kv_spec.num_layers,
+            "num_kv_heads": kv_spec.num_kv_heads * tp,  # the model's, not one rank's
+            "head_dim": kv_spec.head_dim,
             "dtype": config.model.dtype,
-            "block_size": config.cache.block_size,
-            "tp_size": config.parallel.tp,
+            "block_size": kv_spec.block_size,
+            "tp_size": tp,
         }
         self.producer = Producer(self.timeout)
         self.consumer = Consumer(self.timeout)
