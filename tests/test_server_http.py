@@ -6,74 +6,55 @@ import asyncio
 import json
 import os
 import signal
-import sys
+import socket
 import threading
-import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from harness import (
+    GREEDY,
+    MODEL,
+    Proc,
+    Procs,
+    descendants,
+    node_idle,
+    sse_data,
+    sse_events,
+    wait_for,
+    wait_gone,
+    worker_pids,
+)
 
-MODEL = "tiny"
-STARTUP_TIMEOUT_S = 180.0
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).parent))
-
-
-from node_utils import Node, spawn_node, start_node, worker_pids
-from node_utils import descendants as _descendants
-from node_utils import sse_events as _sse_events
-from node_utils import stop_node as _stop_node
-from node_utils import wait_gone as _wait_gone
-
-
-def _spawn_node(tmp: Path, *extra: str) -> Node:
-    return spawn_node(tmp, "--model", MODEL, "--num-blocks", "256", *extra)
-
-
-def _start_node(tmp: Path, *extra: str) -> Node:
-    return start_node(tmp, "--model", MODEL, "--num-blocks", "256", *extra)
+pytestmark = pytest.mark.slow
+NODE_ARGS = ("--model", MODEL, "--num-blocks", "256")
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = _start_node(tmp_path_factory.mktemp("node"))
-    try:
-        yield n
-    finally:
-        _stop_node(n)
+def node(module_procs: Procs) -> Proc:
+    return module_procs.node(*NODE_ARGS)
 
 
 @pytest.fixture(scope="module")
-def max_model_len(node: Node) -> int:
+def max_model_len(node: Proc) -> int:
     return int(httpx.get(node.url + "/v1/models").json()["data"][0]["max_model_len"])
 
 
 # -- request helpers -----------------------------------------------------------------------
 
 
-def _post(node: Node, path: str, body: Any, **kw: Any) -> httpx.Response:
+def _post(node: Proc, path: str, body: Any, **kw: Any) -> httpx.Response:
     return httpx.post(node.url + path, json=body, timeout=120, **kw)
 
 
-def _stream(node: Node, path: str, body: dict[str, Any]) -> tuple[httpx.Response, list[Any]]:
+def _stream(node: Proc, path: str, body: dict[str, Any]) -> tuple[httpx.Response, list[Any]]:
     with httpx.stream("POST", node.url + path, json=body, timeout=120) as resp:
         if resp.status_code != 200:
             resp.read()
             return resp, []
         assert resp.headers["content-type"].startswith("text/event-stream")
-        return resp, _sse_events(resp)
-
-
-def _metric(node: Node, name: str) -> float:
-    text = httpx.get(node.url + "/metrics").text
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"metric {name} not found")
+        return resp, sse_events(resp)
 
 
 def _assert_error(resp: httpx.Response, status: int, mention: str | None) -> dict[str, Any]:
@@ -86,13 +67,10 @@ def _assert_error(resp: httpx.Response, status: int, mention: str | None) -> dic
     return err
 
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
 # -- basic endpoints -----------------------------------------------------------------------
 
 
-def test_health_and_models(node: Node) -> None:
+def test_health_and_models(node: Proc) -> None:
     assert httpx.get(node.url + "/health").json() == {"status": "ok"}
     models = httpx.get(node.url + "/v1/models").json()
     assert models["object"] == "list"
@@ -101,12 +79,12 @@ def test_health_and_models(node: Node) -> None:
     assert isinstance(card["max_model_len"], int) and card["max_model_len"] > 0
 
 
-def test_banner_printed(node: Node) -> None:
+def test_banner_printed(node: Proc) -> None:
     out = node.stdout_path.read_text()
     assert f"pdserve decode node listening on {node.url} (model {MODEL}, tp 1)" in out
 
 
-def test_completion_non_stream(node: Node) -> None:
+def test_completion_non_stream(node: Proc) -> None:
     resp = _post(
         node, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 6, **GREEDY}
     )
@@ -125,7 +103,7 @@ def test_completion_non_stream(node: Node) -> None:
     assert resp.headers["x-request-id"] == body["id"].removeprefix("cmpl-")
 
 
-def test_request_id_header_honoured(node: Node) -> None:
+def test_request_id_header_honoured(node: Proc) -> None:
     resp = _post(
         node,
         "/v1/completions",
@@ -137,13 +115,13 @@ def test_request_id_header_honoured(node: Node) -> None:
     assert resp.json()["id"] == "cmpl-req-abc-1"
 
 
-def test_prompt_token_ids(node: Node) -> None:
+def test_prompt_token_ids(node: Proc) -> None:
     resp = _post(node, "/v1/completions", {"prompt": [72, 101, 108, 108, 111], "max_tokens": 3})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["prompt_tokens"] == 5
 
 
-def test_completion_stream_matches_non_stream(node: Node) -> None:
+def test_completion_stream_matches_non_stream(node: Proc) -> None:
     body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 10, **GREEDY}
     full = _post(node, "/v1/completions", body).json()
     resp, events = _stream(
@@ -164,7 +142,7 @@ def test_completion_stream_matches_non_stream(node: Node) -> None:
     assert text == full["choices"][0]["text"]
 
 
-def test_stream_without_usage(node: Node) -> None:
+def test_stream_without_usage(node: Proc) -> None:
     resp, events = _stream(
         node, "/v1/completions", {"prompt": "abc", "max_tokens": 3, "stream": True}
     )
@@ -173,7 +151,7 @@ def test_stream_without_usage(node: Node) -> None:
     assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_chat_non_stream(node: Node) -> None:
+def test_chat_non_stream(node: Proc) -> None:
     body = {
         "model": MODEL,
         "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi!"}],
@@ -192,7 +170,7 @@ def test_chat_non_stream(node: Node) -> None:
     assert out["usage"]["completion_tokens"] == 5
 
 
-def test_chat_stream(node: Node) -> None:
+def test_chat_stream(node: Proc) -> None:
     body = {
         "messages": [{"role": "user", "content": "Hello"}],
         "max_completion_tokens": 6,
@@ -212,7 +190,7 @@ def test_chat_stream(node: Node) -> None:
     assert text == full["choices"][0]["message"]["content"]
 
 
-def test_stop_string(node: Node) -> None:
+def test_stop_string(node: Proc) -> None:
     # Find a greedy output with some text, then stop on a piece of it.
     for prompt in ("Once upon a time", "abc", "Hello world", "1 2 3 4", "The", "xyz", "Zebra"):
         body = {"prompt": prompt, "max_tokens": 24, **GREEDY}
@@ -234,7 +212,7 @@ def test_stop_string(node: Node) -> None:
     _wait_idle(node)
 
 
-def test_concurrent_requests(node: Node) -> None:
+def test_concurrent_requests(node: Proc) -> None:
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=node.url, timeout=120) as client:
             reqs = [
@@ -252,7 +230,7 @@ def test_concurrent_requests(node: Node) -> None:
 
 
 @pytest.fixture(scope="module")
-def client(node: Node) -> openai.OpenAI:
+def client(node: Proc) -> openai.OpenAI:
     return openai.OpenAI(base_url=node.url + "/v1", api_key="EMPTY", max_retries=0)
 
 
@@ -333,14 +311,14 @@ _CHAT_MSG = [{"role": "user", "content": "hi"}]
         ("/v1/chat/completions", {"model": "gpt-4", "messages": _CHAT_MSG}, "model"),
     ],
 )
-def test_bad_requests(node: Node, path: str, body: Any, mention: str | None) -> None:
+def test_bad_requests(node: Proc, path: str, body: Any, mention: str | None) -> None:
     err = _assert_error(_post(node, path, body), 400, mention)
     assert err["type"] == "invalid_request_error"
     if mention is not None:
         assert err["param"] == mention
 
 
-def test_unknown_model_code(node: Node) -> None:
+def test_unknown_model_code(node: Proc) -> None:
     err = _assert_error(
         _post(node, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 400, "model"
     )
@@ -348,7 +326,7 @@ def test_unknown_model_code(node: Node) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_malformed_json(node: Node, stream: bool) -> None:
+def test_malformed_json(node: Proc, stream: bool) -> None:
     for path in ("/v1/completions", "/v1/chat/completions"):
         resp = httpx.post(
             node.url + path,
@@ -359,7 +337,7 @@ def test_malformed_json(node: Node, stream: bool) -> None:
         assert "JSON" in err["message"]
 
 
-def test_context_length(node: Node, max_model_len: int) -> None:
+def test_context_length(node: Proc, max_model_len: int) -> None:
     resp = _post(node, "/v1/completions", {"prompt": "hello", "max_tokens": max_model_len})
     err = _assert_error(resp, 400, "max_tokens")
     assert f"maximum context length is {max_model_len} tokens" in err["message"]
@@ -377,16 +355,16 @@ def test_context_length(node: Node, max_model_len: int) -> None:
     assert _assert_error(resp, 400, "messages")["param"] == "messages"
 
 
-def test_stream_errors_are_json_400(node: Node) -> None:
+def test_stream_errors_are_json_400(node: Proc) -> None:
     resp, _ = _stream(node, "/v1/completions", {"prompt": "x", "max_tokens": 0, "stream": True})
     _assert_error(resp, 400, "max_tokens")
 
 
-def test_unknown_route_is_openai_error(node: Node) -> None:
+def test_unknown_route_is_openai_error(node: Proc) -> None:
     _assert_error(httpx.get(node.url + "/v1/nope"), 404, None)
 
 
-def test_still_serving_after_bad_requests(node: Node) -> None:
+def test_still_serving_after_bad_requests(node: Proc) -> None:
     assert httpx.get(node.url + "/health").status_code == 200
     resp = _post(node, "/v1/completions", {"prompt": "still alive?", "max_tokens": 2})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] <= 2
@@ -395,21 +373,17 @@ def test_still_serving_after_bad_requests(node: Node) -> None:
 # -- aborts --------------------------------------------------------------------------------
 
 
-def _wait_idle(node: Node, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (
-            _metric(node, "pdserve_num_requests_running") == 0
-            and _metric(node, "pdserve_num_requests_waiting") == 0
-        ):
-            return
-        time.sleep(0.1)
-    raise AssertionError("engine still has requests after the client went away")
+def _wait_idle(node: Proc) -> None:
+    wait_for(lambda: node_idle(node.url), 15, "the engine to drop every request")
 
 
-def test_stream_disconnect_aborts(node: Node, max_model_len: int) -> None:
+def _aborted(node: Proc) -> float:
+    return node.metric("pdserve_request_finished_total", {"finish_reason": "abort"})
+
+
+def test_stream_disconnect_aborts(node: Proc, max_model_len: int) -> None:
     max_tokens = max_model_len - 64
-    before = _metric(node, "pdserve_generation_tokens_total")
+    before = node.metric("pdserve_generation_tokens_total")
     body = {"prompt": "a long story", "max_tokens": max_tokens, "stream": True, **GREEDY}
     with httpx.stream("POST", node.url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
@@ -417,21 +391,30 @@ def test_stream_disconnect_aborts(node: Node, max_model_len: int) -> None:
         got = [line for line, _ in zip(lines, range(6), strict=False) if line]
         assert got
     _wait_idle(node)
-    generated = _metric(node, "pdserve_generation_tokens_total") - before
+    generated = node.metric("pdserve_generation_tokens_total") - before
     assert generated < max_tokens
 
 
-def test_non_stream_disconnect_aborts(node: Node, max_model_len: int) -> None:
+def test_non_stream_disconnect_aborts(node: Proc, max_model_len: int) -> None:
+    """The client hangs up while the engine runs its request (not after a guessed time):
+    the request is aborted, not generated to the end."""
     max_tokens = max_model_len - 64
-    before = _metric(node, "pdserve_generation_tokens_total")
-    body = {"prompt": "another long story", "max_tokens": max_tokens, **GREEDY}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(node.url + "/v1/completions", json=body, timeout=1.0)
+    before, aborted = node.metric("pdserve_generation_tokens_total"), _aborted(node)
+    body = json.dumps({"prompt": "another long story", "max_tokens": max_tokens, **GREEDY})
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    host, port = node.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall((head + body).encode())
+        wait_for(lambda: node.metric("pdserve_num_requests_running") == 1, 30, "it to run")
     _wait_idle(node)
-    assert _metric(node, "pdserve_generation_tokens_total") - before < max_tokens
+    assert _aborted(node) == aborted + 1
+    assert node.metric("pdserve_generation_tokens_total") - before < max_tokens
 
 
-def test_abort_endpoint(node: Node, max_model_len: int) -> None:
+def test_abort_endpoint(node: Proc, max_model_len: int) -> None:
     result: dict[str, Any] = {}
     body = {"prompt": "to be aborted", "max_tokens": max_model_len - 64, **GREEDY}
 
@@ -440,9 +423,7 @@ def test_abort_endpoint(node: Node, max_model_len: int) -> None:
 
     t = threading.Thread(target=run)
     t.start()
-    deadline = time.monotonic() + 30
-    while _metric(node, "pdserve_num_requests_running") < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: node.metric("pdserve_num_requests_running") == 1, 30, "it to run")
     resp = _post(node, "/v1/abort", {"request_id": "abort-me"})
     assert resp.status_code == 200, resp.text
     t.join(30)
@@ -457,7 +438,7 @@ def test_abort_endpoint(node: Node, max_model_len: int) -> None:
 # -- metrics -------------------------------------------------------------------------------
 
 
-def test_metrics(node: Node) -> None:
+def test_metrics(node: Proc) -> None:
     _post(node, "/v1/completions", {"prompt": "count me", "max_tokens": 2})
     resp = httpx.get(node.url + "/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
@@ -474,8 +455,8 @@ def test_metrics(node: Node) -> None:
         "pdserve_time_to_first_token_seconds",
     ):
         assert name in resp.text, name
-    assert _metric(node, "pdserve_generation_tokens_total") > 0
-    assert _metric(node, "pdserve_engine_healthy") == 1
+    assert node.metric("pdserve_generation_tokens_total") > 0
+    assert node.metric("pdserve_engine_healthy") == 1
     assert 'path="/v1/completions",status="200"' in resp.text
 
 
@@ -483,55 +464,48 @@ def test_metrics(node: Node) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_exits_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
-    node = _start_node(tmp_path)
-    try:
-        assert _post(node, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
-        kids = _descendants(node.proc.pid)
-        node.proc.send_signal(sig)
-        assert node.proc.wait(60) == 0, node.logs()
-        assert _wait_gone(kids, 15) == [], f"orphaned children: {kids}\n{node.logs()}"
-    finally:
-        _stop_node(node)
+def test_signal_exits_cleanly(procs: Procs, sig: signal.Signals) -> None:
+    node = procs.node(*NODE_ARGS)
+    assert _post(node, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+    kids = descendants(node.pid)
+    node.proc.send_signal(sig)
+    assert node.proc.wait(60) == 0, node.logs()
+    assert wait_gone(kids, 15) == [], f"orphaned children: {kids}\n{node.logs()}"
 
 
-def test_signal_during_startup(tmp_path: Path) -> None:
-    node = _spawn_node(tmp_path)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _descendants(node.proc.pid) and time.monotonic() < deadline:
-            assert node.proc.poll() is None, node.logs()
-            time.sleep(0.05)
-        kids = _descendants(node.proc.pid)  # workers are being spawned / loading
-        node.proc.send_signal(signal.SIGTERM)
-        assert node.proc.wait(60) == 0, node.logs()
-        assert _wait_gone(kids, 15) == [], f"orphaned children: {kids}\n{node.logs()}"
-    finally:
-        _stop_node(node)
+def test_signal_during_startup(procs: Procs) -> None:
+    node = procs.node(*NODE_ARGS, wait=False)
+
+    def workers_spawning() -> bool:
+        assert node.proc.poll() is None, node.logs()
+        return bool(descendants(node.pid))
+
+    wait_for(workers_spawning, 240, "the node to start its workers")
+    kids = descendants(node.pid)  # workers are being spawned / loading
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(60) == 0, node.logs()
+    assert wait_gone(kids, 15) == [], f"orphaned children: {kids}\n{node.logs()}"
 
 
-def test_engine_death_is_reported(tmp_path: Path) -> None:
-    node = _start_node(tmp_path)
-    try:
-        workers = worker_pids(node.proc.pid)
-        assert workers, "no TP worker process found"
-        body = {"prompt": "doomed", "max_tokens": 2000, "stream": True, **GREEDY}
-        with httpx.stream("POST", node.url + "/v1/completions", json=body, timeout=60) as resp:
-            assert resp.status_code == 200
-            lines = resp.iter_lines()
-            assert next(line for line in lines if line)
-            for pid in workers:
-                os.kill(pid, signal.SIGKILL)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
-        err = json.loads(rest[-2][len("data: ") :])["error"]
-        assert err["type"] == "server_error" and err["message"]
-        health = httpx.get(node.url + "/health")
-        assert health.status_code == 503 and health.json()["reason"]
-        resp = _post(node, "/v1/completions", {"prompt": "x", "max_tokens": 2})
-        assert _assert_error(resp, 503, None)["code"] == "engine_dead"
-        assert _metric(node, "pdserve_engine_healthy") == 0
-        node.proc.send_signal(signal.SIGTERM)
-        assert node.proc.wait(60) == 0, node.logs()
-    finally:
-        _stop_node(node)
+def test_engine_death_is_reported(procs: Procs) -> None:
+    node = procs.node(*NODE_ARGS)
+    workers = worker_pids(node.pid)
+    assert workers, "no TP worker process found"
+    body = {"prompt": "doomed", "max_tokens": 2000, "stream": True, **GREEDY}
+    with httpx.stream("POST", node.url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        events = sse_data(lines)
+    assert events[-1] == "DONE"
+    err = events[-2]["error"]
+    assert err["type"] == "server_error" and err["message"]
+    health = httpx.get(node.url + "/health")
+    assert health.status_code == 503 and health.json()["reason"]
+    resp = _post(node, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert _assert_error(resp, 503, None)["code"] == "engine_dead"
+    assert node.metric("pdserve_engine_healthy") == 0
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(60) == 0, node.logs()
