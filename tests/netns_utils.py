@@ -171,13 +171,6 @@ def ns_run(
     return json.loads(proc.stdout)
 
 
-def parse_metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"metric {name} not found")
-
-
 # --------------------------------------------------------------- in-namespace driver
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from node_utils import REPO_ROOT, start_node, stop_node
+from harness import REPO_ROOT, Proc, Procs
 
 from engine.bench.stats import (
     RequestResult,
@@ -136,7 +136,7 @@ def test_prefill_flops_formula():
 
 
 # ---------------------------------------------------------------------------------------
-# the command
+# the command (processes: slow)
 # ---------------------------------------------------------------------------------------
 
 
@@ -152,6 +152,7 @@ def pd_bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[st
     return proc
 
 
+@pytest.mark.slow
 def test_offline_on_tiny_writes_positive_throughput(tmp_path: Path):
     out = tmp_path / "offline.json"
     proc = pd_bench(
@@ -169,6 +170,7 @@ def test_offline_on_tiny_writes_positive_throughput(tmp_path: Path):
     assert res["ttft_ms"]["mean"] > 0
 
 
+@pytest.mark.slow
 def test_offline_single_stream_reports_ms_per_token(tmp_path: Path):
     out = tmp_path / "latency.json"
     pd_bench(
@@ -183,6 +185,7 @@ def test_offline_single_stream_reports_ms_per_token(tmp_path: Path):
     assert report["prefill"]["achieved_tflops"] > 0
 
 
+@pytest.mark.slow
 def test_make_model_and_compare_hf_tokens_equal(tmp_path: Path):
     pytest.importorskip("transformers")
     model = tmp_path / "tiny-llama"
@@ -201,6 +204,7 @@ def test_make_model_and_compare_hf_tokens_equal(tmp_path: Path):
     assert report["hf"]["output_tokens_per_s"] > 0 and report["hf"]["speedup"] > 0
 
 
+@pytest.mark.slow
 def test_make_model_refuses_a_non_empty_directory(tmp_path: Path):
     (tmp_path / "x").write_text("keep me")
     proc = subprocess.run(
@@ -211,6 +215,7 @@ def test_make_model_refuses_a_non_empty_directory(tmp_path: Path):
     assert (tmp_path / "x").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_serve_against_a_dead_endpoint_exits_1_without_a_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "engine.bench", "serve", "--base-url", "http://127.0.0.1:9",
@@ -222,10 +227,8 @@ def test_serve_against_a_dead_endpoint_exits_1_without_a_traceback():
 
 
 @pytest.fixture(scope="module")
-def tiny_node(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
-    node = start_node(tmp_path_factory.mktemp("node"), "--model", "tiny", "--max-num-seqs", "8")
-    request.addfinalizer(lambda: stop_node(node))
-    return node
+def tiny_node(module_procs: Procs) -> Proc:
+    return module_procs.node("--model", "tiny", "--max-num-seqs", "8")
 
 
 # serve must run where only the proxy is installed: it never imports torch.

@@ -4,17 +4,12 @@ node for other clients (a real node, tiny model)."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from node_utils import Node, start_node, stop_node  # noqa: E402
+from harness import Proc, Procs
 
 pytestmark = pytest.mark.slow
 
@@ -22,18 +17,13 @@ MAX_BODY = 12_000_000
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = start_node(
-        tmp_path_factory.mktemp("hostile"),
-        "--model", "tiny", "--num-blocks", "64", "--max-request-bytes", str(MAX_BODY),
-    )  # fmt: skip
-    try:
-        yield n
-    finally:
-        stop_node(n)
+def node(module_procs: Procs) -> Proc:
+    return module_procs.node(
+        "--model", "tiny", "--num-blocks", "64", "--max-request-bytes", str(MAX_BODY)
+    )
 
 
-def _post_raw(node: Node, raw: bytes, path: str = "/v1/completions") -> httpx.Response:
+def _post_raw(node: Proc, raw: bytes, path: str = "/v1/completions") -> httpx.Response:
     headers = {"content-type": "application/json"}
     return httpx.post(node.url + path, content=raw, headers=headers, timeout=60)
 

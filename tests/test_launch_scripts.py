@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 
 import httpx
-from node_utils import descendants, free_port, wait_gone
+import pytest
+from harness import descendants, free_port, metric, wait_gone
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,8 +71,7 @@ def test_launch_scripts_bring_up_a_deployment(tmp_path: Path):
         )
         assert resp.status_code == 200, resp.text
         assert len(resp.json()["choices"][0]["token_ids"]) == 6
-        p_metrics = httpx.get(f"http://127.0.0.1:{p_port}/metrics", timeout=10).text
-        assert re.search(r"pdserve_engine_kv_bytes_sent_total [1-9]", p_metrics)
+        assert metric(f"http://127.0.0.1:{p_port}", "pdserve_engine_kv_bytes_sent_total") > 0
         for pid in pids:
             kids += descendants(pid)
     finally:

@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
-from pathlib import Path
 
 import httpx
+import netns_utils as nu
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-import netns_utils as nu  # noqa: E402
-from node_utils import Node, spawn_node, stop_node, wait_healthy  # noqa: E402
+from harness import Proc, parse_metric, spawn_node, stop, wait_healthy
 
 pytest.importorskip("nixl._api")
+pytestmark = pytest.mark.slow
 
 BS = 16
 LENGTHS = [1, BS - 1, BS, BS + 1, 6 * BS + 4]
@@ -56,7 +53,7 @@ def netns_pair():
         assert not errors, f"namespace cleanup failed: {errors}"
 
 
-def _wait_healthy_in_ns(pair: nu.NetnsPair, nodes: list[Node]) -> None:
+def _wait_healthy_in_ns(pair: nu.NetnsPair, nodes: list[Proc]) -> None:
     """Poll /health from inside namespace B (P over the veth, D locally)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     last: dict = {}
@@ -92,7 +89,7 @@ def _colocated(url: str, prompts: list[list[int]]) -> list[list[int]]:
 def test_prefill_and_decode_in_two_namespaces_match_colocated(netns_pair, tmp_path):
     pair = netns_pair
     common = ["--model", "tiny", "--num-blocks", "256"]
-    nodes: list[Node] = []
+    nodes: list[Proc] = []
     try:
         # Start all three at once; the startups overlap.
         p = spawn_node(
@@ -121,7 +118,7 @@ def test_prefill_and_decode_in_two_namespaces_match_colocated(netns_pair, tmp_pa
         nodes.append(ref)
 
         _wait_healthy_in_ns(pair, [p, d])
-        wait_healthy(ref, STARTUP_TIMEOUT_S)
+        wait_healthy(ref, timeout=STARTUP_TIMEOUT_S)
 
         prompts = [_prompt(n) for n in LENGTHS]
         expected = _colocated(ref.url, prompts)
@@ -145,15 +142,15 @@ def test_prefill_and_decode_in_two_namespaces_match_colocated(netns_pair, tmp_pa
 
         # The KV really moved, via NIXL, over the veth (P writes into D's blocks: A's
         # veth end transmits at least the KV bytes) -- not via shared memory.
-        sent = nu.parse_metric(res["p_metrics"], "pdserve_engine_kv_bytes_sent_total")
+        sent = parse_metric(res["p_metrics"], "pdserve_engine_kv_bytes_sent_total")
         blocks = sum(-(-n // BS) for n in LENGTHS)
         assert sent > 0
-        assert nu.parse_metric(res["p_metrics"], "pdserve_engine_kv_blocks_sent_total") == blocks
+        assert parse_metric(res["p_metrics"], "pdserve_engine_kv_blocks_sent_total") == blocks
         tx = veth_after["tx_bytes"] - veth_before["tx_bytes"]
         assert tx >= sent, f"only {tx} bytes left A's veth for {sent} KV bytes"
         # D never computed a prompt: it only decoded.
-        assert nu.parse_metric(res["d_metrics"], "pdserve_prompt_tokens_total") == 0
-        assert nu.parse_metric(res["d_metrics"], "pdserve_generation_tokens_total") == (
+        assert parse_metric(res["d_metrics"], "pdserve_prompt_tokens_total") == 0
+        assert parse_metric(res["d_metrics"], "pdserve_generation_tokens_total") == (
             len(LENGTHS) * MAX_TOKENS
         )
     except BaseException:
@@ -161,5 +158,4 @@ def test_prefill_and_decode_in_two_namespaces_match_colocated(netns_pair, tmp_pa
             print(f"--- {n.url} stderr (tail)\n{n.logs()}")
         raise
     finally:
-        for n in nodes:
-            stop_node(n)
+        stop(*nodes)

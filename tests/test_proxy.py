@@ -7,79 +7,57 @@ One colocated node (``--kv-connector none``) gives the reference answers; 2 pref
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from test_proxy_support import (
+from harness import (
     GREEDY,
     MODEL,
+    PD,
     Proc,
+    Procs,
     free_port,
     kv_pool_full,
     metric,
     node_generate_requests,
-    spawn_node,
-    spawn_proxy,
     sse_events,
-    stop_all,
     stream_ids,
     wait_for,
     wait_healthy,
 )
 
+pytestmark = pytest.mark.slow
+
 
 class Cluster:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: list[Proc] = []
-        nixl = ("--kv-connector", "nixl")
-        self.colo = self._add(spawn_node("colocated", "decode_node", tmp))
-        self.prefill = [self._add(spawn_node(f"p{i}", "prefill_node", tmp, *nixl)) for i in (1, 2)]
-        self.decode = [self._add(spawn_node(f"d{i}", "decode_node", tmp, *nixl)) for i in (1, 2)]
-        wait_healthy(self.procs)
-        self.proxy = self.start_proxy("proxy")
+    def __init__(self, procs: Procs) -> None:
+        self.procs = procs
+        self.pd: PD = procs.pd(2, 2, "--num-blocks", "256", colocated=True)
+        self.colo: Proc = self.pd.colocated  # type: ignore[assignment]
+        self.prefill, self.decode, self.nodes = self.pd.prefill, self.pd.decode, self.pd.nodes
+        self.proxy = self.start_proxy("proxy", wait=False)
         # Same, but D drops the first token itself (kv_transfer_params.skip_first_token).
-        self.proxy_node_skip = self.start_proxy("proxy-node-skip", "--node-skip-first-token")
-
-    def _add(self, p: Proc) -> Proc:
-        self.procs.append(p)
-        return p
-
-    def start_proxy(self, name: str, *extra: str, prefill: list[str] | None = None) -> Proc:
-        p = self._add(
-            spawn_proxy(
-                name,
-                self.tmp,
-                prefill if prefill is not None else [n.url for n in self.prefill],
-                [n.url for n in self.decode],
-                *extra,
-            )
+        self.proxy_node_skip = self.start_proxy(
+            "proxy-node-skip", "--node-skip-first-token", wait=False
         )
-        wait_healthy([p], timeout=60)
-        return p
+        wait_healthy(self.proxy, self.proxy_node_skip, timeout=60)
 
-    @property
-    def nodes(self) -> list[Proc]:
-        return [*self.prefill, *self.decode]
+    def start_proxy(self, name: str, *extra: str, wait: bool = True) -> Proc:
+        return self.procs.proxy(
+            [n.url for n in self.prefill], [n.url for n in self.decode], *extra,
+            name=name, wait=wait,
+        )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("proxy")
-    c: Cluster | None = None
-    try:
-        c = Cluster(tmp)
-        yield c
-    finally:
-        if c is not None:
-            stop_all(c.procs)
+def cluster(module_procs: Procs) -> Cluster:
+    return Cluster(module_procs)
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -222,7 +200,7 @@ def test_100_concurrent_requests_spread_over_nodes(cluster: Cluster) -> None:
                 assert resp.status_code == 200
                 lines = [ln async for ln in resp.aiter_lines() if ln]
             assert lines[-1] == "data: [DONE]"
-            events = [__import__("json").loads(ln[6:]) for ln in lines[:-1]]
+            events = [json.loads(ln[6:]) for ln in lines[:-1]]
             assert all("error" not in e for e in events), events
             return stream_ids(events)
         resp = await client.post("/v1/completions", json=body)
@@ -337,8 +315,9 @@ def test_prompt_too_long_for_the_context_is_the_nodes_400(cluster: Cluster) -> N
 def test_429_at_max_inflight_and_503_without_a_pair(cluster: Cluster) -> None:
     limited = cluster.start_proxy("proxy-limit1", "--max-inflight", "1")
     dead_p = f"http://127.0.0.1:{free_port()}"
-    spawn_only = spawn_proxy("proxy-nop", cluster.tmp, [dead_p], [n.url for n in cluster.decode])
-    cluster.procs.append(spawn_only)
+    spawn_only = cluster.procs.proxy(
+        [dead_p], [n.url for n in cluster.decode], name="proxy-nop", wait=False
+    )
     body = {"prompt": "Once upon a time", "max_tokens": 2000, "stream": True, **GREEDY}
     with httpx.stream("POST", limited.url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
@@ -349,14 +328,15 @@ def test_429_at_max_inflight_and_503_without_a_pair(cluster: Cluster) -> None:
         assert second.json()["error"]["code"] == "too_many_requests"
         assert second.headers.get("retry-after") == "1"
     # A proxy whose only prefill node refuses connections is up but not ready.
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            health = httpx.get(spawn_only.url + "/health", timeout=2)
-            break
-        except httpx.HTTPError:
-            assert time.monotonic() < deadline, spawn_only.logs()
-            time.sleep(0.2)
+    answers: list[httpx.Response] = []
+
+    def health_answers() -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            answers.append(httpx.get(spawn_only.url + "/health", timeout=2))
+        return bool(answers)
+
+    wait_for(health_answers, 30, "the proxy to answer /health", 0.2)
+    health = answers[0]
     assert health.status_code == 503 and "prefill" in health.json()["reason"]
     resp = httpx.post(spawn_only.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert resp.status_code == 503, resp.text
