@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 from kvconnector.params import KVTransferParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest_model import hf_greedy, make_hf_model, random_prompt, save_hf_model  # noqa: E402
+from hf_models import hf_greedy, make_hf_model, random_prompt, save_hf_model  # noqa: E402
 from pd_utils import disagg_generate, nixl_config  # noqa: E402
 
 pytest.importorskip("nixl._api")

@@ -8,18 +8,14 @@ runs them on the GPU host.
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from hf_models import hf_greedy, make_hf_model, random_prompt, save_hf_model
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest_model import hf_greedy, make_hf_model, random_prompt, save_hf_model  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,8 +82,9 @@ def test_triton_engine_matches_reference_with_chunks_prefix_hits_and_preemption(
 
 
 def test_bf16_triton_logits_within_tolerance_of_reference_on_mixed_batches():
+    from paged_runner import PagedRunner
+
     from engine.model.loader import load_model
-    from engine.model.testing import PagedRunner
 
     runs = {}
     for backend in ("reference", "triton"):

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hf_models import hf_greedy, hf_logits, make_hf_model, random_prompt, save_hf_model
+from paged_runner import PagedRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest_model import (  # noqa: E402
-    hf_greedy,
-    hf_logits,
-    make_hf_model,
-    random_prompt,
-    save_hf_model,
-)
-
-from engine.model.config import ModelArchConfig, ModelConfigError  # noqa: E402
-from engine.model.loader import load_arch_config, load_model  # noqa: E402
-from engine.model.testing import PagedRunner  # noqa: E402
+from engine.model.config import ModelArchConfig, ModelConfigError
+from engine.model.loader import load_arch_config, load_model
 
 pytest.importorskip("transformers")
 

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import queue
 import socket
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from hf_models import make_hf_model, random_prompt, save_hf_model
+from paged_runner import PagedRunner, tp_greedy_worker
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest_model import make_hf_model, random_prompt, save_hf_model  # noqa: E402
+from engine.model.loader import load_model
 
-from engine.model.loader import load_model  # noqa: E402
-from engine.model.testing import PagedRunner, tp_greedy_worker  # noqa: E402
+pytestmark = pytest.mark.slow  # TP ranks in spawned processes
 
 TP = 2
 MAX_NEW_TOKENS = 24
