@@ -7,7 +7,9 @@ before its deadline:
 * P answers with a new incarnation: the process that held the reservation is gone, so no
   WRITE of it can land -- the waits fail and their blocks are free at once;
 * P does not answer ``misses`` pings in a row: the waits fail over, but their blocks stay
-  quarantined (a silent peer may still be alive behind a broken side channel).
+  quarantined (a silent peer may still be alive behind a broken side channel). An answer
+  that is not a valid ping reply (a refusal, a malformed map) tells nothing about the
+  incarnation and counts as a miss.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
+
+from kvconnector.nixl.messages import Ping, PingReply, decode_reply
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +61,16 @@ class PeerLiveness:
             self._pool.submit(self._ping, address, incarnation)
 
     def _ping(self, address: str, incarnation: str) -> None:
+        reply: PingReply | None = None
         try:
-            reply: dict[str, Any] | None = self._request(
-                address, {"kind": "ping"}, max(1.0, self.interval)
-            )
-        except Exception:
-            reply = None
+            raw = self._request(address, Ping().to_wire(), max(1.0, self.interval))
+            decoded = decode_reply(raw, PingReply)
+            if isinstance(decoded, PingReply):
+                reply = decoded
+            else:
+                logger.info("prefill %s refused a ping: %s", address, decoded.error)
+        except Exception as e:  # no answer, or not a ping reply (MessageError)
+            logger.debug("ping of %s failed: %s", address, e)
         with self._lock:
             self._in_flight.discard((address, incarnation))
             if reply is not None:
@@ -72,11 +80,9 @@ class PeerLiveness:
             silent = self._misses.get(address, 0) >= self._misses_allowed
             if silent:
                 self._misses.pop(address, None)
-        if reply is not None and reply.get("incarnation") != incarnation:
+        if reply is not None and reply.incarnation != incarnation:
             self.peers_lost += 1
-            logger.warning(
-                "prefill %s restarted (incarnation %s)", address, reply.get("incarnation")
-            )
+            logger.warning("prefill %s restarted (incarnation %s)", address, reply.incarnation)
             self._on_lost(address, incarnation, "the prefill node restarted", True)
         elif silent:
             self.peers_lost += 1

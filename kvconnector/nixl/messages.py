@@ -1,32 +1,58 @@
 """Wire formats of the NIXL connector: compatibility info, side-channel messages, notifs.
 
-Side-channel messages (msgpack dicts over ``kvconnector.nixl.side_channel``), all with
-``kind``:
+Side-channel messages are msgpack maps over ``kvconnector.nixl.side_channel``. Each kind
+is a frozen dataclass here, with ``to_wire()`` (the map to send) and a decoder that
+validates every field: ``decode_request(raw)`` on the serving side (the map's ``kind``
+picks the class), ``decode_reply(raw, cls)`` on the calling side. A map that is not a
+known kind, lacks a field, or has a field of the wrong type (e.g. a negative or non-int
+block id) raises ``MessageError`` naming it; the scheduler answers such a message with
+a ``Refusal`` and never lets the error out of the side-channel server's loop. Fields a
+decoder does not know are ignored.
 
-* ``handshake`` D -> P: ``engine_id``, ``incarnation``, ``compat``, ``ranks`` (each rank's
-  transport metadata), ``address`` (D's side channel). Reply: P's ``engine_id``,
-  ``incarnation``, ``compat``, ``ranks`` -- or ``ok: False`` with the mismatch named.
-* ``reserve`` D -> P: ``transfer_id``, ``d_request_id``, ``engine_id``, ``incarnation``,
-  ``block_ids`` (D blocks to write), ``skip_blocks`` (leading prompt blocks D already has).
-* ``cancel`` D -> P: ``transfer_id``. Reply ``state``: ``cancelled`` (nothing was or will be
-  written) or ``in_flight`` (a WRITE may still land; wait for its notif or a deadline).
-* ``transfer_failed`` P -> D: ``d_request_id``, ``reason``, ``safe``: the KV will not come
-  and, when ``safe``, nothing more will be written into its blocks.
-* ``ping``: liveness; reply carries ``engine_id`` and ``incarnation``.
+Requests (``kind``) and their replies:
 
-A NIXL notification (P rank -> D rank, delivered after that rank's WRITE landed) is a
-msgpack dict: ``r`` D request id, ``t`` transfer id, ``n`` parts that D rank expects,
-``ft`` the first token sampled by P.
+* ``handshake`` (``Handshake``) D -> P: D's ``engine_id``, ``incarnation``, ``peer_key``,
+  ``compat``, ``ranks`` (each rank's transport metadata), ``address`` (D's side channel).
+  Reply ``HandshakeReply``: P's ``engine_id``, ``incarnation``, ``side_channel``,
+  ``role``, ``compat``, ``transport``, ``ranks`` -- or a ``Refusal`` naming the mismatch.
+* ``reserve`` (``Reserve``) D -> P: ``transfer_id``, ``d_request_id``, ``peer_key``,
+  ``address``, ``block_ids`` (D blocks to write), ``skip_blocks`` (leading prompt blocks D
+  already has). Reply ``Ack``, or a ``Refusal`` (``code="handshake_required"`` when P
+  does not know the peer).
+* ``cancel`` (``Cancel``) D -> P: ``transfer_id``. Reply ``CancelReply``, ``state``:
+  ``cancelled`` (nothing was or will be written) or ``in_flight`` (a WRITE may still
+  land; wait for its notif or a deadline).
+* ``transfer_failed`` (``TransferFailed``) P -> D: ``d_request_id``, ``reason``, ``safe``:
+  the KV will not come and, when ``safe``, nothing more will be written into its blocks.
+  Reply ``Ack``.
+* ``ping`` (``Ping``): liveness. Reply ``PingReply``: ``incarnation`` (and ``engine_id``).
+
+Every reply is a map with ``ok``; a ``Refusal`` is ``{"ok": False, "error": ..., "code"?}``.
+
+A NIXL notification (``Notif``; P rank -> D rank, delivered after that rank's WRITE
+landed) is a msgpack map: ``r`` D request id, ``t`` transfer id, ``n`` parts that D rank
+expects, ``ft`` the first token sampled by P.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, TypeVar
 
 import msgpack
 
+# Version of everything this module puts on the wire: the side-channel messages, the
+# notification and the compatibility info. Peers of different versions refuse to pair
+# (``check_compat`` compares it first), so bump it whenever one of them changes, and add a
+# line here saying what changed:
+#   1  side-channel maps dispatched on ``kind`` (handshake, reserve, cancel,
+#      transfer_failed, ping) with ``ok``/``error``/``code`` replies; notif ``{r, t, n, ft}``.
+#      Decoding them into the typed messages below, which refuse malformed maps, changed
+#      no byte on the wire, so the version stayed 1.
 CONNECTOR_VERSION = 1
 LAYOUT = "block,layer,kv,head,token,dim"
 
@@ -68,15 +94,333 @@ def check_compat(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
     return None
 
 
-def pack_notif(d_request_id: str, transfer_id: str, parts: int, first_token: int | None) -> bytes:
-    return msgpack.packb({"r": d_request_id, "t": transfer_id, "n": parts, "ft": first_token})
+def compat_mismatch(local: dict[str, Any], raw: Any) -> str | None:
+    """The mismatch with the ``compat`` map of a raw message that did not decode, if it
+    has one: a peer of another connector version may speak another shape, and the version
+    is the more useful thing to name."""
+    compat = raw.get("compat") if isinstance(raw, dict) else None
+    return check_compat(local, compat) if isinstance(compat, dict) else None
 
 
-def unpack_notif(data: bytes) -> dict[str, Any] | None:
-    try:
-        msg = msgpack.unpackb(data)
-    except Exception:
-        return None
-    if not isinstance(msg, dict) or "r" not in msg:
-        return None
-    return msg
+# -- typed messages ------------------------------------------------------------------------
+
+
+class MessageError(ValueError):
+    """A side-channel message or reply that is malformed, forged or of an unknown kind."""
+
+
+Check = Callable[[Any, str], Any]  # (value, where) -> the value to keep; raises MessageError
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fail(where: str, what: str, value: Any) -> MessageError:
+    return MessageError(f"{where} must be {what}, got {type(value).__name__} {value!r:.60}")
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(where, "a string", value)
+    return value
+
+
+def _name(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(where, "a non-empty string", value)
+    return value
+
+
+def _address(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.startswith("tcp://"):
+        raise _fail(where, "a side-channel address (tcp://host:port)", value)
+    return value
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, "a boolean", value)
+    return value
+
+
+def _count(value: Any, where: str) -> int:
+    if not _is_int(value) or value < 0:
+        raise _fail(where, "a non-negative integer", value)
+    return value
+
+
+def _positive(value: Any, where: str) -> int:
+    if not _is_int(value) or value < 1:
+        raise _fail(where, "a positive integer", value)
+    return value
+
+
+def _map(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _fail(where, "a map with string keys", value)
+    return value
+
+
+def _maps(value: Any, where: str) -> tuple[dict[str, Any], ...]:
+    if not isinstance(value, list | tuple):
+        raise _fail(where, "an array of maps", value)
+    return tuple(_map(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+
+def _block_ids(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple):
+        raise _fail(where, "an array of block ids", value)
+    for i, b in enumerate(value):
+        if not _is_int(b) or b < 0:
+            raise _fail(f"{where}[{i}]", "a non-negative integer block id", b)
+    return tuple(value)
+
+
+def _cancel_state(value: Any, where: str) -> str:
+    if value not in ("cancelled", "in_flight"):
+        raise _fail(where, "'cancelled' or 'in_flight'", value)
+    return value
+
+
+def _token(value: Any, where: str) -> int | None:
+    if value is not None and (not _is_int(value) or value < 0):
+        raise _fail(where, "a token id or null", value)
+    return value
+
+
+def _wire_value(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+M = TypeVar("M", bound="_Message")
+
+
+class _Message:
+    """Shared by every message and reply: validated decoding and the wire map."""
+
+    CHECKS: ClassVar[dict[str, Check]]
+    NAME: ClassVar[str]
+
+    def _wire_fields(self) -> dict[str, Any]:
+        return {
+            f.name: _wire_value(getattr(self, f.name))
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+        }
+
+    @classmethod
+    def from_wire(cls: type[M], raw: Any) -> M:
+        if not isinstance(raw, dict):
+            raise MessageError(f"{cls.NAME}: expected a map, got {type(raw).__name__}")
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            where = f"{cls.NAME}.{f.name}"
+            if f.name not in raw:
+                if f.default is dataclasses.MISSING:
+                    raise MessageError(f"{cls.NAME}: missing field {f.name!r}")
+                continue
+            values[f.name] = cls.CHECKS[f.name](raw[f.name], where)
+        return cls(**values)
+
+
+class _Request(_Message):
+    KIND: ClassVar[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.KIND, **self._wire_fields()}
+
+
+class _Reply(_Message):
+    def to_wire(self) -> dict[str, Any]:
+        return {"ok": True, **self._wire_fields()}
+
+
+@dataclass(frozen=True)
+class Handshake(_Request):
+    KIND: ClassVar[str] = "handshake"
+    NAME: ClassVar[str] = "handshake"
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "engine_id": _name,
+        "incarnation": _name,
+        "peer_key": _name,
+        "compat": _map,
+        "ranks": _maps,
+        "address": _address,
+    }
+    engine_id: str
+    incarnation: str
+    peer_key: str
+    compat: dict[str, Any]
+    ranks: tuple[dict[str, Any], ...]
+    address: str
+
+
+@dataclass(frozen=True)
+class Reserve(_Request):
+    KIND: ClassVar[str] = "reserve"
+    NAME: ClassVar[str] = "reserve"
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "transfer_id": _name,
+        "d_request_id": _name,
+        "peer_key": _name,
+        "address": _address,
+        "block_ids": _block_ids,
+        "skip_blocks": _count,
+    }
+    transfer_id: str
+    d_request_id: str
+    peer_key: str
+    address: str
+    block_ids: tuple[int, ...]
+    skip_blocks: int
+
+
+@dataclass(frozen=True)
+class Cancel(_Request):
+    KIND: ClassVar[str] = "cancel"
+    NAME: ClassVar[str] = "cancel"
+    CHECKS: ClassVar[dict[str, Check]] = {"transfer_id": _name}
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class TransferFailed(_Request):
+    KIND: ClassVar[str] = "transfer_failed"
+    NAME: ClassVar[str] = "transfer_failed"
+    CHECKS: ClassVar[dict[str, Check]] = {"d_request_id": _name, "reason": _text, "safe": _flag}
+    d_request_id: str
+    reason: str
+    safe: bool
+
+
+@dataclass(frozen=True)
+class Ping(_Request):
+    KIND: ClassVar[str] = "ping"
+    NAME: ClassVar[str] = "ping"
+    CHECKS: ClassVar[dict[str, Check]] = {}
+
+
+REQUESTS: dict[str, type[_Request]] = {
+    cls.KIND: cls for cls in (Handshake, Reserve, Cancel, TransferFailed, Ping)
+}
+SideChannelRequest = Handshake | Reserve | Cancel | TransferFailed | Ping
+
+
+def decode_request(raw: Any) -> SideChannelRequest:
+    """The typed request a peer sent; ``MessageError`` when it is not a valid one."""
+    if not isinstance(raw, dict):
+        raise MessageError(f"a request must be a map, got {type(raw).__name__}")
+    kind = raw.get("kind")
+    cls = REQUESTS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise MessageError(f"unknown message kind {kind!r:.40}")
+    return cls.from_wire(raw)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class HandshakeReply(_Reply):
+    NAME: ClassVar[str] = "handshake reply"
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "engine_id": _name,
+        "incarnation": _name,
+        "side_channel": _address,
+        "role": _text,
+        "compat": _map,
+        "transport": _map,
+        "ranks": _maps,
+    }
+    engine_id: str
+    incarnation: str
+    side_channel: str
+    role: str
+    compat: dict[str, Any]
+    transport: dict[str, Any]
+    ranks: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Ack(_Reply):
+    """Success without data (``reserve``, ``transfer_failed``)."""
+
+    NAME: ClassVar[str] = "reply"
+    CHECKS: ClassVar[dict[str, Check]] = {}
+
+
+@dataclass(frozen=True)
+class CancelReply(_Reply):
+    NAME: ClassVar[str] = "cancel reply"
+    CHECKS: ClassVar[dict[str, Check]] = {"state": _cancel_state}
+    state: Literal["cancelled", "in_flight"]
+
+
+@dataclass(frozen=True)
+class PingReply(_Reply):
+    NAME: ClassVar[str] = "ping reply"
+    CHECKS: ClassVar[dict[str, Check]] = {"incarnation": _name, "engine_id": _text}
+    incarnation: str
+    engine_id: str = ""
+
+
+@dataclass(frozen=True)
+class Refusal(_Message):
+    """Any request refused: ``error`` says why; ``code`` is machine-readable, if any."""
+
+    NAME: ClassVar[str] = "refusal"
+    CHECKS: ClassVar[dict[str, Check]] = {"error": _text, "code": _text}
+    HANDSHAKE_REQUIRED: ClassVar[str] = "handshake_required"
+    error: str
+    code: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ok": False, "error": self.error}
+        if self.code:
+            out["code"] = self.code
+        return out
+
+
+R = TypeVar("R", bound=_Reply)
+
+
+def decode_reply(raw: Any, cls: type[R]) -> R | Refusal:
+    """A peer's reply: ``cls`` when ``ok`` is true, else a ``Refusal``; ``MessageError``
+    when it is neither."""
+    if not isinstance(raw, dict):
+        raise MessageError(f"a reply must be a map, got {type(raw).__name__}")
+    ok = raw.get("ok")
+    if ok is True:
+        return cls.from_wire(raw)
+    if ok is False:
+        return Refusal.from_wire(raw)
+    raise MessageError(f"{cls.NAME}: 'ok' must be true or false, got {ok!r:.40}")
+
+
+# -- NIXL notification ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Notif(_Message):
+    """What a P rank's WRITE carries to the matching D rank (delivered after the data)."""
+
+    NAME: ClassVar[str] = "notif"
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "r": _name,
+        "t": _text,
+        "n": _positive,
+        "ft": _token,
+    }
+    r: str  # D request id
+    t: str  # transfer id
+    n: int = 1  # parts the receiving rank counts before the request is received
+    ft: int | None = None  # the first token sampled by P
+
+    def pack(self) -> bytes:
+        return msgpack.packb({"r": self.r, "t": self.t, "n": self.n, "ft": self.ft})
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Notif:
+        """``MessageError`` for bytes that are not a valid notification."""
+        try:
+            raw = msgpack.unpackb(data)
+        except Exception as e:
+            raise MessageError(f"notif: undecodable ({type(e).__name__})") from e
+        return cls.from_wire(raw)

@@ -16,6 +16,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from kvconnector.nixl.messages import Ack, CancelReply, Refusal
+
 logger = logging.getLogger(__name__)
 
 
@@ -141,18 +143,20 @@ class Producer:
         return out
 
     # -- from the side-channel thread ----------------------------------------------------
-    def reserve(self, res: Reservation) -> dict:
+    def reserve(self, res: Reservation) -> Ack | Refusal:
         dead = self.tombstones.get(res.transfer_id)
         if dead is not None:
-            return {"ok": False, "error": f"transfer {res.transfer_id} ended on prefill: {dead[0]}"}
+            return Refusal(f"transfer {res.transfer_id} ended on prefill: {dead[0]}")
         send = self.pending.get(res.transfer_id)
         if send is not None:
             if send.reservation is not None:
-                return {"ok": False, "error": f"transfer {res.transfer_id} is already reserved"}
+                return Refusal(f"transfer {res.transfer_id} is already reserved")
             send.reservation = res
+        elif res.transfer_id in self.early:
+            return Refusal(f"transfer {res.transfer_id} is already reserved")
         else:
             self.early[res.transfer_id] = res
-        return {"ok": True}
+        return Ack()
 
     def abort(self, transfer_id: str) -> None:
         """The P request's client went away: drop its send unless it already started."""
@@ -165,16 +169,16 @@ class Producer:
             r = send.reservation
             self.outcome.notify_failed.append((r.d_address, r.d_request_id, "aborted on prefill"))
 
-    def cancel(self, transfer_id: str) -> dict:
+    def cancel(self, transfer_id: str) -> CancelReply:
         """D gives up on a transfer. ``cancelled``: nothing was or will be written."""
         if any(s.transfer_id == transfer_id for s in self.in_flight.values()):
-            return {"ok": True, "state": "in_flight"}
+            return CancelReply("in_flight")
         send = self.pending.pop(transfer_id, None)
         if send is not None:
             self.outcome.free_blocks.add(send.request_id)
         self.early.pop(transfer_id, None)
         self._tombstone(transfer_id, "cancelled by decode")
-        return {"ok": True, "state": "cancelled"}
+        return CancelReply("cancelled")
 
     def _tombstone(self, transfer_id: str, why: str) -> None:
         self.tombstones[transfer_id] = (why, time.monotonic() + 4 * self.timeout)

@@ -32,9 +32,22 @@ from kvconnector.nixl.liveness import PeerLiveness
 from kvconnector.nixl.messages import (
     CONNECTOR_VERSION,
     LAYOUT,
+    Ack,
+    Cancel,
+    CancelReply,
+    Handshake,
+    HandshakeReply,
+    MessageError,
+    Notif,
+    PingReply,
+    Refusal,
+    Reserve,
+    TransferFailed,
     check_compat,
+    compat_mismatch,
+    decode_reply,
+    decode_request,
     model_fingerprint,
-    pack_notif,
 )
 from kvconnector.nixl.metadata import NixlConnectorMetadata, SendSpec
 from kvconnector.nixl.producer import Producer, Reservation
@@ -90,7 +103,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._workers_have: set[str] = set()
         self._remove: list[str] = []
         # D side: handshake results by P address.
-        self._p_peers: dict[str, dict[str, Any]] = {}
+        self._p_peers: dict[str, HandshakeReply] = {}
         self._p_locks: dict[str, threading.Lock] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-rpc")
         self._client = SideChannelClient()
@@ -168,126 +181,175 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._pool.submit(self._reserve_job, recv)
 
     def _reserve_job(self, recv: RemoteRecv) -> None:
-        msg = {
-            "kind": "reserve",
-            "transfer_id": recv.transfer_id,
-            "d_request_id": recv.request_id,
-            "peer_key": self.peer_key,
-            "address": self.address,
-            "block_ids": recv.block_ids,
-            "skip_blocks": recv.skip_blocks,
-        }
+        msg = Reserve(
+            transfer_id=recv.transfer_id,
+            d_request_id=recv.request_id,
+            peer_key=self.peer_key,
+            address=self.address,
+            block_ids=tuple(recv.block_ids),
+            skip_blocks=recv.skip_blocks,
+        ).to_wire()
         try:
             for attempt in range(2):
                 peer = self._ensure_handshake(recv.p_address, force=attempt > 0)
-                reply = self._client.request(recv.p_address, msg, RPC_TIMEOUT_S)
-                if reply.get("ok") or reply.get("code") != "handshake_required":
+                raw = self._client.request(recv.p_address, msg, RPC_TIMEOUT_S)
+                reply = decode_reply(raw, Ack)
+                if isinstance(reply, Ack) or reply.code != Refusal.HANDSHAKE_REQUIRED:
                     break
         except HandshakeError as e:
             with self._lock:
                 self.consumer.fail(recv.request_id, str(e), safe=True)
+            return
+        except MessageError as e:  # P answered, but not a reply we know: not safe
+            with self._lock:
+                self.consumer.fail(recv.request_id, f"bad reply from prefill: {e}", safe=False)
             return
         except Exception as e:  # unreachable P: it may have the reservation; not safe
             with self._lock:
                 self.consumer.fail(recv.request_id, f"prefill unreachable: {e}", safe=False)
             return
         with self._lock:
-            if reply.get("ok"):
-                self.consumer.reserved(recv.request_id, peer.get("incarnation"))
+            if isinstance(reply, Ack):
+                self.consumer.reserved(recv.request_id, peer.incarnation)
             else:
-                self.consumer.fail(recv.request_id, str(reply.get("error")), safe=True)
+                self.consumer.fail(recv.request_id, reply.error, safe=True)
 
-    def _ensure_handshake(self, address: str, force: bool = False) -> dict[str, Any]:
+    def _ensure_handshake(self, address: str, force: bool = False) -> HandshakeReply:
         with self._lock:
             lock = self._p_locks.setdefault(address, threading.Lock())
         with lock:  # one handshake per peer at a time; others wait here, off the loop
             peer = self._p_peers.get(address)
             if peer is not None and not force:
                 return peer
-            msg = {
-                "kind": "handshake",
-                "engine_id": self.engine_id,
-                "incarnation": self.incarnation,
-                "peer_key": self.peer_key,
-                "compat": self.compat,
-                "ranks": self._ranks,
-                "address": self.address,
-            }
-            reply = self._client.request(address, msg, RPC_TIMEOUT_S)
-            if not reply.get("ok"):
-                error = f"prefill {address} refused the handshake: {reply.get('error')}"
-            elif mismatch := check_compat(self.compat, reply.get("compat", {})):
-                error = f"prefill {address} is incompatible: {mismatch}"
-            else:
-                error = None
+            msg = Handshake(
+                engine_id=self.engine_id,
+                incarnation=self.incarnation,
+                peer_key=self.peer_key,
+                compat=self.compat,
+                ranks=tuple(self._ranks),
+                address=self.address,
+            ).to_wire()
+            raw = self._client.request(address, msg, RPC_TIMEOUT_S)
+            reply, error = self._check_handshake_reply(address, raw)
             with self._lock:
                 self.handshakes += 1
-                if error is not None:
+                if reply is None:
                     self.handshake_failures += 1
                     raise HandshakeError(error)
                 self._p_peers[address] = reply
-            logger.info("handshake with prefill %s (%s) done", reply.get("engine_id"), address)
+            logger.info("handshake with prefill %s (%s) done", reply.engine_id, address)
             return reply
 
+    def _check_handshake_reply(
+        self, address: str, raw: dict[str, Any]
+    ) -> tuple[HandshakeReply | None, str]:
+        """(P's reply, "") when it can be paired with, else (None, why not)."""
+        try:
+            reply = decode_reply(raw, HandshakeReply)
+        except MessageError as e:
+            if mismatch := compat_mismatch(self.compat, raw):  # another version's shape
+                return None, f"prefill {address} is incompatible: {mismatch}"
+            return None, f"prefill {address} sent a malformed handshake reply: {e}"
+        if isinstance(reply, Refusal):
+            return None, f"prefill {address} refused the handshake: {reply.error}"
+        if mismatch := check_compat(self.compat, reply.compat):
+            return None, f"prefill {address} is incompatible: {mismatch}"
+        return reply, ""
+
     # -- prefill side --------------------------------------------------------------------
-    def _on_handshake(self, msg: dict[str, Any]) -> dict[str, Any]:
-        mismatch = check_compat(self.compat, msg.get("compat", {}))
+    def _on_handshake(self, msg: Handshake) -> HandshakeReply | Refusal:
+        mismatch = check_compat(self.compat, msg.compat)
+        if mismatch is None and len(msg.ranks) != self.config.parallel.tp:
+            mismatch = f"the peer sent {len(msg.ranks)} ranks for tp_size {msg.compat['tp_size']}"
         if mismatch:
             with self._lock:
                 self.handshake_failures += 1
-            logger.warning("refusing handshake from %s: %s", msg.get("address"), mismatch)
-            return {"ok": False, "error": f"incompatible peer: {mismatch}"}
-        key = msg["peer_key"]
+            logger.warning("refusing handshake from %s: %s", msg.address, mismatch)
+            return Refusal(f"incompatible peer: {mismatch}")
+        key = msg.peer_key
         with self._lock:
             for old, peer in list(self._d_peers.items()):
                 # Same engine id or same side-channel address, new incarnation: the old
                 # process is gone (restarted); forget its agents and descriptor lists.
-                same = peer["engine_id"] == msg["engine_id"] or peer["address"] == msg["address"]
+                same = peer["engine_id"] == msg.engine_id or peer["address"] == msg.address
                 if same and old != key:
-                    logger.info("decode at %s restarted; dropping peer %s", msg["address"], old)
+                    logger.info("decode at %s restarted; dropping peer %s", msg.address, old)
                     del self._d_peers[old]
                     if old in self._workers_have:
                         self._workers_have.discard(old)
                         self._remove.append(old)
             self._d_peers[key] = {
-                "engine_id": msg["engine_id"],
-                "address": msg["address"],
-                "ranks": msg["ranks"],
+                "engine_id": msg.engine_id,
+                "address": msg.address,
+                "ranks": list(msg.ranks),
             }
             self.handshakes += 1
-        return {"ok": True, **self.info(), "ranks": self._ranks}
+        return HandshakeReply(
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            side_channel=self.address,
+            role=self.config.kv_transfer.kv_role,
+            compat=self.compat,
+            transport=self.transport_info(),
+            ranks=tuple(self._ranks),
+        )
 
-    def _on_reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _on_reserve(self, msg: Reserve) -> Ack | Refusal:
         with self._lock:
-            if msg["peer_key"] not in self._d_peers:
-                return {"ok": False, "code": "handshake_required", "error": "handshake first"}
+            peer = self._d_peers.get(msg.peer_key)
+            if peer is None:
+                return Refusal("handshake first", code=Refusal.HANDSHAKE_REQUIRED)
+            # A forged or confused reservation is refused here, not by a failed WRITE.
+            sizes = [r.get("num_blocks") for r in peer["ranks"]]
+            limit = min((n for n in sizes if isinstance(n, int)), default=None)
+            if limit is not None and any(b >= limit for b in msg.block_ids):
+                return Refusal(
+                    f"reserve.block_ids: block {max(msg.block_ids)} is out of range "
+                    f"(the decode peer has {limit} blocks)"
+                )
             res = Reservation(
-                transfer_id=msg["transfer_id"],
-                d_request_id=msg["d_request_id"],
-                peer_key=msg["peer_key"],
-                d_address=msg["address"],
-                block_ids=list(msg["block_ids"]),
-                skip_blocks=int(msg["skip_blocks"]),
+                transfer_id=msg.transfer_id,
+                d_request_id=msg.d_request_id,
+                peer_key=msg.peer_key,
+                d_address=msg.address,
+                block_ids=list(msg.block_ids),
+                skip_blocks=msg.skip_blocks,
                 expires=time.monotonic() + self.timeout,
             )
             return self.producer.reserve(res)
 
-    def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
-        kind = msg.get("kind")
-        if kind == "handshake":
-            return self._on_handshake(msg)
-        if kind == "reserve":
-            return self._on_reserve(msg)
-        if kind == "cancel":
+    def _handle(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """Serve one side-channel request. Never raises: a message that does not decode
+        is answered with a ``Refusal`` saying why."""
+        try:
+            msg = decode_request(raw)
+        except MessageError as e:
+            return self._refuse_malformed(raw, e).to_wire()
+        reply: HandshakeReply | Ack | CancelReply | PingReply | Refusal
+        if isinstance(msg, Handshake):
+            reply = self._on_handshake(msg)
+        elif isinstance(msg, Reserve):
+            reply = self._on_reserve(msg)
+        elif isinstance(msg, Cancel):
             with self._lock:
-                return self.producer.cancel(msg["transfer_id"])
-        if kind == "transfer_failed":
+                reply = self.producer.cancel(msg.transfer_id)
+        elif isinstance(msg, TransferFailed):
             with self._lock:
-                self.consumer.fail(msg["d_request_id"], msg["reason"], safe=bool(msg["safe"]))
-            return {"ok": True}
-        if kind == "ping":
-            return {"ok": True, "engine_id": self.engine_id, "incarnation": self.incarnation}
-        return {"ok": False, "error": f"unknown message kind {kind!r}"}
+                self.consumer.fail(msg.d_request_id, msg.reason, safe=msg.safe)
+            reply = Ack()
+        else:
+            reply = PingReply(incarnation=self.incarnation, engine_id=self.engine_id)
+        return reply.to_wire()
+
+    def _refuse_malformed(self, raw: dict[str, Any], error: MessageError) -> Refusal:
+        is_handshake = raw.get("kind") == Handshake.KIND
+        if is_handshake and (mismatch := compat_mismatch(self.compat, raw)):
+            # A peer of another version may speak another shape: name the version first.
+            with self._lock:
+                self.handshake_failures += 1
+            return Refusal(f"incompatible peer: {mismatch}")
+        logger.warning("side channel: refusing a malformed message: %s", error)
+        return Refusal(f"malformed message: {error}")
 
     # -- both sides ----------------------------------------------------------------------
     def request_finished(
@@ -347,7 +409,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                         peer_key=res.peer_key,
                         local_block_ids=local,
                         remote_block_ids=res.block_ids,
-                        notif=pack_notif(res.d_request_id, send.transfer_id, 1, send.first_token),
+                        notif=Notif(res.d_request_id, send.transfer_id, 1, send.first_token).pack(),
                     )
                 )
         return md
@@ -386,7 +448,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         """Liveness: the prefill process at ``address`` restarted (``incarnation`` is gone:
         its waits are safe to free) or went silent (every wait there, quarantined)."""
         with self._lock:
-            if safe and self._p_peers.get(address, {}).get("incarnation") == incarnation:
+            peer = self._p_peers.get(address)
+            if safe and peer is not None and peer.incarnation == incarnation:
                 self._p_peers.pop(address, None)  # re-handshake with the new incarnation
             for rid, recv in list(self.consumer.recvs.items()):
                 if recv.p_address == address and incarnation in (None, recv.p_incarnation):
@@ -412,8 +475,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         )
 
     def _notify_failed(self, address: str, d_request_id: str, why: str, safe: bool) -> None:
-        msg = {"kind": "transfer_failed", "d_request_id": d_request_id, "reason": why, "safe": safe}
-        self._pool.submit(self._send_quietly, address, msg)
+        msg = TransferFailed(d_request_id=d_request_id, reason=why, safe=safe)
+        self._pool.submit(self._send_quietly, address, msg.to_wire())
 
     def _send_quietly(self, address: str, msg: dict[str, Any]) -> dict[str, Any] | None:
         try:
@@ -423,8 +486,13 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return None
 
     def _cancel_job(self, address: str, transfer_id: str, request_id: str) -> None:
-        reply = self._send_quietly(address, {"kind": "cancel", "transfer_id": transfer_id})
-        if reply and reply.get("state") == "cancelled":
+        raw = self._send_quietly(address, Cancel(transfer_id).to_wire())
+        try:
+            reply = None if raw is None else decode_reply(raw, CancelReply)
+        except MessageError as e:
+            logger.info("cancel of %s: bad reply from %s: %s", transfer_id, address, e)
+            return
+        if isinstance(reply, CancelReply) and reply.state == "cancelled":
             with self._lock:
                 self.consumer.cancel_confirmed(request_id)
 

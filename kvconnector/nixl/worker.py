@@ -15,7 +15,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from kvconnector.base import KVConnectorWorker
-from kvconnector.nixl.messages import unpack_notif
+from kvconnector.nixl.messages import MessageError, Notif
 from kvconnector.nixl.metadata import NixlConnectorMetadata
 from kvconnector.nixl.transport import DONE, ERROR, NixlTransport, TransferHandle
 
@@ -89,17 +89,18 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self._finished_sending.add(rid)
         recving: set[str] = set()
         for raw in t.get_notifs():
-            msg = unpack_notif(raw)
-            if msg is None:
-                logger.warning("tp%d: ignoring malformed notification %r", self.rank, raw[:64])
+            try:
+                notif = Notif.unpack(raw)
+            except MessageError as e:
+                logger.warning("tp%d: ignoring a malformed notification: %s", self.rank, e)
                 continue
             self._notifs += 1
-            rid = msg["r"]
+            rid = notif.r
             seen = self._parts.get(rid, 0) + 1
-            if seen >= int(msg.get("n", 1)):
+            if seen >= notif.n:
                 self._parts.pop(rid, None)
                 recving.add(rid)
-                self._recv_info[rid] = {"first_token": msg.get("ft"), "arrived": time.time()}
+                self._recv_info[rid] = {"first_token": notif.ft, "arrived": time.time()}
             else:
                 self._parts[rid] = seen
         sending, self._finished_sending = self._finished_sending, set()

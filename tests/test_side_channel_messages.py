@@ -1,0 +1,233 @@
+"""Typed side-channel messages: valid ones round-trip, forged or malformed ones are refused
+(by the decoder, and by a live connector's side-channel server, which keeps serving)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from engine.kv_cache_layout import KVCacheSpec
+from engine.model.loader import load_arch_config
+from kvconnector.nixl import messages as m
+from kvconnector.nixl.scheduler import NixlConnectorScheduler
+from kvconnector.nixl.side_channel import SideChannelClient
+
+HANDSHAKE = m.Handshake(
+    engine_id="d-0",
+    incarnation="abc",
+    peer_key="d-0:abc",
+    compat={"connector_version": m.CONNECTOR_VERSION},
+    ranks=({"agent_name": "a", "agent_metadata": b"\x00\x01", "num_blocks": 8},),
+    address="tcp://127.0.0.1:5600",
+)
+RESERVE = m.Reserve(
+    transfer_id="t1",
+    d_request_id="d1",
+    peer_key="d-0:abc",
+    address="tcp://127.0.0.1:5600",
+    block_ids=(3, 4, 7),
+    skip_blocks=1,
+)
+REQUESTS = [HANDSHAKE, RESERVE, m.Cancel("t1"), m.TransferFailed("d1", "gone", True), m.Ping()]
+REPLIES = [
+    m.HandshakeReply(
+        engine_id="p-0",
+        incarnation="def",
+        side_channel="tcp://127.0.0.1:5700",
+        role="producer",
+        compat={"block_size": 16},
+        transport={"library": "nixl"},
+        ranks=({"num_blocks": 8},),
+    ),
+    m.Ack(),
+    m.CancelReply("in_flight"),
+    m.PingReply(incarnation="def", engine_id="p-0"),
+]
+
+
+def _over_msgpack(wire: dict) -> dict:
+    """What the peer decodes: the map through msgpack, as the side channel sends it."""
+    return msgpack.unpackb(msgpack.packb(wire, use_bin_type=True), raw=False)
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda x: type(x).__name__)
+def test_requests_round_trip(msg):
+    wire = msg.to_wire()
+    assert wire["kind"] == msg.KIND
+    assert m.decode_request(_over_msgpack(wire)) == msg
+
+
+@pytest.mark.parametrize("reply", REPLIES, ids=lambda x: type(x).__name__)
+def test_replies_round_trip(reply):
+    wire = reply.to_wire()
+    assert wire["ok"] is True
+    assert m.decode_reply(_over_msgpack(wire), type(reply)) == reply
+
+
+def test_the_wire_keeps_its_v1_shape():
+    assert m.Ping().to_wire() == {"kind": "ping"}
+    assert m.Cancel("t").to_wire() == {"kind": "cancel", "transfer_id": "t"}
+    assert RESERVE.to_wire()["block_ids"] == [3, 4, 7]
+    assert m.CancelReply("cancelled").to_wire() == {"ok": True, "state": "cancelled"}
+    refusal = m.Refusal("handshake first", code=m.Refusal.HANDSHAKE_REQUIRED)
+    assert refusal.to_wire() == {
+        "ok": False,
+        "error": "handshake first",
+        "code": "handshake_required",
+    }
+    assert m.Refusal("no").to_wire() == {"ok": False, "error": "no"}
+    assert m.decode_reply({"ok": False, "error": "no"}, m.Ack) == m.Refusal("no")
+    # A reply that carries more than the decoder knows (a newer peer) still decodes.
+    assert m.decode_reply({"ok": True, "state": "cancelled", "extra": 1}, m.CancelReply)
+
+
+def _reserve(**override) -> dict:
+    return {**RESERVE.to_wire(), **override}
+
+
+@pytest.mark.parametrize(
+    ("raw", "error"),
+    [
+        ([1, 2], "must be a map"),
+        ({"transfer_id": "t"}, "unknown message kind None"),
+        ({"kind": "launch_missiles"}, "unknown message kind 'launch_missiles'"),
+        ({"kind": 7}, "unknown message kind 7"),
+        ({"kind": "cancel"}, "cancel: missing field 'transfer_id'"),
+        ({"kind": "cancel", "transfer_id": 5}, "cancel.transfer_id must be a non-empty string"),
+        ({"kind": "cancel", "transfer_id": ""}, "cancel.transfer_id must be a non-empty string"),
+        (_reserve(block_ids=[1, -2]), "reserve.block_ids[1] must be a non-negative integer"),
+        (_reserve(block_ids=[1, 2.0]), "reserve.block_ids[1] must be a non-negative integer"),
+        (_reserve(block_ids=[True]), "reserve.block_ids[0] must be a non-negative integer"),
+        (_reserve(block_ids="1,2"), "reserve.block_ids must be an array of block ids"),
+        (_reserve(block_ids={"0": 1}), "reserve.block_ids must be an array of block ids"),
+        (_reserve(skip_blocks=-1), "reserve.skip_blocks must be a non-negative integer"),
+        (_reserve(skip_blocks="1"), "reserve.skip_blocks must be a non-negative integer"),
+        (_reserve(address="http://x"), "reserve.address must be a side-channel address"),
+        ({**RESERVE.to_wire(), "d_request_id": None}, "reserve.d_request_id must be"),
+        (
+            {k: v for k, v in RESERVE.to_wire().items() if k != "peer_key"},
+            "reserve: missing field 'peer_key'",
+        ),
+        ({"kind": "transfer_failed", "d_request_id": "d", "reason": "x", "safe": 1}, "safe"),
+        ({**HANDSHAKE.to_wire(), "compat": [1]}, "handshake.compat must be a map"),
+        ({**HANDSHAKE.to_wire(), "ranks": [1]}, "handshake.ranks[0] must be a map"),
+        ({**HANDSHAKE.to_wire(), "ranks": {}}, "handshake.ranks must be an array of maps"),
+    ],
+)
+def test_malformed_requests_are_refused_with_the_field_named(raw, error):
+    with pytest.raises(m.MessageError) as info:
+        m.decode_request(raw)
+    assert error in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "cls", "error"),
+    [
+        ("yes", m.Ack, "must be a map"),
+        ({"state": "cancelled"}, m.CancelReply, "'ok' must be true or false"),
+        ({"ok": True, "state": "gone"}, m.CancelReply, "cancel reply.state must be"),
+        ({"ok": True}, m.PingReply, "ping reply: missing field 'incarnation'"),
+        ({"ok": False}, m.Ack, "refusal: missing field 'error'"),
+        ({"ok": True, "engine_id": "p"}, m.HandshakeReply, "missing field"),
+    ],
+)
+def test_malformed_replies_are_refused(raw, cls, error):
+    with pytest.raises(m.MessageError, match=error):
+        m.decode_reply(raw, cls)
+
+
+def test_notifications():
+    notif = m.Notif("d1", "t1", 2, 17)
+    assert m.Notif.unpack(notif.pack()) == notif
+    assert msgpack.unpackb(notif.pack()) == {"r": "d1", "t": "t1", "n": 2, "ft": 17}  # v1 wire
+    assert m.Notif.unpack(msgpack.packb({"r": "d1", "t": "t1", "n": 1, "ft": None})).ft is None
+    for bad, error in [
+        (b"\xc1", "undecodable"),
+        (msgpack.packb([1]), "expected a map"),
+        (msgpack.packb({"t": "t1"}), "missing field 'r'"),
+        (msgpack.packb({"r": "d", "t": "t", "n": 0}), "notif.n must be a positive integer"),
+        (msgpack.packb({"r": "d", "t": "t", "ft": -3}), "notif.ft must be a token id"),
+    ]:
+        with pytest.raises(m.MessageError, match=error):
+            m.Notif.unpack(bad)
+
+
+@pytest.fixture
+def prefill():
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", dtype="float32"),
+        cache=CacheConfig(num_blocks=64),
+        kv_transfer=KVTransferConfig(kv_connector="nixl", kv_role="producer"),
+    )
+    conn = NixlConnectorScheduler(cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg))
+    conn.set_worker_info([{"num_blocks": 64, "mem_type": "DRAM"}])
+    try:
+        yield conn
+    finally:
+        conn.shutdown()
+
+
+def test_a_live_server_refuses_forged_messages_and_keeps_serving(prefill):
+    client = SideChannelClient()
+
+    def ask(msg: dict) -> dict:
+        return client.request(prefill.address, msg, 5.0)
+
+    for forged in (
+        {"kind": "launch_missiles"},
+        {"kind": "cancel", "transfer_id": ["t"]},
+        _reserve(block_ids=[-1]),
+        {"kind": "handshake"},
+    ):
+        reply = ask(forged)
+        assert reply["ok"] is False and reply["error"].startswith("malformed message: ")
+    # A handshake of another connector version is told about the version, not the shape.
+    other = {"kind": "handshake", "compat": {**prefill.compat, "connector_version": 99}}
+    assert "connector_version mismatch" in ask(other)["error"]
+
+    # A reservation before the handshake, then one that names blocks the peer lacks.
+    assert ask(RESERVE.to_wire())["code"] == "handshake_required"
+    shake = m.Handshake(
+        engine_id="d-0",
+        incarnation="abc",
+        peer_key="d-0:abc",
+        compat=prefill.compat,
+        ranks=({"num_blocks": 8},),
+        address="tcp://127.0.0.1:5600",
+    )
+    reply = m.decode_reply(ask(shake.to_wire()), m.HandshakeReply)
+    assert isinstance(reply, m.HandshakeReply) and reply.incarnation == prefill.incarnation
+    out_of_range = m.decode_reply(ask(_reserve(block_ids=[3, 8])), m.Ack)
+    assert isinstance(out_of_range, m.Refusal) and "out of range" in out_of_range.error
+    assert m.decode_reply(ask(RESERVE.to_wire()), m.Ack) == m.Ack()
+    assert prefill.producer.early["t1"].block_ids == [3, 4, 7]
+    assert isinstance(m.decode_reply(ask(RESERVE.to_wire()), m.Ack), m.Refusal)  # twice: no
+    cancel = m.decode_reply(ask(m.Cancel("t1").to_wire()), m.CancelReply)
+    assert cancel == m.CancelReply("cancelled") and "t1" not in prefill.producer.early
+    ping = m.decode_reply(ask(m.Ping().to_wire()), m.PingReply)
+    assert ping == m.PingReply(incarnation=prefill.incarnation, engine_id=prefill.engine_id)
+
+
+def test_a_ping_answered_with_a_refusal_or_garbage_counts_as_a_miss():
+    """Only a valid ping reply tells the incarnation: anything else is not a restart
+    (which would free blocks a live peer may still write) but a miss."""
+    from concurrent.futures import Future
+
+    from kvconnector.nixl.liveness import PeerLiveness
+
+    class Inline:
+        def submit(self, fn, *args):
+            fut: Future = Future()
+            fut.set_result(fn(*args))
+            return fut
+
+    replies = [{"ok": False, "error": "unknown message kind 'ping'"}, {"ok": True}]
+    lost: list = []
+    live = PeerLiveness(
+        0.001, lambda a, msg, t: replies.pop(0), Inline(), lambda *args: lost.append(args)
+    )
+    for _ in range(2):
+        live._last = -1.0
+        live.tick({("tcp://p:1", "a")})
+    assert lost == [("tcp://p:1", None, "prefill tcp://p:1 stopped answering", False)]
