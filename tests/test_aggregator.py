@@ -1,4 +1,5 @@
-"""Seed rule 1: a transfer is finished only in the step in which ALL TP ranks reported it."""
+"""All-ranks aggregation: a transfer is finished only in the step in which ALL TP ranks
+reported it."""
 
 from __future__ import annotations
 

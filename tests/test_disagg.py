@@ -1,4 +1,5 @@
-"""Step 2: P pushes KV over real NIXL (UCX, DRAM) into blocks D reserved; D decodes."""
+"""Disaggregated P/D engines driven from the test process: P pushes KV over real NIXL (UCX,
+DRAM) into blocks D reserved; D decodes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hf_models import hf_greedy, make_hf_model, random_prompt, save_hf_model  # 
 from pd_utils import disagg_generate, nixl_config  # noqa: E402
 
 pytest.importorskip("nixl._api")
+pytestmark = pytest.mark.slow  # engines with worker processes and NIXL agents
 
 BS = 16
 LENGTHS = [1, BS - 1, BS, BS + 1, 5 * BS + 3, 300, 990]

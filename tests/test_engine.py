@@ -10,6 +10,8 @@ from engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerCo
 from engine.llm import LLM
 from engine.sampling_params import InvalidRequestError, SamplingParams
 
+pytestmark = pytest.mark.slow  # every test runs worker processes
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 

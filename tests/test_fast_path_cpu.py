@@ -65,6 +65,7 @@ def test_padded_decode_buffers_give_the_eager_rows_and_write_no_padding_slot():
     assert not graphs.can_run([[1, 2]])  # a prefill never takes the graph path
 
 
+@pytest.mark.slow
 def test_engine_on_the_triton_backend_matches_the_reference_backend(monkeypatch):
     """Chunked prefill, prefix-cache hits and decode batches, through real workers."""
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))

@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)"),
 ]
 

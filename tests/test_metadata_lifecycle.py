@@ -1,4 +1,5 @@
-"""Seed rule 2: the connector metadata is cleared at the end of every worker step."""
+"""Metadata cleared every step: the connector metadata is cleared at the end of every worker
+step."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Step 2: two "hosts" on one box.
+"""Two "hosts" on one box: P and D in two network namespaces, KV over TCP across a veth.
 
 P runs in network namespace A and D in namespace B, joined only by a veth pair, with
 ``UCX_TLS=tcp`` so NIXL's UCX backend moves the KV over TCP across the veth. D's greedy

@@ -25,6 +25,7 @@ nixl_transport = pytest.importorskip("kvconnector.nixl.transport")
 if not nixl_transport.NIXL_AVAILABLE:
     pytest.skip("nixl not installed", allow_module_level=True)
 NixlTransport = nixl_transport.NixlTransport
+pytestmark = pytest.mark.slow  # D is a spawned process
 
 SPEC = KVCacheSpec(
     num_blocks=32, num_layers=2, num_kv_heads=2, block_size=16, head_dim=32, dtype=torch.float16

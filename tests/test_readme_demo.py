@@ -23,6 +23,7 @@ def test_readme_first_two_commands_are_install_demo_and_tests():
     assert second == "python -m pytest -q"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_loopback_demo_streams_through_the_proxy_and_cleans_up():
     proc = subprocess.run(

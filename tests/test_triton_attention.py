@@ -481,6 +481,7 @@ for kernel, args, kwargs in launches:
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90():
     """The compiled path (``for`` loops, tensor-core dots), which the interpreter never runs."""
     pytest.importorskip("triton.backends.nvidia.compiler")
