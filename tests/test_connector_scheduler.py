@@ -3,10 +3,10 @@ ordering races between connector events, aborts and landed KV."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
+from harness import free_port
 
 import kvconnector.nixl.scheduler as nixl_scheduler
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
@@ -22,9 +22,7 @@ BLOCKS = 64
 
 
 def dead_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"  # closed when the block ends
+    return f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
 
 
 @pytest.fixture

@@ -232,17 +232,14 @@ def test_handshake_wait_does_not_stall_other_requests():
 def test_unseeded_sampling_agrees_between_prefill_and_a_recomputing_decode():
     """P samples the first token; D, failing over to local recompute, samples it again:
     without a client seed both draw from the transfer id's seed, so they agree."""
-    import socket
-
+    from harness import free_port
     from pd_utils import run_until
 
     from engine.core.request import Request
     from kvconnector.base import transfer_seed
 
     sampled = SamplingParams(max_tokens=8, temperature=1.0)  # no seed
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     base = EngineConfig(cache=CacheConfig(num_blocks=64))
     p = EngineCore(nixl_config(base, "producer"))
     d = EngineCore(nixl_config(base, "consumer"))

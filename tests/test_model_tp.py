@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import queue
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from harness import free_port
 from hf_models import make_hf_model, random_prompt, save_hf_model
 from paged_runner import PagedRunner, tp_greedy_worker
 
@@ -21,17 +21,11 @@ MAX_NEW_TOKENS = 24
 RESULT_TIMEOUT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_tp(jobs: list[tuple[str, list[list[int]], int]]) -> list:
     """Run ``jobs`` on TP ranks in spawned processes; return rank 0's results."""
     ctx = mp.get_context("spawn")
     results_q = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         ctx.Process(target=tp_greedy_worker, args=(rank, TP, init_method, jobs, results_q))
         for rank in range(TP)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import subprocess
 import sys
 from typing import Any
@@ -26,6 +25,7 @@ from harness import (
     kv_pool_full,
     metric,
     node_generate_requests,
+    sse_data,
     sse_events,
     stream_ids,
     wait_for,
@@ -199,8 +199,8 @@ def test_100_concurrent_requests_spread_over_nodes(cluster: Cluster) -> None:
             ) as resp:
                 assert resp.status_code == 200
                 lines = [ln async for ln in resp.aiter_lines() if ln]
-            assert lines[-1] == "data: [DONE]"
-            events = [json.loads(ln[6:]) for ln in lines[:-1]]
+            events = sse_data(lines)
+            assert events.pop() == "DONE"
             assert all("error" not in e for e in events), events
             return stream_ids(events)
         resp = await client.post("/v1/completions", json=body)

@@ -7,11 +7,19 @@ killed node is healthy and route to it, which exercises the retry on another pai
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
-from harness import GREEDY, Proc, Procs, metric, sse_events, stream_ids, wait_for, wait_healthy
+from harness import (
+    GREEDY,
+    Proc,
+    Procs,
+    metric,
+    sse_data,
+    sse_events,
+    stream_ids,
+    wait_for,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -58,8 +66,8 @@ def test_decode_killed_mid_stream_gets_error_event(setup: Setup) -> None:
         victim.kill9()
         setup.killed = victim
         rest = list(lines)
-    events = [json.loads(ln[6:]) for ln in first + rest if ln.startswith("data: {")]
-    assert [ln for ln in rest if ln][-1] == "data: [DONE]"
+    events = sse_data(first + rest)
+    assert events.pop() == "DONE"
     assert "error" in events[-1], events[-3:]
     assert all("error" not in e for e in events[:-1])
     assert stream_ids(events[:-1]), "some tokens arrived before the failure"
