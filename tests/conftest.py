@@ -3,7 +3,8 @@ polling) live in ``harness.py``; HF reference models in ``hf_models.py``.
 
 Markers: ``slow`` for every test that starts processes (nodes, proxies, engine worker
 processes, NIXL peers, scripts), so ``pytest -m "not slow"`` runs the in-process unit
-tests alone; ``gpu`` for tests that need CUDA.
+tests alone; ``gpu`` for tests that need CUDA. A test that uses one of the process
+fixtures below is marked ``slow`` here; others that start processes say so themselves.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from collections.abc import Iterator
 
 import pytest
 from harness import PD, Procs, procs_in
+
+PROCESS_FIXTURES = {"procs", "module_procs", "pd_pair"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from kvconnector.params import KVTransferParams
 
+pytestmark = pytest.mark.slow  # the engine runs a worker process
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
