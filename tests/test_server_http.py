@@ -457,7 +457,8 @@ def test_metrics(node: Proc) -> None:
         assert name in resp.text, name
     assert node.metric("pdserve_generation_tokens_total") > 0
     assert node.metric("pdserve_engine_healthy") == 1
-    assert 'path="/v1/completions",status="200"' in resp.text
+    ok = {"path": "/v1/completions", "status": "200"}
+    assert node.metric("pdserve_http_requests_total", ok) > 0
 
 
 # -- lifecycle -----------------------------------------------------------------------------
