@@ -110,6 +110,9 @@ class ConnectorEvents:
 
 
 class KVConnectorScheduler(ABC):
+    # True for connectors that move KV between nodes (they serve P/D requests).
+    moves_kv = False
+
     def __init__(self, config: EngineConfig, kv_spec: KVCacheSpec) -> None:
         """``kv_spec``: one rank's KV layout, computed once by the engine (its dtype and
         sizes are what peers must match); the connector never loads the model itself."""
@@ -118,9 +121,6 @@ class KVConnectorScheduler(ABC):
 
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:  # noqa: B027
         """Called once at start with every rank's ``handshake_info()`` (rank order)."""
-
-    # True for connectors that move KV between nodes (they serve P/D requests).
-    moves_kv = False
 
     def prepare_request(self, request: Request) -> None:
         """Refuse P/D parameters this node can't serve; apply the P/D request policy.
