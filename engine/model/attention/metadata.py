@@ -138,9 +138,7 @@ def pack_step(
     slots[real_tokens:] = -1
     ids = np.zeros(num_tokens, dtype=np.int64)
     ids[:real_tokens] = [t for toks in token_ids for t in toks]
-    buffer = np.concatenate(
-        [ids, positions, slots, query_start_loc, seq_lens, tables.reshape(-1)]
-    )
+    buffer = np.concatenate([ids, positions, slots, query_start_loc, seq_lens, tables.reshape(-1)])
     return PackedStep(
         buffer=torch.from_numpy(buffer),
         num_tokens=num_tokens,
