@@ -28,6 +28,7 @@ from engine.core.request import Request
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.stats import StatsGroup
 from engine.tokenizer import load_tokenizer
 from kvconnector.params import KVTransferParams
 
@@ -61,7 +62,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}  # accepted requests' output queues
         self._streams_lock = threading.Lock()
         self._stop = threading.Event()
-        self._stats: dict[str, float] = self.core.stats()
+        self._stats: StatsGroup = self.core.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -119,8 +120,9 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
-    def stats(self) -> dict[str, float]:
-        return dict(self._stats)
+    def stats(self) -> StatsGroup:
+        """The latest snapshot the engine thread took (typed, see ``engine.stats``)."""
+        return self._stats
 
     def kv_info(self) -> dict[str, Any]:
         return self.core.connector.info()

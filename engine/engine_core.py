@@ -20,6 +20,7 @@ from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import resolve_dtype
 from engine.model.loader import load_arch_config
 from engine.outputs import RequestOutput
+from engine.stats import StatsGroup
 from kvconnector.factory import create_scheduler_connector
 
 logger = logging.getLogger(__name__)
@@ -124,8 +125,9 @@ class EngineCore:
             self.scheduler.abort_request(rid, reason)
         return self.scheduler.take_outputs()
 
-    def stats(self) -> dict[str, float]:
-        return {**self.scheduler.stats(), **self.connector.stats()}
+    def stats(self) -> StatsGroup:
+        """The scheduler's and the connector's typed stats, read as one."""
+        return StatsGroup(self.scheduler.stats(), self.connector.stats())
 
     def shutdown(self) -> None:
         self.connector.shutdown()

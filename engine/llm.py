@@ -8,6 +8,7 @@ from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
+from engine.stats import StatsGroup
 
 
 class LLM:
@@ -37,7 +38,7 @@ class LLM:
                     done.add(out.request_id)
         return [results[rid] for rid in ids]
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> StatsGroup:
         return self.core.stats()
 
     def shutdown(self) -> None:

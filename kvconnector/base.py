@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from engine.core.request import Request
     from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from engine.kv_cache_layout import KVCacheSpec
+    from engine.stats import Stats, StatsGroup
     from kvconnector.params import KVTransferParams
 
 
@@ -190,8 +191,9 @@ class KVConnectorScheduler(ABC):
         """
         return False
 
-    def stats(self) -> dict[str, float]:
-        return {}
+    def stats(self) -> Stats | StatsGroup | None:
+        """A typed snapshot (``engine.stats``), or None when there is nothing to report."""
+        return None
 
     def shutdown(self) -> None:  # noqa: B027
         pass
@@ -239,8 +241,9 @@ class KVConnectorWorker(ABC):
     def take_failures(self) -> dict[str, str]:
         return {}
 
-    def stats(self) -> dict[str, float]:
-        return {}
+    def stats(self) -> Stats | StatsGroup | None:
+        """A typed snapshot (``engine.stats``), or None when there is nothing to report."""
+        return None
 
     def shutdown(self) -> None:  # noqa: B027
         pass

@@ -9,17 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.httpkit.metrics import MetricsRegistry
 from proxy.nodes import NodePool
 
 PREFIX = "pdproxy"
@@ -60,52 +53,36 @@ class _NodeCollector(Collector):
         yield from (outstanding, healthy, served, failures)
 
 
-class ProxyMetrics:
-    content_type = CONTENT_TYPE_LATEST
-
+class ProxyMetrics(MetricsRegistry):
     def __init__(self, pool: NodePool) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_NodeCollector(pool))
-        self.requests = Counter(
-            f"{PREFIX}_requests",
-            "Requests answered, by endpoint and HTTP status",
-            ["endpoint", "status"],
-            registry=self.registry,
+        super().__init__(PREFIX, _NodeCollector(pool))
+        self.requests = self.counter(
+            "requests", "Requests answered, by endpoint and HTTP status", ["endpoint", "status"]
         )
-        self.errors = Counter(
-            f"{PREFIX}_request_errors",
+        self.errors = self.counter(
+            "request_errors",
             "Failed requests by kind (bad_request, overloaded, unavailable, upstream, "
             "stream_error, client_disconnect)",
             ["kind"],
-            registry=self.registry,
         )
-        self.retries = Counter(
-            f"{PREFIX}_request_retries",
+        self.retries = self.counter(
+            "request_retries",
             "Requests retried on another prefill/decode pair, by the role that failed",
             ["role"],
-            registry=self.registry,
         )
-        self.inflight = Gauge(
-            f"{PREFIX}_requests_inflight", "Requests in flight", registry=self.registry
-        )
-        self.ttft = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds",
+        self.inflight = self.gauge("requests_inflight", "Requests in flight")
+        self.ttft = self.histogram(
+            "time_to_first_token_seconds",
             "Time from request arrival until the proxy had the first token",
             buckets=_TTFT_BUCKETS,
-            registry=self.registry,
         )
-        self.itl = Histogram(
-            f"{PREFIX}_inter_token_latency_seconds",
+        self.itl = self.histogram(
+            "inter_token_latency_seconds",
             "Time between consecutive streamed tokens",
             buckets=_ITL_BUCKETS,
-            registry=self.registry,
         )
-        self.e2e = Histogram(
-            f"{PREFIX}_request_latency_seconds",
+        self.e2e = self.histogram(
+            "request_latency_seconds",
             "Time from request arrival to the end of the answer",
             buckets=_E2E_BUCKETS,
-            registry=self.registry,
         )
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.core.scheduler_stats import SchedulerStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidRequestError
 from kvconnector.base import KVConnectorScheduler
@@ -323,17 +324,17 @@ class Scheduler:
                 self.kv.pool.free(blocks)
 
     # -- introspection -------------------------------------------------------------------
-    def stats(self) -> dict[str, float]:
-        return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "num_waiting_for_remote_kv": len(self.remote_waiting),
-            "num_held": len(self.held),
-            "num_quarantined_blocks": sum(len(b) for b in self.quarantine.values()),
-            "kv_blocks_total": self.kv.num_blocks,
-            "kv_blocks_free": self.kv.pool.num_free,
-            "kv_blocks_used": self.kv.pool.num_used,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
-            "num_preemptions_total": self.num_preemptions_total,
-        }
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_for_remote_kv=len(self.remote_waiting),
+            num_held=len(self.held),
+            num_quarantined_blocks=sum(len(b) for b in self.quarantine.values()),
+            kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_free=self.kv.pool.num_free,
+            kv_blocks_used=self.kv.pool.num_used,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_preemptions_total=self.num_preemptions_total,
+        )

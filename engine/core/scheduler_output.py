@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from engine.stats import Stats
 
 
 @dataclass
@@ -51,7 +52,7 @@ class WorkerOutput:
     kv_recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Per-request transfer failures seen by this rank: request id -> reason.
     kv_failed: dict[str, str] = field(default_factory=dict)
-    kv_stats: dict[str, float] = field(default_factory=dict)
+    kv_stats: Stats | None = None  # the connector's per-rank counters (typed)
 
 
 @dataclass
@@ -63,4 +64,4 @@ class ModelRunnerOutput:
     finished_recving: set[str] = field(default_factory=set)
     kv_recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     kv_failed: dict[str, str] = field(default_factory=dict)
-    kv_stats: dict[str, float] = field(default_factory=dict)
+    kv_stats: Stats | None = None  # the connector's per-rank counters (typed)

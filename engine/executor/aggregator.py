@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from engine.core.scheduler_output import ModelRunnerOutput, WorkerOutput
+from engine.stats import Stats
 
 
 class KVOutputAggregator:
@@ -48,7 +49,7 @@ class KVOutputAggregator:
             raise ValueError(f"expected {self.world_size} worker outputs, got {len(outputs)}")
         finished_sending: set[str] = set()
         finished_recving: set[str] = set()
-        kv_stats: dict[str, float] = {}
+        kv_stats: Stats | None = None
         with self._lock:
             for out in outputs:
                 self._count(self._remaining_send, out.finished_sending, finished_sending)
@@ -56,8 +57,8 @@ class KVOutputAggregator:
                 for req_id, info in out.kv_recv_info.items():
                     self._recv_info.setdefault(req_id, {}).update(info)
                 self._send_failed.update(out.kv_failed)
-                for k, v in out.kv_stats.items():
-                    kv_stats[k] = kv_stats.get(k, 0.0) + v
+                if out.kv_stats is not None:  # per-rank counters add up
+                    kv_stats = out.kv_stats if kv_stats is None else kv_stats + out.kv_stats
             kv_recv_info = {r: self._recv_info.pop(r, {}) for r in finished_recving}
             kv_failed = {
                 r: self._send_failed.pop(r) for r in finished_sending if r in self._send_failed

@@ -1,23 +1,15 @@
 """Prometheus metrics of one node, on a per-app ``CollectorRegistry``.
 
-Engine gauges and counters are read from ``engine.stats()`` at scrape time by a custom
-collector; HTTP and request-level metrics are recorded by the app as requests complete.
+Engine gauges and counters are read from ``engine.stats()`` (typed, ``engine.stats``) at
+scrape time by a custom collector, with their Prometheus types; HTTP and request-level metrics are recorded by the app as requests complete.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
-)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -26,56 +18,46 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from engine.httpkit.metrics import MetricsRegistry
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "pdserve"
 
-# engine.stats() key -> (metric name without prefix, kind, help). Always exported.
-KNOWN_STATS: dict[str, tuple[str, str, str]] = {
-    "num_running": ("num_requests_running", "gauge", "Requests currently running"),
-    "num_waiting": ("num_requests_waiting", "gauge", "Requests waiting to be scheduled"),
-    "kv_blocks_used": ("kv_blocks_used", "gauge", "KV cache blocks in use"),
-    "kv_blocks_free": ("kv_blocks_free", "gauge", "KV cache blocks free"),
-    "prompt_tokens_total": ("prompt_tokens", "counter", "Prompt tokens processed"),
-    "generation_tokens_total": ("generation_tokens", "counter", "Tokens generated"),
-}
-
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-
-
-def _sanitize(name: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", name).strip("_") or "unnamed"
-
 
 class EngineStatsCollector(Collector):
-    """Turns ``engine.stats()`` into metric families on every scrape."""
+    """Turns the engine's typed stats (``engine.stats``) into metric families on every
+    scrape: counters as counters, gauges as gauges, each also under its vLLM name where it
+    has one (``vllm:<name>{model_name=...}``)."""
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        healthy = bool(getattr(self._engine, "healthy", True))
+        healthy = bool(self._engine.healthy)
         g = GaugeMetricFamily(f"{PREFIX}_engine_healthy", "1 if the engine is serving, else 0")
         g.add_metric([], 1.0 if healthy else 0.0)
         yield g
         try:
-            stats = dict(self._engine.stats())
+            entries = list(self._engine.stats().entries())
         except Exception:  # a dead engine must not break the scrape
             logger.warning("engine.stats() failed during a metrics scrape", exc_info=True)
-            stats = {}
-        for key, (name, kind, doc) in KNOWN_STATS.items():
-            yield _family(f"{PREFIX}_{name}", kind, doc, float(stats.get(key, 0.0)))
-        used, free = stats.get("kv_blocks_used"), stats.get("kv_blocks_free")
+            entries = []
+        model = [self._engine.model_name]
+        values = {e.name: e.value for e in entries}
+        for e in entries:
+            yield _family(f"{PREFIX}_{e.metric}", e.kind, e.doc, e.value)
+            if e.vllm:
+                yield _family(f"vllm:{e.vllm}", e.kind, e.doc, e.value, model)
+        used, free = values.get("kv_blocks_used"), values.get("kv_blocks_free")
         if used is not None and free is not None and used + free > 0:
+            ratio = used / (used + free)
             yield _family(
-                f"{PREFIX}_kv_cache_usage_ratio", "gauge", "Fraction of KV blocks in use",
-                float(used) / float(used + free),
-            )  # fmt: skip
-        for key, value in sorted(stats.items()):
-            if key in KNOWN_STATS or not isinstance(value, int | float):
-                continue
-            # Unknown keys (scheduler/connector extras) are exported as gauges as-is.
-            yield _family(f"{PREFIX}_engine_{_sanitize(key)}", "gauge", key, float(value))
+                f"{PREFIX}_kv_cache_usage_ratio", "gauge", "Fraction of KV blocks in use", ratio
+            )
+            yield _family(
+                "vllm:kv_cache_usage_perc", "gauge", "KV cache usage (1 = full)", ratio, model
+            )
         histograms = getattr(self._engine, "histograms", dict)()
         for name, hist in sorted(histograms.items()):
             buckets, total = hist.snapshot()
@@ -86,61 +68,47 @@ class EngineStatsCollector(Collector):
             yield h
 
 
-def _family(name: str, kind: str, doc: str, value: float) -> Metric:
+def _family(name: str, kind: str, doc: str, value: float, model: list[str] | None = None) -> Metric:
+    labels = ["model_name"] if model else None
     fam: Metric
-    fam = CounterMetricFamily(name, doc) if kind == "counter" else GaugeMetricFamily(name, doc)
-    fam.add_metric([], value)
+    if kind == "counter":
+        fam = CounterMetricFamily(name, doc, labels=labels)
+    else:
+        fam = GaugeMetricFamily(name, doc, labels=labels)
+    fam.add_metric(model or [], value)
     return fam
 
 
-class ServerMetrics:
-    """All metrics of one app; ``render()`` produces the /metrics body."""
-
-    content_type = CONTENT_TYPE_LATEST
+class ServerMetrics(MetricsRegistry):
+    """All metrics of one node app; ``render()`` produces the /metrics body."""
 
     def __init__(self, engine: Any) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineStatsCollector(engine))
-        self.http_requests = Counter(
-            f"{PREFIX}_http_requests",
+        super().__init__(PREFIX, EngineStatsCollector(engine))
+        self.http_requests = self.counter(
+            "http_requests",
             "HTTP requests by method, route and status",
             ["method", "path", "status"],
-            registry=self.registry,
         )
-        self.http_latency = Histogram(
-            f"{PREFIX}_http_request_duration_seconds",
-            "HTTP request latency by method and route",
+        self.http_latency = self.histogram(
+            "http_request_duration_seconds", "HTTP request latency by method and route",
             ["method", "path"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.requests_finished = Counter(
-            f"{PREFIX}_request_finished",
+        )  # fmt: skip
+        self.requests_finished = self.counter(
+            "request_finished",
             "Generation requests finished, by endpoint and finish reason",
             ["endpoint", "finish_reason"],
-            registry=self.registry,
         )
-        self.ttft = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds",
-            "Time from request arrival to the first generated token",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self.ttft = self.histogram(
+            "time_to_first_token_seconds", "Time from request arrival to the first generated token"
         )
-        self.e2e = Histogram(
-            f"{PREFIX}_request_latency_seconds",
-            "Time from request arrival to its last generated token",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self.e2e = self.histogram(
+            "request_latency_seconds", "Time from request arrival to its last generated token"
         )
-        self.prompt_tokens = Counter(
-            f"{PREFIX}_request_prompt_tokens",
-            "Prompt tokens of requests served over HTTP",
-            registry=self.registry,
+        self.prompt_tokens = self.counter(
+            "request_prompt_tokens", "Prompt tokens of requests served over HTTP"
         )
-        self.completion_tokens = Counter(
-            f"{PREFIX}_request_completion_tokens",
-            "Completion tokens returned over HTTP",
-            registry=self.registry,
+        self.completion_tokens = self.counter(
+            "request_completion_tokens", "Completion tokens returned over HTTP"
         )
 
     def observe_http(self, method: str, path: str, status: int, seconds: float) -> None:
@@ -162,6 +130,3 @@ class ServerMetrics:
         if ttft is not None:
             self.ttft.observe(ttft)
         self.e2e.observe(e2e)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

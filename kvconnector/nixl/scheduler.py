@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from engine.core.request import RequestStatus
+from engine.stats import StatsGroup
 from kvconnector.base import ConnectorEvents, KVConnectorScheduler
 from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
@@ -52,6 +53,7 @@ from kvconnector.nixl.messages import (
 from kvconnector.nixl.metadata import NixlConnectorMetadata, SendSpec
 from kvconnector.nixl.producer import Producer, Reservation
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
+from kvconnector.nixl.stats import NixlSchedulerStats, NixlWorkerStats
 from kvconnector.params import KVTransferParams
 
 if TYPE_CHECKING:
@@ -107,7 +109,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._p_locks: dict[str, threading.Lock] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-rpc")
         self._client = SideChannelClient()
-        self._stats: dict[str, float] = {}
+        self._worker_stats = NixlWorkerStats()  # the ranks' transport counters, summed
         self.histograms = {
             "kv_transfer_duration_seconds": Histogram(
                 "KV push duration: from issuing the WRITEs to all ranks done", DURATION_BUCKETS
@@ -431,8 +433,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     # Part of an errored WRITE may still land: D quarantines (safe=False).
                     self._notify_failed(r.d_address, r.d_request_id, output.kv_failed[rid], False)
                     self._evict_peer(r.peer_key, output.kv_failed[rid])
-            if output.kv_stats:
-                self._stats = dict(output.kv_stats)
+            if isinstance(output.kv_stats, NixlWorkerStats):
+                self._worker_stats = output.kv_stats
 
     def _evict_peer(self, key: str, why: str) -> None:
         """A push to this decode peer failed: forget it (agents, descriptor lists). A live
@@ -506,23 +508,23 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return bool(self.producer.in_flight or c.recvs or c.quarantine)
 
     # -- metrics -------------------------------------------------------------------------
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> StatsGroup:
         with self._lock:
-            return {
-                "kv_transfers_in_flight": len(self.producer.in_flight),
-                "kv_transfers_started_total": self.producer.sends_started,
-                "kv_transfer_failures_total": self.failed_transfers,
-                "kv_loads_failed_total": self.consumer.loads_failed,
-                "kv_loads_waiting": len(self.consumer.recvs),
-                "kv_quarantined_requests": len(self.consumer.quarantine),
-                "kv_held_for_send": len(self.producer.pending),
-                "kv_reservations_waiting": len(self.producer.early),
-                "kv_handshakes_total": self.handshakes,
-                "kv_prefill_peers_lost_total": self.liveness.peers_lost,
-                "kv_decode_peers": len(self._d_peers),
-                "kv_handshake_failures_total": self.handshake_failures,
-                **self._stats,
-            }
+            own = NixlSchedulerStats(
+                kv_transfers_in_flight=len(self.producer.in_flight),
+                kv_transfers_started_total=self.producer.sends_started,
+                kv_transfer_failures_total=self.failed_transfers,
+                kv_loads_failed_total=self.consumer.loads_failed,
+                kv_loads_waiting=len(self.consumer.recvs),
+                kv_quarantined_requests=len(self.consumer.quarantine),
+                kv_held_for_send=len(self.producer.pending),
+                kv_reservations_waiting=len(self.producer.early),
+                kv_handshakes_total=self.handshakes,
+                kv_prefill_peers_lost_total=self.liveness.peers_lost,
+                kv_decode_peers=len(self._d_peers),
+                kv_handshake_failures_total=self.handshake_failures,
+            )
+            return StatsGroup(own, self._worker_stats)
 
     def shutdown(self) -> None:
         self._server.close()

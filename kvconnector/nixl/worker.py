@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvconnector.base import KVConnectorWorker
 from kvconnector.nixl.messages import MessageError, Notif
 from kvconnector.nixl.metadata import NixlConnectorMetadata
+from kvconnector.nixl.stats import NixlWorkerStats
 from kvconnector.nixl.transport import DONE, ERROR, NixlTransport, TransferHandle
 
 if TYPE_CHECKING:
@@ -114,19 +115,19 @@ class NixlConnectorWorker(KVConnectorWorker):
         failures, self._failures = self._failures, {}
         return failures
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> NixlWorkerStats | None:
         if self.transport is None:
-            return {}
+            return None
         s = self.transport.stats
-        return {
-            "kv_bytes_sent_total": s.bytes_written,
-            "kv_blocks_sent_total": s.blocks_written,
-            "kv_descriptors_total": s.descriptors_total,
-            "kv_rank_transfers_started_total": s.transfers_started,
-            "kv_rank_transfers_done_total": s.transfers_done,
-            "kv_rank_transfers_failed_total": s.transfers_failed,
-            "kv_notifs_received_total": self._notifs,
-        }
+        return NixlWorkerStats(
+            kv_bytes_sent_total=s.bytes_written,
+            kv_blocks_sent_total=s.blocks_written,
+            kv_descriptors_total=s.descriptors_total,
+            kv_rank_transfers_started_total=s.transfers_started,
+            kv_rank_transfers_done_total=s.transfers_done,
+            kv_rank_transfers_failed_total=s.transfers_failed,
+            kv_notifs_received_total=self._notifs,
+        )
 
     def shutdown(self) -> None:
         if self.transport is not None:
