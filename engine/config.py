@@ -18,13 +18,15 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag to fix."""
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """The command-line flag of a config field: ``max_num_seqs`` -> ``--max-num-seqs``."""
     return "--" + name.replace("_", "-")
 
 
-def _require(cond: bool, name: str, msg: str) -> None:
+def require(cond: bool, name: str, msg: str, error: type[ValueError] = ConfigError) -> None:
+    """Raise ``error("--flag: msg")`` unless ``cond`` (engine and proxy configs)."""
     if not cond:
-        raise ConfigError(f"{_flag(name)}: {msg}")
+        raise error(f"{flag_name(name)}: {msg}")
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,13 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(bool(self.model), "model", "must be a checkpoint directory or 'tiny'")
-        _require(
+        require(bool(self.model), "model", "must be a checkpoint directory or 'tiny'")
+        require(
             self.model == "tiny" or os.path.isdir(self.model),
             "model",
             f"{self.model!r} is neither 'tiny' nor a directory with config.json",
         )
-        _require(
+        require(
             self.max_model_len is None or self.max_model_len > 0,
             "max_model_len",
             "must be a positive number of tokens",
@@ -89,22 +91,22 @@ class CacheConfig:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.block_size > 0 and (self.block_size & (self.block_size - 1)) == 0,
             "block_size",
             f"must be a power of two, got {self.block_size}",
         )
-        _require(
+        require(
             self.num_blocks is None or self.num_blocks >= 2,
             "num_blocks",
             "must be at least 2",
         )
-        _require(
+        require(
             0.0 < self.kv_memory_fraction <= 0.95,
             "kv_memory_fraction",
             "must be in (0, 0.95]",
         )
-        _require(
+        require(
             0.0 < self.gpu_memory_utilization <= 1.0,
             "gpu_memory_utilization",
             "must be in (0, 1]",
@@ -124,9 +126,9 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(self.tp >= 1, "tp", "must be >= 1")
-        _require(self.step_timeout > 0, "step_timeout", "must be > 0 seconds")
-        _require(self.worker_threads >= 1, "worker_threads", "must be >= 1")
+        require(self.tp >= 1, "tp", "must be >= 1")
+        require(self.step_timeout > 0, "step_timeout", "must be > 0 seconds")
+        require(self.worker_threads >= 1, "worker_threads", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -137,8 +139,8 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -171,9 +173,9 @@ class KVTransferConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(0 <= self.side_channel_port < 65536, "side_channel_port", "must be in [0, 65535]")
-        _require(self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0 seconds")
-        _require(self.peer_ping_interval >= 0, "peer_ping_interval", "must be >= 0 seconds")
+        require(0 <= self.side_channel_port < 65536, "side_channel_port", "must be in [0, 65535]")
+        require(self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0 seconds")
+        require(self.peer_ping_interval >= 0, "peer_ping_interval", "must be >= 0 seconds")
 
 
 @dataclass(frozen=True)

@@ -23,21 +23,18 @@ try:
 except ModuleNotFoundError:  # Python 3.10: JSON config files only
     tomllib = None  # type: ignore[assignment]
 
+from engine.config import ConfigError, flag_name, require
+
 ENV_PREFIX = "PDPROXY_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-class ProxyConfigError(ValueError):
+class ProxyConfigError(ConfigError):
     """A proxy setting is invalid; the message names the flag to fix."""
 
 
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _require(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise ProxyConfigError(f"{flag_name(name)}: {msg}")
+    require(cond, name, msg, ProxyConfigError)
 
 
 _URL_RE = re.compile(r"^https?://[^/\s]+$")

@@ -26,6 +26,7 @@ import httpx
 
 from engine.httpkit import openai
 from engine.httpkit.sse import SSE_DONE, sse_event
+from engine.httpkit.sse_reader import SSEReader
 from engine.server.protocol import APIError, error_body
 from proxy.config import ProxyConfig
 from proxy.legs import Attempt, Legs, UpstreamError
@@ -259,15 +260,8 @@ class Session:
             except UpstreamError as e:
                 self._failed(self.current, e)
                 resp = await self._reopen_after_first_token()
-            done = False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                obj = json.loads(data)
+            events = SSEReader(resp.aiter_lines())
+            async for obj in events:
                 if "error" in obj:
                     self.metrics.errors.labels("stream_error").inc()
                     logger.warning("request %s: decode reported %s", self.request_id, obj)
@@ -284,7 +278,7 @@ class Session:
                     self.metrics.itl.observe((now - last) / n)
                     last = now
                 yield sse_event(out)
-            if done:
+            if events.done:
                 assert self.current is not None
                 self.current.finished = True
                 self.outcome = "ok"

@@ -26,6 +26,7 @@ from typing import Any
 
 from engine.bench.stats import RequestResult, ServeSummary
 from engine.bench.words import WORDS
+from engine.httpkit.sse_reader import SSEReader
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -191,20 +192,13 @@ async def send_one(
 async def _stream(client: Any, url: str, body: dict[str, Any], r: RequestResult) -> None:
     start = time.perf_counter()
     last: float | None = None
-    done = False
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
             raw = (await resp.aread()).decode("utf-8", "replace")
             r.error = f"HTTP {resp.status_code}: {_error_message(raw)}"
             return
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            chunk = json.loads(data)
+        events = SSEReader(resp.aiter_lines())
+        async for chunk in events:
             if "error" in chunk:
                 r.error = f"stream error: {_error_message(json.dumps(chunk))}"
                 return
@@ -223,7 +217,7 @@ async def _stream(client: Any, url: str, body: dict[str, Any], r: RequestResult)
                 if usage.get("prompt_tokens"):
                     r.prompt_tokens = int(usage["prompt_tokens"])
     r.e2e = time.perf_counter() - start
-    if not done:
+    if not events.done:
         r.error = "stream ended without [DONE]"
     elif r.output_tokens == 0:
         r.error = "no tokens received"

@@ -16,15 +16,11 @@ import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, flag_name
 from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
 
 
 def config_sections() -> dict[str, type]:
