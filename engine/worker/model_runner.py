@@ -56,14 +56,7 @@ class ModelRunner:
         self.staging = HostStaging(self.device)
 
     def _spec(self, num_blocks: int) -> KVCacheSpec:
-        return KVCacheSpec(
-            num_blocks=num_blocks,
-            num_layers=self.arch.num_hidden_layers,
-            num_kv_heads=self.arch.num_key_value_heads // self.world_size,
-            block_size=self.block_size,
-            head_dim=self.arch.head_dim,
-            dtype=self.dtype,
-        )
+        return KVCacheSpec.for_model(self.arch, self.config, num_blocks)
 
     # -- start-up ---------------------------------------------------------------------------
     @torch.inference_mode()
