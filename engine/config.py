@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,9 +30,35 @@ def require(cond: bool, name: str, msg: str, error: type[ValueError] = ConfigErr
         raise error(f"{flag_name(name)}: {msg}")
 
 
+TINY_MODEL = "tiny"
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def is_repo_id(model: str) -> bool:
+    """The shape of a Hugging Face repo id, ``org/name`` (``engine.model.hub`` resolves it)."""
+    return bool(_REPO_ID_RE.match(model)) and ".." not in model and not model.endswith(".")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = field(default="tiny", metadata={"help": "HF checkpoint directory or 'tiny'"})
+    model: str = field(
+        default="tiny",
+        metadata={
+            "help": "HF checkpoint directory, Hugging Face repo id (org/name, downloaded "
+            "into the HF cache) or 'tiny'"
+        },
+    )
+    revision: str | None = field(
+        default=None,
+        metadata={"help": "branch, tag or commit of a repo-id --model (default: main)"},
+    )
+    download_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hugging Face cache directory for a repo-id --model "
+            "(default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)"
+        },
+    )
     served_model_name: str | None = field(
         default=None, metadata={"help": "name clients use in 'model' (default: --model)"}
     )
@@ -55,11 +82,17 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        require(bool(self.model), "model", "must be a checkpoint directory or 'tiny'")
+        require(bool(self.model), "model", "must be a checkpoint directory, a repo id or 'tiny'")
         require(
-            self.model == "tiny" or os.path.isdir(self.model),
+            self.model == TINY_MODEL or os.path.isdir(self.model) or is_repo_id(self.model),
             "model",
-            f"{self.model!r} is neither 'tiny' nor a directory with config.json",
+            f"{self.model!r} is neither 'tiny', a checkpoint directory, "
+            "nor a Hugging Face repo id (org/name)",
+        )
+        require(
+            self.revision is None or bool(self.revision.strip()),
+            "revision",
+            "must not be empty",
         )
         require(
             self.max_model_len is None or self.max_model_len > 0,

@@ -18,6 +18,7 @@ from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.multiproc import MultiprocExecutor
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import resolve_dtype
+from engine.model.hub import resolve_model_config
 from engine.model.loader import load_arch_config
 from engine.outputs import RequestOutput
 from engine.stats import StatsGroup
@@ -53,6 +54,8 @@ def decide_num_blocks(
 
 class EngineCore:
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+        # A repo-id --model becomes its local snapshot (a no-op when run_node already did).
+        config = resolve_model_config(config)
         self.arch = load_arch_config(config.model.model)
         # Resolve --dtype auto once, so workers and the connector's compat check agree.
         dtype = resolve_dtype(config.model.dtype, config.parallel.device, self.arch)

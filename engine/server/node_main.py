@@ -86,8 +86,15 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
     engine = None
     try:
         from engine.async_engine import AsyncLLMEngine
+        from engine.config import ConfigError
+        from engine.model.hub import resolve_model_config
         from engine.server.app import build_app
 
+        try:  # a repo-id --model: its local snapshot, downloaded once, before anything loads
+            config = resolve_model_config(config)
+        except ConfigError as e:
+            print(f"{role}-node: error: {e}", file=sys.stderr)
+            return 2
         logger.info("starting %s engine: %s", role, config)
         engine = AsyncLLMEngine.start(config, log_level=args.log_level)
         banner = (

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,16 +72,23 @@ COMPAT_KEYS = (
 
 
 def model_fingerprint(model: str, seed: int) -> str:
-    """Identifies the weights: 'tiny' by its seed, a checkpoint by its config and sizes."""
+    """Identifies the weights: 'tiny' by its seed, a checkpoint by its config and sizes --
+    never by its path, so a local copy and a Hugging Face cache snapshot of one model (on
+    nodes with different cache directories) match."""
     if model == "tiny":
         return f"tiny/seed={seed}"
     h = hashlib.sha256()
     with open(os.path.join(model, "config.json"), "rb") as f:
-        h.update(f.read())
+        raw = f.read()
+    h.update(raw)
     for name in sorted(os.listdir(model)):
         if name.endswith(".safetensors"):
             h.update(f"{name}:{os.path.getsize(os.path.join(model, name))}".encode())
-    return f"{os.path.basename(os.path.normpath(model))}/{h.hexdigest()[:16]}"
+    try:
+        arch = (json.loads(raw).get("architectures") or ["checkpoint"])[0]
+    except (ValueError, AttributeError, TypeError):
+        arch = "checkpoint"
+    return f"{arch}/{h.hexdigest()[:16]}"
 
 
 def check_compat(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
