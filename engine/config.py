@@ -148,7 +148,13 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tp: int = field(default=1, metadata={"help": "tensor-parallel size (worker processes)"})
+    tp: int = field(
+        default=1,
+        metadata={
+            "help": "tensor-parallel size (worker processes)",
+            "aliases": ("--tensor-parallel-size", "-tp"),  # vLLM's spellings
+        },
+    )
     device: Literal["cpu", "cuda"] = field(default="cpu", metadata={"help": "cpu or cuda"})
     worker_threads: int = field(
         default=1, metadata={"help": "torch intra-op threads per CPU worker"}

@@ -120,3 +120,81 @@ def test_unset_flags_keep_dataclass_defaults() -> None:
     assert cfg.cache == default.cache and cfg.scheduler == default.scheduler
     assert cfg.parallel == default.parallel and cfg.model == default.model
     assert len(cfg.kv_transfer.engine_id) == 12  # default_factory still applies
+
+
+# -- vLLM's spellings: -tp / --tensor-parallel-size, a positional model, --config FILE -------
+
+
+@pytest.mark.parametrize("spelling", ["--tp", "--tensor-parallel-size", "-tp"])
+def test_tensor_parallel_size_aliases(spelling: str) -> None:
+    _, cfg = parse_config(build_parser("decode"), [spelling, "2"])
+    assert cfg.parallel.tp == 2
+
+
+def test_positional_model(tmp_path) -> None:
+    _, cfg = parse_config(build_parser("decode"), ["Qwen/Qwen2.5-0.5B-Instruct", "--tp", "2"])
+    assert cfg.model.model == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.parallel.tp == 2
+    _, cfg = parse_config(build_parser("prefill"), [str(tmp_path)])
+    assert cfg.model.model == str(tmp_path)
+    _, cfg = parse_config(build_parser("decode"), ["tiny", "--model", "tiny"])  # agreeing
+    assert cfg.model.model == "tiny"
+
+
+def test_positional_and_flag_model_disagree_exits_2() -> None:
+    proc = _run("org/a", "--model", "org/b")
+    assert proc.returncode == 2 and "--model" in proc.stderr
+
+
+def test_config_file(tmp_path) -> None:
+    path = tmp_path / "node.yaml"
+    path.write_text(
+        "max-num-seqs: 8\n"
+        "max_num_batched_tokens: 512\n"
+        "tensor-parallel-size: 2\n"
+        "enable-prefix-caching: false\n"
+        "kv_connector: nixl\n"
+        "kv-transfer-timeout: 2.5\n"
+        "port: 9001\n"
+        "log-level: debug\n"
+        "model: org/name\n"
+        "num-blocks: null\n"
+    )
+    args, cfg = parse_config(build_parser("decode"), ["--config", str(path)])
+    assert cfg.scheduler.max_num_seqs == 8 and cfg.scheduler.max_num_batched_tokens == 512
+    assert cfg.parallel.tp == 2 and not cfg.cache.enable_prefix_caching
+    assert cfg.kv_transfer.kv_connector == "nixl" and cfg.kv_transfer.kv_transfer_timeout == 2.5
+    assert cfg.kv_transfer.kv_role == "consumer" and cfg.cache.num_blocks is None
+    assert (args.port, args.log_level) == (9001, "DEBUG") and cfg.model.model == "org/name"
+    # Command-line flags (and a positional model) win over the file.
+    args, cfg = parse_config(
+        build_parser("decode"),
+        ["org/other", "--config", str(path), "--max-num-seqs", "4", "--port", "9002", "-tp", "1"],
+    )
+    assert cfg.scheduler.max_num_seqs == 4 and cfg.parallel.tp == 1 and args.port == 9002
+    assert cfg.model.model == "org/other" and cfg.scheduler.max_num_batched_tokens == 512
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("bogus-setting: 1\n", "unknown setting 'bogus-setting'"),
+        ("max-num-seqs: abc\n", "--max-num-seqs"),
+        ("max-num-seqs: 1.5\n", "--max-num-seqs"),
+        ("device: tpu\n", "--device"),
+        ("enable-prefix-caching: maybe\n", "--enable-prefix-caching"),
+        ("block-size: 3\n", "--block-size"),  # the config's own check
+        ("- a\n- b\n", "--config"),
+        ("key: [unclosed\n", "--config"),
+    ],
+)
+def test_bad_config_file_exits_2_naming_the_setting(tmp_path, text: str, needle: str) -> None:
+    path = tmp_path / "node.yaml"
+    path.write_text(text)
+    proc = _run("--config", str(path))
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+
+
+def test_missing_config_file_exits_2() -> None:
+    proc = _run("--config", "/nonexistent/node.yaml")
+    assert proc.returncode == 2 and "--config" in proc.stderr

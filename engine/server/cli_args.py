@@ -57,7 +57,7 @@ def _add_field(group: Any, f: dataclasses.Field[Any], tp: Any) -> None:
         kwargs["type"] = tp
     else:
         raise TypeError(f"unsupported type for CLI flag {flag_name(f.name)}: {tp}")
-    group.add_argument(flag_name(f.name), **kwargs)
+    group.add_argument(flag_name(f.name), *f.metadata.get("aliases", ()), **kwargs)
 
 
 def add_config_args(
@@ -94,6 +94,12 @@ def set_flag_default(parser: argparse.ArgumentParser, dest: str, value: Any) -> 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("server options")
+    group.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of settings, keys = flag names with '-' or '_' "
+        "(e.g. 'max-num-seqs: 32'); flags on the command line win",
+    )
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument(
         "--port", type=int, default=8000, help="HTTP port (0 = any free port) (default: 8000)"
@@ -139,11 +145,86 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**sections)
 
 
+def _setting_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Settings a config file may hold: every optional flag's name (``max_num_seqs``, the
+    aliases too), but not ``--help``, ``--config`` or the ``--no-x`` spelling of a switch."""
+    out: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        if action.dest in ("help", "config"):
+            continue
+        for opt in action.option_strings:
+            if not opt.startswith("--no-"):
+                out[opt.lstrip("-").replace("-", "_")] = action
+    return out
+
+
+def _file_value(action: argparse.Action, value: Any, path: str) -> Any:
+    flag = action.option_strings[0]
+    bad = ConfigError(f"{flag}: invalid value {value!r:.80} in --config {path}")
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if isinstance(value, bool | list | dict):
+        raise bad
+    if action.type is not None:
+        try:
+            value = action.type(str(value))  # type: ignore[misc]
+        except (TypeError, ValueError):
+            raise bad from None
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise ConfigError(f"{flag}: {value!r} in --config {path} is not one of {choices}")
+    return value
+
+
+def load_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """A YAML ``--config`` file as parser defaults (``dest -> value``), each value checked
+    like its flag's. Raises ConfigError naming the setting."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read {path}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: {path} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of settings")
+    actions = _setting_actions(parser)
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        action = actions.get(str(key).replace("-", "_"))
+        if action is None:
+            raise ConfigError(f"--config: unknown setting {key!r} in {path}")
+        if value is not None:  # null: the flag's default
+            out[action.dest] = _file_value(action, value, path)
+    return out
+
+
 def parse_config(
     parser: argparse.ArgumentParser, argv: list[str] | None = None
 ) -> tuple[argparse.Namespace, EngineConfig]:
-    """Parse ``argv``; a bad value exits with status 2 and a message naming the flag."""
+    """Parse ``argv``; a bad value exits with status 2 and a message naming the flag.
+
+    Settings of a ``--config`` file become the parser's defaults, so flags given on the
+    command line win. A positional ``MODEL`` (``decode-node ORG/NAME``, vLLM's ``serve``
+    spelling) is the same as ``--model``."""
     args = parser.parse_args(argv)
+    positional = getattr(args, "model_tag", None)
+    if positional is not None and getattr(args, "model", positional) != positional:
+        parser.error(f"--model: given twice ({args.model!r} and positional {positional!r})")
+    if getattr(args, "config", None):
+        try:
+            parser.set_defaults(**load_config_file(parser, args.config))
+        except ConfigError as e:
+            parser.error(str(e))
+        args = parser.parse_args(argv)
+    if positional is not None:
+        args.model = positional
     if not 0 <= getattr(args, "port", 0) < 65536:
         parser.error(f"--port: must be in [0, 65535], got {args.port}")
     if getattr(args, "shutdown_timeout", 0) < 0:

@@ -40,6 +40,12 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
         prog=f"{role}-node",
         description=f"pdserve {role} node: an OpenAI-compatible server over one engine",
     )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as with --model (like 'vllm serve MODEL')",
+    )
     add_server_args(parser)
     add_config_args(parser)
     set_flag_default(parser, "kv_role", _ROLE_KV[role])
