@@ -95,6 +95,8 @@ def test_bf16_triton_logits_within_tolerance_of_reference_on_mixed_batches():
             "tiny", dtype=torch.bfloat16, device="cuda", attention_backend=backend
         )
         runner = PagedRunner(net, cfg, 256, dtype=torch.bfloat16, device="cuda")
+        for seq in range(4):
+            runner.add_sequence(seq)
         steps = [
             {0: random_prompt(40, 256, 1), 1: random_prompt(17, 256, 2)},  # two prefills
             {0: [5], 1: random_prompt(30, 256, 3), 2: random_prompt(5, 256, 4)},  # mixed
