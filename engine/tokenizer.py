@@ -48,8 +48,18 @@ class Tokenizer(ABC):
         """Text of ``ids``; never raises on invalid UTF-8 or unknown ids."""
 
     @abstractmethod
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """The rendered prompt string, ending with the assistant generation prompt."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> str:
+        """The rendered prompt string, ending with the assistant generation prompt.
+        ``template_kwargs`` (a request's ``chat_template_kwargs``) are extra variables of a
+        Jinja chat template; only ``supports_template_kwargs`` tokenizers take them."""
+
+    @property
+    def supports_template_kwargs(self) -> bool:
+        """Whether ``apply_chat_template`` renders a Jinja template that can use
+        ``template_kwargs`` (the built-in simple template has no variables)."""
+        return False
 
     @property
     @abstractmethod
@@ -87,7 +97,10 @@ class ByteTokenizer(Tokenizer):
                 out.extend(b"<|bos|>" if i == self.BOS else b"<|eos|>")
         return out.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> str:
+        _refuse_template_kwargs(template_kwargs)
         return simple_chat_template(messages)
 
     @property
@@ -188,23 +201,37 @@ class HFTokenizer(Tokenizer):
         valid = [i for i in ids if 0 <= i < self._vocab_size]  # model vocab may be padded
         return self._tok.decode(valid, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    @property
+    def supports_template_kwargs(self) -> bool:
+        return self._template() is not None
+
+    def _template(self) -> Any:
         if self._chat_template is None:
-            logger.warning("checkpoint has no chat_template; using the simple built-in one")
-            return simple_chat_template(messages)
+            return None
         if self._compiled is None:
             self._compiled = _compile_template(self._chat_template)
-            if self._compiled is None:
-                return simple_chat_template(messages)
-        return self._compiled.render(
-            messages=messages,
-            add_generation_prompt=True,
-            tools=None,
-            documents=None,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+        return self._compiled
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> str:
+        template = self._template()
+        if template is None:
+            if self._chat_template is None:
+                logger.warning("checkpoint has no chat_template; using the simple built-in one")
+            _refuse_template_kwargs(template_kwargs)
+            return simple_chat_template(messages)
+        variables: dict[str, Any] = {
+            "add_generation_prompt": True,
+            "tools": None,
+            "documents": None,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
             **self._special_strings,
-        )
+            **(template_kwargs or {}),  # e.g. enable_thinking; may not replace the messages
+        }
+        variables["messages"] = messages
+        return template.render(**variables)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -221,6 +248,14 @@ class HFTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+
+def _refuse_template_kwargs(template_kwargs: dict[str, Any] | None) -> None:
+    if template_kwargs:
+        raise ValueError(
+            "chat_template_kwargs need a Jinja chat template; this model uses the simple "
+            "built-in one"
+        )
 
 
 def _compile_template(source: str) -> Any:

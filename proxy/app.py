@@ -60,6 +60,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         ):
             health = HealthChecker(pool, health_client, cfg.health_interval)
             app.state.legs = Legs(client)
+            app.state.client = client
             health.start()
             await health.wait_first_round(cfg.health_timeout + 1.0)
             logger.info(
@@ -161,6 +162,45 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, CHAT)
+
+    async def forward(request: Request, path: str) -> Response:
+        """A node utility endpoint (``/tokenize``, ``/detokenize``): the body as it came, to
+        one healthy node (decode first; every node serves the same model), its answer back."""
+        raw = await read_body(request, cfg.max_request_bytes)
+        nodes = [n for role in ("decode", "prefill") for n in pool.nodes(role) if n.ready]
+        if not nodes:
+            err = APIError(
+                "no healthy node to answer", status_code=503, err_type="server_error",
+                code="no_healthy_node",
+            )  # fmt: skip
+            return json_error(err)
+        node = nodes[0]
+        try:
+            resp = await request.app.state.client.post(
+                node.url + path, content=raw, headers={"Content-Type": "application/json"}
+            )
+        except httpx.HTTPError as e:
+            err = APIError(
+                f"node {node.url} did not answer {path}: {e!r}", status_code=502,
+                err_type="server_error", code="upstream_error",
+            )  # fmt: skip
+            return json_error(err)
+        media = resp.headers.get("content-type", "application/json")
+        return Response(resp.content, status_code=resp.status_code, media_type=media)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await forward(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await forward(request, "/detokenize")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        from engine.server.tokenize import pdserve_version
+
+        return JSONResponse({"version": pdserve_version()})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -21,10 +21,21 @@ from engine.httpkit.request_id import RequestIdMiddleware
 from engine.server.engine_client import EngineClient
 from engine.server.metrics import ServerMetrics
 from engine.server.serving import OpenAIServing
+from engine.server.tokenize import TokenizeServing
 
 WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions"])
 ROUTES = frozenset(
-    ["/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/abort", "/health", "/metrics"]
+    [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/abort",
+        "/health",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+    ]
 )
 
 
@@ -39,6 +50,7 @@ def build_app(
     app = FastAPI(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(engine, metrics, max_request_bytes)
+    tokenize_serving = TokenizeServing(engine, max_request_bytes)
     drainer = Drainer(WORK_PATHS, shutdown_timeout)
     app.state.engine = engine
     app.state.metrics = metrics
@@ -77,6 +89,18 @@ def build_app(
             "max_model_len": engine.max_model_len,
         }
         return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await tokenize_serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await tokenize_serving.detokenize(request)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return await tokenize_serving.version()
 
     @app.get("/v1/kv_transfer_info")
     async def kv_transfer_info() -> JSONResponse:

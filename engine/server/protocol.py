@@ -183,6 +183,8 @@ class CompletionRequest(BaseRequest):
 class ChatCompletionRequest(BaseRequest):
     # Normalized to [{"role": str, "content": str}].
     messages: list[dict[str, str]] = field(default_factory=list)
+    # Extra variables of the model's Jinja chat template (e.g. {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -273,6 +275,9 @@ def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
         raise _unsupported("repetition_penalty", "other than 1.0")
     if body.get("logit_bias"):
         raise _unsupported("logit_bias", "")
+    min_tokens = _get_int(body, "min_tokens", 0)
+    if min_tokens != 0:  # would change results: EOS and stops are not held back
+        raise _unsupported("min_tokens", f"= {min_tokens} (only 0)")
     if chat:
         if body.get("logprobs") not in (None, False):
             raise _unsupported("logprobs", "(log probabilities)")
@@ -390,11 +395,32 @@ def _parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
+def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """A body's chat ``messages``, validated and normalized (also ``/tokenize``'s)."""
+    return _parse_messages(body)
+
+
+def parse_chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """``chat_template_kwargs``: an object of extra chat-template variables (``{}`` if absent);
+    it may not replace ``messages``."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise _bad_type("chat_template_kwargs", "an object", kwargs)
+    if "messages" in kwargs:
+        raise APIError(
+            "'chat_template_kwargs' may not set 'messages'", param="chat_template_kwargs"
+        )
+    return dict(kwargs)
+
+
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
     """Validate a ``/v1/chat/completions`` JSON body. ``max_tokens`` stays None if absent."""
     body = _require_object(body)
     req = ChatCompletionRequest()
     req.messages = _parse_messages(body)
+    req.chat_template_kwargs = parse_chat_template_kwargs(body)
     mct = _parse_max_tokens(body, "max_completion_tokens", None)
     mt = _parse_max_tokens(body, "max_tokens", None)
     req.max_tokens = mct if mct is not None else mt

@@ -31,6 +31,7 @@ from engine.server.protocol import (
     parse_json_body,
     resolve_max_tokens,
 )
+from engine.server.tokenize import render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,9 @@ class OpenAIServing:
         self._check_serving(req)
         tok = self.engine.tokenizer
         return req, list(
-            tok.encode(tok.apply_chat_template(req.messages), add_special_tokens=False)
+            tok.encode(
+                render_chat(tok, req.messages, req.chat_template_kwargs), add_special_tokens=False
+            )
         )
 
     # -- one job ------------------------------------------------------------------------------

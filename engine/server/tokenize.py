@@ -1,0 +1,142 @@
+"""vLLM's utility endpoints on a node: ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
+
+Shapes follow vLLM: ``/tokenize`` takes ``{"prompt": str}`` (``add_special_tokens``
+default true) or a chat ``{"messages": [...]}`` (rendered with the model's chat template,
+``add_special_tokens`` default false, optional ``chat_template_kwargs``) and answers
+``{"count", "max_model_len", "tokens", "token_strs": null}``; ``/detokenize`` takes
+``{"tokens": [ids]}`` and answers ``{"prompt": str}``; ``/version`` answers
+``{"version": <pdserve version>}``. Errors are OpenAI-shaped 400s naming the field.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES, read_body
+from engine.server.engine_client import EngineClient
+from engine.server.protocol import (
+    APIError,
+    check_model,
+    check_token_ids,
+    parse_chat_template_kwargs,
+    parse_json_body,
+    parse_messages,
+)
+
+
+def pdserve_version() -> str:
+    try:
+        return metadata.version("pdserve")
+    except metadata.PackageNotFoundError:  # running from a source tree without install
+        return "0.0.0+unknown"
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(f"'{name}' must be a boolean", param=name, code="invalid_type")
+    return value
+
+
+def _object(raw: bytes) -> dict[str, Any]:
+    body = parse_json_body(raw)
+    if not isinstance(body, dict):
+        raise APIError("request body must be a JSON object", code="invalid_body")
+    return body
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> str:
+    """The chat prompt; ``chat_template_kwargs`` the template cannot take are a 400."""
+    if kwargs and not tokenizer.supports_template_kwargs:
+        raise APIError(
+            "'chat_template_kwargs' is not supported: this model has no Jinja chat template",
+            param="chat_template_kwargs",
+            code="unsupported_parameter",
+        )
+    try:
+        return str(tokenizer.apply_chat_template(messages, kwargs or None))
+    except Exception as e:  # a template's raise_exception, a kwarg it cannot render
+        raise APIError(f"the chat template failed: {e}", param="messages") from e
+
+
+class TokenizeServing:
+    def __init__(
+        self, engine: EngineClient, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    ) -> None:
+        self.engine = engine
+        self.max_request_bytes = max_request_bytes
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        raw = await read_body(request, self.max_request_bytes)
+        return JSONResponse(await anyio.to_thread.run_sync(self._tokenize, raw))
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        raw = await read_body(request, self.max_request_bytes)
+        return JSONResponse(await anyio.to_thread.run_sync(self._detokenize, raw))
+
+    async def version(self) -> JSONResponse:
+        return JSONResponse({"version": pdserve_version()})
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise APIError("'model' must be a string", param="model", code="invalid_type")
+        check_model(model, self.engine.model_name)
+
+    def _tokenize(self, raw: bytes) -> dict[str, Any]:
+        body = _object(raw)
+        self._check_model(body)
+        tok = self.engine.tokenizer
+        if body.get("messages") is not None:
+            if body.get("prompt") is not None:
+                raise APIError("give either 'prompt' or 'messages', not both", param="prompt")
+            if not _bool(body, "add_generation_prompt", True):
+                raise APIError(
+                    "'add_generation_prompt' = false is not supported",
+                    param="add_generation_prompt",
+                    code="unsupported_parameter",
+                )
+            text = render_chat(tok, parse_messages(body), parse_chat_template_kwargs(body))
+            special = _bool(body, "add_special_tokens", False)
+        else:
+            text = body.get("prompt")
+            if text is None:
+                raise APIError(
+                    "'prompt' or 'messages' is required",
+                    param="prompt",
+                    code="missing_required_parameter",
+                )
+            if not isinstance(text, str):
+                raise APIError("'prompt' must be a string", param="prompt", code="invalid_type")
+            special = _bool(body, "add_special_tokens", True)
+        tokens = list(tok.encode(text, add_special_tokens=special))
+        return {
+            "count": len(tokens),
+            "max_model_len": self.engine.max_model_len,
+            "tokens": tokens,
+            "token_strs": None,
+        }
+
+    def _detokenize(self, raw: bytes) -> dict[str, Any]:
+        body = _object(raw)
+        self._check_model(body)
+        tokens = body.get("tokens")
+        if tokens is None:
+            raise APIError(
+                "'tokens' is required", param="tokens", code="missing_required_parameter"
+            )
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
+            raise APIError(
+                "'tokens' must be an array of token ids", param="tokens", code="invalid_type"
+            )
+        check_token_ids(tokens, self.engine.vocab_size, "tokens")
+        return {"prompt": self.engine.tokenizer.decode(tokens, skip_special_tokens=False)}
