@@ -10,6 +10,11 @@ Requests are checked against the engine in one place, the scheduler's ``add_requ
 request's own queue. A request's queue is registered for its id only once the
 scheduler accepted it, on the engine thread, so a refused duplicate id never takes over
 the stream of the request that holds the id.
+
+Request ids are the engine's keys and must be unique; the HTTP layer makes one per request
+(``<label>-<random>``) and passes the client's ``X-Request-Id`` as the request's ``label``,
+so that two clients using one label never touch each other's request. ``abort_matching``
+finds requests by engine id, label or transfer id (the ``/v1/abort`` endpoint).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +91,7 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
+        label: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.healthy:
             raise RuntimeError(f"engine is dead: {self.dead_reason}")
@@ -96,6 +103,7 @@ class AsyncLLMEngine:
             params,
             eos_token_ids=self.tokenizer.eos_token_ids,
             kv_transfer_params=kv_transfer_params,
+            label=label,
         )
         self._inbox.put(("add", (req, stream)))
         if not self.healthy:  # died between the check above and the put
@@ -118,7 +126,21 @@ class AsyncLLMEngine:
                 self._inbox.put(("cancel", (request_id, stream)))
 
     async def abort(self, request_id: str) -> None:
+        """Abort the request whose engine id (the id given to ``generate``) is this."""
         self._inbox.put(("abort", request_id))
+
+    async def abort_matching(self, key: str, by: str = "request_id") -> list[str]:
+        """Abort requests -- running, or finished with blocks held for a push -- and return
+        their engine ids. ``by="request_id"``: the request whose engine id is ``key``, else
+        every request labelled ``key``; ``by="transfer_id"``: every request of that
+        transfer."""
+        if by not in ("request_id", "transfer_id"):
+            raise ValueError(f"cannot abort by {by!r}")
+        if not self.healthy:
+            return []
+        done: Future[list[str]] = Future()
+        self._inbox.put(("abort_matching", (key, by, done)))
+        return await asyncio.wait_for(asyncio.wrap_future(done), timeout=30)
 
     def stats(self) -> StatsGroup:
         """The latest snapshot the engine thread took (typed, see ``engine.stats``)."""
@@ -168,10 +190,24 @@ class AsyncLLMEngine:
                     self.core.abort_request(request_id)
             elif kind == "abort":
                 self.core.abort_request(payload)
+            elif kind == "abort_matching":
+                key, by, done = payload
+                ids = self._matching(key, by)
+                for rid in ids:
+                    self.core.abort_request(rid)
+                done.set_result(ids)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _matching(self, key: str, by: str) -> list[str]:
+        reqs = self.core.scheduler.requests  # running, waiting and held
+        if by == "transfer_id":
+            return [rid for rid, r in reqs.items() if r.transfer_id == key]
+        if key in reqs:
+            return [key]
+        return [rid for rid, r in reqs.items() if r.label == key]
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -203,6 +239,8 @@ class AsyncLLMEngine:
                 break
             if kind == "add":
                 payload[1].put(RuntimeError(f"engine is dead: {reason}"))
+            elif kind == "abort_matching":
+                payload[2].set_result([])
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -12,7 +12,9 @@ Keys a node accepts (proxy -> node):
   prompt's blocks until they were pushed to the decode node that reserves them.
 * ``do_remote_prefill`` -- the decode leg: the prompt's KV comes from the prefill node
   whose side channel is ``remote_side_channel`` (``tcp://host:port``).
-* ``transfer_id`` -- pairs the two legs (default: the request id, ``Request.transfer_id``).
+* ``transfer_id`` -- pairs the two legs; one per request and attempt (the proxy makes a
+  fresh one for each). Required on the decode leg; a prefill leg without it uses its
+  engine request id, unique per request, and answers with it.
 * ``skip_first_token`` -- decode leg: leave the first token out of the answer (the proxy
   already streamed it from the prefill node).
 
@@ -79,6 +81,12 @@ class KVTransferParams:
                 f"'{PARAM}.remote_side_channel' is required with do_remote_prefill: the "
                 "prefill node's side-channel address (tcp://host:port)",
                 "remote_side_channel",
+            )
+        if self.do_remote_prefill and self.transfer_id is None:
+            raise _error(
+                f"'{PARAM}.transfer_id' is required with do_remote_prefill: the id the "
+                "prefill leg was given (or answered with)",
+                "transfer_id",
             )
 
     @classmethod

@@ -3,7 +3,10 @@
 ``Legs`` owns the shared ``httpx.AsyncClient`` to the nodes and knows how to start a
 pair (``Attempt``): P gets the client's body with ``do_remote_decode`` (non-streaming; it
 answers with the first token), D gets it with ``do_remote_prefill`` and P's side-channel
-address. Both legs carry the same request id (``X-Request-Id``) and transfer id. A leg
+address. Both legs carry the client's request id as their label (``X-Request-Id``) and
+one transfer id made for this attempt (``<label>-<random>``, never the label itself, so
+two clients using one ``X-Request-Id`` never share a transfer); aborts name that transfer
+id, which finds the legs' requests on both nodes. A leg
 that fails raises ``UpstreamError``; ``node_fault`` tells a node failure (connection
 error, timeout, 5xx: retry elsewhere) from a refusal of the request (4xx: the client's).
 """
@@ -14,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 from collections.abc import Coroutine
 from typing import Any
 
@@ -76,23 +80,26 @@ class Legs:
         if self._background:
             await asyncio.wait(set(self._background), timeout=timeout)
 
-    async def abort(self, node: Node, request_id: str) -> None:
+    async def abort(self, node: Node, transfer_id: str) -> None:
+        """Abort the leg of ``transfer_id`` on ``node`` (running, or holding blocks)."""
         try:
             resp = await self.client.post(
                 node.url + "/v1/abort",
-                json={"request_id": request_id},
-                headers={REQUEST_ID_HEADER: request_id},
+                json={"transfer_id": transfer_id},
+                headers={REQUEST_ID_HEADER: transfer_id},
                 timeout=5.0,
             )
             if resp.status_code != 200:
-                logger.info("abort of %s on %s answered %s", request_id, node.url, resp.status_code)
+                logger.info(
+                    "abort of %s on %s answered %s", transfer_id, node.url, resp.status_code
+                )
         except httpx.HTTPError as e:
-            logger.info("abort of %s on %s failed: %s", request_id, node.url, e)
+            logger.info("abort of %s on %s failed: %s", transfer_id, node.url, e)
 
-    async def prefill(self, req: ProxyRequest, node: Node, rid: str) -> dict[str, Any]:
+    async def prefill(self, req: ProxyRequest, node: Node, rid: str, tid: str) -> dict[str, Any]:
         body = {k: v for k, v in req.body.items() if k != "stream_options"}
         body["stream"] = False
-        kv = KVTransferParams(do_remote_decode=True, transfer_id=rid)
+        kv = KVTransferParams(do_remote_decode=True, transfer_id=tid)
         body["kv_transfer_params"] = kv.to_dict()
         with node.lease():
             try:
@@ -111,12 +118,18 @@ class Legs:
         return data
 
     async def open_decode(
-        self, req: ProxyRequest, node: Node, rid: str, side_channel: str, skip_first: bool
+        self,
+        req: ProxyRequest,
+        node: Node,
+        rid: str,
+        tid: str,
+        side_channel: str,
+        skip_first: bool,
     ) -> httpx.Response:
         """Send the decode leg; returns the (streaming) response once its headers arrived."""
         kv = KVTransferParams(
             do_remote_prefill=True,
-            transfer_id=rid,
+            transfer_id=tid,
             remote_side_channel=side_channel,
             skip_first_token=skip_first,
         )
@@ -142,14 +155,17 @@ class Attempt:
     def __init__(
         self, legs: Legs, req: ProxyRequest, p: Node, d: Node, rid: str, skip_first: bool
     ) -> None:
+        """``rid``: the client's request id (the legs' label)."""
         assert p.side_channel is not None
         self.legs, self.p, self.d, self.rid = legs, p, d, rid
-        self.p_task = asyncio.ensure_future(legs.prefill(req, p, rid))
+        self.transfer_id = f"{rid}-{uuid.uuid4().hex[:12]}"  # this attempt's alone
+        tid = self.transfer_id
+        self.p_task = asyncio.ensure_future(legs.prefill(req, p, rid, tid))
         d.outstanding += 1
         d.requests_total += 1
         self._d_leased = True
         self.d_task = asyncio.ensure_future(
-            legs.open_decode(req, d, rid, p.side_channel, skip_first)
+            legs.open_decode(req, d, rid, tid, p.side_channel, skip_first)
         )
         self.d_stream: httpx.Response | None = None
         self.finished = False  # D's answer was read to its end
@@ -189,8 +205,8 @@ class Attempt:
             self.d.outstanding -= 1
         if not self.finished and not self._aborted:
             self._aborted = True
-            self.legs.spawn(self.legs.abort(self.d, self.rid))
-            self.legs.spawn(self.legs.abort(self.p, self.rid))
+            self.legs.spawn(self.legs.abort(self.d, self.transfer_id))
+            self.legs.spawn(self.legs.abort(self.p, self.transfer_id))
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

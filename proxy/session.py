@@ -112,14 +112,14 @@ class Session:
                 err_type="server_error",
                 code="no_healthy_nodes",
             ) from e
-        rid = self.request_id if self.attempts == 0 else f"{self.request_id}-retry{self.attempts}"
         self.attempts += 1
         skip = self.prestream and self.cfg.node_skip_first_token
+        self.current = Attempt(self.legs, self.req, p, d, self.request_id, skip)
         logger.info(
-            "request %s: %s via prefill %s + decode %s (attempt %d, node id %s)",
-            self.request_id, self.req.endpoint, p.url, d.url, self.attempts, rid,
+            "request %s: %s via prefill %s + decode %s (attempt %d, transfer %s)",
+            self.request_id, self.req.endpoint, p.url, d.url, self.attempts,
+            self.current.transfer_id,
         )  # fmt: skip
-        self.current = Attempt(self.legs, self.req, p, d, rid, skip)
         return self.current
 
     def _failed(self, attempt: Attempt, err: UpstreamError) -> None:

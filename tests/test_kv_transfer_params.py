@@ -53,6 +53,8 @@ def test_typed_fields():
         ({"do_remote_prefill": True}, "remote_side_channel"),
         ({"do_remote_prefill": True, "remote_side_channel": 5}, "remote_side_channel"),
         ({"do_remote_prefill": True, "remote_side_channel": "http://h:1"}, "remote_side_channel"),
+        # A decode leg names the transfer: its own id is unique, no prefill leg knows it.
+        ({"do_remote_prefill": True, "remote_side_channel": "tcp://h:1"}, "transfer_id"),
         ({"first_token": -1}, "first_token"),
         ({"first_token": True}, "first_token"),
         ({"first_token": 1.0}, "first_token"),

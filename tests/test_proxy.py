@@ -224,6 +224,35 @@ def test_100_concurrent_requests_spread_over_nodes(cluster: Cluster) -> None:
     assert metric(cluster.proxy.url, "pdproxy_requests_inflight") == 0
 
 
+def test_concurrent_requests_with_one_x_request_id_all_complete(cluster: Cluster) -> None:
+    """A client's ``X-Request-Id`` is a label: 4 concurrent requests using one (more than
+    there are nodes of a kind, so some share a P and a D) each get their own transfer and
+    their whole answer. They used to share a transfer id and node request id: a 400 on a
+    node, and the proxy's cleanup aborted the others by that id."""
+    body = {"prompt": "one label, many requests", "max_tokens": 24, **GREEDY}
+    ref = httpx.post(cluster.colo.url + "/v1/completions", json=body, timeout=60).json()
+    ref_ids = ref["choices"][0]["token_ids"]
+
+    async def one(client: httpx.AsyncClient) -> list[int]:
+        async with client.stream(
+            "POST", "/v1/completions", json={**body, "stream": True},
+            headers={"X-Request-Id": "shared-label"},
+        ) as resp:  # fmt: skip
+            assert resp.status_code == 200
+            assert resp.headers["x-request-id"] == "shared-label"
+            lines = [ln async for ln in resp.aiter_lines() if ln]
+        events = sse_data(lines)
+        assert events.pop() == "DONE"
+        assert all("error" not in e for e in events), events
+        return stream_ids(events)
+
+    async def run() -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=cluster.proxy.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client) for _ in range(4)))
+
+    assert asyncio.run(run()) == [ref_ids] * 4
+
+
 # -- client disconnect -------------------------------------------------------------------------
 
 

@@ -510,3 +510,33 @@ def test_engine_death_is_reported(procs: Procs) -> None:
     assert node.metric("pdserve_engine_healthy") == 0
     node.proc.send_signal(signal.SIGTERM)
     assert node.proc.wait(60) == 0, node.logs()
+
+
+# -- request identity ----------------------------------------------------------------------
+
+
+def test_two_requests_with_one_x_request_id_both_complete(node: Proc, max_model_len: int) -> None:
+    """``X-Request-Id`` is the client's label, not the engine's key: a second request with
+    the same label (a client retrying after a timeout) neither gets a 400 nor aborts the
+    first one (its cleanup used to abort by the label)."""
+    n = min(200, max_model_len - 64)
+    body = {"prompt": "same label", "max_tokens": n, "stream": True, **GREEDY}
+    headers = {"X-Request-Id": "same-label-1"}
+    with httpx.stream(
+        "POST", node.url + "/v1/completions", json=body, headers=headers, timeout=120
+    ) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # it is running
+        second = _post(
+            node, "/v1/completions", {**body, "stream": False, "max_tokens": 2}, headers=headers
+        )
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert second.status_code == 200, second.text
+    assert second.json()["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert 1 + sum(len(e["choices"][0]["token_ids"]) for e in events) == n
+    # The label is echoed; each request has its own engine id (the abort key).
+    ids = {r.headers["x-pdserve-request-id"] for r in (first, second)}
+    assert len(ids) == 2 and all(i.startswith("same-label-1-") for i in ids)
+    assert {r.headers["x-request-id"] for r in (first, second)} == {"same-label-1"}

@@ -52,6 +52,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: Collection[int] = (),
         kv_transfer_params: KVTransferParams | None = None,
+        label: str | None = None,
     ) -> None:
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, KVTransferParams):
             raise TypeError(
@@ -59,6 +60,8 @@ class Request:
                 f"KVTransferParams.from_dict), got {type(kv_transfer_params).__name__}"
             )
         self.request_id = request_id
+        # The client's name for it (``X-Request-Id``): logged, echoed, never a key.
+        self.label = label or request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

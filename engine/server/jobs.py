@@ -32,7 +32,8 @@ class Step:
 @dataclass
 class Job:
     chat: bool
-    request_id: str
+    request_id: str  # the engine's id: unique per request, the key of every engine call
+    label: str  # the client's X-Request-Id: logged, echoed, the OpenAI ``id``
     model: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -51,9 +52,7 @@ class Job:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def envelope(self, choices: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
-        return openai.envelope(
-            self.request_id, self.chat, stream, self.created, self.model, choices
-        )
+        return openai.envelope(self.label, self.chat, stream, self.created, self.model, choices)
 
     def choice(
         self, text: str, ids: list[int], finish: str | None, *, stream: bool, first: bool = False
@@ -123,7 +122,11 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
     kv = job.req.kv_transfer_params
     skip_first = kv is not None and kv.skip_first_token
     outputs = engine.generate(
-        job.request_id, job.prompt_ids, job.params, kv_transfer_params=job.req.kv_transfer_params
+        job.request_id,
+        job.prompt_ids,
+        job.params,
+        kv_transfer_params=job.req.kv_transfer_params,
+        label=job.label,
     )
     try:
         async for out in outputs:

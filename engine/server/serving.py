@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -34,6 +35,15 @@ from engine.server.protocol import (
 from engine.server.tokenize import render_chat
 
 logger = logging.getLogger(__name__)
+
+# The engine's id of a request (the key ``/v1/abort`` takes), on every generation response.
+ENGINE_ID_HEADER = "X-PDServe-Request-Id"
+
+
+def engine_request_id(label: str) -> str:
+    """A fresh engine id for a request the client labelled ``label`` (its ``X-Request-Id``):
+    unique per request, so a client reusing a label never touches another's request."""
+    return f"{label}-{uuid.uuid4().hex[:12]}"
 
 
 class OpenAIServing:
@@ -70,14 +80,20 @@ class OpenAIServing:
         return await self._guarded(request, handle)
 
     async def abort(self, request: Request) -> Response:
+        """``{"request_id": id}``: the request whose engine id (``X-PDServe-Request-Id``) is
+        ``id``, else every request labelled ``id`` (its ``X-Request-Id``);
+        ``{"transfer_id": id}``: every request of that transfer (the proxy's legs)."""
+
         async def handle() -> Response:
             body = parse_json_body(await self._body(request))
-            rid = body.get("request_id") if isinstance(body, dict) else None
-            if not isinstance(rid, str) or not rid:
-                raise APIError("'request_id' must be a non-empty string", param="request_id")
-            logger.info("abort requested for %s", rid)
-            await self.engine.abort(rid)
-            return JSONResponse({"request_id": rid, "aborted": True})
+            body = body if isinstance(body, dict) else {}
+            by = "transfer_id" if "transfer_id" in body else "request_id"
+            key = body.get(by)
+            if not isinstance(key, str) or not key:
+                raise APIError(f"'{by}' must be a non-empty string", param=by)
+            ids = await self.engine.abort_matching(key, by)
+            logger.info("abort requested for %s (%s): %s", key, by, ", ".join(ids) or "none")
+            return JSONResponse({by: key, "aborted": True, "request_ids": ids})
 
         return await self._guarded(request, handle)
 
@@ -108,9 +124,11 @@ class OpenAIServing:
     def _job(self, request: Request, chat: bool, req: BaseRequest, ids: list[int]) -> Job:
         param = "messages" if chat else "prompt"
         max_tokens = resolve_max_tokens(req.max_tokens, len(ids), self.engine.max_model_len, param)
+        label = request.state.request_id
         return Job(
             chat=chat,
-            request_id=request.state.request_id,
+            request_id=engine_request_id(label),
+            label=label,
             model=self.engine.model_name,
             prompt_ids=ids,
             params=req.sampling_params(max_tokens),
@@ -145,7 +163,8 @@ class OpenAIServing:
         steps = generate_steps(self.engine, job, detok)
         try:
             if not job.req.stream:
-                return JSONResponse(await race_disconnect(request, self._collect(job, steps)))
+                body = await race_disconnect(request, self._collect(job, steps))
+                return JSONResponse(body, headers={ENGINE_ID_HEADER: job.request_id})
             first = await race_disconnect(request, anext(steps, None))
         except ClientDisconnected:
             logger.info("request %s: client disconnected, aborted", job.request_id)
@@ -155,7 +174,9 @@ class OpenAIServing:
             await steps.aclose()  # type: ignore[attr-defined]
             self._finish(job, "error")
             raise engine_error(self.engine, first.error if first else None)
-        return SSEResponse(self._stream(job, first, steps))
+        return SSEResponse(
+            self._stream(job, first, steps), headers={ENGINE_ID_HEADER: job.request_id}
+        )
 
     async def _collect(self, job: Job, steps: AsyncIterator[Step]) -> dict[str, Any]:
         texts: list[str] = []
