@@ -16,6 +16,7 @@ from engine.core.scheduler_output import ModelRunnerOutput
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.loader import load_arch_config
 from engine.sampling_params import SamplingParams
+from kvconnector.nixl.messages import Cancel, Reserve
 from kvconnector.params import KVTransferParams
 
 BLOCKS = 64
@@ -87,3 +88,45 @@ def test_request_that_finishes_as_its_kv_lands_is_not_treated_as_aborted(decode,
     assert not sch.held and not conn.consumer.quarantine
     assert conn.consumer.outcome.cancels == []  # no spurious cancel to P
     assert sch.kv.pool.num_free == BLOCKS
+
+
+@pytest.fixture
+def prefill():
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=BLOCKS),
+        kv_transfer=KVTransferConfig(
+            kv_connector="nixl", kv_role="producer", kv_transfer_timeout=30, peer_ping_interval=0
+        ),
+    )
+    conn = nixl_scheduler.NixlConnectorScheduler(
+        cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
+    )
+    try:
+        yield conn
+    finally:
+        conn.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("error", "state"), [("WRITE timed out", "in_flight"), (None, "cancelled")]
+)
+def test_a_cancel_after_a_failed_send_says_a_write_may_still_land(prefill, error, state):
+    """A send that errored or timed out may still land (UCX may not really have aborted the
+    WRITE): P's tombstone keeps that outcome, and a cancel of it is answered ``in_flight``
+    so D keeps its blocks quarantined until its deadline. It used to answer ``cancelled``
+    and D freed the blocks at once. A send that completed is safe to confirm."""
+    conn = prefill
+    d_key = "decode:abc"
+    conn._d_peers[d_key] = {"engine_id": "decode", "address": dead_address(), "ranks": []}
+    assert conn.producer.prefill_finished("P1", "t1", [0, 1, 2], 7)
+    reserve = Reserve("t1", "D1", d_key, dead_address(), (5, 6, 7), 0).to_wire()
+    assert conn._handle(reserve) == {"ok": True}
+    (send,) = conn.build_connector_meta(None).sends  # type: ignore[arg-type]
+    assert send.request_id == "P1"
+    failed = {"P1": error} if error else {}
+    conn.update_connector_output(ModelRunnerOutput(finished_sending={"P1"}, kv_failed=failed))
+    reply = conn._handle(Cancel("t1").to_wire())
+    assert reply == {"ok": True, "state": state}
+    # Still so on a second ask (D retries the cancel until its quarantine ends).
+    assert conn._handle(Cancel("t1").to_wire())["state"] == state

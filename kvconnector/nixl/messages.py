@@ -21,7 +21,8 @@ Requests (``kind``) and their replies:
   does not know the peer).
 * ``cancel`` (``Cancel``) D -> P: ``transfer_id``. Reply ``CancelReply``, ``state``:
   ``cancelled`` (nothing was or will be written) or ``in_flight`` (a WRITE may still
-  land; wait for its notif or a deadline).
+  land: one running, or one that errored or timed out, which UCX may not really have
+  aborted; wait for its notif or a deadline).
 * ``transfer_failed`` (``TransferFailed``) P -> D: ``d_request_id``, ``reason``, ``safe``:
   the KV will not come and, when ``safe``, nothing more will be written into its blocks.
   Reply ``Ack``.

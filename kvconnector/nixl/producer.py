@@ -5,7 +5,10 @@ are then *held* until they have been pushed to the decode node that reserved blo
 it. Reservations may arrive before or after the prefill finishes. Every state has a
 deadline: a finished prefill waits at most ``kv_transfer_timeout`` for its reservation,
 an early reservation waits as long for its prefill. A transfer id that ended without a
-send is tombstoned so that a late reservation for it is refused (and D recomputes).
+send is tombstoned so that a late reservation for it is refused (and D recomputes); so is
+every finished send, with its outcome, for 4 x ``kv_transfer_timeout`` (longer than D's
+quarantine): a cancel of a send that errored or timed out is answered ``in_flight`` (part
+of a WRITE UCX did not really abort may still land), so D keeps its blocks quarantined.
 
 Not thread-safe on its own: the scheduler-side connector calls it under its lock.
 """
@@ -57,7 +60,8 @@ class Producer:
         self.pending: dict[str, PendingSend] = {}  # transfer id -> finished prefill
         self.in_flight: dict[str, PendingSend] = {}  # P request id -> started send
         self.early: dict[str, Reservation] = {}  # transfer id -> reservation w/o prefill
-        self.tombstones: dict[str, tuple[str, float]] = {}  # transfer id -> (why, expiry)
+        # transfer id -> (why, expiry, a WRITE may still land in D's blocks)
+        self.tombstones: dict[str, tuple[str, float, bool]] = {}
         self.outcome = ProducerOutcome()
         self.sends_started = 0
 
@@ -110,8 +114,13 @@ class Producer:
             out.append(send)
         return out
 
-    def send_finished(self, request_id: str) -> PendingSend | None:
-        return self.in_flight.pop(request_id, None)
+    def send_finished(self, request_id: str, error: str | None = None) -> PendingSend | None:
+        """A send ended on every rank: done, or ``error`` (failed or timed out)."""
+        send = self.in_flight.pop(request_id, None)
+        if send is not None:
+            why = f"push failed: {error}" if error is not None else "send finished"
+            self._tombstone(send.transfer_id, why, may_land=error is not None)
+        return send
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -134,7 +143,7 @@ class Producer:
                 self.outcome.notify_failed.append(
                     (res.d_address, res.d_request_id, "the prefill did not finish in time")
                 )
-        for tid, (_, expiry) in list(self.tombstones.items()):
+        for tid, (_, expiry, _) in list(self.tombstones.items()):
             if now >= expiry:
                 del self.tombstones[tid]
 
@@ -173,6 +182,10 @@ class Producer:
         """D gives up on a transfer. ``cancelled``: nothing was or will be written."""
         if any(s.transfer_id == transfer_id for s in self.in_flight.values()):
             return CancelReply("in_flight")
+        dead = self.tombstones.get(transfer_id)
+        if dead is not None and dead[2]:
+            # The send errored or timed out: a WRITE UCX did not really abort may still land.
+            return CancelReply("in_flight")
         send = self.pending.pop(transfer_id, None)
         if send is not None:
             self.outcome.free_blocks.add(send.request_id)
@@ -180,8 +193,9 @@ class Producer:
         self._tombstone(transfer_id, "cancelled by decode")
         return CancelReply("cancelled")
 
-    def _tombstone(self, transfer_id: str, why: str) -> None:
-        self.tombstones[transfer_id] = (why, time.monotonic() + 4 * self.timeout)
+    def _tombstone(self, transfer_id: str, why: str, may_land: bool = False) -> None:
+        # 4T > D's quarantine (2T from its own give-up): outlives every cancel D may send.
+        self.tombstones[transfer_id] = (why, time.monotonic() + 4 * self.timeout, may_land)
 
     def num_states(self) -> int:
         return len(self.pending) + len(self.in_flight) + len(self.early)

@@ -421,7 +421,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             for rid in output.finished_recving:
                 self.consumer.landed(rid)
             for rid in output.finished_sending:
-                send = self.producer.send_finished(rid)
+                send = self.producer.send_finished(rid, output.kv_failed.get(rid))
                 if send is None or send.started_at is None:
                     continue
                 self.histograms["kv_transfer_duration_seconds"].observe(
