@@ -76,39 +76,6 @@ def _causal_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    attn: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Write the new ``k, v [T, Hkv, D]`` into the cache, attend ``q [T, Hq, D]``.
-
-    Returns ``[T, Hq, D]``; row ``t`` of sequence ``i`` sits at position
-    ``seq_lens[i] - query_lens[i] + (t - query_start[i])`` and sees keys up to it.
-    """
-    write_kv(kv_cache, layer, k, v, attn.slot_mapping, attn.block_size)
-    out = torch.empty_like(q)
-    for i in range(attn.num_seqs):
-        q_len, seq_len, start = attn.query_lens[i], attn.seq_lens[i], attn.query_start[i]
-        if q_len == 0:
-            continue
-        q_i = q[start : start + q_len].transpose(0, 1)  # [Hq, Lq, D]
-        if q_len == seq_len:
-            # Whole context is new this step: use it directly instead of re-reading the cache.
-            k_i = k[start : start + q_len].transpose(0, 1).to(kv_cache.dtype)  # [Hkv, L, D]
-            v_i = v[start : start + q_len].transpose(0, 1).to(kv_cache.dtype)
-        else:
-            table = attn.block_tables[i]
-            k_i, v_i = gather_kv(kv_cache, layer, table, seq_len, attn.block_size)
-        o_i = _causal_attention(q_i, k_i.to(q.dtype), v_i.to(q.dtype), scale)  # [Hq, Lq, D]
-        out[start : start + q_len] = o_i.transpose(0, 1)
-    return out
-
-
 class ReferenceAttentionBackend:
     """Per-sequence SDPA over gathered K/V (any device, any dtype)."""
 
@@ -124,4 +91,25 @@ class ReferenceAttentionBackend:
         attn: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache, layer, attn, scale)
+        """Write the new ``k, v [T, Hkv, D]`` into the cache, attend ``q [T, Hq, D]``.
+
+        Returns ``[T, Hq, D]``; row ``t`` of sequence ``i`` sits at position
+        ``seq_lens[i] - query_lens[i] + (t - query_start[i])`` and sees keys up to it.
+        """
+        write_kv(kv_cache, layer, k, v, attn.slot_mapping, attn.block_size)
+        out = torch.empty_like(q)
+        for i in range(attn.num_seqs):
+            q_len, seq_len, start = attn.query_lens[i], attn.seq_lens[i], attn.query_start[i]
+            if q_len == 0:
+                continue
+            q_i = q[start : start + q_len].transpose(0, 1)  # [Hq, Lq, D]
+            if q_len == seq_len:
+                # Whole context is new this step: use it directly instead of re-reading the cache.
+                k_i = k[start : start + q_len].transpose(0, 1).to(kv_cache.dtype)  # [Hkv, L, D]
+                v_i = v[start : start + q_len].transpose(0, 1).to(kv_cache.dtype)
+            else:
+                table = attn.block_tables[i]
+                k_i, v_i = gather_kv(kv_cache, layer, table, seq_len, attn.block_size)
+            o_i = _causal_attention(q_i, k_i.to(q.dtype), v_i.to(q.dtype), scale)  # [Hq, Lq, D]
+            out[start : start + q_len] = o_i.transpose(0, 1)
+        return out
