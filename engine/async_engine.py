@@ -32,6 +32,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.engine_core import EngineCore
+from engine.model.hub import resolve_model_config
 from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.stats import StatsGroup
@@ -57,6 +58,7 @@ class _Stream:
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+        config = resolve_model_config(config)  # a repo id becomes a local path, once
         self.config = config
         self.model_name = config.model.name
         self.tokenizer = load_tokenizer(config.model.model)
