@@ -1,0 +1,183 @@
+"""The proxy's request handlers: one client request becomes a ``Session`` on a P/D pair;
+utility endpoints go to one healthy node; models and health come from the node pool."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.httpkit.body import read_body
+from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
+from engine.httpkit.drain import Drainer
+from engine.httpkit.errors import json_error
+from engine.httpkit.sse import SSEResponse
+from engine.server.protocol import APIError
+from proxy.config import ProxyConfig
+from proxy.legs import Legs
+from proxy.metrics import ProxyMetrics
+from proxy.nodes import NodePool
+from proxy.router import Router
+from proxy.session import PassThrough, Session
+from proxy.validation import CHAT, validate_request
+
+logger = logging.getLogger(__name__)
+
+
+class ProxyServing:
+    def __init__(
+        self,
+        cfg: ProxyConfig,
+        pool: NodePool,
+        router: Router,
+        metrics: ProxyMetrics,
+        drainer: Drainer,
+    ) -> None:
+        self.cfg, self.pool, self.router = cfg, pool, router
+        self.metrics, self.drainer = metrics, drainer
+        self.inflight = 0
+        self.legs: Legs | None = None  # set by the app's lifespan
+        self.client: httpx.AsyncClient | None = None
+
+    async def generate(self, request: Request, endpoint: str) -> Response:
+        """A completion or chat request: validate (400) before any node is touched, refuse
+        at ``--max-inflight`` (429), then serve it on a P/D pair as JSON or a stream."""
+        cfg, pool, metrics = self.cfg, self.pool, self.metrics
+        rid = request.state.request_id
+        path = "chat" if endpoint == CHAT else "completions"
+
+        def answer(resp: Response, kind: str | None = None) -> Response:
+            metrics.requests.labels(path, str(resp.status_code)).inc()
+            if kind is not None:
+                metrics.errors.labels(kind).inc()
+            return resp
+
+        try:
+            limit = cfg.max_model_len or pool.max_model_len()
+            raw = await read_body(request, cfg.max_request_bytes)
+            # Off the event loop: a huge body must not stall the other clients' streams.
+            req = await anyio.to_thread.run_sync(
+                validate_request, endpoint, raw, pool.model_names(), limit
+            )
+        except APIError as e:
+            return answer(json_error(e), "bad_request")
+        if self.inflight >= cfg.max_inflight:
+            err = APIError(
+                f"the proxy is at its limit of {cfg.max_inflight} requests in flight; retry later",
+                status_code=429,
+                err_type="rate_limit_error",
+                code="too_many_requests",
+            )
+            return answer(json_error(err, {"Retry-After": "1"}), "overloaded")
+        assert self.legs is not None, "the app's lifespan has not started"
+        session = Session(req, rid, cfg, self.router, self.legs, metrics)
+        self.inflight += 1
+        metrics.inflight.inc()
+        streaming = False
+
+        def done() -> None:
+            self.inflight -= 1
+            metrics.inflight.dec()
+            session.close()
+
+        try:
+            if not req.stream:
+                body = await race_disconnect(request, session.complete())
+                return answer(JSONResponse(body))
+            await race_disconnect(request, session.start_stream())
+            streaming = True
+        except ClientDisconnected:
+            logger.info("request %s: client disconnected; aborted on both nodes", rid)
+            return answer(Response(status_code=499), "client_disconnect")
+        except PassThrough as e:
+            return answer(JSONResponse(e.body, e.status))
+        except APIError as e:
+            kind = "unavailable" if e.status_code == 503 else "upstream"
+            return answer(json_error(e), kind)
+        finally:
+            if not streaming:
+                done()
+
+        async def body_iter() -> AsyncIterator[str]:
+            try:
+                async for chunk in session.events():
+                    yield chunk
+            finally:
+                if session.outcome == "pending":
+                    metrics.errors.labels("client_disconnect").inc()
+                    logger.info("request %s: client disconnected mid-stream; aborted", rid)
+                done()
+
+        return answer(SSEResponse(body_iter()))
+
+    async def forward(self, request: Request, path: str) -> Response:
+        """A node utility endpoint (``/tokenize``, ``/detokenize``): the body as it came, to
+        one healthy node (decode first; every node serves the same model), its answer back."""
+        raw = await read_body(request, self.cfg.max_request_bytes)
+        nodes = [n for role in ("decode", "prefill") for n in self.pool.nodes(role) if n.ready]
+        if not nodes:
+            err = APIError(
+                "no healthy node to answer", status_code=503, err_type="server_error",
+                code="no_healthy_node",
+            )  # fmt: skip
+            return json_error(err)
+        node = nodes[0]
+        try:
+            assert self.client is not None, "the app's lifespan has not started"
+            resp = await self.client.post(
+                node.url + path, content=raw, headers={"Content-Type": "application/json"}
+            )
+        except httpx.HTTPError as e:
+            err = APIError(
+                f"node {node.url} did not answer {path}: {e!r}", status_code=502,
+                err_type="server_error", code="upstream_error",
+            )  # fmt: skip
+            return json_error(err)
+        media = resp.headers.get("content-type", "application/json")
+        return Response(resp.content, status_code=resp.status_code, media_type=media)
+
+    def models(self) -> JSONResponse:
+        cards: list[dict[str, Any]] = []
+        for name in self.pool.model_names():
+            lens = [n.max_model_len for n in self.pool.all() if n.model == name and n.max_model_len]
+            cards.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "pdserve",
+                    "root": name,
+                    "parent": None,
+                    "max_model_len": self.cfg.max_model_len or (min(lens) if lens else None),
+                }
+            )
+        return JSONResponse({"object": "list", "data": cards})
+
+    def health(self) -> JSONResponse:
+        pool, drainer = self.pool, self.drainer
+        if drainer.draining:
+            return JSONResponse({"status": "draining", "in_flight": drainer.in_flight}, 503)
+        nodes = {
+            role: [
+                {
+                    "url": n.url,
+                    "healthy": n.ready,
+                    "outstanding": n.outstanding,
+                    "error": n.last_error,
+                }  # fmt: skip
+                for n in pool.nodes(role)
+            ]
+            for role in ("prefill", "decode")
+        }
+        if pool.serving:
+            return JSONResponse({"status": "ok", **nodes})
+        reason = (
+            "no healthy prefill node" if not pool.ready("prefill") else "no healthy decode node"
+        )
+        return JSONResponse({"status": "unavailable", "reason": reason, **nodes}, 503)
