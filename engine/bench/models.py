@@ -10,6 +10,7 @@ choices are not near-ties (a float32 run matches transformers token for token).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -77,19 +78,8 @@ PRESETS: dict[str, ModelSpec] = {
         max_position_embeddings=2048,
         dtype="float32",
     ),
-    "tiny-qwen2": ModelSpec(
-        arch="qwen2",
-        layers=2,
-        hidden=64,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        intermediate=128,
-        vocab=512,
-        max_position_embeddings=2048,
-        dtype="float32",
-    ),
 }
+PRESETS["tiny-qwen2"] = dataclasses.replace(PRESETS["tiny-llama"], arch="qwen2")
 
 # flag -> ModelSpec field
 OVERRIDES = {
