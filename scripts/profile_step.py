@@ -18,11 +18,12 @@ import time
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.core.kv_cache_manager import cdiv
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.model.config import resolve_dtype
 from engine.model.loader import load_arch_config
 from engine.sampling_params import SamplingParams
-from engine.worker.model_runner import ModelRunner, cdiv
+from engine.worker.model_runner import ModelRunner
 
 
 def _sync(device: str) -> None:

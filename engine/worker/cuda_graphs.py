@@ -41,6 +41,7 @@ class DecodeGraphs:
         max_num_seqs: int,
         device: torch.device,
         capture: bool = True,
+        staging: HostStaging | None = None,
     ) -> None:
         if model.attn_backend.name == "reference":
             raise ValueError("decode graphs need a graph-safe attention backend, not reference")
@@ -51,7 +52,7 @@ class DecodeGraphs:
         self.buckets = decode_buckets(max_num_seqs)
         self.device = device
         self.use_graphs = capture
-        self.staging = HostStaging(device)
+        self.staging = staging or HostStaging(device)  # the runner's, shared
         self._bufs: dict[int, torch.Tensor] = {}  # bucket -> static packed inputs
         self._layouts: dict[int, PackedStep] = {}
         self._outs: dict[int, torch.Tensor] = {}  # bucket -> static hidden [b, H]

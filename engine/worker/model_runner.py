@@ -15,6 +15,7 @@ import logging
 import torch
 
 from engine.config import EngineConfig
+from engine.core.kv_cache_manager import cdiv
 from engine.core.scheduler_output import SchedulerOutput
 from engine.kv_cache_layout import TORCH_DTYPES, KVCacheSpec
 from engine.model.attention import pack_step
@@ -24,10 +25,6 @@ from engine.worker.sampler import Sampler
 from engine.worker.staging import HostStaging
 
 logger = logging.getLogger(__name__)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class ModelRunner:
@@ -126,6 +123,7 @@ class ModelRunner:
                 self.max_blocks_per_seq,
                 self.config.scheduler.max_num_seqs,
                 self.device,
+                staging=self.staging,
             )
             self.graphs.capture()
 
