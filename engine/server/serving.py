@@ -154,10 +154,12 @@ class OpenAIServing:
     async def _run(self, request: Request, job: Job) -> Response:
         from engine.tokenizer import IncrementalDetokenizer
 
+        kv = job.req.kv_transfer_params  # a P/D leg: its transfer id joins it to the proxy's log
+        leg = f", transfer {kv.transfer_id}" if kv is not None and kv.transfer_id else ""
         logger.info(
-            "request %s: %s prompt=%d tokens max_tokens=%d stream=%s",
-            job.request_id, job.endpoint, len(job.prompt_ids), job.params.max_tokens,
-            job.req.stream,
+            "request %s (label %s%s): %s prompt=%d tokens max_tokens=%d stream=%s",
+            job.request_id, job.label, leg, job.endpoint, len(job.prompt_ids),
+            job.params.max_tokens, job.req.stream,
         )  # fmt: skip
         detok = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids=job.prompt_ids)
         steps = generate_steps(self.engine, job, detok)
