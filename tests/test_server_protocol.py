@@ -14,6 +14,7 @@ from engine.server.protocol import (
     error_body,
     parse_chat_request,
     parse_completion_request,
+    parse_json_body,
     resolve_max_tokens,
 )
 from kvconnector.params import KVTransferParams
@@ -118,7 +119,12 @@ def test_stop_string_single() -> None:
         ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "stream": True, "stream_options": []}, "stream_options"),
-        ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+            "stream_options.include_usage",
+        ),
+        ({"prompt": "x", "top_k": 1e308}, "top_k"),
+        ({"prompt": "x", "max_tokens": 2**63}, "max_tokens"),
         ({"prompt": "x", "kv_transfer_params": "x"}, "kv_transfer_params"),
         ({"prompt": "x", "model": 3}, "model"),
         ({"prompt": "x", "n": 2}, "n"),
@@ -145,6 +151,21 @@ def test_completion_rejects(body: dict[str, Any], param: str) -> None:
 def test_body_must_be_object(body: Any) -> None:
     assert _err(parse_completion_request, body).status_code == 400
     assert _err(parse_chat_request, body).status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"prompt": "x", "max_tokens": ' + b"9" * 4301 + b"}", "max_tokens"),
+        (b'{"prompt": [1, -' + b"9" * 100_000 + b"]}", "prompt[1]"),
+        (b"9" * 5000, None),
+    ],
+    ids=["max_tokens", "prompt[1]", "body"],
+)
+def test_an_integer_literal_past_the_digit_limit_is_a_400_naming_it(raw: bytes, param) -> None:
+    """Python will not convert integers of more than 4300 digits (a ValueError, a 500 before)."""
+    e = _err(parse_json_body, raw)
+    assert (e.status_code, e.param, e.code) == (400, param, "invalid_number")
 
 
 def test_top_k_zero_means_disabled() -> None:

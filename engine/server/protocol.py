@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,9 +98,11 @@ def _get_int(body: dict[str, Any], name: str, default: Any = None) -> Any:
     if value is None:
         return default
     if isinstance(value, float) and value.is_integer() and not isinstance(value, bool):
-        return int(value)
+        value = int(value)
     if not _is_int(value):
         raise _bad_type(name, "an integer", value)
+    if not -(2**63) <= value < 2**63:  # no field means more; 4300 digits broke the messages
+        raise APIError(f"'{name}' must fit in a signed 64-bit integer", param=name)
     return value
 
 
@@ -215,8 +218,6 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         raise APIError(f"'top_k' must be -1 (disabled) or >= 1, got {top_k}", param="top_k")
     req.top_k = top_k
     req.seed = _get_int(body, "seed", None)
-    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
-        raise APIError("'seed' must fit in a signed 64-bit integer", param="seed")
 
     stop = body.get("stop")
     if stop is None:
@@ -246,7 +247,10 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
             raise APIError(
                 "'stream_options' is only allowed when 'stream' is true", param="stream_options"
             )
-        req.include_usage = _get_bool(opts, "include_usage", False)
+        usage = opts.get("include_usage")
+        if usage is not None and not isinstance(usage, bool):  # named 'include_usage' before
+            raise _bad_type("stream_options.include_usage", "a boolean", usage)
+        req.include_usage = bool(usage)
 
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
@@ -531,8 +535,28 @@ def parse_json_body(raw: bytes) -> Any:
         ) from e
     except RecursionError:  # deeper than the parser goes
         raise _too_deep() from None
+    except ValueError:  # an integer literal longer than int() converts (a 500 before)
+        # Parsed again, only now, marking such literals so the check names their field.
+        try:
+            body = json.loads(raw, parse_int=_int_or_too_long)
+        except RecursionError:
+            raise _too_deep() from None
     _check_json(body, "", 0)
     return body
+
+
+class _TooLongInt:
+    """An integer literal in a body with more digits than Python converts (4300)."""
+
+
+_TOO_LONG_INT = _TooLongInt()
+
+
+def _int_or_too_long(digits: str) -> int | _TooLongInt:
+    try:
+        return int(digits)
+    except ValueError:
+        return _TOO_LONG_INT
 
 
 def _too_deep() -> APIError:
@@ -544,6 +568,13 @@ def _too_deep() -> APIError:
 def _check_json(value: Any, path: str, depth: int) -> None:
     if depth > MAX_JSON_DEPTH:
         raise _too_deep()
+    if value is _TOO_LONG_INT:
+        name = path or "body"
+        raise APIError(
+            f"'{name}' is an integer with more than {sys.get_int_max_str_digits()} digits",
+            param=path or None,
+            code="invalid_number",
+        )
     if isinstance(value, str):
         try:
             value.encode("utf-8")
