@@ -125,6 +125,8 @@ def test_stop_string_single() -> None:
         ),
         ({"prompt": "x", "top_k": 1e308}, "top_k"),
         ({"prompt": "x", "max_tokens": 2**63}, "max_tokens"),
+        ({"prompt": "x", "temperature": 10**400}, "temperature"),
+        ({"prompt": "x", "top_p": -(10**400)}, "top_p"),
         ({"prompt": "x", "kv_transfer_params": "x"}, "kv_transfer_params"),
         ({"prompt": "x", "model": 3}, "model"),
         ({"prompt": "x", "n": 2}, "n"),

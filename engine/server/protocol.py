@@ -90,7 +90,11 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, int | float) and not isinstance(value, bool)) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    if isinstance(value, int):  # compared exactly: float() of a bigger one raises (a 500 before)
+        return abs(value) <= sys.float_info.max
+    return math.isfinite(value)
 
 
 def _get_int(body: dict[str, Any], name: str, default: Any = None) -> Any:
