@@ -62,6 +62,7 @@ if [ "$SMOKE" = 1 ]; then
   PRE=(--num-prompts 1 --input-len 256 --output-len 1); SERVE=(--num-prompts 8 --max-concurrency 4 --input-len 64 --output-len 8)
   NODE=(--device cpu --dtype float32 --num-blocks 512); PD_NODE=("${NODE[@]}")
   PROF=(--device cpu --batch 4 --context 64 --prefill-tokens 128 --iters 4)
+  XFER=(--device cpu --layers 2 --kv-heads 2 --head-dim 16 --tokens 64 --tp 1 2 --reps 2)
 else
   DEV=(--device cuda --dtype bfloat16); PRESET=llama-886m
   THR=(--workload throughput); LAT=(--workload latency); PRE=(--workload prefill)
@@ -69,6 +70,7 @@ else
   NODE=(--device cuda --dtype bfloat16 --max-num-seqs 64)
   PD_NODE=("${NODE[@]}" --gpu-memory-utilization 0.4 --num-blocks 8192)
   PROF=(--device cuda --batch 32 --context 512 --prefill-tokens 2048 --iters 20)
+  XFER=(--device cuda --tokens 128 512 2048 8192 --tp 1 2)  # Llama-3-8B KV, VRAM, 3 GiB
   say "host: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$LOG"
 fi
@@ -88,6 +90,8 @@ step "offline latency" 120 "${B[@]}" "${LAT[@]}" --json "$OUT/offline_latency.js
 step "offline latency eager" 120 "${B[@]}" "${LAT[@]}" --enforce-eager --json "$OUT/offline_latency_eager.json"
 step "offline prefill" 180 "${B[@]}" "${PRE[@]}" --json "$OUT/offline_prefill.json"
 step "profile" 180 $PY scripts/profile_step.py --model "$MODEL" "${PROF[@]}" --trace "$OUT/trace" --json "$OUT/profile.json"
+# KV push P->D: the connector path vs raw NIXL vs a device-to-device copy, same bytes.
+step "transfer" 180 $PY -m engine.bench transfer "${XFER[@]}" --json "$OUT/transfer.json"
 
 # 3. HTTP: colocated node.
 S=($PY -m engine.bench serve --no-progress --slo-ttft-ms 150 --slo-itl-ms 25 "${SERVE[@]}")

@@ -110,6 +110,46 @@ def rows(out: str) -> list[Row]:
                 "{}",
             ),
         ]
+    table += transfer_rows(_load(out, "transfer.json"))
+    return table
+
+
+def transfer_rows(report: dict[str, Any] | None) -> list[Row]:
+    """Issue 10's push targets from ``pd-bench transfer``: its largest size, per TP."""
+    rows_by_tp: dict[int, dict[str, Any]] = {}
+    for r in (report or {}).get("results", []):
+        if r["tokens"] >= rows_by_tp.get(r["tp"], {"tokens": -1})["tokens"]:
+            rows_by_tp[r["tp"]] = r
+    table: list[Row] = []
+    for tp in sorted(rows_by_tp) or [1]:
+        r = rows_by_tp.get(tp)
+        where = f"KV push TP{tp}" + (f", {r['tokens']} tokens" if r else "")
+        table += [
+            (
+                f"{where}: connector / raw NIXL GB/s",
+                ">= 0.90",
+                _get(r, "ratio_connector_raw"),
+                lambda v: v >= 0.90,
+                "{:.2f}",
+            ),
+            (
+                f"  {where}: connector / device copy GB/s",
+                ">= 0.50",
+                _get(r, "ratio_connector_copy"),
+                lambda v: v >= 0.50,
+                "{:.2f}",
+            ),
+            (
+                f"  {where}: connector GB/s; data",
+                "(info)",
+                None
+                if r is None
+                else f"{r['paths']['connector']['gbps']:.1f}; "
+                + ("ok" if r.get("data_ok") else "WRONG"),
+                lambda v: True,
+                "{}",
+            ),
+        ]
     return table
 
 
@@ -126,6 +166,15 @@ def main() -> None:
             shown = fmt.format(value)
             met = "" if target == "(info)" else ("yes" if ok(value) else "no")
         print(f"| {name} | {target} | {shown} | {met} |")
+    transfer = _load(out, "transfer.json")
+    if transfer:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from engine.bench.transfer import markdown_table
+
+        print()
+        print(f"KV transfer ({transfer.get('memory')}, pd-bench transfer):")
+        print()
+        print(markdown_table(transfer["results"]))
     prof = _load(out, "profile.json")
     if prof:
         print()

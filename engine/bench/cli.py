@@ -3,6 +3,7 @@
     pd-bench offline --workload throughput --model DIR --device cuda --compare-hf
     pd-bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 32
     pd-bench make-model --out /tmp/llama-886m --preset llama-886m
+    pd-bench transfer --tokens 128 512 2048 8192 --tp 1 2 --json transfer.json
 
 Each subcommand imports what it needs only when it runs: ``serve`` never imports torch.
 """
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.bench.models import add_make_model_args
     from engine.bench.offline import add_offline_args
     from engine.bench.serve import add_serve_args
+    from engine.bench.transfer import add_transfer_args
 
     parser = argparse.ArgumentParser(prog="pd-bench", description="pdserve benchmarks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -35,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_make_model_args(make)
     make.set_defaults(_parser=make)
+    transfer = sub.add_parser(
+        "transfer",
+        help="KV push P->D: the NIXL connector path vs raw NIXL vs a local copy, same bytes",
+    )
+    add_transfer_args(transfer)
+    transfer.set_defaults(_parser=transfer)
     return parser
 
 
@@ -51,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench.serve import run_serve
 
         return run_serve(args, sub)
+    if args.command == "transfer":
+        from engine.bench.transfer import run_transfer
+
+        return run_transfer(args, sub)
     from engine.bench.models import run_make_model
 
     return run_make_model(args)
