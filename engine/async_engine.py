@@ -2,8 +2,8 @@
 
 Callers (the HTTP server) use ``generate()``/``abort()`` from the event loop; requests
 and aborts go to the engine thread through a queue, outputs come back through one
-asyncio queue per request. When the executor dies, every request ends with an error
-and ``healthy`` turns False.
+stream per request, bounded: outputs its reader has not taken yet are merged into one.
+When the executor dies, every request ends with an error and ``healthy`` turns False.
 
 Requests are checked against the engine in one place, the scheduler's ``add_request``
 (request id in use, prompt empty or too long, blocks): a refusal comes back through the
@@ -20,13 +20,14 @@ finds requests by engine id, label or transfer id (the ``/v1/abort`` endpoint).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
@@ -45,15 +46,51 @@ IDLE_WAIT_S = 0.05
 EMPTY_STEP_SLEEP_S = 0.001
 
 
-@dataclass(eq=False)
 class _Stream:
-    """Where one request's outputs go: an asyncio queue and the loop that reads it."""
+    """Where one request's outputs go, read on ``loop``. Bounded: the engine thread never
+    waits for the reader, and outputs the reader has not taken yet are merged into one
+    (token ids appended, the latest state kept), so a slow reader -- a client reading its
+    stream slowly -- leaves one pending output per request, not one per step."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        """From any thread."""
+        self.loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        tail = self._items[-1] if self._items else None
+        if (
+            isinstance(item, RequestOutput)
+            and isinstance(tail, RequestOutput)
+            and not tail.finished
+        ):
+            tail.new_token_ids.extend(item.new_token_ids)
+            tail.finished, tail.finish_reason, tail.error = (
+                item.finished, item.finish_reason, item.error,
+            )  # fmt: skip
+            tail.num_prompt_tokens = item.num_prompt_tokens
+            tail.num_output_tokens = item.num_output_tokens
+            tail.kv_transfer_params = item.kv_transfer_params or tail.kv_transfer_params
+        elif isinstance(item, RequestOutput):  # a copy: merging extends its token list
+            self._items.append(dataclasses.replace(item, new_token_ids=list(item.new_token_ids)))
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    @property
+    def pending(self) -> int:
+        """Items not yet taken by the reader."""
+        return len(self._items)
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
 
 
 class AsyncLLMEngine:
@@ -97,8 +134,7 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         if not self.healthy:
             raise RuntimeError(f"engine is dead: {self.dead_reason}")
-        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        stream = _Stream(asyncio.get_running_loop(), q)
+        stream = _Stream(asyncio.get_running_loop())
         req = Request(
             request_id,
             prompt_token_ids,
@@ -113,7 +149,7 @@ class AsyncLLMEngine:
         finished = False
         try:
             while True:
-                item = await q.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True  # refused or failed: nothing of ours to abort
                     raise item

@@ -176,10 +176,29 @@ class SchedulerConfig:
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "token budget per step (chunked prefill)"}
     )
+    max_queued_requests: int = field(
+        default=256,
+        metadata={
+            "help": "generation requests a node holds beyond --max-num-seqs (waiting to run, "
+            "being tokenized, waiting for their KV); past max-num-seqs + this, new ones get "
+            "429 with Retry-After"
+        },
+    )
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        require(
+            self.max_queued_requests >= 0,
+            "max_queued_requests",
+            f"must be >= 0 (0: no queue, only --max-num-seqs requests), "
+            f"got {self.max_queued_requests}",
+        )
+
+    @property
+    def max_admitted_requests(self) -> int:
+        """Generation requests a node holds at once; the next one gets 429."""
+        return self.max_num_seqs + self.max_queued_requests
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.httpkit.admission import Admission, AdmissionMiddleware
 from engine.httpkit.auth import ApiKeyMiddleware
 from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drainer, DrainMiddleware
@@ -44,15 +45,22 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     api_key: str | None = None,
+    max_admitted: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
-    ``app.state.drainer`` drains it on shutdown (``engine.httpkit.drain``)."""
+    ``app.state.drainer`` drains it on shutdown (``engine.httpkit.drain``). At
+    ``max_admitted`` generation requests in flight (``--max-num-seqs`` +
+    ``--max-queued-requests``; ``None``: no bound) the next gets 429
+    (``engine.httpkit.admission``)."""
     app = FastAPI(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(engine, metrics, max_request_bytes)
     tokenize_serving = TokenizeServing(engine, max_request_bytes)
     drainer = Drainer(WORK_PATHS, shutdown_timeout)
+    admission = Admission(WORK_PATHS, max_admitted)
+    metrics.track_admission(admission)
     app.state.engine = engine
+    app.state.admission = admission
     app.state.metrics = metrics
     app.state.drainer = drainer
     started = int(time.time())
@@ -60,6 +68,7 @@ def build_app(
     def observe(method: str, path: str, status: int, seconds: float) -> None:
         metrics.observe_http(method, path if path in ROUTES else "other", status, seconds)
 
+    app.add_middleware(AdmissionMiddleware, admission=admission)  # inside drain and API key
     app.add_middleware(DrainMiddleware, drainer=drainer)
     app.add_middleware(ApiKeyMiddleware, keys=(api_key,) if api_key else ())
     app.add_middleware(RequestIdMiddleware, observe=observe)  # outermost: ids on every answer

@@ -111,6 +111,18 @@ class ServerMetrics(MetricsRegistry):
             "request_completion_tokens", "Completion tokens returned over HTTP"
         )
 
+    def track_admission(self, admission: Any) -> None:
+        """Gauges of an ``engine.httpkit.admission.Admission``, read at scrape time."""
+        self.gauge(
+            "num_requests_admitted",
+            "Generation requests in flight over HTTP (tokenizing, waiting, running, streaming)",
+        ).set_function(lambda: admission.in_flight)
+        limit = admission.limit
+        self.gauge(
+            "max_admitted_requests",
+            "In-flight generation requests before new ones get 429 (-1: no limit)",
+        ).set_function(lambda: -1 if limit is None else limit)
+
     def observe_http(self, method: str, path: str, status: int, seconds: float) -> None:
         self.http_requests.labels(method, path, str(status)).inc()
         self.http_latency.labels(method, path).observe(seconds)

@@ -107,7 +107,13 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             f"pdserve {role} node listening on {listen_url(args.host, port)} "
             f"(model {engine.model_name}, tp {config.parallel.tp})"
         )
-        app = build_app(engine, args.max_request_bytes, args.shutdown_timeout, args.api_key)
+        app = build_app(
+            engine,
+            args.max_request_bytes,
+            args.shutdown_timeout,
+            args.api_key,
+            max_admitted=config.scheduler.max_admitted_requests,
+        )
         server = make_server(
             app,
             log_level=args.log_level,
