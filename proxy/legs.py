@@ -8,7 +8,9 @@ one transfer id made for this attempt (``<label>-<random>``, never the label its
 two clients using one ``X-Request-Id`` never share a transfer); aborts name that transfer
 id, which finds the legs' requests on both nodes. A leg
 that fails raises ``UpstreamError``; ``node_fault`` tells a node failure (connection
-error, timeout, 5xx: retry elsewhere) from a refusal of the request (4xx: the client's).
+error, timeout, 5xx: retry elsewhere) from a refusal of the request (4xx: the client's);
+``overloaded`` marks a load answer (429, or 503 with ``code: overloaded``): the node is
+healthy but busy, neither a failure of the node nor the client's fault.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from engine.httpkit.admission import OVERLOADED_CODE
 from engine.httpkit.request_id import REQUEST_ID_HEADER
 from kvconnector.params import KVTransferParams
 from proxy.nodes import Node
@@ -39,16 +42,26 @@ class UpstreamError(Exception):
         *,
         status: int | None = None,
         body: dict[str, Any] | None = None,
+        retry_after: str | None = None,
     ) -> None:
         super().__init__(f"{node.role} node {node.url}: {message}")
         self.detail = message
         self.node = node
         self.status = status
         self.body = body
+        self.retry_after = retry_after  # the node's Retry-After header, if any
+
+    @property
+    def overloaded(self) -> bool:
+        """A load answer: 429, or a 503 whose error code says ``overloaded``."""
+        if self.status == 429:
+            return True
+        code = (self.body or {}).get("error", {}).get("code")
+        return self.status == 503 and code == OVERLOADED_CODE
 
     @property
     def node_fault(self) -> bool:
-        return self.status is None or self.status >= 500
+        return self.status is None or (self.status >= 500 and not self.overloaded)
 
 
 async def _error_from_response(node: Node, resp: httpx.Response) -> UpstreamError:
@@ -60,7 +73,7 @@ async def _error_from_response(node: Node, resp: httpx.Response) -> UpstreamErro
             body = parsed
     detail = body["error"].get("message") if body else raw[:200].decode("utf-8", "replace")
     return UpstreamError(node, f"HTTP {resp.status_code}: {detail}", status=resp.status_code,
-                         body=body)  # fmt: skip
+                         body=body, retry_after=resp.headers.get("retry-after"))  # fmt: skip
 
 
 class Legs:

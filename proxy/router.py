@@ -57,6 +57,10 @@ class Router:
         candidates = [n for n in ready if n.url not in exclude] or ready
         return self.policy.choose(role, candidates)
 
+    def has_other(self, role: Role, exclude: Collection[str]) -> bool:
+        """Whether a routable node of ``role`` is left outside ``exclude``."""
+        return any(n.url not in exclude for n in self.pool.ready(role))
+
     def pick_pair(self, exclude: Collection[str] = ()) -> tuple[Node, Node]:
         """A (prefill, decode) pair; excluded URLs are avoided unless nothing else is left."""
         return self.pick("prefill", exclude), self.pick("decode", exclude)

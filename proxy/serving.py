@@ -95,8 +95,9 @@ class ProxyServing:
         except ClientDisconnected:
             logger.info("request %s: client disconnected; aborted on both nodes", rid)
             return answer(Response(status_code=499), "client_disconnect")
-        except PassThrough as e:
-            return answer(JSONResponse(e.body, e.status))
+        except PassThrough as e:  # a node's refusal; 429 when every node was overloaded
+            kind = "overloaded" if e.status in (429, 503) else None
+            return answer(JSONResponse(e.body, e.status, headers=e.headers), kind)
         except APIError as e:
             kind = "unavailable" if e.status_code == 503 else "upstream"
             return answer(json_error(e), kind)

@@ -12,6 +12,11 @@ seeded sampling), else the client gets an error event. Once D's tokens flow, a f
 ends the stream with ``data: {"error": ...}`` and ``data: [DONE]``: never a silently
 truncated answer. Requests with stop strings are not pre-streamed (a stop string may
 start inside the first token), they stream from D alone.
+
+A node that answers with load (429, or 503 ``overloaded``) is healthy: it stays in
+rotation, and the request moves to another node of that role that this request has not
+tried; when none is left, the client gets the node's answer and its ``Retry-After``.
+These moves are not failures and do not count against ``max_retries``.
 """
 
 from __future__ import annotations
@@ -38,12 +43,16 @@ logger = logging.getLogger(__name__)
 
 
 class PassThrough(Exception):
-    """A node refused the request (4xx): answer the client with the node's error."""
+    """A node refused the request (4xx, or overloaded): answer the client with the node's
+    error (and ``headers``, e.g. its ``Retry-After``)."""
 
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
+    def __init__(
+        self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(body.get("error", {}).get("message", ""))
         self.status = status
         self.body = body
+        self.headers = headers or {}
 
 
 class _Skipper:
@@ -83,6 +92,7 @@ class Session:
         self.arrival = time.monotonic()
         self.created = int(time.time())
         self.attempts = 0
+        self.node_failures = 0
         self.excluded: set[str] = set()
         self.current: Attempt | None = None
         # Streaming state.
@@ -125,13 +135,17 @@ class Session:
     def _failed(self, attempt: Attempt, err: UpstreamError) -> None:
         """Clean up a failed pair; raise unless another attempt is allowed."""
         attempt.release()
+        if err.overloaded:
+            self._overloaded(err)
+            return
         if not err.node_fault:
             logger.info("request %s refused by %s", self.request_id, err)
             raise PassThrough(err.status or 400, err.body or error_body(str(err)))
         logger.warning("request %s: %s", self.request_id, err)
         err.node.mark_failed(err.detail)
         self.excluded.add(err.node.url)
-        if self.attempts > self.cfg.max_retries:
+        self.node_failures += 1
+        if self.node_failures > self.cfg.max_retries:
             raise APIError(
                 f"the request failed on {self.attempts} prefill/decode pair(s); last error: {err}",
                 status_code=502,
@@ -139,6 +153,19 @@ class Session:
                 code="upstream_error",
             ) from err
         self.metrics.retries.labels(err.node.role).inc()
+
+    def _overloaded(self, err: UpstreamError) -> None:
+        """A node answered with load: try another node of its role that this request has
+        not tried; when none is left, raise the node's answer for the client."""
+        node = err.node
+        self.excluded.add(node.url)
+        if self.router.has_other(node.role, self.excluded):
+            logger.info("request %s: %s; trying another %s node", self.request_id, err, node.role)
+            self.metrics.retries.labels(node.role).inc()
+            return
+        logger.info("request %s: every %s node is overloaded: %s", self.request_id, node.role, err)
+        body = err.body or error_body(str(err), "rate_limit_error", code="overloaded")
+        raise PassThrough(err.status or 429, body, {"Retry-After": err.retry_after or "1"})
 
     def _saw_first_token(self) -> None:
         if not self.ttft_seen:
