@@ -1,0 +1,175 @@
+"""Overload pieces without processes: the admission bound (429 + Retry-After before the
+body is read), a request's output stream that a slow reader cannot grow, the flag, and the
+proxy's reading of a node's load answer (see ``test_overload.py`` for real nodes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+import pytest
+
+from engine.async_engine import _Stream
+from engine.httpkit.admission import Admission, AdmissionMiddleware
+from engine.outputs import RequestOutput
+from engine.server.node_main import build_parser
+from proxy.legs import UpstreamError
+from proxy.nodes import Node
+
+WORK = frozenset(["/v1/completions"])
+
+
+async def _call(app: Any, path: str) -> dict[str, Any]:
+    """One HTTP request through ``app``; its status, headers and body."""
+    sent: list[dict[str, Any]] = []
+    body_read = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_read
+        body_read = True
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return {
+        "status": start["status"],
+        "headers": {k.decode(): v.decode() for k, v in start.get("headers", [])},
+        "body": body,
+        "body_read": body_read,
+    }
+
+
+def test_past_the_limit_a_request_gets_429_with_retry_after_before_its_body_is_read() -> None:
+    release = asyncio.Event()
+    running = 0
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal running
+        await receive()
+        running += 1
+        if scope["path"] in WORK:
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    admission = Admission(WORK, limit=2)
+    mw = AdmissionMiddleware(app, admission)
+
+    async def run() -> None:
+        held = [asyncio.create_task(_call(mw, "/v1/completions")) for _ in range(2)]
+        while running < 2:
+            await asyncio.sleep(0)
+        assert admission.in_flight == 2
+        refused = await _call(mw, "/v1/completions")
+        assert refused["status"] == 429 and refused["headers"]["retry-after"] == "1"
+        assert not refused["body_read"]  # answered before the body was read
+        err = json.loads(refused["body"])["error"]
+        assert (err["type"], err["code"]) == ("rate_limit_error", "overloaded")
+        assert "limit of 2" in err["message"]
+        other = await _call(mw, "/health")  # only the work paths are bounded
+        assert other["status"] == 200
+        release.set()
+        assert [r["status"] for r in await asyncio.gather(*held)] == [200, 200]
+        assert admission.in_flight == 0
+        assert (await _call(mw, "/v1/completions"))["status"] == 200
+        assert admission.refused_total == 1
+
+    asyncio.run(run())
+
+
+def test_without_a_limit_every_request_is_admitted() -> None:
+    admission = Admission(WORK, limit=None)
+    assert all(admission.try_enter() for _ in range(1000))
+    with pytest.raises(ValueError):
+        Admission(WORK, limit=0)
+
+
+def test_outputs_a_slow_reader_has_not_taken_are_merged_into_one() -> None:
+    async def run() -> None:
+        stream = _Stream(asyncio.get_running_loop())
+
+        def engine_thread() -> None:
+            for i in range(1000):
+                stream.put(RequestOutput("r", [i], num_output_tokens=i + 1))
+            stream.put(RequestOutput("r", [1000], True, "length", num_output_tokens=1001))
+
+        def all_delivered() -> bool:  # the puts run on this loop, after the thread's calls
+            tail = stream._items[-1] if stream.pending else None
+            return isinstance(tail, RequestOutput) and tail.finished
+
+        t = threading.Thread(target=engine_thread)
+        t.start()
+        t.join()
+        while not all_delivered():
+            await asyncio.sleep(0.001)
+        assert stream.pending == 1  # not 1001 queued outputs
+        out = await stream.get()
+        assert isinstance(out, RequestOutput)
+        assert out.new_token_ids == list(range(1001))
+        assert (out.finished, out.finish_reason, out.num_output_tokens) == (True, "length", 1001)
+
+    asyncio.run(run())
+
+
+def test_a_reader_that_keeps_up_gets_every_output_as_it_came() -> None:
+    async def run() -> None:
+        stream = _Stream(asyncio.get_running_loop())
+        got: list[list[int]] = []
+        for i in range(3):
+            stream.put(RequestOutput("r", [i], finished=i == 2))
+            out = await stream.get()
+            assert isinstance(out, RequestOutput)
+            got.append(out.new_token_ids)
+        assert got == [[0], [1], [2]]
+        stream.put(ValueError("refused"))
+        assert isinstance(await stream.get(), ValueError)
+
+    asyncio.run(run())
+
+
+def test_max_queued_requests_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.server.cli_args import parse_config
+
+    _, config = parse_config(build_parser("decode"), [])
+    assert config.scheduler.max_queued_requests == 256
+    assert config.scheduler.max_admitted_requests == config.scheduler.max_num_seqs + 256
+    argv = ["--max-num-seqs", "8", "--max-queued-requests", "0"]
+    _, config = parse_config(build_parser("decode"), argv)
+    assert config.scheduler.max_admitted_requests == 8
+    with pytest.raises(SystemExit) as info:
+        parse_config(build_parser("decode"), ["--max-queued-requests", "-1"])
+    assert info.value.code == 2
+    assert "--max-queued-requests: must be >= 0" in capsys.readouterr().err
+
+
+def _upstream(status: int, code: str | None = None, retry_after: str | None = None):
+    body = {"error": {"message": "m", "type": "t", "param": None, "code": code}}
+    node = Node("http://10.0.0.2:8200", "decode")
+    return UpstreamError(node, "x", status=status, body=body, retry_after=retry_after)
+
+
+@pytest.mark.parametrize(
+    "status, code, overloaded, node_fault",
+    [
+        (429, "overloaded", True, False),
+        (429, None, True, False),
+        (503, "overloaded", True, False),  # e.g. an engine that sheds load with a 503
+        (503, "draining", False, True),
+        (503, "engine_dead", False, True),
+        (500, None, False, True),
+        (400, None, False, False),
+    ],
+)
+def test_the_proxy_tells_a_load_answer_from_a_node_failure(
+    status: int, code: str | None, overloaded: bool, node_fault: bool
+) -> None:
+    err = _upstream(status, code, "3")
+    assert (err.overloaded, err.node_fault) == (overloaded, node_fault)
+    assert err.retry_after == "3"
