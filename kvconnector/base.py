@@ -37,7 +37,12 @@ Scheduler side, called by ``engine.core.scheduler.Scheduler``:
    ``take_events()``. ``kv_transfer_params`` (a ``KVTransferParams`` or None) goes out
    with the request's final output (the prefill node's answer to the proxy).
    ``abort_held(request)`` is called when the client of such a held request goes away.
-5. ``update_connector_output(output)`` with each step's *aggregated* ``ModelRunnerOutput``.
+5. ``update_connector_output(output) -> {request id: info}`` with each step's
+   *aggregated* ``ModelRunnerOutput``. Returns the waiting requests whose remote KV has
+   landed -- on every rank, for the request's current transfer -- with the info that came
+   with it (``first_token``). The keys of ``output.finished_recving`` are the connector's
+   own transfer keys (the NIXL connector's are reservation nonces), not request ids: only
+   the connector can tell a current transfer from a stale or forged one.
 6. ``take_events() -> ConnectorEvents`` once per step: requests whose remote KV failed or
    timed out (the scheduler recomputes or fails them by the failure policy) and held
    blocks that may now be freed. This is where every connector deadline turns into a
@@ -54,7 +59,10 @@ Worker side, called by ``engine.worker.worker.Worker`` every step, in this order
 
 Per-rank finished sets are aggregated across all ranks by
 ``engine.executor.aggregator.KVOutputAggregator`` before the scheduler sees them: a
-request is finished only when every rank has reported it.
+request is finished only when every rank has reported it. A transfer that ends without
+completing is named in its step's ``KVConnectorMetadata.ended_transfer_keys()``: every
+rank drops what it counted for it, and the executor has the aggregator drop its partial
+count, so no count outlives its transfer.
 
 ``register_kv_caches(kv_cache, spec)`` is called once at worker start; ``handshake_info()``
 returns what peers need to reach this rank (sent to the engine at start and served on the
@@ -67,6 +75,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +107,11 @@ class KVConnectorMetadata(ABC):  # noqa: B024 - abstract on purpose, see is_empt
     @abstractmethod
     def is_empty(self) -> bool:
         """True when the step carries no connector work."""
+
+    def ended_transfer_keys(self) -> Sequence[str]:
+        """Transfer keys (as reported in ``finished_recving``) that ended without
+        completing: ranks and the aggregator drop their partial counts of them."""
+        return ()
 
 
 @dataclass
@@ -173,8 +187,10 @@ class KVConnectorScheduler(ABC):
         event); a transfer already in flight still runs to completion.
         """
 
-    def update_connector_output(self, output: ModelRunnerOutput) -> None:  # noqa: B027
-        """Sees each step's aggregated output."""
+    def update_connector_output(self, output: ModelRunnerOutput) -> dict[str, dict[str, Any]]:
+        """Sees each step's aggregated output; returns {request id: info} of the waiting
+        requests whose remote KV landed (contract step 5)."""
+        return {}
 
     def take_events(self) -> ConnectorEvents:
         return ConnectorEvents()

@@ -141,3 +141,19 @@ def test_send_failure_survives_until_all_ranks_finished():
     assert out.finished_sending == set() and out.kv_failed == {}
     out = agg.aggregate([wo(0, sent={"p1"}), wo(1)])
     assert out.finished_sending == {"p1"} and out.kv_failed == {"p1": "timeout"}
+
+
+@PATHS
+def test_a_forgotten_transfer_drops_its_partial_count_and_ignores_later_reports(collect):
+    """A transfer that ended without every rank reporting it (one rank's WRITE failed):
+    its partial count is dropped, and a straggling rank's report starts no new one."""
+    agg = KVOutputAggregator(2)
+    out = collect(agg, [wo(0, recv={"n1"}, sent={"p1"}), wo(1)])
+    assert agg.pending_ids == {"n1", "p1"}
+    agg.forget(["n1", "p1"])
+    assert agg.pending_ids == set()
+    out = collect(agg, [wo(0), wo(1, recv={"n1"}, sent={"p1"})])
+    assert out.finished_recving == set() and out.finished_sending == set()
+    assert agg.pending_ids == set()
+    out = collect(agg, [wo(0, recv={"n2"}), wo(1, recv={"n2"})])  # others are unaffected
+    assert out.finished_recving == {"n2"}

@@ -80,9 +80,9 @@ def test_request_that_finishes_as_its_kv_lands_is_not_treated_as_aborted(decode,
     monkeypatch.setattr(nixl_scheduler.NixlConnectorScheduler, "_reserve_job", lambda s, r: None)
     sch.add_request(remote("X", "tcp://127.0.0.1:1", max_tokens=1))
     step(sch)
-    outs = step(
-        sch, ModelRunnerOutput(finished_recving={"X"}, kv_recv_info={"X": {"first_token": 5}})
-    )
+    nonce = conn.consumer.recvs["X"].nonce
+    info = {nonce: {"request_id": "X", "first_token": 5}}
+    outs = step(sch, ModelRunnerOutput(finished_recving={nonce}, kv_recv_info=info))
     assert [(o.request_id, o.finish_reason) for o in outs] == [("X", "length")]
     assert outs[0].new_token_ids == [5]
     assert not sch.held and not conn.consumer.quarantine
@@ -120,13 +120,13 @@ def test_a_cancel_after_a_failed_send_says_a_write_may_still_land(prefill, error
     d_key = "decode:abc"
     conn._d_peers[d_key] = {"engine_id": "decode", "address": dead_address(), "ranks": []}
     assert conn.producer.prefill_finished("P1", "t1", [0, 1, 2], 7)
-    reserve = Reserve("t1", "D1", d_key, dead_address(), (5, 6, 7), 0).to_wire()
+    reserve = Reserve("t1", "n1", "D1", d_key, dead_address(), (5, 6, 7), 0).to_wire()
     assert conn._handle(reserve) == {"ok": True}
     (send,) = conn.build_connector_meta(None).sends  # type: ignore[arg-type]
     assert send.request_id == "P1"
     failed = {"P1": error} if error else {}
     conn.update_connector_output(ModelRunnerOutput(finished_sending={"P1"}, kv_failed=failed))
-    reply = conn._handle(Cancel("t1").to_wire())
+    reply = conn._handle(Cancel("t1", "n1").to_wire())
     assert reply == {"ok": True, "state": state}
     # Still so on a second ask (D retries the cancel until its quarantine ends).
-    assert conn._handle(Cancel("t1").to_wire())["state"] == state
+    assert conn._handle(Cancel("t1", "n1").to_wire())["state"] == state

@@ -8,9 +8,9 @@ from kvconnector.nixl.liveness import PeerLiveness
 
 
 class Inline:
-    """An executor that runs jobs at once, so each tick's ping completes inside tick()."""
+    """Lanes that run calls at once, so each tick's ping completes inside tick()."""
 
-    def submit(self, fn, *args):
+    def submit(self, peer, fn, *args):
         fut: Future = Future()
         fut.set_result(fn(*args))
         return fut

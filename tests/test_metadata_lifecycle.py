@@ -98,6 +98,18 @@ def test_step_whose_forward_raises_still_clears():
     assert conn.connector_metadata is None
 
 
+def test_a_step_whose_forward_raises_still_posts_its_sends():
+    """The step's sends push prefills of earlier steps, which the scheduler-side connector
+    already counts in flight: skipping ``wait_for_save`` left them never posted, with no
+    deadline (issue 9, hole 7). They are posted with the step's metadata still bound."""
+    conn, runner = RecordingConnector(), FakeRunner(fail=True)
+    sched = _step(True)
+    with pytest.raises(RuntimeError, match="forward exploded"):
+        _worker(runner, conn).execute_model(sched)
+    assert [c[0] for c in conn.calls] == ["bind", "start_load_kv", "wait_for_save", "clear"]
+    assert conn.calls[2][1] is sched.kv_connector_metadata
+
+
 def test_metadata_base_class_is_abstract():
     with pytest.raises(TypeError):
         KVConnectorMetadata()  # type: ignore[abstract]

@@ -23,13 +23,20 @@ HANDSHAKE = m.Handshake(
 )
 RESERVE = m.Reserve(
     transfer_id="t1",
+    nonce="abc.1.00ff",
     d_request_id="d1",
     peer_key="d-0:abc",
     address="tcp://127.0.0.1:5600",
     block_ids=(3, 4, 7),
     skip_blocks=1,
 )
-REQUESTS = [HANDSHAKE, RESERVE, m.Cancel("t1"), m.TransferFailed("d1", "gone", True), m.Ping()]
+REQUESTS = [
+    HANDSHAKE,
+    RESERVE,
+    m.Cancel("t1", "abc.1.00ff"),
+    m.TransferFailed("d1", "t1", "abc.1.00ff", "gone", True),
+    m.Ping(),
+]
 REPLIES = [
     m.HandshakeReply(
         engine_id="p-0",
@@ -65,9 +72,10 @@ def test_replies_round_trip(reply):
     assert m.decode_reply(_over_msgpack(wire), type(reply)) == reply
 
 
-def test_the_wire_keeps_its_v1_shape():
+def test_the_wire_keeps_its_v2_shape():
+    assert m.CONNECTOR_VERSION == 2
     assert m.Ping().to_wire() == {"kind": "ping"}
-    assert m.Cancel("t").to_wire() == {"kind": "cancel", "transfer_id": "t"}
+    assert m.Cancel("t", "n").to_wire() == {"kind": "cancel", "transfer_id": "t", "nonce": "n"}
     assert RESERVE.to_wire()["block_ids"] == [3, 4, 7]
     assert m.CancelReply("cancelled").to_wire() == {"ok": True, "state": "cancelled"}
     refusal = m.Refusal("handshake first", code=m.Refusal.HANDSHAKE_REQUIRED)
@@ -109,7 +117,8 @@ def _reserve(**override) -> dict:
             {k: v for k, v in RESERVE.to_wire().items() if k != "peer_key"},
             "reserve: missing field 'peer_key'",
         ),
-        ({"kind": "transfer_failed", "d_request_id": "d", "reason": "x", "safe": 1}, "safe"),
+        ({**REQUESTS[3].to_wire(), "safe": 1}, "transfer_failed.safe must be a boolean"),
+        ({"kind": "cancel", "transfer_id": "t"}, "missing field 'nonce'"),
         ({**HANDSHAKE.to_wire(), "compat": [1]}, "handshake.compat must be a map"),
         ({**HANDSHAKE.to_wire(), "ranks": [1]}, "handshake.ranks[0] must be a map"),
         ({**HANDSHAKE.to_wire(), "ranks": {}}, "handshake.ranks must be an array of maps"),
@@ -138,16 +147,23 @@ def test_malformed_replies_are_refused(raw, cls, error):
 
 
 def test_notifications():
-    notif = m.Notif("d1", "t1", 2, 17)
+    notif = m.Notif("d1", "t1", "k1", 2, 17)
     assert m.Notif.unpack(notif.pack()) == notif
-    assert msgpack.unpackb(notif.pack()) == {"r": "d1", "t": "t1", "n": 2, "ft": 17}  # v1 wire
-    assert m.Notif.unpack(msgpack.packb({"r": "d1", "t": "t1", "n": 1, "ft": None})).ft is None
+    wire = {"r": "d1", "t": "t1", "k": "k1", "n": 2, "ft": 17}  # v2
+    assert msgpack.unpackb(notif.pack()) == wire
+    no_first = {"r": "d1", "t": "t1", "k": "k", "n": 1, "ft": None}
+    assert m.Notif.unpack(msgpack.packb(no_first)).ft is None
+    with pytest.raises(m.MessageError, match="missing field 'k'"):  # a v1 notif: no fence
+        m.Notif.unpack(msgpack.packb({"r": "d1", "t": "t1", "n": 1, "ft": None}))
     for bad, error in [
         (b"\xc1", "undecodable"),
         (msgpack.packb([1]), "expected a map"),
         (msgpack.packb({"t": "t1"}), "missing field 'r'"),
-        (msgpack.packb({"r": "d", "t": "t", "n": 0}), "notif.n must be a positive integer"),
-        (msgpack.packb({"r": "d", "t": "t", "ft": -3}), "notif.ft must be a token id"),
+        (
+            msgpack.packb({"r": "d", "t": "t", "k": "k", "n": 0}),
+            "notif.n must be a positive integer",
+        ),
+        (msgpack.packb({"r": "d", "t": "t", "k": "k", "ft": -3}), "notif.ft must be a token id"),
     ]:
         with pytest.raises(m.MessageError, match=error):
             m.Notif.unpack(bad)
@@ -202,8 +218,13 @@ def test_a_live_server_refuses_forged_messages_and_keeps_serving(prefill):
     assert isinstance(out_of_range, m.Refusal) and "out of range" in out_of_range.error
     assert m.decode_reply(ask(RESERVE.to_wire()), m.Ack) == m.Ack()
     assert prefill.producer.early["t1"].block_ids == [3, 4, 7]
-    assert isinstance(m.decode_reply(ask(RESERVE.to_wire()), m.Ack), m.Refusal)  # twice: no
-    cancel = m.decode_reply(ask(m.Cancel("t1").to_wire()), m.CancelReply)
+    assert m.decode_reply(ask(RESERVE.to_wire()), m.Ack) == m.Ack()  # a retry: same nonce
+    other = {**RESERVE.to_wire(), "nonce": "abc.2.11ee"}  # another reservation: no
+    assert isinstance(m.decode_reply(ask(other), m.Ack), m.Refusal)
+    # A cancel naming another reservation leaves this one alone.
+    cancel = m.decode_reply(ask(m.Cancel("t1", "abc.2.11ee").to_wire()), m.CancelReply)
+    assert cancel == m.CancelReply("cancelled") and "t1" in prefill.producer.early
+    cancel = m.decode_reply(ask(m.Cancel("t1", RESERVE.nonce).to_wire()), m.CancelReply)
     assert cancel == m.CancelReply("cancelled") and "t1" not in prefill.producer.early
     ping = m.decode_reply(ask(m.Ping().to_wire()), m.PingReply)
     assert ping == m.PingReply(incarnation=prefill.incarnation, engine_id=prefill.engine_id)
@@ -217,7 +238,7 @@ def test_a_ping_answered_with_a_refusal_or_garbage_counts_as_a_miss():
     from kvconnector.nixl.liveness import PeerLiveness
 
     class Inline:
-        def submit(self, fn, *args):
+        def submit(self, peer, fn, *args):
             fut: Future = Future()
             fut.set_result(fn(*args))
             return fut

@@ -214,12 +214,12 @@ class Scheduler:
 
         # The connector learns first what landed and what was sent, so that a request
         # finishing right below is not mistaken for one aborted while still waiting.
-        self.connector.update_connector_output(output)
-        for rid in output.finished_recving:
+        landed = self.connector.update_connector_output(output)
+        for rid, info in landed.items():
             req = self.remote_waiting.pop(rid, None)
             if req is None:
                 continue
-            self._remote_kv_landed(req, output.kv_recv_info.get(rid, {}))
+            self._remote_kv_landed(req, info)
 
         for rid in output.finished_sending:
             self._release_held(rid)

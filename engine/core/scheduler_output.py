@@ -46,9 +46,10 @@ class WorkerOutput:
 
     rank: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # rank 0 only
-    finished_sending: set[str] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=set)  # P request ids
+    # The connector's transfer keys whose KV this rank has (NIXL: reservation nonces).
     finished_recving: set[str] = field(default_factory=set)
-    # Per-request data that arrived with received KV (e.g. the first sampled token).
+    # Per transfer key: data that arrived with the KV (its request id, the first token).
     kv_recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Per-request transfer failures seen by this rank: request id -> reason.
     kv_failed: dict[str, str] = field(default_factory=dict)

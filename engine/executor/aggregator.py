@@ -6,7 +6,9 @@ finished receiving. A request is finished for the scheduler only in the step in 
 always carries freshly built sets -- empty ones in steps where nothing completed on all
 ranks (the upstream bug passed rank 0's partial sets through in that case). Counts live
 across steps; once a request completes its count is dropped, so a later report of the
-same id starts a new count.
+same id starts a new count. ``forget(keys)`` drops the counts of transfers that ended
+without completing (the connector names them in a step's metadata); a later report of a
+forgotten key is ignored, so a straggling rank cannot start a count that never ends.
 
 One implementation serves both collection paths: ``aggregate`` takes the outputs,
 ``async_aggregate`` takes futures of them and calls ``aggregate`` when all are done.
@@ -15,11 +17,14 @@ One implementation serves both collection paths: ``aggregate`` takes the outputs
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 
 from engine.core.scheduler_output import ModelRunnerOutput, WorkerOutput
 from engine.stats import Stats
+
+MAX_FORGOTTEN = 65536
 
 
 class KVOutputAggregator:
@@ -33,10 +38,27 @@ class KVOutputAggregator:
         self._recv_info: dict[str, dict] = {}
         # Send failures a rank reported, kept until the send is finished on all ranks.
         self._send_failed: dict[str, str] = {}
+        # Keys of transfers that ended without completing (most recent MAX_FORGOTTEN).
+        self._forgotten: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """Drop every partial count and info of ``keys``; ignore their later reports."""
+        with self._lock:
+            for key in keys:
+                self._remaining_send.pop(key, None)
+                self._remaining_recv.pop(key, None)
+                self._recv_info.pop(key, None)
+                self._send_failed.pop(key, None)
+                self._forgotten[key] = None
+                self._forgotten.move_to_end(key)
+            while len(self._forgotten) > MAX_FORGOTTEN:
+                self._forgotten.popitem(last=False)
 
     def _count(self, remaining: dict[str, int], ids: set[str], done: set[str]) -> None:
         for req_id in ids:
+            if req_id in self._forgotten:
+                continue
             left = remaining.get(req_id, self.world_size) - 1
             if left == 0:
                 remaining.pop(req_id, None)
@@ -55,7 +77,8 @@ class KVOutputAggregator:
                 self._count(self._remaining_send, out.finished_sending, finished_sending)
                 self._count(self._remaining_recv, out.finished_recving, finished_recving)
                 for req_id, info in out.kv_recv_info.items():
-                    self._recv_info.setdefault(req_id, {}).update(info)
+                    if req_id not in self._forgotten:
+                        self._recv_info.setdefault(req_id, {}).update(info)
                 self._send_failed.update(out.kv_failed)
                 if out.kv_stats is not None:  # per-rank counters add up
                     kv_stats = out.kv_stats if kv_stats is None else kv_stats + out.kv_stats

@@ -124,6 +124,9 @@ class MultiprocExecutor:
         self, sched: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         payload = pickle.dumps(sched)
+        md = sched.kv_connector_metadata
+        if md is not None and (ended := md.ended_transfer_keys()):
+            self.aggregator.forget(ended)  # transfers that ended: no count outlives them
         futures: list[Future[WorkerOutput]] = []
         with self._lock:
             if self.dead_reason is not None:

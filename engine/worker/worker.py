@@ -45,14 +45,22 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> WorkerOutput:
         """Run one step. Clearing the connector metadata is the step's last connector call,
-        on every path: normal, nothing scheduled, and a forward that raises."""
+        on every path: normal, nothing scheduled, and a forward that raises.
+
+        The step's sends are posted on every path too: they push prefills that finished in
+        earlier steps (their KV is complete), and the scheduler-side connector already
+        counts them in flight -- a forward that raises must not leave them unposted."""
         connector = self.connector
         try:
             connector.bind_connector_metadata(sched.kv_connector_metadata)
             connector.start_load_kv()
             sampled: dict[str, int] = {}
             if sched.num_scheduled_tokens > 0:
-                sampled = self.model_runner.execute(sched)
+                try:
+                    sampled = self.model_runner.execute(sched)
+                except BaseException:
+                    self._post_sends_of_failed_step()
+                    raise
             connector.wait_for_save()
             sending, recving = connector.get_finished(sched.finished_request_ids)
             return WorkerOutput(
@@ -66,6 +74,12 @@ class Worker:
             )
         finally:
             connector.clear_connector_metadata()
+
+    def _post_sends_of_failed_step(self) -> None:
+        try:
+            self.connector.wait_for_save()
+        except Exception:  # the forward's error is the one the step reports
+            logger.exception("tp%d: posting the sends of a failed step failed", self.rank)
 
     def shutdown(self) -> None:
         self.connector.shutdown()

@@ -11,6 +11,13 @@ in when every D rank has its notification (aggregated). Every state has a deadli
   anyway, or after 2 x ``kv_transfer_timeout`` (P starts no push later than that timeout
   after the reservation, and a WRITE lasts at most that long, so nothing lands after it).
 
+Fencing: every reservation has its own ``nonce``. What arrives about a transfer -- the
+all-ranks "landed", P's ``transfer_failed``, its cancel confirmation -- acts only when its
+nonce is the one of the request's current reservation; anything else is stale or forged
+and changes nothing. A reservation that ends without landing (failed safely, or released
+from quarantine) is listed in ``ended`` so that every rank and the aggregator drop what
+they counted for it.
+
 Not thread-safe on its own: the scheduler-side connector calls it under its lock.
 """
 
@@ -31,6 +38,7 @@ class RemoteRecv:
     block_ids: list[int]  # D blocks P writes into
     skip_blocks: int  # leading prompt blocks D had in its prefix cache
     deadline: float
+    nonce: str = ""  # this reservation's fence: notifs, replies and counts carry it
     reserved: bool = False
     p_incarnation: str | None = None  # the P process that accepted the reservation
 
@@ -39,14 +47,18 @@ class RemoteRecv:
 class ConsumerOutcome:
     failed_loads: dict[str, str] = field(default_factory=dict)
     free_blocks: set[str] = field(default_factory=set)
-    cancels: list[tuple[str, str, str]] = field(default_factory=list)  # p_addr, transfer, req
+    # (p_addr, transfer id, nonce, D request id) to cancel on P
+    cancels: list[tuple[str, str, str, str]] = field(default_factory=list)
+    # nonces of reservations that ended without landing: ranks drop their partial counts
+    ended: list[str] = field(default_factory=list)
 
 
 class Consumer:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self.recvs: dict[str, RemoteRecv] = {}  # D request id -> waiting load
-        self.quarantine: dict[str, float] = {}  # D request id -> release deadline
+        # D request id -> (release deadline, nonce of the reservation a WRITE may land for)
+        self.quarantine: dict[str, tuple[float, str]] = {}
         self.outcome = ConsumerOutcome()
         self.loads_failed = 0
 
@@ -59,26 +71,46 @@ class Consumer:
             recv.reserved = True
             recv.p_incarnation = p_incarnation
 
-    def landed(self, request_id: str) -> None:
-        """All D ranks have the KV (aggregated finished_recving)."""
-        self.recvs.pop(request_id, None)
-        if self.quarantine.pop(request_id, None) is not None:
+    def landed(self, request_id: str, nonce: str) -> bool:
+        """All D ranks have the KV of reservation ``nonce`` (aggregated). True when that is
+        the request's current reservation and it may go on decoding."""
+        recv = self.recvs.get(request_id)
+        if recv is not None and recv.nonce == nonce:
+            del self.recvs[request_id]
+            return True
+        q = self.quarantine.get(request_id)
+        if q is not None and q[1] == nonce:
+            del self.quarantine[request_id]
             self.outcome.free_blocks.add(request_id)  # late KV: nothing more will land
+        elif recv is None:
+            logger.info("request %s: KV for an unknown reservation; ignored", request_id)
+        else:
+            logger.warning(
+                "request %s: KV for another reservation than its own; ignored", request_id
+            )
+        return False
 
-    def fail(self, request_id: str, why: str, safe: bool) -> None:
-        """The KV will not come. ``safe``: P will not write into the blocks any more."""
-        recv = self.recvs.pop(request_id, None)
-        if recv is None:
-            if safe and self.quarantine.pop(request_id, None) is not None:
+    def fail(self, request_id: str, why: str, safe: bool, nonce: str | None = None) -> None:
+        """The KV will not come. ``safe``: P will not write into the blocks any more.
+        ``nonce``: the reservation a peer's message is about (None: this node decided);
+        a message about another reservation than the current one changes nothing."""
+        recv = self.recvs.get(request_id)
+        if recv is None or (nonce is not None and nonce != recv.nonce):
+            q = self.quarantine.get(request_id)
+            if safe and q is not None and nonce in (None, q[1]):
+                del self.quarantine[request_id]
                 self.outcome.free_blocks.add(request_id)
+                self.outcome.ended.append(q[1])
             return
+        del self.recvs[request_id]
         self.loads_failed += 1
         self.outcome.failed_loads[request_id] = why
         if safe:
             self.outcome.free_blocks.add(request_id)
+            self.outcome.ended.append(recv.nonce)
             # Rejection is a message too: P drops what it holds for this transfer now
             # instead of at its own deadline.
-            self.outcome.cancels.append((recv.p_address, recv.transfer_id, request_id))
+            self.outcome.cancels.append((recv.p_address, recv.transfer_id, recv.nonce, request_id))
         else:
             self._quarantine(recv)
 
@@ -93,15 +125,18 @@ class Consumer:
         self._quarantine(recv)
         return True
 
-    def cancel_confirmed(self, request_id: str) -> None:
-        if self.quarantine.pop(request_id, None) is not None:
+    def cancel_confirmed(self, request_id: str, nonce: str) -> None:
+        q = self.quarantine.get(request_id)
+        if q is not None and q[1] == nonce:
+            del self.quarantine[request_id]
             self.outcome.free_blocks.add(request_id)
+            self.outcome.ended.append(nonce)
 
     def _quarantine(self, recv: RemoteRecv) -> None:
         # P starts a push at most T after it got the reservation and a WRITE lasts at most
         # T: after 2T from now (>= the reservation), nothing of this transfer can land.
-        self.quarantine[recv.request_id] = time.monotonic() + 2 * self.timeout
-        self.outcome.cancels.append((recv.p_address, recv.transfer_id, recv.request_id))
+        self.quarantine[recv.request_id] = (time.monotonic() + 2 * self.timeout, recv.nonce)
+        self.outcome.cancels.append((recv.p_address, recv.transfer_id, recv.nonce, recv.request_id))
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -111,10 +146,11 @@ class Consumer:
                     "request %s: no KV from %s within %.1fs", rid, recv.p_address, self.timeout
                 )
                 self.fail(rid, f"timed out after {self.timeout:.1f}s waiting for KV", safe=False)
-        for rid, deadline in list(self.quarantine.items()):
+        for rid, (deadline, nonce) in list(self.quarantine.items()):
             if now >= deadline:
                 del self.quarantine[rid]
                 self.outcome.free_blocks.add(rid)
+                self.outcome.ended.append(nonce)
 
     def take_outcome(self) -> ConsumerOutcome:
         out, self.outcome = self.outcome, ConsumerOutcome()

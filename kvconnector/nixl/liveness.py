@@ -18,9 +18,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 from typing import Any
 
+from kvconnector.nixl.lanes import LaneFull, PeerLanes
 from kvconnector.nixl.messages import Ping, PingReply, decode_reply
 
 logger = logging.getLogger(__name__)
@@ -31,13 +31,13 @@ class PeerLiveness:
         self,
         interval: float,
         request: Callable[[str, dict[str, Any], float], dict[str, Any]],
-        pool: Executor,
+        lanes: PeerLanes,
         on_lost: Callable[[str, str | None, str, bool], None],
         misses: int = 2,
     ) -> None:
         self.interval = interval
         self._request = request
-        self._pool = pool
+        self._lanes = lanes
         self._on_lost = on_lost  # (address, lost incarnation or None for all, why, safe)
         self._misses_allowed = misses
         self._misses: dict[str, int] = {}
@@ -58,7 +58,12 @@ class PeerLiveness:
             todo = [w for w in watched if w not in self._in_flight]
             self._in_flight.update(todo)
         for address, incarnation in todo:
-            self._pool.submit(self._ping, address, incarnation)
+            # Pings have their own lane per peer: never queued behind slow reservations.
+            try:
+                self._lanes.submit(f"ping:{address}", self._ping, address, incarnation)
+            except LaneFull:
+                with self._lock:
+                    self._in_flight.discard((address, incarnation))
 
     def _ping(self, address: str, incarnation: str) -> None:
         reply: PingReply | None = None

@@ -15,24 +15,31 @@ Requests (``kind``) and their replies:
   ``compat``, ``ranks`` (each rank's transport metadata), ``address`` (D's side channel).
   Reply ``HandshakeReply``: P's ``engine_id``, ``incarnation``, ``side_channel``,
   ``role``, ``compat``, ``transport``, ``ranks`` -- or a ``Refusal`` naming the mismatch.
-* ``reserve`` (``Reserve``) D -> P: ``transfer_id``, ``d_request_id``, ``peer_key``,
-  ``address``, ``block_ids`` (D blocks to write), ``skip_blocks`` (leading prompt blocks D
-  already has). Reply ``Ack``, or a ``Refusal`` (``code="handshake_required"`` when P
-  does not know the peer).
-* ``cancel`` (``Cancel``) D -> P: ``transfer_id``. Reply ``CancelReply``, ``state``:
-  ``cancelled`` (nothing was or will be written) or ``in_flight`` (a WRITE may still
-  land: one running, or one that errored or timed out, which UCX may not really have
-  aborted; wait for its notif or a deadline).
-* ``transfer_failed`` (``TransferFailed``) P -> D: ``d_request_id``, ``reason``, ``safe``:
-  the KV will not come and, when ``safe``, nothing more will be written into its blocks.
-  Reply ``Ack``.
+* ``reserve`` (``Reserve``) D -> P: ``transfer_id``, ``nonce``, ``d_request_id``,
+  ``peer_key``, ``address``, ``block_ids`` (D blocks to write), ``skip_blocks`` (leading
+  prompt blocks D already has). Reply ``Ack``, or a ``Refusal``
+  (``code="handshake_required"`` when P does not know the peer). The same reservation
+  sent twice (same ``nonce``) is acknowledged twice.
+* ``cancel`` (``Cancel``) D -> P: ``transfer_id``, ``nonce``. Reply ``CancelReply``,
+  ``state``: ``cancelled`` (nothing was or will be written for that reservation) or
+  ``in_flight`` (a WRITE may still land: one running, or one that errored or timed out,
+  which UCX may not really have aborted; wait for its notif or a deadline).
+* ``transfer_failed`` (``TransferFailed``) P -> D: ``d_request_id``, ``transfer_id``,
+  ``nonce``, ``reason``, ``safe``: the KV will not come and, when ``safe``, nothing more
+  will be written into its blocks. Reply ``Ack``.
 * ``ping`` (``Ping``): liveness. Reply ``PingReply``: ``incarnation`` (and ``engine_id``).
 
 Every reply is a map with ``ok``; a ``Refusal`` is ``{"ok": False, "error": ..., "code"?}``.
 
 A NIXL notification (``Notif``; P rank -> D rank, delivered after that rank's WRITE
-landed) is a msgpack map: ``r`` D request id, ``t`` transfer id, ``n`` parts that D rank
-expects, ``ft`` the first token sampled by P.
+landed) is a msgpack map: ``r`` D request id, ``t`` transfer id, ``k`` the reservation's
+nonce, ``n`` parts that D rank expects, ``ft`` the first token sampled by P.
+
+Fencing: D makes a fresh ``nonce`` for every reservation (its incarnation, a counter and
+64 random bits). Everything about one transfer names it -- the reservation, the
+notifications, ``transfer_failed`` and ``cancel`` -- and every count is keyed by it, so a
+delayed or forged message about another reservation (an old one of the same transfer id,
+another client's) matches nothing: it cannot complete, fail or free this one.
 """
 
 from __future__ import annotations
@@ -55,7 +62,10 @@ import msgpack
 #      transfer_failed, ping) with ``ok``/``error``/``code`` replies; notif ``{r, t, n, ft}``.
 #      Decoding them into the typed messages below, which refuse malformed maps, changed
 #      no byte on the wire, so the version stayed 1.
-CONNECTOR_VERSION = 1
+#   2  transfer fencing: ``nonce`` in reserve, cancel and transfer_failed (which also
+#      gained ``transfer_id``); the notif gained ``k`` (the nonce). D counts notifs and
+#      matches replies by nonce, not by request id.
+CONNECTOR_VERSION = 2
 LAYOUT = "block,layer,kv,head,token,dim"
 
 # Compared in this order; the first difference is the error message.
@@ -270,6 +280,7 @@ class Reserve(_Request):
     NAME: ClassVar[str] = "reserve"
     CHECKS: ClassVar[dict[str, Check]] = {
         "transfer_id": _name,
+        "nonce": _name,
         "d_request_id": _name,
         "peer_key": _name,
         "address": _address,
@@ -277,6 +288,7 @@ class Reserve(_Request):
         "skip_blocks": _count,
     }
     transfer_id: str
+    nonce: str
     d_request_id: str
     peer_key: str
     address: str
@@ -288,16 +300,25 @@ class Reserve(_Request):
 class Cancel(_Request):
     KIND: ClassVar[str] = "cancel"
     NAME: ClassVar[str] = "cancel"
-    CHECKS: ClassVar[dict[str, Check]] = {"transfer_id": _name}
+    CHECKS: ClassVar[dict[str, Check]] = {"transfer_id": _name, "nonce": _name}
     transfer_id: str
+    nonce: str
 
 
 @dataclass(frozen=True)
 class TransferFailed(_Request):
     KIND: ClassVar[str] = "transfer_failed"
     NAME: ClassVar[str] = "transfer_failed"
-    CHECKS: ClassVar[dict[str, Check]] = {"d_request_id": _name, "reason": _text, "safe": _flag}
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "d_request_id": _name,
+        "transfer_id": _name,
+        "nonce": _name,
+        "reason": _text,
+        "safe": _flag,
+    }
     d_request_id: str
+    transfer_id: str
+    nonce: str
     reason: str
     safe: bool
 
@@ -414,16 +435,18 @@ class Notif(_Message):
     CHECKS: ClassVar[dict[str, Check]] = {
         "r": _name,
         "t": _text,
+        "k": _name,
         "n": _positive,
         "ft": _token,
     }
     r: str  # D request id
     t: str  # transfer id
+    k: str  # the reservation's nonce: what D counts by
     n: int = 1  # parts the receiving rank counts before the request is received
     ft: int | None = None  # the first token sampled by P
 
     def pack(self) -> bytes:
-        return msgpack.packb({"r": self.r, "t": self.t, "n": self.n, "ft": self.ft})
+        return msgpack.packb({"r": self.r, "t": self.t, "k": self.k, "n": self.n, "ft": self.ft})
 
     @classmethod
     def unpack(cls, data: bytes) -> Notif:

@@ -25,6 +25,13 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     add_peers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     remove_peers: list[str] = field(default_factory=list)
     sends: list[SendSpec] = field(default_factory=list)
+    # Transfers that ended without completing on every rank -- D reservations (nonces)
+    # failed, cancelled or past their deadline, P sends (request ids) lost: every rank
+    # drops its partial count, the aggregator its partial all-ranks count.
+    ended_keys: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.add_peers or self.remove_peers or self.sends)
+        return not (self.add_peers or self.remove_peers or self.sends or self.ended_keys)
+
+    def ended_transfer_keys(self) -> list[str]:
+        return self.ended_keys

@@ -10,6 +10,10 @@ every finished send, with its outcome, for 4 x ``kv_transfer_timeout`` (longer t
 quarantine): a cancel of a send that errored or timed out is answered ``in_flight`` (part
 of a WRITE UCX did not really abort may still land), so D keeps its blocks quarantined.
 
+Fencing: a reservation carries D's ``nonce``. A cancel acts only on the reservation with
+its nonce: a delayed cancel of an older reservation of the same transfer id never drops a
+newer one; for a nonce P never accepted, nothing was or will be written (``cancelled``).
+
 Not thread-safe on its own: the scheduler-side connector calls it under its lock.
 """
 
@@ -23,10 +27,13 @@ from kvconnector.nixl.messages import Ack, CancelReply, Refusal
 
 logger = logging.getLogger(__name__)
 
+MAX_CANCELLED = 65536  # cancels of reservations P never held, remembered at most
+
 
 @dataclass
 class Reservation:
     transfer_id: str
+    nonce: str
     d_request_id: str
     peer_key: str
     d_address: str
@@ -51,7 +58,19 @@ class ProducerOutcome:
     """What the producer decided since it was last asked."""
 
     free_blocks: set[str] = field(default_factory=set)  # P request ids
-    notify_failed: list[tuple[str, str, str]] = field(default_factory=list)  # addr, d_req, why
+    # reservations to tell D about: the KV will not come (nothing was written)
+    notify_failed: list[tuple[Reservation, str]] = field(default_factory=list)  # (res, why)
+    # ... and sends that ended unreported: a WRITE may still land (D quarantines)
+    notify_unsafe: list[tuple[Reservation, str]] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)  # sends given up on: drop their counts
+
+
+@dataclass
+class Tombstone:
+    why: str
+    expiry: float
+    may_land: bool  # the send errored or timed out: part of a WRITE may still land
+    nonce: str | None  # the reservation it was for, if any
 
 
 class Producer:
@@ -60,8 +79,10 @@ class Producer:
         self.pending: dict[str, PendingSend] = {}  # transfer id -> finished prefill
         self.in_flight: dict[str, PendingSend] = {}  # P request id -> started send
         self.early: dict[str, Reservation] = {}  # transfer id -> reservation w/o prefill
-        # transfer id -> (why, expiry, a WRITE may still land in D's blocks)
-        self.tombstones: dict[str, tuple[str, float, bool]] = {}
+        self.tombstones: dict[str, Tombstone] = {}  # transfer id -> how it ended
+        # nonces D cancelled before P held their reservation -> expiry: a reservation that
+        # arrives after its own cancel (the two raced) is refused, never written.
+        self.cancelled: dict[str, float] = {}
         self.outcome = ProducerOutcome()
         self.sends_started = 0
 
@@ -84,10 +105,10 @@ class Producer:
 
     def prefill_failed(self, transfer_id: str, why: str) -> None:
         """The P request ended without KV to send (aborted, error)."""
-        self._tombstone(transfer_id, why)
         res = self.early.pop(transfer_id, None)
+        self._tombstone(transfer_id, why, res)
         if res is not None:
-            self.outcome.notify_failed.append((res.d_address, res.d_request_id, why))
+            self.outcome.notify_failed.append((res, why))
 
     def ready_sends(self, peer_ready) -> list[PendingSend]:
         """Pending sends whose reservation is known and whose peer the workers can reach."""
@@ -99,11 +120,9 @@ class Producer:
                 # D has given up on this reservation (its deadline is the same length):
                 # never push into blocks it may already have reused.
                 del self.pending[tid]
-                self._tombstone(tid, "reservation expired before the push could start")
+                self._tombstone(tid, "reservation expired before the push could start", res)
                 self.outcome.free_blocks.add(send.request_id)
-                self.outcome.notify_failed.append(
-                    (res.d_address, res.d_request_id, "reservation expired on prefill")
-                )
+                self.outcome.notify_failed.append((res, "reservation expired on prefill"))
                 continue
             if res is None or not peer_ready(res.peer_key):
                 continue
@@ -119,11 +138,25 @@ class Producer:
         send = self.in_flight.pop(request_id, None)
         if send is not None:
             why = f"push failed: {error}" if error is not None else "send finished"
-            self._tombstone(send.transfer_id, why, may_land=error is not None)
+            self._tombstone(send.transfer_id, why, send.reservation, may_land=error is not None)
         return send
 
     def expire(self) -> None:
         now = time.monotonic()
+        for rid, send in list(self.in_flight.items()):
+            # Each rank's WRITE times out after T and is then reported: a send with no
+            # all-ranks report after 2T was lost (a rank never posted or reported it).
+            if send.started_at is not None and now - send.started_at >= 2 * self.timeout:
+                logger.warning(
+                    "transfer %s: no completion report within %.1fs; giving up on it",
+                    send.transfer_id,
+                    2 * self.timeout,
+                )
+                self.send_finished(rid, "no completion report from every rank")
+                self.outcome.free_blocks.add(rid)
+                self.outcome.ended.append(rid)
+                if send.reservation is not None:
+                    self.outcome.notify_unsafe.append((send.reservation, "push lost on prefill"))
         for tid, send in list(self.pending.items()):
             if now >= send.deadline:
                 why = "no reservation" if send.reservation is None else "decode peer not ready"
@@ -131,21 +164,21 @@ class Producer:
                     "transfer %s: %s within %.1fs; freeing prefill blocks", tid, why, self.timeout
                 )
                 del self.pending[tid]
-                self._tombstone(tid, f"prefill gave up: {why}")
+                self._tombstone(tid, f"prefill gave up: {why}", send.reservation)
                 self.outcome.free_blocks.add(send.request_id)
                 if send.reservation is not None:
-                    r = send.reservation
-                    self.outcome.notify_failed.append((r.d_address, r.d_request_id, why))
+                    self.outcome.notify_failed.append((send.reservation, why))
         for tid, res in list(self.early.items()):
             if now >= res.expires:
                 del self.early[tid]
-                self._tombstone(tid, "the prefill did not finish in time")
-                self.outcome.notify_failed.append(
-                    (res.d_address, res.d_request_id, "the prefill did not finish in time")
-                )
-        for tid, (_, expiry, _) in list(self.tombstones.items()):
-            if now >= expiry:
+                self._tombstone(tid, "the prefill did not finish in time", res)
+                self.outcome.notify_failed.append((res, "the prefill did not finish in time"))
+        for tid, stone in list(self.tombstones.items()):
+            if now >= stone.expiry:
                 del self.tombstones[tid]
+        for nonce, expiry in list(self.cancelled.items()):
+            if now >= expiry:
+                del self.cancelled[nonce]
 
     def take_outcome(self) -> ProducerOutcome:
         out, self.outcome = self.outcome, ProducerOutcome()
@@ -155,47 +188,85 @@ class Producer:
     def reserve(self, res: Reservation) -> Ack | Refusal:
         dead = self.tombstones.get(res.transfer_id)
         if dead is not None:
-            return Refusal(f"transfer {res.transfer_id} ended on prefill: {dead[0]}")
+            return Refusal(f"transfer {res.transfer_id} ended on prefill: {dead.why}")
+        if res.nonce in self.cancelled:
+            return Refusal(f"transfer {res.transfer_id}: this reservation was cancelled")
         send = self.pending.get(res.transfer_id)
-        if send is not None:
-            if send.reservation is not None:
-                return Refusal(f"transfer {res.transfer_id} is already reserved")
-            send.reservation = res
-        elif res.transfer_id in self.early:
+        held = send.reservation if send is not None else self.early.get(res.transfer_id)
+        if held is None:
+            started = self._started(res.transfer_id)
+            held = started.reservation if started is not None else None
+            if started is not None and held is None:  # cannot happen: a send needs one
+                return Refusal(f"transfer {res.transfer_id} is already being sent")
+        if held is not None:
+            if held.nonce == res.nonce and held.peer_key == res.peer_key:
+                return Ack()  # the same reservation again (a retry): nothing changes
             return Refusal(f"transfer {res.transfer_id} is already reserved")
+        if send is not None:
+            send.reservation = res
         else:
             self.early[res.transfer_id] = res
         return Ack()
+
+    def _started(self, transfer_id: str) -> PendingSend | None:
+        return next((s for s in self.in_flight.values() if s.transfer_id == transfer_id), None)
 
     def abort(self, transfer_id: str) -> None:
         """The P request's client went away: drop its send unless it already started."""
         send = self.pending.pop(transfer_id, None)
         if send is None:
             return
-        self._tombstone(transfer_id, "aborted on prefill")
+        self._tombstone(transfer_id, "aborted on prefill", send.reservation)
         self.outcome.free_blocks.add(send.request_id)
         if send.reservation is not None:
-            r = send.reservation
-            self.outcome.notify_failed.append((r.d_address, r.d_request_id, "aborted on prefill"))
+            self.outcome.notify_failed.append((send.reservation, "aborted on prefill"))
 
-    def cancel(self, transfer_id: str) -> CancelReply:
-        """D gives up on a transfer. ``cancelled``: nothing was or will be written."""
-        if any(s.transfer_id == transfer_id for s in self.in_flight.values()):
-            return CancelReply("in_flight")
+    def cancel(self, transfer_id: str, nonce: str) -> CancelReply:
+        """D gives up on its reservation ``nonce`` of a transfer. ``cancelled``: nothing
+        was or will be written for that reservation; ``in_flight``: a WRITE may land."""
+        started = self._started(transfer_id)
+        if started is not None:
+            res = started.reservation
+            return CancelReply(
+                "in_flight" if res is not None and res.nonce == nonce else "cancelled"
+            )
         dead = self.tombstones.get(transfer_id)
-        if dead is not None and dead[2]:
-            # The send errored or timed out: a WRITE UCX did not really abort may still land.
-            return CancelReply("in_flight")
-        send = self.pending.pop(transfer_id, None)
+        if dead is not None:
+            # An errored or timed-out send: a WRITE UCX did not really abort may still land.
+            return CancelReply(
+                "in_flight" if dead.may_land and dead.nonce == nonce else "cancelled"
+            )
+        send = self.pending.get(transfer_id)
+        held = send.reservation if send is not None else self.early.get(transfer_id)
+        if held is None or held.nonce != nonce:
+            # Not a reservation P holds (not arrived yet, or another one): nothing of it
+            # was or will be written, and it is refused if it comes later.
+            if len(self.cancelled) >= MAX_CANCELLED:
+                self.cancelled.pop(next(iter(self.cancelled)))  # the oldest
+            self.cancelled[nonce] = time.monotonic() + 4 * self.timeout
+            if held is None and send is not None:
+                # D gave up before its reservation got here (e.g. the handshake was
+                # refused): no reservation will come, drop the held prefill now.
+                del self.pending[transfer_id]
+                self.outcome.free_blocks.add(send.request_id)
+                self._tombstone(transfer_id, "cancelled by decode", None)
+            # A reservation P holds under another nonce stays as it is: a delayed cancel
+            # of an older reservation must not drop a newer one.
+            return CancelReply("cancelled")
         if send is not None:
+            del self.pending[transfer_id]
             self.outcome.free_blocks.add(send.request_id)
         self.early.pop(transfer_id, None)
-        self._tombstone(transfer_id, "cancelled by decode")
+        self._tombstone(transfer_id, "cancelled by decode", held)
         return CancelReply("cancelled")
 
-    def _tombstone(self, transfer_id: str, why: str, may_land: bool = False) -> None:
+    def _tombstone(
+        self, transfer_id: str, why: str, res: Reservation | None, may_land: bool = False
+    ) -> None:
         # 4T > D's quarantine (2T from its own give-up): outlives every cancel D may send.
-        self.tombstones[transfer_id] = (why, time.monotonic() + 4 * self.timeout, may_land)
+        expiry = time.monotonic() + 4 * self.timeout
+        nonce = res.nonce if res is not None else None
+        self.tombstones[transfer_id] = Tombstone(why, expiry, may_land, nonce)
 
     def num_states(self) -> int:
         return len(self.pending) + len(self.in_flight) + len(self.early)

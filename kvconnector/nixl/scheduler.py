@@ -1,9 +1,10 @@
 """Scheduler-side NIXL connector: transfer bookkeeping, side channel, handshakes.
 
 Runs in the engine process. It owns the node's side-channel server (peers reach it for
-handshakes, reservations, cancels and failure notices) and a small thread pool for the
-calls this node makes to peers, so that no network wait ever runs on the engine's step
-loop. Prefill-side state lives in ``Producer``, decode-side state in ``Consumer``; a node
+handshakes, reservations, cancels and failure notices) and one lane (a FIFO queue and a
+thread, ``lanes.PeerLanes``) per peer for the calls this node makes, so that no network
+wait ever runs on the engine's step loop and a peer that does not answer delays only the
+calls to itself. Prefill-side state lives in ``Producer``, decode-side state in ``Consumer``; a node
 with ``kv_role=both`` runs both.
 
 Flow (push, D reserves while P prefills):
@@ -15,12 +16,13 @@ Flow (push, D reserves while P prefills):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from engine.core.request import RequestStatus
@@ -29,6 +31,7 @@ from kvconnector.base import ConnectorEvents, KVConnectorScheduler
 from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
 from kvconnector.nixl.histogram import Histogram
+from kvconnector.nixl.lanes import LaneFull, PeerLanes
 from kvconnector.nixl.liveness import PeerLiveness
 from kvconnector.nixl.messages import (
     CONNECTOR_VERSION,
@@ -107,7 +110,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         # D side: handshake results by P address.
         self._p_peers: dict[str, HandshakeReply] = {}
         self._p_locks: dict[str, threading.Lock] = {}
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-rpc")
+        self._nonces = itertools.count(1)
+        self._ended: list[str] = []  # nonces whose counts every rank must drop
+        self._lanes = PeerLanes()
         self._client = SideChannelClient()
         self._worker_stats = NixlWorkerStats()  # the ranks' transport counters, summed
         self.histograms = {
@@ -123,7 +128,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.handshake_failures = 0
         self.failed_transfers = 0
         self.liveness = PeerLiveness(
-            kvc.peer_ping_interval, self._client.request, self._pool, self._prefill_lost
+            kvc.peer_ping_interval, self._client.request, self._lanes, self._prefill_lost
         )
         self._server = SideChannelServer(kvc.side_channel_host, kvc.side_channel_port, self._handle)
         self.address = self._server.address
@@ -177,14 +182,20 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             block_ids=list(block_ids[skip:]),
             skip_blocks=skip,
             deadline=time.monotonic() + self.timeout,
+            # Unique in this process (incarnation, counter) and unguessable (64 bits):
+            # only the P that got the reservation can name it.
+            nonce=f"{self.incarnation}.{next(self._nonces)}.{secrets.token_hex(8)}",
         )
         with self._lock:
             self.consumer.expect(recv)
-        self._pool.submit(self._reserve_job, recv)
+        if not self._submit(recv.p_address, self._reserve_job, recv):
+            # Nothing was sent: P cannot hold this reservation, the blocks are free.
+            self.consumer.fail(recv.request_id, "too many calls queued for prefill", safe=True)
 
     def _reserve_job(self, recv: RemoteRecv) -> None:
         msg = Reserve(
             transfer_id=recv.transfer_id,
+            nonce=recv.nonce,
             d_request_id=recv.request_id,
             peer_key=self.peer_key,
             address=self.address,
@@ -311,6 +322,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 )
             res = Reservation(
                 transfer_id=msg.transfer_id,
+                nonce=msg.nonce,
                 d_request_id=msg.d_request_id,
                 peer_key=msg.peer_key,
                 d_address=msg.address,
@@ -334,10 +346,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             reply = self._on_reserve(msg)
         elif isinstance(msg, Cancel):
             with self._lock:
-                reply = self.producer.cancel(msg.transfer_id)
+                reply = self.producer.cancel(msg.transfer_id, msg.nonce)
         elif isinstance(msg, TransferFailed):
             with self._lock:
-                self.consumer.fail(msg.d_request_id, msg.reason, safe=msg.safe)
+                self.consumer.fail(msg.d_request_id, msg.reason, msg.safe, nonce=msg.nonce)
             reply = Ack()
         else:
             reply = PingReply(incarnation=self.incarnation, engine_id=self.engine_id)
@@ -388,14 +400,13 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         md = NixlConnectorMetadata()
         with self._lock:
             md.remove_peers, self._remove = self._remove, []
+            md.ended_keys, self._ended = self._ended, []
             for send in self.producer.ready_sends(lambda k: k in self._d_peers):
                 res = send.reservation
                 assert res is not None
                 local = send.block_ids[res.skip_blocks : res.skip_blocks + len(res.block_ids)]
                 if len(local) != len(res.block_ids):
-                    self._notify_failed(
-                        res.d_address, res.d_request_id, "block count mismatch", safe=True
-                    )
+                    self._notify_failed(res, "block count mismatch", safe=True)
                     self.producer.send_finished(send.request_id)
                     self.producer.outcome.free_blocks.add(send.request_id)
                     continue
@@ -411,15 +422,26 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                         peer_key=res.peer_key,
                         local_block_ids=local,
                         remote_block_ids=res.block_ids,
-                        notif=Notif(res.d_request_id, send.transfer_id, 1, send.first_token).pack(),
+                        notif=Notif(
+                            r=res.d_request_id,
+                            t=send.transfer_id,
+                            k=res.nonce,
+                            n=1,
+                            ft=send.first_token,
+                        ).pack(),
                     )
                 )
         return md
 
-    def update_connector_output(self, output: ModelRunnerOutput) -> None:
+    def update_connector_output(self, output: ModelRunnerOutput) -> dict[str, dict[str, Any]]:
+        landed: dict[str, dict[str, Any]] = {}
         with self._lock:
-            for rid in output.finished_recving:
-                self.consumer.landed(rid)
+            # finished_recving holds nonces: a reservation whose KV every rank has.
+            for nonce in output.finished_recving:
+                info = output.kv_recv_info.get(nonce, {})
+                rid = info.get("request_id")
+                if isinstance(rid, str) and self.consumer.landed(rid, nonce):
+                    landed[rid] = info
             for rid in output.finished_sending:
                 send = self.producer.send_finished(rid, output.kv_failed.get(rid))
                 if send is None or send.started_at is None:
@@ -431,10 +453,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     self.failed_transfers += 1
                     r = send.reservation
                     # Part of an errored WRITE may still land: D quarantines (safe=False).
-                    self._notify_failed(r.d_address, r.d_request_id, output.kv_failed[rid], False)
+                    self._notify_failed(r, output.kv_failed[rid], safe=False)
                     self._evict_peer(r.peer_key, output.kv_failed[rid])
             if isinstance(output.kv_stats, NixlWorkerStats):
                 self._worker_stats = output.kv_stats
+        return landed
 
     def _evict_peer(self, key: str, why: str) -> None:
         """A push to this decode peer failed: forget it (agents, descriptor lists). A live
@@ -462,23 +485,44 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self.producer.expire()
             self.consumer.expire()
             p, c = self.producer.take_outcome(), self.consumer.take_outcome()
+            self._ended.extend(c.ended)
+            self._ended.extend(p.ended)
             watched = {
                 (r.p_address, r.p_incarnation)
                 for r in self.consumer.recvs.values()
                 if r.reserved and r.p_incarnation is not None
             }
         self.liveness.tick(watched)
-        for addr, d_req, why in p.notify_failed:
-            self._notify_failed(addr, d_req, why, safe=True)
-        for p_addr, tid, rid in c.cancels:
-            self._pool.submit(self._cancel_job, p_addr, tid, rid)
+        for res, why in p.notify_failed:
+            self._notify_failed(res, why, safe=True)
+        for res, why in p.notify_unsafe:
+            self._notify_failed(res, why, safe=False)
+        for p_addr, tid, nonce, rid in c.cancels:
+            # Not sent: the quarantine keeps the blocks until its deadline.
+            self._submit(p_addr, self._cancel_job, p_addr, tid, nonce, rid)
         return ConnectorEvents(
             failed_loads=c.failed_loads, free_blocks=p.free_blocks | c.free_blocks
         )
 
-    def _notify_failed(self, address: str, d_request_id: str, why: str, safe: bool) -> None:
-        msg = TransferFailed(d_request_id=d_request_id, reason=why, safe=safe)
-        self._pool.submit(self._send_quietly, address, msg.to_wire())
+    def _notify_failed(self, res: Reservation, why: str, safe: bool) -> None:
+        msg = TransferFailed(
+            d_request_id=res.d_request_id,
+            transfer_id=res.transfer_id,
+            nonce=res.nonce,
+            reason=why,
+            safe=safe,
+        )
+        # Not sent: D's own deadline ends its wait.
+        self._submit(res.d_address, self._send_quietly, res.d_address, msg.to_wire())
+
+    def _submit(self, peer: str, fn: Any, *args: Any) -> bool:
+        """Queue a call on ``peer``'s lane; False (logged) when the lane is at its bound."""
+        try:
+            self._lanes.submit(peer, fn, *args)
+        except LaneFull as e:
+            logger.warning("side channel: not calling %s: %s", peer, e)
+            return False
+        return True
 
     def _send_quietly(self, address: str, msg: dict[str, Any]) -> dict[str, Any] | None:
         try:
@@ -487,8 +531,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             logger.info("side-channel %s to %s failed: %s", msg.get("kind"), address, e)
             return None
 
-    def _cancel_job(self, address: str, transfer_id: str, request_id: str) -> None:
-        raw = self._send_quietly(address, Cancel(transfer_id).to_wire())
+    def _cancel_job(self, address: str, transfer_id: str, nonce: str, request_id: str) -> None:
+        raw = self._send_quietly(address, Cancel(transfer_id, nonce).to_wire())
         try:
             reply = None if raw is None else decode_reply(raw, CancelReply)
         except MessageError as e:
@@ -496,7 +540,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return
         if isinstance(reply, CancelReply) and reply.state == "cancelled":
             with self._lock:
-                self.consumer.cancel_confirmed(request_id)
+                self.consumer.cancel_confirmed(request_id, nonce)
 
     def has_pending_work(self) -> bool:
         with self._lock:
@@ -528,4 +572,4 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def shutdown(self) -> None:
         self._server.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lanes.shutdown()

@@ -2,9 +2,16 @@
 
 P ranks carry out the step's sends: each rank WRITEs its own shard of a request's blocks
 into the same block ids of the matching D rank (homogeneous TP: rank r -> rank r), with a
-notification that NIXL delivers after the data. D ranks count notifications and report a
-request received once their expected parts are in; the executor's aggregator reports it
-to the scheduler only when every D rank has.
+notification that NIXL delivers after the data. D ranks count notifications per
+reservation nonce and report a nonce received once its expected parts are in; the
+executor's aggregator reports it to the scheduler only when every D rank has, and the
+scheduler-side connector accepts it only for the request's current reservation.
+
+No count outlives its transfer: the nonces of reservations that ended without landing
+come in the step metadata (``ended_keys``) and their partial counts are dropped; a nonce
+that completed or ended is remembered for 4 x ``kv_transfer_timeout`` so that a late or
+replayed notif starts no new count; a partial count no reservation could still complete
+(older than that) is dropped on its own.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.transport: NixlTransport | None = None
         self._sending: dict[str, TransferHandle] = {}  # P request id -> WRITE in flight
         self._finished_sending: set[str] = set()
-        self._parts: dict[str, int] = {}  # D request id -> notifications seen
+        self._parts: dict[str, tuple[int, float]] = {}  # nonce -> (notifs seen, first seen)
+        self._closed: dict[str, float] = {}  # nonce completed or ended -> forget it then
         self._recv_info: dict[str, dict[str, Any]] = {}
         self._failures: dict[str, str] = {}
         self._notifs = 0
@@ -88,6 +96,11 @@ class NixlConnectorWorker(KVConnectorWorker):
                 t.release(handle)
                 del self._sending[rid]
                 self._finished_sending.add(rid)
+        now = time.monotonic()
+        md = self.connector_metadata
+        if isinstance(md, NixlConnectorMetadata):
+            for nonce in md.ended_keys:
+                self._close(nonce, now)
         recving: set[str] = set()
         for raw in t.get_notifs():
             try:
@@ -96,16 +109,41 @@ class NixlConnectorWorker(KVConnectorWorker):
                 logger.warning("tp%d: ignoring a malformed notification: %s", self.rank, e)
                 continue
             self._notifs += 1
-            rid = notif.r
-            seen = self._parts.get(rid, 0) + 1
-            if seen >= notif.n:
-                self._parts.pop(rid, None)
-                recving.add(rid)
-                self._recv_info[rid] = {"first_token": notif.ft, "arrived": time.time()}
+            if notif.k in self._closed:
+                logger.info("tp%d: notif for an ended transfer %s; ignored", self.rank, notif.t)
+                continue
+            seen, first = self._parts.get(notif.k, (0, now))
+            if seen + 1 >= notif.n:
+                self._close(notif.k, now)
+                recving.add(notif.k)
+                self._recv_info[notif.k] = {
+                    "request_id": notif.r,
+                    "first_token": notif.ft,
+                    "arrived": time.time(),
+                }
             else:
-                self._parts[rid] = seen
+                self._parts[notif.k] = (seen + 1, first)
+        self._expire(now)
         sending, self._finished_sending = self._finished_sending, set()
         return sending, recving
+
+    def _close(self, nonce: str, now: float) -> None:
+        self._parts.pop(nonce, None)
+        self._closed[nonce] = now + 4 * self._timeout
+
+    def _expire(self, now: float) -> None:
+        # A reservation lives at most T waiting plus 2T quarantined on D: a count older
+        # than 4T belongs to none that could still complete.
+        for nonce, (_, first) in list(self._parts.items()):
+            if now - first >= 4 * self._timeout:
+                self._close(nonce, now)
+        for nonce, until in list(self._closed.items()):
+            if now >= until:
+                del self._closed[nonce]
+
+    @property
+    def num_partial_counts(self) -> int:
+        return len(self._parts)
 
     def take_recv_info(self) -> dict[str, dict[str, Any]]:
         info, self._recv_info = self._recv_info, {}

@@ -1,0 +1,154 @@
+"""Per-peer side-channel lanes (issue 9, hole 7): a peer that does not answer delays only
+the calls to itself; calls to one peer run in order; every lane is bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+from harness import free_port, wait_for
+
+import kvconnector.nixl.scheduler as nixl_scheduler
+from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.kv_cache_layout import KVCacheSpec
+from engine.model.loader import load_arch_config
+from engine.sampling_params import SamplingParams
+from kvconnector.nixl.lanes import LaneFull, PeerLanes
+from kvconnector.nixl.messages import Ack, HandshakeReply, decode_request
+from kvconnector.nixl.side_channel import SideChannelServer
+from kvconnector.params import KVTransferParams
+
+
+def test_a_blocked_peer_does_not_hold_up_another_peers_calls():
+    lanes = PeerLanes()
+    release = threading.Event()
+    try:
+        stuck = [lanes.submit("tcp://dead:1", release.wait) for _ in range(20)]
+        healthy = lanes.submit("tcp://alive:1", lambda: "answered")
+        assert healthy.result(timeout=30) == "answered"
+        assert not any(f.done() for f in stuck)
+    finally:
+        release.set()
+        lanes.shutdown()
+
+
+def test_calls_to_one_peer_run_in_the_order_they_were_queued():
+    lanes = PeerLanes()
+    seen: list[int] = []
+    try:
+        futures = [lanes.submit("p", seen.append, i) for i in range(200)]
+        for f in futures:
+            f.result(timeout=30)
+        assert seen == list(range(200))
+    finally:
+        lanes.shutdown()
+
+
+def test_lanes_are_bounded_per_peer_and_in_number():
+    lanes = PeerLanes(max_queued=3, max_lanes=2)
+    release = threading.Event()
+    try:
+        lanes.submit("a", release.wait)  # running: the queue is empty again
+        wait_for(lambda: lanes._lanes["a"].queue.empty(), 10, "lane a to start its call")
+        for _ in range(3):
+            lanes.submit("a", release.wait)
+        with pytest.raises(LaneFull, match="3 calls already queued"):
+            lanes.submit("a", release.wait)
+        lanes.submit("b", lambda: None)
+        with pytest.raises(LaneFull, match="2 peer lanes"):
+            lanes.submit("c", lambda: None)
+        assert lanes.refused == 2
+    finally:
+        release.set()
+        lanes.shutdown()
+
+
+def test_an_idle_lane_ends_its_thread():
+    lanes = PeerLanes(idle_s=0.05)
+    try:
+        lanes.submit("p", lambda: None).result(timeout=10)
+        thread = lanes._lanes["p"].thread
+        wait_for(lambda: lanes.num_lanes() == 0, 10, "the idle lane to retire")
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        assert lanes.submit("p", lambda: 7).result(timeout=10) == 7  # a new lane
+    finally:
+        lanes.shutdown()
+
+
+# -- the decode connector with one silent and one healthy prefill peer ------------------
+
+
+class HealthyPrefill:
+    """A prefill side channel that pairs with anyone and acknowledges every reservation."""
+
+    def __init__(self, compat: dict) -> None:
+        self.compat = compat
+        self.server = SideChannelServer("127.0.0.1", 0, self._handle)
+        self.address = self.server.address
+
+    def _handle(self, raw: dict) -> dict:
+        msg = decode_request(raw)
+        if msg.KIND == "handshake":
+            return HandshakeReply(
+                engine_id="p",
+                incarnation="p1",
+                side_channel=self.address,
+                role="producer",
+                compat=self.compat,
+                transport={},
+                ranks=(),
+            ).to_wire()
+        return Ack().to_wire()
+
+
+def test_a_silent_prefill_peer_does_not_delay_reservations_to_a_healthy_one(monkeypatch):
+    """Twelve reservations to a prefill node that never answers, then one to a healthy
+    node: the healthy one is acknowledged while the silent ones still wait. With one
+    shared 8-thread pool it waited until the silent node's calls timed out."""
+    monkeypatch.setattr(nixl_scheduler, "RPC_TIMEOUT_S", 20.0)
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        kv_transfer=KVTransferConfig(
+            kv_connector="nixl", kv_role="consumer", kv_transfer_timeout=60, peer_ping_interval=0
+        ),
+    )
+    conn = nixl_scheduler.NixlConnectorScheduler(
+        cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
+    )
+    sch = Scheduler(cfg, 256, 256, conn)
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
+    silent_address = f"tcp://127.0.0.1:{free_port()}"
+    silent.bind(silent_address)
+    healthy = HealthyPrefill(conn.compat)
+    try:
+
+        def add(rid: str, address: str) -> None:
+            params = KVTransferParams(
+                do_remote_prefill=True, transfer_id=rid, remote_side_channel=address
+            )
+            sch.add_request(
+                Request(
+                    rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=2), kv_transfer_params=params
+                )
+            )
+
+        for i in range(12):
+            add(f"s{i}", silent_address)
+        add("h", healthy.address)
+        sch.schedule()
+        wait_for(lambda: conn.consumer.recvs["h"].reserved, 30, "the healthy reservation")
+        assert all(f"s{i}" in conn.consumer.recvs for i in range(12))
+        assert not any(conn.consumer.recvs[f"s{i}"].reserved for i in range(12))
+    finally:
+        conn.shutdown()
+        healthy.server.close()
+        silent.close(linger=0)
+        ctx.term()
+        time.sleep(0)
