@@ -229,11 +229,36 @@ class KVTransferConfig:
         default_factory=lambda: uuid.uuid4().hex[:12],
         metadata={"help": "engine id advertised to peers (default: random)"},
     )
+    kv_allowed_peers: str = field(
+        default="loopback",
+        metadata={
+            "help": "side channels this node may talk to: the prefill nodes a decode leg's "
+            "kv_transfer_params.remote_side_channel may name, the decode nodes a prefill "
+            "node accepts handshakes from. Comma-separated HOST, HOST:PORT, CIDR, "
+            "'loopback' or '*' (any: only where every caller is trusted)"
+        },
+    )
+    kv_secret: str = field(
+        default_factory=lambda: os.environ.get("PDSERVE_KV_SECRET", ""),
+        repr=False,  # never logged
+        metadata={
+            "help": "shared secret signing every side-channel message (HMAC-SHA256; "
+            "replays refused); all prefill and decode nodes of a deployment need the same "
+            "one (default: $PDSERVE_KV_SECRET -- prefer it to the flag, which `ps` shows; "
+            "unset: unsigned, for one trusted box)"
+        },
+    )
 
     def __post_init__(self) -> None:
         require(0 <= self.side_channel_port < 65536, "side_channel_port", "must be in [0, 65535]")
         require(self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0 seconds")
         require(self.peer_ping_interval >= 0, "peer_ping_interval", "must be >= 0 seconds")
+        from kvconnector.nixl.peers import PeerAllowlist
+
+        try:
+            PeerAllowlist.parse(self.kv_allowed_peers)
+        except ValueError as e:
+            require(False, "kv_allowed_peers", str(e))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ Scheduler side, called by ``engine.core.scheduler.Scheduler``:
 
 0. ``prepare_request(request)`` once, when the scheduler admits a request (after its id
    and prompt checks, before the capacity check). It refuses transfer parameters this
-   node cannot serve (``InvalidRequestError``) and applies the P/D request policy: the
+   node cannot serve (``InvalidRequestError``; the connector's own checks, such as which
+   peers it may connect to, are ``check_transfer_params``) and applies the P/D request
+   policy: the
    prefill leg samples only the first token (``max_tokens=1``); an unseeded sampled
    request is seeded from its transfer id (``transfer_seed``), so that P, and a D that
    recomputes after a failed load, draw the same first token. The parameters themselves
@@ -151,12 +153,17 @@ class KVConnectorScheduler(ABC):
                 "kv_transfer_params need a KV connector; start the node with --kv-connector nixl",
                 "kv_transfer_params",
             )
+        self.check_transfer_params(params)
         sp = request.sampling_params
         if params.do_remote_decode:
             sp = dataclasses.replace(sp, max_tokens=1)  # P samples only the first token
         if sp.seed is None and not sp.greedy:
             sp = dataclasses.replace(sp, seed=transfer_seed(request.transfer_id))
         request.sampling_params = sp
+
+    def check_transfer_params(self, params: KVTransferParams) -> None:  # noqa: B027
+        """Refuse (``InvalidRequestError``) parameters this connector must not act on,
+        e.g. a peer address it may not connect to."""
 
     def info(self) -> dict[str, Any]:
         """What clients (the proxy) need to pair this node with peers."""

@@ -11,6 +11,9 @@
 # set), LOG_DIR, RUN_DIR, STARTUP_TIMEOUT (s), PYTHON. UCX_* variables (UCX_TLS,
 # UCX_NET_DEVICES, UCX_LOG_LEVEL, ...) are passed through to the node unchanged.
 # scripts/launch_decode.sh is the same script with ROLE=decode.
+# Across hosts, name the peers and sign the side channel: export PDSERVE_KV_SECRET (the
+# same on every node) and pass `-- --kv-allowed-peers HOST[,HOST|CIDR...]` (the default
+# allows loopback only).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "$0")/lib.sh"

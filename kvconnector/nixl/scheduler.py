@@ -26,6 +26,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from engine.core.request import RequestStatus
+from engine.sampling_params import InvalidRequestError
 from engine.stats import StatsGroup
 from kvconnector.base import ConnectorEvents, KVConnectorScheduler
 from kvconnector.nixl.block_runs import block_runs
@@ -54,6 +55,7 @@ from kvconnector.nixl.messages import (
     model_fingerprint,
 )
 from kvconnector.nixl.metadata import NixlConnectorMetadata, SendSpec
+from kvconnector.nixl.peers import PeerAllowlist
 from kvconnector.nixl.producer import Producer, Reservation
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
 from kvconnector.nixl.stats import NixlSchedulerStats, NixlWorkerStats
@@ -113,7 +115,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._nonces = itertools.count(1)
         self._ended: list[str] = []  # nonces whose counts every rank must drop
         self._lanes = PeerLanes()
-        self._client = SideChannelClient()
+        self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
+        secret = kvc.kv_secret.encode() or None
+        self._client = SideChannelClient(secret=secret)
         self._worker_stats = NixlWorkerStats()  # the ranks' transport counters, summed
         self.histograms = {
             "kv_transfer_duration_seconds": Histogram(
@@ -130,7 +134,14 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.liveness = PeerLiveness(
             kvc.peer_ping_interval, self._client.request, self._lanes, self._prefill_lost
         )
-        self._server = SideChannelServer(kvc.side_channel_host, kvc.side_channel_port, self._handle)
+        self._server = SideChannelServer(
+            kvc.side_channel_host, kvc.side_channel_port, self._handle, secret=secret
+        )
+        if secret is None:
+            logger.warning(
+                "side channel unsigned: set PDSERVE_KV_SECRET (or --kv-secret) on every node "
+                "unless all peers are on one trusted box"
+            )
         self.address = self._server.address
         logger.info("NIXL connector %s listening on %s", self.peer_key, self.address)
 
@@ -159,6 +170,15 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         }
 
     # -- decode side ---------------------------------------------------------------------
+    def check_transfer_params(self, params: KVTransferParams) -> None:
+        address = params.remote_side_channel
+        if params.do_remote_prefill and address and not self.allowed_peers.allows(address):
+            raise InvalidRequestError(
+                f"kv_transfer_params.remote_side_channel {address!r:.80} is not an allowed "
+                "prefill peer; start the decode node with --kv-allowed-peers naming it",
+                "kv_transfer_params.remote_side_channel",
+            )
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
@@ -271,6 +291,13 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     # -- prefill side --------------------------------------------------------------------
     def _on_handshake(self, msg: Handshake) -> HandshakeReply | Refusal:
+        if not self.allowed_peers.allows(msg.address):
+            with self._lock:
+                self.handshake_failures += 1
+            logger.warning("refusing a handshake from %s: not in --kv-allowed-peers", msg.address)
+            return Refusal(
+                f"{msg.address} is not an allowed peer of this node (--kv-allowed-peers)"
+            )
         mismatch = check_compat(self.compat, msg.compat)
         if mismatch is None and len(msg.ranks) != self.config.parallel.tp:
             mismatch = f"the peer sent {len(msg.ranks)} ranks for tp_size {msg.compat['tp_size']}"
@@ -325,7 +352,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 nonce=msg.nonce,
                 d_request_id=msg.d_request_id,
                 peer_key=msg.peer_key,
-                d_address=msg.address,
+                d_address=peer["address"],  # the handshaken one, not what this message says
                 block_ids=list(msg.block_ids),
                 skip_blocks=msg.skip_blocks,
                 expires=time.monotonic() + self.timeout,

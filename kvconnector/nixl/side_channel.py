@@ -12,13 +12,26 @@ Threading: ``SideChannelServer`` runs its handler on its own thread, one request
 time (a slow handler delays later requests; keep handlers short). ``SideChannelClient``
 is safe to use from several threads at once: sockets are per call, and the shared
 ``zmq.Context`` is thread-safe.
+
+Authentication (``secret``, the nodes' ``--kv-secret``): every request travels as an
+envelope ``{"ts", "n", "body", "mac"}`` -- ``body`` the msgpack of the message, ``n`` 16
+random bytes, ``ts`` the sender's wall clock, ``mac`` HMAC-SHA256 over them -- and every
+reply as ``{"body", "mac"}`` with the MAC bound to the request's ``n``. The server refuses
+(``code: "unauthenticated"``) a request without a valid MAC, one whose ``ts`` is more
+than ``REPLAY_WINDOW_S`` away from its own clock, and one whose ``n`` it has seen
+(a replay); the client refuses a reply without a valid MAC. Both ends must have the same
+secret; without one, messages are plain maps (loopback development).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +66,51 @@ def _remaining_ms(deadline: float) -> int:
     return max(0, int((deadline - time.monotonic()) * 1000))
 
 
+REPLAY_WINDOW_S = 60.0  # a signed request older or newer than this is refused
+MAX_SEEN = 200_000  # request nonces remembered for replay checks (at most)
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    h = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in parts:
+        h.update(len(part).to_bytes(4, "big"))
+        h.update(part)
+    return h.digest()
+
+
+def _request_mac(secret: bytes, ts: float, nonce: bytes, body: bytes) -> bytes:
+    return _mac(secret, b"pdserve-side-channel-request-v1", repr(ts).encode(), nonce, body)
+
+
+def _reply_mac(secret: bytes, nonce: bytes, body: bytes) -> bytes:
+    return _mac(secret, b"pdserve-side-channel-reply-v1", nonce, body)
+
+
+def _unauthenticated(why: str) -> dict[str, Any]:
+    return {"ok": False, "error": f"unauthenticated: {why}", "code": "unauthenticated"}
+
+
+class _ReplayGuard:
+    """Signed requests' nonces seen within the replay window."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+
+    def check(self, ts: float, nonce: bytes) -> str | None:
+        """None when fresh (and remembered), else why it is refused."""
+        now = time.time()
+        while self._seen and next(iter(self._seen.values())) < now - 2 * REPLAY_WINDOW_S:
+            self._seen.popitem(last=False)
+        if abs(now - ts) > REPLAY_WINDOW_S:
+            return f"timestamp {now - ts:+.0f}s away from this node's clock (window {REPLAY_WINDOW_S:.0f}s)"
+        if nonce in self._seen:
+            return "a replayed request"
+        self._seen[nonce] = now
+        if len(self._seen) > MAX_SEEN:
+            self._seen.popitem(last=False)
+        return None
+
+
 class SideChannelServer:
     """Serve ``handler(request) -> reply`` on a ROUTER socket from a background thread.
 
@@ -70,8 +128,12 @@ class SideChannelServer:
         *,
         advertise_host: str | None = None,
         name: str = "side-channel",
+        secret: bytes | None = None,
     ) -> None:
         self._handler = handler
+        self._secret = secret or None
+        self._replays = _ReplayGuard()
+        self.refused_unauthenticated = 0
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._bind_error: BaseException | None = None
@@ -137,13 +199,56 @@ class SideChannelServer:
             msg = _unpack(payload_frames[0])
             if not isinstance(msg, dict):
                 raise TypeError(f"request must be a map, got {type(msg).__name__}")
-            reply = self._handler(msg)
+            if self._secret is None:
+                if "mac" in msg:
+                    return _pack(
+                        {
+                            "ok": False,
+                            "error": "this node runs without --kv-secret; its peers must too",
+                        }
+                    )
+                reply = self._handler(msg)
+                nonce = None
+            else:
+                msg, nonce, refused = self._open(msg)
+                if refused is not None:
+                    self.refused_unauthenticated += 1
+                    logger.warning("side channel: refusing a request: %s", refused["error"])
+                    return _pack(refused)
+                reply = self._handler(msg)
             if not isinstance(reply, dict):
                 raise TypeError(f"handler returned {type(reply).__name__}, expected dict")
-            return _pack(reply)
+            return self._seal(reply, nonce)
         except Exception as exc:
             logger.warning("side channel handler failed: %r", exc, exc_info=True)
             return _pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+    def _open(self, env: dict[str, Any]) -> tuple[Any, bytes | None, dict[str, Any] | None]:
+        """(message, its nonce, None) for a valid signed envelope, else (None, None, why)."""
+        assert self._secret is not None
+        ts, nonce, body, mac = env.get("ts"), env.get("n"), env.get("body"), env.get("mac")
+        if not (
+            isinstance(ts, float)
+            and isinstance(nonce, bytes)
+            and len(nonce) == 16
+            and isinstance(body, bytes)
+            and isinstance(mac, bytes)
+        ):
+            return None, None, _unauthenticated("this node requires signed messages (--kv-secret)")
+        if not hmac.compare_digest(mac, _request_mac(self._secret, ts, nonce, body)):
+            return None, None, _unauthenticated("bad signature (is --kv-secret the same?)")
+        if (why := self._replays.check(ts, nonce)) is not None:
+            return None, None, _unauthenticated(why)
+        msg = _unpack(body)
+        if not isinstance(msg, dict):
+            raise TypeError(f"request must be a map, got {type(msg).__name__}")
+        return msg, nonce, None
+
+    def _seal(self, reply: dict[str, Any], nonce: bytes | None) -> bytes:
+        if self._secret is None or nonce is None:
+            return _pack(reply)
+        body = _pack(reply)
+        return _pack({"body": body, "mac": _reply_mac(self._secret, nonce, body)})
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving and close the socket; returns within ~poll interval + handler time."""
@@ -163,8 +268,9 @@ class SideChannelServer:
 class SideChannelClient:
     """Request/reply client; one DEALER socket per request, closed afterwards."""
 
-    def __init__(self, context: zmq.Context | None = None) -> None:
+    def __init__(self, context: zmq.Context | None = None, secret: bytes | None = None) -> None:
         self._ctx = context or zmq.Context.instance()
+        self._secret = secret or None
 
     def request(self, address: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send ``msg`` to ``address`` and return the reply map.
@@ -173,6 +279,18 @@ class SideChannelClient:
         (including when nothing listens at ``address``), ``SideChannelError`` on a reply
         that is not a msgpack map. An ``{"ok": False, ...}`` reply is returned, not raised.
         """
+        nonce = os.urandom(16)
+        payload_out = _pack(msg)
+        if self._secret is not None:
+            ts = time.time()
+            payload_out = _pack(
+                {
+                    "ts": ts,
+                    "n": nonce,
+                    "body": payload_out,
+                    "mac": _request_mac(self._secret, ts, nonce, payload_out),
+                }
+            )
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Do not queue the request for a peer that never connects; the timeout covers it.
@@ -183,7 +301,7 @@ class SideChannelClient:
             # The request may wait for the connection; one deadline bounds both waits.
             if not sock.poll(_remaining_ms(deadline), zmq.POLLOUT):
                 raise SideChannelTimeout(f"no connection to {address} within {timeout:.3f}s")
-            sock.send(_pack(msg), zmq.NOBLOCK)
+            sock.send(payload_out, zmq.NOBLOCK)
             if not sock.poll(_remaining_ms(deadline), zmq.POLLIN):
                 raise SideChannelTimeout(f"no reply from {address} within {timeout:.3f}s")
             frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -194,6 +312,24 @@ class SideChannelClient:
         payload = [f for f in frames if f]
         try:
             reply = _unpack(payload[-1]) if payload else None
+        except Exception as exc:
+            raise SideChannelError(f"undecodable reply from {address}: {exc}") from exc
+        if not isinstance(reply, dict):
+            raise SideChannelError(f"reply from {address} is not a map: {type(reply).__name__}")
+        if self._secret is not None:
+            reply = self._open_reply(address, reply, nonce)
+        return reply
+
+    def _open_reply(self, address: str, env: dict[str, Any], nonce: bytes) -> dict[str, Any]:
+        assert self._secret is not None
+        body, mac = env.get("body"), env.get("mac")
+        if not (isinstance(body, bytes) and isinstance(mac, bytes)):
+            why = env.get("error") if env.get("ok") is False else "an unsigned reply"
+            raise SideChannelError(f"{address} did not sign its reply: {why}")
+        if not hmac.compare_digest(mac, _reply_mac(self._secret, nonce, body)):
+            raise SideChannelError(f"reply from {address} has a bad signature")
+        try:
+            reply = _unpack(body)
         except Exception as exc:
             raise SideChannelError(f"undecodable reply from {address}: {exc}") from exc
         if not isinstance(reply, dict):

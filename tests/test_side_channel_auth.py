@@ -1,0 +1,229 @@
+"""Access to the side channel (issue 9, hole 4): signed messages with a shared secret
+(``--kv-secret``; unsigned, forged and replayed ones refused), and the peers a node may
+talk to (``--kv-allowed-peers``; a decode leg cannot make D connect anywhere)."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import zmq
+
+import kvconnector.nixl.side_channel as sc
+from engine.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+)
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.kv_cache_layout import KVCacheSpec
+from engine.model.loader import load_arch_config
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from kvconnector.nixl.messages import Handshake, HandshakeReply, Refusal, decode_reply
+from kvconnector.nixl.peers import PeerAllowlist
+from kvconnector.nixl.scheduler import NixlConnectorScheduler
+from kvconnector.params import KVTransferParams
+
+SECRET = b"correct horse battery staple"
+
+
+@pytest.fixture
+def signed_server():
+    calls: list[dict] = []
+
+    def handler(msg: dict) -> dict:
+        calls.append(msg)
+        return {"ok": True, "echo": msg.get("x")}
+
+    srv = sc.SideChannelServer("127.0.0.1", 0, handler, secret=SECRET)
+    try:
+        yield srv, calls
+    finally:
+        srv.close()
+
+
+def raw_request(address: str, payload: bytes, timeout: float = 5.0) -> dict:
+    """Send bytes as they are (no signing): what a forger or a replayer does."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send(payload)
+        assert sock.poll(int(timeout * 1000)), "no reply"
+        return msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
+    finally:
+        sock.close()
+
+
+def test_signed_requests_with_the_same_secret_are_served(signed_server):
+    srv, calls = signed_server
+    reply = sc.SideChannelClient(secret=SECRET).request(srv.address, {"x": 1}, timeout=5)
+    assert reply == {"ok": True, "echo": 1} and calls == [{"x": 1}]
+
+
+@pytest.mark.parametrize("client_secret", [None, b"another secret"], ids=["unsigned", "wrong"])
+def test_unsigned_or_wrongly_signed_requests_are_refused(signed_server, client_secret):
+    srv, calls = signed_server
+    if client_secret is None:
+        reply = sc.SideChannelClient().request(srv.address, {"kind": "ping"}, timeout=5)
+        assert reply["code"] == "unauthenticated" and "--kv-secret" in reply["error"]
+    else:
+        with pytest.raises(sc.SideChannelError, match="bad signature"):
+            sc.SideChannelClient(secret=client_secret).request(srv.address, {"x": 1}, timeout=5)
+    assert calls == [] and srv.refused_unauthenticated == 1
+
+
+def _signed(msg: dict, ts: float | None = None, nonce: bytes = b"n" * 16) -> bytes:
+    ts = time.time() if ts is None else ts
+    body = msgpack.packb(msg, use_bin_type=True)
+    mac = sc._request_mac(SECRET, ts, nonce, body)
+    return msgpack.packb({"ts": ts, "n": nonce, "body": body, "mac": mac}, use_bin_type=True)
+
+
+def test_a_replayed_request_is_refused(signed_server):
+    srv, calls = signed_server
+    once = _signed({"x": 2})
+    first = raw_request(srv.address, once)
+    assert "mac" in first and calls == [{"x": 2}]
+    again = raw_request(srv.address, once)
+    assert again["code"] == "unauthenticated" and "replayed" in again["error"]
+    assert calls == [{"x": 2}]
+
+
+def test_a_request_signed_long_ago_is_refused(signed_server):
+    srv, calls = signed_server
+    old = raw_request(srv.address, _signed({"x": 3}, ts=time.time() - 10 * sc.REPLAY_WINDOW_S))
+    assert old["code"] == "unauthenticated" and "clock" in old["error"] and calls == []
+
+
+def test_a_tampered_request_is_refused(signed_server):
+    srv, calls = signed_server
+    env = msgpack.unpackb(_signed({"x": 4}, nonce=b"t" * 16), raw=False)
+    env["body"] = msgpack.packb({"x": 5}, use_bin_type=True)  # signature of another body
+    reply = raw_request(srv.address, msgpack.packb(env, use_bin_type=True))
+    assert reply["code"] == "unauthenticated" and calls == []
+
+
+def test_an_unsigned_reply_is_refused_by_a_signing_client():
+    """A server without the secret (or someone answering in its place) cannot feed a
+    signing client replies."""
+    srv = sc.SideChannelServer("127.0.0.1", 0, lambda msg: {"ok": True})
+    try:
+        with pytest.raises(sc.SideChannelError, match="did not sign"):
+            sc.SideChannelClient(secret=SECRET).request(srv.address, {"x": 1}, timeout=5)
+    finally:
+        srv.close()
+
+
+# -- the connectors --------------------------------------------------------------------
+
+
+def connector(role: str, **kv) -> NixlConnectorScheduler:
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=64),
+        kv_transfer=KVTransferConfig(kv_connector="nixl", kv_role=role, peer_ping_interval=0, **kv),
+    )
+    conn = NixlConnectorScheduler(cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg))
+    conn.set_worker_info([{"num_blocks": 64}])
+    return conn
+
+
+def test_a_decode_node_without_the_secret_cannot_pair_with_a_prefill_node_that_has_it():
+    p = connector("producer", kv_secret="s3cret")
+    good = connector("consumer", kv_secret="s3cret")
+    bad = connector("consumer", kv_secret="")
+    try:
+        assert good._ensure_handshake(p.address).engine_id == p.engine_id
+        with pytest.raises(Exception, match="unauthenticated"):
+            bad._ensure_handshake(p.address)
+        assert set(p._d_peers) == {good.peer_key}
+    finally:
+        for c in (p, good, bad):
+            c.shutdown()
+
+
+def test_the_secret_is_never_in_the_logged_config():
+    cfg = KVTransferConfig(kv_connector="nixl", kv_secret="do-not-log-me")
+    assert "do-not-log-me" not in repr(cfg) and "do-not-log-me" not in repr(EngineConfig())
+
+
+def test_a_decode_leg_naming_a_peer_outside_the_allowlist_is_refused_before_any_connection():
+    """The server-side request forgery: any client could make D connect to any address
+    it named in ``remote_side_channel``. Now it is a 400 naming the field, and nothing
+    is reserved or queued."""
+    d = connector("consumer")  # default: loopback
+    sch = Scheduler(d.config, 64, 256, d)
+    try:
+        params = KVTransferParams(
+            do_remote_prefill=True, transfer_id="t", remote_side_channel="tcp://10.1.2.3:5555"
+        )
+        req = Request("r", [1, 2, 3], SamplingParams(max_tokens=2), kv_transfer_params=params)
+        with pytest.raises(InvalidRequestError) as info:
+            sch.add_request(req)
+        assert info.value.param == "kv_transfer_params.remote_side_channel"
+        assert "--kv-allowed-peers" in str(info.value)
+        assert not sch.requests and not d.consumer.recvs and d._lanes.num_lanes() == 0
+    finally:
+        d.shutdown()
+
+
+def test_a_prefill_node_refuses_handshakes_from_peers_outside_its_allowlist():
+    p = connector("producer", kv_allowed_peers="10.0.0.0/8")
+    try:
+        shake = Handshake(
+            engine_id="d",
+            incarnation="i",
+            peer_key="d:i",
+            compat=p.compat,
+            ranks=({"num_blocks": 64},),
+            address="tcp://127.0.0.1:5600",
+        )
+        reply = decode_reply(p._handle(shake.to_wire()), HandshakeReply)
+        assert isinstance(reply, Refusal) and "--kv-allowed-peers" in reply.error
+        assert not p._d_peers
+    finally:
+        p.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("spec", "allowed", "refused"),
+    [
+        (
+            "loopback",
+            ["tcp://127.0.0.1:1", "tcp://127.9.9.9:2", "tcp://localhost:3", "tcp://[::1]:4"],
+            ["tcp://10.0.0.1:1", "tcp://example.com:1", "tcp://0.0.0.0:1"],
+        ),
+        (
+            "10.0.0.0/8, prefill",
+            ["tcp://10.2.3.4:5600", "tcp://prefill:5600", "tcp://PREFILL:1"],
+            ["tcp://11.0.0.1:1", "tcp://127.0.0.1:1", "tcp://prefill-2:5600"],
+        ),
+        (
+            "p1.internal:5600,[fd00::1]:7",
+            ["tcp://p1.internal:5600", "tcp://[fd00::1]:7"],
+            ["tcp://p1.internal:5601", "tcp://[fd00::1]:8"],
+        ),
+        ("*", ["tcp://203.0.113.9:1"], []),
+        (
+            "loopback",
+            [],
+            ["tcp://127.0.0.1", "http://127.0.0.1:1", "tcp://127.0.0.1:1/x", "tcp://:1"],
+        ),
+    ],
+)
+def test_peer_allowlist(spec, allowed, refused):
+    allow = PeerAllowlist.parse(spec)
+    assert [a for a in allowed if not allow.allows(a)] == []
+    assert [a for a in refused if allow.allows(a)] == []
+
+
+@pytest.mark.parametrize("spec", ["", " , ", "10.0.0.0/33", "bad host!", "h:notaport"])
+def test_a_bad_allowlist_is_a_config_error_naming_the_flag(spec):
+    with pytest.raises(ConfigError, match="--kv-allowed-peers"):
+        KVTransferConfig(kv_allowed_peers=spec)
