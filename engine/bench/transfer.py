@@ -877,6 +877,7 @@ def run_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         f"median of {args.reps} (+{args.warmup} warm-up); peak memory {need / 2**30:.2f} GiB",
         flush=True,
     )
+    commit = _git_commit()  # now: other work may commit while a long run goes on
     results: list[dict[str, Any]] = []
     try:
         for tp in sorted(set(args.tp)):
@@ -888,7 +889,7 @@ def run_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     print(markdown_table(results))
     report = {
         "command": "transfer",
-        "commit": _git_commit(),
+        "commit": commit,
         "device": args.device,
         "memory": memory,
         "geometry": asdict(geo),
