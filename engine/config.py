@@ -229,6 +229,14 @@ class KVTransferConfig:
         default_factory=lambda: uuid.uuid4().hex[:12],
         metadata={"help": "engine id advertised to peers (default: random)"},
     )
+    kv_checksum: Literal["off", "sampled", "full"] = field(
+        default="off",
+        metadata={
+            "help": "checksum pushed KV blocks on P and verify them on D before decoding "
+            "(a mismatch is a failed transfer: recompute or fail by --kv-failure-policy); "
+            "sampled checks up to 4 blocks per transfer, full every block; P and D must agree"
+        },
+    )
     kv_allowed_peers: str = field(
         default="loopback",
         metadata={

@@ -33,7 +33,8 @@ Every reply is a map with ``ok``; a ``Refusal`` is ``{"ok": False, "error": ...,
 
 A NIXL notification (``Notif``; P rank -> D rank, delivered after that rank's WRITE
 landed) is a msgpack map: ``r`` D request id, ``t`` transfer id, ``k`` the reservation's
-nonce, ``n`` parts that D rank expects, ``ft`` the first token sampled by P.
+nonce, ``n`` parts that D rank expects, ``ft`` the first token sampled by P, and with
+``--kv-checksum`` ``c``, the checksums of (some of) the blocks written.
 
 Fencing: D makes a fresh ``nonce`` for every reservation (its incarnation, a counter and
 64 random bits). Everything about one transfer names it -- the reservation, the
@@ -65,7 +66,9 @@ import msgpack
 #   2  transfer fencing: ``nonce`` in reserve, cancel and transfer_failed (which also
 #      gained ``transfer_id``); the notif gained ``k`` (the nonce). D counts notifs and
 #      matches replies by nonce, not by request id.
-CONNECTOR_VERSION = 2
+#   3  ``kv_checksum`` in the compatibility info; the notif gained ``c`` (block checksums,
+#      ``[[D block id, sum], ...]``, or null).
+CONNECTOR_VERSION = 3
 LAYOUT = "block,layer,kv,head,token,dim"
 
 # Compared in this order; the first difference is the error message.
@@ -79,6 +82,7 @@ COMPAT_KEYS = (
     "dtype",
     "block_size",
     "tp_size",
+    "kv_checksum",
 )
 
 
@@ -206,6 +210,23 @@ def _token(value: Any, where: str) -> int | None:
     if value is not None and (not _is_int(value) or value < 0):
         raise _fail(where, "a token id or null", value)
     return value
+
+
+MAX_CHECKSUMS = 1 << 20  # more [block, sum] pairs than any KV cache has blocks
+
+
+def _sums(value: Any, where: str) -> tuple[tuple[int, int], ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or len(value) > MAX_CHECKSUMS:
+        raise _fail(where, "an array of [block id, checksum] pairs or null", value)
+    out = []
+    for i, pair in enumerate(value):
+        ok = isinstance(pair, list | tuple) and len(pair) == 2
+        if not ok or not all(_is_int(v) and 0 <= v < (1 << 64) for v in pair):
+            raise _fail(f"{where}[{i}]", "a [block id, checksum] pair of non-negative ints", pair)
+        out.append((pair[0], pair[1]))
+    return tuple(out)
 
 
 def _wire_value(value: Any) -> Any:
@@ -438,15 +459,20 @@ class Notif(_Message):
         "k": _name,
         "n": _positive,
         "ft": _token,
+        "c": _sums,
     }
     r: str  # D request id
     t: str  # transfer id
     k: str  # the reservation's nonce: what D counts by
     n: int = 1  # parts the receiving rank counts before the request is received
     ft: int | None = None  # the first token sampled by P
+    c: tuple[tuple[int, int], ...] | None = None  # [D block id, checksum] (--kv-checksum)
 
     def pack(self) -> bytes:
-        return msgpack.packb({"r": self.r, "t": self.t, "k": self.k, "n": self.n, "ft": self.ft})
+        wire = {"r": self.r, "t": self.t, "k": self.k, "n": self.n, "ft": self.ft}
+        if self.c is not None:
+            wire["c"] = [list(pair) for pair in self.c]
+        return msgpack.packb(wire)
 
     @classmethod
     def unpack(cls, data: bytes) -> Notif:

@@ -100,6 +100,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             "dtype": config.model.dtype,
             "block_size": kv_spec.block_size,
             "tp_size": tp,
+            "kv_checksum": kvc.kv_checksum,
         }
         self.producer = Producer(self.timeout)
         self.consumer = Consumer(self.timeout)
@@ -131,6 +132,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.handshakes = 0
         self.handshake_failures = 0
         self.failed_transfers = 0
+        self.checksum_failures = 0
         self.liveness = PeerLiveness(
             kvc.peer_ping_interval, self._client.request, self._lanes, self._prefill_lost
         )
@@ -467,7 +469,14 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             for nonce in output.finished_recving:
                 info = output.kv_recv_info.get(nonce, {})
                 rid = info.get("request_id")
-                if isinstance(rid, str) and self.consumer.landed(rid, nonce):
+                if not isinstance(rid, str):
+                    continue
+                if info.get("kv_error"):
+                    # Every rank's WRITE landed (nothing more will), but some KV is wrong.
+                    self.checksum_failures += 1
+                    logger.error("request %s: %s; not decoding from it", rid, info["kv_error"])
+                    self.consumer.fail(rid, str(info["kv_error"]), safe=True, nonce=nonce)
+                elif self.consumer.landed(rid, nonce):
                     landed[rid] = info
             for rid in output.finished_sending:
                 send = self.producer.send_finished(rid, output.kv_failed.get(rid))
@@ -594,6 +603,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 kv_prefill_peers_lost_total=self.liveness.peers_lost,
                 kv_decode_peers=len(self._d_peers),
                 kv_handshake_failures_total=self.handshake_failures,
+                kv_checksum_failures_total=self.checksum_failures,
             )
             return StatsGroup(own, self._worker_stats)
 

@@ -23,6 +23,9 @@ class NixlSchedulerStats(Stats):
     kv_prefill_peers_lost_total: int = counter("Prefill peers found restarted or silent")
     kv_decode_peers: int = gauge("Decode peers known")
     kv_handshake_failures_total: int = counter("Handshakes refused or failed")
+    kv_checksum_failures_total: int = counter(
+        "Transfers whose KV failed its checksum on arrival (--kv-checksum)"
+    )
 
 
 @dataclass

@@ -16,12 +16,15 @@ replayed notif starts no new count; a partial count no reservation could still c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
 from kvconnector.base import KVConnectorWorker
+from kvconnector.nixl import checksum
 from kvconnector.nixl.messages import MessageError, Notif
 from kvconnector.nixl.metadata import NixlConnectorMetadata
 from kvconnector.nixl.stats import NixlWorkerStats
@@ -48,8 +51,14 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._failures: dict[str, str] = {}
         self._notifs = 0
         self._timeout = config.kv_transfer.kv_transfer_timeout
+        self._checksum = config.kv_transfer.kv_checksum
+        self._kv_cache: torch.Tensor | None = None
+        # Test-only fault hook: corrupt checked blocks as they arrive (docs/reliability.md).
+        self._corrupt = os.environ.get("PDSERVE_FAULT_CORRUPT_KV") == "1"
+        self._kv_errors: dict[str, str] = {}  # nonce -> why its KV is not to be used
 
     def register_kv_caches(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:
+        self._kv_cache = kv_cache
         name = f"{self.config.kv_transfer.engine_id}-{uuid.uuid4().hex[:8]}-tp{self.rank}"
         self.transport = NixlTransport(
             name, kv_cache, spec.block_bytes, xfer_timeout_s=self._timeout
@@ -74,8 +83,11 @@ class NixlConnectorWorker(KVConnectorWorker):
                 logger.error("tp%d: adding NIXL peer %s failed: %s", self.rank, key, e)
         for send in md.sends:
             try:
+                notif = self._with_checksums(
+                    send.notif, send.local_block_ids, send.remote_block_ids
+                )
                 handle = t.write_blocks(
-                    send.peer_key, send.local_block_ids, send.remote_block_ids, send.notif
+                    send.peer_key, send.local_block_ids, send.remote_block_ids, notif
                 )
             except Exception as e:  # unknown peer, bad ids: this rank's part failed
                 logger.error("tp%d: send of %s failed: %s", self.rank, send.request_id, e)
@@ -112,8 +124,11 @@ class NixlConnectorWorker(KVConnectorWorker):
             if notif.k in self._closed:
                 logger.info("tp%d: notif for an ended transfer %s; ignored", self.rank, notif.t)
                 continue
+            if notif.c is not None or self._checksum != "off":
+                self._check(notif)
             seen, first = self._parts.get(notif.k, (0, now))
             if seen + 1 >= notif.n:
+                error = self._kv_errors.get(notif.k)
                 self._close(notif.k, now)
                 recving.add(notif.k)
                 self._recv_info[notif.k] = {
@@ -121,14 +136,41 @@ class NixlConnectorWorker(KVConnectorWorker):
                     "first_token": notif.ft,
                     "arrived": time.time(),
                 }
+                if error is not None:  # every rank reports; the scheduler fails the load
+                    self._recv_info[notif.k]["kv_error"] = error
             else:
                 self._parts[notif.k] = (seen + 1, first)
         self._expire(now)
         sending, self._finished_sending = self._finished_sending, set()
         return sending, recving
 
+    def _with_checksums(self, raw: bytes, local: list[int], remote: list[int]) -> bytes:
+        """P: the notification with the checksums of the blocks it is about to push."""
+        if self._checksum == "off":
+            return raw
+        assert self._kv_cache is not None
+        notif = Notif.unpack(raw)
+        positions = checksum.pick(len(local), self._checksum, notif.k)
+        sums = checksum.block_sums(self._kv_cache, [local[i] for i in positions])
+        pairs = tuple((remote[i], s) for i, s in zip(positions, sums, strict=True))
+        return dataclasses.replace(notif, c=pairs).pack()
+
+    def _check(self, notif: Notif) -> None:
+        """D: verify a notification's checksums against the blocks its WRITE filled."""
+        assert self._kv_cache is not None
+        if notif.c is None:
+            error: str | None = "the prefill node sent no checksums (--kv-checksum differs)"
+        else:
+            if self._corrupt:
+                checksum.corrupt_first(self._kv_cache, notif.c)
+            error = checksum.verify(self._kv_cache, notif.c)
+        if error is not None:
+            logger.error("tp%d: transfer %s: %s", self.rank, notif.t, error)
+            self._kv_errors[notif.k] = f"rank {self.rank}: {error}"
+
     def _close(self, nonce: str, now: float) -> None:
         self._parts.pop(nonce, None)
+        self._kv_errors.pop(nonce, None)
         self._closed[nonce] = now + 4 * self._timeout
 
     def _expire(self, now: float) -> None:
