@@ -42,12 +42,14 @@ class ProxyServing:
         self.cfg, self.pool, self.router = cfg, pool, router
         self.metrics, self.drainer = metrics, drainer
         self.inflight = 0
+        self.reading = 0  # requests whose bodies are being read and validated
         self.legs: Legs | None = None  # set by the app's lifespan
         self.client: httpx.AsyncClient | None = None
 
     async def generate(self, request: Request, endpoint: str) -> Response:
-        """A completion or chat request: validate (400) before any node is touched, refuse
-        at ``--max-inflight`` (429), then serve it on a P/D pair as JSON or a stream."""
+        """A completion or chat request: refuse at ``--max-inflight`` (429, before the body
+        is read: requests being read count too), validate (400) before any node is
+        touched, then serve it on a P/D pair as JSON or a stream."""
         cfg, pool, metrics = self.cfg, self.pool, self.metrics
         rid = request.state.request_id
         path = "chat" if endpoint == CHAT else "completions"
@@ -58,6 +60,15 @@ class ProxyServing:
                 metrics.errors.labels(kind).inc()
             return resp
 
+        if self.inflight + self.reading >= cfg.max_inflight:
+            err = APIError(
+                f"the proxy is at its limit of {cfg.max_inflight} requests in flight; retry later",
+                status_code=429,
+                err_type="rate_limit_error",
+                code="too_many_requests",
+            )
+            return answer(json_error(err, {"Retry-After": "1"}), "overloaded")
+        self.reading += 1  # until it is in flight (no await between) or refused
         try:
             limit = cfg.max_model_len or pool.max_model_len()
             raw = await read_body(request, cfg.max_request_bytes)
@@ -67,14 +78,8 @@ class ProxyServing:
             )
         except APIError as e:
             return answer(json_error(e), "bad_request")
-        if self.inflight >= cfg.max_inflight:
-            err = APIError(
-                f"the proxy is at its limit of {cfg.max_inflight} requests in flight; retry later",
-                status_code=429,
-                err_type="rate_limit_error",
-                code="too_many_requests",
-            )
-            return answer(json_error(err, {"Retry-After": "1"}), "overloaded")
+        finally:
+            self.reading -= 1
         assert self.legs is not None, "the app's lifespan has not started"
         session = Session(req, rid, cfg, self.router, self.legs, metrics)
         self.inflight += 1

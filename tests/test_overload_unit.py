@@ -173,3 +173,30 @@ def test_the_proxy_tells_a_load_answer_from_a_node_failure(
     err = _upstream(status, code, "3")
     assert (err.overloaded, err.node_fault) == (overloaded, node_fault)
     assert err.retry_after == "3"
+
+
+def test_the_proxy_refuses_at_max_inflight_before_reading_the_body() -> None:
+    from starlette.requests import Request
+
+    from engine.httpkit.drain import Drainer
+    from proxy.config import ProxyConfig
+    from proxy.metrics import ProxyMetrics
+    from proxy.nodes import NodePool
+    from proxy.router import Router
+    from proxy.serving import ProxyServing
+    from proxy.validation import COMPLETIONS
+
+    cfg = ProxyConfig(prefill=("http://10.0.0.1:8100",), decode=("http://10.0.0.2:8200",),
+                      max_inflight=2)  # fmt: skip
+    pool = NodePool(cfg.prefill, cfg.decode)
+    serving = ProxyServing(cfg, pool, Router(pool), ProxyMetrics(pool), Drainer(frozenset()))
+    serving.inflight, serving.reading = 1, 1  # one request in flight, one being read
+
+    async def receive() -> dict[str, Any]:
+        raise AssertionError("the body of a refused request was read")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+             "state": {"request_id": "r"}}  # fmt: skip
+    resp = asyncio.run(serving.generate(Request(scope, receive), COMPLETIONS))
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+    assert json.loads(resp.body)["error"]["code"] == "too_many_requests"
