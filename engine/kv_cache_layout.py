@@ -29,7 +29,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 class KVCacheSpec:
     num_blocks: int
     num_layers: int
-    num_kv_heads: int  # per rank
+    num_kv_heads: int  # per rank: ModelArchConfig.kv_head_range (1 when heads are replicated)
     block_size: int
     head_dim: int
     dtype: torch.dtype
@@ -48,7 +48,7 @@ class KVCacheSpec:
         return cls(
             num_blocks=num_blocks,
             num_layers=arch.num_hidden_layers,
-            num_kv_heads=arch.num_key_value_heads // config.parallel.tp,
+            num_kv_heads=arch.num_kv_heads_per_rank(config.parallel.tp),  # kv_head_range
             block_size=config.cache.block_size,
             head_dim=arch.head_dim,
             dtype=TORCH_DTYPES[dtype],

@@ -165,7 +165,9 @@ def test_validate_tp() -> None:
     cfg = ModelArchConfig.tiny()
     cfg.validate_tp(2)
     assert cfg.num_kv_heads_per_rank(2) == 1
-    with pytest.raises(ModelConfigError, match="num_key_value_heads"):
-        cfg.validate_tp(4)
+    cfg.validate_tp(4)  # more ranks than KV heads: replicated (tests/test_kv_head_range.py)
+    assert cfg.num_kv_heads_per_rank(4) == 1
+    with pytest.raises(ModelConfigError, match="num_attention_heads"):
+        cfg.validate_tp(8)
     with pytest.raises(ModelConfigError, match="num_attention_heads"):
         cfg.validate_tp(3)

@@ -188,23 +188,84 @@ class ModelArchConfig:
         )
 
     def validate_tp(self, tp: int) -> None:
-        """Raise ModelConfigError unless heads, kv heads, vocab and MLP split evenly."""
+        """Raise ModelConfigError unless this model can run at tensor-parallel size ``tp``.
+
+        Query heads, vocab and MLP must split evenly; the KV heads must either split evenly
+        (``tp`` divides ``num_key_value_heads``) or be replicated (``tp`` a multiple of it,
+        one KV head per rank; see ``kv_head_range``). The message names the valid sizes.
+        """
         if tp < 1:
             raise ModelConfigError(f"tensor-parallel size must be >= 1, got {tp}")
+        kv = self.num_key_value_heads
+        problems = []
+        if self.num_attention_heads % tp:
+            problems.append(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by {tp}"
+            )
+        if kv % tp and tp % kv:
+            problems.append(
+                f"num_key_value_heads={kv} neither is divisible by {tp} nor divides it "
+                f"(KV heads are split when --tp divides {kv}, replicated one per rank when "
+                f"--tp is a multiple of {kv})"
+            )
         for name, value in (
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
             ("vocab_size", self.vocab_size),
             ("intermediate_size", self.intermediate_size),
         ):
-            if value % tp != 0:
-                raise ModelConfigError(
-                    f"--tp {tp}: {name}={value} is not divisible by the tensor-parallel size"
-                )
+            if value % tp:
+                problems.append(f"{name}={value} is not divisible by {tp}")
+        if problems:
+            raise ModelConfigError(f"--tp {tp}: {'; '.join(problems)}; {self._valid_tp_hint()}")
+
+    def valid_tp_sizes(self) -> list[int]:
+        """Every tensor-parallel size ``validate_tp`` accepts, ascending."""
+        kv = self.num_key_value_heads
+        return [
+            tp
+            for tp in range(1, self.num_attention_heads + 1)
+            if self.num_attention_heads % tp == 0
+            and self.vocab_size % tp == 0
+            and self.intermediate_size % tp == 0
+            and (kv % tp == 0 or tp % kv == 0)
+        ]
+
+    def _valid_tp_hint(self) -> str:
+        sizes = [str(t) for t in self.valid_tp_sizes()]
+        listed = sizes[0] if len(sizes) == 1 else ", ".join(sizes[:-1]) + " or " + sizes[-1]
+        return f"use --tp {listed} for this model"
+
+    def kv_head_range(self, rank: int, tp: int) -> tuple[int, int]:
+        """The model's KV heads that TP rank ``rank`` of ``tp`` holds: ``(first global head,
+        count)``; the rank holds heads ``first .. first + count - 1``.
+
+        With ``H = num_key_value_heads``:
+
+        - ``tp <= H`` (``tp`` divides ``H``): the heads are split, ``(rank * H // tp, H // tp)``;
+        - ``tp > H`` (``tp`` a multiple of ``H``): the heads are replicated as in vLLM's
+          ``QKVParallelLinear``: every rank holds exactly one, ``(rank // (tp // H), 1)``, so
+          ``tp // H`` consecutive ranks hold the same head.
+
+        Query heads are always split evenly (rank ``r`` holds ``num_attention_heads // tp``
+        heads from ``r * num_attention_heads // tp``), and they all belong to the rank's KV
+        heads. This one mapping decides the heads of a rank's KV cache (``KVCacheSpec``), its
+        attention layer and the k/v projection rows (weight and bias) it loads, and it is the
+        mapping a KV connector needs to pair prefill ranks with decode ranks of another TP size.
+
+        Raises ModelConfigError when ``tp`` is not a valid size (``validate_tp``) and
+        ValueError when ``rank`` is not in ``[0, tp)``.
+        """
+        self.validate_tp(tp)
+        if not 0 <= rank < tp:
+            raise ValueError(f"tp rank {rank} out of range for tp size {tp}")
+        kv = self.num_key_value_heads
+        if tp <= kv:
+            per_rank = kv // tp
+            return rank * per_rank, per_rank
+        return rank // (tp // kv), 1
 
     def num_kv_heads_per_rank(self, tp: int) -> int:
-        self.validate_tp(tp)
-        return self.num_key_value_heads // tp
+        """KV heads on every rank at ``tp`` (1 when the heads are replicated)."""
+        return self.kv_head_range(0, tp)[1]
 
     def num_heads_per_rank(self, tp: int) -> int:
         self.validate_tp(tp)

@@ -60,11 +60,15 @@ class LlamaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.backend = backend
         self.head_dim = cfg.head_dim
-        self.num_heads = cfg.num_attention_heads // tp_size
-        self.num_kv_heads = cfg.num_key_value_heads // tp_size
+        self.num_heads = cfg.num_heads_per_rank(tp_size)
+        # This rank's KV heads: a split of them, or one replicated head when tp > KV heads.
+        first_kv_head, self.num_kv_heads = cfg.kv_head_range(tp_rank, tp_size)
         self.scale = cfg.head_dim**-0.5
-        q_size = cfg.num_attention_heads * cfg.head_dim
-        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        d = cfg.head_dim
+        q_size = cfg.num_attention_heads * d
+        kv_size = cfg.num_key_value_heads * d
+        q_rows = (tp_rank * self.num_heads * d, self.num_heads * d)
+        kv_rows = (first_kv_head * d, self.num_kv_heads * d)
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
             [q_size, kv_size, kv_size],
@@ -73,6 +77,7 @@ class LlamaAttention(nn.Module):
             tp_size,
             dtype,
             device,
+            shards=[q_rows, kv_rows, kv_rows],
         )
         self.o_proj = RowParallelLinear(
             q_size, cfg.hidden_size, False, tp_rank, tp_size, dtype, device

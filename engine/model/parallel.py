@@ -89,6 +89,10 @@ class ColumnParallelLinear(nn.Module):
 
     ``output_sizes`` lists the fused parts (e.g. [q, k, v] or [gate, up]); each part is split
     across ranks separately, and the local weight is ``[part0_local; part1_local; ...]``.
+    ``shards`` (optional) gives, per part, the rows ``(start, count)`` of the full part this
+    rank holds, for parts not split evenly: the k/v parts when KV heads are replicated
+    (``ModelArchConfig.kv_head_range``); by default rank ``r`` holds
+    ``(r * size // tp, size // tp)`` of every part.
     """
 
     def __init__(
@@ -100,14 +104,23 @@ class ColumnParallelLinear(nn.Module):
         tp_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        shards: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
-        for size in output_sizes:
-            if size % tp_size != 0:
-                raise ValueError(f"output size {size} not divisible by tp size {tp_size}")
+        if shards is None:
+            for size in output_sizes:
+                if size % tp_size != 0:
+                    raise ValueError(f"output size {size} not divisible by tp size {tp_size}")
+            shards = [(tp_rank * (s // tp_size), s // tp_size) for s in output_sizes]
+        if len(shards) != len(output_sizes):
+            raise ValueError(f"{len(shards)} shards for {len(output_sizes)} output parts")
+        for size, (start, count) in zip(output_sizes, shards, strict=True):
+            if start < 0 or count < 1 or start + count > size:
+                raise ValueError(f"shard rows [{start}, {start + count}) outside a part of {size}")
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
-        self.local_sizes = [s // tp_size for s in output_sizes]
+        self.shards = [(int(start), int(count)) for start, count in shards]
+        self.local_sizes = [count for _, count in self.shards]
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         local_out = sum(self.local_sizes)
@@ -125,9 +138,8 @@ class ColumnParallelLinear(nn.Module):
 
     def load_shard(self, param_name: str, reader: ShardReader, part: int = 0) -> None:
         """Load part ``part`` of ``weight``/``bias`` from its full checkpoint tensor."""
-        local = self.local_sizes[part]
+        start, local = self.shards[part]
         offset = sum(self.local_sizes[:part])
-        start = self.tp_rank * local
         param = self.weight if param_name == "weight" else self.bias
         if param is None:
             raise ValueError("checkpoint has a bias for a layer built without one")
