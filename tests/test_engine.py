@@ -72,6 +72,16 @@ def test_tp2_matches_tp1_and_seeded_sampling_is_reproducible(reference):
     assert any(s != g[:16] for s, g in zip(seeded, greedy, strict=True))
 
 
+def test_tp4_replicated_kv_heads_matches_tp1(reference):
+    """TP 4 is more ranks than tiny's 2 KV heads: each worker holds one replicated KV head
+    (``ModelArchConfig.kv_head_range``) in a one-head KV cache; tokens match TP=1."""
+    cfg = EngineConfig(cache=CacheConfig(num_blocks=256), parallel=ParallelConfig(tp=4))
+    with LLM(cfg) as llm:
+        greedy = llm.generate(reference["prompts"], GREEDY)
+        assert llm.stats()["kv_blocks_free"] == 256
+    assert greedy == reference["alone"]
+
+
 def test_request_larger_than_the_cache_is_refused():
     cfg = EngineConfig(cache=CacheConfig(num_blocks=4, block_size=16))
     with LLM(cfg) as llm:

@@ -1,4 +1,5 @@
-"""TP=2 (two gloo processes, each with its own KV cache shard) matches TP=1."""
+"""TP=2 (two gloo processes, each with its own KV cache shard) matches TP=1, and so does
+TP=4 on models with 2 KV heads (each rank holds one replicated KV head)."""
 
 from __future__ import annotations
 
@@ -21,20 +22,20 @@ MAX_NEW_TOKENS = 24
 RESULT_TIMEOUT_S = 120.0
 
 
-def _run_tp(jobs: list[tuple[str, list[list[int]], int]]) -> list:
-    """Run ``jobs`` on TP ranks in spawned processes; return rank 0's results."""
+def _run_tp(jobs: list[tuple[str, list[list[int]], int]], tp: int = TP) -> list:
+    """Run ``jobs`` on ``tp`` ranks in spawned processes; return rank 0's results."""
     ctx = mp.get_context("spawn")
     results_q = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [
-        ctx.Process(target=tp_greedy_worker, args=(rank, TP, init_method, jobs, results_q))
-        for rank in range(TP)
+        ctx.Process(target=tp_greedy_worker, args=(rank, tp, init_method, jobs, results_q))
+        for rank in range(tp)
     ]
     try:
         for p in procs:
             p.start()
         by_rank: dict[int, object] = {}
-        for _ in range(TP):
+        for _ in range(tp):
             try:
                 rank, payload = results_q.get(timeout=RESULT_TIMEOUT_S)
             except queue.Empty:
@@ -51,7 +52,7 @@ def _run_tp(jobs: list[tuple[str, list[list[int]], int]]) -> list:
                 p.terminate()
                 p.join(timeout=10)
     # Every rank computes the full-vocab logits, so all ranks must agree.
-    for rank in range(1, TP):
+    for rank in range(1, tp):
         for job0, job_r in zip(by_rank[0], by_rank[rank], strict=True):
             assert job0[0] == job_r[0], f"rank {rank} tokens differ from rank 0"
     return by_rank[0]  # type: ignore[return-value]
@@ -81,5 +82,25 @@ def test_tp2_matches_tp1(tmp_path: Path) -> None:
         tp1_tokens, tp1_logits = _tp1(model, prompts)
         assert tp2_tokens == tp1_tokens, model
         for ref, got in zip(tp1_logits, tp2_logits, strict=True):
+            atol = 1e-4 * max(1.0, float(ref.abs().max()))
+            assert torch.allclose(torch.from_numpy(got), ref, atol=atol, rtol=0), model
+
+
+@pytest.mark.timeout(300)
+def test_tp4_replicated_kv_heads_matches_tp1(tmp_path: Path) -> None:
+    """TP 4 on models with 2 KV heads (4 query heads): ranks 0-1 hold KV head 0, ranks 2-3
+    KV head 1 (``kv_head_range``), each with its own one-head KV cache; greedy tokens and
+    logits match TP=1. Qwen2 has k/v biases, so the replicated bias rows are checked too."""
+    pytest.importorskip("transformers")
+    ckpt = save_hf_model(make_hf_model("qwen2"), tmp_path / "qwen2", max_shard_size="100KB")
+    jobs = [
+        (ckpt, [random_prompt(n, 256, seed=n) for n in (5, 17, 40)], MAX_NEW_TOKENS),
+        ("tiny", [list(b"The quick brown fox"), list(range(40, 90))], MAX_NEW_TOKENS),
+    ]
+    tp4 = _run_tp(jobs, tp=4)
+    for (model, prompts, _), (tp4_tokens, tp4_logits) in zip(jobs, tp4, strict=True):
+        tp1_tokens, tp1_logits = _tp1(model, prompts)
+        assert tp4_tokens == tp1_tokens, model
+        for ref, got in zip(tp1_logits, tp4_logits, strict=True):
             atol = 1e-4 * max(1.0, float(ref.abs().max()))
             assert torch.allclose(torch.from_numpy(got), ref, atol=atol, rtol=0), model
