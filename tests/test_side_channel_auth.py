@@ -227,3 +227,29 @@ def test_peer_allowlist(spec, allowed, refused):
 def test_a_bad_allowlist_is_a_config_error_naming_the_flag(spec):
     with pytest.raises(ConfigError, match="--kv-allowed-peers"):
         KVTransferConfig(kv_allowed_peers=spec)
+
+
+@pytest.mark.parametrize(
+    ("role", "leg", "field"),
+    [
+        (
+            "producer",
+            {"do_remote_prefill": True, "remote_side_channel": "tcp://127.0.0.1:1"},
+            "do_remote_prefill",
+        ),
+        ("consumer", {"do_remote_decode": True}, "do_remote_decode"),
+    ],
+)
+def test_a_leg_sent_to_a_node_of_the_other_role_is_a_400(role, leg, field):
+    """A prefill node used to accept a decode leg and try to pull the KV itself."""
+    node = connector(role)
+    sch = Scheduler(node.config, 64, 256, node)
+    try:
+        params = KVTransferParams.from_dict({"transfer_id": "t", **leg})
+        req = Request("r", [1, 2, 3], SamplingParams(max_tokens=2), kv_transfer_params=params)
+        with pytest.raises(InvalidRequestError) as info:
+            sch.add_request(req)
+        assert info.value.param == f"kv_transfer_params.{field}"
+        assert not sch.requests
+    finally:
+        node.shutdown()

@@ -101,7 +101,7 @@ class HealthyPrefill:
                 role="producer",
                 compat=self.compat,
                 transport={},
-                ranks=(),
+                ranks=({"num_blocks": 256},),  # one rank, as compat's tp_size says
             ).to_wire()
         return Ack().to_wire()
 

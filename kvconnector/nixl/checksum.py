@@ -46,11 +46,17 @@ def _weights_for(words: int, device: torch.device) -> torch.Tensor:
     return w
 
 
-def block_sums(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
-    """One sum per block of ``kv_cache`` (``[num_blocks, ...]``, each block contiguous)."""
+def block_sums(
+    kv_cache: torch.Tensor, block_ids: Sequence[int], heads: tuple[int, int] | None = None
+) -> list[int]:
+    """One sum per block of ``kv_cache`` (``[num_blocks, layers, 2, heads, tokens, dim]``);
+    ``heads=(first, count)`` sums only that head range of each block (a head slice, as
+    heterogeneous TP writes it)."""
     out: list[int] = []
     if not block_ids:
         return out
+    if heads is not None:
+        kv_cache = kv_cache[:, :, :, heads[0] : heads[0] + heads[1]]
     block_bytes = kv_cache[0].numel() * kv_cache.element_size()
     if block_bytes % 4:
         raise ValueError(f"a KV block of {block_bytes} bytes is not a whole number of words")
@@ -81,22 +87,31 @@ def pick(num_blocks: int, mode: str, nonce: str) -> list[int]:
     return sorted(chosen)
 
 
-def verify(kv_cache: torch.Tensor, expected: Sequence[Sequence[int]]) -> str | None:
+def verify(
+    kv_cache: torch.Tensor,
+    expected: Sequence[Sequence[int]],
+    heads: tuple[int, int] | None = None,
+) -> str | None:
     """None when every ``[block id, sum]`` matches, else what did not."""
     ids = [int(b) for b, _ in expected]
     if any(b < 0 or b >= kv_cache.shape[0] for b in ids):
         return "a checksum names a block outside the KV cache"
-    got = block_sums(kv_cache, ids)
+    if heads is not None and heads[0] + heads[1] > kv_cache.shape[3]:
+        return "a checksum names heads outside the KV cache"
+    got = block_sums(kv_cache, ids, heads)
     for (block, want), have in zip(expected, got, strict=True):
         if int(want) != have:
             return f"KV block {block} failed its checksum"
     return None
 
 
-def corrupt_first(kv_cache: torch.Tensor, expected: Sequence[Sequence[int]]) -> None:
+def corrupt_first(
+    kv_cache: torch.Tensor, expected: Sequence[Sequence[int]], heads: tuple[int, int] | None
+) -> None:
     """Test-only fault hook (``PDSERVE_FAULT_CORRUPT_KV=1`` on D): flip bits of the first
-    checked block, as a corruption in flight would."""
+    checked block (its first checked head), as a corruption in flight would."""
     if expected:
-        block = kv_cache[int(expected[0][0])]
-        flat = block.view(torch.uint8).reshape(-1)
+        first = heads[0] if heads is not None else 0
+        unit = kv_cache[int(expected[0][0]), 0, 0, first]  # [tokens, dim], contiguous
+        flat = unit.view(torch.uint8).reshape(-1)
         flat[: min(64, flat.numel())] ^= 0x5A

@@ -68,7 +68,11 @@ import msgpack
 #      matches replies by nonce, not by request id.
 #   3  ``kv_checksum`` in the compatibility info; the notif gained ``c`` (block checksums,
 #      ``[[D block id, sum], ...]``, or null).
-CONNECTOR_VERSION = 3
+#   4  heterogeneous TP: ``tp_size`` is no longer compared (``num_kv_heads`` is the
+#      model's, each side's TP must divide it or be a multiple of it); rank metadata
+#      carries ``num_layers``/``num_heads``; the notif gained ``hs`` (the D-rank head
+#      slice ``[first, count]`` its checksums cover, or null for whole blocks).
+CONNECTOR_VERSION = 4
 LAYOUT = "block,layer,kv,head,token,dim"
 
 # Compared in this order; the first difference is the error message.
@@ -81,7 +85,6 @@ COMPAT_KEYS = (
     "head_dim",
     "dtype",
     "block_size",
-    "tp_size",
     "kv_checksum",
 )
 
@@ -110,10 +113,7 @@ def check_compat(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
     """None when compatible, else a message naming the first mismatch."""
     for key in COMPAT_KEYS:
         if local.get(key) != remote.get(key):
-            msg = f"{key} mismatch: this node has {local.get(key)!r}, the peer has {remote.get(key)!r}"
-            if key == "tp_size":
-                msg += " (heterogeneous TP is not supported yet)"
-            return msg
+            return f"{key} mismatch: this node has {local.get(key)!r}, the peer has {remote.get(key)!r}"
     return None
 
 
@@ -227,6 +227,15 @@ def _sums(value: Any, where: str) -> tuple[tuple[int, int], ...] | None:
             raise _fail(f"{where}[{i}]", "a [block id, checksum] pair of non-negative ints", pair)
         out.append((pair[0], pair[1]))
     return tuple(out)
+
+
+def _head_slice(value: Any, where: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    ok = isinstance(value, list | tuple) and len(value) == 2
+    if not ok or not _is_int(value[0]) or not _is_int(value[1]) or value[0] < 0 or value[1] < 1:
+        raise _fail(where, "a [first head, count] pair or null", value)
+    return (value[0], value[1])
 
 
 def _wire_value(value: Any) -> Any:
@@ -460,6 +469,7 @@ class Notif(_Message):
         "n": _positive,
         "ft": _token,
         "c": _sums,
+        "hs": _head_slice,
     }
     r: str  # D request id
     t: str  # transfer id
@@ -467,11 +477,14 @@ class Notif(_Message):
     n: int = 1  # parts the receiving rank counts before the request is received
     ft: int | None = None  # the first token sampled by P
     c: tuple[tuple[int, int], ...] | None = None  # [D block id, checksum] (--kv-checksum)
+    hs: tuple[int, int] | None = None  # D-rank heads [first, count] the sums cover
 
     def pack(self) -> bytes:
-        wire = {"r": self.r, "t": self.t, "k": self.k, "n": self.n, "ft": self.ft}
+        wire: dict[str, Any] = {"r": self.r, "t": self.t, "k": self.k, "n": self.n, "ft": self.ft}
         if self.c is not None:
             wire["c"] = [list(pair) for pair in self.c]
+        if self.hs is not None:
+            wire["hs"] = list(self.hs)
         return msgpack.packb(wire)
 
     @classmethod

@@ -20,9 +20,18 @@ class SendSpec:
 
 
 @dataclass
+class PeerSpec:
+    """A decode peer for the workers: every D rank's transport metadata (rank order) and
+    the model's KV head count, from which each P rank works out which heads it writes
+    into which D rank (``tp_map.writes_of``)."""
+
+    ranks: list[dict[str, Any]]
+    num_kv_heads: int
+
+
+@dataclass
 class NixlConnectorMetadata(KVConnectorMetadata):
-    # peer key -> every rank's transport metadata of that peer (worker r uses entry r).
-    add_peers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    add_peers: dict[str, PeerSpec] = field(default_factory=dict)  # by peer key
     remove_peers: list[str] = field(default_factory=list)
     sends: list[SendSpec] = field(default_factory=list)
     # Transfers that ended without completing on every rank -- D reservations (nonces)

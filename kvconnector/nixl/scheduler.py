@@ -26,9 +26,11 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from engine.core.request import RequestStatus
+from engine.model.loader import load_arch_config
 from engine.sampling_params import InvalidRequestError
 from engine.stats import StatsGroup
 from kvconnector.base import ConnectorEvents, KVConnectorScheduler
+from kvconnector.nixl import tp_map
 from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
 from kvconnector.nixl.histogram import Histogram
@@ -54,7 +56,7 @@ from kvconnector.nixl.messages import (
     decode_request,
     model_fingerprint,
 )
-from kvconnector.nixl.metadata import NixlConnectorMetadata, SendSpec
+from kvconnector.nixl.metadata import NixlConnectorMetadata, PeerSpec, SendSpec
 from kvconnector.nixl.peers import PeerAllowlist
 from kvconnector.nixl.producer import Producer, Reservation
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
@@ -90,16 +92,18 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.timeout = kvc.kv_transfer_timeout
         self.block_size = config.cache.block_size
         tp = config.parallel.tp
+        # The model's KV heads (not one rank's): each side maps its ranks onto them.
+        self.model_kv_heads = load_arch_config(config.model.model).num_key_value_heads
         self.compat = {
             "connector_version": CONNECTOR_VERSION,
             "layout": LAYOUT,
             "model": model_fingerprint(config.model.model, config.model.seed),
             "num_layers": kv_spec.num_layers,
-            "num_kv_heads": kv_spec.num_kv_heads * tp,  # the model's, not one rank's
+            "num_kv_heads": self.model_kv_heads,
             "head_dim": kv_spec.head_dim,
             "dtype": config.model.dtype,
             "block_size": kv_spec.block_size,
-            "tp_size": tp,
+            "tp_size": tp,  # not compared: P and D may differ (tp_map)
             "kv_checksum": kvc.kv_checksum,
         }
         self.producer = Producer(self.timeout)
@@ -173,6 +177,17 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     # -- decode side ---------------------------------------------------------------------
     def check_transfer_params(self, params: KVTransferParams) -> None:
+        role = self.config.kv_transfer.kv_role
+        if params.do_remote_prefill and role == "producer":
+            raise InvalidRequestError(
+                "this is a prefill node: send the decode leg (do_remote_prefill) to a decode node",
+                "kv_transfer_params.do_remote_prefill",
+            )
+        if params.do_remote_decode and role == "consumer":
+            raise InvalidRequestError(
+                "this is a decode node: send the prefill leg (do_remote_decode) to a prefill node",
+                "kv_transfer_params.do_remote_decode",
+            )
         address = params.remote_side_channel
         if params.do_remote_prefill and address and not self.allowed_peers.allows(address):
             raise InvalidRequestError(
@@ -287,9 +302,22 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return None, f"prefill {address} sent a malformed handshake reply: {e}"
         if isinstance(reply, Refusal):
             return None, f"prefill {address} refused the handshake: {reply.error}"
-        if mismatch := check_compat(self.compat, reply.compat):
+        mismatch = check_compat(self.compat, reply.compat) or self._tp_mismatch(
+            len(reply.ranks), reply.compat.get("tp_size")
+        )
+        if mismatch:
             return None, f"prefill {address} is incompatible: {mismatch}"
         return reply, ""
+
+    def _tp_mismatch(self, num_ranks: int, tp_size: Any) -> str | None:
+        """Why a peer of ``num_ranks`` ranks cannot be mapped onto this model's KV heads."""
+        if num_ranks != tp_size:
+            return f"the peer sent {num_ranks} ranks for tp_size {tp_size!r}"
+        try:
+            tp_map.check_tp(num_ranks, self.model_kv_heads)
+        except ValueError as e:
+            return str(e)
+        return None
 
     # -- prefill side --------------------------------------------------------------------
     def _on_handshake(self, msg: Handshake) -> HandshakeReply | Refusal:
@@ -300,9 +328,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return Refusal(
                 f"{msg.address} is not an allowed peer of this node (--kv-allowed-peers)"
             )
-        mismatch = check_compat(self.compat, msg.compat)
-        if mismatch is None and len(msg.ranks) != self.config.parallel.tp:
-            mismatch = f"the peer sent {len(msg.ranks)} ranks for tp_size {msg.compat['tp_size']}"
+        mismatch = check_compat(self.compat, msg.compat) or self._tp_mismatch(
+            len(msg.ranks), msg.compat.get("tp_size")
+        )
         if mismatch:
             with self._lock:
                 self.handshake_failures += 1
@@ -440,7 +468,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     self.producer.outcome.free_blocks.add(send.request_id)
                     continue
                 if res.peer_key not in self._workers_have:
-                    md.add_peers[res.peer_key] = self._d_peers[res.peer_key]["ranks"]
+                    ranks = self._d_peers[res.peer_key]["ranks"]
+                    md.add_peers[res.peer_key] = PeerSpec(ranks, self.model_kv_heads)
                     self._workers_have.add(res.peer_key)
                 self.histograms["kv_transfer_descriptors"].observe(
                     len(block_runs(local, res.block_ids))

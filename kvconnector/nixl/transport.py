@@ -132,6 +132,36 @@ class _Peer:
     agent_name: str
     num_blocks: int
     dlist: Any  # prepped remote descriptor list handle
+    local_dlist: Any = None  # the local list to pair with it (None: whole blocks)
+    stride: int = 1  # descriptors per block: 1, or layers x 2 for a head slice
+    unit_bytes: int = 0  # bytes per descriptor
+
+
+def _slice_descs(
+    base_addr: int,
+    num_blocks: int,
+    block_bytes: int,
+    units: int,
+    heads: int,
+    first: int,
+    count: int,
+    head_bytes: int,
+    dev_id: int,
+) -> np.ndarray:
+    """Descriptors of heads ``first .. first+count-1`` of every (block, layer, kv) unit:
+    entry ``b * units + u`` (``units`` = layers x 2, each unit ``heads`` heads long)."""
+    b = np.arange(num_blocks, dtype=np.uint64)[:, None]
+    u = np.arange(units, dtype=np.uint64)[None, :]
+    addr = (
+        np.uint64(base_addr)
+        + b * np.uint64(block_bytes)
+        + (u * np.uint64(heads) + np.uint64(first)) * np.uint64(head_bytes)
+    )
+    descs = np.empty((num_blocks * units, 3), dtype=np.uint64)
+    descs[:, 0] = addr.reshape(-1)
+    descs[:, 1] = count * head_bytes
+    descs[:, 2] = dev_id
+    return descs
 
 
 def _block_descs(base_addr: int, num_blocks: int, block_bytes: int, dev_id: int) -> np.ndarray:
@@ -164,7 +194,12 @@ class NixlTransport:
         *,
         xfer_timeout_s: float = 60.0,
         telemetry: bool = False,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
     ) -> None:
+        """``num_layers``/``num_heads`` (this rank's KV heads) describe a block's inside
+        (``[layer, kv, head, token, dim]``); they are needed to write head slices
+        (heterogeneous TP, ``add_peer(..., heads=...)``)."""
         if not NIXL_AVAILABLE:
             raise NixlTransportError("nixl is not installed (pip install nixl)")
         if not kv_cache.is_contiguous():
@@ -178,6 +213,15 @@ class NixlTransport:
         self.agent_name = agent_name
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.head_bytes = 0  # bytes of one head in one (block, layer, kv) unit
+        if num_layers and num_heads:
+            units = num_layers * 2 * num_heads
+            if block_bytes % units:
+                raise ValueError(f"block_bytes={block_bytes} is not {units} equal head units")
+            self.head_bytes = block_bytes // units
+        self._local_slices: dict[tuple[int, int], Any] = {}  # (first head, count) -> dlist
         self.xfer_timeout_s = xfer_timeout_s
         self.mem_type = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
         self.device_id = 0 if self.mem_type == "DRAM" else int(kv_cache.device.index or 0)
@@ -226,16 +270,29 @@ class NixlTransport:
             "block_bytes": self.block_bytes,
             "mem_type": self.mem_type,
             "device_id": self.device_id,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
         }
 
-    def add_peer(self, peer_key: str, peer_meta: dict[str, Any]) -> None:
-        """Load a peer's agent metadata and prepare its block descriptor list, once."""
+    def add_peer(
+        self,
+        peer_key: str,
+        peer_meta: dict[str, Any],
+        heads: tuple[int, int, int] | None = None,
+    ) -> None:
+        """Load a peer's agent metadata and prepare its descriptor list, once.
+
+        ``heads=(local_first, remote_first, count)``: writes to this peer move only that
+        head range of each (block, layer, kv) -- rank-local head indices on each side --
+        instead of whole blocks (heterogeneous TP)."""
         with self._lock:
             self._check_open()
-            if int(peer_meta["block_bytes"]) != self.block_bytes:
+            if heads is None and int(peer_meta["block_bytes"]) != self.block_bytes:
                 raise ValueError(
                     f"peer {peer_key} block_bytes {peer_meta['block_bytes']} != {self.block_bytes}"
                 )
+            if heads is not None:
+                self._check_slice(peer_key, peer_meta, heads)
             if peer_key in self._peers:
                 logger.info("NIXL peer %s re-added; dropping the old one", peer_key)
                 self.remove_peer(peer_key)
@@ -249,26 +306,76 @@ class NixlTransport:
                 raise NixlTransportError(f"loading metadata of peer {peer_key}: {exc!r}") from exc
             agent_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             num_blocks = int(peer_meta["num_blocks"])
+            base, dev = int(peer_meta["base_addr"]), int(peer_meta.get("device_id", 0))
+            peer = _Peer(agent_name, num_blocks, None, unit_bytes=self.block_bytes)
             try:
-                dlist = self._agent.prep_xfer_dlist(
-                    agent_name,
-                    _block_descs(
-                        int(peer_meta["base_addr"]),
+                if heads is None:
+                    descs = _block_descs(base, num_blocks, self.block_bytes, dev)
+                else:
+                    local_first, remote_first, count = heads
+                    peer.stride = 2 * int(peer_meta["num_layers"])
+                    peer.unit_bytes = count * self.head_bytes
+                    descs = _slice_descs(
+                        base,
                         num_blocks,
-                        self.block_bytes,
-                        int(peer_meta.get("device_id", 0)),
-                    ),
-                    str(peer_meta.get("mem_type", "DRAM")),
+                        int(peer_meta["block_bytes"]),
+                        peer.stride,
+                        int(peer_meta["num_heads"]),
+                        remote_first,
+                        count,
+                        self.head_bytes,
+                        dev,
+                    )
+                    peer.local_dlist = self._local_slice(local_first, count)
+                peer.dlist = self._agent.prep_xfer_dlist(
+                    agent_name, descs, str(peer_meta.get("mem_type", "DRAM"))
                 )
             except Exception as exc:
                 self._forget_agent(agent_name)
                 raise NixlTransportError(
                     f"preparing descriptors of peer {peer_key}: {exc!r}"
                 ) from exc
-            self._peers[peer_key] = _Peer(agent_name, num_blocks, dlist)
+            self._peers[peer_key] = peer
             logger.info(
                 "NIXL peer %s added (agent %s, %d blocks)", peer_key, agent_name, num_blocks
             )
+
+    def _check_slice(
+        self, peer_key: str, meta: dict[str, Any], heads: tuple[int, int, int]
+    ) -> None:
+        local_first, remote_first, count = heads
+        if not self.head_bytes:
+            raise ValueError("head slices need num_layers and num_heads at construction")
+        layers, peer_heads = meta.get("num_layers"), meta.get("num_heads")
+        if layers != self.num_layers or not isinstance(peer_heads, int) or peer_heads < 1:
+            raise ValueError(f"peer {peer_key}: layers {layers} / heads {peer_heads} do not fit")
+        if int(meta["block_bytes"]) != self.head_bytes * 2 * layers * peer_heads:
+            raise ValueError(f"peer {peer_key}: its heads are not the size of this node's")
+        assert self.num_heads is not None
+        if count < 1 or local_first < 0 or local_first + count > self.num_heads:
+            raise ValueError(f"local heads {local_first}+{count} out of {self.num_heads}")
+        if remote_first < 0 or remote_first + count > peer_heads:
+            raise ValueError(f"peer {peer_key}: heads {remote_first}+{count} out of {peer_heads}")
+
+    def _local_slice(self, first: int, count: int) -> Any:
+        key = (first, count)
+        if key not in self._local_slices:
+            assert self.num_layers is not None and self.num_heads is not None
+            descs = _slice_descs(
+                self._base_addr,
+                self.num_blocks,
+                self.block_bytes,
+                2 * self.num_layers,
+                self.num_heads,
+                first,
+                count,
+                self.head_bytes,
+                self.device_id,
+            )
+            self._local_slices[key] = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", descs, self.mem_type
+            )
+        return self._local_slices[key]
 
     def remove_peer(self, peer_key: str) -> None:
         """Cancel the peer's pending writes, drop its descriptor list and its agent."""
@@ -327,11 +434,21 @@ class NixlTransport:
             num_blocks = len(local_block_ids)
             timeout = self.xfer_timeout_s if timeout_s is None else timeout_s
             now = time.monotonic()
+            src = np.asarray(local_block_ids, dtype=np.int64)
+            dst = np.asarray(remote_block_ids, dtype=np.int64)
+            local_dlist = self._local_dlist
+            num_descriptors = len(runs)
+            if peer.stride > 1:  # a head slice: every (layer, kv) unit of every block
+                units = np.arange(peer.stride, dtype=np.int64)[None, :]
+                src = (src[:, None] * peer.stride + units).reshape(-1)
+                dst = (dst[:, None] * peer.stride + units).reshape(-1)
+                local_dlist = peer.local_dlist
+                num_descriptors = len(src)
             handle = TransferHandle(
                 peer_key=peer_key,
                 num_blocks=num_blocks,
-                num_descriptors=len(runs),
-                num_bytes=num_blocks * self.block_bytes,
+                num_descriptors=num_descriptors,
+                num_bytes=num_blocks * peer.stride * peer.unit_bytes,
                 started_at=now,
                 deadline=None if timeout <= 0 else now + timeout,
             )
@@ -345,10 +462,10 @@ class NixlTransport:
             try:
                 xfer = self._agent.make_prepped_xfer(
                     "WRITE",
-                    self._local_dlist,
-                    np.asarray(local_block_ids, dtype=np.int32),
+                    local_dlist,
+                    src.astype(np.int32),
                     peer.dlist,
-                    np.asarray(remote_block_ids, dtype=np.int32),
+                    dst.astype(np.int32),
                     notif,
                 )
             except Exception as exc:
@@ -485,6 +602,9 @@ class NixlTransport:
                     logger.warning("NIXL request still not releasable at close: %r", exc)
             self._leaked.clear()
             try:
+                for dlist in self._local_slices.values():
+                    dlist.release()
+                self._local_slices.clear()
                 self._local_dlist.release()
                 self._agent.deregister_memory(self._reg)
             except Exception as exc:

@@ -1,8 +1,10 @@
 """Worker-side NIXL connector: one NIXL agent per TP rank.
 
-P ranks carry out the step's sends: each rank WRITEs its own shard of a request's blocks
-into the same block ids of the matching D rank (homogeneous TP: rank r -> rank r), with a
-notification that NIXL delivers after the data. D ranks count notifications per
+P ranks carry out the step's sends: each rank WRITEs its own KV heads of a request's
+blocks into the D ranks that own those heads (``tp_map.writes_of``: rank r -> rank r,
+whole blocks, when both sides have the same TP; head slices of every (block, layer, kv)
+otherwise), each WRITE with a notification that NIXL delivers after the data and that
+says how many P ranks write into that D rank. D ranks count notifications per
 reservation nonce and report a nonce received once its expected parts are in; the
 executor's aggregator reports it to the scheduler only when every D rank has, and the
 scheduler-side connector accepts it only for the request's current reservation.
@@ -24,9 +26,9 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from kvconnector.base import KVConnectorWorker
-from kvconnector.nixl import checksum
+from kvconnector.nixl import checksum, tp_map
 from kvconnector.nixl.messages import MessageError, Notif
-from kvconnector.nixl.metadata import NixlConnectorMetadata
+from kvconnector.nixl.metadata import NixlConnectorMetadata, PeerSpec
 from kvconnector.nixl.stats import NixlWorkerStats
 from kvconnector.nixl.transport import DONE, ERROR, NixlTransport, TransferHandle
 
@@ -43,7 +45,10 @@ class NixlConnectorWorker(KVConnectorWorker):
     def __init__(self, config: EngineConfig, rank: int, world_size: int) -> None:
         super().__init__(config, rank, world_size)
         self.transport: NixlTransport | None = None
-        self._sending: dict[str, TransferHandle] = {}  # P request id -> WRITE in flight
+        self._sending: dict[str, list[TransferHandle]] = {}  # P request id -> its WRITEs
+        # decode peer key -> (transport peer key, what this rank writes there, notifs the
+        # D rank counts), one entry per D rank this rank writes into
+        self._targets: dict[str, list[tuple[str, tp_map.HeadWrite, int]]] = {}
         self._finished_sending: set[str] = set()
         self._parts: dict[str, tuple[int, float]] = {}  # nonce -> (notifs seen, first seen)
         self._closed: dict[str, float] = {}  # nonce completed or ended -> forget it then
@@ -61,7 +66,12 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._kv_cache = kv_cache
         name = f"{self.config.kv_transfer.engine_id}-{uuid.uuid4().hex[:8]}-tp{self.rank}"
         self.transport = NixlTransport(
-            name, kv_cache, spec.block_bytes, xfer_timeout_s=self._timeout
+            name,
+            kv_cache,
+            spec.block_bytes,
+            xfer_timeout_s=self._timeout,
+            num_layers=spec.num_layers,
+            num_heads=spec.num_kv_heads,
         )
 
     def handshake_info(self) -> dict[str, Any]:
@@ -75,39 +85,66 @@ class NixlConnectorWorker(KVConnectorWorker):
         t = self.transport
         assert t is not None
         for key in md.remove_peers:
-            t.remove_peer(key)
-        for key, ranks in md.add_peers.items():
-            try:
-                t.add_peer(key, ranks[self.rank])
-            except Exception as e:
-                logger.error("tp%d: adding NIXL peer %s failed: %s", self.rank, key, e)
+            for sub, _, _ in self._targets.pop(key, []):
+                t.remove_peer(sub)
+        for key, spec in md.add_peers.items():
+            self._add_peer(key, spec)
         for send in md.sends:
+            handles: list[TransferHandle] = []
             try:
-                notif = self._with_checksums(
-                    send.notif, send.local_block_ids, send.remote_block_ids
-                )
-                handle = t.write_blocks(
-                    send.peer_key, send.local_block_ids, send.remote_block_ids, notif
-                )
+                targets = self._targets[send.peer_key]
+                for sub, write, senders in targets:
+                    notif = self._notif_for(
+                        send.notif, write, senders, send.local_block_ids, send.remote_block_ids
+                    )
+                    handles.append(
+                        t.write_blocks(sub, send.local_block_ids, send.remote_block_ids, notif)
+                    )
             except Exception as e:  # unknown peer, bad ids: this rank's part failed
                 logger.error("tp%d: send of %s failed: %s", self.rank, send.request_id, e)
                 self._failures[send.request_id] = str(e)
+                for handle in handles:  # the parts already posted still run to their end
+                    t.release(handle)
                 self._finished_sending.add(send.request_id)
                 continue
-            self._sending[send.request_id] = handle
+            # No targets: with replicated heads another replica writes everything.
+            self._sending[send.request_id] = handles
+
+    def _add_peer(self, key: str, spec: PeerSpec) -> None:
+        t = self.transport
+        assert t is not None
+        tp_d = len(spec.ranks)
+        targets = []
+        try:
+            for write in tp_map.writes_of(self.rank, self.world_size, tp_d, spec.num_kv_heads):
+                sub = f"{key}@{write.d_rank}"
+                heads = (
+                    None if write.whole_blocks else (write.p_offset, write.d_offset, write.count)
+                )
+                t.add_peer(sub, spec.ranks[write.d_rank], heads)
+                senders = tp_map.senders(write.d_rank, self.world_size, tp_d, spec.num_kv_heads)
+                targets.append((sub, write, senders))
+        except Exception as e:
+            logger.error("tp%d: adding NIXL peer %s failed: %s", self.rank, key, e)
+            for sub, _, _ in targets:
+                t.remove_peer(sub)
+            return
+        self._targets[key] = targets
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         t = self.transport
         assert t is not None
-        for rid, handle in list(self._sending.items()):
-            state = t.poll(handle)
-            if state in (DONE, ERROR):
+        for rid, handles in list(self._sending.items()):
+            states = [t.poll(h) for h in handles]
+            if any(state not in (DONE, ERROR) for state in states):
+                continue
+            for handle, state in zip(handles, states, strict=True):
                 if state == ERROR:
                     logger.warning("tp%d: WRITE for %s failed: %s", self.rank, rid, handle.error)
                     self._failures[rid] = handle.error or "transfer error"
                 t.release(handle)
-                del self._sending[rid]
-                self._finished_sending.add(rid)
+            del self._sending[rid]
+            self._finished_sending.add(rid)
         now = time.monotonic()
         md = self.connector_metadata
         if isinstance(md, NixlConnectorMetadata):
@@ -144,16 +181,28 @@ class NixlConnectorWorker(KVConnectorWorker):
         sending, self._finished_sending = self._finished_sending, set()
         return sending, recving
 
-    def _with_checksums(self, raw: bytes, local: list[int], remote: list[int]) -> bytes:
-        """P: the notification with the checksums of the blocks it is about to push."""
-        if self._checksum == "off":
-            return raw
-        assert self._kv_cache is not None
-        notif = Notif.unpack(raw)
-        positions = checksum.pick(len(local), self._checksum, notif.k)
-        sums = checksum.block_sums(self._kv_cache, [local[i] for i in positions])
-        pairs = tuple((remote[i], s) for i, s in zip(positions, sums, strict=True))
-        return dataclasses.replace(notif, c=pairs).pack()
+    def _notif_for(
+        self,
+        raw: bytes,
+        write: tp_map.HeadWrite,
+        senders: int,
+        local: list[int],
+        remote: list[int],
+    ) -> bytes:
+        """P: the send's notification for one D rank: how many P ranks write into it,
+        and (``--kv-checksum``) the sums of what this rank writes there."""
+        if senders == 1 and self._checksum == "off":
+            return raw  # the scheduler built it with n=1
+        notif = dataclasses.replace(Notif.unpack(raw), n=senders)
+        if self._checksum != "off":
+            assert self._kv_cache is not None
+            positions = checksum.pick(len(local), self._checksum, notif.k)
+            p_heads = None if write.whole_blocks else (write.p_offset, write.count)
+            d_heads = None if write.whole_blocks else (write.d_offset, write.count)
+            sums = checksum.block_sums(self._kv_cache, [local[i] for i in positions], p_heads)
+            pairs = tuple((remote[i], s) for i, s in zip(positions, sums, strict=True))
+            notif = dataclasses.replace(notif, c=pairs, hs=d_heads)
+        return notif.pack()
 
     def _check(self, notif: Notif) -> None:
         """D: verify a notification's checksums against the blocks its WRITE filled."""
@@ -162,8 +211,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             error: str | None = "the prefill node sent no checksums (--kv-checksum differs)"
         else:
             if self._corrupt:
-                checksum.corrupt_first(self._kv_cache, notif.c)
-            error = checksum.verify(self._kv_cache, notif.c)
+                checksum.corrupt_first(self._kv_cache, notif.c, notif.hs)
+            error = checksum.verify(self._kv_cache, notif.c, notif.hs)
         if error is not None:
             logger.error("tp%d: transfer %s: %s", self.rank, notif.t, error)
             self._kv_errors[notif.k] = f"rank {self.rank}: {error}"
