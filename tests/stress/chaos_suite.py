@@ -134,7 +134,7 @@ class ChaosConfig:
     abort_rate: float = 0.2
     reuse_rate: float = 0.1
     seed: int = 0
-    tp: int = 2
+    tp: tuple[int, int, int, int] = (2, 2, 2, 2)  # p1, p2, d1, d2 (the reference: d1's)
     kv_transfer_timeout: float = 3.0
     shutdown_timeout: float = 10.0
     num_blocks: int = 1024
@@ -291,8 +291,6 @@ class Cluster:
         common = [
             "--model",
             MODEL,
-            "--tp",
-            str(cfg.tp),
             "--num-blocks",
             str(cfg.num_blocks),
             "--shutdown-timeout",
@@ -310,9 +308,15 @@ class Cluster:
         ]
         # The secret travels in the environment (the flag would show in ps).
         env = {"PDSERVE_KV_SECRET": cfg.kv_secret}
-        self.prefill = [Node(f"p{i}", "prefill_node", common + nixl, tmp, env) for i in (1, 2)]
-        self.decode = [Node(f"d{i}", "decode_node", common + nixl, tmp, env) for i in (1, 2)]
-        self.reference = Node("colocated", "decode_node", common, tmp)
+        tp = dict(zip(("p1", "p2", "d1", "d2"), cfg.tp, strict=True))
+
+        def node(name: str, module: str, *extra: str) -> Node:
+            args = [*common, "--tp", str(tp.get(name, tp["d1"])), *extra]
+            return Node(name, module, args, tmp, env if extra else None)
+
+        self.prefill = [node(f"p{i}", "prefill_node", *nixl) for i in (1, 2)]
+        self.decode = [node(f"d{i}", "decode_node", *nixl) for i in (1, 2)]
+        self.reference = node("colocated", "decode_node")
         self.proxy: Proc | None = None
         self.retired: list[Proc] = []
 
@@ -822,7 +826,7 @@ def fuzz_messages(
             "refused",
         ),
         (
-            "handshake incompatible",
+            "handshake with another block size",
             [
                 enc(
                     {
@@ -830,8 +834,8 @@ def fuzz_messages(
                         "engine_id": fake_engine,
                         "incarnation": incarnation,
                         "peer_key": fake_key,
-                        "compat": {**compat, "tp_size": tp + 1},
-                        "ranks": [{}] * (tp + 1),
+                        "compat": {**compat, "block_size": 2 * int(compat.get("block_size", 16))},
+                        "ranks": [{"num_blocks": 64}] * tp,
                         "address": dead_addr,
                     }
                 )
@@ -1468,7 +1472,7 @@ class ChaosRun:
     def execute(self) -> dict[str, Any]:
         cfg = self.cfg
         log(
-            f"starting 2 prefill + 2 decode nodes (TP={cfg.tp}), a colocated reference node and a proxy in {self.tmp}"
+            f"starting 2 prefill + 2 decode nodes (TP p1,p2,d1,d2 = {cfg.tp}), a colocated reference node and a proxy in {self.tmp}"
         )
         t0 = time.monotonic()
         self.cluster.start()
@@ -1720,6 +1724,12 @@ def main(argv: list[str] | None = None) -> int:
         default=int(env("CHAOS_WAVE", "100")),
         help="requests per wave; every fault is injected once per wave (env CHAOS_WAVE)",
     )
+    ap.add_argument(
+        "--tp",
+        default=env("CHAOS_TP", "2,2,2,2"),
+        help="TP of p1,p2,d1,d2 (env CHAOS_TP; default 2,2,2,2; the reference node "
+        "takes d1's; unequal TP pairs through the connector's heterogeneous TP)",
+    )
     ap.add_argument("--concurrency", type=int, default=int(env("CHAOS_CONCURRENCY", "32")))
     ap.add_argument(
         "--faults",
@@ -1760,6 +1770,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     faults = tuple(f for f in a.faults.split(",") if f)
     last = tuple(f for f in a.last_round_faults.split(",") if f) if a.last_round_faults else None
+    try:
+        tp = tuple(int(x) for x in a.tp.split(","))
+        assert len(tp) == 4 and all(t >= 1 for t in tp)
+    except (ValueError, AssertionError):
+        ap.error(f"--tp: four sizes >= 1 (p1,p2,d1,d2), got {a.tp!r}")
     unknown = (set(faults) | set(last or ())) - set(FAULTS)
     if unknown:
         ap.error(f"--faults: unknown {sorted(unknown)}; known: {','.join(FAULTS)}")
@@ -1777,6 +1792,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_transfer_timeout=a.kv_transfer_timeout,
         deadline_s=a.deadline,
         json_path=a.json,
+        tp=tp,
     )
     if a.unsigned:
         cfg.kv_secret = ""
