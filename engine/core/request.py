@@ -72,6 +72,10 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # hashes of this request's full blocks
         self.arrival_time = time.monotonic()
+        # Request-level metrics (``scheduler_stats.RequestMetrics``), monotonic seconds.
+        self.scheduled_time: float | None = None  # first admitted
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.error: str | None = None
         # Output tokens not yet handed to the caller.
         self._num_emitted = 0

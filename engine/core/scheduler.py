@@ -12,6 +12,7 @@ cache entries usually make that cheap).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
-from engine.core.scheduler_stats import SchedulerStats
+from engine.core.scheduler_stats import RequestMetrics, SchedulerStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidRequestError
 from kvconnector.base import KVConnectorScheduler
@@ -58,6 +59,7 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_preemptions_total = 0
+        self.request_metrics = RequestMetrics(max_model_len)
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -164,6 +166,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 return False
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            RequestMetrics.scheduled(req, time.monotonic())
             self.remote_waiting[req.request_id] = req
             self.connector.update_state_after_alloc(req, blocks, ext)
             return True
@@ -174,6 +177,7 @@ class Scheduler:
             req.num_computed_tokens = 0
             return False
         req.status = RequestStatus.RUNNING
+        RequestMetrics.scheduled(req, time.monotonic())
         self.running.append(req)
         seqs.append(self._scheduled(req, n, blocks))
         return True
@@ -244,6 +248,7 @@ class Scheduler:
     def _append(self, req: Request, token: int) -> None:
         req.append_token(token)
         self.generation_tokens_total += 1
+        self.request_metrics.token(req, time.monotonic())
         sp = req.sampling_params
         status = None
         if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
@@ -267,6 +272,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif prev == RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.remote_waiting[rid]
+        self.request_metrics.finished(req, status.finish_reason, time.monotonic())
         delay_free, params = self.connector.request_finished(req, self.kv.block_ids(rid))
         self._finished_ids.add(rid)
         if delay_free:
@@ -337,4 +343,5 @@ class Scheduler:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions_total=self.num_preemptions_total,
+            **self.request_metrics.stats(),  # type: ignore[arg-type]
         )

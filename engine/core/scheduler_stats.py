@@ -1,10 +1,71 @@
-"""What the scheduler reports (typed: counters and gauges, see ``engine.stats``)."""
+"""What the scheduler reports (typed: counters, gauges and histograms, see ``engine.stats``).
+
+The request-level histograms and ``request_success`` are vLLM's (same names, buckets and
+``model_name`` label), recorded by ``RequestMetrics`` from the scheduler's own timestamps:
+
+- arrival: the request reached the engine (``Request.arrival_time``);
+- scheduled: it was first admitted (blocks allocated: it runs, or waits for remote KV);
+- first token: its first output token is in this engine -- sampled here, or, on a P/D
+  decode node, the prefill node's first token arriving with the prompt's KV;
+- each later token, and the end.
+
+``time_to_first_token`` = first token - arrival (on a decode node it includes the wait for
+the prefill node's KV, as on a vLLM decode instance); ``request_queue_time`` = scheduled -
+arrival; ``request_prefill_time`` = first token - scheduled; ``request_decode_time`` = last
+token - first token; ``request_inference_time`` = prefill + decode; ``e2e_request_latency``
+= end - arrival; ``inter_token_latency`` (and its older name ``time_per_output_token``) is
+observed once per token after the first: the time since the previous one.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from engine.stats import Stats, counter, gauge
+from engine.stats import (
+    Histogram,
+    HistogramValue,
+    Stats,
+    counter,
+    gauge,
+    histogram,
+    labeled_counter,
+)
+
+if TYPE_CHECKING:
+    from engine.core.request import Request
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+# Finish reasons counted by ``request_success`` (vLLM's; an engine error is not a success).
+SUCCESS_REASONS = ("stop", "length", "abort")
+
+
+def buckets_1_2_5(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
+
+
+def _latency(doc: str, name: str, buckets: tuple[float, ...] = REQUEST_LATENCY_BUCKETS) -> Any:
+    return histogram(doc, buckets, vllm=name, pdserve=False)
 
 
 @dataclass
@@ -30,8 +91,128 @@ class SchedulerStats(Stats):
         "Tokens generated", metric="generation_tokens", vllm="generation_tokens"
     )
     num_preemptions_total: int = counter("Requests preempted", vllm="num_preemptions")
+    # Request-level (vLLM's names only; see the module docstring for what each measures).
+    request_success_total: dict[str, int] = labeled_counter(
+        "Finished requests by finish reason",
+        "finished_reason",
+        SUCCESS_REASONS,
+        vllm="request_success",
+        pdserve=False,
+    )
+    time_to_first_token_seconds: HistogramValue = _latency(
+        "Time from the request's arrival to its first output token in this engine (on a "
+        "decode node: the prefill node's first token arriving with the KV)",
+        "time_to_first_token_seconds",
+        TTFT_BUCKETS,
+    )
+    inter_token_latency_seconds: HistogramValue = _latency(
+        "Time between two output tokens of a request", "inter_token_latency_seconds", ITL_BUCKETS
+    )
+    time_per_output_token_seconds: HistogramValue = _latency(
+        "Time between two output tokens of a request (vLLM's older name of "
+        "inter_token_latency_seconds)",
+        "time_per_output_token_seconds",
+        ITL_BUCKETS,
+    )
+    e2e_request_latency_seconds: HistogramValue = _latency(
+        "Time from the request's arrival to its end", "e2e_request_latency_seconds"
+    )
+    request_queue_time_seconds: HistogramValue = _latency(
+        "Time from the request's arrival until it was first scheduled",
+        "request_queue_time_seconds",
+    )
+    request_inference_time_seconds: HistogramValue = _latency(
+        "Time from first scheduled to the last token (prefill + decode)",
+        "request_inference_time_seconds",
+    )
+    request_prefill_time_seconds: HistogramValue = _latency(
+        "Time from first scheduled to the first output token (on a decode node: the wait "
+        "for the prefill node's KV)",
+        "request_prefill_time_seconds",
+    )
+    request_decode_time_seconds: HistogramValue = _latency(
+        "Time from the first output token to the last", "request_decode_time_seconds"
+    )
+    request_prompt_tokens: HistogramValue = histogram(
+        "Prompt tokens per finished request",
+        buckets_1_2_5(1),
+        vllm="request_prompt_tokens",
+        pdserve=False,
+    )
+    request_generation_tokens: HistogramValue = histogram(
+        "Output tokens per finished request",
+        buckets_1_2_5(1),
+        vllm="request_generation_tokens",
+        pdserve=False,
+    )
 
     @property
     def kv_cache_usage(self) -> float:
         total = self.kv_blocks_used + self.kv_blocks_free
         return self.kv_blocks_used / total if total else 0.0
+
+
+@dataclass
+class RequestMetrics:
+    """The scheduler's request-level histograms and finish counts (engine thread only)."""
+
+    max_model_len: int
+    success: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SUCCESS_REASONS, 0))
+
+    def __post_init__(self) -> None:
+        tokens = buckets_1_2_5(self.max_model_len)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.queue = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.inference = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.prefill = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.decode = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens = Histogram(tokens)
+        self.generation_tokens = Histogram(tokens)
+
+    @staticmethod
+    def scheduled(req: Request, now: float) -> None:
+        if req.scheduled_time is None:
+            req.scheduled_time = now
+
+    def token(self, req: Request, now: float) -> None:
+        """An output token was appended to ``req`` at ``now``."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.ttft.observe(now - req.arrival_time)
+        elif req.last_token_time is not None:
+            self.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+
+    def finished(self, req: Request, reason: str | None, now: float) -> None:
+        if reason not in self.success:
+            return  # an engine error: not a success, not a latency sample
+        self.success[reason] += 1
+        self.e2e.observe(now - req.arrival_time)
+        scheduled = req.scheduled_time if req.scheduled_time is not None else now
+        first = req.first_token_time if req.first_token_time is not None else now
+        last = req.last_token_time if req.last_token_time is not None else now
+        self.queue.observe(scheduled - req.arrival_time)
+        self.prefill.observe(max(0.0, first - scheduled))
+        self.decode.observe(max(0.0, last - first))
+        self.inference.observe(max(0.0, last - scheduled))
+        self.prompt_tokens.observe(req.num_prompt_tokens)
+        self.generation_tokens.observe(req.num_output_tokens)
+
+    def stats(self) -> dict[str, object]:
+        """The ``SchedulerStats`` fields this object fills."""
+        itl = self.itl.snapshot()
+        return {
+            "request_success_total": dict(self.success),
+            "time_to_first_token_seconds": self.ttft.snapshot(),
+            "inter_token_latency_seconds": itl,
+            "time_per_output_token_seconds": itl,
+            "e2e_request_latency_seconds": self.e2e.snapshot(),
+            "request_queue_time_seconds": self.queue.snapshot(),
+            "request_inference_time_seconds": self.inference.snapshot(),
+            "request_prefill_time_seconds": self.prefill.snapshot(),
+            "request_decode_time_seconds": self.decode.snapshot(),
+            "request_prompt_tokens": self.prompt_tokens.snapshot(),
+            "request_generation_tokens": self.generation_tokens.snapshot(),
+        }

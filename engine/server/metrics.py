@@ -1,7 +1,10 @@
 """Prometheus metrics of one node, on a per-app ``CollectorRegistry``.
 
-Engine gauges and counters are read from ``engine.stats()`` (typed, ``engine.stats``) at
-scrape time by a custom collector, with their Prometheus types; HTTP and request-level metrics are recorded by the app as requests complete.
+Engine counters, gauges and histograms are read from ``engine.stats()`` (typed,
+``engine.stats``) at scrape time by a custom collector, with their Prometheus types --
+among them vLLM's request-level histograms (``vllm:time_to_first_token_seconds``, ...,
+``engine.core.scheduler_stats``); HTTP metrics and pdserve's HTTP-level request metrics are
+recorded by the app as requests complete.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from engine.httpkit.metrics import MetricsRegistry
+from engine.stats import StatEntry
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +50,10 @@ class EngineStatsCollector(Collector):
         model = [self._engine.model_name]
         values = {e.name: e.value for e in entries}
         for e in entries:
-            yield _family(f"{PREFIX}_{e.metric}", e.kind, e.doc, e.value)
+            if e.pdserve:
+                yield _entry_family(f"{PREFIX}_{e.metric}", e)
             if e.vllm:
-                yield _family(f"vllm:{e.vllm}", e.kind, e.doc, e.value, model)
+                yield _entry_family(f"vllm:{e.vllm}", e, model)
         used, free = values.get("kv_blocks_used"), values.get("kv_blocks_free")
         if used is not None and free is not None and used + free > 0:
             ratio = used / (used + free)
@@ -66,6 +71,27 @@ class EngineStatsCollector(Collector):
                 [], [("+Inf" if le == float("inf") else repr(le), n) for le, n in buckets], total
             )
             yield h
+
+
+def _entry_family(name: str, e: StatEntry, model: list[str] | None = None) -> Metric:
+    """One typed stat as a metric family: a histogram with its buckets, a labelled counter
+    with a sample per label value, else a plain counter or gauge."""
+    labels = ["model_name"] if model else []
+    if e.histogram is not None:
+        h = HistogramMetricFamily(name, e.doc, labels=labels)
+        buckets = [(_le(le), n) for le, n in e.histogram.cumulative()]
+        h.add_metric(model or [], buckets, e.histogram.sum)
+        return h
+    if e.label is not None:
+        c = CounterMetricFamily(name, e.doc, labels=[*labels, e.label])
+        for value, n in e.by_label:
+            c.add_metric([*(model or []), value], n)
+        return c
+    return _family(name, e.kind, e.doc, e.value, model)
+
+
+def _le(le: float) -> str:
+    return "+Inf" if le == float("inf") else repr(float(le))
 
 
 def _family(name: str, kind: str, doc: str, value: float, model: list[str] | None = None) -> Metric:

@@ -1,0 +1,271 @@
+"""vLLM's request-level metrics on a node: ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds`` (and its older name ``time_per_output_token``),
+``vllm:e2e_request_latency_seconds``, the queue/prefill/decode/inference times, the prompt and
+generation token histograms and ``vllm:request_success_total{finished_reason}`` -- recorded
+by the scheduler, exported as histograms with vLLM's buckets and the ``model_name`` label.
+
+The unit tests drive the real scheduler with fake model outputs (a fake connector for the
+decode side of P/D); the live tests read ``GET /metrics`` of a node and of a P/D pair after
+requests, so a series that disappears or stops counting fails here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from harness import GREEDY, MODEL, Proc, Procs, parse_metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import ModelRunnerOutput
+from engine.core.scheduler_stats import (
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    SchedulerStats,
+    buckets_1_2_5,
+)
+from engine.sampling_params import SamplingParams
+from engine.server.metrics import ServerMetrics
+from engine.stats import StatsGroup
+from kvconnector.noop import NoopConnectorScheduler
+from kvconnector.params import KVTransferParams
+
+MAX_LEN = 256
+
+# Every request-level histogram a vLLM dashboard reads, by its vLLM name.
+HISTOGRAMS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+)
+PER_REQUEST = tuple(h for h in HISTOGRAMS if "token_latency" not in h and "per_output" not in h)
+
+
+def _config() -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=MAX_LEN, dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=64),
+    )
+
+
+def _run(sch: Scheduler, tokens: dict[str, list[int]]) -> None:
+    """Step until every request finished, sampling each request's next token from ``tokens``."""
+    for _ in range(100):
+        sched = sch.schedule()
+        sampled = {
+            s.request_id: tokens[s.request_id].pop(0)
+            for s in sched.seqs
+            if s.sampling_params is not None
+        }
+        sch.update_from_output(sched, ModelRunnerOutput(sampled_token_ids=sampled))
+        if not sch.requests:
+            return
+    raise AssertionError("requests did not finish")
+
+
+def _families(stats: Any, model: str = "m1") -> dict[str, Any]:
+    class _Engine:
+        model_name = model
+        healthy = True
+
+        def stats(self) -> Any:
+            return stats
+
+    text = ServerMetrics(_Engine()).render().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_scheduler_records_a_request_in_every_histogram() -> None:
+    sch = Scheduler(_config(), 64, MAX_LEN, NoopConnectorScheduler(_config(), None))  # type: ignore[arg-type]
+    sch.add_request(Request("a", list(range(1, 11)), SamplingParams(max_tokens=4)))
+    sch.add_request(Request("b", [5, 6, 7], SamplingParams(max_tokens=8), eos_token_ids=[257]))
+    _run(sch, {"a": [1, 2, 3, 4], "b": [9, 257]})  # a: length after 4, b: EOS after 2
+    st = sch.stats()
+    assert st.request_success_total == {"stop": 1, "length": 1, "abort": 0}
+    assert st.time_to_first_token_seconds.count == 2
+    assert st.inter_token_latency_seconds.count == (4 - 1) + (2 - 1)
+    assert st.time_per_output_token_seconds == st.inter_token_latency_seconds
+    for name in (
+        "e2e_request_latency_seconds", "request_queue_time_seconds",
+        "request_prefill_time_seconds", "request_decode_time_seconds",
+        "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+    ):  # fmt: skip
+        assert getattr(st, name).count == 2, name
+    assert st.request_prompt_tokens.sum == 10 + 3
+    assert st.request_generation_tokens.sum == 4 + 2
+    assert st.request_prompt_tokens.buckets == buckets_1_2_5(MAX_LEN)
+    # e2e covers queue + prefill + decode of the same request.
+    assert st.e2e_request_latency_seconds.sum >= st.request_decode_time_seconds.sum
+
+
+def test_an_abort_counts_and_an_error_does_not() -> None:
+    sch = Scheduler(_config(), 64, MAX_LEN, NoopConnectorScheduler(_config(), None))  # type: ignore[arg-type]
+    sch.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=4)))
+    sch.add_request(Request("e", [1, 2, 3], SamplingParams(max_tokens=4)))
+    sch.abort_request("a")
+    sch.abort_request("e", error="engine failed")
+    st = sch.stats()
+    assert st.request_success_total == {"stop": 0, "length": 0, "abort": 1}
+    assert st.e2e_request_latency_seconds.count == 1
+    assert st.time_to_first_token_seconds.count == 0  # no token came
+
+
+class _RemotePrefill(NoopConnectorScheduler):
+    """A decode node's connector: every prompt comes from a prefill node; ``land`` makes the
+    KV (and the prefill node's first token) arrive."""
+
+    moves_kv = True
+
+    def __init__(self) -> None:
+        super().__init__(_config(), None)  # type: ignore[arg-type]
+        self.landed: dict[str, dict[str, Any]] = {}
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
+        return request.num_prompt_tokens - num_computed, True
+
+    def update_connector_output(self, output: ModelRunnerOutput) -> dict[str, dict[str, Any]]:
+        landed, self.landed = self.landed, {}
+        return landed
+
+
+def test_decode_node_ttft_is_the_first_token_arriving_with_the_kv() -> None:
+    """On a P/D decode node the first token is the prefill node's, arriving with the KV:
+    TTFT ends there (it includes the KV wait, as on a vLLM decode instance), the wait counts
+    as prefill time, and inter-token latency starts from it."""
+    conn = _RemotePrefill()
+    sch = Scheduler(_config(), 64, MAX_LEN, conn)
+    params = KVTransferParams(
+        do_remote_prefill=True, transfer_id="t", remote_side_channel="tcp://127.0.0.1:1"
+    )
+    sch.add_request(
+        Request("d", list(range(1, 9)), SamplingParams(max_tokens=3), kv_transfer_params=params)
+    )
+    sch.update_from_output(sch.schedule(), ModelRunnerOutput())  # reserved, waiting for KV
+    assert sch.stats().time_to_first_token_seconds.count == 0
+    conn.landed = {"d": {"first_token": 42}}
+    sch.update_from_output(sch.schedule(), ModelRunnerOutput())
+    st = sch.stats()
+    assert st.time_to_first_token_seconds.count == 1
+    assert st.inter_token_latency_seconds.count == 0
+    _run(sch, {"d": [43, 44]})
+    st = sch.stats()
+    assert st.inter_token_latency_seconds.count == 2
+    assert st.request_generation_tokens.sum == 3  # P's first token counts, as in vLLM
+    assert st.request_success_total["length"] == 1
+    assert st.request_prefill_time_seconds.count == 1
+
+
+def test_exported_as_vllm_histograms_with_model_label_and_vllm_buckets() -> None:
+    sch = Scheduler(_config(), 64, MAX_LEN, NoopConnectorScheduler(_config(), None))  # type: ignore[arg-type]
+    sch.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=3)))
+    _run(sch, {"a": [1, 2, 3]})
+    fams = _families(StatsGroup(sch.stats()))
+    for name in HISTOGRAMS:
+        fam = fams[name]
+        assert fam.type == "histogram", name
+        count = [s for s in fam.samples if s.name == name + "_count"]
+        assert count and count[0].labels == {"model_name": "m1"}, name
+        assert count[0].value == (2 if name in ITL_NAMES else 1), name
+        assert "pdserve_engine_" + name.removeprefix("vllm:") not in fams, name  # vLLM's only
+    les = {
+        name: [float(s.labels["le"]) for s in fams[name].samples if s.name.endswith("_bucket")]
+        for name in HISTOGRAMS
+    }
+    inf = float("inf")
+    assert les["vllm:time_to_first_token_seconds"] == [*TTFT_BUCKETS, inf]
+    assert les["vllm:inter_token_latency_seconds"] == [*ITL_BUCKETS, inf]
+    assert les["vllm:e2e_request_latency_seconds"] == [*REQUEST_LATENCY_BUCKETS, inf]
+    assert les["vllm:request_prompt_tokens"] == [*buckets_1_2_5(MAX_LEN), inf]
+    success = {
+        s.labels["finished_reason"]: (s.labels["model_name"], s.value)
+        for s in fams["vllm:request_success"].samples
+    }
+    assert fams["vllm:request_success"].type == "counter"
+    assert success == {"stop": ("m1", 0.0), "length": ("m1", 1.0), "abort": ("m1", 0.0)}
+
+
+ITL_NAMES = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+
+
+def test_series_exist_before_any_request() -> None:
+    """A fresh node exports every series (zero counts), so dashboards and alerts see them."""
+    fams = _families(StatsGroup(SchedulerStats()))
+    for name in HISTOGRAMS:
+        assert fams[name].type == "histogram", name
+    reasons = {s.labels["finished_reason"] for s in fams["vllm:request_success"].samples}
+    assert reasons == {"stop", "length", "abort"}
+
+
+def test_histogram_snapshots_add_up() -> None:
+    a = SchedulerStats(request_success_total={"stop": 1, "length": 0, "abort": 0})
+    b = SchedulerStats(request_success_total={"stop": 2, "length": 1, "abort": 0})
+    assert (a + b).request_success_total == {"stop": 3, "length": 1, "abort": 0}
+    assert (a + b)["request_success_total"] == 4
+    assert (a + b).time_to_first_token_seconds.count == 0
+
+
+# -- live: a node's /metrics after requests ----------------------------------------------------
+
+
+def _counts(proc: Proc) -> dict[str, float]:
+    text = httpx.get(proc.url + "/metrics", timeout=10).text
+    label = {"model_name": MODEL}
+    out = {name: parse_metric(text, name + "_count", label) for name in HISTOGRAMS}
+    for reason in ("stop", "length", "abort"):
+        out[reason] = parse_metric(
+            text, "vllm:request_success_total", {**label, "finished_reason": reason}
+        )
+    return out
+
+
+def _complete(url: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": "metrics " * 5, "max_tokens": max_tokens, **GREEDY, **extra}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+@pytest.mark.slow
+def test_node_metrics_count_every_request(module_procs: Procs) -> None:
+    node = module_procs.node("--model", MODEL, "--num-blocks", "128")
+    before = _counts(node)
+    for _ in range(2):
+        _complete(node.url, 4, ignore_eos=True)
+    after = _counts(node)
+    for name in PER_REQUEST:
+        assert after[name] - before[name] == 2, name
+    for name in ITL_NAMES:
+        assert after[name] - before[name] == 2 * 3, name
+    assert after["length"] - before["length"] == 2
+    text = httpx.get(node.url + "/metrics", timeout=10).text
+    assert parse_metric(text, "vllm:request_generation_tokens_sum", {"model_name": MODEL}) >= 8
+
+
+@pytest.mark.slow
+def test_pd_decode_and_prefill_nodes_count_requests(pd_pair: Any, module_procs: Procs) -> None:
+    """Through a proxy on a P/D pair: P records one request with one token, D a request
+    whose first token arrived with the KV and whose later ones it generated."""
+    proxy = module_procs.proxy([pd_pair.p.url], [pd_pair.d.url])
+    p_before, d_before = _counts(pd_pair.p), _counts(pd_pair.d)
+    _complete(proxy.url, 4, ignore_eos=True)
+    p_after, d_after = _counts(pd_pair.p), _counts(pd_pair.d)
+    for name in PER_REQUEST:
+        assert p_after[name] - p_before[name] == 1, ("prefill", name)
+        assert d_after[name] - d_before[name] == 1, ("decode", name)
+    assert p_after["length"] - p_before["length"] == 1
+    assert d_after["length"] - d_before["length"] == 1
+    for name in ITL_NAMES:
+        assert p_after[name] == p_before[name], name  # P made one token only
+        assert d_after[name] - d_before[name] == 3, name
