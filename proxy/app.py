@@ -37,9 +37,10 @@ WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions"])
 
 def build_app(cfg: ProxyConfig) -> FastAPI:
     pool = NodePool(cfg.prefill, cfg.decode)
-    metrics = ProxyMetrics(pool)
+    router = Router.from_config(pool, cfg)
+    metrics = ProxyMetrics(pool, router)
     drainer = Drainer(WORK_PATHS, cfg.shutdown_timeout)
-    serving = ProxyServing(cfg, pool, Router(pool), metrics, drainer)
+    serving = ProxyServing(cfg, pool, router, metrics, drainer)
     node_auth = {"Authorization": f"Bearer {cfg.node_api_key}"} if cfg.node_api_key else {}
 
     @asynccontextmanager

@@ -27,6 +27,7 @@ from engine.config import ConfigError, flag_name, require
 
 ENV_PREFIX = "PDPROXY_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+ROUTING_POLICIES = ("least_load", "round_robin", "prefix")
 
 
 class ProxyConfigError(ConfigError):
@@ -106,6 +107,55 @@ class ProxyConfig:
         repr=False,
         metadata={"help": "the nodes' --api-key, sent on every call to them"},
     )
+    routing: str = field(
+        default="least_load",
+        metadata={
+            "help": "how P and D nodes are chosen: least_load (fewest requests in flight), "
+            "round_robin, or prefix (SGLang's cache-aware rule: the node holding the longest "
+            "prefix of the prompt while loads are balanced)"
+        },
+    )
+    cache_threshold: float = field(
+        default=0.5,
+        metadata={
+            "help": "--routing prefix: the share of the prompt a node must hold to be chosen "
+            "for it; below it the node with the least cached text is chosen"
+        },
+    )
+    balance_abs_threshold: int = field(
+        default=32,
+        metadata={
+            "help": "--routing prefix: loads are imbalanced, and the least loaded node is "
+            "chosen, when the nodes' requests in flight differ by more than this (max - min) "
+            "and max > min x --balance-rel-threshold"
+        },
+    )
+    balance_rel_threshold: float = field(
+        default=1.5,
+        metadata={"help": "--routing prefix: see --balance-abs-threshold"},
+    )
+    prefix_max_chars: int = field(
+        default=1 << 22,
+        metadata={
+            "help": "prompt text remembered per node for prefix routing, in characters "
+            "(least recently used forgotten first)"
+        },
+    )
+    disagg_min_prompt_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "serve a request on the decode node alone (no prefill node) when its "
+            "prompt, minus the prefix that decode node already holds, is shorter than this "
+            "many tokens (estimated from its length); 0 = always disaggregate"
+        },
+    )
+    chars_per_token: float = field(
+        default=4.0,
+        metadata={
+            "help": "characters per prompt token assumed until the nodes' answers tell "
+            "(token estimates for --disagg-min-prompt-tokens)"
+        },
+    )
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
@@ -133,6 +183,15 @@ class ProxyConfig:
         _require(self.max_request_bytes >= 1, "max_request_bytes", "must be >= 1")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0 seconds")
         _require(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
+        _require(self.routing in ROUTING_POLICIES, "routing", f"must be one of {ROUTING_POLICIES}")
+        _require(0.0 <= self.cache_threshold <= 1.0, "cache_threshold", "must be in [0, 1]")
+        _require(self.balance_abs_threshold >= 0, "balance_abs_threshold", "must be >= 0")
+        _require(self.balance_rel_threshold >= 1.0, "balance_rel_threshold", "must be >= 1")
+        _require(
+            self.prefix_max_chars >= 1024, "prefix_max_chars", "must be at least 1024 characters"
+        )
+        _require(self.disagg_min_prompt_tokens >= 0, "disagg_min_prompt_tokens", "must be >= 0")
+        _require(0.05 <= self.chars_per_token <= 100, "chars_per_token", "must be in [0.05, 100]")
 
 
 _HINTS = typing.get_type_hints(ProxyConfig)
@@ -249,6 +308,8 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif name == "log_level":
             kwargs.update(type=str.upper, choices=LOG_LEVELS)
+        elif name == "routing":
+            kwargs.update(type=str, choices=ROUTING_POLICIES)
         else:
             kwargs["type"] = tp
         parser.add_argument(flag_name(name), **kwargs)

@@ -3,10 +3,12 @@
 ``Legs`` owns the shared ``httpx.AsyncClient`` to the nodes and knows how to start a
 pair (``Attempt``): P gets the client's body with ``do_remote_decode`` (non-streaming; it
 answers with the first token), D gets it with ``do_remote_prefill`` and P's side-channel
-address. Both legs carry the client's request id as their label (``X-Request-Id``) and
-one transfer id made for this attempt (``<label>-<random>``, never the label itself, so
-two clients using one ``X-Request-Id`` never share a transfer); aborts name that transfer
-id, which finds the legs' requests on both nodes. A leg
+address. A decode-only attempt (``--disagg-min-prompt-tokens``) has no prefill leg: D gets
+the client's body with only the transfer id, a plain request it prefills itself. Both
+legs carry the client's request id as their label (``X-Request-Id``) and one transfer id
+made for this attempt (``<label>-<random>``, never the label itself, so two clients using
+one ``X-Request-Id`` never share a transfer); aborts name that transfer id, which finds
+the legs' requests on both nodes. A leg
 that fails raises ``UpstreamError``; ``node_fault`` tells a node failure (connection
 error, timeout, 5xx: retry elsewhere) from a refusal of the request (4xx: the client's);
 ``overloaded`` marks a load answer (429, or 503 with ``code: overloaded``): the node is
@@ -136,16 +138,20 @@ class Legs:
         node: Node,
         rid: str,
         tid: str,
-        side_channel: str,
+        side_channel: str | None,
         skip_first: bool,
     ) -> httpx.Response:
-        """Send the decode leg; returns the (streaming) response once its headers arrived."""
-        kv = KVTransferParams(
-            do_remote_prefill=True,
-            transfer_id=tid,
-            remote_side_channel=side_channel,
-            skip_first_token=skip_first,
-        )
+        """Send the decode leg; returns the (streaming) response once its headers arrived.
+        Without ``side_channel`` D prefills the prompt itself (no KV comes)."""
+        if side_channel is None:
+            kv = KVTransferParams(transfer_id=tid)
+        else:
+            kv = KVTransferParams(
+                do_remote_prefill=True,
+                transfer_id=tid,
+                remote_side_channel=side_channel,
+                skip_first_token=skip_first,
+            )
         body = {**req.body, "kv_transfer_params": kv.to_dict()}
         request = self.client.build_request(
             "POST", node.url + req.path, json=body, headers={REQUEST_ID_HEADER: rid}
@@ -163,29 +169,36 @@ class Legs:
 
 
 class Attempt:
-    """One (P, D) pair working on one request; ``release`` cleans up whatever is left."""
+    """One (P, D) pair working on one request, or D alone when ``p`` is None;
+    ``release`` cleans up whatever is left."""
 
     def __init__(
-        self, legs: Legs, req: ProxyRequest, p: Node, d: Node, rid: str, skip_first: bool
+        self, legs: Legs, req: ProxyRequest, p: Node | None, d: Node, rid: str, skip_first: bool
     ) -> None:
         """``rid``: the client's request id (the legs' label)."""
-        assert p.side_channel is not None
+        assert p is None or p.side_channel is not None
         self.legs, self.p, self.d, self.rid = legs, p, d, rid
         self.transfer_id = f"{rid}-{uuid.uuid4().hex[:12]}"  # this attempt's alone
         tid = self.transfer_id
-        self.p_task = asyncio.ensure_future(legs.prefill(req, p, rid, tid))
+        self.p_task: asyncio.Future[dict[str, Any]] | None = None
+        if p is not None:
+            self.p_task = asyncio.ensure_future(legs.prefill(req, p, rid, tid))
         d.outstanding += 1
         d.requests_total += 1
         self._d_leased = True
-        self.d_task = asyncio.ensure_future(
-            legs.open_decode(req, d, rid, tid, p.side_channel, skip_first)
-        )
+        side = p.side_channel if p is not None else None
+        self.d_task = asyncio.ensure_future(legs.open_decode(req, d, rid, tid, side, skip_first))
         self.d_stream: httpx.Response | None = None
         self.finished = False  # D's answer was read to its end
         self._aborted = False
 
+    @property
+    def decode_only(self) -> bool:
+        return self.p is None
+
     async def wait_prefill(self) -> dict[str, Any]:
         """P's answer. If D fails first, its error is raised instead (and P is dropped)."""
+        assert self.p_task is not None, "a decode-only attempt has no prefill leg"
         while not self.p_task.done():
             await asyncio.wait({self.p_task, self.d_task}, return_when=asyncio.FIRST_COMPLETED)
             if self.d_task.done() and self.d_task.exception() is not None:
@@ -194,10 +207,12 @@ class Attempt:
 
     async def wait_decode(self) -> httpx.Response:
         """D's open response. If P fails first, P's error is raised."""
+        tasks = {self.d_task} if self.p_task is None else {self.p_task, self.d_task}
         while not self.d_task.done():
-            await asyncio.wait({self.p_task, self.d_task}, return_when=asyncio.FIRST_COMPLETED)
-            if self.p_task.done() and self.p_task.exception() is not None:
-                raise self.p_task.exception()  # type: ignore[misc]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            p_task = self.p_task
+            if p_task is not None and p_task.done() and p_task.exception() is not None:
+                raise p_task.exception()  # type: ignore[misc]
         self.d_stream = self.d_task.result()
         return self.d_stream
 
@@ -207,6 +222,8 @@ class Attempt:
         Never awaits, so it is safe in ``finally`` blocks of cancelled tasks.
         """
         for task in (self.p_task, self.d_task):
+            if task is None:
+                continue
             if not task.done():
                 task.cancel()
             task.add_done_callback(_consume)
@@ -219,7 +236,8 @@ class Attempt:
         if not self.finished and not self._aborted:
             self._aborted = True
             self.legs.spawn(self.legs.abort(self.d, self.transfer_id))
-            self.legs.spawn(self.legs.abort(self.p, self.transfer_id))
+            if self.p is not None:
+                self.legs.spawn(self.legs.abort(self.p, self.transfer_id))
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from engine.httpkit.metrics import MetricsRegistry
 from proxy.nodes import NodePool
+from proxy.router import Router
 
 PREFIX = "pdproxy"
 
@@ -23,8 +24,9 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class _NodeCollector(Collector):
-    def __init__(self, pool: NodePool) -> None:
+    def __init__(self, pool: NodePool, router: Router | None = None) -> None:
         self._pool = pool
+        self._router = router
 
     def collect(self) -> Iterator[Metric]:
         labels = ["role", "url"]
@@ -51,11 +53,56 @@ class _NodeCollector(Collector):
             served.add_metric(key, float(n.requests_total))
             failures.add_metric(key, float(n.failures_total))
         yield from (outstanding, healthy, served, failures)
+        if self._router is not None:
+            yield from self._routing(self._router)
+
+    def _routing(self, router: Router) -> Iterator[Metric]:
+        decisions = CounterMetricFamily(
+            f"{PREFIX}_route_decisions",
+            "Nodes chosen, by role and why (least_load, round_robin; --routing prefix: "
+            "prefix, spread, load)",
+            labels=["role", "reason"],
+        )
+        for (role, reason), n in sorted(router.decisions.items()):
+            decisions.add_metric([role, reason], float(n))
+        modes = CounterMetricFamily(
+            f"{PREFIX}_route_mode",
+            "Attempts routed, by mode: disaggregated (prefill + decode node) or decode_only "
+            "(--disagg-min-prompt-tokens)",
+            labels=["mode"],
+        )
+        for mode in ("disaggregated", "decode_only"):
+            modes.add_metric([mode], float(router.modes[mode]))
+        yield from (decisions, modes)
+        index = router.index
+        if index is not None:
+            blocks = GaugeMetricFamily(
+                f"{PREFIX}_prefix_index_blocks",
+                "Prompt blocks the proxy remembers per node for prefix routing",
+                labels=["role", "url"],
+            )
+            for n in self._pool.all():
+                blocks.add_metric([n.role, n.url], float(index.size(n.url)))
+            evicted = CounterMetricFamily(
+                f"{PREFIX}_prefix_index_evicted_blocks",
+                "Blocks forgotten to stay within --prefix-max-chars",
+            )
+            evicted.add_metric([], float(index.evicted_total))
+            yield from (blocks, evicted)
+        if router.estimator is not None:
+            ratio = GaugeMetricFamily(
+                f"{PREFIX}_chars_per_token",
+                "Characters per prompt token the proxy estimates with, by prompt kind",
+                labels=["kind"],
+            )
+            for kind, r in sorted(router.estimator.ratio.items()):
+                ratio.add_metric([kind], r)
+            yield ratio
 
 
 class ProxyMetrics(MetricsRegistry):
-    def __init__(self, pool: NodePool) -> None:
-        super().__init__(PREFIX, _NodeCollector(pool))
+    def __init__(self, pool: NodePool, router: Router | None = None) -> None:
+        super().__init__(PREFIX, _NodeCollector(pool, router))
         self.requests = self.counter(
             "requests", "Requests answered, by endpoint and HTTP status", ["endpoint", "status"]
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,6 +36,8 @@ class Node:
     side_channel: str | None = None
     model: str | None = None
     max_model_len: int | None = None
+    # Called when what the node caches becomes unknown: it left rotation or restarted.
+    on_reset: Callable[[Node], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def ready(self) -> bool:
@@ -56,6 +58,7 @@ class Node:
         else:
             self.last_error = reason
             logger.warning("%s node %s taken out of rotation: %s", self.role, self.url, reason)
+            self._reset()
 
     def mark_failed(self, reason: str) -> None:
         """A request failed on this node (connection error or 5xx): stop routing to it."""
@@ -70,6 +73,7 @@ class Node:
                     "%s node %s restarted (incarnation %s -> %s)",
                     self.role, self.url, self.incarnation, incarnation,
                 )  # fmt: skip
+                self._reset()
             self.engine_id = kv_info.get("engine_id")
             self.incarnation = incarnation
             side = kv_info.get("side_channel")
@@ -80,6 +84,10 @@ class Node:
                 self.model = str(cards[0].get("id"))
                 mml = cards[0].get("max_model_len")
                 self.max_model_len = int(mml) if isinstance(mml, int) else None
+
+    def _reset(self) -> None:
+        if self.on_reset is not None:
+            self.on_reset(self)
 
     @contextmanager
     def lease(self) -> Iterator[Node]:

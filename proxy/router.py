@@ -1,18 +1,37 @@
-"""Choosing the prefill and decode node of each request.
+"""Choosing the prefill and decode node of each request, and whether it needs a prefill
+node at all.
 
-``RoutingPolicy`` is the whole interface: given the routable nodes of one role, return
-one. ``LeastOutstanding`` picks the node with the fewest requests in flight through this
-proxy and breaks ties round-robin, so an idle cluster still spreads requests evenly.
-``Router`` applies a policy to both roles and honours exclusions (for retries).
+``RoutingPolicy`` is the interface: given the routable nodes of one role (and the
+request's ``PromptKey``), return one. ``--routing``:
+
+* ``least_load`` (``LeastOutstanding``, the default): fewest requests in flight through
+  this proxy, ties round-robin, so an idle cluster still spreads requests evenly.
+* ``round_robin`` (``RoundRobin``): each role's nodes in turn, load ignored.
+* ``prefix`` (``CacheAware``, SGLang's cache-aware rule): while the load is balanced, the
+  node holding the longest prefix of the prompt (per the proxy's ``PrefixIndex``) when
+  that prefix is at least ``--cache-threshold`` of the prompt, else the node with the
+  least remembered (so that different prefixes spread); when the load is imbalanced
+  (max - min outstanding > ``--balance-abs-threshold`` and max > min x
+  ``--balance-rel-threshold``), the least loaded node.
+
+``Router.plan`` picks the decode node first, then decides the mode (Dynamo's conditional
+disaggregation): when the prompt minus the prefix that decode node already holds is
+shorter than ``--disagg-min-prompt-tokens`` (estimated, ``proxy/prefix.py``), the decode
+node serves the request alone, no prefill leg; else a prefill node is picked too.
+Every routed prompt is recorded in the index under the nodes that got it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Collection, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from proxy.config import ProxyConfig
 from proxy.nodes import Node, NodePool, Role
+from proxy.prefix import CHAR_BLOCK, PrefixIndex, PromptKey, TokenEstimator
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +45,8 @@ class NoHealthyNode(Exception):
 
 
 class RoutingPolicy(Protocol):
-    def choose(self, role: Role, candidates: Sequence[Node]) -> Node:
-        """Pick one of ``candidates`` (never empty)."""
+    def choose(self, role: Role, candidates: Sequence[Node], key: PromptKey | None = None) -> Node:
+        """Pick one of ``candidates`` (never empty); ``last_reason`` says why."""
         ...
 
 
@@ -36,8 +55,9 @@ class LeastOutstanding:
 
     def __init__(self) -> None:
         self._turn: dict[str, int] = {}
+        self.last_reason = "least_load"
 
-    def choose(self, role: Role, candidates: Sequence[Node]) -> Node:
+    def choose(self, role: Role, candidates: Sequence[Node], key: PromptKey | None = None) -> Node:
         least = min(n.outstanding for n in candidates)
         tied = [n for n in candidates if n.outstanding == least]
         turn = self._turn.get(role, 0)
@@ -45,17 +65,134 @@ class LeastOutstanding:
         return tied[turn % len(tied)]
 
 
+class RoundRobin:
+    """Each role's candidates in turn, whatever their load."""
+
+    def __init__(self) -> None:
+        self._turn: dict[str, int] = {}
+        self.last_reason = "round_robin"
+
+    def choose(self, role: Role, candidates: Sequence[Node], key: PromptKey | None = None) -> Node:
+        turn = self._turn.get(role, 0)
+        self._turn[role] = turn + 1
+        return candidates[turn % len(candidates)]
+
+
+class CacheAware:
+    """SGLang's cache-aware rule over the proxy's ``PrefixIndex`` (see the module doc).
+
+    ``last_reason``: ``prefix`` (longest cached prefix), ``spread`` (no node holds enough:
+    the one with the least remembered), ``load`` (imbalanced, or nothing to match)."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.5,
+    ) -> None:
+        self.index = index
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs_threshold
+        self.balance_rel = balance_rel_threshold
+        self._least = LeastOutstanding()
+        self.last_reason = "load"
+
+    def imbalanced(self, candidates: Sequence[Node]) -> bool:
+        loads = [n.outstanding for n in candidates]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.balance_abs and hi > lo * self.balance_rel
+
+    def choose(self, role: Role, candidates: Sequence[Node], key: PromptKey | None = None) -> Node:
+        if key is None or not key.hashes or self.imbalanced(candidates):
+            self.last_reason = "load"
+            return self._least.choose(role, candidates)
+        matched = [self.index.match(n.url, key) for n in candidates]
+        best = max(matched)
+        if best and best * key.block / key.length >= self.cache_threshold:
+            self.last_reason = "prefix"
+            tied = [n for n, m in zip(candidates, matched, strict=True) if m == best]
+            return self._least.choose(role, tied)
+        self.last_reason = "spread"
+        sizes = [self.index.size(n.url) for n in candidates]
+        small = min(sizes)
+        tied = [n for n, s in zip(candidates, sizes, strict=True) if s == small]
+        return self._least.choose(role, tied)
+
+
+@dataclass
+class Route:
+    """Where one attempt of a request goes."""
+
+    prefill: Node | None  # None: the decode node prefills the prompt itself
+    decode: Node
+    prompt_tokens: float | None = None  # the estimate the decision used
+    decode_cached_tokens: float | None = None  # of them, held by the decode node
+
+    @property
+    def decode_only(self) -> bool:
+        return self.prefill is None
+
+
 class Router:
-    def __init__(self, pool: NodePool, policy: RoutingPolicy | None = None) -> None:
+    def __init__(
+        self,
+        pool: NodePool,
+        policy: RoutingPolicy | None = None,
+        *,
+        index: PrefixIndex | None = None,
+        estimator: TokenEstimator | None = None,
+        disagg_min_prompt_tokens: int = 0,
+    ) -> None:
         self.pool = pool
         self.policy: RoutingPolicy = policy or LeastOutstanding()
+        self.index = index
+        self.estimator = estimator
+        self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (role, reason) -> count
+        self.modes: Counter[str] = Counter()  # "disaggregated" / "decode_only" -> count
+        if index is not None:
+            for n in pool.all():
+                n.on_reset = self._node_reset
 
-    def pick(self, role: Role, exclude: Collection[str] = ()) -> Node:
+    @classmethod
+    def from_config(cls, pool: NodePool, cfg: ProxyConfig) -> Router:
+        """The router ``--routing``, ``--disagg-min-prompt-tokens`` and their knobs ask for;
+        an index is kept when either needs one."""
+        index = None
+        if cfg.routing == "prefix" or cfg.disagg_min_prompt_tokens > 0:
+            index = PrefixIndex(max(1, cfg.prefix_max_chars // CHAR_BLOCK))
+        policy: RoutingPolicy
+        if cfg.routing == "prefix":
+            assert index is not None
+            policy = CacheAware(
+                index, cfg.cache_threshold, cfg.balance_abs_threshold, cfg.balance_rel_threshold
+            )
+        elif cfg.routing == "round_robin":
+            policy = RoundRobin()
+        else:
+            policy = LeastOutstanding()
+        return cls(
+            pool,
+            policy,
+            index=index,
+            estimator=TokenEstimator(cfg.chars_per_token),
+            disagg_min_prompt_tokens=cfg.disagg_min_prompt_tokens,
+        )
+
+    def _node_reset(self, node: Node) -> None:
+        if self.index is not None and self.index.size(node.url):
+            logger.info("%s node %s: forgetting its cached prefixes", node.role, node.url)
+            self.index.drop(node.url)
+
+    def pick(self, role: Role, exclude: Collection[str] = (), key: PromptKey | None = None) -> Node:
         ready = self.pool.ready(role)
         if not ready:
             raise NoHealthyNode(role)
         candidates = [n for n in ready if n.url not in exclude] or ready
-        return self.policy.choose(role, candidates)
+        node = self.policy.choose(role, candidates, key)
+        self.decisions[(role, getattr(self.policy, "last_reason", "least_load"))] += 1
+        return node
 
     def has_other(self, role: Role, exclude: Collection[str]) -> bool:
         """Whether a routable node of ``role`` is left outside ``exclude``."""
@@ -64,3 +201,47 @@ class Router:
     def pick_pair(self, exclude: Collection[str] = ()) -> tuple[Node, Node]:
         """A (prefill, decode) pair; excluded URLs are avoided unless nothing else is left."""
         return self.pick("prefill", exclude), self.pick("decode", exclude)
+
+    def plan(
+        self,
+        key: PromptKey | None = None,
+        exclude: Collection[str] = (),
+        *,
+        allow_decode_only: bool = True,
+    ) -> Route:
+        """The decode node, then a prefill node unless the decode node should prefill the
+        prompt itself (``--disagg-min-prompt-tokens``); raises ``NoHealthyNode``."""
+        d = self.pick("decode", exclude, key)
+        route = Route(None, d)
+        if key is not None and self.estimator is not None:
+            route.prompt_tokens = self.estimator.tokens(key)
+            held = self.index.match(d.url, key) * key.block if self.index is not None else 0
+            route.decode_cached_tokens = self.estimator.tokens(key, held)
+        n = self.disagg_min_prompt_tokens
+        short = (
+            n > 0
+            and route.prompt_tokens is not None
+            and route.prompt_tokens - (route.decode_cached_tokens or 0.0) < n
+        )
+        if not (allow_decode_only and short):
+            route.prefill = self.pick("prefill", exclude, key)
+        self.modes["decode_only" if route.decode_only else "disaggregated"] += 1
+        if self.index is not None and key is not None:
+            self.index.insert(d.url, key)
+            if route.prefill is not None:
+                self.index.insert(route.prefill.url, key)
+        return route
+
+    def answered(self, route: Route, key: PromptKey | None, suffix: Any) -> None:
+        """The decode node finished: it caches the prompt and the answer (``suffix``)."""
+        if self.index is None or key is None or not route.decode.ready or not suffix:
+            return
+        self.index.insert(route.decode.url, key.extend(suffix))
+
+    def observe_usage(self, key: PromptKey | None, body: Any) -> None:
+        """Learn characters per token from a node's answer (its ``usage.prompt_tokens``)."""
+        if key is None or self.estimator is None or not isinstance(body, dict):
+            return
+        usage = body.get("usage")
+        if isinstance(usage, dict):
+            self.estimator.observe(key, usage.get("prompt_tokens"))

@@ -17,10 +17,17 @@ A node that answers with load (429, or 503 ``overloaded``) is healthy: it stays 
 rotation, and the request moves to another node of that role that this request has not
 tried; when none is left, the client gets the node's answer and its ``Retry-After``.
 These moves are not failures and do not count against ``max_retries``.
+
+The router may send an attempt to a decode node alone (``--disagg-min-prompt-tokens``):
+it prefills the prompt itself and its answer (or stream) is the client's, as with stop
+strings. A retry after P's first token was streamed always takes a P/D pair, so that
+the first token can be checked. Answers teach the router (prompt token counts; what the
+decode node now caches).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -36,7 +43,8 @@ from engine.server.protocol import APIError, error_body
 from proxy.config import ProxyConfig
 from proxy.legs import Attempt, Legs, UpstreamError
 from proxy.metrics import ProxyMetrics
-from proxy.router import NoHealthyNode, Router
+from proxy.prefix import answer_suffix
+from proxy.router import NoHealthyNode, Route, Router
 from proxy.validation import ProxyRequest
 
 logger = logging.getLogger(__name__)
@@ -95,6 +103,7 @@ class Session:
         self.node_failures = 0
         self.excluded: set[str] = set()
         self.current: Attempt | None = None
+        self.route: Route | None = None
         # Streaming state.
         self.prestream = req.stream and not req.parsed.stop
         self.sent_ids: list[int] | None = None  # P's first token, once sent to the client
@@ -105,16 +114,23 @@ class Session:
         self.ttft_seen = False
         self.outcome = "pending"  # "ok", "error" (reported to the client) or still pending
         self._closed = False
+        # The answer streamed so far, kept when the router remembers what nodes cache.
+        self._keep_answer = router.index is not None and req.key is not None
+        self._answer_text: list[str] = []
+        self._answer_ids: list[int] = []
 
     # -- shared ----------------------------------------------------------------------------
     @property
     def response_id(self) -> str:
         return openai.response_id(self.request_id, self.req.chat)
 
-    def _launch(self) -> Attempt:
-        """Start the next pair; raises APIError 503 when no pair is healthy."""
+    def _launch(self, allow_decode_only: bool = True) -> Attempt:
+        """Start the next pair (or decode node alone); raises APIError 503 when no pair is
+        healthy."""
         try:
-            p, d = self.router.pick_pair(self.excluded)
+            route = self.router.plan(
+                self.req.key, self.excluded, allow_decode_only=allow_decode_only
+            )
         except NoHealthyNode as e:
             raise APIError(
                 f"no healthy prefill/decode pair is available: {e}",
@@ -123,14 +139,30 @@ class Session:
                 code="no_healthy_nodes",
             ) from e
         self.attempts += 1
-        skip = self.prestream and self.cfg.node_skip_first_token
+        self.route = route
+        p, d = route.prefill, route.decode
+        skip = self.prestream and self.cfg.node_skip_first_token and p is not None
         self.current = Attempt(self.legs, self.req, p, d, self.request_id, skip)
-        logger.info(
-            "request %s: %s via prefill %s + decode %s (attempt %d, transfer %s)",
-            self.request_id, self.req.endpoint, p.url, d.url, self.attempts,
-            self.current.transfer_id,
-        )  # fmt: skip
+        if p is not None:
+            logger.info(
+                "request %s: %s via prefill %s + decode %s (attempt %d, transfer %s)",
+                self.request_id, self.req.endpoint, p.url, d.url, self.attempts,
+                self.current.transfer_id,
+            )  # fmt: skip
+        else:
+            logger.info(
+                "request %s: %s on decode %s alone, prompt ~%.0f tokens, ~%.0f cached there "
+                "(attempt %d, transfer %s)",
+                self.request_id, self.req.endpoint, d.url, route.prompt_tokens or 0,
+                route.decode_cached_tokens or 0, self.attempts, self.current.transfer_id,
+            )  # fmt: skip
         return self.current
+
+    def _answered(self, text: str, ids: list[int]) -> None:
+        """The decode node finished the answer: tell the router what it now caches."""
+        if self.route is not None and self.req.key is not None:
+            suffix = answer_suffix(self.req.key, text, ids)
+            self.router.answered(self.route, self.req.key, suffix)
 
     def _failed(self, attempt: Attempt, err: UpstreamError) -> None:
         """Clean up a failed pair; raise unless another attempt is allowed."""
@@ -201,6 +233,12 @@ class Session:
             body.pop("kv_transfer_params", None)
             body["id"] = self.response_id
             self.outcome = "ok"
+            self.router.observe_usage(self.req.key, body)
+            if self._keep_answer:
+                with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
+                    choice = body["choices"][0]
+                    text = choice["message"]["content"] if self.req.chat else choice["text"]
+                    self._answered(text or "", list(choice.get("token_ids") or []))
             return body
 
     # -- streaming -------------------------------------------------------------------------
@@ -209,7 +247,7 @@ class Session:
         while True:
             attempt = self._launch()
             try:
-                if self.prestream:
+                if self.prestream and not attempt.decode_only:
                     first = await attempt.wait_prefill()
                     self.first_chunk = self._first_chunk(first)
                 else:
@@ -229,12 +267,14 @@ class Session:
 
     def _first_chunk(self, p_body: dict[str, Any]) -> str:
         ids, text = self._first_tokens(p_body)
+        self.router.observe_usage(self.req.key, p_body)
         self._saw_first_token()
         self.model = p_body.get("model") or self.model
         if "\ufffd" in text and not self.cfg.node_skip_first_token:
             text = ""  # an incomplete UTF-8 sequence: let D's text carry the character
         self.sent_ids = ids
         self._skip = _Skipper(0, "") if self.cfg.node_skip_first_token else _Skipper(len(ids), text)
+        self._keep(ids, text)
         choice: dict[str, Any] = {"index": 0}
         if self.req.chat:
             choice["delta"] = {"role": "assistant", "content": text}
@@ -243,6 +283,12 @@ class Session:
             choice["text"] = text
         choice.update(logprobs=None, finish_reason=None, token_ids=ids)
         return sse_event(self._envelope([choice], usage=True))
+
+    def _keep(self, ids: list[int], text: str) -> None:
+        if self._keep_answer:
+            self._answer_ids.extend(ids)
+            if text:
+                self._answer_text.append(text)
 
     def _envelope(self, choices: list[dict[str, Any]], usage: bool) -> dict[str, Any]:
         body = openai.envelope(
@@ -255,7 +301,7 @@ class Session:
     async def _reopen_after_first_token(self) -> httpx.Response:
         """D failed after P's token was streamed: rerun a pair that agrees on that token."""
         while True:
-            attempt = self._launch()
+            attempt = self._launch(allow_decode_only=False)
             try:
                 first = await attempt.wait_prefill()
                 ids, _ = self._first_tokens(first)
@@ -295,6 +341,8 @@ class Session:
                     self.outcome = "error"
                     yield sse_event(obj)
                     break
+                if isinstance(obj.get("usage"), dict):
+                    self.router.observe_usage(self.req.key, obj)
                 out = self._rewrite(obj)
                 if out is None:
                     continue
@@ -309,6 +357,8 @@ class Session:
                 assert self.current is not None
                 self.current.finished = True
                 self.outcome = "ok"
+                if self._keep_answer:
+                    self._answered("".join(self._answer_text), self._answer_ids)
             elif self.outcome == "error":
                 pass  # D's error event was forwarded
             else:
@@ -346,6 +396,7 @@ class Session:
             text = c.get("text") or ""
         ids, text = self._skip.apply(ids, text)
         c["token_ids"] = ids
+        self._keep(ids, text)
         role_added = False
         if self.req.chat:
             if self.role_sent:

@@ -4,12 +4,12 @@ The field-level validation is the node's own (``engine.server.protocol``), impor
 the proxy and the nodes accept exactly the same requests. On top of it the proxy checks
 what it can without a tokenizer: the model name and ``max_tokens`` against the context
 length (the prompt's own length is checked by the nodes, which answer 400 and are not
-retried).
+retried). The prompt's ``PromptKey`` (``proxy/prefix.py``) is computed here too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.server.protocol import (
@@ -20,6 +20,7 @@ from engine.server.protocol import (
     parse_completion_request,
     parse_json_body,
 )
+from proxy.prefix import PromptKey, prompt_key
 
 COMPLETIONS = "completions"
 CHAT = "chat"
@@ -32,6 +33,7 @@ class ProxyRequest:
     endpoint: str  # COMPLETIONS or CHAT
     body: dict[str, Any]
     parsed: BaseRequest
+    key: PromptKey | None = field(default=None, repr=False)  # for prefix-aware routing
 
     @property
     def chat(self) -> bool:
@@ -79,4 +81,5 @@ def validate_request(
             param=name,
             code="context_length_exceeded",
         )
-    return ProxyRequest(endpoint, body, parsed)
+    # Hashed here, off the event loop (a prompt may be megabytes).
+    return ProxyRequest(endpoint, body, parsed, prompt_key(parsed))

@@ -1,0 +1,184 @@
+"""What the proxy remembers of the prompts it sent to each node, for prefix-aware routing.
+
+The proxy has no tokenizer, so it keys prompts by their text (SGLang's router does the
+same with a character radix tree): a completion's prompt text, a chat's messages
+serialized role by role (appending a turn extends the key, as it extends the rendered
+prompt), or a prompt of token ids as ids. Asking a node's ``/tokenize`` would give the
+engine's own block hashes, but costs a round trip and a node's CPU on every request
+before it can be routed; the text is free and a shared text prefix is a shared token
+prefix up to the last token of the shared part.
+
+A key is cut into blocks of ``CHAR_BLOCK`` characters (``ID_BLOCK`` ids) and each full
+block gets a hash chained with its predecessor's, as the engine's prefix cache hashes
+full KV blocks (``engine/core/kv_cache_manager.py``): block *i*'s hash stands for the
+whole prefix up to it, and a partial last block is never matched. ``PrefixIndex`` keeps,
+per node, the hashes of what was routed there in LRU order with a cap; a prompt's
+blocks are touched last block first, so a prefix is always more recent than its
+extensions and eviction trims prompts from their ends, never leaves a hole in a chain.
+A node that goes out of rotation or restarts loses its entries (``drop``).
+
+``TokenEstimator`` turns characters into prompt tokens for ``--disagg-min-prompt-tokens``:
+``--chars-per-token`` at first, then learned (a moving average) from the
+``usage.prompt_tokens`` the nodes answer with.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.server.protocol import BaseRequest, ChatCompletionRequest, CompletionRequest
+
+CHAR_BLOCK = 64  # characters per block of a text key (about 16 tokens of English)
+ID_BLOCK = 16  # token ids per block of an ids key (the engine's default --block-size)
+KINDS = ("text", "chat", "ids")
+
+
+def _chat_text(messages: Sequence[dict[str, Any]]) -> str:
+    """Messages as one string; a conversation with one more turn extends it."""
+    return "".join(f"\x1e{m.get('role', '')}\x1f{m.get('content', '')}" for m in messages)
+
+
+@dataclass(frozen=True)
+class PromptKey:
+    """A prompt as the index sees it: its kind, length and the chained block hashes."""
+
+    kind: str  # "text" (a completion prompt), "chat" (messages) or "ids" (token ids)
+    length: int  # characters ("ids": token ids)
+    hashes: tuple[int, ...]  # one per full block
+    tail: str | tuple[int, ...]  # what follows the last full block (for ``extend``)
+
+    @property
+    def block(self) -> int:
+        return ID_BLOCK if self.kind == "ids" else CHAR_BLOCK
+
+    @classmethod
+    def of(cls, kind: str, seq: str | Sequence[int]) -> PromptKey:
+        if kind == "ids":
+            seq = tuple(seq)
+        return _chain(kind, hash(kind), (), seq, 0)
+
+    def extend(self, more: str | Sequence[int]) -> PromptKey:
+        """The key of this prompt followed by ``more`` (e.g. the answer, which the
+        decode node caches too)."""
+        if self.kind == "ids":
+            more = tuple(more)
+        elif not isinstance(more, str):
+            raise TypeError("a text key extends with text")
+        parent = self.hashes[-1] if self.hashes else hash(self.kind)
+        seq = self.tail + more  # type: ignore[operator]
+        return _chain(self.kind, parent, self.hashes, seq, self.length - len(self.tail))
+
+
+def _chain(kind: str, parent: int, hashes: tuple[int, ...], seq: Any, done: int) -> PromptKey:
+    b = ID_BLOCK if kind == "ids" else CHAR_BLOCK
+    full = len(seq) // b
+    out = list(hashes)
+    for i in range(full):
+        parent = hash((parent, seq[i * b : (i + 1) * b]))
+        out.append(parent)
+    return PromptKey(kind, done + len(seq), tuple(out), seq[full * b :])
+
+
+def prompt_key(parsed: BaseRequest) -> PromptKey:
+    """The key of a validated completion or chat request."""
+    if isinstance(parsed, ChatCompletionRequest):
+        return PromptKey.of("chat", _chat_text(parsed.messages))
+    assert isinstance(parsed, CompletionRequest)
+    if parsed.prompt_token_ids is not None:
+        return PromptKey.of("ids", parsed.prompt_token_ids)
+    return PromptKey.of("text", parsed.prompt_text or "")
+
+
+def answer_suffix(key: PromptKey, text: str, token_ids: Sequence[int]) -> str | Sequence[int]:
+    """What an answer appends to ``key`` in the next request of the same conversation."""
+    if key.kind == "ids":
+        return token_ids
+    if key.kind == "chat":
+        return _chat_text([{"role": "assistant", "content": text}])
+    return text
+
+
+class PrefixIndex:
+    """Per node, the block hashes of the prompts routed to it: LRU, at most
+    ``max_blocks`` per node."""
+
+    def __init__(self, max_blocks: int) -> None:
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be >= 1")
+        self.max_blocks = max_blocks
+        self._nodes: dict[str, OrderedDict[int, None]] = {}
+        self.evicted_total = 0
+
+    def match(self, url: str, key: PromptKey) -> int:
+        """How many leading blocks of ``key`` ``url`` holds, as far as the proxy knows."""
+        blocks = self._nodes.get(url)
+        if not blocks:
+            return 0
+        n = 0
+        for h in key.hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, url: str, key: PromptKey) -> None:
+        """Record that ``url`` computed (or received) ``key``'s blocks."""
+        if not key.hashes:
+            return
+        blocks = self._nodes.get(url)
+        if blocks is None:
+            blocks = self._nodes[url] = OrderedDict()
+        # Last block first: the prefix ends up most recent, so it is evicted last.
+        for h in reversed(key.hashes):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        over = len(blocks) - self.max_blocks
+        for _ in range(over):
+            blocks.popitem(last=False)
+        if over > 0:
+            self.evicted_total += over
+
+    def drop(self, url: str) -> None:
+        """Forget everything about ``url`` (it restarted, or its cache is unknown)."""
+        self._nodes.pop(url, None)
+
+    def size(self, url: str) -> int:
+        """Blocks remembered for ``url``."""
+        blocks = self._nodes.get(url)
+        return len(blocks) if blocks else 0
+
+    def total(self) -> int:
+        return sum(len(b) for b in self._nodes.values())
+
+
+class TokenEstimator:
+    """Prompt tokens of a key: exact for ids, else characters / characters-per-token,
+    the ratio learned per kind from the prompt token counts nodes report."""
+
+    ALPHA = 0.2  # weight of a new observation in the moving average
+
+    def __init__(self, chars_per_token: float) -> None:
+        self.ratio = {"text": chars_per_token, "chat": chars_per_token}
+        self.observed = {"text": 0, "chat": 0}
+
+    def tokens(self, key: PromptKey, units: int | None = None) -> float:
+        """Tokens of ``units`` characters of ``key`` (default: all of it)."""
+        n = key.length if units is None else units
+        return float(n) if key.kind == "ids" else n / self.ratio[key.kind]
+
+    def observe(self, key: PromptKey, prompt_tokens: Any) -> None:
+        """A node reported ``prompt_tokens`` for the prompt of ``key``."""
+        if key.kind == "ids" or not isinstance(prompt_tokens, int) or prompt_tokens <= 0:
+            return
+        r = min(max(key.length / prompt_tokens, 0.05), 100.0)
+        kind = key.kind
+        if self.observed[kind] == 0:
+            self.ratio[kind] = r
+        else:
+            self.ratio[kind] += self.ALPHA * (r - self.ratio[kind])
+        self.observed[kind] += 1

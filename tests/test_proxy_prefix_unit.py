@@ -1,0 +1,270 @@
+"""Prefix-aware routing and conditional disaggregation without processes: the prompt
+keys, the per-node prefix index (bounded, LRU, dropped on reset), the token estimate,
+the cache-aware policy and the router's decode-only decision."""
+
+from __future__ import annotations
+
+import argparse
+import tracemalloc
+
+import pytest
+
+from engine.server.protocol import parse_chat_request, parse_completion_request
+from proxy.config import ProxyConfig, ProxyConfigError, add_proxy_args, config_from_sources
+from proxy.nodes import NodePool
+from proxy.prefix import (
+    CHAR_BLOCK,
+    ID_BLOCK,
+    PrefixIndex,
+    PromptKey,
+    TokenEstimator,
+    answer_suffix,
+    prompt_key,
+)
+from proxy.router import CacheAware, LeastOutstanding, RoundRobin, Router
+
+P, D = "http://10.0.0.1:8100", "http://10.0.0.2:8200"
+LONG = "".join(f"word{i} " for i in range(200))  # ~1,400 characters
+
+
+def _cfg(*argv: str) -> ProxyConfig:
+    parser = argparse.ArgumentParser()
+    add_proxy_args(parser)
+    return config_from_sources(parser.parse_args(["--prefill", P, "--decode", D, *argv]), {})
+
+
+def _pool(n_p: int, n_d: int) -> NodePool:
+    pool = NodePool(
+        tuple(f"http://p{i}:1" for i in range(n_p)), tuple(f"http://d{i}:1" for i in range(n_d))
+    )
+    for n in pool.all():
+        n.model, n.side_channel = "tiny", "tcp://x:1"
+        n.set_healthy(True)
+    return pool
+
+
+def _text(s: str) -> PromptKey:
+    return PromptKey.of("text", s)
+
+
+# -- keys --------------------------------------------------------------------------------------
+
+
+def test_keys_share_blocks_exactly_as_far_as_the_text_does() -> None:
+    a, b = _text(LONG + "first question"), _text(LONG + "second one")
+    shared = len(LONG) // CHAR_BLOCK
+    assert a.hashes[:shared] == b.hashes[:shared]
+    assert a.hashes[shared:] != b.hashes[shared:] or len(a.hashes) == shared
+    assert len(a.hashes) == a.length // CHAR_BLOCK and a.length == len(LONG) + 14
+    # A short prompt has no full block: nothing to match.
+    assert _text("Hello").hashes == ()
+    # Extending a key equals keying the concatenation (what an answer appends).
+    assert _text(LONG).extend("tail " * 40) == _text(LONG + "tail " * 40)
+    ids = list(range(100))
+    assert PromptKey.of("ids", ids[:40]).extend(ids[40:]) == PromptKey.of("ids", ids)
+    assert len(PromptKey.of("ids", ids).hashes) == 100 // ID_BLOCK
+    # Kinds never share blocks, even with the same content.
+    assert _text("x" * 200).hashes[0] != PromptKey.of("chat", "x" * 200).hashes[0]
+
+
+def test_prompt_keys_of_requests() -> None:
+    comp = parse_completion_request({"prompt": LONG})
+    assert prompt_key(comp) == _text(LONG)
+    ids = parse_completion_request({"prompt": list(range(50))})
+    assert prompt_key(ids).kind == "ids" and prompt_key(ids).length == 50
+    turn1 = [{"role": "system", "content": LONG}, {"role": "user", "content": "hi"}]
+    k1 = prompt_key(parse_chat_request({"messages": turn1}))
+    turn2 = [*turn1, {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "more"}]  # fmt: skip
+    k2 = prompt_key(parse_chat_request({"messages": turn2}))
+    assert k1.kind == "chat" and k2.hashes[: len(k1.hashes)] == k1.hashes
+    # The answer suffix continues the conversation's key.
+    grown = k1.extend(answer_suffix(k1, "hello there", [1, 2]))
+    assert k2.hashes[: len(grown.hashes)] == grown.hashes
+    assert answer_suffix(prompt_key(ids), "x", [7, 8]) == [7, 8]
+
+
+# -- the index ---------------------------------------------------------------------------------
+
+
+def test_index_matches_longest_prefix_per_node() -> None:
+    idx = PrefixIndex(max_blocks=1000)
+    a = _text(LONG + "question one")
+    idx.insert("p0", a)
+    b = _text(LONG + "another question")
+    assert idx.match("p0", b) == len(LONG) // CHAR_BLOCK
+    assert idx.match("p1", b) == 0
+    assert idx.match("p0", a) == len(a.hashes)
+    assert idx.match("p0", _text("something else entirely " * 10)) == 0
+    idx.drop("p0")
+    assert idx.match("p0", a) == 0 and idx.size("p0") == 0
+
+
+def test_index_memory_is_bounded_and_evicts_prompt_ends_first() -> None:
+    cap = 50
+    idx = PrefixIndex(max_blocks=cap)
+    hot = _text("H" * CHAR_BLOCK * 10)  # 10 blocks, used again and again
+    for i in range(400):
+        idx.insert("n", _text(f"{i:08d}" * (CHAR_BLOCK // 8) * 8))  # 8 fresh blocks
+        assert idx.size("n") <= cap
+        if i % 3 == 0:
+            idx.insert("n", hot)
+    assert idx.size("n") == cap and idx.evicted_total > 0
+    # The hot prompt is recent enough to be whole; a prompt's surviving part is always a
+    # prefix (eviction trims ends, never leaves a hole).
+    assert idx.match("n", hot) == 10
+    for i in range(390, 400):
+        key = _text(f"{i:08d}" * (CHAR_BLOCK // 8) * 8)
+        held = [h in idx._nodes["n"] for h in key.hashes]
+        assert held == sorted(held, reverse=True), held
+    # A prompt longer than the cap keeps its first blocks.
+    huge = _text("".join(f"{i:07d}," for i in range(cap * CHAR_BLOCK)))
+    idx.insert("m", huge)
+    assert idx.size("m") == cap and idx.match("m", huge) == cap
+
+
+def test_index_memory_per_block_is_small() -> None:
+    """What --prefix-max-chars costs: measured bytes per remembered block."""
+    idx = PrefixIndex(max_blocks=20_000)
+    keys = [_text(f"{i:06d}" * 11 * 20) for i in range(1000)]  # 20 blocks each
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for k in keys:
+        idx.insert("n", k)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    per_block = used / idx.size("n")
+    assert idx.size("n") == 20_000
+    assert per_block < 200, per_block  # default cap: 65,536 blocks per node, ~ a few MB
+
+
+def test_estimator_learns_characters_per_token() -> None:
+    est = TokenEstimator(4.0)
+    k = _text("x" * 400)
+    assert est.tokens(k) == 100
+    est.observe(k, 400)  # the first answer replaces the prior
+    assert est.ratio["text"] == pytest.approx(1.0) and est.tokens(k) == pytest.approx(400)
+    est.observe(k, 200)  # later ones move the average
+    assert 1.0 < est.ratio["text"] < 2.0
+    est.observe(k, None)
+    est.observe(k, 0)
+    assert est.observed["text"] == 2 and est.ratio["chat"] == 4.0
+    ids = PromptKey.of("ids", list(range(33)))
+    assert est.tokens(ids) == 33 and est.tokens(ids, 16) == 16
+
+
+# -- policies ----------------------------------------------------------------------------------
+
+
+def test_cache_aware_follows_prefixes_spreads_new_ones_and_yields_to_load() -> None:
+    pool = _pool(2, 1)
+    idx = PrefixIndex(10_000)
+    policy = CacheAware(
+        idx, cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5
+    )
+    router = Router(pool, policy, index=idx, estimator=TokenEstimator(4.0))
+    a1, a2 = _text("A" * 1000 + " q1"), _text("A" * 1000 + " another")
+    b1, b2 = _text("B" * 1000 + " q1"), _text("B" * 1000 + " another")
+    first = router.plan(a1).prefill
+    assert first is not None
+    assert router.plan(b1).prefill is not first and policy.last_reason == "spread"
+    assert router.plan(a2).prefill is first and policy.last_reason == "prefix"
+    assert router.plan(b2).prefill is not first and policy.last_reason == "prefix"
+    # A small shared part (below --cache-threshold) does not bind: the smaller index wins.
+    idx.insert(first.url, _text("C" * 5000))
+    c = _text("A" * 200 + "D" * 2000)
+    assert router.plan(c).prefill is not first and policy.last_reason == "spread"
+    other = next(n for n in pool.prefill if n is not first)
+    other.outstanding = 4  # busier, but within the absolute threshold: cache affinity
+    assert router.plan(b2).prefill is other and policy.last_reason == "prefix"
+    # Imbalanced (max - min > 4 and max > 1.5 x min): the least loaded node wins.
+    other.outstanding = 10
+    assert router.plan(b2).prefill is first and policy.last_reason == "load"
+    assert router.decisions[("prefill", "prefix")] >= 3
+    assert router.decisions[("prefill", "load")] == 1
+
+
+def test_round_robin_ignores_load() -> None:
+    pool = _pool(3, 1)
+    router = Router(pool, RoundRobin())
+    pool.prefill[0].outstanding = 100
+    assert [router.pick("prefill").url for _ in range(3)] == [n.url for n in pool.prefill]
+
+
+def test_nodes_that_leave_or_restart_lose_their_prefixes() -> None:
+    pool = _pool(2, 1)
+    router = Router.from_config(pool, _cfg("--routing", "prefix"))
+    assert isinstance(router.policy, CacheAware) and router.index is not None
+    for n in pool.all():
+        router.index.insert(n.url, _text(LONG))
+    p0, p1 = pool.prefill
+    p0.mark_failed("boom")
+    assert router.index.size(p0.url) == 0 and router.index.size(p1.url) > 0
+    p1.update_info({"incarnation": "a", "side_channel": "tcp://x:1"}, None)
+    assert router.index.size(p1.url) > 0  # first incarnation seen: nothing to forget
+    p1.update_info({"incarnation": "b", "side_channel": "tcp://x:1"}, None)
+    assert router.index.size(p1.url) == 0  # restarted
+    assert router.index.size(pool.decode[0].url) > 0
+
+
+# -- conditional disaggregation ----------------------------------------------------------------
+
+
+def test_short_prompts_and_prompts_the_decode_node_holds_skip_the_prefill_node() -> None:
+    pool = _pool(1, 2)
+    router = Router.from_config(pool, _cfg("--disagg-min-prompt-tokens", "64"))
+    assert isinstance(router.policy, LeastOutstanding) and router.index is not None
+    short = router.plan(_text("Hello there"))
+    assert short.decode_only and short.prompt_tokens == pytest.approx(11 / 4)
+    long_key = _text(LONG)
+    first = router.plan(long_key)
+    assert first.prefill is pool.prefill[0] and first.decode_cached_tokens == 0
+    router.estimator.observe(long_key, len(LONG))  # type: ignore[union-attr]  # 1 char/token
+    # The same decode node (least load ties rotate, so pin it) holds LONG now: a short
+    # continuation is prefilled there; on the other decode node it is not.
+    d = first.decode
+    other = next(n for n in pool.decode if n is not d)
+    longer = _text(LONG + "and a short follow-up")
+    other.outstanding = 1
+    cont = router.plan(longer)
+    assert cont.decode is d and cont.decode_only
+    assert cont.decode_cached_tokens == pytest.approx(len(LONG) // CHAR_BLOCK * CHAR_BLOCK)
+    other.outstanding, d.outstanding = 0, 1
+    assert router.plan(longer).prefill is not None
+    # A retry after P's first token was streamed always gets a prefill node.
+    assert router.plan(_text("Hi"), allow_decode_only=False).prefill is not None
+    # What the decode node answered extends what it holds (next turn of the conversation).
+    d.outstanding = other.outstanding = 0
+    router.answered(cont, longer, "x" * 300)
+    assert router.index.match(d.url, _text(LONG + "and a short follow-up" + "x" * 300)) == (
+        len(LONG + "and a short follow-up" + "x" * 300) // CHAR_BLOCK
+    )
+    assert router.modes["decode_only"] == 2 and router.modes["disaggregated"] == 3
+
+
+def test_disabled_by_default() -> None:
+    cfg = _cfg()
+    assert (cfg.routing, cfg.disagg_min_prompt_tokens) == ("least_load", 0)
+    router = Router.from_config(_pool(1, 1), cfg)
+    assert router.index is None and router.plan(_text("Hi")).prefill is not None
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--routing", "random"], None),  # argparse refuses it (exit 2)
+        (["--cache-threshold", "1.5"], "--cache-threshold"),
+        (["--balance-rel-threshold", "0.5"], "--balance-rel-threshold"),
+        (["--prefix-max-chars", "10"], "--prefix-max-chars"),
+        (["--disagg-min-prompt-tokens", "-1"], "--disagg-min-prompt-tokens"),
+        (["--chars-per-token", "0"], "--chars-per-token"),
+    ],
+)
+def test_bad_routing_flags_name_the_flag(argv: list[str], flag: str | None) -> None:
+    if flag is None:
+        with pytest.raises(SystemExit):
+            _cfg(*argv)
+        with pytest.raises(ProxyConfigError, match="--routing"):
+            config_from_sources(argparse.Namespace(), {"PDPROXY_PREFILL": P, "PDPROXY_DECODE": D, "PDPROXY_ROUTING": "random"})  # fmt: skip
+        return
+    with pytest.raises(ProxyConfigError, match=flag):
+        _cfg(*argv)
