@@ -211,6 +211,14 @@ class KVTransferConfig:
     kv_role: Literal["both", "producer", "consumer"] = field(
         default="both", metadata={"help": "producer (prefill), consumer (decode) or both"}
     )
+    kv_transport: Literal["nixl", "ucxx"] = field(
+        default="nixl",
+        metadata={
+            "help": "library moving KV blocks between P and D ranks: nixl (NIXL WRITE over "
+            "UCX) or ucxx (UCXX tagged messages, for deployments without NIXL; needs "
+            "pip install -e '.[ucxx]'); P and D must use the same one"
+        },
+    )
     side_channel_host: str = field(
         default="127.0.0.1", metadata={"help": "address the side channel binds/advertises"}
     )
@@ -261,6 +269,14 @@ class KVTransferConfig:
         require(0 <= self.side_channel_port < 65536, "side_channel_port", "must be in [0, 65535]")
         require(self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0 seconds")
         require(self.peer_ping_interval >= 0, "peer_ping_interval", "must be >= 0 seconds")
+        if self.kv_connector == "nixl" and self.kv_transport == "ucxx":
+            import importlib.util
+
+            require(
+                importlib.util.find_spec("ucxx") is not None,
+                "kv_transport",
+                "ucxx is not installed: pip install -e '.[ucxx]' (or use --kv-transport nixl)",
+            )
         from kvconnector.nixl.peers import PeerAllowlist
 
         try:

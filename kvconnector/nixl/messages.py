@@ -72,12 +72,17 @@ import msgpack
 #      model's, each side's TP must divide it or be a multiple of it); rank metadata
 #      carries ``num_layers``/``num_heads``; the notif gained ``hs`` (the D-rank head
 #      slice ``[first, count]`` its checksums cover, or null for whole blocks).
-CONNECTOR_VERSION = 4
+#   5  ``kv_transport`` (``nixl`` or ``ucxx``, ``--kv-transport``) in the compatibility info,
+#      compared right after the version: a NIXL rank cannot talk to a UCXX rank; rank
+#      metadata of the ucxx transport says ``library: ucxx`` and carries its UCX worker
+#      address instead of NIXL agent metadata.
+CONNECTOR_VERSION = 5
 LAYOUT = "block,layer,kv,head,token,dim"
 
 # Compared in this order; the first difference is the error message.
 COMPAT_KEYS = (
     "connector_version",
+    "kv_transport",
     "layout",
     "model",
     "num_layers",
@@ -113,7 +118,8 @@ def check_compat(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
     """None when compatible, else a message naming the first mismatch."""
     for key in COMPAT_KEYS:
         if local.get(key) != remote.get(key):
-            return f"{key} mismatch: this node has {local.get(key)!r}, the peer has {remote.get(key)!r}"
+            hint = " (start both with the same --kv-transport)" if key == "kv_transport" else ""
+            return f"{key} mismatch: this node has {local.get(key)!r}, the peer has {remote.get(key)!r}{hint}"
     return None
 
 

@@ -96,6 +96,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.model_kv_heads = load_arch_config(config.model.model).num_key_value_heads
         self.compat = {
             "connector_version": CONNECTOR_VERSION,
+            "kv_transport": kvc.kv_transport,  # nixl or ucxx: both sides use the same
             "layout": LAYOUT,
             "model": model_fingerprint(config.model.model, config.model.seed),
             "num_layers": kv_spec.num_layers,
@@ -168,7 +169,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def transport_info(self) -> dict[str, Any]:
         """Which transport this node uses, so that a silent fallback to TCP is visible."""
         return {
-            "library": "nixl",
+            "library": self.config.kv_transfer.kv_transport,
             "backend": "UCX",
             "mem_type": self._ranks[0].get("mem_type") if self._ranks else None,
             "UCX_TLS": os.environ.get("UCX_TLS", "(UCX default: all available)"),

@@ -65,7 +65,12 @@ class NixlConnectorWorker(KVConnectorWorker):
     def register_kv_caches(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:
         self._kv_cache = kv_cache
         name = f"{self.config.kv_transfer.engine_id}-{uuid.uuid4().hex[:8]}-tp{self.rank}"
-        self.transport = NixlTransport(
+        make: Any = NixlTransport
+        if self.config.kv_transfer.kv_transport == "ucxx":  # --kv-transport: same calls
+            from kvconnector.nixl.transport_ucxx import UcxxTransport
+
+            make = UcxxTransport
+        self.transport = make(
             name,
             kv_cache,
             spec.block_bytes,
