@@ -104,6 +104,12 @@ def test_serve_helpers_without_a_server():
     assert len({p.prompt[0] for p in make_prompts(20, 16, "ids", (3, 256), 2)}) > 1
     text = make_prompts(2, 5, "text", (3, 256), seed=1)
     assert all(isinstance(p.prompt, str) and len(p.prompt.split()) == 5 for p in text)
+    shared = make_prompts(6, 16, "ids", (3, 256), 1, prefix_len=10, num_prefixes=2)
+    assert all(len(p.prompt) == 16 for p in shared)
+    assert [p.prompt[:10] for p in shared[::2]] == [shared[0].prompt[:10]] * 3
+    assert shared[0].prompt[:10] != shared[1].prompt[:10] and shared[0] != shared[2]
+    words = make_prompts(4, 8, "text", (3, 256), 1, prefix_len=6, num_prefixes=1)
+    assert len({" ".join(p.prompt.split()[:6]) for p in words}) == 1
     assert arrival_delays(4, math.inf, 0) == [0.0] * 4
     d = arrival_delays(2000, 100.0, 0)
     assert d == sorted(d) and d[-1] / 2000 == pytest.approx(0.01, rel=0.1)

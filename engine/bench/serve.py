@@ -70,6 +70,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", type=int, default=1024, help="prompt length (default: 1024)")
     g.add_argument("--output-len", type=int, default=64, help="max_tokens (default: 64)")
     g.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="the first N tokens (words) of prompt i are shared prefix i mod --num-prefixes "
+        "(prefix-cache hits; default: 0, every prompt differs from its first token on)",
+    )
+    g.add_argument(
+        "--num-prefixes", type=int, default=1, help="shared prefixes to draw from (default: 1)"
+    )
+    g.add_argument(
         "--prompt-type",
         choices=["ids", "text"],
         default="ids",
@@ -109,17 +119,29 @@ class Prompt:
 
 
 def make_prompts(
-    n: int, input_len: int, kind: str, id_range: tuple[int, int], seed: int
+    n: int,
+    input_len: int,
+    kind: str,
+    id_range: tuple[int, int],
+    seed: int,
+    prefix_len: int = 0,
+    num_prefixes: int = 1,
 ) -> list[Prompt]:
-    """Random prompts, different from their first token on (no prefix-cache hits)."""
+    """Random prompts, different from their first token on (no prefix-cache hits), except
+    that prompt i starts with shared prefix i mod ``num_prefixes`` of ``prefix_len``."""
     rng = random.Random(seed)
     lo, hi = id_range
-    out = []
-    for _ in range(n):
+
+    def draw(k: int) -> list[Any]:
         if kind == "ids":
-            out.append(Prompt([rng.randrange(lo, hi) for _ in range(input_len)], input_len))
-        else:
-            out.append(Prompt(" ".join(rng.choice(WORDS) for _ in range(input_len)), input_len))
+            return [rng.randrange(lo, hi) for _ in range(k)]
+        return [rng.choice(WORDS) for _ in range(k)]
+
+    prefixes = [draw(prefix_len) for _ in range(num_prefixes)] if prefix_len else [[]]
+    out = []
+    for i in range(n):
+        toks = prefixes[i % len(prefixes)] + draw(input_len - prefix_len)
+        out.append(Prompt(toks if kind == "ids" else " ".join(toks), input_len))
     return out
 
 
@@ -282,16 +304,18 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[ServeSummary, list[Re
     limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=conc + 4)
     timeout = httpx.Timeout(args.timeout, connect=min(30.0, args.timeout))
     kind = "text" if args.endpoint.rstrip("/").endswith("chat/completions") else args.prompt_type
+    shared = (args.shared_prefix_len, args.num_prefixes)
     prompts = make_prompts(
-        args.num_prompts, args.input_len, kind, tuple(args.token_id_range), args.seed
+        args.num_prompts, args.input_len, kind, tuple(args.token_id_range), args.seed, *shared
     )
     delays = arrival_delays(args.num_prompts, args.request_rate, args.seed)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = args.model or await get_model(client, base)
         args.model = model
-        warm = make_prompts(
-            args.num_warmup, args.input_len, kind, tuple(args.token_id_range), args.seed + 10_007
-        )
+        warm = make_prompts(  # other prefixes: the warm-up warms no prefix cache
+            args.num_warmup, args.input_len, kind, tuple(args.token_id_range), args.seed + 10_007,
+            *shared,
+        )  # fmt: skip
         for i, p in enumerate(warm):
             r = await send_one(client, url, request_body(args, model, p), p, args.timeout)
             if not r.ok:
@@ -361,6 +385,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--request-rate must be > 0 (inf: all at once)")
     if args.input_len < 1 or args.output_len < 1:
         parser.error("--input-len and --output-len must be >= 1")
+    if not 0 <= args.shared_prefix_len <= args.input_len or args.num_prefixes < 1:
+        parser.error("--shared-prefix-len must be in [0, --input-len], --num-prefixes >= 1")
     lo, hi = args.token_id_range
     if not 0 <= lo < hi:
         parser.error("--token-id-range: need 0 <= LO < HI")
