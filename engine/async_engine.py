@@ -20,7 +20,6 @@ finds requests by engine id, label or transfer id (the ``/v1/abort`` endpoint).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -68,15 +67,9 @@ class _Stream:
             and isinstance(tail, RequestOutput)
             and not tail.finished
         ):
-            tail.new_token_ids.extend(item.new_token_ids)
-            tail.finished, tail.finish_reason, tail.error = (
-                item.finished, item.finish_reason, item.error,
-            )  # fmt: skip
-            tail.num_prompt_tokens = item.num_prompt_tokens
-            tail.num_output_tokens = item.num_output_tokens
-            tail.kv_transfer_params = item.kv_transfer_params or tail.kv_transfer_params
-        elif isinstance(item, RequestOutput):  # a copy: merging extends its token list
-            self._items.append(dataclasses.replace(item, new_token_ids=list(item.new_token_ids)))
+            tail.merge(item)
+        elif isinstance(item, RequestOutput):  # a copy: merging extends its lists
+            self._items.append(item.copy())
         else:
             self._items.append(item)
         self._ready.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -9,6 +10,25 @@ if TYPE_CHECKING:
     from kvconnector.params import KVTransferParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log probabilities at one position, computed from the logits the token was sampled
+    from (``log_softmax`` of the model's logits: before temperature, top-k/top-p and
+    ``min_tokens`` masking, vLLM's default ``raw_logprobs``): the token's own, and the
+    ``len(top_ids)`` most likely tokens, most likely first."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+# One entry per token; None where this engine did not compute it: the first prompt token
+# (nothing predicts it), or -- on a P/D decode node -- what the prefill node computed (the
+# prompt, and the first token, which arrived with the KV).
+Logprobs = list[TokenLogprob | None]
 
 
 @dataclass
@@ -22,3 +42,32 @@ class RequestOutput:
     num_output_tokens: int = 0
     # Set on the prefill side when the request finished with KV held for a decode node.
     kv_transfer_params: KVTransferParams | None = None
+    # With ``SamplingParams.logprobs``: one entry per new token (else None).
+    new_logprobs: Logprobs | None = None
+    # With ``SamplingParams.prompt_logprobs``: one entry per prompt token, in the first
+    # output that carries tokens (else None).
+    prompt_logprobs: Logprobs | None = None
+
+    def copy(self) -> RequestOutput:
+        """A copy whose lists a later ``merge`` may extend."""
+        return dataclasses.replace(
+            self,
+            new_token_ids=list(self.new_token_ids),
+            new_logprobs=None if self.new_logprobs is None else list(self.new_logprobs),
+        )
+
+    def merge(self, later: RequestOutput) -> None:
+        """Fold a later output of the same request into this one (tokens appended, the
+        latest state kept): what a reader that fell behind gets as one output."""
+        self.new_token_ids.extend(later.new_token_ids)
+        if later.new_logprobs is not None:
+            if self.new_logprobs is None:
+                self.new_logprobs = []
+            self.new_logprobs.extend(later.new_logprobs)
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        self.finished, self.finish_reason, self.error = (
+            later.finished, later.finish_reason, later.error,
+        )  # fmt: skip
+        self.num_prompt_tokens = later.num_prompt_tokens
+        self.num_output_tokens = later.num_output_tokens
+        self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Most alternatives a request may ask log probabilities of per token (vLLM's default
+# --max-logprobs).
+MAX_LOGPROBS = 20
 
 
 class InvalidRequestError(ValueError):
@@ -37,15 +41,37 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # No EOS or stop token id before this many output tokens (vLLM's extension). Not
+    # checked against max_tokens here: a prefill node samples only the first token of a
+    # request that asks for more.
+    min_tokens: int = 0
+    # Log probabilities of each output token and of this many top alternatives (None: none).
+    logprobs: int | None = None
+    # The same for each prompt token (the first has none): echo with logprobs.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         check_max_tokens(self.max_tokens)
+        if self.min_tokens < 0:
+            raise InvalidRequestError("min_tokens must be >= 0", "min_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}]", name)
         if self.temperature < 0:
             raise InvalidRequestError("temperature must be >= 0", "temperature")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
         if self.top_k == 0 or self.top_k < -1:
             raise InvalidRequestError("top_k must be -1 (disabled) or >= 1", "top_k")
+
+    def banned_token_ids(self, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
+        """The ids that may not be sampled while ``min_tokens`` is not reached: the stop
+        token ids, and EOS unless ``ignore_eos``."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(eos_token_ids)
+        return tuple(sorted(ids))
 
     @property
     def greedy(self) -> bool:

@@ -61,6 +61,14 @@ class Tokenizer(ABC):
         ``template_kwargs`` (the built-in simple template has no variables)."""
         return False
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text (special tokens included), as logprobs name tokens."""
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes (a part of a UTF-8 character stays itself, not U+FFFD)."""
+        return self.token_text(token_id).encode("utf-8")
+
     @property
     @abstractmethod
     def eos_token_id(self) -> int | None: ...
@@ -102,6 +110,11 @@ class ByteTokenizer(Tokenizer):
     ) -> str:
         _refuse_template_kwargs(template_kwargs)
         return simple_chat_template(messages)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if 0 <= token_id < 256:
+            return bytes([token_id])
+        return self.token_text(token_id).encode("utf-8")
 
     @property
     def eos_token_id(self) -> int | None:
@@ -177,6 +190,7 @@ class HFTokenizer(Tokenizer):
         self._eos_ids = eos_ids
         self._chat_template = self._find_template(model_dir, tok_cfg)
         self._compiled: Any = None
+        self._is_byte_level: bool | None = None
 
     def _lookup(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -196,6 +210,26 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Byte-level BPE (GPT-2 style) tokens map back to their bytes; SentencePiece byte
+        fallback tokens (``<0xE2>``) are their byte; else the token's text."""
+        token = self._tok.id_to_token(token_id)
+        if token is not None:
+            if self._byte_level and all(c in _BYTE_OF_CHAR for c in token):
+                return bytes(_BYTE_OF_CHAR[c] for c in token)
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                try:
+                    return bytes([int(token[3:5], 16)])
+                except ValueError:
+                    pass
+        return super().token_bytes(token_id)
+
+    @property
+    def _byte_level(self) -> bool:
+        if self._is_byte_level is None:
+            self._is_byte_level = "ByteLevel" in repr(self._tok.decoder)
+        return self._is_byte_level
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         valid = [i for i in ids if 0 <= i < self._vocab_size]  # model vocab may be padded
@@ -248,6 +282,20 @@ class HFTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character its tokens use."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _refuse_template_kwargs(template_kwargs: dict[str, Any] | None) -> None:

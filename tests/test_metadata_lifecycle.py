@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, WorkerOutput
 from engine.sampling_params import SamplingParams
 from engine.worker.worker import Worker
 from kvconnector.base import KVConnectorMetadata
@@ -52,7 +52,7 @@ class FakeRunner:
         self.calls += 1
         if self.fail:
             raise RuntimeError("forward exploded")
-        return {s.request_id: 1 for s in sched.seqs if s.sampling_params}
+        return WorkerOutput(0, {s.request_id: 1 for s in sched.seqs if s.sampling_params})
 
 
 def _step(with_tokens: bool) -> SchedulerOutput:

@@ -57,9 +57,10 @@ def test_completion_all_fields() -> None:
         "logprobs": None,
         "user": "someone",
         "kv_transfer_params": {"do_remote_decode": True},
-        "some_future_field": 1,  # unknown fields are ignored
+        "some_future_field": 1,  # unknown fields are ignored (and named in the log)
     }
     req = parse_completion_request(body)
+    assert req.ignored_fields == ("some_future_field",)
     assert req.prompt_token_ids == [1, 2, 3] and req.prompt_text is None
     assert req.max_tokens == 7 and req.temperature == 0.0 and req.top_p == 0.5
     assert req.top_k == 5 and req.seed == 42 and req.stream and req.include_usage
@@ -131,9 +132,11 @@ def test_stop_string_single() -> None:
         ({"prompt": "x", "model": 3}, "model"),
         ({"prompt": "x", "n": 2}, "n"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "echo": True}, "echo"),
-        ({"prompt": "x", "logprobs": 1}, "logprobs"),
-        ({"prompt": "x", "logprobs": 0}, "logprobs"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),
+        ({"prompt": "x", "min_tokens": 17}, "min_tokens"),  # > the default max_tokens 16
         ({"prompt": "x", "suffix": "s"}, "suffix"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
         ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
@@ -247,8 +250,9 @@ _MSG = [{"role": "user", "content": "hi"}]
         ({"messages": _MSG, "max_completion_tokens": -3}, "max_completion_tokens"),
         ({"messages": _MSG, "temperature": "hot"}, "temperature"),
         ({"messages": _MSG, "n": 3}, "n"),
-        ({"messages": _MSG, "logprobs": True}, "logprobs"),
-        ({"messages": _MSG, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": _MSG, "logprobs": "yes"}, "logprobs"),
+        ({"messages": _MSG, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"messages": _MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": _MSG, "tools": [{"type": "function"}]}, "tools"),
         ({"messages": _MSG, "tool_choice": "auto"}, "tool_choice"),
         ({"messages": _MSG, "response_format": {"type": "json_object"}}, "response_format"),

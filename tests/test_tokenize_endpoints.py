@@ -149,25 +149,30 @@ def test_chat_template_kwargs_reach_a_jinja_template(hf_dir: Path) -> None:
 # -- request fields ---------------------------------------------------------------------------
 
 
-def test_min_tokens_is_refused_unless_zero() -> None:
+def test_min_tokens_is_honoured_up_to_max_tokens() -> None:
     parse_completion_request({"prompt": "x", "min_tokens": 0})
     parse_chat_request({"messages": MSGS, "min_tokens": None})
+    assert parse_completion_request({"prompt": "x", "min_tokens": 3}).min_tokens == 3
+    assert (
+        parse_chat_request({"messages": MSGS, "min_tokens": 1}).sampling_params(8).min_tokens == 1
+    )
     for parse, body in (
-        (parse_completion_request, {"prompt": "x", "min_tokens": 3}),
-        (parse_chat_request, {"messages": MSGS, "min_tokens": 1}),
+        (parse_completion_request, {"prompt": "x", "min_tokens": -1}),
+        (parse_completion_request, {"prompt": "x", "max_tokens": 2, "min_tokens": 3}),
+        (parse_chat_request, {"messages": MSGS, "max_completion_tokens": 1, "min_tokens": 2}),
     ):
         with pytest.raises(APIError) as err:
             parse(body)
-        assert err.value.param == "min_tokens" and err.value.code == "unsupported_parameter"
+        assert err.value.param == "min_tokens"
 
 
 def test_chat_completions_refuse_what_they_cannot_honour(client: TestClient) -> None:
     """The tiny model's built-in template takes no variables: 400, not silently ignored."""
     body = {"messages": MSGS, "chat_template_kwargs": {"enable_thinking": False}}
     _err(client.post("/v1/chat/completions", json=body), 400, "chat_template_kwargs")
-    body = {"messages": MSGS, "min_tokens": 2}
+    body = {"messages": MSGS, "max_tokens": 1, "min_tokens": 2}
     _err(client.post("/v1/chat/completions", json=body), 400, "min_tokens")
-    _err(client.post("/v1/completions", json={"prompt": "x", "echo": True}), 400, "echo")
+    _err(client.post("/v1/completions", json={"prompt": "x", "min_p": 0.5}), 400, "min_p")
 
 
 def test_chat_template_kwargs_parsed() -> None:

@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import Collection
 
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, Logprobs, TokenLogprob
 from engine.sampling_params import SamplingParams
 from kvconnector.params import KVTransferParams
 
@@ -77,6 +77,14 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.error: str | None = None
+        # Log probabilities, when the sampling params ask for them: one entry per output
+        # token, and per prompt token as they are computed (the first prompt token has
+        # none; None also marks what a prefill node computed for a decode node).
+        self.output_logprobs: Logprobs | None = [] if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: Logprobs | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
+        self.prompt_logprobs_sent = False
         # Output tokens not yet handed to the caller.
         self._num_emitted = 0
 
@@ -102,13 +110,28 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
 
-    def append_token(self, token_id: int) -> None:
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are not computed yet."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < self.num_prompt_tokens
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         self.all_token_ids.append(token_id)
+        if self.output_logprobs is not None:
+            self.output_logprobs.append(logprob)
 
     def take_new_output_tokens(self) -> list[int]:
         out = self.output_token_ids[self._num_emitted :]
         self._num_emitted += len(out)
         return out
+
+    def take_new_outputs(self) -> tuple[list[int], Logprobs | None]:
+        """The output tokens (and their logprobs, if asked for) not handed out yet."""
+        start = self._num_emitted
+        ids = self.take_new_output_tokens()
+        lps = self.output_logprobs
+        return ids, None if lps is None else lps[start : start + len(ids)]
 
     def __repr__(self) -> str:
         return (

@@ -21,7 +21,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.core.scheduler_stats import RequestMetrics, SchedulerStats
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import InvalidRequestError
 from kvconnector.base import KVConnectorScheduler
 
@@ -153,7 +153,8 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, seqs: list[ScheduledSeq]) -> bool:
         """Try to start ``req``; False when there is no room this step."""
-        computed = self.kv.get_computed_blocks(req)
+        # Prompt logprobs need the prompt computed here: no prefix-cache hits (as vLLM).
+        computed = [] if req.needs_prompt_logprobs else self.kv.get_computed_blocks(req)
         num_cached = len(computed) * self.block_size
         ext, load_async = 0, False
         if req.status == RequestStatus.WAITING:  # not for preempted requests
@@ -185,13 +186,28 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int, blocks: list[int]) -> ScheduledSeq:
         start = req.num_computed_tokens
         samples = start + n == req.num_tokens
-        return ScheduledSeq(
+        sp = req.sampling_params
+        seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + n],
             start_pos=start,
             block_ids=list(blocks),
-            sampling_params=req.sampling_params if samples else None,
+            sampling_params=sp if samples else None,
         )
+        if samples and req.num_output_tokens < sp.min_tokens:
+            seq.banned_token_ids = sp.banned_token_ids(req.eos_token_ids)
+        if req.needs_prompt_logprobs:
+            # Row p predicts the token at p + 1; the prompt tokens not computed yet (the
+            # first has none) are predicted by rows len(prompt_logprobs) - 1 ...
+            lps = req.prompt_logprobs
+            assert lps is not None
+            first = max(start, len(lps) - 1)
+            end = min(start + n, req.num_prompt_tokens - 1)
+            if end > first:
+                seq.prompt_row = first - start
+                seq.prompt_targets = req.prompt_token_ids[first + 1 : end + 1]
+                seq.prompt_logprobs = sp.prompt_logprobs or 0
+        return seq
 
     def _preempt(self, req: Request) -> None:
         logger.info("preempting %s (recompute later)", req.request_id)
@@ -213,8 +229,11 @@ class Scheduler:
             if req.num_computed_tokens <= req.num_prompt_tokens:
                 self.prompt_tokens_total += seq.num_tokens
             self.kv.cache_computed_blocks(req)
+            if seq.prompt_targets and req.prompt_logprobs is not None:
+                req.prompt_logprobs.extend(output.prompt_logprobs.get(req.request_id, ()))
             if seq.sampling_params is not None:
-                self._append(req, output.sampled_token_ids[req.request_id])
+                rid = req.request_id
+                self._append(req, output.sampled_token_ids[rid], output.logprobs.get(rid))
 
         # The connector learns first what landed and what was sent, so that a request
         # finishing right below is not mistaken for one aborted while still waiting.
@@ -239,19 +258,22 @@ class Scheduler:
         self.kv.cache_computed_blocks(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        if req.prompt_logprobs is not None:  # computed by the prefill node, not here
+            req.prompt_logprobs.extend([None] * (req.num_prompt_tokens - len(req.prompt_logprobs)))
         first = info.get("first_token")
         if first is None:  # no token came with the KV: compute the last prompt token again
             req.num_computed_tokens -= 1
             return
         self._append(req, int(first))
 
-    def _append(self, req: Request, token: int) -> None:
-        req.append_token(token)
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> None:
+        req.append_token(token, logprob)
         self.generation_tokens_total += 1
         self.request_metrics.token(req, time.monotonic())
         sp = req.sampling_params
         status = None
-        if (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids:
+        stop = (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
+        if stop and req.num_output_tokens >= sp.min_tokens:  # before it they are masked
             status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
@@ -289,16 +311,23 @@ class Scheduler:
             self.requests.pop(rid, None)
 
     def _emit(self, req: Request, kv_transfer_params: KVTransferParams | None = None) -> None:
+        ids, logprobs = req.take_new_outputs()
+        prompt_logprobs = None
+        if ids and req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            prompt_logprobs = req.prompt_logprobs
         self._outputs.append(
             RequestOutput(
                 request_id=req.request_id,
-                new_token_ids=req.take_new_output_tokens(),
+                new_token_ids=ids,
                 finished=req.status.finished,
                 finish_reason=req.status.finish_reason,
                 error=req.error,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_output_tokens=req.num_output_tokens,
                 kv_transfer_params=kv_transfer_params,
+                new_logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.stats import Stats
 
@@ -19,6 +20,14 @@ class ScheduledSeq:
     block_ids: list[int]  # the request's whole block table
     # Set when this step computes the request's last known token: sample the next one.
     sampling_params: SamplingParams | None = None
+    # While ``min_tokens`` is not reached: the ids the sample may not be (EOS, stop ids).
+    banned_token_ids: tuple[int, ...] = ()
+    # Prompt logprobs (echo with logprobs): the rows from ``prompt_row`` on predict these
+    # prompt tokens (``prompt_targets[j]`` is the token after row ``prompt_row + j``);
+    # ``prompt_logprobs`` alternatives each.
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_row: int = 0
+    prompt_logprobs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +55,9 @@ class WorkerOutput:
 
     rank: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # rank 0 only
+    # Requests that asked for logprobs (rank 0 only): the sampled token's, and the prompt's.
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     finished_sending: set[str] = field(default_factory=set)  # P request ids
     # The connector's transfer keys whose KV this rank has (NIXL: reservation nonces).
     finished_recving: set[str] = field(default_factory=set)
@@ -61,6 +73,8 @@ class ModelRunnerOutput:
     """The aggregated result of a step across all TP ranks: what the scheduler sees."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     kv_recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)

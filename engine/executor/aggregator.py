@@ -86,9 +86,11 @@ class KVOutputAggregator:
             kv_failed = {
                 r: self._send_failed.pop(r) for r in finished_sending if r in self._send_failed
             }
-        sampled = next(o for o in outputs if o.rank == output_rank).sampled_token_ids
+        first = next(o for o in outputs if o.rank == output_rank)
         return ModelRunnerOutput(
-            sampled_token_ids=sampled,
+            sampled_token_ids=first.sampled_token_ids,
+            logprobs=first.logprobs,
+            prompt_logprobs=first.prompt_logprobs,
             finished_sending=finished_sending,
             finished_recving=finished_recving,
             kv_recv_info=kv_recv_info,

@@ -11,8 +11,10 @@ from typing import Any
 import anyio
 
 from engine.httpkit import openai
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 from engine.server.engine_client import EngineClient
+from engine.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from engine.server.protocol import APIError, BaseRequest, StopStringMatcher
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,9 @@ class Step:
     finish_reason: str | None = None
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # With logprobs: one entry per token id; the prompt's in the first step that has ids.
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
 
 @dataclass
@@ -42,6 +47,12 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     completion_tokens: int = 0
+    # Set when the request asked for logprobs: how tokens are named.
+    strings: TokenStrings | None = None
+    # Completions with echo: the prompt's text, put before the answer's (once).
+    echo_text: str | None = None
+    _echoed: bool = False
+    _streamed_chars: int = 0  # completions text streamed so far (text_offset's base)
 
     @property
     def endpoint(self) -> str:
@@ -55,7 +66,14 @@ class Job:
         return openai.envelope(self.label, self.chat, stream, self.created, self.model, choices)
 
     def choice(
-        self, text: str, ids: list[int], finish: str | None, *, stream: bool, first: bool = False
+        self,
+        text: str,
+        ids: list[int],
+        finish: str | None,
+        *,
+        stream: bool,
+        first: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         c: dict[str, Any] = {"index": 0}
         if not self.chat:
@@ -64,12 +82,39 @@ class Job:
             c["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
             c["message"] = {"role": "assistant", "content": text}
-        c.update(logprobs=None, finish_reason=finish, token_ids=ids)
+        c.update(logprobs=logprobs, finish_reason=finish, token_ids=ids)
         return c
 
+    def _echo(self, text: str, ids: list[int], entries: Logprobs, prompt: Logprobs | None) -> Any:
+        """Completions with echo: the prompt's text, ids and entries before the answer's,
+        the first time only (a stream echoes in its first chunk with tokens)."""
+        if self.echo_text is None or self._echoed:
+            return text, ids, entries
+        self._echoed = True
+        if prompt is None or len(prompt) != len(self.prompt_ids):
+            prompt = [None] * len(self.prompt_ids)
+        return self.echo_text + text, [*self.prompt_ids, *ids], [*prompt, *entries]
+
+    def _logprobs(
+        self, ids: list[int], entries: Logprobs | None, offset: int = 0
+    ) -> dict[str, Any] | None:
+        if self.strings is None:
+            return None
+        if entries is None or len(entries) != len(ids):
+            entries = [None] * len(ids)
+        if self.chat:
+            return chat_logprobs(ids, entries, self.strings)
+        return completion_logprobs(ids, entries, self.strings, offset)[0]
+
     def chunk(self, step: Step, *, first: bool = False) -> dict[str, Any]:
+        text, lp = step.text, None
+        if step.token_ids or (self.echo_text is not None and not self._echoed):
+            entries = step.logprobs or [None] * len(step.token_ids)
+            text, lp_ids, entries = self._echo(text, step.token_ids, entries, step.prompt_logprobs)
+            lp = self._logprobs(lp_ids, entries, self._streamed_chars)
+        self._streamed_chars += len(text)
         choice = self.choice(
-            step.text, step.token_ids, step.finish_reason, stream=True, first=first
+            text, step.token_ids, step.finish_reason, stream=True, first=first, logprobs=lp
         )
         body = self.envelope([choice], stream=True)
         if self.req.include_usage:
@@ -83,10 +128,19 @@ class Job:
         body["usage"] = self.usage()
         return body
 
-    def response(self, text: str, ids: list[int], last: Step) -> dict[str, Any]:
-        body = self.envelope(
-            [self.choice(text, ids, last.finish_reason, stream=False)], stream=False
-        )
+    def response(
+        self,
+        text: str,
+        ids: list[int],
+        last: Step,
+        entries: Logprobs | None = None,
+        prompt: Logprobs | None = None,
+    ) -> dict[str, Any]:
+        entries = entries if entries is not None else [None] * len(ids)
+        text, lp_ids, entries = self._echo(text, ids, entries, prompt)
+        lp = self._logprobs(lp_ids, entries)
+        choice = self.choice(text, ids, last.finish_reason, stream=False, logprobs=lp)
+        body = self.envelope([choice], stream=False)
         body["usage"] = self.usage()
         if last.kv_transfer_params is not None:
             body["kv_transfer_params"] = last.kv_transfer_params
@@ -131,6 +185,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
     try:
         async for out in outputs:
             ids = list(out.new_token_ids)
+            lps = out.new_logprobs
             if ids and job.first_token_at is None:
                 job.first_token_at = time.monotonic()
             job.completion_tokens += len(ids)
@@ -138,22 +193,26 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
                 skip_first = False
                 detok.add(ids[:1])  # context for the text of later tokens only
                 ids = ids[1:]
+                lps = None if lps is None else lps[1:]
             text = detok.add(ids) if ids else ""
             if out.finished:
                 text += detok.flush()  # text held back for an incomplete UTF-8 sequence
-            text, hit = matcher.feed(text, final=out.finished)
+            # Stop strings count once the answer has more than min_tokens tokens (vLLM).
+            check = job.completion_tokens > job.params.min_tokens
+            text, hit = matcher.feed(text, final=out.finished, check=check)
             kv_out = out.kv_transfer_params.to_dict() if out.kv_transfer_params else None
+            extra = {"logprobs": lps, "prompt_logprobs": out.prompt_logprobs}
             if hit:
                 finished = out.finished
-                yield Step(text, ids, "stop", kv_transfer_params=kv_out)
+                yield Step(text, ids, "stop", kv_transfer_params=kv_out, **extra)
                 return
             if out.finished:
                 finished = True
                 reason = out.finish_reason or "stop"
-                yield Step(text, ids, reason, out.error, kv_out)
+                yield Step(text, ids, reason, out.error, kv_out, **extra)
                 return
             if text or ids:
-                yield Step(text, ids)
+                yield Step(text, ids, **extra)
         finished = True
         yield Step("", [], "error", "engine output stream ended without a final output")
     finally:

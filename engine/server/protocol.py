@@ -13,7 +13,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import InvalidRequestError, SamplingParams, check_max_tokens
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    InvalidRequestError,
+    SamplingParams,
+    check_max_tokens,
+)
 from kvconnector.params import KVTransferParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -162,9 +167,22 @@ class BaseRequest:
     stream: bool = False
     include_usage: bool = False
     kv_transfer_params: KVTransferParams | None = None
+    min_tokens: int = 0
+    # Alternatives per token whose log probabilities to return (None: no logprobs):
+    # completions' ``logprobs``, chat's ``top_logprobs`` (0 with ``logprobs: true`` alone).
+    logprobs: int | None = None
+    echo: bool = False  # completions: the prompt comes first in the answer
+    # Top-level fields this server does not know: accepted and ignored, with a warning
+    # naming them in the node's log (vLLM's behaviour).
+    ignored_fields: tuple[str, ...] = ()
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Build engine SamplingParams; ``max_tokens`` is the resolved completion budget."""
+        if self.min_tokens > max_tokens:
+            raise APIError(
+                f"'min_tokens' ({self.min_tokens}) must be at most max_tokens ({max_tokens})",
+                param="min_tokens",
+            )
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -174,6 +192,9 @@ class BaseRequest:
                 seed=self.seed,
                 stop_token_ids=list(self.stop_token_ids),
                 ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                logprobs=self.logprobs,
+                prompt_logprobs=self.logprobs if self.echo else None,
             )
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.param) from e
@@ -266,7 +287,102 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
         raise _bad_type("user", "a string", body["user"])
 
+    req.min_tokens = _get_int(body, "min_tokens", 0)
+    if req.min_tokens < 0:
+        raise APIError(f"'min_tokens' must be >= 0, got {req.min_tokens}", param="min_tokens")
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else ""
+        raise APIError(
+            f"'min_tokens' ({req.min_tokens}) must be at most "
+            f"{name or 'max_tokens'} ({req.max_tokens})",
+            param="min_tokens",
+        )
+    if chat:
+        _parse_chat_logprobs(body, req)
+    else:
+        req.logprobs = _logprobs_count(body, "logprobs")
+        req.echo = _get_bool(body, "echo", False)
+
     _reject_unsupported(body, chat=chat)
+    req.ignored_fields = tuple(
+        k for k in body if k not in (CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    )
+
+
+def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
+    value = _get_int(body, name, None)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(f"'{name}' must be between 0 and {MAX_LOGPROBS}, got {value}", param=name)
+    return value
+
+
+def _parse_chat_logprobs(body: dict[str, Any], req: BaseRequest) -> None:
+    wanted = _get_bool(body, "logprobs", False)
+    top = _logprobs_count(body, "top_logprobs")
+    if top and not wanted:
+        raise APIError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+    req.logprobs = (top or 0) if wanted else None
+
+
+# Fields vLLM knows that would change the answer, refused unless at their neutral value
+# (so a client relying on them is told, not silently ignored): name -> (is neutral, what).
+def _neutral_none(v: Any) -> bool:
+    return v is None or v == [] or v == {}
+
+
+_VLLM_FIELDS: dict[str, tuple[Any, str]] = {
+    "min_p": (lambda v: v in (None, 0, 0.0), "other than 0"),
+    "prompt_logprobs": (_neutral_none, "(use 'echo' with 'logprobs' on completions)"),
+    "use_beam_search": (lambda v: v in (None, False), "= true (no beam search)"),
+    "length_penalty": (lambda v: v in (None, 1, 1.0), "other than 1"),
+    "include_stop_str_in_output": (lambda v: v in (None, False), "= true"),
+    "skip_special_tokens": (lambda v: v in (None, True), "= false"),
+    "spaces_between_special_tokens": (lambda v: v in (None, True), "= false"),
+    "return_tokens_as_token_ids": (lambda v: v in (None, False), "= true"),
+    "allowed_token_ids": (_neutral_none, ""),
+    "bad_words": (_neutral_none, ""),
+    "truncate_prompt_tokens": (_neutral_none, ""),
+    "guided_json": (_neutral_none, "(structured output)"),
+    "guided_regex": (_neutral_none, "(structured output)"),
+    "guided_choice": (_neutral_none, "(structured output)"),
+    "guided_grammar": (_neutral_none, "(structured output)"),
+    "structured_outputs": (_neutral_none, "(structured output)"),
+    "logits_processors": (_neutral_none, ""),
+}
+_VLLM_CHAT_FIELDS: dict[str, tuple[Any, str]] = {
+    "echo": (lambda v: v in (None, False), "= true on chat completions"),
+    "add_generation_prompt": (lambda v: v in (None, True), "= false"),
+    "continue_final_message": (lambda v: v in (None, False), "= true"),
+    "chat_template": (_neutral_none, "(the model's own template is used)"),
+    "documents": (_neutral_none, ""),
+}
+_VLLM_COMPLETION_FIELDS: dict[str, tuple[Any, str]] = {
+    "response_format": (
+        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+        "other than {'type': 'text'}",
+    ),
+}
+
+COMMON_FIELDS = frozenset(
+    {
+        "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+        "stop_token_ids", "ignore_eos", "stream", "stream_options", "kv_transfer_params",
+        "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "logit_bias", "min_tokens", "logprobs", *_VLLM_FIELDS,
+    }
+)  # fmt: skip
+# Every field each endpoint knows: supported, or refused at a value that would matter.
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", *_VLLM_COMPLETION_FIELDS}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs", "tools",
+    "functions", "tool_choice", "function_call", "response_format", *_VLLM_CHAT_FIELDS,
+}  # fmt: skip
+
+
+def _reject_vllm_fields(body: dict[str, Any], fields: dict[str, tuple[Any, str]]) -> None:
+    for name, (neutral, what) in fields.items():
+        if name in body and not neutral(body[name]):
+            raise _unsupported(name, what)
 
 
 def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
@@ -283,14 +399,9 @@ def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
         raise _unsupported("repetition_penalty", "other than 1.0")
     if body.get("logit_bias"):
         raise _unsupported("logit_bias", "")
-    min_tokens = _get_int(body, "min_tokens", 0)
-    if min_tokens != 0:  # would change results: EOS and stops are not held back
-        raise _unsupported("min_tokens", f"= {min_tokens} (only 0)")
+    _reject_vllm_fields(body, _VLLM_FIELDS)
     if chat:
-        if body.get("logprobs") not in (None, False):
-            raise _unsupported("logprobs", "(log probabilities)")
-        if body.get("top_logprobs") not in (None, 0):
-            raise _unsupported("top_logprobs", "(log probabilities)")
+        _reject_vllm_fields(body, _VLLM_CHAT_FIELDS)
         for name in ("tools", "functions"):
             if body.get(name):
                 raise _unsupported(name, "(tool calling)")
@@ -301,10 +412,7 @@ def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
         if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
             raise _unsupported("response_format", "other than {'type': 'text'}")
     else:
-        if body.get("logprobs") is not None:
-            raise _unsupported("logprobs", "(log probabilities)")
-        if body.get("echo") not in (None, False):
-            raise _unsupported("echo", "= true")
+        _reject_vllm_fields(body, _VLLM_COMPLETION_FIELDS)
         if body.get("suffix") not in (None, ""):
             raise _unsupported("suffix", "")
 
@@ -500,10 +608,14 @@ class StopStringMatcher:
         self._stops = [s for s in stops if s]
         self._held = ""
 
-    def feed(self, new_text: str, final: bool = False) -> tuple[str, bool]:
+    def feed(self, new_text: str, final: bool = False, check: bool = True) -> tuple[str, bool]:
+        """``check=False``: not yet (``min_tokens``): the text passes, nothing is held."""
         if not self._stops:
             return new_text, False
         buf = self._held + new_text
+        if not check:
+            self._held = ""
+            return buf, False
         hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
         if hits:
             self._held = ""

@@ -17,13 +17,16 @@ from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES, read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.errors import json_error
 from engine.httpkit.sse import SSE_DONE, SSEResponse, sse_event
+from engine.outputs import Logprobs
 from engine.sampling_params import InvalidRequestError
 from engine.server.engine_client import EngineClient
 from engine.server.jobs import Job, Step, engine_error, generate_steps
+from engine.server.logprobs import TokenStrings
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import (
     APIError,
     BaseRequest,
+    CompletionRequest,
     check_model,
     check_token_ids,
     error_body,
@@ -38,6 +41,12 @@ logger = logging.getLogger(__name__)
 
 # The engine's id of a request (the key ``/v1/abort`` takes), on every generation response.
 ENGINE_ID_HEADER = "X-PDServe-Request-Id"
+
+
+def _field_names(names: tuple[str, ...], limit: int = 20) -> str:
+    """The ignored field names for the log, bounded (a client picks them)."""
+    shown = ", ".join(repr(n[:64]) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def engine_request_id(label: str) -> str:
@@ -56,6 +65,13 @@ class OpenAIServing:
         self.engine = engine
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
+        self._strings: TokenStrings | None = None  # token names for logprobs, made once
+
+    @property
+    def strings(self) -> TokenStrings:
+        if self._strings is None:
+            self._strings = TokenStrings(self.engine.tokenizer)
+        return self._strings
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.max_request_bytes)
@@ -102,6 +118,8 @@ class OpenAIServing:
         self._check_serving(req)
         if req.prompt_token_ids is not None:
             check_token_ids(req.prompt_token_ids, self.engine.vocab_size)
+            if req.echo:  # the text echoed before the answer
+                req.prompt_text = self.engine.tokenizer.decode(req.prompt_token_ids)
             return req, req.prompt_token_ids
         return req, list(self.engine.tokenizer.encode(req.prompt_text or ""))
 
@@ -125,6 +143,7 @@ class OpenAIServing:
         param = "messages" if chat else "prompt"
         max_tokens = resolve_max_tokens(req.max_tokens, len(ids), self.engine.max_model_len, param)
         label = request.state.request_id
+        echo = req.echo and isinstance(req, CompletionRequest)
         return Job(
             chat=chat,
             request_id=engine_request_id(label),
@@ -133,6 +152,8 @@ class OpenAIServing:
             prompt_ids=ids,
             params=req.sampling_params(max_tokens),
             req=req,
+            strings=self.strings if req.logprobs is not None else None,
+            echo_text=(req.prompt_text or "") if echo else None,  # type: ignore[attr-defined]
         )
 
     def _finish(self, job: Job, reason: str) -> None:
@@ -161,6 +182,11 @@ class OpenAIServing:
             job.request_id, job.label, leg, job.endpoint, len(job.prompt_ids),
             job.params.max_tokens, job.req.stream,
         )  # fmt: skip
+        if job.req.ignored_fields:  # accepted and ignored, as vLLM does
+            logger.warning(
+                "request %s: the following fields were present in the request but ignored: %s",
+                job.request_id, _field_names(job.req.ignored_fields),
+            )  # fmt: skip
         detok = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids=job.prompt_ids)
         steps = generate_steps(self.engine, job, detok)
         try:
@@ -183,18 +209,22 @@ class OpenAIServing:
     async def _collect(self, job: Job, steps: AsyncIterator[Step]) -> dict[str, Any]:
         texts: list[str] = []
         ids: list[int] = []
+        entries: Logprobs = []
+        prompt: Logprobs | None = None
         last = Step("", [], "error", "no output")
         async with contextlib.aclosing(steps):  # type: ignore[type-var]
             async for step in steps:
                 texts.append(step.text)
                 ids.extend(step.token_ids)
+                entries.extend(step.logprobs or [None] * len(step.token_ids))
+                prompt = prompt or step.prompt_logprobs
                 last = step
                 if step.finish_reason is not None:
                     break
         self._finish(job, last.finish_reason or "error")
         if last.finish_reason == "error":
             raise engine_error(self.engine, last.error)
-        return job.response("".join(texts), ids, last)
+        return job.response("".join(texts), ids, last, entries, prompt)
 
     async def _stream(
         self, job: Job, first: Step, steps: AsyncIterator[Step]

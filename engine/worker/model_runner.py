@@ -5,7 +5,8 @@ memory the KV cache may take), ``init_kv_cache(num_blocks)`` (allocate, then cap
 decode CUDA graphs), then ``execute(sched)`` every step.
 
 A step's inputs are packed on the host into one buffer and copied in one transfer; nothing
-in the forward reads a device value back; the only host read is the sampled token ids.
+in the forward reads a device value back; the only host read is the sampled token ids
+(and, for requests that asked for them, their log probabilities).
 """
 
 from __future__ import annotations
@@ -16,15 +17,19 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import cdiv
-from engine.core.scheduler_output import SchedulerOutput
+from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, WorkerOutput
 from engine.kv_cache_layout import TORCH_DTYPES, KVCacheSpec
 from engine.model.attention import pack_step
 from engine.model.loader import load_model
+from engine.outputs import TokenLogprob
 from engine.worker.cuda_graphs import DecodeGraphs
-from engine.worker.sampler import Sampler
+from engine.worker.sampler import Sampler, compute_logprobs
 from engine.worker.staging import HostStaging
 
 logger = logging.getLogger(__name__)
+
+# Prompt rows whose logits are computed at once for prompt logprobs.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 class ModelRunner:
@@ -129,8 +134,9 @@ class ModelRunner:
 
     # -- steps ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[str, int]:
-        """Forward the step's tokens; returns sampled tokens (rank 0 only, else {})."""
+    def execute(self, sched: SchedulerOutput) -> WorkerOutput:
+        """Forward the step's tokens; returns the sampled tokens and the log probabilities
+        asked for (rank 0 only; other ranks return an empty output)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
         seqs = sched.seqs
         token_ids = [s.token_ids for s in seqs]
@@ -149,16 +155,57 @@ class ModelRunner:
             for i, seq in enumerate(seqs)
             if seq.sampling_params is not None
         ]
+        out = WorkerOutput(rank=self.rank)
+        prompt_rows = [
+            (seq, packed.query_start[i] + seq.prompt_row)
+            for i, seq in enumerate(seqs)
+            if seq.prompt_targets
+        ]
+        if prompt_rows:  # echo with logprobs: every rank computes the same logits
+            out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
         if not rows:
-            return {}
+            return out
         row_idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[row_idx])  # [S, vocab] float32, all ranks
         if self.rank != 0:
-            return {}
+            return out
         sampled = [s for s in seqs if s.sampling_params is not None]
+        params = [s.sampling_params for s in sampled]
         tokens = self.sampler.sample(
             logits,
-            [s.sampling_params for s in sampled],  # type: ignore[misc]
+            params,  # type: ignore[arg-type]
             [s.start_pos + s.num_tokens for s in sampled],
+            [s.banned_token_ids for s in sampled],
         )
-        return {s.request_id: t for s, t in zip(sampled, tokens, strict=True)}
+        out.sampled_token_ids = {s.request_id: t for s, t in zip(sampled, tokens, strict=True)}
+        want = [i for i, sp in enumerate(params) if sp.logprobs is not None]  # type: ignore[union-attr]
+        if want:  # only rows that asked: no cost for the others
+            idx = torch.tensor(want, dtype=torch.long).to(self.device, non_blocking=True)
+            lps = compute_logprobs(
+                logits[idx],
+                [tokens[i] for i in want],
+                [params[i].logprobs for i in want],  # type: ignore[union-attr,misc]
+            )
+            out.logprobs = {sampled[i].request_id: lp for i, lp in zip(want, lps, strict=True)}
+        return out
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, seqs: list[tuple[ScheduledSeq, int]]
+    ) -> dict[str, list[TokenLogprob]]:
+        """Each sequence's prompt targets' log probabilities, from the rows before them,
+        ``PROMPT_LOGPROBS_ROWS`` rows at a time (a long prompt's [rows, vocab] logits would
+        not fit at once). Every rank computes the logits (a TP collective); rank 0 keeps
+        the result."""
+        out: dict[str, list[TokenLogprob]] = {}
+        for seq, first in seqs:
+            entries: list[TokenLogprob] = []
+            targets = seq.prompt_targets
+            for lo in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + PROMPT_LOGPROBS_ROWS, len(targets))
+                logits = self.model.compute_logits(hidden[first + lo : first + hi])
+                if self.rank == 0:
+                    k = seq.prompt_logprobs
+                    entries += compute_logprobs(logits, targets[lo:hi], [k] * (hi - lo))
+            if self.rank == 0:
+                out[seq.request_id] = entries
+        return out

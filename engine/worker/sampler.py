@@ -10,6 +10,11 @@ decode or a colocated one) samples that position; an unseeded row gets a random 
 
 One host read per step: the sampled ids (``.tolist()``). Greedy-only batches skip the
 noise, and batches without top-k/top-p skip the sort.
+
+``min_tokens``: rows given ``banned`` ids cannot sample them (their logits are masked in a
+copy). ``compute_logprobs`` -- only called for rows that asked for log probabilities, so the
+rest pay nothing -- is ``log_softmax`` of the same logits, before the masking, temperature
+and top-k/top-p (vLLM's default ``raw_logprobs``), read back in one more host read.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import random
 
 import torch
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -58,10 +64,17 @@ class Sampler:
         self._rng = random.SystemRandom()
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        banned: list[tuple[int, ...]] | None = None,
     ) -> list[int]:
         """``logits``: [S, vocab] float32 (any device); ``positions``: where each token will
-        sit. Returns the S sampled token ids."""
+        sit; ``banned``: per row, ids that may not be sampled (``min_tokens``). Returns the
+        S sampled token ids."""
+        if banned is not None and any(banned):
+            logits = _mask(logits, banned)
         if all(sp.greedy for sp in params):
             return logits.argmax(dim=-1).tolist()
         dev = logits.device
@@ -98,3 +111,39 @@ class Sampler:
             sampled = torch.argmax(probs / noise, dim=-1)
         out = torch.where(greedy_t, logits.argmax(dim=-1), sampled)
         return out.tolist()
+
+
+def _mask(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    rows = [i for i, ids in enumerate(banned) for t in ids if 0 <= t < vocab]
+    cols = [t for ids in banned for t in ids if 0 <= t < vocab]
+    if not rows:
+        return logits
+    masked = logits.clone()
+    idx = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device, non_blocking=True)
+    masked[idx[0], idx[1]] = float("-inf")
+    return masked
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: list[int], top_k: list[int]
+) -> list[TokenLogprob]:
+    """Per row of ``logits`` [S, vocab]: the log probability of ``token_ids[i]`` and of the
+    ``top_k[i]`` most likely tokens (most likely first), from ``log_softmax(logits)``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.int64).to(logits.device, non_blocking=True)
+    parts = [logprobs.gather(1, ids[:, None]).double()]
+    k = max(top_k, default=0)
+    if k:
+        values, indices = logprobs.topk(k, dim=-1)
+        parts += [values.double(), indices.double()]  # ids < 2**53: exact in float64
+    rows = torch.cat(parts, dim=1).tolist()  # one host read
+    return [
+        TokenLogprob(
+            token_id=t,
+            logprob=row[0],
+            top_ids=tuple(int(x) for x in row[1 + k : 1 + k + n]),
+            top_logprobs=tuple(row[1 : 1 + n]),
+        )
+        for t, n, row in zip(token_ids, top_k, rows, strict=True)
+    ]

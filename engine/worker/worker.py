@@ -54,7 +54,7 @@ class Worker:
         try:
             connector.bind_connector_metadata(sched.kv_connector_metadata)
             connector.start_load_kv()
-            sampled: dict[str, int] = {}
+            sampled = WorkerOutput(rank=self.rank)
             if sched.num_scheduled_tokens > 0:
                 try:
                     sampled = self.model_runner.execute(sched)
@@ -65,7 +65,9 @@ class Worker:
             sending, recving = connector.get_finished(sched.finished_request_ids)
             return WorkerOutput(
                 rank=self.rank,
-                sampled_token_ids=sampled,
+                sampled_token_ids=sampled.sampled_token_ids,
+                logprobs=sampled.logprobs,
+                prompt_logprobs=sampled.prompt_logprobs,
                 finished_sending=sending,
                 finished_recving=recving,
                 kv_recv_info=connector.take_recv_info(),

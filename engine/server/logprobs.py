@@ -1,0 +1,175 @@
+"""Log probabilities in the OpenAI shapes (vLLM's), and the proxy's splice of a prefill
+node's entries into a decode node's answer. Torch-free: the proxy imports it.
+
+Completions (``logprobs: k``)::
+
+    {"tokens": [str], "token_logprobs": [float|null], "top_logprobs": [{str: float}|null],
+     "text_offset": [int]}
+
+``top_logprobs[i]`` holds the ``k`` most likely tokens and the chosen one (so ``k + 1``
+entries when it is not among them; ``logprobs: 0`` gives the chosen one alone);
+``text_offset[i]`` is where token ``i``'s text starts in the choice's text (in a stream: in
+all the text streamed so far). With ``echo`` the prompt's tokens come first; the first
+prompt token has no log probability (null).
+
+Chat (``logprobs: true``, ``top_logprobs: k``)::
+
+    {"content": [{"token": str, "logprob": float, "bytes": [int],
+                  "top_logprobs": [{"token": str, "logprob": float, "bytes": [int]}] * k}]}
+
+Values are clamped at -9999.0 (JSON has no -inf), as OpenAI and vLLM do.
+
+**P/D.** A decode node does not compute what the prefill node did: the first output token
+(it arrives with the KV) and, with ``echo``, the prompt's entries. It answers them with a
+null log probability (and no alternatives); the proxy fills them from the prefill node's
+answer, whose entries are the same tokens at the same indices (``fill_missing``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from engine.outputs import TokenLogprob
+
+MIN_LOGPROB = -9999.0
+
+
+def _clamp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+class TokenStrings:
+    """A tokenizer's per-token text and bytes, cached (alternatives repeat a lot)."""
+
+    def __init__(self, tokenizer: Any, cache_size: int = 1 << 16) -> None:
+        self.text = functools.lru_cache(maxsize=cache_size)(tokenizer.token_text)
+        self._bytes = functools.lru_cache(maxsize=cache_size)(tokenizer.token_bytes)
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(self._bytes(token_id))
+
+
+def completion_logprobs(
+    ids: list[int],
+    entries: list[TokenLogprob | None],
+    strings: TokenStrings,
+    text_offset: int = 0,
+) -> tuple[dict[str, Any], int]:
+    """The completions ``logprobs`` object of ``ids`` (one entry each), their text starting
+    at ``text_offset``; returns it and the offset after the last token."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for tid, e in zip(ids, entries, strict=True):
+        text = strings.text(tid)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if e is None:
+            token_logprobs.append(None)
+            top.append(None)
+            continue
+        token_logprobs.append(_clamp(e.logprob))
+        alternatives = {
+            strings.text(t): _clamp(lp) for t, lp in zip(e.top_ids, e.top_logprobs, strict=True)
+        }
+        alternatives.setdefault(text, _clamp(e.logprob))
+        top.append(alternatives)
+    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}
+    body["text_offset"] = offsets
+    return body, text_offset
+
+
+def chat_logprobs(
+    ids: list[int], entries: list[TokenLogprob | None], strings: TokenStrings
+) -> dict[str, Any]:
+    """The chat ``logprobs`` object of ``ids`` (one entry each)."""
+    content = []
+    for tid, e in zip(ids, entries, strict=True):
+        item: dict[str, Any] = {
+            "token": strings.text(tid),
+            "logprob": None if e is None else _clamp(e.logprob),
+            "bytes": strings.bytes(tid),
+            "top_logprobs": [],
+        }
+        if e is not None:
+            item["top_logprobs"] = [
+                {"token": strings.text(t), "logprob": _clamp(lp), "bytes": strings.bytes(t)}
+                for t, lp in zip(e.top_ids, e.top_logprobs, strict=True)
+            ]
+        content.append(item)
+    return {"content": content}
+
+
+# -- the proxy's side ---------------------------------------------------------------------------
+
+
+def num_entries(logprobs: Any, chat: bool) -> int:
+    """How many tokens a ``logprobs`` object covers (0 for null or a malformed one)."""
+    if not isinstance(logprobs, dict):
+        return 0
+    items = logprobs.get("content") if chat else logprobs.get("token_logprobs")
+    return len(items) if isinstance(items, list) else 0
+
+
+def has_missing(logprobs: Any, chat: bool) -> bool:
+    """Whether a decode node left entries for the prefill node's (a null log probability)."""
+    if not isinstance(logprobs, dict):
+        return False
+    if chat:
+        items = logprobs.get("content")
+        return isinstance(items, list) and any(
+            isinstance(i, dict) and i.get("logprob") is None for i in items
+        )
+    values = logprobs.get("token_logprobs")
+    return isinstance(values, list) and any(v is None for v in values)
+
+
+def fill_missing(target: Any, source: Any, chat: bool, start: int = 0) -> int:
+    """Fill ``target``'s null entries (a decode node's answer or stream chunk, whose first
+    entry is the answer's ``start``-th) from ``source`` (the prefill node's answer: the same
+    tokens from index 0). Returns how many were filled."""
+    if not isinstance(target, dict) or not isinstance(source, dict):
+        return 0
+    filled = 0
+    if chat:
+        items, src = target.get("content"), source.get("content")
+        if not isinstance(items, list) or not isinstance(src, list):
+            return 0
+        for i, item in enumerate(items):
+            j = start + i
+            if not isinstance(item, dict) or item.get("logprob") is not None or j >= len(src):
+                continue
+            given = src[j]
+            if isinstance(given, dict) and given.get("logprob") is not None:
+                item["logprob"] = given["logprob"]
+                item["top_logprobs"] = given.get("top_logprobs") or []
+                filled += 1
+        return filled
+    values, tops = target.get("token_logprobs"), target.get("top_logprobs")
+    src_values, src_tops = source.get("token_logprobs"), source.get("top_logprobs")
+    if not all(isinstance(x, list) for x in (values, tops, src_values, src_tops)):
+        return 0
+    for i, value in enumerate(values):  # type: ignore[arg-type]
+        j = start + i
+        if value is not None or j >= len(src_values) or src_values[j] is None:  # type: ignore[arg-type,index]
+            continue
+        values[i] = src_values[j]  # type: ignore[index]
+        if i < len(tops) and j < len(src_tops):  # type: ignore[arg-type]
+            tops[i] = src_tops[j]  # type: ignore[index]
+        filled += 1
+    return filled
+
+
+def drop_first(logprobs: Any, chat: bool, n: int) -> None:
+    """Remove the first ``n`` entries (tokens the client already got from the prefill
+    node's answer)."""
+    if n <= 0 or not isinstance(logprobs, dict):
+        return
+    keys = ("content",) if chat else ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    for key in keys:
+        items = logprobs.get(key)
+        if isinstance(items, list):
+            del items[:n]
