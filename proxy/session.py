@@ -11,7 +11,14 @@ streamed, the retried pair must produce the same first token (always so for gree
 seeded sampling), else the client gets an error event. Once D's tokens flow, a failure
 ends the stream with ``data: {"error": ...}`` and ``data: [DONE]``: never a silently
 truncated answer. Requests with stop strings are not pre-streamed (a stop string may
-start inside the first token), they stream from D alone.
+start inside the first token), nor with ``echo`` (the prompt comes first): they stream
+from D alone.
+
+Log probabilities: D does not compute what P did -- the first token (it arrives with the
+KV) and, with ``echo``, the prompt's entries -- and answers them with a null log
+probability; they are filled here from P's answer (the same tokens at the same indices,
+``engine.server.logprobs.fill_missing``). A pre-streamed first token carries P's entry,
+and D's entry for it is dropped with the token.
 
 A node that answers with load (429, or 503 ``overloaded``) is healthy: it stays in
 rotation, and the request moves to another node of that role that this request has not
@@ -27,6 +34,7 @@ decode node now caches).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -39,6 +47,7 @@ import httpx
 from engine.httpkit import openai
 from engine.httpkit.sse import SSE_DONE, sse_event
 from engine.httpkit.sse_reader import SSEReader
+from engine.server.logprobs import drop_first, fill_missing, has_missing, num_entries
 from engine.server.protocol import APIError, error_body
 from proxy.config import ProxyConfig
 from proxy.legs import Attempt, Legs, UpstreamError
@@ -105,7 +114,9 @@ class Session:
         self.current: Attempt | None = None
         self.route: Route | None = None
         # Streaming state.
-        self.prestream = req.stream and not req.parsed.stop
+        self.prestream = req.stream and not req.parsed.stop and not req.parsed.echo
+        self._lp_seen = 0  # log-prob entries of D's stream seen so far
+        self._p_logprobs: tuple[Attempt, Any] | None = None  # P's, per attempt
         self.sent_ids: list[int] | None = None  # P's first token, once sent to the client
         self.first_chunk: str | None = None
         self._skip = _Skipper()
@@ -232,6 +243,8 @@ class Session:
             self._saw_first_token()
             body.pop("kv_transfer_params", None)
             body["id"] = self.response_id
+            self._lp_seen = 0
+            await self._fill_logprobs(body)
             self.outcome = "ok"
             self.router.observe_usage(self.req.key, body)
             if self._keep_answer:
@@ -281,7 +294,8 @@ class Session:
             self.role_sent = True
         else:
             choice["text"] = text
-        choice.update(logprobs=None, finish_reason=None, token_ids=ids)
+        logprobs = p_body["choices"][0].get("logprobs")  # P sampled the first token
+        choice.update(logprobs=logprobs, finish_reason=None, token_ids=ids)
         return sse_event(self._envelope([choice], usage=True))
 
     def _keep(self, ids: list[int], text: str) -> None:
@@ -334,6 +348,7 @@ class Session:
                 self._failed(self.current, e)
                 resp = await self._reopen_after_first_token()
             events = SSEReader(resp.aiter_lines())
+            self._lp_seen = 0
             async for obj in events:
                 if "error" in obj:
                     self.metrics.errors.labels("stream_error").inc()
@@ -343,6 +358,7 @@ class Session:
                     break
                 if isinstance(obj.get("usage"), dict):
                     self.router.observe_usage(self.req.key, obj)
+                await self._fill_logprobs(obj)
                 out = self._rewrite(obj)
                 if out is None:
                     continue
@@ -380,6 +396,41 @@ class Session:
         finally:
             self.close()
 
+    async def _fill_logprobs(self, body: dict[str, Any]) -> None:
+        """Fill the log-prob entries D left null (what P computed) from P's answer; the
+        body is D's answer, or the next chunk of D's stream."""
+        try:
+            logprobs = body["choices"][0].get("logprobs")
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return
+        chat = self.req.chat
+        start, self._lp_seen = self._lp_seen, self._lp_seen + num_entries(logprobs, chat)
+        if has_missing(logprobs, chat):
+            source = await self._prefill_logprobs()
+            if source is not None:
+                fill_missing(logprobs, source, chat, start)
+
+    async def _prefill_logprobs(self) -> Any:
+        """P's ``logprobs`` of the current attempt (None if it has no P leg or P's answer
+        did not come: D's entries then stay null)."""
+        attempt = self.current
+        if attempt is None:
+            return None
+        if self._p_logprobs is not None and self._p_logprobs[0] is attempt:
+            return self._p_logprobs[1]
+        task = getattr(attempt, "p_task", None)
+        source = None
+        if task is not None:
+            # P answered before D could have its first token; wait a little all the same.
+            await asyncio.wait({task}, timeout=30)
+            if task.done() and not task.cancelled() and task.exception() is None:
+                with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
+                    source = task.result()["choices"][0].get("logprobs")
+            else:
+                logger.warning("request %s: no prefill answer for logprobs", self.request_id)
+        self._p_logprobs = (attempt, source)
+        return source
+
     def _rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         obj.pop("kv_transfer_params", None)
         obj["id"] = self.response_id
@@ -394,7 +445,9 @@ class Session:
             text = delta.get("content") or ""
         else:
             text = c.get("text") or ""
+        n = len(ids)
         ids, text = self._skip.apply(ids, text)
+        drop_first(c.get("logprobs"), self.req.chat, n - len(ids))  # with their tokens
         c["token_ids"] = ids
         self._keep(ids, text)
         role_added = False

@@ -295,8 +295,8 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**7}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, "no-such-model"),
     ("/v1/completions", {"prompt": "x", "n": 2}, "'n'"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
@@ -305,7 +305,7 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("/v1/chat/completions", {"messages": _MSG, "max_completion_tokens": 10**7},
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": _MSG, "tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"messages": _MSG, "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": _MSG, "top_logprobs": 2}, "top_logprobs"),
 ]  # fmt: skip
 
 
