@@ -1,9 +1,9 @@
 """The chaos suite (issue 9): a bounded greedy workload through ``pd-proxy serve`` against
 two prefill and two decode nodes (TP=2, NIXL over UCX, loopback) while faults are injected.
 
-Every request of the workload has a reference answer, computed before the chaos by a
-colocated node with the same model and TP (greedy, ``ignore_eos``), so every answer can be
-checked token for token. The workload mixes prompt lengths (short, medium, long; long ones
+Every request of the workload has a reference answer from a colocated node with the same
+model and TP (greedy, ``ignore_eos``; computed after each round, while that node idled
+through the chaos), so every answer is checked token for token and by its text. The workload mixes prompt lengths (short, medium, long; long ones
 share prefixes, so decode nodes hit their prefix cache and ask P for the rest only),
 completions and chat, streamed and not, at a fixed concurrency; 20% of the clients leave
 at a random point, and some requests reuse one ``X-Request-Id`` at the same time.
@@ -27,10 +27,10 @@ fault is in, so each one meets load however slow the machine):
 Client aborts and reused request ids are part of every request mix (``--abort-rate``,
 ``--reuse-rate``).
 
-The victims of the faults that restart a node are always ``p1`` and ``d1``; ``p2`` and
-``d2`` get the SIGSTOPs and the side-channel bursts, so they (and the proxy) survive
-every round. Resident memory (VmRSS of each process tree, after the round, once idle) is
-compared between the last two rounds for every process that lived through both.
+By default (``ChaosConfig.victims``) the faults that restart a node hit ``p1`` and ``d1``;
+``p2`` and ``d2`` get the SIGSTOPs, so they (and the proxy) survive every round. Resident
+memory (VmRSS of each process tree, after the round, once idle) is compared between the
+last two rounds for every process that lived through both.
 
 The nodes sign their side channel with a random ``--kv-secret`` (``--unsigned``: none);
 the bursts sign most messages as a confused peer holding the secret would, so the schema
@@ -131,6 +131,18 @@ class ChaosConfig:
     concurrency: int = 32
     faults: tuple[str, ...] = FAULTS
     last_round_faults: tuple[str, ...] | None = None  # None: same as ``faults``
+    later_round_faults: tuple[str, ...] | None = None  # rounds 2.. (None: same as ``faults``)
+    # Who each fault hits: "a|b" alternates between waves (a in odd ones). The defaults
+    # leave p2 and d2 running through every round (their memory is compared).
+    victims: dict[str, str] = field(
+        default_factory=lambda: {
+            "kill_prefill": "p1",
+            "kill_decode": "d1",
+            "kill_worker": "d1|p1",
+            "drain": "p1|d1",
+            "stop_worker": "p2|d2",
+        }
+    )
     abort_rate: float = 0.2
     reuse_rate: float = 0.1
     seed: int = 0
@@ -152,7 +164,13 @@ class ChaosConfig:
     def faults_for(self, round_no: int) -> tuple[str, ...]:
         if round_no == self.rounds and self.last_round_faults is not None:
             return self.last_round_faults
+        if round_no > 1 and self.later_round_faults is not None:
+            return self.later_round_faults
         return self.faults
+
+    def victim(self, fault: str, round_no: int, wave_no: int) -> str:
+        names = self.victims[fault].split("|")
+        return names[(round_no + wave_no) % len(names)]
 
 
 def log(msg: str) -> None:
@@ -1212,14 +1230,20 @@ class ChaosRun:
             log(f"restart of {node.name} FAILED: {e!r}"[:2000])
 
     @staticmethod
-    def _wait_loaded(node: Node, n: int = 1, timeout: float = 30) -> float | None:
-        """Waits until ``node`` holds at least ``n`` requests (the fault is to meet load);
-        the seconds it took, or None if it never did (the fault goes ahead anyway)."""
+    def _wait_loaded(node: Node, n: int = 1, timeout: float = 30) -> dict[str, Any]:
+        """Waits until ``node`` holds at least ``n`` requests (the fault is to meet load):
+        how long it waited (None: it never did; the fault goes ahead anyway) and how many
+        requests it held at that moment."""
         t0 = time.monotonic()
-        key = "pdserve_num_requests_admitted"
-        if _wait(lambda: _safe_scrape(node.url, 2).get(key, 0) >= n, timeout):
-            return round(time.monotonic() - t0, 1)
-        return None
+        seen = [0.0]
+
+        def loaded() -> bool:
+            seen[0] = _safe_scrape(node.url, 2).get("pdserve_num_requests_admitted", 0.0)
+            return seen[0] >= n
+
+        ok = _wait(loaded, timeout)
+        waited = round(time.monotonic() - t0, 1) if ok else None
+        return {"waited_for_load_s": waited, "admitted": seen[0]}
 
     @staticmethod
     def _before_kill(node: Node) -> dict[str, Any]:
@@ -1232,26 +1256,33 @@ class ChaosRun:
 
     def inject(self, name: str, round_no: int, wave_no: int) -> threading.Thread | None:
         c = self.cluster
-        odd = (round_no + wave_no) % 2 == 1
+
+        def victim() -> Node:
+            node = c.node(self.cfg.victim(name, round_no, wave_no))
+            # Never both nodes of a role at once: a fault waits while the other is still
+            # down from an earlier one (the load goes on meanwhile).
+            role = c.prefill if node in c.prefill else c.decode
+            others = [n for n in role if n is not node]
+            _wait(lambda: not any(n.lock.locked() for n in others), 600)
+            return node
+
         if name == "kill_prefill":
-            node = c.node("p1")
+            node = victim()
             node.lock.acquire()
-            waited = self._wait_loaded(node)
+            loaded = self._wait_loaded(node)
             before = self._before_kill(node)
             node.kill9()
-            rec = self.record_fault(name, round_no, node.name, waited_for_load_s=waited, **before)
+            rec = self.record_fault(name, round_no, node.name, **loaded, **before)
             return self._background(node, lambda: self._restart(node, rec), name)
         if name == "kill_decode":
-            return self._kill_decode_mid_write(round_no)
+            return self._kill_decode_mid_write(victim(), round_no)
         if name == "kill_worker":
-            node = c.node("d1" if odd else "p1")
+            node = victim()
             node.lock.acquire()
-            waited = self._wait_loaded(node)
-            victim = worker_pids(node.pid)[-1]
-            os.kill(victim, signal.SIGKILL)
-            rec = self.record_fault(
-                name, round_no, node.name, worker=victim, waited_for_load_s=waited
-            )
+            loaded = self._wait_loaded(node)
+            worker = worker_pids(node.pid)[-1]
+            os.kill(worker, signal.SIGKILL)
+            rec = self.record_fault(name, round_no, node.name, worker=worker, **loaded)
 
             def recover() -> None:
                 t0 = time.monotonic()
@@ -1264,34 +1295,27 @@ class ChaosRun:
 
             return self._background(node, recover, name)
         if name == "stop_worker":
-            node = c.node("p2" if odd else "d2")
+            node = victim()
             node.lock.acquire()
-            victim = worker_pids(node.pid)[0]
+            worker = worker_pids(node.pid)[0]
             length = self.cfg.stop_s or self.cfg.kv_transfer_timeout + 2
-            os.kill(victim, signal.SIGSTOP)
-            rec = self.record_fault(name, round_no, node.name, worker=victim, stopped_s=length)
+            os.kill(worker, signal.SIGSTOP)
+            rec = self.record_fault(name, round_no, node.name, worker=worker, stopped_s=length)
 
             def resume() -> None:
                 try:
                     time.sleep(length)
                 finally:
-                    os.kill(victim, signal.SIGCONT)
+                    os.kill(worker, signal.SIGCONT)
                 rec["healthy_after"] = _health(node.url)
 
             return self._background(node, resume, name)
         if name == "drain":
-            node = c.node("p1" if odd else "d1")
+            node = victim()
             node.lock.acquire()
-            waited = self._wait_loaded(node, 2)
-            m = _safe_scrape(node.url, 2)
+            loaded = self._wait_loaded(node, 2)
             node.proc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-            rec = self.record_fault(
-                name,
-                round_no,
-                node.name,
-                admitted_at_sigterm=m.get("pdserve_num_requests_admitted"),
-                waited_for_load_s=waited,
-            )
+            rec = self.record_fault(name, round_no, node.name, **loaded)
 
             def drain_and_restart() -> None:
                 rec["shutdown"] = node.sigterm_and_wait(
@@ -1306,11 +1330,10 @@ class ChaosRun:
             return None
         raise ValueError(f"unknown fault {name!r}")
 
-    def _kill_decode_mid_write(self, round_no: int) -> threading.Thread:
-        """A burst of long prompts; d1 is SIGKILLed as soon as a prefill node reports a push
-        in flight (or once the burst's pushes have started, if none is caught in flight)."""
+    def _kill_decode_mid_write(self, node: Node, round_no: int) -> threading.Thread:
+        """A burst of long prompts; ``node`` is SIGKILLed as soon as a prefill node reports
+        a push in flight (or once the burst's pushes have started, if none is caught)."""
         c = self.cluster
-        node = c.node("d1")
         node.lock.acquire()
         ps = [p for p in c.prefill if p.alive()]
         key = "pdserve_engine_kv_transfers_started_total"
@@ -1344,8 +1367,8 @@ class ChaosRun:
             for f in (
                 "side_channel",
                 "kill_prefill",
-                "stop_worker",
                 "kill_decode",
+                "stop_worker",
                 "side_channel",
                 "kill_worker",
                 "drain",
