@@ -23,7 +23,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
@@ -42,7 +41,10 @@ from kvconnector.params import KVTransferParams
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
-EMPTY_STEP_SLEEP_S = 0.001
+# A step that computed nothing (only waiting on transfers, holds, deadlines) is followed
+# by a wait for a wake-up -- a new request or abort, a worker saying a transfer
+# completed, a peer's message -- or this long (deadlines are checked every step).
+EMPTY_STEP_WAIT_S = 0.05
 
 
 class _Stream:
@@ -100,6 +102,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}  # accepted requests' output queues
         self._streams_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.core.set_wake(self._wake.set)
         self._stats: StatsGroup = self.core.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -136,7 +140,7 @@ class AsyncLLMEngine:
             kv_transfer_params=kv_transfer_params,
             label=label,
         )
-        self._inbox.put(("add", (req, stream)))
+        self._post(("add", (req, stream)))
         if not self.healthy:  # died between the check above and the put
             raise RuntimeError(f"engine is dead: {self.dead_reason}")
         finished = False
@@ -154,11 +158,11 @@ class AsyncLLMEngine:
             if finished:
                 self._unregister(request_id, stream)
             else:  # the engine thread aborts the request if it is still ours
-                self._inbox.put(("cancel", (request_id, stream)))
+                self._post(("cancel", (request_id, stream)))
 
     async def abort(self, request_id: str) -> None:
         """Abort the request whose engine id (the id given to ``generate``) is this."""
-        self._inbox.put(("abort", request_id))
+        self._post(("abort", request_id))
 
     async def abort_matching(self, key: str, by: str = "request_id") -> list[str]:
         """Abort requests -- running, or finished with blocks held for a push -- and return
@@ -170,7 +174,7 @@ class AsyncLLMEngine:
         if not self.healthy:
             return []
         done: Future[list[str]] = Future()
-        self._inbox.put(("abort_matching", (key, by, done)))
+        self._post(("abort_matching", (key, by, done)))
         return await asyncio.wait_for(asyncio.wrap_future(done), timeout=30)
 
     def stats(self) -> StatsGroup:
@@ -183,6 +187,10 @@ class AsyncLLMEngine:
     def histograms(self) -> dict[str, Any]:
         """Connector histograms by metric name (``kvconnector.nixl.histogram.Histogram``)."""
         return dict(getattr(self.core.connector, "histograms", {}))
+
+    def _post(self, item: tuple[str, Any]) -> None:
+        self._inbox.put(item)
+        self._wake.set()
 
     def _unregister(self, request_id: str, stream: _Stream) -> bool:
         """Forget ``stream`` if it is still the one registered for ``request_id``."""
@@ -255,7 +263,8 @@ class AsyncLLMEngine:
                 self._deliver(out, out.request_id)
             self._stats = self.core.stats()
             if num_tokens == 0:
-                time.sleep(EMPTY_STEP_SLEEP_S)  # only waiting on transfers/holds
+                self._wake.wait(EMPTY_STEP_WAIT_S)  # only waiting on transfers/holds
+                self._wake.clear()
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason

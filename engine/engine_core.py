@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
+from collections.abc import Callable
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import cdiv
@@ -23,6 +25,10 @@ from engine.model.loader import load_arch_config
 from engine.outputs import RequestOutput
 from engine.stats import StatsGroup
 from kvconnector.factory import create_scheduler_connector
+
+# While the workers only wait on transfers, a step goes to them when one wakes the engine
+# (a transfer completed) or, as a safety net, this long after the last one.
+WORKER_POLL_FALLBACK_S = 0.05
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +99,7 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, self.connector)
+        self._last_dispatch = 0.0
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -103,24 +110,39 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """Whoever runs the step loop (``AsyncLLMEngine``) is woken by the workers (a
+        transfer completed between steps) and by the connector (a peer's message)."""
+        self.executor.set_wake_callback(wake)
+        self.connector.set_wake(wake)
+
     def step(self) -> tuple[list[RequestOutput], int]:
         """One engine step; returns the outputs and the number of tokens computed."""
         sched = self.scheduler.schedule()
         if self._workers_idle(sched):
             result = ModelRunnerOutput()  # nothing for the workers to do or report
         else:
+            self._last_dispatch = time.monotonic()
             result = self.executor.execute_model(sched)  # type: ignore[assignment]
         outputs = self.scheduler.update_from_output(sched, result)
         return outputs, sched.num_scheduled_tokens
 
     def _workers_idle(self, sched: SchedulerOutput) -> bool:
         md = sched.kv_connector_metadata
-        return (
-            sched.num_scheduled_tokens == 0
-            and not sched.finished_request_ids
-            and (md is None or md.is_empty())
-            and not self.connector.needs_worker_poll()
-        )
+        if (
+            sched.num_scheduled_tokens
+            or sched.finished_request_ids
+            or (md is not None and not md.is_empty())
+        ):
+            return False
+        if not self.connector.needs_worker_poll():
+            return True
+        # The workers watch their transfers between steps and wake the engine when one
+        # completes; a step goes to them then, and otherwise every WORKER_POLL_FALLBACK_S
+        # (a lost wake costs that much latency, never a hang).
+        if self.executor.take_wake():
+            return False
+        return time.monotonic() - self._last_dispatch < WORKER_POLL_FALLBACK_S
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """End every request with an error (the executor died)."""

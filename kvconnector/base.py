@@ -77,7 +77,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -218,6 +218,17 @@ class KVConnectorScheduler(ABC):
         """A typed snapshot (``engine.stats``), or None when there is nothing to report."""
         return None
 
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """The engine loop's wake-up: call it (from any thread) when a peer's message
+        changed what the next step can do (a reservation arrived, a load failed), so the
+        engine steps now instead of at its next idle timeout."""
+        self._wake = wake
+
+    def wake(self) -> None:
+        wake = getattr(self, "_wake", None)
+        if wake is not None:
+            wake()
+
     def shutdown(self) -> None:  # noqa: B027
         pass
 
@@ -263,6 +274,18 @@ class KVConnectorWorker(ABC):
 
     def take_failures(self) -> dict[str, str]:
         return {}
+
+    # -- between steps (low fixed cost) ----------------------------------------------
+    def watching(self) -> bool:
+        """True while a transfer may complete between steps (the worker process then
+        calls ``progress`` every few hundred microseconds instead of idling)."""
+        return False
+
+    def progress(self) -> bool:
+        """Advance transfers between steps; True when a completion waits for the next
+        step's ``get_finished`` -- the worker process then wakes the engine, which runs
+        that step at once instead of polling the workers on a timer."""
+        return False
 
     def stats(self) -> Stats | StatsGroup | None:
         """A typed snapshot (``engine.stats``), or None when there is nothing to report."""

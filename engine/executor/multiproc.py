@@ -25,7 +25,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, WorkerOutput
 from engine.executor.aggregator import KVOutputAggregator
-from engine.worker.worker_proc import WorkerError, worker_main
+from engine.worker.worker_proc import WAKE, WorkerError, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ class MultiprocExecutor:
         self.aggregator = KVOutputAggregator(self.world_size)
         self.dead_reason: str | None = None
         self._shutting_down = False
+        self._woken = False
+        self._on_wake: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._pending: list[collections.deque[Future[WorkerOutput]]] = [
             collections.deque() for _ in range(self.world_size)
@@ -149,11 +151,27 @@ class MultiprocExecutor:
             self._mark_dead(f"a TP worker did not finish a step within {self.step_timeout:.0f}s")
             raise WorkerDiedError(self.dead_reason) from None
 
+    def set_wake_callback(self, wake: Callable[[], None]) -> None:
+        """Called (on a reader thread) when a worker says a transfer completed between
+        steps; the engine loop then steps at once."""
+        self._on_wake = wake
+
+    def take_wake(self) -> bool:
+        """True once after any worker sent a wake since the last call."""
+        woken, self._woken = self._woken, False
+        return woken
+
     def _reader(self, rank: int) -> None:
         conn = self._result[rank]
         while True:
             try:
-                out = pickle.loads(conn.recv_bytes())
+                raw = conn.recv_bytes()
+                if raw == WAKE:
+                    self._woken = True
+                    if self._on_wake is not None:
+                        self._on_wake()
+                    continue
+                out = pickle.loads(raw)
             except (EOFError, OSError):
                 if not self._shutting_down:
                     self._mark_dead(f"TP worker {rank} closed its pipe")

@@ -6,6 +6,7 @@ import logging
 import os
 import pickle
 import signal
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -16,6 +17,11 @@ from engine.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_S = 1.0
+# While a transfer may complete between steps, the worker polls it this often and, when
+# one did, sends WAKE on the result pipe: the engine runs the step that reports it at
+# once, instead of sending the workers empty steps on a timer.
+WATCH_INTERVAL_S = 0.0005
+WAKE = b"wake"
 
 
 class WorkerError(Exception):
@@ -85,13 +91,24 @@ def worker_main(
         result_conn.send(("error", traceback.format_exc()))
         return
     logger.info("worker ready (%d KV blocks)", num_blocks)
+    connector = worker.connector
+    woke = False  # a WAKE is out and no step came since: do not send another
+    last_parent_check = time.monotonic()
     try:
         while True:
-            if not task_conn.poll(PARENT_CHECK_S):
-                if os.getppid() != parent:
-                    logger.warning("engine process went away; worker exiting")
-                    return
+            watching = connector.watching()
+            if not task_conn.poll(WATCH_INTERVAL_S if watching else PARENT_CHECK_S):
+                if watching and not woke and connector.progress():
+                    result_conn.send_bytes(WAKE)
+                    woke = True
+                now = time.monotonic()
+                if now - last_parent_check >= PARENT_CHECK_S:
+                    last_parent_check = now
+                    if os.getppid() != parent:
+                        logger.warning("engine process went away; worker exiting")
+                        return
                 continue
+            woke = False
             msg = task_conn.recv_bytes()
             if msg == b"shutdown":
                 return

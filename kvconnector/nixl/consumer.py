@@ -39,6 +39,7 @@ class RemoteRecv:
     skip_blocks: int  # leading prompt blocks D had in its prefix cache
     deadline: float
     nonce: str = ""  # this reservation's fence: notifs, replies and counts carry it
+    created: float = field(default_factory=time.monotonic)  # blocks reserved
     reserved: bool = False
     p_incarnation: str | None = None  # the P process that accepted the reservation
 

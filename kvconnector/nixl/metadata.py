@@ -38,9 +38,18 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     # failed, cancelled or past their deadline, P sends (request ids) lost: every rank
     # drops its partial count, the aggregator its partial all-ranks count.
     ended_keys: list[str] = field(default_factory=list)
+    # Whether D's workers should watch for notifications between steps (and wake the
+    # engine when KV lands); None: unchanged since the last step that said it.
+    watch: bool | None = None
 
     def is_empty(self) -> bool:
-        return not (self.add_peers or self.remove_peers or self.sends or self.ended_keys)
+        return not (
+            self.add_peers
+            or self.remove_peers
+            or self.sends
+            or self.ended_keys
+            or self.watch is not None
+        )
 
     def ended_transfer_keys(self) -> list[str]:
         return self.ended_keys

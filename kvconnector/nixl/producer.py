@@ -51,6 +51,7 @@ class PendingSend:
     deadline: float
     reservation: Reservation | None = None
     started_at: float | None = None
+    finished_at: float = field(default_factory=time.monotonic)  # the prefill's end
 
 
 @dataclass

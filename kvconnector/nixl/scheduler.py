@@ -120,6 +120,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._p_locks: dict[str, threading.Lock] = {}
         self._nonces = itertools.count(1)
         self._ended: list[str] = []  # nonces whose counts every rank must drop
+        self._watching = False  # what the workers were last told (metadata ``watch``)
         self._lanes = PeerLanes()
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
         secret = kvc.kv_secret.encode() or None
@@ -128,6 +129,19 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.histograms = {
             "kv_transfer_duration_seconds": Histogram(
                 "KV push duration: from issuing the WRITEs to all ranks done", DURATION_BUCKETS
+            ),
+            # One histogram per hop of a P/D request (docs/performance.md, "P/D hops").
+            "kv_prefill_to_push_seconds": Histogram(
+                "P: prefill finished -> its WRITEs issued (waiting for D's reservation)",
+                DURATION_BUCKETS,
+            ),
+            "kv_load_wait_seconds": Histogram(
+                "D: blocks reserved -> the KV landed on every rank (P's queue, prefill and push)",
+                DURATION_BUCKETS,
+            ),
+            "kv_notif_to_step_seconds": Histogram(
+                "D: the last rank got its notification -> the engine step that saw it",
+                DURATION_BUCKETS,
             ),
             "kv_transfer_descriptors": Histogram(
                 "NIXL descriptors per transfer per rank (one per contiguous block run)",
@@ -231,6 +245,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self.consumer.fail(recv.request_id, "too many calls queued for prefill", safe=True)
 
     def _reserve_job(self, recv: RemoteRecv) -> None:
+        try:
+            self._reserve(recv)
+        finally:
+            self.wake()
+
+    def _reserve(self, recv: RemoteRecv) -> None:
         msg = Reserve(
             transfer_id=recv.transfer_id,
             nonce=recv.nonce,
@@ -410,7 +430,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 self.consumer.fail(msg.d_request_id, msg.reason, msg.safe, nonce=msg.nonce)
             reply = Ack()
         else:
-            reply = PingReply(incarnation=self.incarnation, engine_id=self.engine_id)
+            return PingReply(incarnation=self.incarnation, engine_id=self.engine_id).to_wire()
+        self.wake()  # the next step may act on it (push, fail over, free blocks)
         return reply.to_wire()
 
     def _refuse_malformed(self, raw: dict[str, Any], error: MessageError) -> Refusal:
@@ -459,6 +480,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         with self._lock:
             md.remove_peers, self._remove = self._remove, []
             md.ended_keys, self._ended = self._ended, []
+            watch = bool(self.consumer.recvs or self.consumer.quarantine)
+            if watch != self._watching:
+                md.watch = self._watching = watch
             for send in self.producer.ready_sends(lambda k: k in self._d_peers):
                 res = send.reservation
                 assert res is not None
@@ -474,6 +498,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     self._workers_have.add(res.peer_key)
                 self.histograms["kv_transfer_descriptors"].observe(
                     len(block_runs(local, res.block_ids))
+                )
+                self.histograms["kv_prefill_to_push_seconds"].observe(
+                    time.monotonic() - send.finished_at
                 )
                 md.sends.append(
                     SendSpec(
@@ -506,8 +533,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     self.checksum_failures += 1
                     logger.error("request %s: %s; not decoding from it", rid, info["kv_error"])
                     self.consumer.fail(rid, str(info["kv_error"]), safe=True, nonce=nonce)
-                elif self.consumer.landed(rid, nonce):
-                    landed[rid] = info
+                else:
+                    recv = self.consumer.recvs.get(rid)
+                    if self.consumer.landed(rid, nonce):
+                        landed[rid] = info
+                        self._observe_landed(recv, info)
             for rid in output.finished_sending:
                 send = self.producer.send_finished(rid, output.kv_failed.get(rid))
                 if send is None or send.started_at is None:
@@ -524,6 +554,13 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             if isinstance(output.kv_stats, NixlWorkerStats):
                 self._worker_stats = output.kv_stats
         return landed
+
+    def _observe_landed(self, recv: RemoteRecv | None, info: dict[str, Any]) -> None:
+        if recv is not None:
+            self.histograms["kv_load_wait_seconds"].observe(time.monotonic() - recv.created)
+        arrived = info.get("arrived")
+        if isinstance(arrived, float):  # the workers' wall clock: same host
+            self.histograms["kv_notif_to_step_seconds"].observe(max(0.0, time.time() - arrived))
 
     def _evict_peer(self, key: str, why: str) -> None:
         """A push to this decode peer failed: forget it (agents, descriptor lists). A live
@@ -545,6 +582,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             for rid, recv in list(self.consumer.recvs.items()):
                 if recv.p_address == address and incarnation in (None, recv.p_incarnation):
                     self.consumer.fail(rid, why, safe=safe)
+        self.wake()
 
     def take_events(self) -> ConnectorEvents:
         with self._lock:
@@ -607,6 +645,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if isinstance(reply, CancelReply) and reply.state == "cancelled":
             with self._lock:
                 self.consumer.cancel_confirmed(request_id, nonce)
+            self.wake()
 
     def has_pending_work(self) -> bool:
         with self._lock:

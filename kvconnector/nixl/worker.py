@@ -50,6 +50,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         # D rank counts), one entry per D rank this rank writes into
         self._targets: dict[str, list[tuple[str, tp_map.HeadWrite, int]]] = {}
         self._finished_sending: set[str] = set()
+        self._recving: set[str] = set()  # nonces complete on this rank, not yet reported
+        self._watch_notifs = False  # the scheduler expects KV: watch between steps
         self._parts: dict[str, tuple[int, float]] = {}  # nonce -> (notifs seen, first seen)
         self._closed: dict[str, float] = {}  # nonce completed or ended -> forget it then
         self._recv_info: dict[str, dict[str, Any]] = {}
@@ -137,6 +139,34 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._targets[key] = targets
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        now = time.monotonic()
+        md = self.connector_metadata
+        if isinstance(md, NixlConnectorMetadata):
+            if md.watch is not None:
+                self._watch_notifs = md.watch
+            for nonce in md.ended_keys:
+                self._close(nonce, now)
+                self._recving.discard(nonce)
+        self._poll_transport(now)
+        sending, self._finished_sending = self._finished_sending, set()
+        recving, self._recving = self._recving, set()
+        return sending, recving
+
+    # -- watching between steps (the worker process calls these while it has no task) --
+    def watching(self) -> bool:
+        """True while something may complete without a step: WRITEs in flight, or (the
+        scheduler said so) KV expected."""
+        return bool(self._sending) or self._watch_notifs
+
+    def progress(self) -> bool:
+        """Poll the transport between steps; True when a completion is waiting for the
+        next step (the worker process then wakes the engine)."""
+        if self.transport is None or not self.watching():
+            return False
+        self._poll_transport(time.monotonic())
+        return bool(self._finished_sending or self._recving)
+
+    def _poll_transport(self, now: float) -> None:
         t = self.transport
         assert t is not None
         for rid, handles in list(self._sending.items()):
@@ -150,12 +180,6 @@ class NixlConnectorWorker(KVConnectorWorker):
                 t.release(handle)
             del self._sending[rid]
             self._finished_sending.add(rid)
-        now = time.monotonic()
-        md = self.connector_metadata
-        if isinstance(md, NixlConnectorMetadata):
-            for nonce in md.ended_keys:
-                self._close(nonce, now)
-        recving: set[str] = set()
         for raw in t.get_notifs():
             try:
                 notif = Notif.unpack(raw)
@@ -172,7 +196,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             if seen + 1 >= notif.n:
                 error = self._kv_errors.get(notif.k)
                 self._close(notif.k, now)
-                recving.add(notif.k)
+                self._recving.add(notif.k)
                 self._recv_info[notif.k] = {
                     "request_id": notif.r,
                     "first_token": notif.ft,
@@ -183,8 +207,6 @@ class NixlConnectorWorker(KVConnectorWorker):
             else:
                 self._parts[notif.k] = (seen + 1, first)
         self._expire(now)
-        sending, self._finished_sending = self._finished_sending, set()
-        return sending, recving
 
     def _notif_for(
         self,

@@ -1,0 +1,212 @@
+#!/usr/bin/env python
+"""P/D fixed cost at low load: TTFT and ITL through the proxy (1 P + 1 D) vs straight to a
+colocated node, same model, same prompts, one request at a time, in one run.
+
+    python scripts/bench_pd_overhead.py [--lengths 256 1024] [--num-prompts 12] [--json F]
+
+Starts (and stops, by PID) a colocated node, a prefill node, a decode node and a proxy on
+free loopback ports, runs ``pd-bench serve`` against the colocated node and the proxy for
+each prompt length, and prints TTFT p50/p99 and ITL p50/p99 for both with their ratios,
+plus the CPU seconds each node process tree used (the cost of waiting: polling shows up
+here even when latency does not). The machine is noisy: read the ratios, rerun to see
+the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.bench.serve import add_serve_args, run_benchmark  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(module: str, *args: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", module, *args, "--port", str(port)]
+    proc = subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout}s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` and its descendants (from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{p}/task").iterdir():
+                children = (task / "children").read_text().split()
+                todo.extend(int(c) for c in children)
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return total
+
+
+HOPS = (
+    "kv_prefill_to_push_seconds",
+    "kv_transfer_duration_seconds",
+    "kv_load_wait_seconds",
+    "kv_notif_to_step_seconds",
+)
+
+
+def hop_means(url: str) -> list[tuple[str, float, float]]:
+    """(histogram, mean seconds, count) of the P/D hop histograms a node exports."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = name.split("{", 1)[0]
+        sums[name] = sums.get(name, 0.0) + float(value)
+    out = []
+    for hop in HOPS:
+        for metric in (f"pdserve_{hop}", hop):
+            count = sums.get(f"{metric}_count", 0.0)
+            if count:
+                out.append((hop, sums[f"{metric}_sum"] / count, count))
+                break
+    return out
+
+
+def bench(url: str, length: int, args: argparse.Namespace) -> dict[str, float]:
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    ns = parser.parse_args(
+        [
+            "--base-url", url,
+            "--num-prompts", str(args.num_prompts),
+            "--max-concurrency", "1",
+            "--input-len", str(length),
+            "--output-len", str(args.output_len),
+            "--num-warmup", "2",
+            "--no-progress",
+        ]
+    )  # fmt: skip
+    s, _ = asyncio.run(run_benchmark(ns))
+    if s.failed:
+        raise RuntimeError(f"{url}: {s.failed} requests failed: {s.errors}")
+    return {
+        "ttft_p50_ms": s.ttft_ms.median,
+        "ttft_p99_ms": s.ttft_ms.p99,
+        "itl_p50_ms": s.itl_ms.median,
+        "itl_p99_ms": s.itl_ms.p99,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--num-prompts", type=int, default=12)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--log-dir", default="/tmp/pd_overhead_logs")
+    args = ap.parse_args()
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    common = ["--model", "tiny", "--num-blocks", "1024", "--log-level", "WARNING"]
+    procs: list[subprocess.Popen] = []
+    try:
+        colo, colo_url = start("decode_node", *common, log=logs / "colocated.log")
+        p, p_url = start("prefill_node", *common, "--kv-connector", "nixl", log=logs / "p.log")
+        d, d_url = start("decode_node", *common, "--kv-connector", "nixl", log=logs / "d.log")
+        procs += [colo, p, d]
+        for url, proc in ((colo_url, colo), (p_url, p), (d_url, d)):
+            wait_healthy(url, proc)
+        px, px_url = start(
+            "proxy", "serve", "--prefill", p_url, "--decode", d_url, log=logs / "proxy.log"
+        )
+        procs.append(px)
+        wait_healthy(px_url, px)
+        rows: list[dict[str, Any]] = []
+        for length in args.lengths:
+            c0 = cpu_seconds(colo.pid)
+            colo_stats = bench(colo_url, length, args)
+            c1 = cpu_seconds(colo.pid)
+            pd0 = cpu_seconds(p.pid) + cpu_seconds(d.pid)
+            pd_stats = bench(px_url, length, args)
+            pd1 = cpu_seconds(p.pid) + cpu_seconds(d.pid)
+            rows.append(
+                {
+                    "input_len": length,
+                    "colocated": colo_stats,
+                    "pd": pd_stats,
+                    "colocated_cpu_s": round(c1 - c0, 2),
+                    "pd_nodes_cpu_s": round(pd1 - pd0, 2),
+                }
+            )
+        print(
+            "| input | TTFT p50 colo / P/D ms | ratio | ITL p99 colo / P/D ms | ratio | node CPU s colo / P+D |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            c, q = r["colocated"], r["pd"]
+            print(
+                f"| {r['input_len']} | {c['ttft_p50_ms']:.1f} / {q['ttft_p50_ms']:.1f} | "
+                f"{q['ttft_p50_ms'] / c['ttft_p50_ms']:.2f} | {c['itl_p99_ms']:.1f} / "
+                f"{q['itl_p99_ms']:.1f} | {q['itl_p99_ms'] / c['itl_p99_ms']:.2f} | "
+                f"{r['colocated_cpu_s']} / {r['pd_nodes_cpu_s']} |"
+            )
+        print()
+        print("| hop (P/D nodes, all requests of this run) | mean ms | count |")
+        print("|---|---:|---:|")
+        for url in (p_url, d_url):
+            for name, mean, count in hop_means(url):
+                print(f"| {name} | {mean * 1000:.2f} | {count:.0f} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
