@@ -478,3 +478,31 @@ def test_the_receiver_refuses_writes_outside_its_cache_and_notifies_only_good_on
     finally:
         raw.close()
         d.close()
+
+
+def test_pd_bench_transfer_measures_the_ucxx_connector_path(tmp_path) -> None:
+    """``pd-bench transfer --kv-transport ucxx``: the connector path on UcxxTransport, next
+    to raw NIXL and a copy, D's bytes checked (toy sizes; needs nixl too for the raw path)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("nixl._api")
+    from harness import REPO_ROOT
+
+    out = tmp_path / "transfer.json"
+    toy = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens", "40", "96"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "transfer", *toy, "--tp", "1", "2"]
+        + ["--reps", "2", "--kv-transport", "ucxx", "--json", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "connector on ucxx" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["kv_transport"] == "ucxx" and report["all_data_ok"] is True
+    for row in report["results"]:
+        assert row["data"]["connector"]["ok"] and row["data"]["connector"]["blocks_checked"]

@@ -12,7 +12,8 @@ length asked for, one run measures side by side, on the same processes and memor
     notification. P's blocks are ``0 .. n-1`` (a fresh pool); D's come from a free list
     (``--dst-blocks``: ``shuffled`` by default, so most blocks are their own descriptor).
     Timed from the first rank issuing its WRITE (``make_prepped_xfer`` + ``transfer``)
-    to the notification having arrived at every D rank.
+    to the notification having arrived at every D rank. ``--kv-transport ucxx``: the same
+    on ``UcxxTransport`` (``kvconnector/nixl/transport_ucxx.py``) instead.
 ``raw``
     Plain NIXL moving the same bytes: a second agent per process, registered on the same
     caches, one prepared request per rank whose only descriptor is P's blocks
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -276,7 +278,10 @@ class _Rank:
             self.scratch = torch.zeros_like(self.cache)  # the copy path's target
         _sync(self.device)
         tag = f"{cfg['run_id']}-{role}{rank}"
-        self.transport = NixlTransport(
+        make: Any = NixlTransport
+        if cfg.get("kv_transport") == "ucxx":  # --kv-transport ucxx: the connector's UCXX path
+            from kvconnector.nixl.transport_ucxx import UcxxTransport as make
+        self.transport = make(
             f"pdbench-{tag}", self.cache, self.block_bytes, xfer_timeout_s=cfg["timeout"]
         )
         from nixl._api import nixl_agent, nixl_agent_config
@@ -612,6 +617,7 @@ def bench_tp(
         "timeout": args.timeout,
         "poll_us": args.poll_us,
         "copy_threads": args.copy_threads,
+        "kv_transport": args.kv_transport,
         "run_id": uuid.uuid4().hex[:8],
     }
     results = []
@@ -826,6 +832,13 @@ def add_transfer_args(p: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--timeout", type=float, default=60.0, help="per-transfer deadline, s (default: 60)"
     )
+    w.add_argument(
+        "--kv-transport",
+        choices=["nixl", "ucxx"],
+        default="nixl",
+        help="the connector path's transport, as the nodes' flag (default: nixl; ucxx needs "
+        "pip install -e '.[ucxx]'); raw and copy are unchanged",
+    )
     w.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
 
 
@@ -869,11 +882,17 @@ def run_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if not NIXL_AVAILABLE:
         print("pd-bench transfer: nixl is not installed (pip install nixl)", file=sys.stderr)
         return 2
+    if args.kv_transport == "ucxx" and importlib.util.find_spec("ucxx") is None:
+        print(
+            "pd-bench transfer: ucxx is not installed (pip install -e '.[ucxx]')", file=sys.stderr
+        )
+        return 2
     memory = "VRAM" if args.device == "cuda" else "DRAM"
     print(
         f"pd-bench transfer: {geo.layers} layers x {geo.kv_heads} KV heads x head_dim "
         f"{geo.head_dim}, {geo.dtype}, block {geo.block_size} -> "
         f"{geo.bytes_per_token / 1024:g} KiB/token; {memory}; D blocks {args.dst_blocks}; "
+        f"connector on {args.kv_transport}; "
         f"median of {args.reps} (+{args.warmup} warm-up); peak memory {need / 2**30:.2f} GiB",
         flush=True,
     )
@@ -901,6 +920,7 @@ def run_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         "warmup": args.warmup,
         "poll_us": args.poll_us,
         "copy_threads": args.copy_threads,
+        "kv_transport": args.kv_transport,
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "gb": "1e9 bytes; GB/s = bytes of all ranks / median seconds",
         "results": results,
