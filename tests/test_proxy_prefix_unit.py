@@ -21,7 +21,7 @@ from proxy.prefix import (
     answer_suffix,
     prompt_key,
 )
-from proxy.router import CacheAware, LeastOutstanding, RoundRobin, Router
+from proxy.router import CacheAware, LeastOutstanding, NoHealthyNode, RoundRobin, Router
 
 P, D = "http://10.0.0.1:8100", "http://10.0.0.2:8200"
 LONG = "".join(f"word{i} " for i in range(200))  # ~1,400 characters
@@ -239,6 +239,11 @@ def test_short_prompts_and_prompts_the_decode_node_holds_skip_the_prefill_node()
         len(LONG + "and a short follow-up" + "x" * 300) // CHAR_BLOCK
     )
     assert router.modes["decode_only"] == 2 and router.modes["disaggregated"] == 3
+    # Without a healthy prefill node short prompts are still served; long ones are not.
+    pool.prefill[0].set_healthy(False, "down")
+    assert router.plan(_text("Hello")).decode_only
+    with pytest.raises(NoHealthyNode):
+        router.plan(_text("a much longer prompt " * 20))
 
 
 def test_disabled_by_default() -> None:
