@@ -53,9 +53,9 @@ thread): ``write_blocks`` posts the sends, ``poll`` reads the requests' completi
 bytes in the background (rendezvous, wire-up, keepalive) whether or not the step thread is
 in a call. The price against NIXL's one-sided WRITE: D posts its receive of a write's data
 at its next ``get_notifs`` after the header arrived, and copies the data into place at the
-one after the data completed, so a push costs D up to one extra engine step (1 ms when it
-only waits for KV) and one copy of the bytes on each side that had to stage (P: not for
-one run of whole blocks; D: always). The worker is created with ``UCS_THREAD_MODE_MULTI``
+one after the data completed, so a push costs D one more ``get_notifs`` (the worker polls
+every 0.5 ms between steps while it expects KV, and once per step) and one copy of the
+bytes on each side that had to stage (P: not for one run of whole blocks; D: always). The worker is created with ``UCS_THREAD_MODE_MULTI``
 (``ucxx``'s default), so calls from the step thread and the progress thread are safe.
 
 Failures: endpoints are created with error handling, so a peer that died fails its sends
