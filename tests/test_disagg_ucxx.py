@@ -357,13 +357,17 @@ def test_ucxx_nodes_report_the_transport_and_match_colocated(pd_pair: PD):
 
 def test_ucxx_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(pd_pair: PD, procs: Procs):
     """D reserved, then died before P's push: the write errors (no hang), P frees its
-    blocks, counts the failure and forgets the dead peer."""
+    blocks, counts the failure and forgets the dead peer. The push is 25 blocks (800 KiB):
+    over same-host shared memory a push under UCX's rendezvous threshold goes out eagerly
+    and completes into a dead peer's memory as if sent (harmless: D is gone), so only a
+    larger one shows the failure path (here by the deadline: shared memory does not report
+    a dead peer)."""
     prefill = pd_pair.p
     dead = procs.node("--kv-connector", "nixl", *NODE_ARGS, module="decode_node")
     _disagg(prefill, dead, list(range(5, 30)), "ucxx-dead-0")  # the peer is known to P
     peers = prefill.metric("pdserve_engine_kv_decode_peers")
     failures = prefill.metric("pdserve_engine_kv_transfer_failures_total")
-    prompt, tid = list(range(5, 40)), "ucxx-dead-1"
+    prompt, tid = [5 + i % 200 for i in range(400)], "ucxx-dead-1"
     with ThreadPoolExecutor(1) as pool:
         fut: Future = pool.submit(
             httpx.post,
