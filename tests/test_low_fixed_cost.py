@@ -8,6 +8,7 @@ import time
 
 import pytest
 import zmq
+from fakes import NotifsOnly
 from harness import free_port
 
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
@@ -18,15 +19,6 @@ from kvconnector.nixl.messages import Notif
 from kvconnector.nixl.metadata import NixlConnectorMetadata
 from kvconnector.nixl.worker import NixlConnectorWorker
 from kvconnector.params import KVTransferParams
-
-
-class NotifsOnly:
-    def __init__(self) -> None:
-        self.inbox: list[bytes] = []
-
-    def get_notifs(self) -> list[bytes]:
-        out, self.inbox = self.inbox, []
-        return out
 
 
 def test_a_worker_told_to_watch_finds_landed_kv_between_steps():

@@ -28,8 +28,9 @@ from typing import Any
 
 import httpx
 import pytest
+from fakes import fixed_examples
 from harness import PD, Proc, Procs, kv_pool_full, metric, sse_data, wait_for, wait_healthy
-from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.slow
@@ -38,15 +39,7 @@ MAX_BODY = 1_000_000  # --max-request-bytes of every server here: 413 above it
 KV_TIMEOUT_S = 1.0  # --kv-transfer-timeout of the pair: an unreachable "prefill" costs this
 
 
-def _settings(n: int) -> settings:
-    return settings(
-        max_examples=n,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        print_blob=False,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+_settings = fixed_examples
 
 
 # -- servers ---------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from fakes import fixed_examples
+from hypothesis import given
 from hypothesis import strategies as st
 
 import kvconnector.nixl.producer as producer_module
@@ -40,15 +41,7 @@ D_KEY = "d-0:inc"
 TIMEOUT = 5.0
 
 
-def _settings(n: int) -> settings:
-    return settings(
-        max_examples=n,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        print_blob=False,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-    )
+_settings = fixed_examples
 
 
 @pytest.fixture(scope="module")

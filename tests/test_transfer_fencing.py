@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import pytest
+from fakes import NotifsOnly
 from harness import free_port
 
 import kvconnector.nixl.scheduler as nixl_scheduler
@@ -33,17 +34,6 @@ from kvconnector.params import KVTransferParams
 
 BLOCKS = 64
 TIMEOUT = 30.0
-
-
-class NotifsOnly:
-    """The worker's transport, reduced to what D's side uses: delivered notifications."""
-
-    def __init__(self) -> None:
-        self.inbox: list[bytes] = []
-
-    def get_notifs(self) -> list[bytes]:
-        out, self.inbox = self.inbox, []
-        return out
 
 
 class DecodeTP2:
