@@ -25,6 +25,9 @@
 #   CHAOS_ABORT_RATE=0.2, CHAOS_REUSE_RATE=0.1, CHAOS_SEED=0, CHAOS_KV_TIMEOUT=3 (seconds,
 #   every node's --kv-transfer-timeout), CHAOS_DEADLINE_S=180 (a request not ended by then
 #   is hung), CHAOS_UNSIGNED=1 (nodes without --kv-secret; default: a random secret)
+#   CHAOS_TP=2,2,2,2         TP of p1,p2,d1,d2 (unequal TP: the heterogeneous-TP connector)
+#   CHAOS_STRICT=1           also fail on the known issues the suite found (KNOWN_ISSUES in
+#                            tests/stress/chaos_suite.py: valid requests answered with a 4xx)
 #   CHAOS_JSON=path          also write the summary as JSON there  (--json)
 #   CHAOS_LOGS_DIR=dir       keep every process's log there (default: a temporary
 #                            directory, removed at the end)        (--logs-dir)

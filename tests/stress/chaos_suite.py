@@ -157,6 +157,7 @@ class ChaosConfig:
     stop_s: float = 0.0  # SIGSTOP length; 0: kv_transfer_timeout + 2
     rss_slack_mib: float = 128.0
     rss_slack_ratio: float = 0.2
+    strict: bool = False  # also fail on the KNOWN_ISSUES
     kv_secret: str = field(default_factory=lambda: os.urandom(16).hex(), repr=False)  # "": unsigned
     json_path: str | None = None
     log_every_s: float = 30.0
@@ -1543,6 +1544,13 @@ class ChaosRun:
             "reused_ids": sum(r.label.startswith("dup-") for r in self.results),
             "streamed": sum(r.stream for r in self.results),
             "chat": sum(r.chat for r in self.results),
+            # Every request of the workload is valid: a 4xx other than 429 blames the client
+            # for something it did not do.
+            "client_blamed": [
+                f"{r.label} #{r.index}: {r.error}"
+                for r in self.results
+                if r.outcome == "errored" and _blames_client(r)
+            ],
             "log_tracebacks": _tracebacks(self.tmp),
         }
 
@@ -1577,6 +1585,10 @@ def _tracebacks(tmp: Path) -> dict[str, int]:
             if n:
                 out[path.name] = n
     return out
+
+
+def _blames_client(r: Result) -> bool:
+    return r.status is not None and 400 <= r.status < 500 and r.status != 429
 
 
 def _fault_failed(f: dict[str, Any]) -> bool:
@@ -1664,6 +1676,11 @@ def format_table(s: dict[str, Any]) -> str:
         lines.append(
             "errors (clear): " + ", ".join(f"{k} × {v}" for k, v in sorted(s["errors"].items()))
         )
+    if s["client_blamed"]:
+        lines.append(
+            f"valid requests answered with a 4xx: {len(s['client_blamed'])} (known issue "
+            "drain_499: a request cut by a drain's deadline gets 499, passed on by the proxy)"
+        )
     if s["fault_failures"]:
         lines.append(f"fault injections that went wrong: {len(s['fault_failures'])}")
     if s["side_channel_unexpected"]:
@@ -1671,9 +1688,26 @@ def format_table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def failures(s: dict[str, Any]) -> list[str]:
-    """What the suite asserts, as messages (empty: passed)."""
+# Found by this suite, reported, not fixed yet: counted and shown, asserted only with
+# ``strict`` (``--strict``). Once fixed, drop the entry and make it an assertion.
+KNOWN_ISSUES = {
+    "drain_499": (
+        "a request still running at a draining node's --shutdown-timeout whose response has "
+        "not started (any prefill leg, a non-streamed decode leg) is answered 499 (no body, "
+        "logged 'client disconnected') instead of 503 draining, and the proxy passes that "
+        "499 to the client as invalid_request_error instead of retrying on another node"
+    ),
+}
+
+
+def failures(s: dict[str, Any], strict: bool = False) -> list[str]:
+    """What the suite asserts, as messages (empty: passed); ``strict`` also fails on the
+    ``KNOWN_ISSUES``."""
     out = []
+    if strict and s.get("client_blamed"):
+        out.append(
+            f"{len(s['client_blamed'])} valid request(s) answered with a 4xx: {s['client_blamed'][:5]}"
+        )
     if s["hung"]:
         out.append(f"{s['hung']} hung request(s)")
     if s["broken"]:
@@ -1710,7 +1744,7 @@ def run_chaos(cfg: ChaosConfig, tmp: Path) -> dict[str, Any]:
                     summary = run.summary()
             if summary is not None:
                 summary["logs"] = str(tmp)
-                summary["failures"] = failures(summary)
+                summary["failures"] = failures(summary, cfg.strict)
                 if cfg.json_path:
                     Path(cfg.json_path).write_text(json.dumps(summary, indent=1, default=str))
     assert summary is not None
@@ -1783,6 +1817,12 @@ def main(argv: list[str] | None = None) -> int:
         help="nodes without --kv-secret (default: a random secret for the run)",
     )
     ap.add_argument(
+        "--strict",
+        action="store_true",
+        default=env("CHAOS_STRICT") == "1",
+        help="also fail on the known issues (KNOWN_ISSUES: valid requests answered with a 4xx)",
+    )
+    ap.add_argument(
         "--json", default=env("CHAOS_JSON"), help="write the summary here (env CHAOS_JSON)"
     )
     ap.add_argument(
@@ -1816,6 +1856,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline_s=a.deadline,
         json_path=a.json,
         tp=tp,
+        strict=a.strict,
     )
     if a.unsigned:
         cfg.kv_secret = ""
