@@ -266,14 +266,16 @@ def test_serve_against_a_node(tiny_node, tmp_path: Path):
     assert s["good_requests"] == 4 and s["goodput"] > 0
     assert s["total_input_tokens"] == 4 * 32 and s["total_output_tokens"] == 4 * 6
     assert s["output_throughput"] > 0 and s["ttft_ms"]["median"] > 0
-    assert s["itl_ms"]["n"] == 4 * 5
+    # A chunk may carry several tokens when the node merges outputs its reader has not
+    # taken yet (a loaded box): at most one gap per token after the first.
+    assert 4 <= s["itl_ms"]["n"] <= 4 * 5
     assert report["args"]["model"] == "tiny"  # from GET /v1/models
     assert len(report["requests"]) == 4
     for r in report["requests"]:
         assert r["ok"] and r["error"] is None
         assert r["ttft"] > 0 and r["e2e"] >= r["ttft"]
         assert r["output_tokens"] == 6 and r["usage_completion_tokens"] == 6
-        assert len(r["itl"]) == 5 and r["tpot"] > 0
+        assert 1 <= len(r["itl"]) <= 5 and r["tpot"] > 0
     try:
         import matplotlib  # noqa: F401
     except ImportError:
