@@ -172,6 +172,26 @@ def _block_descs(base_addr: int, num_blocks: int, block_bytes: int, dev_id: int)
     return descs
 
 
+def check_head_slice(
+    local: Any, peer_key: str, meta: dict[str, Any], heads: tuple[int, int, int]
+) -> None:
+    """``ValueError`` unless ``heads=(local_first, remote_first, count)`` fits both this
+    rank's geometry (``local``: ``head_bytes``, ``num_layers``, ``num_heads``) and the
+    peer's metadata -- shared by every transport that writes head slices."""
+    local_first, remote_first, count = heads
+    if not local.head_bytes:
+        raise ValueError("head slices need num_layers and num_heads at construction")
+    layers, peer_heads = meta.get("num_layers"), meta.get("num_heads")
+    if layers != local.num_layers or not isinstance(peer_heads, int) or peer_heads < 1:
+        raise ValueError(f"peer {peer_key}: layers {layers} / heads {peer_heads} do not fit")
+    if int(meta["block_bytes"]) != local.head_bytes * 2 * layers * peer_heads:
+        raise ValueError(f"peer {peer_key}: its heads are not the size of this node's")
+    if count < 1 or local_first < 0 or local_first + count > local.num_heads:
+        raise ValueError(f"local heads {local_first}+{count} out of {local.num_heads}")
+    if remote_first < 0 or remote_first + count > peer_heads:
+        raise ValueError(f"peer {peer_key}: heads {remote_first}+{count} out of {peer_heads}")
+
+
 def _check_runs(runs: list[BlockRun], local_limit: int, remote_limit: int) -> None:
     """Ids grow by one inside a run, so a run's last id is its largest."""
     for src, dst, length in runs:
@@ -343,19 +363,7 @@ class NixlTransport:
     def _check_slice(
         self, peer_key: str, meta: dict[str, Any], heads: tuple[int, int, int]
     ) -> None:
-        local_first, remote_first, count = heads
-        if not self.head_bytes:
-            raise ValueError("head slices need num_layers and num_heads at construction")
-        layers, peer_heads = meta.get("num_layers"), meta.get("num_heads")
-        if layers != self.num_layers or not isinstance(peer_heads, int) or peer_heads < 1:
-            raise ValueError(f"peer {peer_key}: layers {layers} / heads {peer_heads} do not fit")
-        if int(meta["block_bytes"]) != self.head_bytes * 2 * layers * peer_heads:
-            raise ValueError(f"peer {peer_key}: its heads are not the size of this node's")
-        assert self.num_heads is not None
-        if count < 1 or local_first < 0 or local_first + count > self.num_heads:
-            raise ValueError(f"local heads {local_first}+{count} out of {self.num_heads}")
-        if remote_first < 0 or remote_first + count > peer_heads:
-            raise ValueError(f"peer {peer_key}: heads {remote_first}+{count} out of {peer_heads}")
+        check_head_slice(self, peer_key, meta, heads)
 
     def _local_slice(self, first: int, count: int) -> Any:
         key = (first, count)

@@ -100,6 +100,7 @@ from kvconnector.nixl.transport import (
     TransferHandle,
     TransportStats,
     _check_runs,
+    check_head_slice,
 )
 
 logger = logging.getLogger(__name__)
@@ -402,19 +403,7 @@ class UcxxTransport:
     def _check_slice(
         self, peer_key: str, meta: dict[str, Any], heads: tuple[int, int, int]
     ) -> None:
-        local_first, remote_first, count = heads
-        if not self.head_bytes:
-            raise ValueError("head slices need num_layers and num_heads at construction")
-        layers, peer_heads = meta.get("num_layers"), meta.get("num_heads")
-        if layers != self.num_layers or not isinstance(peer_heads, int) or peer_heads < 1:
-            raise ValueError(f"peer {peer_key}: layers {layers} / heads {peer_heads} do not fit")
-        if int(meta["block_bytes"]) != self.head_bytes * 2 * layers * peer_heads:
-            raise ValueError(f"peer {peer_key}: its heads are not the size of this node's")
-        assert self.num_heads is not None
-        if count < 1 or local_first < 0 or local_first + count > self.num_heads:
-            raise ValueError(f"local heads {local_first}+{count} out of {self.num_heads}")
-        if remote_first < 0 or remote_first + count > peer_heads:
-            raise ValueError(f"peer {peer_key}: heads {remote_first}+{count} out of {peer_heads}")
+        check_head_slice(self, peer_key, meta, heads)
 
     def remove_peer(self, peer_key: str) -> None:
         """Fail the peer's pending writes and close its endpoint."""
