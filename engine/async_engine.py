@@ -114,7 +114,9 @@ class AsyncLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.dead_reason is None
+        # A TP worker that died between steps marks the executor dead at once; say so
+        # before a request has to fail on it.
+        return self.dead_reason is None and not self.core.executor.is_dead
 
     @property
     def worker_pids(self) -> list[int]:

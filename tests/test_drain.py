@@ -76,6 +76,49 @@ def test_streams_open_at_the_shutdown_timeout_end_with_an_error_event(procs: Pro
     assert time.monotonic() - start < 30  # not the engine's generation time
 
 
+def test_a_plain_answer_not_started_at_the_shutdown_timeout_is_a_503_draining(procs: Procs):
+    """A non-streamed request still running when the drain deadline cuts it: its answer
+    had not started, so the client gets 503 draining with Retry-After (a proxy retries
+    it elsewhere). It used to get an empty 499, taken for the client's own doing."""
+    node = procs.node(*NODE_ARGS, "--shutdown-timeout", "1")
+    body = {"prompt": "never finishes", "max_tokens": 4000, **GREEDY}
+    out: dict = {}
+
+    def run() -> None:
+        resp = httpx.post(node.url + "/v1/completions", json=body, timeout=120)
+        out["status"], out["headers"], out["body"] = resp.status_code, resp.headers, resp.text
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_for(lambda: node.metric("vllm:num_requests_running", {"model_name": "tiny"}) == 1,
+             60, "the request to run")  # fmt: skip
+    node.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert not t.is_alive()
+    assert out["status"] == 503, out
+    assert out["headers"].get("retry-after") == "1"
+    assert '"draining"' in out["body"]
+    assert node.proc.wait(60) == 0, node.logs()
+
+
+def test_a_node_whose_tp_worker_died_says_so_on_health_at_once(procs: Procs):
+    """No request needed: /health turns 503 as soon as a worker is gone (it stayed 200
+    until a request failed on the dead engine, so probes kept the node in rotation)."""
+    from harness import worker_pids
+
+    node = procs.node(*NODE_ARGS, "--tp", "2")
+    assert httpx.get(node.url + "/health", timeout=10).status_code == 200
+    victim = worker_pids(node.pid)[-1]
+    import os
+
+    os.kill(victim, signal.SIGKILL)
+    wait_for(
+        lambda: httpx.get(node.url + "/health", timeout=10).status_code == 503,
+        30,
+        "/health to report the dead worker",
+    )
+
+
 def test_the_proxy_routes_around_a_draining_decode_node_and_drains_itself(procs: Procs):
     pd = procs.pd(1, 2, *NODE_ARGS[2:], "--shutdown-timeout", "60")
     d1, d2 = pd.decode

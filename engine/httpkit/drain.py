@@ -36,6 +36,7 @@ class _Active:
     sse: bool = False
     ended: bool = False
     cut: bool = False  # cancelled by the drain deadline
+    replaced: bool = False  # its answer was replaced by the 503 draining
 
 
 class Drainer:
@@ -113,6 +114,14 @@ class DrainMiddleware:
         entry = d._enter()
 
         async def tracked_send(message: Message) -> None:
+            if entry.cut and (entry.replaced or not entry.started):
+                # The deadline cut this request before its answer started. Whatever the
+                # app answers now (a 499: it saw its task cancelled as a disconnect), the
+                # client gets 503 draining, which a proxy retries on another node.
+                if not entry.replaced and message["type"] == "http.response.start":
+                    entry.replaced = entry.started = entry.ended = True
+                    await _send_json(send, 503, _draining_body(), retry=True)
+                return
             if message["type"] == "http.response.start":
                 entry.started = True
                 for name, value in message.get("headers", []):
