@@ -190,6 +190,7 @@ class Attempt:
         self.d_task = asyncio.ensure_future(legs.open_decode(req, d, rid, tid, side, skip_first))
         self.d_stream: httpx.Response | None = None
         self.finished = False  # D's answer was read to its end
+        self.prestream = False  # P's first token goes to the client before D's stream
         self._aborted = False
 
     @property

@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
 
+# How long a load answer (429) is remembered when no answer from the node clears it.
+OVERLOAD_MEMORY_S = 30.0
+
 
 @dataclass
 class Node:
@@ -36,6 +39,9 @@ class Node:
     side_channel: str | None = None
     model: str | None = None
     max_model_len: int | None = None
+    # When the node last answered a request with load (429 / 503 overloaded); cleared by
+    # an answer it finished. See ``shedding``.
+    overloaded_at: float | None = None
     # Called when what the node caches becomes unknown: it left rotation or restarted.
     on_reset: Callable[[Node], None] | None = field(default=None, repr=False, compare=False)
 
@@ -59,6 +65,19 @@ class Node:
             self.last_error = reason
             logger.warning("%s node %s taken out of rotation: %s", self.role, self.url, reason)
             self._reset()
+
+    def mark_overloaded(self) -> None:
+        self.overloaded_at = time.monotonic()
+
+    def mark_answered(self) -> None:
+        self.overloaded_at = None
+
+    def shedding(self, window_s: float = OVERLOAD_MEMORY_S) -> bool:
+        """The node refused a request for load within ``window_s`` and has not finished
+        one since: a streamed request routed to it waits for its answer (a 429 is still
+        a status the client can see) instead of pre-streaming P's first token."""
+        at = self.overloaded_at
+        return at is not None and time.monotonic() - at < window_s
 
     def mark_failed(self, reason: str) -> None:
         """A request failed on this node (connection error or 5xx): stop routing to it."""

@@ -23,7 +23,9 @@ and D's entry for it is dropped with the token.
 A node that answers with load (429, or 503 ``overloaded``) is healthy: it stays in
 rotation, and the request moves to another node of that role that this request has not
 tried; when none is left, the client gets the node's answer and its ``Retry-After``.
-These moves are not failures and do not count against ``max_retries``.
+These moves are not failures and do not count against ``max_retries``. A decode node
+that refused a request for load recently (``Node.shedding``) gets streamed requests
+without pre-streaming, so that its refusal can still be the client's 429.
 
 The router may send an attempt to a decode node alone (``--disagg-min-prompt-tokens``):
 it prefills the prompt itself and its answer (or stream) is the client's, as with stop
@@ -152,8 +154,14 @@ class Session:
         self.attempts += 1
         self.route = route
         p, d = route.prefill, route.decode
-        skip = self.prestream and self.cfg.node_skip_first_token and p is not None
+        # Pre-stream P's first token unless D recently refused a request for load: then
+        # wait for D's answer, so that a refusal still reaches the client as a 429.
+        prestream = self.prestream and p is not None and not d.shedding()
+        # D drops the first token when the client has it (or will have it from P).
+        skip = self.cfg.node_skip_first_token and p is not None
+        skip = skip and (prestream or self.sent_ids is not None)
         self.current = Attempt(self.legs, self.req, p, d, self.request_id, skip)
+        self.current.prestream = prestream
         if p is not None:
             logger.info(
                 "request %s: %s via prefill %s + decode %s (attempt %d, transfer %s)",
@@ -179,6 +187,7 @@ class Session:
         """Clean up a failed pair; raise unless another attempt is allowed."""
         attempt.release()
         if err.overloaded:
+            err.node.mark_overloaded()
             self._overloaded(err)
             return
         if not err.node_fault:
@@ -233,6 +242,7 @@ class Session:
                 resp = await attempt.wait_decode()
                 raw = await resp.aread()
                 attempt.finished = True
+                attempt.d.mark_answered()
                 body = json.loads(raw)
             except UpstreamError as e:
                 self._failed(attempt, e)
@@ -260,7 +270,7 @@ class Session:
         while True:
             attempt = self._launch()
             try:
-                if self.prestream and not attempt.decode_only:
+                if attempt.prestream:
                     first = await attempt.wait_prefill()
                     self.first_chunk = self._first_chunk(first)
                 else:
@@ -372,6 +382,7 @@ class Session:
             if events.done:
                 assert self.current is not None
                 self.current.finished = True
+                self.current.d.mark_answered()
                 self.outcome = "ok"
                 if self._keep_answer:
                     self._answered("".join(self._answer_text), self._answer_ids)

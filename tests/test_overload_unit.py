@@ -200,3 +200,59 @@ def test_the_proxy_refuses_at_max_inflight_before_reading_the_body() -> None:
     resp = asyncio.run(serving.generate(Request(scope, receive), COMPLETIONS))
     assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
     assert json.loads(resp.body)["error"]["code"] == "too_many_requests"
+
+
+def test_a_stream_to_decode_nodes_that_just_refused_for_load_gets_the_429_even_when_p_is_faster() -> (
+    None
+):
+    """Every decode node answered a request with 429; P answers a streamed request before
+    D's refusal arrives. The client must get D's 429 (a status it can act on), not a 200
+    stream with P's first token followed by an error event."""
+    import httpx
+
+    from proxy.config import ProxyConfig
+    from proxy.legs import Legs
+    from proxy.metrics import ProxyMetrics
+    from proxy.nodes import NodePool
+    from proxy.router import Router
+    from proxy.session import PassThrough, Session
+    from proxy.validation import COMPLETIONS, validate_request
+
+    p_url, d_urls = "http://10.0.0.1:8100", ("http://10.0.0.2:8200", "http://10.0.0.3:8200")
+    cfg = ProxyConfig(prefill=(p_url,), decode=d_urls)
+    pool = NodePool(cfg.prefill, cfg.decode)
+    for node in pool.all():
+        node.set_healthy(True)
+        node.update_info({"side_channel": "tcp://10.0.0.1:5600"}, {"data": [{"id": "tiny"}]})
+    refused = {
+        "error": {"message": "at the limit", "type": "rate_limit_error", "code": "overloaded"}
+    }
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.port == 8100:  # P: the first token at once
+            body = {"choices": [{"index": 0, "text": "6", "token_ids": [54]}], "model": "tiny"}
+            return httpx.Response(200, json=body)
+        await asyncio.sleep(0.3)  # D: the refusal comes after P's answer
+        return httpx.Response(429, json=refused, headers={"Retry-After": "2"})
+
+    async def run(stream: bool) -> tuple[int, str | None]:
+        body = {"prompt": "x", "max_tokens": 4, "stream": stream}
+        req = validate_request(COMPLETIONS, json.dumps(body).encode(), ["tiny"], None)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            legs = Legs(client)
+            session = Session(req, "r", cfg, Router(pool), legs, ProxyMetrics(pool))
+            try:
+                if stream:
+                    await session.start_stream()
+                    chunks = [c async for c in session.events()]
+                    return 200, "".join(chunks)
+                await session.complete()
+                return 200, None
+            except PassThrough as e:
+                return e.status, e.headers.get("Retry-After")
+            finally:
+                session.close()
+                await legs.drain()  # the aborts of the refused legs
+
+    assert asyncio.run(run(stream=False)) == (429, "2")
+    assert asyncio.run(run(stream=True)) == (429, "2")
