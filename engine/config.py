@@ -245,6 +245,16 @@ class KVTransferConfig:
             "sampled checks up to 4 blocks per transfer, full every block; P and D must agree"
         },
     )
+    kv_layer_group_size: int = field(
+        default=0,
+        metadata={
+            "help": "pipelined push: a prefill node whose decode node already reserved "
+            "blocks pushes the prompt's KV this many layers at a time while its last "
+            "prefill step still computes the later layers, so only the last group's "
+            "transfer adds to TTFT (0: push whole blocks after the prefill step). "
+            "Needs --kv-transport nixl; set on prefill nodes"
+        },
+    )
     kv_allowed_peers: str = field(
         default="loopback",
         metadata={
@@ -269,6 +279,12 @@ class KVTransferConfig:
         require(0 <= self.side_channel_port < 65536, "side_channel_port", "must be in [0, 65535]")
         require(self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0 seconds")
         require(self.peer_ping_interval >= 0, "peer_ping_interval", "must be >= 0 seconds")
+        require(self.kv_layer_group_size >= 0, "kv_layer_group_size", "must be >= 0 (0: off)")
+        require(
+            self.kv_layer_group_size == 0 or self.kv_transport == "nixl",
+            "kv_layer_group_size",
+            "the pipelined push needs --kv-transport nixl (set --kv-layer-group-size 0)",
+        )
         if self.kv_connector == "nixl" and self.kv_transport == "ucxx":
             import importlib.util
 

@@ -54,8 +54,11 @@ Worker side, called by ``engine.worker.worker.Worker`` every step, in this order
 
     bind_connector_metadata(meta)      # before the forward pass
     start_load_kv()                    # pull-style loads (unused by push)
-    ...forward pass (skipped when nothing is scheduled)...
-    wait_for_save()                    # issue/advance sends of this step
+    ...forward pass (skipped when nothing is scheduled); when wants_layer_hook(),
+       save_kv_layer(i) after layer i wrote its KV (pipelined sends post pieces)...
+    wait_for_save(sampled)             # issue/advance sends of this step; ``sampled``:
+                                       # this rank's sampled tokens, None if the forward
+                                       # raised (sends whose KV it was computing fail)
     get_finished(finished_req_ids)     # -> (finished_sending, finished_recving) of THIS rank
     clear_connector_metadata()         # always last, also when the forward raised
 
@@ -261,7 +264,14 @@ class KVConnectorWorker(ABC):
     def start_load_kv(self) -> None:  # noqa: B027
         pass
 
-    def wait_for_save(self) -> None:  # noqa: B027
+    def wants_layer_hook(self) -> bool:
+        """True when this step's forward should call ``save_kv_layer`` after each layer."""
+        return False
+
+    def save_kv_layer(self, layer: int) -> None:  # noqa: B027
+        """Layer ``layer`` of this step's forward has written its KV (all sequences)."""
+
+    def wait_for_save(self, sampled: dict[str, int] | None = None) -> None:  # noqa: B027
         pass
 
     @abstractmethod

@@ -27,7 +27,7 @@ class RecordingConnector(NoopConnectorWorker):
     def start_load_kv(self):
         self.calls.append(("start_load_kv", self.connector_metadata))
 
-    def wait_for_save(self):
+    def wait_for_save(self, sampled=None):
         self.calls.append(("wait_for_save", self.connector_metadata))
 
     def clear_connector_metadata(self):

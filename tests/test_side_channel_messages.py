@@ -72,8 +72,8 @@ def test_replies_round_trip(reply):
     assert m.decode_reply(_over_msgpack(wire), type(reply)) == reply
 
 
-def test_the_wire_keeps_its_v5_shape():
-    assert m.CONNECTOR_VERSION == 5
+def test_the_wire_keeps_its_v6_shape():
+    assert m.CONNECTOR_VERSION == 6
     assert m.Ping().to_wire() == {"kind": "ping"}
     assert m.Cancel("t", "n").to_wire() == {"kind": "cancel", "transfer_id": "t", "nonce": "n"}
     assert RESERVE.to_wire()["block_ids"] == [3, 4, 7]

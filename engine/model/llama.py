@@ -206,11 +206,16 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """``after_layer(i)``: called once layer ``i`` has written its KV (the pipelined
+        push posts a piece there)."""
         x = self.embed_tokens(input_ids)  # [T, H]
         rope = self.rotary.cos_sin(positions)  # once per step, shared by all layers
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, rope, attn, kv_cache)
+            if after_layer is not None:
+                after_layer(i)
         return self.norm(x)
 
     @torch.inference_mode()

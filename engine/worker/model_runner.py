@@ -12,6 +12,7 @@ in the forward reads a device value back; the only host read is the sampled toke
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -134,7 +135,9 @@ class ModelRunner:
 
     # -- steps ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> WorkerOutput:
+    def execute(
+        self, sched: SchedulerOutput, after_layer: Callable[[int], None] | None = None
+    ) -> WorkerOutput:
         """Forward the step's tokens; returns the sampled tokens and the log probabilities
         asked for (rank 0 only; other ranks return an empty output)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
@@ -143,12 +146,14 @@ class ModelRunner:
         starts = [s.start_pos for s in seqs]
         tables = [s.block_ids for s in seqs]
         graphs = self.graphs
-        if graphs is not None and graphs.can_run(token_ids):
+        if graphs is not None and after_layer is None and graphs.can_run(token_ids):
             packed, hidden = graphs.run(token_ids, starts, tables)
         else:
             packed = pack_step(token_ids, starts, tables, self.block_size)
             step = packed.unpack(self.staging.to_device(packed.buffer))
-            hidden = self.model(step.input_ids, step.positions, step.attn, self.kv_cache)
+            hidden = self.model(
+                step.input_ids, step.positions, step.attn, self.kv_cache, after_layer
+            )
         # hidden: [T, H]; sample from each sampling sequence's last row.
         rows = [
             packed.query_start[i] + packed.query_lens[i] - 1

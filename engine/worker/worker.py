@@ -57,11 +57,16 @@ class Worker:
             sampled = WorkerOutput(rank=self.rank)
             if sched.num_scheduled_tokens > 0:
                 try:
-                    sampled = self.model_runner.execute(sched)
+                    if connector.wants_layer_hook():  # a pipelined push: pieces per layer
+                        sampled = self.model_runner.execute(
+                            sched, after_layer=connector.save_kv_layer
+                        )
+                    else:
+                        sampled = self.model_runner.execute(sched)
                 except BaseException:
                     self._post_sends_of_failed_step()
                     raise
-            connector.wait_for_save()
+            connector.wait_for_save(sampled.sampled_token_ids)
             sending, recving = connector.get_finished(sched.finished_request_ids)
             return WorkerOutput(
                 rank=self.rank,
@@ -79,7 +84,7 @@ class Worker:
 
     def _post_sends_of_failed_step(self) -> None:
         try:
-            self.connector.wait_for_save()
+            self.connector.wait_for_save(None)
         except Exception:  # the forward's error is the one the step reports
             logger.exception("tp%d: posting the sends of a failed step failed", self.rank)
 

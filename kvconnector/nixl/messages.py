@@ -76,7 +76,11 @@ import msgpack
 #      compared right after the version: a NIXL rank cannot talk to a UCXX rank; rank
 #      metadata of the ucxx transport says ``library: ucxx`` and carries its UCX worker
 #      address instead of NIXL agent metadata.
-CONNECTOR_VERSION = 5
+#   6  pipelined push (``--kv-layer-group-size``): a send may come in pieces, each with a
+#      notif; ``n`` counts senders x pieces, and only the last piece carries ``ft`` and
+#      ``c``. D keeps ``ft`` and the sums from whichever notif has them and checks the sums
+#      once every piece landed (a v5 D took ``ft`` from the last notif to arrive).
+CONNECTOR_VERSION = 6
 LAYOUT = "block,layer,kv,head,token,dim"
 
 # Compared in this order; the first difference is the error message.

@@ -7,6 +7,9 @@ from typing import Any
 
 from kvconnector.base import KVConnectorMetadata
 
+# Why a pipelined send failed when P's own step raised (no fault of the decode peer).
+STEP_FAILED = "the prefill step computing this KV failed"
+
 
 @dataclass
 class SendSpec:
@@ -17,6 +20,9 @@ class SendSpec:
     local_block_ids: list[int]
     remote_block_ids: list[int]
     notif: bytes
+    # Pipelined: the prefill computing this KV runs in this very step; the workers post
+    # it a layer group at a time as the forward writes it (``--kv-layer-group-size``).
+    pipelined: bool = False
 
 
 @dataclass

@@ -52,6 +52,7 @@ class PendingSend:
     reservation: Reservation | None = None
     started_at: float | None = None
     finished_at: float = field(default_factory=time.monotonic)  # the prefill's end
+    pipelined: bool = False  # started in the prefill's last step (before its end)
 
 
 @dataclass
@@ -88,11 +89,36 @@ class Producer:
         self.sends_started = 0
 
     # -- from the engine thread -----------------------------------------------------------
+    def start_pipelined(
+        self, request_id: str, transfer_id: str, block_ids: list[int], peer_ready
+    ) -> PendingSend | None:
+        """The prefill of ``transfer_id`` runs its last step now: if D's reservation is
+        already here (and its peer reachable), start the send now -- the workers post it
+        a layer group at a time during that step. None: push after the prefill."""
+        res = self.early.get(transfer_id)
+        if res is None or not peer_ready(res.peer_key) or time.monotonic() >= res.expires:
+            return None  # no reservation yet (or an expired one: expire() refuses it)
+        if transfer_id in self.tombstones or self._started(transfer_id) is not None:
+            return None
+        del self.early[transfer_id]
+        now = time.monotonic()
+        send = PendingSend(
+            request_id, transfer_id, list(block_ids), None, now + self.timeout, res, now
+        )
+        send.pipelined = True
+        self.in_flight[request_id] = send
+        self.sends_started += 1
+        return send
+
     def prefill_finished(
         self, request_id: str, transfer_id: str, block_ids: list[int], first_token: int | None
     ) -> bool:
         """Hold the blocks for a push; False when the transfer id is already taken."""
         now = time.monotonic()
+        piped = self.in_flight.get(request_id)
+        if piped is not None and piped.pipelined and piped.transfer_id == transfer_id:
+            piped.first_token, piped.finished_at = first_token, now
+            return True  # already being sent: hold the blocks until it is done
         in_flight = any(s.transfer_id == transfer_id for s in self.in_flight.values())
         if transfer_id in self.pending or transfer_id in self.tombstones or in_flight:
             logger.error("transfer id %s is already in use; not pushing it twice", transfer_id)
@@ -104,12 +130,17 @@ class Producer:
         self.pending[transfer_id] = send
         return True
 
-    def prefill_failed(self, transfer_id: str, why: str) -> None:
-        """The P request ended without KV to send (aborted, error)."""
+    def prefill_failed(self, transfer_id: str, why: str) -> bool:
+        """The P request ended without KV to send (aborted, error). True: a pipelined
+        send of it is in flight -- the blocks stay held until the workers report it
+        (they post no further piece if its step failed; D hears of it then)."""
+        if self._started(transfer_id) is not None:
+            return True
         res = self.early.pop(transfer_id, None)
         self._tombstone(transfer_id, why, res)
         if res is not None:
             self.outcome.notify_failed.append((res, why))
+        return False
 
     def ready_sends(self, peer_ready) -> list[PendingSend]:
         """Pending sends whose reservation is known and whose peer the workers can reach."""

@@ -56,9 +56,9 @@ from kvconnector.nixl.messages import (
     decode_request,
     model_fingerprint,
 )
-from kvconnector.nixl.metadata import NixlConnectorMetadata, PeerSpec, SendSpec
+from kvconnector.nixl.metadata import STEP_FAILED, NixlConnectorMetadata, PeerSpec, SendSpec
 from kvconnector.nixl.peers import PeerAllowlist
-from kvconnector.nixl.producer import Producer, Reservation
+from kvconnector.nixl.producer import PendingSend, Producer, Reservation
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
 from kvconnector.nixl.stats import NixlSchedulerStats, NixlWorkerStats
 from kvconnector.params import KVTransferParams
@@ -108,6 +108,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             "kv_checksum": kvc.kv_checksum,
         }
         self.producer = Producer(self.timeout)
+        # Pipelined push: P request id -> transfer id, for prefills that may pipeline.
+        self.pipeline = kvc.kv_layer_group_size > 0 and kvc.kv_role != "consumer"
+        self._p_requests: dict[str, str] = {}
+        self.pipelined_sends = 0
         self.consumer = Consumer(self.timeout)
         self._lock = threading.RLock()
         self._ranks: list[dict[str, Any]] = []
@@ -215,6 +219,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         params = request.kv_transfer_params
+        if self.pipeline and params is not None and params.do_remote_decode:
+            with self._lock:
+                self._p_requests[request.request_id] = request.transfer_id
         if params is None or not params.do_remote_prefill or request.num_output_tokens > 0:
             return 0, False
         return request.num_prompt_tokens - num_computed_tokens, True
@@ -454,13 +461,15 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         with self._lock:
             if params.do_remote_prefill:
                 return self.consumer.aborted(request.request_id), None
+            self._p_requests.pop(request.request_id, None)
             tid = request.transfer_id
             if request.status not in (
                 RequestStatus.FINISHED_STOPPED,
                 RequestStatus.FINISHED_LENGTH,
             ):
-                self.producer.prefill_failed(tid, f"prefill {request.status.value}")
-                return False, None
+                # True: a pipelined send still reads the blocks (held until it is done).
+                held = self.producer.prefill_failed(tid, f"prefill {request.status.value}")
+                return held, None
             first = request.output_token_ids[0] if request.num_output_tokens else None
             if not self.producer.prefill_finished(request.request_id, tid, block_ids, first):
                 return False, None
@@ -483,41 +492,51 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             watch = bool(self.consumer.recvs or self.consumer.quarantine)
             if watch != self._watching:
                 md.watch = self._watching = watch
-            for send in self.producer.ready_sends(lambda k: k in self._d_peers):
-                res = send.reservation
-                assert res is not None
-                local = send.block_ids[res.skip_blocks : res.skip_blocks + len(res.block_ids)]
-                if len(local) != len(res.block_ids):
-                    self._notify_failed(res, "block count mismatch", safe=True)
-                    self.producer.send_finished(send.request_id)
-                    self.producer.outcome.free_blocks.add(send.request_id)
-                    continue
-                if res.peer_key not in self._workers_have:
-                    ranks = self._d_peers[res.peer_key]["ranks"]
-                    md.add_peers[res.peer_key] = PeerSpec(ranks, self.model_kv_heads)
-                    self._workers_have.add(res.peer_key)
-                self.histograms["kv_transfer_descriptors"].observe(
-                    len(block_runs(local, res.block_ids))
-                )
-                self.histograms["kv_prefill_to_push_seconds"].observe(
-                    time.monotonic() - send.finished_at
-                )
-                md.sends.append(
-                    SendSpec(
-                        request_id=send.request_id,
-                        peer_key=res.peer_key,
-                        local_block_ids=local,
-                        remote_block_ids=res.block_ids,
-                        notif=Notif(
-                            r=res.d_request_id,
-                            t=send.transfer_id,
-                            k=res.nonce,
-                            n=1,
-                            ft=send.first_token,
-                        ).pack(),
-                    )
-                )
+            ready = lambda k: k in self._d_peers  # noqa: E731
+            for send in self.producer.ready_sends(ready):
+                self._add_send(md, send)
+            if self.pipeline:
+                for seq in scheduler_output.seqs:
+                    tid = self._p_requests.get(seq.request_id)
+                    if tid is None or seq.sampling_params is None:
+                        continue  # not a prefill leg, or not its last prefill step
+                    send = self.producer.start_pipelined(seq.request_id, tid, seq.block_ids, ready)
+                    if send is not None:
+                        self.pipelined_sends += 1
+                        self._add_send(md, send)
         return md
+
+    def _add_send(self, md: NixlConnectorMetadata, send: PendingSend) -> None:
+        res = send.reservation
+        assert res is not None
+        local = send.block_ids[res.skip_blocks : res.skip_blocks + len(res.block_ids)]
+        if len(local) != len(res.block_ids):
+            self._notify_failed(res, "block count mismatch", safe=True)
+            self.producer.send_finished(send.request_id)
+            if not send.pipelined:  # a pipelined one's request still runs: it holds them
+                self.producer.outcome.free_blocks.add(send.request_id)
+            return
+        if res.peer_key not in self._workers_have:
+            ranks = self._d_peers[res.peer_key]["ranks"]
+            md.add_peers[res.peer_key] = PeerSpec(ranks, self.model_kv_heads)
+            self._workers_have.add(res.peer_key)
+        self.histograms["kv_transfer_descriptors"].observe(len(block_runs(local, res.block_ids)))
+        if not send.pipelined:
+            self.histograms["kv_prefill_to_push_seconds"].observe(
+                time.monotonic() - send.finished_at
+            )
+        md.sends.append(
+            SendSpec(
+                request_id=send.request_id,
+                peer_key=res.peer_key,
+                local_block_ids=local,
+                remote_block_ids=res.block_ids,
+                notif=Notif(
+                    r=res.d_request_id, t=send.transfer_id, k=res.nonce, n=1, ft=send.first_token
+                ).pack(),
+                pipelined=send.pipelined,
+            )
+        )
 
     def update_connector_output(self, output: ModelRunnerOutput) -> dict[str, dict[str, Any]]:
         landed: dict[str, dict[str, Any]] = {}
@@ -548,9 +567,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 if rid in output.kv_failed and send.reservation is not None:
                     self.failed_transfers += 1
                     r = send.reservation
+                    why = output.kv_failed[rid]
                     # Part of an errored WRITE may still land: D quarantines (safe=False).
-                    self._notify_failed(r, output.kv_failed[rid], safe=False)
-                    self._evict_peer(r.peer_key, output.kv_failed[rid])
+                    self._notify_failed(r, why, safe=False)
+                    if why != STEP_FAILED:  # the peer is fine when P's own step failed
+                        self._evict_peer(r.peer_key, why)
             if isinstance(output.kv_stats, NixlWorkerStats):
                 self._worker_stats = output.kv_stats
         return landed
@@ -662,6 +683,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             own = NixlSchedulerStats(
                 kv_transfers_in_flight=len(self.producer.in_flight),
                 kv_transfers_started_total=self.producer.sends_started,
+                kv_pipelined_transfers_total=self.pipelined_sends,
                 kv_transfer_failures_total=self.failed_transfers,
                 kv_loads_failed_total=self.consumer.loads_failed,
                 kv_loads_waiting=len(self.consumer.recvs),

@@ -13,6 +13,9 @@ class NixlSchedulerStats(Stats):
 
     kv_transfers_in_flight: int = gauge("KV pushes issued and not yet done on every rank")
     kv_transfers_started_total: int = counter("KV pushes started")
+    kv_pipelined_transfers_total: int = counter(
+        "KV pushes started during the prefill's last step, a layer group at a time"
+    )
     kv_transfer_failures_total: int = counter("KV pushes that failed")
     kv_loads_failed_total: int = counter("KV loads that failed (recomputed or failed)")
     kv_loads_waiting: int = gauge("Requests waiting for their KV to land")

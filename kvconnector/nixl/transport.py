@@ -135,6 +135,10 @@ class _Peer:
     local_dlist: Any = None  # the local list to pair with it (None: whole blocks)
     stride: int = 1  # descriptors per block: 1, or layers x 2 for a head slice
     unit_bytes: int = 0  # bytes per descriptor
+    # Whole-block peers written a layer range at a time (pipelined push): the same
+    # blocks as (layer, kv) units of all heads, local and remote; None until prepared.
+    units_dlist: Any = None
+    units_local_dlist: Any = None
 
 
 def _slice_descs(
@@ -216,10 +220,13 @@ class NixlTransport:
         telemetry: bool = False,
         num_layers: int | None = None,
         num_heads: int | None = None,
+        layer_ranges: bool = False,
     ) -> None:
         """``num_layers``/``num_heads`` (this rank's KV heads) describe a block's inside
         (``[layer, kv, head, token, dim]``); they are needed to write head slices
-        (heterogeneous TP, ``add_peer(..., heads=...)``)."""
+        (heterogeneous TP, ``add_peer(..., heads=...)``) and layer ranges
+        (``write_blocks(..., layers=...)``, the pipelined push; ``layer_ranges=True``
+        prepares each peer's unit descriptors in ``add_peer``)."""
         if not NIXL_AVAILABLE:
             raise NixlTransportError("nixl is not installed (pip install nixl)")
         if not kv_cache.is_contiguous():
@@ -242,6 +249,7 @@ class NixlTransport:
                 raise ValueError(f"block_bytes={block_bytes} is not {units} equal head units")
             self.head_bytes = block_bytes // units
         self._local_slices: dict[tuple[int, int], Any] = {}  # (first head, count) -> dlist
+        self.layer_ranges = layer_ranges and bool(self.head_bytes)
         self.xfer_timeout_s = xfer_timeout_s
         self.mem_type = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
         self.device_id = 0 if self.mem_type == "DRAM" else int(kv_cache.device.index or 0)
@@ -347,9 +355,17 @@ class NixlTransport:
                         dev,
                     )
                     peer.local_dlist = self._local_slice(local_first, count)
-                peer.dlist = self._agent.prep_xfer_dlist(
-                    agent_name, descs, str(peer_meta.get("mem_type", "DRAM"))
-                )
+                mem = str(peer_meta.get("mem_type", "DRAM"))
+                peer.dlist = self._agent.prep_xfer_dlist(agent_name, descs, mem)
+                if heads is None and self.layer_ranges:
+                    assert self.num_layers is not None and self.num_heads is not None
+                    self._check_slice(peer_key, peer_meta, (0, 0, self.num_heads))
+                    units = _slice_descs(
+                        base, num_blocks, self.block_bytes, 2 * self.num_layers,
+                        self.num_heads, 0, self.num_heads, self.head_bytes, dev,
+                    )  # fmt: skip
+                    peer.units_dlist = self._agent.prep_xfer_dlist(agent_name, units, mem)
+                    peer.units_local_dlist = self._local_slice(0, self.num_heads)
             except Exception as exc:
                 self._forget_agent(agent_name)
                 raise NixlTransportError(
@@ -397,6 +413,8 @@ class NixlTransport:
                 self.release(handle)
             try:
                 peer.dlist.release()
+                if peer.units_dlist is not None:
+                    peer.units_dlist.release()
             except Exception as exc:
                 logger.warning("releasing descriptors of peer %s failed: %r", peer_key, exc)
             self._forget_agent(peer.agent_name)
@@ -421,9 +439,12 @@ class NixlTransport:
         notif: bytes = b"",
         *,
         timeout_s: float | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> TransferHandle:
         """WRITE local blocks into the peer's blocks, pairwise; ``notif`` arrives after.
 
+        ``layers=(first, end)``: only those layers of each block (a piece of a pipelined
+        push); needs ``layer_ranges=True`` or a head-slice peer.
         Raises ``KeyError`` for an unknown peer and ``ValueError`` for bad block ids.
         Transport failures never raise: they give a handle whose ``poll`` is "error".
         With no blocks, ``notif`` (if any) is sent alone and the handle is done at once.
@@ -444,19 +465,34 @@ class NixlTransport:
             now = time.monotonic()
             src = np.asarray(local_block_ids, dtype=np.int64)
             dst = np.asarray(remote_block_ids, dtype=np.int64)
-            local_dlist = self._local_dlist
+            local_dlist, remote_dlist = self._local_dlist, peer.dlist
             num_descriptors = len(runs)
-            if peer.stride > 1:  # a head slice: every (layer, kv) unit of every block
-                units = np.arange(peer.stride, dtype=np.int64)[None, :]
-                src = (src[:, None] * peer.stride + units).reshape(-1)
-                dst = (dst[:, None] * peer.stride + units).reshape(-1)
-                local_dlist = peer.local_dlist
-                num_descriptors = len(src)
+            num_bytes = num_blocks * peer.stride * peer.unit_bytes
+            if layers is not None and layers == (0, self.num_layers):
+                layers = None  # every layer: whole blocks
+            if layers is not None or peer.stride > 1:
+                # (layer, kv) units of each block: a head slice, or a layer range of it
+                first, end = self._check_layers(layers)
+                if peer.stride > 1:
+                    local_dlist, unit_bytes = peer.local_dlist, peer.unit_bytes
+                else:
+                    if peer.units_dlist is None:
+                        raise ValueError("layer ranges need a transport with layer_ranges=True")
+                    local_dlist, remote_dlist = peer.units_local_dlist, peer.units_dlist
+                    unit_bytes = self.num_heads * self.head_bytes  # type: ignore[operator]
+                stride = 2 * self.num_layers  # type: ignore[operator]
+                units = np.arange(2 * first, 2 * end, dtype=np.int64)[None, :]
+                src = (src[:, None] * stride + units).reshape(-1)
+                dst = (dst[:, None] * stride + units).reshape(-1)
+                num_bytes = len(src) * unit_bytes
+                # NIXL merges units adjacent on both sides: per block one descriptor for a
+                # layer range of whole heads, one per (layer, kv) for a head slice.
+                num_descriptors = len(src) if peer.stride > 1 else num_blocks
             handle = TransferHandle(
                 peer_key=peer_key,
                 num_blocks=num_blocks,
                 num_descriptors=num_descriptors,
-                num_bytes=num_blocks * peer.stride * peer.unit_bytes,
+                num_bytes=num_bytes,
                 started_at=now,
                 deadline=None if timeout <= 0 else now + timeout,
             )
@@ -472,7 +508,7 @@ class NixlTransport:
                     "WRITE",
                     local_dlist,
                     src.astype(np.int32),
-                    peer.dlist,
+                    remote_dlist,
                     dst.astype(np.int32),
                     notif,
                 )
@@ -490,6 +526,15 @@ class NixlTransport:
                 return handle
             self._apply_status(handle, status)
             return handle
+
+    def _check_layers(self, layers: tuple[int, int] | None) -> tuple[int, int]:
+        num_layers = self.num_layers or 0
+        if layers is None:
+            return 0, num_layers
+        first, end = layers
+        if not 0 <= first < end <= num_layers:
+            raise ValueError(f"layers {first}..{end} out of 0..{num_layers}")
+        return first, end
 
     def poll(self, handle: TransferHandle) -> str:
         """Return "done", "pending" or "error"; never raises on transport errors."""

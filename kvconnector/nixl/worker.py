@@ -9,6 +9,15 @@ reservation nonce and report a nonce received once its expected parts are in; th
 executor's aggregator reports it to the scheduler only when every D rank has, and the
 scheduler-side connector accepts it only for the request's current reservation.
 
+Pipelined push (``--kv-layer-group-size g``): a send marked ``pipelined`` is for a
+prefill whose last step is this one. Its KV is posted in pieces, layers ``[0, g)``,
+``[g, 2g)``, ... as the forward writes them (``save_kv_layer``); the last piece goes in
+``wait_for_save``, after sampling, and carries the first token (rank 0) and the
+checksums. Every piece carries a notification, so D counts senders x pieces per nonce
+and nothing else changes: a nonce is received when every piece of every sender landed.
+A forward that raises posts no further piece and reports the send failed (D's partial
+count never completes; P's scheduler tells D a WRITE may have landed).
+
 No count outlives its transfer: the nonces of reservations that ended without landing
 come in the step metadata (``ended_keys``) and their partial counts are dropped; a nonce
 that completed or ended is remembered for 4 x ``kv_transfer_timeout`` so that a late or
@@ -28,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from kvconnector.base import KVConnectorWorker
 from kvconnector.nixl import checksum, tp_map
 from kvconnector.nixl.messages import MessageError, Notif
-from kvconnector.nixl.metadata import NixlConnectorMetadata, PeerSpec
+from kvconnector.nixl.metadata import STEP_FAILED, NixlConnectorMetadata, PeerSpec, SendSpec
 from kvconnector.nixl.stats import NixlWorkerStats
 from kvconnector.nixl.transport import DONE, ERROR, NixlTransport, TransferHandle
 
@@ -39,6 +48,26 @@ if TYPE_CHECKING:
     from engine.kv_cache_layout import KVCacheSpec
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Pipeline:
+    """A pipelined send of this step: the pieces posted so far."""
+
+    send: SendSpec
+    handles: list[TransferHandle] = dataclasses.field(default_factory=list)
+    posted: int = 0  # layer groups posted
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Count:
+    """D: the notifications of one reservation seen so far."""
+
+    seen: int
+    first_seen: float
+    first_token: int | None = None
+    checked: list[Notif] = dataclasses.field(default_factory=list)  # notifs with sums
 
 
 class NixlConnectorWorker(KVConnectorWorker):
@@ -52,7 +81,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._finished_sending: set[str] = set()
         self._recving: set[str] = set()  # nonces complete on this rank, not yet reported
         self._watch_notifs = False  # the scheduler expects KV: watch between steps
-        self._parts: dict[str, tuple[int, float]] = {}  # nonce -> (notifs seen, first seen)
+        self._parts: dict[str, _Count] = {}  # nonce -> what arrived of it
+        self._pipes: dict[str, _Pipeline] = {}  # this step's pipelined sends
+        self._groups: list[tuple[int, int]] = []  # layer groups of a pipelined send
+        self._peers_of: NixlConnectorMetadata | None = None  # whose peers were applied
         self._closed: dict[str, float] = {}  # nonce completed or ended -> forget it then
         self._recv_info: dict[str, dict[str, Any]] = {}
         self._failures: dict[str, str] = {}
@@ -72,6 +104,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             from kvconnector.nixl.transport_ucxx import UcxxTransport
 
             make = UcxxTransport
+        group = self.config.kv_transfer.kv_layer_group_size
+        extra: dict[str, Any] = {"layer_ranges": True} if group else {}
         self.transport = make(
             name,
             kv_cache,
@@ -79,24 +113,68 @@ class NixlConnectorWorker(KVConnectorWorker):
             xfer_timeout_s=self._timeout,
             num_layers=spec.num_layers,
             num_heads=spec.num_kv_heads,
+            **extra,
         )
+        if group:
+            layers = spec.num_layers
+            self._groups = [(i, min(i + group, layers)) for i in range(0, layers, group)]
 
     def handshake_info(self) -> dict[str, Any]:
         assert self.transport is not None
         return self.transport.metadata()
 
-    def wait_for_save(self) -> None:
+    def _apply_peers(self) -> NixlConnectorMetadata | None:
+        """Add and remove this step's peers, once (before the forward: a pipelined send
+        posts its first piece during it)."""
         md = self.connector_metadata
         if not isinstance(md, NixlConnectorMetadata) or md.is_empty():
+            return None
+        if self._peers_of is not md:
+            self._peers_of = md
+            t = self.transport
+            assert t is not None
+            for key in md.remove_peers:
+                for sub, _, _ in self._targets.pop(key, []):
+                    t.remove_peer(sub)
+            for key, spec in md.add_peers.items():
+                self._add_peer(key, spec)
+            self._pipes = {send.request_id: _Pipeline(send) for send in md.sends if send.pipelined}
+        return md
+
+    def start_load_kv(self) -> None:
+        self._apply_peers()
+
+    def wants_layer_hook(self) -> bool:
+        self._apply_peers()
+        return bool(self._pipes) and len(self._groups) > 1
+
+    def save_kv_layer(self, layer: int) -> None:
+        """Post the pieces whose layers are now all written -- never the last one, which
+        waits for the sampled first token (``wait_for_save``)."""
+        ready = [
+            p for p in self._pipes.values()
+            if p.error is None and p.posted < len(self._groups) - 1
+            and self._groups[p.posted][1] == layer + 1
+        ]  # fmt: skip
+        if not ready:
+            return
+        assert self._kv_cache is not None
+        if self._kv_cache.is_cuda:  # the layer's KV writes were only queued on the GPU
+            import torch
+
+            torch.cuda.current_stream(self._kv_cache.device).synchronize()
+        for pipe in ready:
+            self._post_piece(pipe, None)
+
+    def wait_for_save(self, sampled: dict[str, int] | None = None) -> None:
+        md = self._apply_peers()
+        if md is None:
             return
         t = self.transport
         assert t is not None
-        for key in md.remove_peers:
-            for sub, _, _ in self._targets.pop(key, []):
-                t.remove_peer(sub)
-        for key, spec in md.add_peers.items():
-            self._add_peer(key, spec)
         for send in md.sends:
+            if send.pipelined:
+                continue
             handles: list[TransferHandle] = []
             try:
                 targets = self._targets[send.peer_key]
@@ -116,6 +194,46 @@ class NixlConnectorWorker(KVConnectorWorker):
                 continue
             # No targets: with replicated heads another replica writes everything.
             self._sending[send.request_id] = handles
+        pipes, self._pipes = self._pipes, {}
+        for rid, pipe in pipes.items():
+            if sampled is None and pipe.error is None:
+                pipe.error = STEP_FAILED  # the later layers' KV was never computed
+            while pipe.error is None and pipe.posted < max(len(self._groups), 1):
+                self._post_piece(pipe, sampled)
+            if pipe.error is not None:
+                logger.error("tp%d: pipelined send of %s failed: %s", self.rank, rid, pipe.error)
+                self._failures[rid] = pipe.error
+            if pipe.handles:  # what was posted runs to its end before the blocks are freed
+                self._sending[rid] = pipe.handles
+            else:
+                self._finished_sending.add(rid)
+
+    def _post_piece(self, pipe: _Pipeline, sampled: dict[str, int] | None) -> None:
+        """Post layer group ``pipe.posted`` of a pipelined send to every target D rank;
+        the last group carries the first token (``sampled``, rank 0) and the sums."""
+        t = self.transport
+        assert t is not None
+        send = pipe.send
+        groups = self._groups or [(0, 0)]
+        index = pipe.posted
+        last = index == len(groups) - 1
+        layers = groups[index] if self._groups else None
+        try:
+            for sub, write, senders in self._targets[send.peer_key]:
+                notif = self._notif_for(
+                    send.notif, write, senders, send.local_block_ids, send.remote_block_ids,
+                    pieces=len(groups), last=last,
+                    first_token=(sampled or {}).get(send.request_id) if last else None,
+                )  # fmt: skip
+                pipe.handles.append(
+                    t.write_blocks(
+                        sub, send.local_block_ids, send.remote_block_ids, notif, layers=layers
+                    )
+                )
+        except Exception as e:  # unknown peer, bad ids: this rank's part failed
+            pipe.error = str(e)
+            return
+        pipe.posted += 1
 
     def _add_peer(self, key: str, spec: PeerSpec) -> None:
         t = self.transport
@@ -190,22 +308,26 @@ class NixlConnectorWorker(KVConnectorWorker):
             if notif.k in self._closed:
                 logger.info("tp%d: notif for an ended transfer %s; ignored", self.rank, notif.t)
                 continue
-            if notif.c is not None or self._checksum != "off":
-                self._check(notif)
-            seen, first = self._parts.get(notif.k, (0, now))
-            if seen + 1 >= notif.n:
-                error = self._kv_errors.get(notif.k)
-                self._close(notif.k, now)
-                self._recving.add(notif.k)
-                self._recv_info[notif.k] = {
-                    "request_id": notif.r,
-                    "first_token": notif.ft,
-                    "arrived": time.time(),
-                }
-                if error is not None:  # every rank reports; the scheduler fails the load
-                    self._recv_info[notif.k]["kv_error"] = error
-            else:
-                self._parts[notif.k] = (seen + 1, first)
+            count = self._parts.setdefault(notif.k, _Count(0, now))
+            count.seen += 1
+            if notif.ft is not None:
+                count.first_token = notif.ft
+            if notif.c is not None:
+                count.checked.append(notif)
+            if count.seen < notif.n:
+                continue
+            # Every piece of every sender landed: now the sums can be checked.
+            if count.checked or self._checksum != "off":
+                self._check(notif.k, notif.t, count.checked)
+            error = self._kv_errors.get(notif.k)
+            self._close(notif.k, now)
+            self._recving.add(notif.k)
+            info: dict[str, Any] = {"request_id": notif.r, "arrived": time.time()}
+            if count.first_token is not None:  # only the rank(s) the token came to say it
+                info["first_token"] = count.first_token
+            if error is not None:  # every rank reports; the scheduler fails the load
+                info["kv_error"] = error
+            self._recv_info[notif.k] = info
         self._expire(now)
 
     def _notif_for(
@@ -215,13 +337,21 @@ class NixlConnectorWorker(KVConnectorWorker):
         senders: int,
         local: list[int],
         remote: list[int],
+        *,
+        pieces: int = 1,
+        last: bool = True,
+        first_token: int | None = None,
     ) -> bytes:
-        """P: the send's notification for one D rank: how many P ranks write into it,
-        and (``--kv-checksum``) the sums of what this rank writes there."""
-        if senders == 1 and self._checksum == "off":
+        """P: the send's notification for one D rank: how many notifications it counts
+        (P ranks writing into it x pieces of a pipelined send), and on the last piece the
+        first token (pipelined sends: ``first_token``) and (``--kv-checksum``) the sums
+        of what this rank writes there."""
+        if senders == 1 and pieces == 1 and self._checksum == "off" and first_token is None:
             return raw  # the scheduler built it with n=1
-        notif = dataclasses.replace(Notif.unpack(raw), n=senders)
-        if self._checksum != "off":
+        notif = dataclasses.replace(Notif.unpack(raw), n=senders * pieces)
+        if first_token is not None:
+            notif = dataclasses.replace(notif, ft=first_token)
+        if self._checksum != "off" and last:
             assert self._kv_cache is not None
             positions = checksum.pick(len(local), self._checksum, notif.k)
             p_heads = None if write.whole_blocks else (write.p_offset, write.count)
@@ -231,18 +361,21 @@ class NixlConnectorWorker(KVConnectorWorker):
             notif = dataclasses.replace(notif, c=pairs, hs=d_heads)
         return notif.pack()
 
-    def _check(self, notif: Notif) -> None:
-        """D: verify a notification's checksums against the blocks its WRITE filled."""
+    def _check(self, nonce: str, transfer_id: str, checked: list[Notif]) -> None:
+        """D: once every WRITE of a reservation landed, verify the sums the senders sent
+        against the blocks they filled."""
         assert self._kv_cache is not None
-        if notif.c is None:
-            error: str | None = "the prefill node sent no checksums (--kv-checksum differs)"
-        else:
+        error: str | None = None
+        if not checked:
+            error = "the prefill node sent no checksums (--kv-checksum differs)"
+        for notif in checked:
+            assert notif.c is not None
             if self._corrupt:
                 checksum.corrupt_first(self._kv_cache, notif.c, notif.hs)
-            error = checksum.verify(self._kv_cache, notif.c, notif.hs)
+            error = error or checksum.verify(self._kv_cache, notif.c, notif.hs)
         if error is not None:
-            logger.error("tp%d: transfer %s: %s", self.rank, notif.t, error)
-            self._kv_errors[notif.k] = f"rank {self.rank}: {error}"
+            logger.error("tp%d: transfer %s: %s", self.rank, transfer_id, error)
+            self._kv_errors[nonce] = f"rank {self.rank}: {error}"
 
     def _close(self, nonce: str, now: float) -> None:
         self._parts.pop(nonce, None)
@@ -252,8 +385,8 @@ class NixlConnectorWorker(KVConnectorWorker):
     def _expire(self, now: float) -> None:
         # A reservation lives at most T waiting plus 2T quarantined on D: a count older
         # than 4T belongs to none that could still complete.
-        for nonce, (_, first) in list(self._parts.items()):
-            if now - first >= 4 * self._timeout:
+        for nonce, count in list(self._parts.items()):
+            if now - count.first_seen >= 4 * self._timeout:
                 self._close(nonce, now)
         for nonce, until in list(self._closed.items()):
             if now >= until:

@@ -1,0 +1,193 @@
+"""Layer-pipelined push: P writes a prefill's KV a layer group at a time while the forward
+runs (``--kv-layer-group-size``). Transport pieces with real NIXL agents here; the
+engine paths (token identity, TP 1 and 2, a P killed mid-pipeline) further down."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+nixl_transport = pytest.importorskip("kvconnector.nixl.transport")
+if not nixl_transport.NIXL_AVAILABLE:
+    pytest.skip("nixl not installed", allow_module_level=True)
+NixlTransport = nixl_transport.NixlTransport
+
+
+def _wait_done(t, handle, limit: float = 30.0) -> str:
+    deadline = time.monotonic() + limit
+    while t.poll(handle) == "pending" and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return t.poll(handle)
+
+
+def _pair(layers: int, heads_p: int, heads_d: int, blocks: int = 8):
+    bs, dim = 4, 8
+    p_kv = torch.randn(blocks, layers, 2, heads_p, bs, dim)  # [block, layer, kv, head, tok, dim]
+    d_kv = torch.zeros(blocks, layers, 2, heads_d, bs, dim)
+    p = NixlTransport(f"P-{uuid.uuid4().hex[:6]}", p_kv, p_kv[0].numel() * 4,
+                      num_layers=layers, num_heads=heads_p, layer_ranges=True)  # fmt: skip
+    d = NixlTransport(f"D-{uuid.uuid4().hex[:6]}", d_kv, d_kv[0].numel() * 4,
+                      num_layers=layers, num_heads=heads_d)  # fmt: skip
+    return p, d, p_kv, d_kv
+
+
+def test_layer_range_writes_move_exactly_those_layers_of_whole_blocks():
+    layers = 5
+    p, d, p_kv, d_kv = _pair(layers, 2, 2)
+    try:
+        p.add_peer("d", d.metadata())
+        src, dst = [1, 2, 3, 6], [4, 5, 6, 0]
+        h = p.write_blocks("d", src, dst, b"a", layers=(0, 2))
+        assert _wait_done(p, h) == "done"
+        assert h.num_descriptors == len(src)  # one per block: its layers are adjacent
+        assert h.num_bytes == len(src) * 2 * p_kv[0, 0].numel() * 4
+        for s, t in zip(src, dst, strict=True):
+            assert torch.equal(d_kv[t, :2], p_kv[s, :2])
+            assert not d_kv[t, 2:].any()  # later layers not written yet
+        h = p.write_blocks("d", src, dst, b"b", layers=(2, layers))
+        assert _wait_done(p, h) == "done"
+        for s, t in zip(src, dst, strict=True):
+            assert torch.equal(d_kv[t], p_kv[s])
+        untouched = [b for b in range(8) if b not in dst]
+        assert not d_kv[untouched].any()
+        deadline = time.monotonic() + 10
+        notifs: list[bytes] = []
+        while len(notifs) < 2 and time.monotonic() < deadline:
+            notifs += d.get_notifs()
+        assert sorted(notifs) == [b"a", b"b"]
+        with pytest.raises(ValueError, match="out of"):
+            p.write_blocks("d", [0], [0], layers=(3, 6))
+    finally:
+        p.close()
+        d.close()
+
+
+def test_layer_range_writes_of_a_head_slice():
+    """Heterogeneous TP: P's one head goes into head 1 of D's two, a layer range at a time."""
+    layers = 3
+    p, d, p_kv, d_kv = _pair(layers, 1, 2)
+    try:
+        p.add_peer("d", d.metadata(), heads=(0, 1, 1))
+        h = p.write_blocks("d", [1, 2], [4, 0], layers=(1, 2))
+        assert _wait_done(p, h) == "done"
+        assert h.num_descriptors == 2 * 2  # (block, kv) units of the one layer
+        assert torch.equal(d_kv[4, 1, :, 1], p_kv[1, 1, :, 0])
+        assert torch.equal(d_kv[0, 1, :, 1], p_kv[2, 1, :, 0])
+        d_kv[4, 1, :, 1] = 0
+        d_kv[0, 1, :, 1] = 0
+        assert not d_kv.any()  # nothing else was written
+    finally:
+        p.close()
+        d.close()
+
+
+# -- engines: real worker processes, NIXL over UCX -------------------------------------
+
+import sys  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
+from engine.core.request import Request  # noqa: E402
+from engine.engine_core import EngineCore  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from kvconnector.params import KVTransferParams  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_models import random_prompt  # noqa: E402
+from pd_utils import nixl_config, run_until  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+SEEDED = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=7)
+GROUP = 1  # tiny has 4 layers: 4 pieces per send
+
+
+def _engines(tp: int, group: int = GROUP, **kv: object) -> tuple[EngineCore, EngineCore]:
+    base = EngineConfig(
+        model=ModelConfig(model="tiny"),
+        cache=CacheConfig(num_blocks=160),
+        parallel=ParallelConfig(tp=tp),
+    )
+    p = EngineCore(nixl_config(base, "producer", kv_layer_group_size=group, **kv))
+    d = EngineCore(nixl_config(base, "consumer", **kv))
+    return p, d
+
+
+def _pd(
+    p: EngineCore,
+    d: EngineCore,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    reserve_first: bool = True,
+    timeout: float = 180.0,
+) -> dict:
+    """D's requests first, and (``reserve_first``) P's only once every reservation
+    reached P: P then knows where to write before its prefill step, so it pipelines."""
+    tag = f"t{time.monotonic_ns()}"
+    tokens: dict[str, list[int]] = {}
+    final: dict[str, object] = {}
+    tids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for tid, prompt in zip(tids, prompts, strict=True):
+        kv = KVTransferParams(
+            do_remote_prefill=True, transfer_id=tid, remote_side_channel=p.connector.address
+        )
+        d.add_request(Request(f"d-{tid}", prompt, params, kv_transfer_params=kv))
+        tokens[f"d-{tid}"] = []
+    if reserve_first:
+        run_until([d], lambda: len(p.connector.producer.early) == len(prompts),
+                  lambda e, o: None, timeout)  # fmt: skip
+    for tid, prompt in zip(tids, prompts, strict=True):
+        kv = KVTransferParams(do_remote_decode=True, transfer_id=tid)
+        p.add_request(
+            Request(f"p-{tid}", prompt, replace(params, max_tokens=1), kv_transfer_params=kv)
+        )
+
+    def on_output(eng: EngineCore, out) -> None:
+        if eng is d:
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                final[out.request_id] = out
+
+    run_until([p, d], lambda: len(final) == len(tokens), on_output, timeout)
+    run_until([p, d], lambda: not p.has_work() and not d.has_work(), lambda e, o: None, timeout)
+    return {"tokens": [tokens[r] for r in tokens], "final": [final[r] for r in tokens]}
+
+
+def _all_free(*engines: EngineCore) -> None:
+    for eng in engines:
+        s = eng.stats()
+        assert s["kv_blocks_free"] == s["kv_blocks_total"]
+        assert eng.executor.aggregator.pending_ids == set()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp):
+    """Prompts shorter than a block, an exact multiple of the block size, and 990 tokens;
+    greedy and seeded: pipelined P/D == colocated, D computes no prompt token, and every
+    send went out in pieces (4 per rank: one per layer group)."""
+    prompts = [random_prompt(n, 256, seed=n) for n in (5, 32, 990)]
+    p, d = _engines(tp)
+    try:
+        base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
+        with LLM(base) as llm:
+            want = [llm.generate(prompts, sp) for sp in (GREEDY, SEEDED)]
+        for sp, tokens in zip((GREEDY, SEEDED), want, strict=True):
+            res = _pd(p, d, prompts, sp)
+            assert res["tokens"] == tokens, sp
+            assert all(f.error is None for f in res["final"])
+        ps, ds = p.stats(), d.stats()
+        assert ps["kv_pipelined_transfers_total"] == 2 * len(prompts)
+        assert ds["prompt_tokens_total"] == 0  # every prompt decoded from pushed KV
+        assert ds["kv_notifs_received_total"] == 2 * len(prompts) * 4 * tp  # pieces x ranks
+        # The same P unpipelined (P's prefill before D's reservation): same tokens.
+        res = _pd(p, d, prompts, GREEDY, reserve_first=False)
+        assert res["tokens"] == want[0]
+        _all_free(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
