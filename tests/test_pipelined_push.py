@@ -191,3 +191,84 @@ def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp):
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.slow
+def test_a_prefill_killed_mid_pipeline_leaves_decode_recomputing_the_right_tokens(monkeypatch):
+    """P's worker dies after posting the first layer group: D never counts the send
+    complete, gives up after its deadline, keeps the blocks a late WRITE could reach
+    quarantined (P says the send is in flight), recomputes the prompt itself -- the right
+    tokens -- and in the end holds no block."""
+    prompts = [random_prompt(70, 256, seed=70)]
+    base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
+    with LLM(base) as llm:
+        want = llm.generate(prompts, GREEDY)
+    timeout = 2.0
+    monkeypatch.setenv("PDSERVE_FAULT_DIE_MID_PIPELINE", "1")
+    p = EngineCore(nixl_config(base, "producer", kv_layer_group_size=GROUP,
+                               kv_transfer_timeout=timeout))  # fmt: skip
+    monkeypatch.delenv("PDSERVE_FAULT_DIE_MID_PIPELINE")
+    d = EngineCore(nixl_config(base, "consumer", kv_transfer_timeout=timeout))
+    try:
+        tid = f"kill-{time.monotonic_ns()}"
+        kv = KVTransferParams(
+            do_remote_prefill=True, transfer_id=tid, remote_side_channel=p.connector.address
+        )
+        d.add_request(Request("d-0", prompts[0], GREEDY, kv_transfer_params=kv))
+        run_until([d], lambda: len(p.connector.producer.early) == 1, lambda e, o: None, 60)
+        p.add_request(
+            Request("p-0", prompts[0], replace(GREEDY, max_tokens=1),
+                    kv_transfer_params=KVTransferParams(do_remote_decode=True, transfer_id=tid))
+        )  # fmt: skip
+        with pytest.raises(Exception):  # noqa: B017 - the worker died mid-step
+            p.step()
+        assert p.connector.producer.in_flight  # the send had started: pieces were posted
+        tokens: list[int] = []
+        quarantined = []
+        done = []
+
+        def on_output(eng, out) -> None:
+            tokens.extend(out.new_token_ids)
+            if out.finished:
+                done.append(out)
+
+        def finished() -> bool:
+            quarantined.append(d.stats()["kv_quarantined_requests"])
+            return bool(done)
+
+        run_until([d], finished, on_output, 60)
+        assert tokens == want[0] and done[0].error is None
+        ds = d.stats()
+        assert ds["kv_loads_failed_total"] == 1
+        assert ds["prompt_tokens_total"] == len(prompts[0])  # recomputed on D
+        assert max(quarantined) == 1  # the blocks P may still write stayed out of use
+        run_until([d], lambda: not d.has_work(), lambda e, o: None, 60)
+        _all_free(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.slow
+def test_a_decode_prefix_hit_shrinks_a_pipelined_push():
+    """D already holds the first blocks of the prompt: it reserves only the rest, and P
+    pipelines just those blocks into them; tokens still match colocated."""
+    first = random_prompt(64, 256, seed=64)  # 4 full blocks
+    longer = first + random_prompt(30, 256, seed=30)
+    base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
+    with LLM(base) as llm:
+        want = llm.generate([first, longer], GREEDY)
+    p, d = _engines(1)
+    try:
+        assert _pd(p, d, [first], GREEDY)["tokens"] == want[:1]
+        sent = p.stats()["kv_blocks_sent_total"]
+        assert _pd(p, d, [longer], GREEDY)["tokens"] == want[1:]
+        ps = p.stats()
+        assert ps["kv_pipelined_transfers_total"] == 2
+        # 4 layer pieces of the 2 blocks D did not hold (of the 6 the prompt fills).
+        assert ps["kv_blocks_sent_total"] - sent == 4 * 2
+        assert d.stats()["prompt_tokens_total"] == 0
+        _all_free(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -94,6 +94,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._kv_cache: torch.Tensor | None = None
         # Test-only fault hook: corrupt checked blocks as they arrive (docs/reliability.md).
         self._corrupt = os.environ.get("PDSERVE_FAULT_CORRUPT_KV") == "1"
+        # ... and die after a pipelined send's first piece (a P killed mid-pipeline).
+        self._die_mid_pipeline = os.environ.get("PDSERVE_FAULT_DIE_MID_PIPELINE") == "1"
         self._kv_errors: dict[str, str] = {}  # nonce -> why its KV is not to be used
 
     def register_kv_caches(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:
@@ -234,6 +236,9 @@ class NixlConnectorWorker(KVConnectorWorker):
             pipe.error = str(e)
             return
         pipe.posted += 1
+        if self._die_mid_pipeline and not last:
+            logger.error("tp%d: PDSERVE_FAULT_DIE_MID_PIPELINE: exiting", self.rank)
+            os._exit(17)
 
     def _add_peer(self, key: str, spec: PeerSpec) -> None:
         t = self.transport
