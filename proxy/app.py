@@ -1,10 +1,12 @@
 """The proxy's OpenAI-compatible HTTP front: wiring.
 
 ``build_app(cfg)`` returns a FastAPI app whose lifespan owns the shared node clients
-(one pooled ``httpx.AsyncClient`` for requests, one for health checks) and the health
-poller; the kit's middlewares (request id, API key, drain) and error handlers; and routes
-to ``ProxyServing`` (``proxy/serving.py``). A client that goes away aborts the request on
-both nodes.
+(one pooled ``httpx.AsyncClient`` for requests, one for health checks), the health
+poller and node discovery (registration expiry, DNS names: ``proxy/discovery.py``); the
+kit's middlewares (request id, API key, drain) and error handlers; and routes to
+``ProxyServing`` (``proxy/serving.py``) and to node registration
+(``proxy/registration.py``, authenticated by its own key, not the clients'). A client that
+goes away aborts the request on both nodes.
 """
 
 from __future__ import annotations
@@ -17,15 +19,18 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.httpkit.auth import ApiKeyMiddleware
+from engine.httpkit.auth import OPEN_PATHS, ApiKeyMiddleware
 from engine.httpkit.drain import Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers
 from engine.httpkit.request_id import RequestIdMiddleware
 from proxy.config import ProxyConfig
+from proxy.discovery import DiscoveryLoop, Membership
+from proxy.dns import DnsDiscovery, Resolver, parse_dns_name, system_resolver
 from proxy.health import HealthChecker
 from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
-from proxy.nodes import NodePool
+from proxy.nodes import NodePool, Role
+from proxy.registration import DEREGISTER_PATH, REGISTER_PATH, Registry, serve_registration
 from proxy.router import Router
 from proxy.serving import ProxyServing
 from proxy.validation import CHAT, COMPLETIONS
@@ -35,10 +40,23 @@ logger = logging.getLogger(__name__)
 WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions"])
 
 
-def build_app(cfg: ProxyConfig) -> FastAPI:
+def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI:
     pool = NodePool(cfg.prefill, cfg.decode)
     router = Router.from_config(pool, cfg)
-    metrics = ProxyMetrics(pool, router)
+    members = Membership(pool)
+    registry = None
+    jobs = []
+    if cfg.registration_key:
+        registry = Registry(
+            members, cfg.registration_key, cfg.registration_ttl, cfg.max_registered_nodes
+        )
+        jobs.append((registry.run_expiry, min(1.0, cfg.registration_ttl / 4)))
+    by_role: dict[Role, tuple[str, ...]] = {"prefill": cfg.prefill_dns, "decode": cfg.decode_dns}
+    names = [(role, *parse_dns_name(n)) for role, dns in by_role.items() for n in dns]
+    if names:
+        jobs.append((DnsDiscovery(members, names, resolver).refresh, cfg.discovery_interval))
+    discovery = DiscoveryLoop(jobs)
+    metrics = ProxyMetrics(pool, router, members)
     drainer = Drainer(WORK_PATHS, cfg.shutdown_timeout)
     serving = ProxyServing(cfg, pool, router, metrics, drainer)
     node_auth = {"Authorization": f"Bearer {cfg.node_api_key}"} if cfg.node_api_key else {}
@@ -56,7 +74,10 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             health = HealthChecker(pool, health_client, cfg.health_interval)
             serving.legs, serving.client = Legs(client), client
             app.state.legs = serving.legs
+            await discovery.run_once()  # DNS names resolved before the first health round
+            members.checker = health.check_node  # a node that joins later: checked at once
             health.start()
+            discovery.start()
             await health.wait_first_round(cfg.health_timeout + 1.0)
             logger.info(
                 "proxy up: %d prefill, %d decode node(s); ready: %s",
@@ -65,6 +86,8 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             try:
                 yield
             finally:
+                await discovery.stop()
+                await members.close()
                 await health.stop()
                 await serving.legs.drain()
 
@@ -76,7 +99,11 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     app.state.config = cfg
     app.state.drainer = drainer
     app.add_middleware(DrainMiddleware, drainer=drainer)
-    app.add_middleware(ApiKeyMiddleware, keys=(cfg.api_key,) if cfg.api_key else ())
+    # Registration has its own key (checked by its handler), not the clients' --api-key.
+    open_paths = OPEN_PATHS | {REGISTER_PATH, DEREGISTER_PATH}
+    app.add_middleware(
+        ApiKeyMiddleware, keys=(cfg.api_key,) if cfg.api_key else (), open_paths=open_paths
+    )
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
 
@@ -101,6 +128,14 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         from engine.server.tokenize import pdserve_version
 
         return JSONResponse({"version": pdserve_version()})
+
+    @app.post(REGISTER_PATH)
+    async def register(request: Request) -> Response:
+        return await serve_registration(registry, members, request, REGISTER_PATH)
+
+    @app.post(DEREGISTER_PATH)
+    async def deregister(request: Request) -> Response:
+        return await serve_registration(registry, members, request, DEREGISTER_PATH)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

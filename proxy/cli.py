@@ -1,6 +1,8 @@
 """`pd-proxy` command: ``serve`` the proxy, or try a deployment with ``complete``/``chat``.
 
     pd-proxy serve --prefill URL [URL ...] --decode URL [URL ...] --port 8000
+    pd-proxy serve --prefill-dns NAME:PORT --decode-dns NAME:PORT     # DNS discovery
+    pd-proxy serve --registration-key KEY        # nodes register (--register-with)
     pd-proxy complete "Hello" --url http://127.0.0.1:8000 --max-tokens 32 --stream
     pd-proxy chat --url http://127.0.0.1:8000
 
@@ -69,10 +71,13 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     from proxy.app import build_app
 
-    banner = (
-        f"pdserve proxy listening on {listen_url(cfg.host, sock.getsockname()[1])} "
-        f"(prefill: {' '.join(cfg.prefill)}; decode: {' '.join(cfg.decode)})"
-    )
+    sources = [f"prefill: {' '.join(cfg.prefill) or '-'}", f"decode: {' '.join(cfg.decode) or '-'}"]
+    if cfg.prefill_dns or cfg.decode_dns:
+        sources.append("dns: " + " ".join(cfg.prefill_dns + cfg.decode_dns))
+    if cfg.registration_key:
+        sources.append("registration on")
+    port = sock.getsockname()[1]
+    banner = f"pdserve proxy listening on {listen_url(cfg.host, port)} ({'; '.join(sources)})"
     app = build_app(cfg)
     server = make_server(app, log_level=cfg.log_level, banner=banner, drainer=app.state.drainer)
     try:

@@ -24,6 +24,7 @@ except ModuleNotFoundError:  # Python 3.10: JSON config files only
     tomllib = None  # type: ignore[assignment]
 
 from engine.config import ConfigError, flag_name, require
+from proxy.dns import parse_dns_name
 
 ENV_PREFIX = "PDPROXY_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -44,10 +45,51 @@ _URL_RE = re.compile(r"^https?://[^/\s]+$")
 @dataclass(frozen=True)
 class ProxyConfig:
     prefill: tuple[str, ...] = field(
-        default=(), metadata={"help": "prefill node URLs (http://host:port), one or more"}
+        default=(),
+        metadata={
+            "help": "prefill node URLs (http://host:port); may be empty when nodes are "
+            "discovered (--prefill-dns, --registration-key)"
+        },
     )
     decode: tuple[str, ...] = field(
-        default=(), metadata={"help": "decode node URLs (http://host:port), one or more"}
+        default=(),
+        metadata={
+            "help": "decode node URLs (http://host:port); may be empty when nodes are "
+            "discovered (--decode-dns, --registration-key)"
+        },
+    )
+    prefill_dns: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "metavar": "NAME:PORT",
+            "help": "DNS names resolved every --discovery-interval; each address is a "
+            "prefill node http://ADDR:PORT (e.g. a Kubernetes headless service)",
+        },
+    )
+    decode_dns: tuple[str, ...] = field(
+        default=(),
+        metadata={"metavar": "NAME:PORT", "help": "as --prefill-dns, for decode nodes"},
+    )
+    discovery_interval: float = field(
+        default=5.0, metadata={"help": "seconds between resolutions of the DNS names"}
+    )
+    registration_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "let nodes register themselves (POST /v1/nodes/register, a node's "
+            "--register-with) with 'Authorization: Bearer <key>'; unset: registration off"
+        },
+    )
+    registration_ttl: float = field(
+        default=30.0,
+        metadata={
+            "help": "seconds a registration lasts unless the node renews it (nodes renew "
+            "every third of it at least); then the node leaves the pool"
+        },
+    )
+    max_registered_nodes: int = field(
+        default=256, metadata={"help": "most nodes registered at once; more get 429"}
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=8000, metadata={"help": "HTTP port (0 = any free port)"})
@@ -161,7 +203,17 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
             urls = getattr(self, role)
-            _require(bool(urls), role, f"at least one {role} node URL is required")
+            _require(
+                bool(urls) or bool(getattr(self, f"{role}_dns")) or bool(self.registration_key),
+                role,
+                f"at least one {role} node URL is required, or a DNS name to find them "
+                f"(--{role}-dns NAME:PORT), or --registration-key to let nodes register",
+            )
+            for name in getattr(self, f"{role}_dns"):
+                try:
+                    parse_dns_name(name)
+                except ValueError as e:
+                    raise ProxyConfigError(f"{flag_name(role + '_dns')}: {e}") from None
             for url in urls:
                 _require(
                     bool(_URL_RE.match(url)),
@@ -179,6 +231,9 @@ class ProxyConfig:
         _require(0 <= self.max_retries <= 5, "max_retries", "must be in [0, 5]")
         for name in ("health_interval", "health_timeout", "connect_timeout", "request_timeout"):
             _require(getattr(self, name) > 0, name, "must be > 0 seconds")
+        for name in ("discovery_interval", "registration_ttl"):
+            _require(getattr(self, name) > 0, name, "must be > 0 seconds")
+        _require(self.max_registered_nodes >= 1, "max_registered_nodes", "must be >= 1")
         _require(self.max_connections >= 1, "max_connections", "must be >= 1")
         _require(self.max_request_bytes >= 1, "max_request_bytes", "must be >= 1")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0 seconds")
@@ -213,7 +268,7 @@ def _split_urls(value: Any, name: str) -> tuple[str, ...]:
         return tuple(u for u in re.split(r"[,\s]+", value) if u)
     if isinstance(value, list | tuple) and all(isinstance(u, str) for u in value):
         return tuple(u.strip() for u in value if u.strip())
-    raise ProxyConfigError(f"{flag_name(name)}: must be a list of URLs, got {value!r:.80}")
+    raise ProxyConfigError(f"{flag_name(name)}: must be a list, got {value!r:.80}")
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -303,7 +358,7 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
         help_text += f" [env {env}]"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if tp is tuple:
-            kwargs.update(nargs="+", metavar="URL")
+            kwargs.update(nargs="+", metavar=f.metadata.get("metavar", "URL"))
         elif tp is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif name == "log_level":

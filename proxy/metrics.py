@@ -2,7 +2,7 @@
 
 Request counters and latency histograms are recorded as requests progress; per-node
 gauges (outstanding requests, health) and counters are read from the ``NodePool`` at
-scrape time.
+scrape time, node discovery's event counts from its ``Membership``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.httpkit.metrics import MetricsRegistry
+from proxy.discovery import Membership
 from proxy.nodes import NodePool
 from proxy.router import Router
 
@@ -24,9 +25,12 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class _NodeCollector(Collector):
-    def __init__(self, pool: NodePool, router: Router | None = None) -> None:
+    def __init__(
+        self, pool: NodePool, router: Router | None = None, members: Membership | None = None
+    ) -> None:
         self._pool = pool
         self._router = router
+        self._members = members
 
     def collect(self) -> Iterator[Metric]:
         labels = ["role", "url"]
@@ -53,6 +57,16 @@ class _NodeCollector(Collector):
             served.add_metric(key, float(n.requests_total))
             failures.add_metric(key, float(n.failures_total))
         yield from (outstanding, healthy, served, failures)
+        if self._members is not None:
+            events = CounterMetricFamily(
+                f"{PREFIX}_discovery_events",
+                "Node discovery: added, removed (no source lists it any more), expired "
+                "(registration not renewed), refused (a registration answered 4xx), dns_error",
+                labels=["event"],
+            )
+            for event in ("added", "removed", "expired", "refused", "dns_error"):
+                events.add_metric([event], float(self._members.events[event]))
+            yield events
         if self._router is not None:
             yield from self._routing(self._router)
 
@@ -101,8 +115,10 @@ class _NodeCollector(Collector):
 
 
 class ProxyMetrics(MetricsRegistry):
-    def __init__(self, pool: NodePool, router: Router | None = None) -> None:
-        super().__init__(PREFIX, _NodeCollector(pool, router))
+    def __init__(
+        self, pool: NodePool, router: Router | None = None, members: Membership | None = None
+    ) -> None:
+        super().__init__(PREFIX, _NodeCollector(pool, router, members))
         self.requests = self.counter(
             "requests", "Requests answered, by endpoint and HTTP status", ["endpoint", "status"]
         )

@@ -1,9 +1,11 @@
 """What the proxy knows about each prefill and decode node.
 
 A ``Node`` is routable when it is healthy (its last health check passed and no request
-failed on it since) and its facts are known (model, context length and, for prefill
-nodes, the KV side-channel address D nodes must reach). Only the event loop touches
-these objects, so they need no locks.
+failed on it since), its facts are known (model, context length and, for prefill nodes,
+the KV side-channel address D nodes must reach) and it is still in the pool. Nodes join
+and leave the pool at run time (``proxy/discovery.py``): a request in flight on a node
+that left keeps its ``Node`` and ends as it would on a failed one. Only the event loop
+touches these objects, so they need no locks.
 """
 
 from __future__ import annotations
@@ -44,10 +46,13 @@ class Node:
     overloaded_at: float | None = None
     # Called when what the node caches becomes unknown: it left rotation or restarted.
     on_reset: Callable[[Node], None] | None = field(default=None, repr=False, compare=False)
+    # Why it is in the pool: "static" (--prefill/--decode), "registered", "dns:NAME:PORT".
+    sources: set[str] = field(default_factory=lambda: {"static"})
+    removed: bool = False  # left the pool (never routable again; a new Node may join)
 
     @property
     def ready(self) -> bool:
-        if not self.healthy or self.model is None:
+        if self.removed or not self.healthy or self.model is None:
             return False
         return self.role == "decode" or self.side_channel is not None
 
@@ -123,6 +128,32 @@ class NodePool:
     def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...]) -> None:
         self.prefill = [Node(url.rstrip("/"), "prefill") for url in prefill]
         self.decode = [Node(url.rstrip("/"), "decode") for url in decode]
+        self._on_reset: Callable[[Node], None] | None = None
+
+    def set_on_reset(self, callback: Callable[[Node], None]) -> None:
+        """``Node.on_reset`` of every node, present and future."""
+        self._on_reset = callback
+        for n in self.all():
+            n.on_reset = callback
+
+    def get(self, url: str) -> Node | None:
+        return next((n for n in self.all() if n.url == url), None)
+
+    def add(self, role: Role, url: str, source: str) -> Node:
+        """A new node (not yet health-checked, so not routable)."""
+        node = Node(url, role, sources={source}, on_reset=self._on_reset)
+        self.nodes(role).append(node)
+        logger.info("%s node %s joined (%s)", role, url, source)
+        return node
+
+    def remove(self, node: Node, reason: str) -> None:
+        """Out of the pool for good; what the router remembers of it is dropped."""
+        nodes = self.nodes(node.role)
+        nodes[:] = [n for n in nodes if n is not node]  # by identity: Nodes compare by value
+        node.removed = True
+        node.healthy = False
+        logger.info("%s node %s left: %s", node.role, node.url, reason)
+        node._reset()
 
     def all(self) -> list[Node]:
         return [*self.prefill, *self.decode]

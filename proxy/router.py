@@ -152,8 +152,7 @@ class Router:
         self.decisions: Counter[tuple[str, str]] = Counter()  # (role, reason) -> count
         self.modes: Counter[str] = Counter()  # "disaggregated" / "decode_only" -> count
         if index is not None:
-            for n in pool.all():
-                n.on_reset = self._node_reset
+            pool.set_on_reset(self._node_reset)
 
     @classmethod
     def from_config(cls, pool: NodePool, cfg: ProxyConfig) -> Router:

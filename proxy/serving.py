@@ -176,6 +176,7 @@ class ProxyServing:
                     "healthy": n.ready,
                     "outstanding": n.outstanding,
                     "error": n.last_error,
+                    "sources": sorted(n.sources),
                 }  # fmt: skip
                 for n in pool.nodes(role)
             ]

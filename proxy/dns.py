@@ -1,0 +1,110 @@
+"""DNS discovery: ``--prefill-dns`` / ``--decode-dns NAME:PORT``.
+
+Every ``--discovery-interval`` seconds each name is resolved (``getaddrinfo``, in a thread;
+a Kubernetes headless service answers with its pods' addresses) and each address becomes a
+node ``http://ADDR:PORT`` of that role: new addresses join the pool, vanished ones leave
+(``proxy/discovery.py``). A name that does not exist (NXDOMAIN: e.g. a headless service
+with no pods) lists no node; any other lookup failure (timeout, no DNS server) keeps what
+the name listed before, since the nodes are health-checked anyway. The resolver is a plain
+function ``name -> [address, ...]`` so tests can inject one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import re
+import socket
+from collections.abc import Callable, Sequence
+
+from proxy.discovery import Membership, RoleConflict
+from proxy.nodes import Role
+
+logger = logging.getLogger(__name__)
+
+Resolver = Callable[[str], list[str]]
+HOST_NAME = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*\.?$"
+)
+
+
+class NameNotFound(OSError):
+    """The name does not exist (or has no address): it lists no node."""
+
+
+def parse_dns_name(text: str) -> tuple[str, int]:
+    """``(name, port)`` of ``NAME:PORT``; ``ValueError`` otherwise."""
+    name, sep, port = text.strip().rpartition(":")
+    if not sep or not HOST_NAME.match(name.lower()) or not port.isdigit():
+        raise ValueError(f"{text!r:.80} is not NAME:PORT (e.g. pdserve-decode:8200)")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"{text!r:.80}: the port must be in [1, 65535]")
+    return name.lower(), int(port)
+
+
+def system_resolver(name: str) -> list[str]:
+    """The addresses ``name`` resolves to (IPv4 and IPv6), in the resolver's order."""
+    try:
+        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as e:
+        if e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            raise NameNotFound(f"{name}: {e.strerror}") from e
+        raise
+    out: list[str] = []
+    for *_, sockaddr in infos:
+        addr = str(sockaddr[0])
+        if addr not in out:
+            out.append(addr)
+    return out
+
+
+def node_url(addr: str, port: int) -> str | None:
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:  # e.g. a link-local address with a zone
+        return None
+    return f"http://[{ip.compressed}]:{port}" if ip.version == 6 else f"http://{ip}:{port}"
+
+
+class DnsDiscovery:
+    def __init__(
+        self,
+        members: Membership,
+        names: Sequence[tuple[Role, str, int]],
+        resolver: Resolver = system_resolver,
+    ) -> None:
+        self.members = members
+        self.names = list(names)
+        self.resolver = resolver
+        self._failing: set[str] = set()  # names whose last lookup failed (logged once)
+
+    async def _lookup(self, name: str) -> list[str] | Exception:
+        try:
+            return await asyncio.to_thread(self.resolver, name)
+        except NameNotFound:
+            return []
+        except OSError as e:
+            return e
+
+    async def refresh(self) -> None:
+        """Resolve every name once and bring the pool in line."""
+        answers = await asyncio.gather(*(self._lookup(name) for _, name, _ in self.names))
+        for (role, name, port), addrs in zip(self.names, answers, strict=True):
+            source = f"dns:{name}:{port}"
+            if isinstance(addrs, Exception):
+                self.members.events["dns_error"] += 1
+                if source not in self._failing:
+                    logger.warning("%s: lookup failed, keeping its nodes: %s", source, addrs)
+                self._failing.add(source)
+                continue
+            self._failing.discard(source)
+            urls = {u for u in (node_url(a, port) for a in addrs) if u is not None}
+            listed = self.members.listed_by(source)
+            for url in sorted(urls - listed):
+                try:
+                    self.members.add(role, url, source)
+                except RoleConflict as e:
+                    logger.warning("%s: %s; not added", source, e)
+            for url in sorted(listed - urls):
+                self.members.drop(url, source)

@@ -1,0 +1,198 @@
+"""Nodes registering with the proxy: ``POST /v1/nodes/register`` and ``/v1/nodes/deregister``.
+
+A node started with ``--register-with PROXY_URL`` posts ``{"role": "prefill"|"decode",
+"url": "http://host:port"}`` (its own advertised base URL) and posts it again every few
+seconds (a heartbeat: a restarted proxy learns its nodes again); on a graceful shutdown it
+deregisters with the same body. ``proxy/announcer.py`` is that node side.
+
+Both endpoints need ``Authorization: Bearer <--registration-key>`` (401 otherwise; 403
+when the proxy has no key, i.e. registration is off). A body is at most 4 KiB of JSON
+whose ``role`` and ``url`` are checked (400 naming the field; unknown fields are
+ignored): an http(s) URL with a host (a name or an IP address that is not the unspecified
+address) and an explicit port, nothing else. A URL is one role (409), and at most
+``--max-registered-nodes`` nodes are registered at once (429). A registration not renewed
+within ``--registration-ttl`` seconds expires: the node leaves the pool. A refused
+request never changes the pool.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from engine.httpkit.auth import key_matches
+from engine.httpkit.body import read_body
+from engine.httpkit.errors import json_error
+from engine.server.protocol import APIError
+from proxy.discovery import Membership, RoleConflict
+from proxy.dns import HOST_NAME
+from proxy.nodes import Role
+
+logger = logging.getLogger(__name__)
+
+REGISTER_PATH = "/v1/nodes/register"
+DEREGISTER_PATH = "/v1/nodes/deregister"
+MAX_BODY_BYTES = 4096
+SOURCE = "registered"
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+def normalize_node_url(text: str) -> str:
+    """``scheme://host:port`` of a node's base URL, or ``ValueError`` saying what is wrong."""
+    if not isinstance(text, str) or not text or len(text) > 300 or text != text.strip():
+        raise ValueError("must be a node base URL like http://10.0.0.3:8200")
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{text!r:.80}: the scheme must be http or https")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"{text!r:.80}: no user or password in a node URL")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"{text!r:.80}: a base URL, without path, query or fragment")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{text!r:.80}: the port must be a number in [1, 65535]") from None
+    if port is None or not 1 <= port <= 65535:
+        raise ValueError(f"{text!r:.80}: give the port (http://host:PORT), in [1, 65535]")
+    host = parts.hostname or ""
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        if not HOST_NAME.match(host) or "[" in parts.netloc:
+            raise ValueError(f"{text!r:.80}: the host is not a valid name or address") from None
+        return f"{parts.scheme}://{host}:{port}"
+    if addr.is_unspecified or addr.is_multicast:
+        raise ValueError(
+            f"{text!r:.80}: {host} is not an address others can reach; advertise the "
+            "node's own address"
+        )
+    shown = f"[{addr.compressed}]" if addr.version == 6 else addr.compressed
+    return f"{parts.scheme}://{shown}:{port}"
+
+
+def parse_registration(raw: bytes) -> tuple[Role, str]:
+    """``(role, url)`` of a register/deregister body; ``APIError`` 400 naming the field."""
+    try:
+        body: Any = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError('the body must be a JSON object: {"role": ..., "url": ...}')
+    role = body.get("role")
+    if role not in ROLES:
+        raise APIError(f"role must be 'prefill' or 'decode', got {role!r:.40}", param="role")
+    try:
+        url = normalize_node_url(body.get("url"))  # type: ignore[arg-type]
+    except ValueError as e:
+        raise APIError(f"url: {e}", param="url") from None
+    return role, url
+
+
+class Registry:
+    """The registered nodes and their deadlines (``clock`` seconds)."""
+
+    def __init__(
+        self,
+        members: Membership,
+        key: str,
+        ttl: float,
+        max_nodes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.members = members
+        self.key = key
+        self.ttl = ttl
+        self.max_nodes = max_nodes
+        self.clock = clock
+        self.deadlines: dict[str, float] = {}  # url -> when it expires
+
+    def authorize(self, header: str | None) -> None:
+        scheme, _, token = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not key_matches(token.strip(), (self.key,)):
+            raise APIError(
+                "registration needs 'Authorization: Bearer <key>' with the proxy's "
+                "--registration-key",
+                status_code=401,
+                code="invalid_api_key",
+            )
+
+    def register(self, role: Role, url: str) -> dict[str, Any]:
+        renewed = url in self.deadlines
+        if not renewed and len(self.deadlines) >= self.max_nodes:
+            raise APIError(
+                f"{self.max_nodes} nodes are registered already (the proxy's "
+                "--max-registered-nodes); retry later",
+                status_code=429,
+                err_type="rate_limit_error",
+                code="too_many_nodes",
+            )
+        try:
+            self.members.add(role, url, SOURCE)
+        except RoleConflict as e:
+            raise APIError(str(e), param="role", status_code=409, code="role_conflict") from None
+        self.deadlines[url] = self.clock() + self.ttl
+        if not renewed:
+            logger.info("%s node %s registered", role, url)
+        status = "renewed" if renewed else "registered"
+        return {"status": status, "role": role, "url": url, "expires_in": self.ttl}
+
+    def deregister(self, role: Role, url: str) -> dict[str, Any]:
+        node = self.members.pool.get(url)
+        if node is not None and node.role != role:
+            raise APIError(
+                f"{url} is a {node.role} node of this proxy, not a {role} node",
+                param="role",
+                status_code=409,
+                code="role_conflict",
+            )
+        if self.deadlines.pop(url, None) is None:
+            return {"status": "not_registered", "role": role, "url": url}
+        logger.info("%s node %s deregistered", role, url)
+        self.members.drop(url, SOURCE)
+        return {"status": "deregistered", "role": role, "url": url}
+
+    def expire(self) -> list[str]:
+        """Drop the registrations whose deadline passed; their URLs."""
+        now = self.clock()
+        gone = [url for url, deadline in self.deadlines.items() if deadline <= now]
+        for url in gone:
+            del self.deadlines[url]
+            logger.warning("node %s: registration expired (no heartbeat for %.0f s)", url, self.ttl)
+            self.members.events["expired"] += 1
+            self.members.drop(url, SOURCE)
+        return gone
+
+    async def run_expiry(self) -> None:
+        self.expire()
+
+
+async def serve_registration(
+    registry: Registry | None, members: Membership, request: Request, path: str
+) -> JSONResponse:
+    """``POST`` of ``REGISTER_PATH`` or ``DEREGISTER_PATH``: the key, then the body."""
+    try:
+        if registry is None:
+            raise APIError(
+                "this proxy takes no node registrations: start it with --registration-key",
+                status_code=403,
+                err_type="permission_error",
+                code="registration_disabled",
+            )
+        registry.authorize(request.headers.get("authorization"))
+        role, url = parse_registration(await read_body(request, MAX_BODY_BYTES))
+        if path == REGISTER_PATH:
+            return JSONResponse(registry.register(role, url))
+        return JSONResponse(registry.deregister(role, url))
+    except APIError as e:
+        members.events["refused"] += 1
+        client = request.client.host if request.client else "?"
+        logger.warning("%s from %s refused (%d): %s", path, client, e.status_code, e.message)
+        return json_error(e)
