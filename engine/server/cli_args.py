@@ -131,7 +131,44 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="INFO",
         help="logging level (default: INFO)",
     )
+    add_registration_args(parser)
     return parser
+
+
+def add_registration_args(parser: argparse.ArgumentParser) -> None:
+    """A node registering itself with proxies (``proxy/announcer.py``, docs/proxy.md)."""
+    group = parser.add_argument_group(
+        "registration options",
+        "register this node with pd-proxy instances started with --registration-key, "
+        "so they route to it without listing it",
+    )
+    group.add_argument(
+        "--register-with",
+        metavar="URL[,URL...]",
+        default=None,
+        help="proxy base URL(s), comma-separated: register there once serving, renew every "
+        "--registration-interval, deregister on shutdown",
+    )
+    group.add_argument(
+        "--advertise-url",
+        metavar="URL",
+        default=None,
+        help="the base URL proxies reach this node at (default: http://HOST:PORT of --host "
+        "and --port; required when --host is 0.0.0.0 or ::)",
+    )
+    group.add_argument(
+        "--registration-key",
+        default=os.environ.get("PDSERVE_REGISTRATION_KEY") or None,
+        help="the proxies' --registration-key, sent as a bearer token "
+        "(default: $PDSERVE_REGISTRATION_KEY)",
+    )
+    group.add_argument(
+        "--registration-interval",
+        type=float,
+        default=10.0,
+        help="seconds between renewals (heartbeats); at least three per the proxy's "
+        "--registration-ttl are sent (default: 10)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -3,7 +3,9 @@
 Lifecycle: parse flags (a bad value exits 2 naming the flag), bind the HTTP socket (a busy
 port fails fast, before the model loads), start the engine, serve with uvicorn. SIGTERM or
 SIGINT stops the server, shuts the engine (and its worker processes) down and exits 0;
-a signal during engine startup aborts the startup the same way.
+a signal during engine startup aborts the startup the same way. With ``--register-with``
+the node registers with those proxies once it serves and deregisters when a signal starts
+its drain (``proxy/announcer.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit
 
 from engine.httpkit.serve import bind_socket, listen_url, make_server
 from engine.server.cli_args import (
@@ -23,6 +27,9 @@ from engine.server.cli_args import (
     parse_config,
     set_flag_default,
 )
+
+if TYPE_CHECKING:
+    from proxy.announcer import Announcer
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +66,7 @@ class _Signals:
         self.phase = "starting"
         self.server: Any = None
         self.received: list[int] = []
+        self.on_stop: Callable[[], None] | None = None  # e.g. deregister from the proxies
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -72,14 +80,64 @@ class _Signals:
             raise _Terminated(signum)
         if self.phase == "serving" and self.server is not None:
             logger.info("%s: draining, then shutting down (again: stop now)", name)
+            if self.on_stop is not None:
+                self.on_stop()
             self.server.request_shutdown()
         else:
             logger.info("%s: already shutting down", name)
 
 
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def registration_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[str], str | None] | None:
+    """The proxies of ``--register-with`` and the ``--advertise-url`` (None: the listening
+    address), checked before anything starts; a bad flag exits 2 naming it."""
+    if not args.register_with:
+        if args.advertise_url:
+            parser.error("--advertise-url: only used with --register-with")
+        return None
+    from proxy.registration import normalize_node_url
+
+    proxies = [p.strip().rstrip("/") for p in args.register_with.split(",") if p.strip()]
+    for proxy in proxies:
+        parts = urlsplit(proxy)
+        try:
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            parser.error(f"--register-with: {proxy!r} has an invalid port")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            parser.error(f"--register-with: {proxy!r} is not a proxy URL like http://proxy:8000")
+    if not proxies:
+        parser.error("--register-with: give a proxy URL like http://proxy:8000")
+    if not args.registration_key:
+        parser.error(
+            "--registration-key: needed with --register-with: the proxies' "
+            "--registration-key (or set $PDSERVE_REGISTRATION_KEY)"
+        )
+    if not args.registration_interval > 0:
+        parser.error("--registration-interval: must be > 0 seconds")
+    advertise = None
+    if args.advertise_url:
+        try:
+            advertise = normalize_node_url(args.advertise_url)
+        except ValueError as e:
+            parser.error(f"--advertise-url: {e}")
+    elif args.host in _WILDCARD_HOSTS:
+        parser.error(
+            f"--advertise-url: required with --register-with when --host is {args.host!r}: "
+            "give the URL proxies reach this node at (e.g. http://$(POD_IP):8200)"
+        )
+    return proxies, advertise
+
+
 def run_node(role: Role, argv: list[str] | None = None) -> int:
     """Run a node until SIGTERM/SIGINT; returns the process exit status."""
-    args, config = parse_config(build_parser(role), argv)
+    parser = build_parser(role)
+    args, config = parse_config(parser, argv)
+    registration = registration_flags(parser, args)
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT, stream=sys.stderr)
     try:
         sock = bind_socket(args.host, args.port)
@@ -90,6 +148,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
     signals = _Signals()
     signals.install()
     engine = None
+    announcer: Announcer | None = None
     try:
         from engine.async_engine import AsyncLLMEngine
         from engine.config import ConfigError
@@ -122,16 +181,27 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             own_signals=True,  # _Signals also aborts a blocking engine start-up
             drainer=app.state.drainer,
         )
+        if registration is not None:
+            from proxy.announcer import Announcer
+
+            proxies, advertise = registration
+            url = advertise or listen_url(args.host, port)
+            announcer = Announcer(
+                proxies, role, url, args.registration_key, args.registration_interval
+            )
+            signals.on_stop = announcer.request_stop
         signals.server = server
         signals.phase = "serving"
         if signals.received:  # a signal raced with the end of startup
             server.should_exit = True
-        asyncio.run(server.serve(sockets=[sock]))
+        asyncio.run(_serve(server, sock, announcer))
         return 0
     except _Terminated:
         return 0
     finally:
         signals.phase = "stopping"
+        if announcer is not None:
+            announcer.stop()  # deregistered (if it was not already)
         sock.close()
         if engine is not None:
             logger.info("shutting down the engine")
@@ -140,3 +210,14 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             except Exception:
                 logger.exception("engine shutdown failed")
         logger.info("%s node stopped", role)
+
+
+async def _serve(server: Any, sock: Any, announcer: Announcer | None) -> None:
+    """Serve; register with the proxies only once the server accepts connections."""
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    if announcer is not None:
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started and not server.should_exit:
+            announcer.start()
+    await serving

@@ -1,0 +1,489 @@
+"""Run-time node discovery in the proxy: nodes that register (and heartbeat, and
+deregister), and DNS names resolved periodically (a Kubernetes headless service).
+
+Unit tests (no processes): registration bodies and URLs, the pool's membership by source
+(a node leaving drops what the prefix router knows of it), expiry and the cap, DNS
+refreshes through an injected resolver, the proxy's and the node's flags.
+
+Real processes (``slow``): one prefill node and proxies with no decode node; a decode node
+started with ``--register-with`` joins, is routed to (token-identical to asking it
+directly), and leaves on SIGTERM while a request on it still finishes; a registration that
+stops heartbeating expires; bad or unauthenticated registrations get 4xx and change
+nothing; a proxy given ``--decode-dns localhost:PORT`` finds the node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from harness import (
+    GREEDY,
+    NIXL,
+    REPO_ROOT,
+    Proc,
+    Procs,
+    free_port,
+    metric,
+    spawn,
+    sse_data,
+    sse_events,
+    stream_ids,
+    wait_for,
+    wait_healthy,
+)
+
+from engine.server.protocol import APIError
+from proxy.config import ProxyConfig, ProxyConfigError, add_proxy_args, config_from_sources
+from proxy.discovery import Membership, RoleConflict
+from proxy.dns import DnsDiscovery, NameNotFound, parse_dns_name
+from proxy.nodes import NodePool
+from proxy.prefix import PrefixIndex, PromptKey
+from proxy.registration import Registry, normalize_node_url, parse_registration
+from proxy.router import Router
+
+P, D1, D2 = "http://10.0.0.1:8100", "http://10.0.0.2:8200", "http://10.0.0.3:8200"
+KEY = "registration-secret"
+LONG = "".join(f"word{i} " for i in range(40))
+
+
+def _ready(node: Any) -> Any:
+    node.model, node.side_channel = "tiny", "tcp://x:1"
+    node.set_healthy(True)
+    return node
+
+
+# -- registration bodies and URLs ----------------------------------------------------------------
+
+
+def test_registration_body_is_checked_field_by_field() -> None:
+    ok = json.dumps({"role": "decode", "url": "http://Node-3.svc:8200/"}).encode()
+    assert parse_registration(ok) == ("decode", "http://node-3.svc:8200")
+    assert normalize_node_url("https://[fd00::1]:443") == "https://[fd00::1]:443"
+    bad: list[tuple[Any, str | None]] = [
+        (b"not json", None),
+        (b"\xff\xfe", None),
+        ([], None),
+        ({"url": D1}, "role"),
+        ({"role": "router", "url": D1}, "role"),
+        ({"role": ["decode"], "url": D1}, "role"),
+        ({"role": "decode"}, "url"),
+        ({"role": "decode", "url": 8200}, "url"),
+        ({"role": "decode", "url": "ftp://10.0.0.2:8200"}, "url"),
+        ({"role": "decode", "url": "10.0.0.2:8200"}, "url"),
+        ({"role": "decode", "url": "http://:8200"}, "url"),
+        ({"role": "decode", "url": "http://10.0.0.2"}, "url"),  # the port is required
+        ({"role": "decode", "url": "http://10.0.0.2:0"}, "url"),
+        ({"role": "decode", "url": "http://10.0.0.2:70000"}, "url"),
+        ({"role": "decode", "url": "http://10.0.0.2:port"}, "url"),
+        ({"role": "decode", "url": "http://10.0.0.2:8200/v1"}, "url"),
+        ({"role": "decode", "url": "http://10.0.0.2:8200?x=1"}, "url"),
+        ({"role": "decode", "url": "http://user:pw@10.0.0.2:8200"}, "url"),
+        ({"role": "decode", "url": "http://bad host:8200"}, "url"),
+        ({"role": "decode", "url": "http://0.0.0.0:8200"}, "url"),  # not reachable
+        ({"role": "decode", "url": "http://[::]:8200"}, "url"),
+        ({"role": "decode", "url": "http://" + "a" * 300 + ":8200"}, "url"),
+    ]
+    for body, param in bad:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        with pytest.raises(APIError) as e:
+            parse_registration(raw)
+        assert e.value.status_code == 400, body
+        assert e.value.param == param, (body, e.value.message)
+
+
+# -- membership: nodes by source -------------------------------------------------------------------
+
+
+def test_a_node_stays_while_any_source_lists_it_and_leaving_forgets_its_prefixes() -> None:
+    pool = NodePool((P,), ())
+    _ready(pool.prefill[0])
+    router = Router(pool, index=PrefixIndex(1024))
+    members = Membership(pool)
+    d = _ready(members.add("decode", D1, "registered"))
+    assert pool.ready("decode") == [d] and d.sources == {"registered"}
+    assert members.add("decode", D1, "dns:svc:8200") is d  # the same node, a second source
+    key = PromptKey.of("text", LONG)
+    router.plan(key)  # routed: remembered under D1 (and P)
+    assert router.index is not None and router.index.size(D1) > 0
+    with d.lease():  # a request in flight on it when it leaves
+        assert not members.drop(D1, "registered")  # still listed by DNS
+        assert pool.ready("decode") == [d]
+        assert members.drop(D1, "dns:svc:8200")
+        assert d.removed and not d.ready and pool.decode == []
+        assert router.index.size(D1) == 0  # what the prefix router knew is gone
+    assert d.outstanding == 0
+    # Back again: a fresh node, health unknown until checked.
+    again = members.add("decode", D1, "registered")
+    assert again is not d and not again.ready and again.on_reset is not None
+    # A URL is one role; a static node never leaves through another source.
+    with pytest.raises(RoleConflict):
+        members.add("prefill", D1, "registered")
+    members.add("prefill", P, "registered")
+    assert not members.drop(P, "registered") and pool.prefill[0].url == P
+    assert pool.prefill[0].sources == {"static"}
+    assert members.events["added"] == 2 and members.events["removed"] == 1
+
+
+def test_registrations_renew_expire_and_are_capped() -> None:
+    now = [100.0]
+    pool = NodePool((), ())
+    members = Membership(pool)
+    reg = Registry(members, key=KEY, ttl=10.0, max_nodes=2, clock=lambda: now[0])
+    assert reg.register("decode", D1)["status"] == "registered"
+    assert reg.register("prefill", P)["expires_in"] == 10.0
+    now[0] = 108.0
+    assert reg.register("decode", D1)["status"] == "renewed"  # heartbeat: deadline 118
+    with pytest.raises(APIError) as e:
+        reg.register("decode", D2)  # a third node: over --max-registered-nodes
+    assert e.value.status_code == 429 and "--max-registered-nodes" in e.value.message
+    assert [n.url for n in pool.all()] == [P, D1]
+    with pytest.raises(APIError) as e:
+        reg.register("prefill", D1)  # D1 is a decode node
+    assert e.value.status_code == 409
+    now[0] = 111.0
+    assert reg.expire() == [P] and [n.url for n in pool.all()] == [D1]
+    assert members.events["expired"] == 1
+    assert reg.register("decode", D2)["status"] == "registered"  # room again
+    assert reg.deregister("decode", D2)["status"] == "deregistered"
+    assert reg.deregister("decode", D2)["status"] == "not_registered"
+    with pytest.raises(APIError) as e:
+        reg.deregister("prefill", D1)
+    assert e.value.status_code == 409
+    now[0] = 119.0
+    assert reg.expire() == [D1] and pool.all() == []
+    # Authentication: a bearer token equal to the key, compared in constant time.
+    for header in (None, "", "Bearer", "Bearer wrong", "Basic " + KEY, KEY):
+        with pytest.raises(APIError) as e:
+            reg.authorize(header)
+        assert e.value.status_code == 401
+    reg.authorize("Bearer " + KEY)
+
+
+# -- DNS ---------------------------------------------------------------------------------------------
+
+
+def test_dns_names_add_new_addresses_and_remove_vanished_ones() -> None:
+    answers: dict[str, Any] = {"svc": ["10.0.0.1", "10.0.0.2"], "pre": ["fd00::7"]}
+    asked: list[str] = []
+
+    def resolver(name: str) -> list[str]:
+        asked.append(name)
+        value = answers[name]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    pool = NodePool((), ("http://10.0.0.9:8200",))
+    members = Membership(pool)
+    dns = DnsDiscovery(members, [("decode", "svc", 8200), ("prefill", "pre", 8100)], resolver)
+
+    def urls(role: str) -> list[str]:
+        return sorted(n.url for n in pool.nodes(role))  # type: ignore[arg-type]
+
+    asyncio.run(dns.refresh())
+    assert sorted(asked) == ["pre", "svc"]
+    assert urls("decode") == [
+        "http://10.0.0.1:8200",
+        "http://10.0.0.2:8200",
+        "http://10.0.0.9:8200",
+    ]
+    assert urls("prefill") == ["http://[fd00::7]:8100"]
+    gone = next(n for n in pool.decode if n.url == "http://10.0.0.1:8200")
+    answers["svc"] = ["10.0.0.2", "10.0.0.3", "10.0.0.3"]
+    asyncio.run(dns.refresh())
+    assert urls("decode") == [
+        "http://10.0.0.2:8200",
+        "http://10.0.0.3:8200",
+        "http://10.0.0.9:8200",
+    ]
+    assert gone.removed
+    # A lookup that fails for a reason other than "no such name" keeps what was known ...
+    answers["svc"] = OSError("Temporary failure in name resolution")
+    asyncio.run(dns.refresh())
+    assert len(urls("decode")) == 3 and members.events["dns_error"] == 1
+    # ... a name that no longer exists (a headless service with no pods) empties its set;
+    # the static node stays.
+    answers["svc"] = NameNotFound("svc")
+    asyncio.run(dns.refresh())
+    assert urls("decode") == ["http://10.0.0.9:8200"]
+
+
+# -- flags --------------------------------------------------------------------------------------------
+
+
+def _proxy_cfg(*argv: str) -> ProxyConfig:
+    parser = argparse.ArgumentParser()
+    add_proxy_args(parser)
+    return config_from_sources(parser.parse_args(list(argv)), {})
+
+
+def test_proxy_flags_say_which_source_to_configure() -> None:
+    with pytest.raises(ProxyConfigError, match=r"^--decode: .*--decode-dns.*--registration-key"):
+        _proxy_cfg("--prefill", P)
+    with pytest.raises(ProxyConfigError, match=r"^--prefill: .*--prefill-dns"):
+        _proxy_cfg("--decode", D1)
+    cfg = _proxy_cfg(
+        "--prefill-dns", "pre.ns.svc:8100", "--decode-dns", "dec:8200", "--discovery-interval", "2"
+    )
+    assert cfg.prefill == () and cfg.decode_dns == ("dec:8200",) and cfg.discovery_interval == 2
+    cfg = _proxy_cfg("--registration-key", KEY, "--registration-ttl", "5")
+    assert (cfg.prefill, cfg.decode, cfg.registration_ttl) == ((), (), 5.0)
+    assert KEY not in repr(cfg)
+    assert parse_dns_name("pdserve-decode.default.svc.cluster.local:8200") == (
+        "pdserve-decode.default.svc.cluster.local",
+        8200,
+    )
+    for bad in ("svc", "svc:0", "svc:x", ":8200", "http://svc:8200", "a b:1"):
+        with pytest.raises(ProxyConfigError, match="^--decode-dns: "):
+            _proxy_cfg("--prefill", P, "--decode-dns", bad)
+    for flags, name in (
+        (("--discovery-interval", "0"), "--discovery-interval"),
+        (("--registration-ttl", "0"), "--registration-ttl"),
+        (("--max-registered-nodes", "0"), "--max-registered-nodes"),
+    ):
+        with pytest.raises(ProxyConfigError, match=f"^{name}: "):
+            _proxy_cfg("--registration-key", KEY, *flags)
+    env = {"PDPROXY_DECODE_DNS": "a:1,b:2", "PDPROXY_REGISTRATION_KEY": KEY}
+    parser = argparse.ArgumentParser()
+    add_proxy_args(parser)
+    cfg = config_from_sources(parser.parse_args(["--prefill", P]), env)
+    assert cfg.decode_dns == ("a:1", "b:2") and cfg.registration_key == KEY
+
+
+def test_node_registration_flags_are_checked_before_the_engine_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.server.node_main import run_node
+
+    monkeypatch.delenv("PDSERVE_REGISTRATION_KEY", raising=False)
+    proxy = "http://127.0.0.1:9"
+    cases = [
+        (["--register-with", proxy], "--registration-key"),
+        (["--register-with", "proxy:8000", "--registration-key", KEY], "--register-with"),
+        (["--register-with", proxy, "--registration-key", KEY, "--host", "0.0.0.0"], "--advertise-url"),
+        (["--register-with", proxy, "--registration-key", KEY, "--advertise-url", "http://0.0.0.0:1"], "--advertise-url"),
+        (["--register-with", proxy, "--registration-key", KEY, "--registration-interval", "0"], "--registration-interval"),
+        (["--advertise-url", "http://10.0.0.2:8200"], "--register-with"),
+    ]  # fmt: skip
+    for argv, flag in cases:
+        with pytest.raises(SystemExit) as e:
+            run_node("decode", ["--port", "0", *argv])
+        assert e.value.code == 2, argv
+        assert flag in capsys.readouterr().err, argv
+
+
+def test_k8s_proxy_finds_the_nodes_through_their_headless_services() -> None:
+    from proxy.cli import build_parser
+
+    docs = [
+        doc
+        for path in sorted((REPO_ROOT / "scripts" / "deploy" / "k8s").glob("*.yaml"))
+        if path.name != "kustomization.yaml"
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+    services = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Service"}
+    (proxy,) = [d for d in docs if d["kind"] == "Deployment"]
+    (box,) = proxy["spec"]["template"]["spec"]["containers"]
+    cfg = config_from_sources(build_parser().parse_args(box["args"]), {})
+    assert cfg.prefill == cfg.decode == ()  # no static list to keep in step with replicas
+    for role, names in (("prefill", cfg.prefill_dns), ("decode", cfg.decode_dns)):
+        (name,) = names
+        host, port = parse_dns_name(name)
+        svc = services[host]
+        assert svc["clusterIP"] == "None", f"{host}: one address per pod needs headless"
+        assert svc["publishNotReadyAddresses"] is True, host
+        assert svc["selector"]["app.kubernetes.io/component"] == role
+        assert port in [p["port"] for p in svc["ports"] if p["name"] == "http"], name
+
+
+# -- real processes -------------------------------------------------------------------------------
+
+BODY = {"prompt": "The quick brown fox", "max_tokens": 8, **GREEDY}
+
+
+def bare_proxy(procs: Procs, name: str, *args: str) -> Proc:
+    """A proxy with only ``args`` (``harness.spawn_proxy`` always passes node lists)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "proxy", "serve", "--port", str(port), "--health-interval", "0.5"]
+    return procs.add(spawn(name, [*cmd, *args], f"http://127.0.0.1:{port}", procs.tmp))
+
+
+def wait_up(*proxies: Proc) -> None:
+    """Until each proxy answers (its /health may be 503: no decode node yet)."""
+    for p in proxies:
+
+        def up(p: Proc = p) -> bool:
+            assert p.proc.poll() is None, p.logs()
+            try:
+                return httpx.get(p.url + "/metrics", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 60, f"{p.name} to listen")
+
+
+def nodes(proxy: Proc, role: str = "decode") -> list[dict[str, Any]]:
+    return httpx.get(proxy.url + "/health", timeout=5).json()[role]
+
+
+def complete(url: str, body: dict[str, Any] = BODY) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def auth(key: str = KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+class Setup:
+    def __init__(self, procs: Procs) -> None:
+        self.procs = procs
+        self.p = procs.node(
+            *NIXL, "--num-blocks", "256", module="prefill_node", name="p", wait=False
+        )
+        # a: the node registers with it; b: registrations expire after 2 s.
+        self.a = bare_proxy(procs, "proxy-a", "--prefill", self.p.url, "--registration-key", KEY)
+        self.b = bare_proxy(
+            procs, "proxy-b", "--prefill", self.p.url, "--registration-key", KEY,
+            "--registration-ttl", "2",
+        )  # fmt: skip
+        wait_healthy(self.p)
+        wait_up(self.a, self.b)
+        self.d: Proc | None = None
+
+    def decode(self) -> Proc:
+        if self.d is None:
+            pytest.skip("needs the decode node the first test registers")
+        return self.d
+
+
+@pytest.fixture(scope="module")
+def setup(module_procs: Procs) -> Setup:
+    return Setup(module_procs)
+
+
+@pytest.mark.slow
+def test_a_node_registering_is_routed_to(setup: Setup) -> None:
+    a = setup.a
+    resp = complete(a.url)
+    assert resp.status_code == 503, resp.text
+    assert httpx.get(a.url + "/health").json()["reason"] == "no healthy decode node"
+    assert nodes(a) == []
+    d = setup.procs.node(
+        *NIXL, "--num-blocks", "256", "--register-with", a.url, "--registration-key", KEY,
+        "--registration-interval", "1", module="decode_node", name="d",
+    )  # fmt: skip
+    setup.d = d
+    wait_for(lambda: httpx.get(a.url + "/health").status_code == 200, 30, "the node to join")
+    (entry,) = nodes(a)
+    assert (entry["url"], entry["healthy"], entry["sources"]) == (d.url, True, ["registered"])
+    direct = complete(d.url).json()["choices"][0]["token_ids"]
+    via = complete(a.url)
+    assert via.status_code == 200, via.text
+    assert via.json()["choices"][0]["token_ids"] == direct
+    with httpx.stream(
+        "POST", a.url + "/v1/completions", json={**BODY, "stream": True}, timeout=60
+    ) as resp:
+        assert resp.status_code == 200
+        assert stream_ids(sse_events(resp)[:-1]) == direct
+    assert metric(a.url, "pdproxy_node_requests_total", {"url": d.url}) == 2
+
+
+@pytest.mark.slow
+def test_bad_registrations_get_4xx_and_change_nothing(setup: Setup) -> None:
+    a, d = setup.a, setup.decode()
+    before = httpx.get(a.url + "/health").json()
+    reg, dereg = a.url + "/v1/nodes/register", a.url + "/v1/nodes/deregister"
+    good = {"role": "decode", "url": "http://127.0.0.1:1"}
+    cases: list[tuple[str, Any, dict[str, str], int]] = [
+        (reg, good, {}, 401),
+        (reg, good, auth("wrong"), 401),
+        (dereg, {"role": "decode", "url": d.url}, {}, 401),
+        (dereg, {"role": "decode", "url": d.url}, auth("wrong"), 401),
+        (reg, b"{not json", auth(), 400),
+        (reg, {"role": "router", "url": "http://127.0.0.1:1"}, auth(), 400),
+        (reg, {"role": "decode", "url": "http://127.0.0.1"}, auth(), 400),
+        (reg, {"role": "decode", "url": "file:///etc/passwd"}, auth(), 400),
+        (reg, {"role": "decode", "url": "x" * 20000}, auth(), 413),
+        (reg, {"role": "prefill", "url": d.url}, auth(), 409),  # d is a decode node
+        (reg, {"role": "decode", "url": setup.p.url}, auth(), 409),  # p is a prefill node
+        (dereg, {"role": "prefill", "url": d.url}, auth(), 409),
+        (dereg, {"role": "decode"}, auth(), 400),
+    ]
+    for url, body, headers, status in cases:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        resp = httpx.post(url, content=raw, headers=headers, timeout=10)
+        assert resp.status_code == status, (body, headers, resp.text)
+        assert resp.json()["error"]["message"], resp.text
+    assert httpx.get(reg, headers=auth()).status_code == 405
+    time.sleep(1.0)  # a health round: nothing was added or taken out
+    assert httpx.get(a.url + "/health").json() == before
+    assert complete(a.url).status_code == 200
+    assert metric(a.url, "pdproxy_discovery_events_total", {"event": "refused"}) == len(cases)
+
+
+@pytest.mark.slow
+def test_a_dns_name_adds_its_addresses(setup: Setup) -> None:
+    d = setup.decode()
+    port = d.url.rsplit(":", 1)[1]
+    assert "127.0.0.1" in {a[4][0] for a in socket.getaddrinfo("localhost", None)}
+    c = bare_proxy(
+        setup.procs, "proxy-dns", "--prefill", setup.p.url, "--decode-dns", f"localhost:{port}",
+        "--discovery-interval", "0.5",
+    )  # fmt: skip
+    wait_healthy(c, timeout=60)
+    (entry,) = [n for n in nodes(c) if n["url"] == d.url]
+    assert entry["healthy"] and entry["sources"] == [f"dns:localhost:{port}"]
+    direct = complete(d.url).json()["choices"][0]["token_ids"]
+    assert complete(c.url).json()["choices"][0]["token_ids"] == direct
+    # This proxy takes no registrations (no --registration-key): 403, not a silent 200.
+    resp = httpx.post(c.url + "/v1/nodes/register", json={"role": "decode", "url": d.url}, headers=auth())  # fmt: skip
+    assert resp.status_code == 403 and "--registration-key" in resp.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_registration_that_stops_heartbeating_expires(setup: Setup) -> None:
+    b, d = setup.b, setup.decode()
+    resp = httpx.post(
+        b.url + "/v1/nodes/register", json={"role": "decode", "url": d.url}, headers=auth()
+    )  # one registration, no heartbeat
+    registered = time.monotonic()
+    assert resp.status_code == 200 and resp.json()["expires_in"] == 2.0, resp.text
+    wait_for(lambda: httpx.get(b.url + "/health").status_code == 200, 10, "the node to join")
+    assert complete(b.url).status_code == 200
+    wait_for(lambda: nodes(b) == [], 10, "the registration to expire")
+    assert time.monotonic() - registered >= 2.0
+    assert complete(b.url).status_code == 503
+    assert metric(b.url, "pdproxy_discovery_events_total", {"event": "expired"}) == 1
+    assert httpx.get(d.url + "/health").status_code == 200  # the node itself is fine
+
+
+@pytest.mark.slow
+def test_sigterm_deregisters_and_the_request_in_flight_finishes(setup: Setup) -> None:
+    a, d = setup.a, setup.decode()
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "stream": True, **GREEDY}
+    direct = complete(d.url, {**body, "stream": False}).json()["choices"][0]["token_ids"]
+    with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        first = [next(lines) for _ in range(4)]
+        d.proc.send_signal(signal.SIGTERM)  # drains: the request finishes; deregisters
+        wait_for(lambda: nodes(a) == [], 10, "the node to deregister")  # not a 30 s expiry
+        events = sse_data(first + list(lines))
+    assert events[-1] == "DONE" and all("error" not in e for e in events[:-1]), events[-3:]
+    assert stream_ids(events[:-1]) == direct
+    d.stop()
+    setup.d = None
+    assert complete(a.url).status_code == 503
+    assert metric(a.url, "pdproxy_discovery_events_total", {"event": "removed"}) == 1
+    assert a.proc.poll() is None and "Traceback" not in a.logs(100_000)
