@@ -359,6 +359,8 @@ class Setup:
         )  # fmt: skip
         wait_healthy(self.p)
         wait_up(self.a, self.b)
+        for proxy in (self.a, self.b):  # each has checked p since it came up
+            wait_for(lambda p=proxy: nodes(p, "prefill")[0]["healthy"], 30, "p in rotation")
         self.d: Proc | None = None
 
     def decode(self) -> Proc:
