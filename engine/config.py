@@ -255,6 +255,14 @@ class KVTransferConfig:
             "Needs --kv-transport nixl; set on prefill nodes"
         },
     )
+    kv_pipeline_wait_ms: float = field(
+        default=20.0,
+        metadata={
+            "help": "with --kv-layer-group-size: how long a prefill node holds a new "
+            "prefill leg for its decode node's reservation, so that it knows where to "
+            "write before the prefill runs and can pipeline the push (0: never wait)"
+        },
+    )
     kv_allowed_peers: str = field(
         default="loopback",
         metadata={
@@ -280,6 +288,8 @@ class KVTransferConfig:
         require(self.kv_transfer_timeout > 0, "kv_transfer_timeout", "must be > 0 seconds")
         require(self.peer_ping_interval >= 0, "peer_ping_interval", "must be >= 0 seconds")
         require(self.kv_layer_group_size >= 0, "kv_layer_group_size", "must be >= 0 (0: off)")
+        require(0 <= self.kv_pipeline_wait_ms <= 10_000, "kv_pipeline_wait_ms",
+                "must be in [0, 10000] ms")  # fmt: skip
         require(
             self.kv_layer_group_size == 0 or self.kv_transport == "nixl",
             "kv_layer_group_size",

@@ -26,6 +26,9 @@ Scheduler side, called by ``engine.core.scheduler.Scheduler``:
    waiting request is first considered: ``n`` tokens beyond the local prefix-cache hit will
    arrive from a peer. ``load_async=True`` puts the request in ``WAITING_FOR_REMOTE_KV``
    after its blocks are reserved; it is not scheduled until the KV has landed.
+   ``delay_admission(request) -> bool`` before that, each time a new request is
+   considered: True keeps it waiting this step (the NIXL producer holds a prefill leg
+   up to ``--kv-pipeline-wait-ms`` for its reservation, to pipeline the push).
 2. ``update_state_after_alloc(request, block_ids, num_external_tokens)`` right after the
    blocks for those tokens were allocated (the decode side announces them to the peer).
 3. ``build_connector_meta(scheduler_output) -> KVConnectorMetadata`` once per step, after
@@ -220,6 +223,10 @@ class KVConnectorScheduler(ABC):
     def stats(self) -> Stats | StatsGroup | None:
         """A typed snapshot (``engine.stats``), or None when there is nothing to report."""
         return None
+
+    def delay_admission(self, request: Request) -> bool:
+        """True: leave this new request waiting for now (see the contract, step 1)."""
+        return False
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """The engine loop's wake-up: call it (from any thread) when a peer's message

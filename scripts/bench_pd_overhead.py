@@ -81,6 +81,8 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+COUNTERS = ("kv_transfers_started_total", "kv_pipelined_transfers_total")
+
 HOPS = (
     "kv_prefill_to_push_seconds",
     "kv_transfer_duration_seconds",
@@ -107,6 +109,17 @@ def hop_means(url: str) -> list[tuple[str, float, float]]:
             if count:
                 out.append((hop, sums[f"{metric}_sum"] / count, count))
                 break
+    return out
+
+
+def counters(url: str) -> list[tuple[str, float]]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = []
+    for line in text.splitlines():
+        for name in COUNTERS:
+            if line.startswith((f"pdserve_{name} ", f"pdserve_{name}{{")):
+                out.append((name, float(line.rsplit(" ", 1)[1])))
     return out
 
 
@@ -142,6 +155,10 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--log-dir", default="/tmp/pd_overhead_logs")
+    ap.add_argument(
+        "--prefill-arg", action="append", default=[], metavar="ARG",
+        help="extra flag for the prefill node (repeat), e.g. --prefill-arg=--kv-layer-group-size=1",
+    )  # fmt: skip
     args = ap.parse_args()
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -149,7 +166,10 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     try:
         colo, colo_url = start("decode_node", *common, log=logs / "colocated.log")
-        p, p_url = start("prefill_node", *common, "--kv-connector", "nixl", log=logs / "p.log")
+        p, p_url = start(
+            "prefill_node", *common, "--kv-connector", "nixl", *args.prefill_arg,
+            log=logs / "p.log",
+        )  # fmt: skip
         d, d_url = start("decode_node", *common, "--kv-connector", "nixl", log=logs / "d.log")
         procs += [colo, p, d]
         for url, proc in ((colo_url, colo), (p_url, p), (d_url, d)):
@@ -194,6 +214,9 @@ def main() -> int:
         for url in (p_url, d_url):
             for name, mean, count in hop_means(url):
                 print(f"| {name} | {mean * 1000:.2f} | {count:.0f} |")
+        print()
+        for name, value in counters(p_url):
+            print(f"prefill {name}: {value:.0f}")
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0

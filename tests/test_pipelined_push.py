@@ -272,3 +272,48 @@ def test_a_decode_prefix_hit_shrinks_a_pipelined_push():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.slow
+def test_a_prefill_leg_waits_briefly_for_its_reservation_so_that_it_can_pipeline():
+    """P gets its leg before D reserved (as when the proxy sends both at once and P is
+    idle): it holds the leg up to --kv-pipeline-wait-ms for the reservation, then
+    pipelines; a leg whose reservation never comes runs after the wait, unpipelined."""
+    prompts = [random_prompt(40, 256, seed=41)]
+    p, d = _engines(1, kv_pipeline_wait_ms=10_000)  # long: the order, not the clock, decides
+    try:
+        base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
+        with LLM(base) as llm:
+            want = llm.generate(prompts, GREEDY)
+        res = _pd(p, d, prompts, GREEDY, reserve_first=False)
+        assert res["tokens"] == want
+        assert p.stats()["kv_pipelined_transfers_total"] == 1
+        _all_free(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_delay_admission_holds_only_prefill_legs_without_a_reservation_and_only_so_long():
+    from engine.config import KVTransferConfig
+    from engine.kv_cache_layout import KVCacheSpec
+    from kvconnector.nixl.producer import Reservation
+    from kvconnector.nixl.scheduler import NixlConnectorScheduler
+
+    cfg = EngineConfig(model=ModelConfig(model="tiny"), kv_transfer=KVTransferConfig(
+        kv_connector="nixl", kv_role="producer", kv_layer_group_size=1, kv_pipeline_wait_ms=50))  # fmt: skip
+    spec = KVCacheSpec(num_blocks=8, num_layers=4, num_kv_heads=2, block_size=16, head_dim=32,
+                       dtype=torch.float32)  # fmt: skip
+    conn = NixlConnectorScheduler(cfg, spec)
+    try:
+        leg = KVTransferParams(do_remote_decode=True, transfer_id="t1")
+        p_req = Request("p", [1, 2, 3], replace(GREEDY, max_tokens=1), kv_transfer_params=leg)
+        plain = Request("c", [1, 2, 3], GREEDY)
+        assert conn.delay_admission(p_req) and not conn.delay_admission(plain)
+        conn.producer.early["t1"] = Reservation("t1", "n", "d", "k", "a", [0], 0, 1e18)
+        assert not conn.delay_admission(p_req)  # its reservation is here
+        del conn.producer.early["t1"]
+        p_req.arrival_time -= 0.05
+        assert not conn.delay_admission(p_req)  # waited long enough
+    finally:
+        conn.shutdown()

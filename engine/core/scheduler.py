@@ -153,6 +153,8 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, seqs: list[ScheduledSeq]) -> bool:
         """Try to start ``req``; False when there is no room this step."""
+        if req.status == RequestStatus.WAITING and self.connector.delay_admission(req):
+            return False
         # Prompt logprobs need the prompt computed here: no prefix-cache hits (as vLLM).
         computed = [] if req.needs_prompt_logprobs else self.kv.get_computed_blocks(req)
         num_cached = len(computed) * self.block_size

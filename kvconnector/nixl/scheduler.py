@@ -111,6 +111,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         # Pipelined push: P request id -> transfer id, for prefills that may pipeline.
         self.pipeline = kvc.kv_layer_group_size > 0 and kvc.kv_role != "consumer"
         self._p_requests: dict[str, str] = {}
+        self.pipeline_wait = kvc.kv_pipeline_wait_ms / 1000 if self.pipeline else 0.0
         self.pipelined_sends = 0
         self.consumer = Consumer(self.timeout)
         self._lock = threading.RLock()
@@ -214,6 +215,18 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 "prefill peer; start the decode node with --kv-allowed-peers naming it",
                 "kv_transfer_params.remote_side_channel",
             )
+
+    def delay_admission(self, request: Request) -> bool:
+        """Pipelined push: hold a new prefill leg briefly until D's reservation is here."""
+        if self.pipeline_wait <= 0:
+            return False
+        params = request.kv_transfer_params
+        if params is None or not params.do_remote_decode:
+            return False
+        if time.monotonic() - request.arrival_time >= self.pipeline_wait:
+            return False
+        with self._lock:
+            return request.transfer_id not in self.producer.early
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
