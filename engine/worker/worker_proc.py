@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -22,6 +23,8 @@ PARENT_CHECK_S = 1.0
 # once, instead of sending the workers empty steps on a timer.
 WATCH_INTERVAL_S = 0.0005
 WAKE = b"wake"
+# Set to 1 to let the TP ranks of a node share its visible GPUs (``rank_placement``).
+SHARE_GPU_ENV = "PDSERVE_TP_SHARE_GPU"
 
 
 class WorkerError(Exception):
@@ -34,6 +37,45 @@ class WorkerError(Exception):
 
     def __reduce__(self) -> tuple[type, tuple[int, str]]:  # pickled through the result pipe
         return (WorkerError, (self.rank, self.message))
+
+
+def rank_placement(
+    rank: int, world_size: int, device: str, num_gpus: int, share: bool = False
+) -> tuple[str, str]:
+    """The torch device of TP rank ``rank`` and the backend of the node's process group.
+
+    On CUDA, rank ``r`` runs on ``cuda:r`` of the GPUs the node sees (set them per node with
+    ``CUDA_VISIBLE_DEVICES``) and the ranks talk over NCCL. NCCL refuses two ranks on one
+    GPU, so a node seeing fewer GPUs than ranks is refused, unless ``share``
+    (``PDSERVE_TP_SHARE_GPU=1``): then rank ``r`` runs on ``cuda:r % num_gpus`` and the group
+    is gloo over CUDA tensors (staged through host memory: slow, without CUDA graphs). That
+    is for running the TP paths (per-rank KV in VRAM, its transfers, the aggregation of
+    the ranks' outputs) on a one-GPU host, not for serving."""
+    if device != "cuda":
+        return "cpu", "gloo"
+    if world_size <= num_gpus:
+        return f"cuda:{rank}", "nccl"
+    if not share or num_gpus < 1:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        hint = f"; {SHARE_GPU_ENV}=1 runs the ranks on shared GPUs over gloo (slow, for tests)"
+        raise RuntimeError(
+            f"--tp {world_size} needs {world_size} CUDA GPUs (one per rank), this node sees "
+            f"{num_gpus} (CUDA_VISIBLE_DEVICES={visible})" + (hint if num_gpus else "")
+        )
+    return f"cuda:{rank % num_gpus}", "gloo"
+
+
+def _shared_gpu_config(config: EngineConfig, world_size: int, num_gpus: int) -> EngineConfig:
+    """Ranks sharing a GPU over gloo: no CUDA graphs (gloo's collectives cannot be
+    captured), and each rank's memory budget is its share of the GPU."""
+    per_gpu = -(-world_size // num_gpus)
+    cache = config.cache
+    return config.replace(
+        model=dataclasses.replace(config.model, enforce_eager=True),
+        cache=dataclasses.replace(
+            cache, gpu_memory_utilization=cache.gpu_memory_utilization / per_gpu
+        ),
+    )
 
 
 def _setup_logging(rank: int, level: str) -> None:
@@ -56,16 +98,31 @@ def worker_main(
     # Ctrl-C reaches the whole process group; the engine process shuts workers down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
-    device = "cpu"
+    device, backend = "cpu", "gloo"
     if config.parallel.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
+        num_gpus = torch.cuda.device_count()
+        try:
+            share = os.environ.get(SHARE_GPU_ENV) == "1"
+            device, backend = rank_placement(rank, world_size, "cuda", num_gpus, share)
+        except RuntimeError as e:
+            result_conn.send(("error", str(e)))
+            return
+        torch.cuda.set_device(device)
+        if backend == "gloo" and world_size > 1:
+            config = _shared_gpu_config(config, world_size, num_gpus)
+            if rank == 0:
+                logger.warning(
+                    "--tp %d on %d visible GPU(s): ranks share GPUs over gloo (%s=1), "
+                    "CUDA graphs off; slow, for tests",
+                    world_size,
+                    num_gpus,
+                    SHARE_GPU_ENV,
+                )
     else:
         torch.set_num_threads(config.parallel.worker_threads)
     if world_size > 1:
         import torch.distributed as dist
 
-        backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{dist_port}",
