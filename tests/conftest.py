@@ -3,13 +3,28 @@ polling) live in ``harness.py``; HF reference models in ``hf_models.py``.
 
 Markers: ``slow`` for every test that starts processes (nodes, proxies, engine worker
 processes, NIXL peers, scripts), so ``pytest -m "not slow"`` runs the in-process unit
-tests alone; ``gpu`` for tests that need CUDA. A test that uses one of the process
-fixtures below is marked ``slow`` here; others that start processes say so themselves.
+tests alone. A test that uses one of the process fixtures below is marked ``slow`` here;
+others that start processes say so themselves.
+
+Hardware markers, each skipped here with a reason naming what is missing:
+``gpu`` (a CUDA GPU), ``multi_gpu(n)`` (n CUDA GPUs), ``rdma`` (an RDMA device UCX can
+use). The checks run only when such a test is about to run, once per session: CUDA is
+asked ``torch.cuda.is_available()`` first (a CPU build answers without touching a
+driver), ``ucx_info -d`` is run once. ``PDSERVE_TEST_HW_ON_CPU=1`` skips none of them:
+the hardware tests then run their code on CPU (``--device cpu``), a dry run of the tests
+themselves on a box without the hardware (see docs/deploy.md, "Running the hardware
+tests").
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import re
+import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from harness import PD, Procs, procs_in
@@ -21,6 +36,137 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+# -- hardware markers ---------------------------------------------------------------------------
+
+HW_ON_CPU_ENV = "PDSERVE_TEST_HW_ON_CPU"
+# UCX's RDMA transports: rc_verbs, rc_mlx5, dc_mlx5, ud_verbs, ud_mlx5 (InfiniBand, RoCE).
+RDMA_TRANSPORT = re.compile(r"^(rc|dc|ud)(_|$)")
+SYS_INFINIBAND = Path("/sys/class/infiniband")
+
+
+@functools.cache
+def cuda_gpus() -> tuple[int, str]:
+    """(CUDA GPUs visible, why none when 0)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return 0, f"torch {torch.__version__} is a CPU build"
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        return 0, f"torch.cuda.is_available() is False (CUDA_VISIBLE_DEVICES={visible})"
+    return torch.cuda.device_count(), ""
+
+
+def ucx_info_transports(text: str) -> list[tuple[str, str]]:
+    """(transport, device) pairs of ``ucx_info -d`` output (its ``Transport:`` and
+    ``Device:`` lines)."""
+    pairs: list[tuple[str, str]] = []
+    transport = None
+    for line in text.splitlines():
+        key, _, value = line.lstrip("# ").partition(":")
+        if key == "Transport":
+            transport = value.strip()
+        elif key == "Device" and transport is not None:
+            pairs.append((transport, value.strip()))
+            transport = None
+    return pairs
+
+
+def active_ib_ports(root: Path = SYS_INFINIBAND) -> list[str]:
+    """``DEVICE:PORT`` (UCX's device names, e.g. ``mlx5_0:1``) of every ACTIVE port under
+    /sys/class/infiniband."""
+    ports = []
+    for state in sorted(root.glob("*/ports/*/state")):
+        try:
+            if "ACTIVE" in state.read_text():
+                ports.append(f"{state.parent.parent.parent.name}:{state.parent.name}")
+        except OSError:
+            continue
+    return ports
+
+
+@functools.cache
+def rdma_devices() -> tuple[tuple[str, ...], str]:
+    """(RDMA transports/devices found, why none when empty): ``ucx_info -d`` (the
+    ``ucx_info`` on PATH, or ``$PDSERVE_UCX_INFO``), else an ACTIVE port under
+    /sys/class/infiniband (UCX's verbs transports use those)."""
+    why = []
+    exe = os.environ.get("PDSERVE_UCX_INFO") or shutil.which("ucx_info")
+    if exe is None:
+        why.append("ucx_info is not on PATH")
+    else:
+        try:
+            proc = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why.append(f"`{exe} -d` failed: {e}")
+        else:
+            pairs = ucx_info_transports(proc.stdout)
+            found = [f"{t}/{d}" for t, d in pairs if RDMA_TRANSPORT.match(t)]
+            if found:
+                return tuple(found), ""
+            listed = ", ".join(sorted({t for t, _ in pairs})) or "nothing"
+            why.append(f"`ucx_info -d` lists no rc/dc/ud transport (only {listed})")
+    ports = active_ib_ports()
+    if ports:
+        return tuple(ports), ""
+    if not SYS_INFINIBAND.is_dir():
+        why.append(f"{SYS_INFINIBAND} does not exist")
+    else:
+        why.append(f"no ACTIVE port under {SYS_INFINIBAND}")
+    return (), "; ".join(why)
+
+
+def gpus_wanted(mark: pytest.Mark) -> int:
+    """``multi_gpu(n)``'s n (2 when not given)."""
+    n = mark.args[0] if mark.args else mark.kwargs.get("n", 2)
+    if not isinstance(n, int) or n < 1:
+        raise pytest.UsageError(f"multi_gpu(n) needs a GPU count, got {n!r}")
+    return n
+
+
+def missing_hardware(item: pytest.Item) -> str | None:
+    """Why ``item`` cannot run here (the first of its hardware markers not met), or None."""
+    for mark in item.iter_markers():
+        if mark.name == "gpu":
+            n, why = cuda_gpus()
+            if n < 1:
+                return f"needs a CUDA GPU, none available: {why}"
+        elif mark.name == "multi_gpu":
+            want = gpus_wanted(mark)
+            n, why = cuda_gpus()
+            if n < want:
+                return f"needs {want} CUDA GPUs, found {n}" + (f" ({why})" if why else "")
+        elif mark.name == "rdma":
+            found, why = rdma_devices()
+            if not found:
+                return f"needs an RDMA device visible to UCX: {why}"
+    return None
+
+
+_HARDWARE_SKIP = pytest.StashKey[str]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # After skipif/skip markers (the skipping plugin runs first): a test that lacks its
+    # environment says so before it is asked for hardware.
+    if os.environ.get(HW_ON_CPU_ENV) == "1":
+        return
+    reason = missing_hardware(item)
+    if reason:
+        item.stash[_HARDWARE_SKIP] = reason
+        pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """A hardware skip is reported at the test, as a skip marker's is (not at this file)."""
+    outcome = yield
+    rep = outcome.get_result()
+    if call.when == "setup" and rep.skipped and _HARDWARE_SKIP in item.stash:
+        path, line = item.reportinfo()[:2]
+        rep.longrepr = (str(path), (line or 0) + 1, f"Skipped: {item.stash[_HARDWARE_SKIP]}")
 
 
 @pytest.fixture
