@@ -28,6 +28,8 @@ import yaml
 from harness import GREEDY, MODEL, REPO_ROOT, Proc, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.dns import parse_dns_name
+
 DEPLOY = REPO_ROOT / "scripts" / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
 K8S_DIR = DEPLOY / "k8s"
@@ -318,7 +320,7 @@ def test_k8s_commands_parse_and_agree() -> None:
             # Nodes being down makes the proxy's /health 503: that must not restart it.
             assert live["httpGet"]["path"] == "/metrics", where
             continue
-        assert w.doc["kind"] == "StatefulSet", f"{where}: the proxy lists nodes by pod name"
+        assert w.doc["kind"] == "StatefulSet", f"{where}: stable pod DNS names for the nodes"
         # /health is 503 while draining: liveness must outlast the drain.
         assert live["httpGet"]["path"] == "/health", where
         budget = live.get("periodSeconds", 10) * live.get("failureThreshold", 3)
@@ -352,7 +354,17 @@ def test_k8s_services_and_proxy_urls() -> None:
             assert svc["spec"]["clusterIP"] == "None", f"{name}: pod DNS names need headless"
             assert svc["spec"]["publishNotReadyAddresses"] is True
     (proxy,) = [w for w in workloads if w.cmd.role == "proxy"]
-    for role, urls in (("prefill", proxy.cmd.proxy.prefill), ("decode", proxy.cmd.proxy.decode)):
+    cfg = proxy.cmd.proxy
+    for role, names in (("prefill", cfg.prefill_dns), ("decode", cfg.decode_dns)):
+        # The proxy finds the nodes through their headless Service (DNS discovery).
+        assert names or getattr(cfg, role), f"the proxy has no {role} node source"
+        for text in names:
+            svc_name, port = parse_dns_name(text)
+            svc = services[svc_name.split(".")[0]]
+            assert svc["spec"]["clusterIP"] == "None", f"{text}: A records per pod need headless"
+            (node,) = selected(svc)
+            assert node.cmd.role == role and port == node.cmd.port, text
+    for role, urls in (("prefill", cfg.prefill), ("decode", cfg.decode)):
         for url in urls:
             host, port = _host_port(url)
             pod, _, svc_name = host.partition(".")
