@@ -8,7 +8,7 @@
 #   SMOKE=1 scripts/gpu_check.sh    # the same steps at toy sizes on CPU (checks the script)
 #
 # Wheels in .whl/ (scripts/fetch_gpu_wheels.sh) are installed first into /tmp/site, for
-# hosts without nixl/pyzmq/fastapi/uvicorn/pydantic. Budget: under 8 minutes on one H200.
+# hosts without nixl/pyzmq/fastapi/uvicorn/pydantic. Budget: about 10 minutes on one H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_check}"
@@ -76,10 +76,14 @@ else
 fi
 say "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 
-# 1. Correctness.
+# 1. Correctness (each pytest run leaves its junit XML for the summary).
 if [ "$SMOKE" != 1 ]; then
-  step "pytest gpu" 240 $PY -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_triton_attention.py tests/test_sampler.py
+  step "pytest gpu" 240 $PY -m pytest -q -x -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" tests/test_gpu.py tests/test_triton_attention.py tests/test_sampler.py
 fi
+# TP ranks sharing the GPU over gloo (P/D 2->2, 1->2, 2->1 in VRAM) and, on a host with
+# more GPUs, P and D on different ones; on CPU (SMOKE) only its placement tests run, the
+# others skip with their reasons.
+step "pytest multi-gpu" 420 $PY -m pytest -q -rs -p no:cacheprovider --junitxml "$OUT/pytest_multi_gpu.xml" tests/test_multi_gpu.py
 
 # 2. Offline.
 MODEL="$OUT/model-$PRESET"

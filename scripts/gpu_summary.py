@@ -3,9 +3,11 @@ wrote: ``python scripts/gpu_summary.py OUT_DIR`` (Markdown on stdout)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from typing import Any
 
@@ -153,6 +155,55 @@ def transfer_rows(report: dict[str, Any] | None) -> list[Row]:
     return table
 
 
+def pytest_runs(out: str) -> list[dict[str, Any]]:
+    """The pytest steps' results from their junit XML (``pytest_*.xml`` in ``out``): per
+    file, the counts and the failed and skipped tests with their messages."""
+    runs = []
+    for path in sorted(glob.glob(os.path.join(out, "pytest_*.xml"))):
+        run: dict[str, Any] = {"name": os.path.basename(path), "failed": [], "skipped": []}
+        try:
+            root = ET.parse(path).getroot()
+        except (OSError, ET.ParseError) as e:
+            run["error"] = str(e)
+            runs.append(run)
+            continue
+        passed = 0
+        for case in root.iter("testcase"):
+            test = f"{case.get('classname', '')}::{case.get('name', '')}"
+            bad = case.find("failure")
+            bad = bad if bad is not None else case.find("error")
+            skip = case.find("skipped")
+            if bad is not None:
+                run["failed"].append((test, (bad.get("message") or "").splitlines()[:1]))
+            elif skip is not None:
+                run["skipped"].append((test, skip.get("message") or ""))
+            else:
+                passed += 1
+        run["passed"] = passed
+        runs.append(run)
+    return runs
+
+
+def print_pytest_runs(runs: list[dict[str, Any]]) -> None:
+    if not runs:
+        return
+    print()
+    print("Tests (junit XML of the pytest steps):")
+    print()
+    print("| run | passed | failed | skipped |")
+    print("|---|---:|---:|---:|")
+    for run in runs:
+        if "error" in run:
+            print(f"| {run['name']} | unreadable: {run['error']} | | |")
+            continue
+        print(f"| {run['name']} | {run['passed']} | {len(run['failed'])} | {len(run['skipped'])} |")
+    for run in runs:
+        for test, message in run["failed"]:
+            print(f"- failed: {test}: {' '.join(message)[:200]}")
+        for test, reason in run["skipped"]:
+            print(f"- skipped: {test}: {reason[:200]}")
+
+
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/gpu_check"
     print("| measure | target | measured | met |")
@@ -175,6 +226,7 @@ def main() -> None:
         print(f"KV transfer ({transfer.get('memory')}, pd-bench transfer):")
         print()
         print(markdown_table(transfer["results"]))
+    print_pytest_runs(pytest_runs(out))
     prof = _load(out, "profile.json")
     if prof:
         print()

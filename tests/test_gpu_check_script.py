@@ -33,3 +33,8 @@ def test_gpu_check_smoke_runs_every_step_and_prints_the_target_table(tmp_path):
         assert "missing" not in line, summary
     for name in ("serve_colocated.json", "serve_pd.json", "offline_throughput.json"):
         assert (tmp_path / name).stat().st_size > 0
+    # The multi-GPU test file ran (its placement tests; the GPU ones skip on CPU) and the
+    # summary read its junit XML.
+    row = next(ln for ln in summary.splitlines() if ln.startswith("| pytest_multi_gpu.xml"))
+    passed, failed, _ = (int(c) for c in row.strip(" |").split("|")[1:4])
+    assert passed >= 2 and failed == 0, summary
