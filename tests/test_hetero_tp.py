@@ -118,17 +118,32 @@ def test_a_head_slice_write_moves_exactly_those_heads():
         d.close()
 
 
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random Qwen2 checkpoint (qkv bias) with 2 KV heads: TP 4 replicates each head."""
+    from hf_models import make_hf_model, save_hf_model
+
+    model = make_hf_model("qwen2", seed=3)
+    assert model.config.num_key_value_heads == 2
+    return save_hf_model(model, tmp_path_factory.mktemp("qwen2") / "qwen2")
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny", "qwen2"])
 @pytest.mark.parametrize(
     ("tp_p", "tp_d", "kv_checksum"),
     [(1, 2, "off"), (2, 1, "full"), (2, 4, "full")],
     ids=["P1-D2", "P2-D1", "P2-D4-replicated"],
 )
-def test_prefill_and_decode_with_different_tp_match_colocated(tp_p, tp_d, kv_checksum):
+def test_prefill_and_decode_with_different_tp_match_colocated(
+    tp_p, tp_d, kv_checksum, model, request
+):
     """Real engines (worker processes, NIXL over UCX): D decodes from KV written by P
     ranks of another TP size and answers what a colocated node answers; D computes no
-    prompt token; with checksums on, the head slices verify on every D rank."""
-    base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=96))
+    prompt token; with checksums on, the head slices verify on every D rank. On ``tiny``
+    (Llama) and on a random Qwen2 checkpoint, both with 2 KV heads."""
+    path = "tiny" if model == "tiny" else request.getfixturevalue("qwen2_dir")
+    base = EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(num_blocks=96))
 
     def node(role: str, tp: int) -> EngineCore:
         cfg = base.replace(parallel=ParallelConfig(tp=tp))
