@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """P/D fixed cost at low load: TTFT and ITL through the proxy (1 P + 1 D) vs straight to a
-colocated node, same model, same prompts, one request at a time, in one run.
+colocated node, same model, same prompts, one request at a time, in one run; and the
+proxy's own overhead (the colocated node straight vs behind a proxy, no P/D).
 
     python scripts/bench_pd_overhead.py [--lengths 256 1024] [--num-prompts 12] [--json F]
 
@@ -123,7 +124,8 @@ def counters(url: str) -> list[tuple[str, float]]:
     return out
 
 
-def bench(url: str, length: int, args: argparse.Namespace) -> dict[str, float]:
+def bench(url: str, length: int, args: argparse.Namespace, seed: int = 0) -> dict[str, float]:
+    """``seed``: other prompts for a second pass on the same node (no prefix-cache hits)."""
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     ns = parser.parse_args(
@@ -135,6 +137,7 @@ def bench(url: str, length: int, args: argparse.Namespace) -> dict[str, float]:
             "--output-len", str(args.output_len),
             "--num-warmup", "2",
             "--no-progress",
+            "--seed", str(seed),
         ]
     )  # fmt: skip
     s, _ = asyncio.run(run_benchmark(ns))
@@ -178,7 +181,15 @@ def main() -> int:
             "proxy", "serve", "--prefill", p_url, "--decode", d_url, log=logs / "proxy.log"
         )
         procs.append(px)
+        # The proxy alone: the same colocated node behind a proxy that sends every
+        # request to it as a decode node prefilling by itself (no P/D), vs straight.
+        solo, solo_url = start(
+            "proxy", "serve", "--prefill", p_url, "--decode", colo_url,
+            "--disagg-min-prompt-tokens", "1000000000", log=logs / "proxy_solo.log",
+        )  # fmt: skip
+        procs.append(solo)
         wait_healthy(px_url, px)
+        wait_healthy(solo_url, solo)
         rows: list[dict[str, Any]] = []
         for length in args.lengths:
             c0 = cpu_seconds(colo.pid)
@@ -187,11 +198,13 @@ def main() -> int:
             pd0 = cpu_seconds(p.pid) + cpu_seconds(d.pid)
             pd_stats = bench(px_url, length, args)
             pd1 = cpu_seconds(p.pid) + cpu_seconds(d.pid)
+            solo_stats = bench(solo_url, length, args, seed=1)  # colo has seed 0's cached
             rows.append(
                 {
                     "input_len": length,
                     "colocated": colo_stats,
                     "pd": pd_stats,
+                    "colocated_via_proxy": solo_stats,
                     "colocated_cpu_s": round(c1 - c0, 2),
                     "pd_nodes_cpu_s": round(pd1 - pd0, 2),
                 }
@@ -207,6 +220,15 @@ def main() -> int:
                 f"{q['ttft_p50_ms'] / c['ttft_p50_ms']:.2f} | {c['itl_p99_ms']:.1f} / "
                 f"{q['itl_p99_ms']:.1f} | {q['itl_p99_ms'] / c['itl_p99_ms']:.2f} | "
                 f"{r['colocated_cpu_s']} / {r['pd_nodes_cpu_s']} |"
+            )
+        print()
+        print("| input | TTFT p50 colocated straight / via the proxy ms | proxy overhead ms |")
+        print("|---:|---:|---:|")
+        for r in rows:
+            c, v = r["colocated"], r["colocated_via_proxy"]
+            print(
+                f"| {r['input_len']} | {c['ttft_p50_ms']:.1f} / {v['ttft_p50_ms']:.1f} | "
+                f"{v['ttft_p50_ms'] - c['ttft_p50_ms']:+.1f} |"
             )
         print()
         print("| hop (P/D nodes, all requests of this run) | mean ms | count |")
