@@ -1,9 +1,11 @@
 """pd-bench transfer: geometry, block ids, the data check, the report (in-process), and the
-bench itself at toy sizes with real NIXL processes (slow). No timed assertions."""
+bench itself at toy sizes with real NIXL processes (slow), the --plot PNG. No timed
+assertions."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -168,6 +170,29 @@ def test_path_stats_and_markdown_table():
     assert "| 0.67 | 0.33 | ok |" in lines[2]  # connector/raw, connector/copy, data
 
 
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _fake_report(rows: list[dict]) -> dict:
+    return {"memory": "DRAM", "geometry": tb.asdict(tb.Geometry()), "bytes_per_token": 131072,
+            "commit": "abc1234", "results": rows}  # fmt: skip
+
+
+def test_plot_from_a_stored_result_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_fake_row(tp, t) for tp in (1, 2) for t in (128, 512, 2048)]
+    out = tmp_path / "t.png"
+    assert tb.plot_transfer(_fake_report(rows), str(out))
+    assert out.read_bytes().startswith(PNG)
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    out = tmp_path / "t.png"
+    assert not tb.plot_transfer(_fake_report([_fake_row(1, 128)]), str(out))
+    assert "matplotlib is not installed" in capsys.readouterr().out and not out.exists()
+
+
 def test_subcommand_is_registered_and_torch_free_to_parse():
     args = build_parser().parse_args(["transfer"])
     assert args.command == "transfer"
@@ -234,10 +259,11 @@ def test_connector_path_puts_exactly_ps_bytes_into_ds_reserved_blocks():
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not nixl_ok, reason="nixl not installed")
 def test_cli_runs_all_three_paths_at_toy_sizes_tp1_tp2_and_writes_json(tmp_path):
-    out = tmp_path / "transfer.json"
+    out, png = tmp_path / "transfer.json", tmp_path / "transfer.png"
     proc = subprocess.run(
         [sys.executable, "-m", "engine.bench", "transfer", *TOY, "--tokens", "40", "96"]
-        + ["--tp", "1", "2", "--reps", "2", "--dst-blocks", "runs", "--json", str(out)],
+        + ["--tp", "1", "2", "--reps", "2", "--dst-blocks", "runs", "--json", str(out)]
+        + ["--plot", str(png)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -267,3 +293,5 @@ def test_cli_runs_all_three_paths_at_toy_sizes_tp1_tp2_and_writes_json(tmp_path)
             assert check["blocks_checked"] == blocks * r["tp"]
         assert r["ratio_connector_raw"] > 0 and r["ratio_connector_copy"] > 0
         assert r["data_ok"] is True
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes().startswith(PNG) and f"wrote {png}" in proc.stdout

@@ -41,7 +41,7 @@ default maximum), whatever the TP. On CPU the bench refuses to start when that e
 75% of the available memory.
 
     pd-bench transfer                                  # 128 512 2048 8192 tokens, TP 1 and 2
-    pd-bench transfer --tokens 2048 --tp 2 --json t.json
+    pd-bench transfer --tokens 2048 --tp 2 --json t.json --plot t.png
     pd-bench transfer --device cuda                    # VRAM (all ranks on cuda:rank % gpus)
 """
 
@@ -735,6 +735,56 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot_transfer(report: dict[str, Any], path: str) -> bool:
+    """GB/s (median) against prompt tokens, one line per TP and path: color by path,
+    line style by TP. False (with a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot: matplotlib is not installed; not writing {path}")
+        return False
+    results = report["results"]
+    colors = {"connector": "tab:blue", "raw": "tab:orange", "copy": "tab:green"}
+    styles = ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for k, tp in enumerate(sorted({r["tp"] for r in results})):
+        rows = sorted((r for r in results if r["tp"] == tp), key=lambda r: r["tokens"])
+        xs = [r["tokens"] for r in rows]
+        for path_name in PATHS:
+            ys = [r["paths"][path_name]["gbps"] for r in rows]
+            ax.plot(
+                xs,
+                ys,
+                marker="o",
+                color=colors[path_name],
+                linestyle=styles[k % len(styles)],
+                label=f"TP {tp} {path_name}",
+            )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = sorted({r["tokens"] for r in results})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("GB/s (median; GB = 1e9 bytes; log scale)")
+    geo = report.get("geometry") or {}
+    kib = (report.get("bytes_per_token") or 0) / 1024
+    ax.set_title(
+        f"pd-bench transfer: {report.get('memory', '?')}, {geo.get('layers')} layers, "
+        f"{kib:g} KiB/token, connector on {report.get('kv_transport', 'nixl')}, "
+        f"commit {report.get('commit')}",
+        fontsize=9,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, handlelength=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -840,6 +890,11 @@ def add_transfer_args(p: argparse.ArgumentParser) -> None:
         "pip install -e '.[ucxx]'); raw and copy are unchanged",
     )
     w.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
+    w.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        help="GB/s against tokens, one line per TP and path (matplotlib)",
+    )
 
 
 def validate(args: argparse.Namespace) -> Geometry:
@@ -929,6 +984,8 @@ def run_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(_clean(report), f, indent=1)
+    if args.plot and plot_transfer(report, args.plot):
+        print(f"wrote {args.plot}")
     return 0 if report["all_data_ok"] else 1
 
 
