@@ -265,7 +265,8 @@ class AsyncLLMEngine:
                 self._deliver(out, out.request_id)
             self._stats = self.core.stats()
             if num_tokens == 0:
-                self._wake.wait(EMPTY_STEP_WAIT_S)  # only waiting on transfers/holds
+                # only waiting on transfers/holds (or a delayed admission's end)
+                self._wake.wait(self.core.idle_wait(EMPTY_STEP_WAIT_S))
                 self._wake.clear()
 
     def _die(self, reason: str) -> None:

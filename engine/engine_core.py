@@ -116,6 +116,12 @@ class EngineCore:
         self.executor.set_wake_callback(wake)
         self.connector.set_wake(wake)
 
+    def idle_wait(self, longest: float) -> float:
+        """How long an idle loop may wait for a wake-up after a step that computed
+        nothing: ``longest``, or less when a delayed admission ends sooner."""
+        at = self.connector.admission_retry_at()
+        return longest if at is None else max(0.0, min(longest, at - time.monotonic()))
+
     def step(self) -> tuple[list[RequestOutput], int]:
         """One engine step; returns the outputs and the number of tokens computed."""
         sched = self.scheduler.schedule()

@@ -228,6 +228,11 @@ class KVConnectorScheduler(ABC):
         """True: leave this new request waiting for now (see the contract, step 1)."""
         return False
 
+    def admission_retry_at(self) -> float | None:
+        """When (``time.monotonic()``) a request this step delayed may be admitted anyway:
+        an idle engine loop waits no longer than that."""
+        return None
+
     def set_wake(self, wake: Callable[[], None]) -> None:
         """The engine loop's wake-up: call it (from any thread) when a peer's message
         changed what the next step can do (a reservation arrived, a load failed), so the

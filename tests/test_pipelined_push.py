@@ -310,6 +310,9 @@ def test_delay_admission_holds_only_prefill_legs_without_a_reservation_and_only_
         p_req = Request("p", [1, 2, 3], replace(GREEDY, max_tokens=1), kv_transfer_params=leg)
         plain = Request("c", [1, 2, 3], GREEDY)
         assert conn.delay_admission(p_req) and not conn.delay_admission(plain)
+        # An idle engine loop waits no longer than the delay (then admits it anyway).
+        assert conn.admission_retry_at() == pytest.approx(p_req.arrival_time + 0.05)
+        assert conn.admission_retry_at() is None  # taken once per step
         conn.producer.early["t1"] = Reservation("t1", "n", "d", "k", "a", [0], 0, 1e18)
         assert not conn.delay_admission(p_req)  # its reservation is here
         del conn.producer.early["t1"]

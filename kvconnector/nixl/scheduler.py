@@ -112,6 +112,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.pipeline = kvc.kv_layer_group_size > 0 and kvc.kv_role != "consumer"
         self._p_requests: dict[str, str] = {}
         self.pipeline_wait = kvc.kv_pipeline_wait_ms / 1000 if self.pipeline else 0.0
+        self._retry_at: float | None = None  # earliest end of a delayed admission
         self.pipelined_sends = 0
         self.consumer = Consumer(self.timeout)
         self._lock = threading.RLock()
@@ -223,10 +224,18 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         params = request.kv_transfer_params
         if params is None or not params.do_remote_decode:
             return False
-        if time.monotonic() - request.arrival_time >= self.pipeline_wait:
+        until = request.arrival_time + self.pipeline_wait
+        if time.monotonic() >= until:
             return False
         with self._lock:
-            return request.transfer_id not in self.producer.early
+            if request.transfer_id in self.producer.early:
+                return False
+            self._retry_at = until if self._retry_at is None else min(self._retry_at, until)
+            return True
+
+    def admission_retry_at(self) -> float | None:
+        at, self._retry_at = self._retry_at, None
+        return at
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
