@@ -3,7 +3,8 @@
     pd-bench offline --workload throughput --model DIR --device cuda --compare-hf
     pd-bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 32
     pd-bench make-model --out /tmp/llama-886m --preset llama-886m
-    pd-bench transfer --tokens 128 512 2048 8192 --tp 1 2 --json transfer.json
+    pd-bench transfer --tokens 128 512 2048 8192 --tp 1 2 --json transfer.json --plot t.png
+    pd-bench interference --smoke --json interference.json --plot interference.png
 
 Each subcommand imports what it needs only when it runs: ``serve`` never imports torch.
 """
@@ -15,6 +16,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.bench.interference import add_interference_args
     from engine.bench.models import add_make_model_args
     from engine.bench.offline import add_offline_args
     from engine.bench.serve import add_serve_args
@@ -43,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_transfer_args(transfer)
     transfer.set_defaults(_parser=transfer)
+    interference = sub.add_parser(
+        "interference",
+        help="1 P + 1 D vs 2 colocated nodes behind pd-proxy, long prompts arriving over "
+        "ongoing decodes: ITL, TTFT, goodput and their ratios (DistServe's experiment)",
+    )
+    add_interference_args(interference)
+    interference.set_defaults(_parser=interference)
     return parser
 
 
@@ -63,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench.transfer import run_transfer
 
         return run_transfer(args, sub)
+    if args.command == "interference":
+        from engine.bench.interference import run_interference
+
+        return run_interference(args, sub)
     from engine.bench.models import run_make_model
 
     return run_make_model(args)

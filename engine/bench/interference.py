@@ -1,0 +1,1009 @@
+"""``pd-bench interference``: the DistServe experiment at small scale -- one P + one D
+behind ``pd-proxy`` against two colocated nodes behind the same proxy, same hardware,
+same workload.
+
+On one box, one layout after the other, the bench starts (and stops, by PID) the nodes of
+a layout and a proxy in front of them, drives the same workload through the proxy and
+records what every request saw:
+
+``pd``
+    ``prefill-node --kv-connector nixl`` + ``decode-node --kv-connector nixl`` behind
+    ``pd-proxy serve --prefill P --decode D``: every request is disaggregated (P prefills,
+    pushes the KV, D decodes).
+``colocated``
+    Two ``decode-node`` processes without a connector (each serves whole requests, as in
+    ``scripts/bench_pd_overhead.py``) behind ``pd-proxy serve --decode C1 C2
+    --disagg-min-prompt-tokens 1000000000 --registration-key <random>``: both are listed
+    as decode nodes and every prompt is "short", so the proxy's conditional
+    disaggregation serves each request on one node alone (a plain request, no KV
+    transfer), picked by the same ``least_load`` rule. The proxy insists on a way to find
+    prefill nodes; a registration key nobody is given satisfies that without a fake URL
+    (``/health`` then answers 503 "no healthy prefill node", which the bench does not
+    wait on: it waits for both nodes to be healthy in the proxy's ``/health`` body).
+    Same proxy binary, same hop from the client, only the layout behind it differs.
+
+The workload (``engine/bench/serve.py``'s prompts, request bodies, streaming client and
+``stats``): ``--decode-streams`` ongoing decodes -- closed loops, each sending a short
+prompt (``--decode-input-len``) with a long output (``--decode-output-len``) and the next
+one as soon as it ends -- and, after ``--lead-s`` seconds, long prompts
+(``--long-len`` -> ``--long-output-len``) arriving Poisson at ``--long-rate`` for
+``--duration-s`` (or ``--num-long`` of them). Once every long request has finished the
+streams start nothing new; the run ends when their last requests end.
+
+Reported per layout: the ITL of the ongoing decodes while long prompts run (the gaps that
+ended between the first long arrival and the last long completion: the interference),
+ITL of every request, TTFT of long prompts, of decodes and of all, and goodput under an
+SLO (requests per second that completed with TTFT <= ``--slo-ttft-ms`` and their largest
+ITL <= ``--slo-itl-ms``, over the run's duration; ``stats.meets_slo``), plus the ratios
+P/D / colocated. On CPU with ``tiny`` every process shares the same few cores, so the
+numbers are for the shape of the output only.
+
+    pd-bench interference --smoke --json i.json --plot i.png     # seconds, tiny sizes
+    pd-bench interference --long-rate 1 --long-len 1024 --duration-s 30 \\
+        --slo-ttft-ms 1000 --slo-itl-ms 100 --json i.json --plot i.png
+    pd-bench interference --device cuda --model /data/llama-886m \\
+        --node-arg=--gpu-memory-utilization=0.4 --prefill-arg=--kv-layer-group-size=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import glob
+import json
+import math
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.bench.stats import RequestResult, ServeSummary, Summary, _json_float
+
+LAYOUTS = ("pd", "colocated")
+LAYOUT_TITLES = {"pd": "P/D (1 P + 1 D)", "colocated": "colocated (2 nodes)"}
+NEVER_DISAGGREGATE = 1_000_000_000  # --disagg-min-prompt-tokens: every prompt is "short"
+ROOT = Path(__file__).resolve().parents[2]
+
+# Workload flags: None on the command line means "this default" (or --smoke's).
+DEFAULTS: dict[str, Any] = {
+    "long_rate": 1.0,
+    "long_len": 1024,
+    "long_output_len": 16,
+    "duration_s": 20.0,
+    "decode_streams": 4,
+    "decode_input_len": 32,
+    "decode_output_len": 128,
+    "lead_s": 2.0,
+    "num_blocks": None,
+}
+WORKLOAD_KEYS = (*DEFAULTS, "num_long", "seed", "smoke")
+SMOKE: dict[str, Any] = {
+    "long_rate": 10.0,
+    "long_len": 96,
+    "long_output_len": 4,
+    "num_long": 3,
+    "decode_streams": 2,
+    "decode_input_len": 8,
+    "decode_output_len": 12,
+    "lead_s": 0.2,
+    "num_blocks": 128,
+}
+
+
+class BenchError(RuntimeError):
+    """A process did not start, died, or the workload could not run."""
+
+
+# ---------------------------------------------------------------------------------------
+# arithmetic (pure): windows, goodput, ratios
+# ---------------------------------------------------------------------------------------
+
+
+def token_times(r: RequestResult) -> list[float]:
+    """When each token arrived, seconds from the benchmark start (``r.start`` + TTFT, then
+    each gap)."""
+    if r.ttft is None:
+        return []
+    t = r.start + r.ttft
+    out = [t]
+    for gap in r.itl:
+        t += gap
+        out.append(t)
+    return out
+
+
+def itl_in_window(results: list[RequestResult], start: float, end: float) -> list[float]:
+    """The gaps (s) of successful requests that ended inside ``[start, end]``."""
+    out = []
+    for r in results:
+        if not r.ok:
+            continue
+        times = token_times(r)
+        for gap, t in zip(r.itl, times[1:], strict=True):
+            if start <= t <= end:
+                out.append(gap)
+    return out
+
+
+def goodput(
+    results: list[RequestResult],
+    duration_s: float,
+    slo_ttft_ms: float | None,
+    slo_itl_ms: float | None,
+) -> tuple[int, float]:
+    """(requests meeting every SLO, those per second of ``duration_s``): TTFT <= the TTFT
+    SLO and the request's largest ITL <= the ITL SLO (``stats.meets_slo``)."""
+    s = ServeSummary.of(results, duration_s, slo_ttft_ms, slo_itl_ms)
+    if s.good_requests is None:  # no SLO: every completed request is good
+        return s.completed, s.request_throughput
+    return s.good_requests, s.goodput if s.goodput is not None else math.nan
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or not finite, or b is 0."""
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)) or b == 0:
+        return None
+    return a / b
+
+
+@dataclass
+class LayoutRun:
+    """What one layout's workload measured (times in s, from the benchmark start)."""
+
+    long: list[RequestResult]
+    decode: list[RequestResult]
+    window: tuple[float, float]  # first long arrival -> last long completion
+    duration_s: float  # start -> last completion of any request
+    nodes: list[dict[str, Any]] = field(default_factory=list)  # what was started
+    route_modes: dict[str, float] = field(default_factory=dict)  # the proxy's, per mode
+    kv_hops: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> hop -> mean
+
+
+def layout_report(
+    run: LayoutRun, slo_ttft_ms: float | None, slo_itl_ms: float | None
+) -> dict[str, Any]:
+    """The numbers of one layout: headline values, summaries, and the samples plotted."""
+    every = run.long + run.decode
+    summ = ServeSummary.of(every, run.duration_s, slo_ttft_ms, slo_itl_ms)
+    long_s = ServeSummary.of(run.long, run.duration_s, slo_ttft_ms, slo_itl_ms)
+    dec_s = ServeSummary.of(run.decode, run.duration_s, slo_ttft_ms, slo_itl_ms)
+    win_itl = [x * 1e3 for x in itl_in_window(run.decode, *run.window)]
+    win = Summary.of(win_itl)
+    good, gput = goodput(every, run.duration_s, slo_ttft_ms, slo_itl_ms)
+    headline = {
+        "decode_itl_window_p50_ms": win.median,
+        "decode_itl_window_p99_ms": win.p99,
+        "decode_itl_window_max_ms": win.max,
+        "itl_p99_ms": summ.itl_ms.p99,
+        "long_ttft_p50_ms": long_s.ttft_ms.median,
+        "long_ttft_p99_ms": long_s.ttft_ms.p99,
+        "decode_ttft_p99_ms": dec_s.ttft_ms.p99,
+        "ttft_p99_ms": summ.ttft_ms.p99,
+        "goodput_rps": gput,
+        "good_requests": good,
+        "completed": summ.completed,
+        "failed": summ.failed,
+        "output_tok_s": summ.output_throughput,
+    }
+    return {
+        "headline": {k: _json_float(v) for k, v in headline.items()},
+        "window_s": list(run.window),
+        "duration_s": run.duration_s,
+        "decode_itl_window_ms": win.to_dict(),
+        "all": summ.to_dict(),
+        "long": long_s.to_dict(),
+        "decode": dec_s.to_dict(),
+        "samples": {
+            "decode_itl_window_ms": win_itl,
+            "long_ttft_ms": [r.ttft * 1e3 for r in run.long if r.ok and r.ttft is not None],
+            "decode_ttft_ms": [r.ttft * 1e3 for r in run.decode if r.ok and r.ttft is not None],
+        },
+        "nodes": run.nodes,
+        "proxy_route_modes": run.route_modes,
+        "kv_hops": run.kv_hops,
+        "requests": [
+            {"kind": kind, **r.to_dict()}
+            for kind, rs in (("long", run.long), ("decode", run.decode))
+            for r in rs
+        ],
+    }
+
+
+# (headline key, row label, format)
+ROWS = (
+    ("decode_itl_window_p99_ms", "ITL p99, ongoing decodes while long prompts run (ms)", ".1f"),
+    ("decode_itl_window_p50_ms", "ITL p50, ongoing decodes while long prompts run (ms)", ".1f"),
+    ("decode_itl_window_max_ms", "ITL max, ongoing decodes while long prompts run (ms)", ".1f"),
+    ("itl_p99_ms", "ITL p99, all requests (ms)", ".1f"),
+    ("long_ttft_p50_ms", "TTFT p50, long prompts (ms)", ".1f"),
+    ("long_ttft_p99_ms", "TTFT p99, long prompts (ms)", ".1f"),
+    ("decode_ttft_p99_ms", "TTFT p99, ongoing decodes (ms)", ".1f"),
+    ("ttft_p99_ms", "TTFT p99, all requests (ms)", ".1f"),
+    ("goodput_rps", "goodput (req/s meeting the SLO)", ".3f"),
+    ("good_requests", "requests meeting the SLO", "d"),
+    ("completed", "completed requests", "d"),
+    ("failed", "failed requests", "d"),
+    ("output_tok_s", "output tokens/s", ".1f"),
+)
+
+
+def ratios(layouts: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """P/D / colocated of every headline number (None when a side is missing)."""
+    if not all(name in layouts for name in LAYOUTS):
+        return {}
+    pd, colo = layouts["pd"]["headline"], layouts["colocated"]["headline"]
+    return {key: ratio(pd.get(key), colo.get(key)) for key, _, _ in ROWS}
+
+
+def _fmt(v: Any, fmt: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return format(int(v), fmt) if fmt == "d" else format(v, fmt)
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    layouts = report["layouts"]
+    names = [n for n in LAYOUTS if n in layouts]
+    rat = report.get("ratios") or {}
+    head = "| metric | " + " | ".join(LAYOUT_TITLES[n] for n in names) + " |"
+    if rat:
+        head += " P/D ÷ colocated |"
+    lines = [head, "|---|" + "---:|" * (len(names) + (1 if rat else 0))]
+    slo = report.get("slo") or {}
+    for key, label, fmt in ROWS:
+        if key in ("goodput_rps", "good_requests"):
+            label += f" (TTFT <= {_fmt(slo.get('ttft_ms'), 'g')} ms, max ITL <= "
+            label += f"{_fmt(slo.get('itl_ms'), 'g')} ms)"
+        cells = [_fmt(layouts[n]["headline"].get(key), fmt) for n in names]
+        row = f"| {label} | " + " | ".join(cells) + " |"
+        if rat:
+            row += f" {_fmt(rat.get(key), '.2f')} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def plot_interference(report: dict[str, Any], path: str) -> bool:
+    """CDFs of both layouts: ongoing decodes' ITL while long prompts run, TTFT of long
+    prompts, TTFT of the decodes. False (with a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot: matplotlib is not installed; not writing {path}")
+        return False
+    panels = (
+        ("decode_itl_window_ms", "ITL of ongoing decodes while long prompts run"),
+        ("long_ttft_ms", "TTFT of long prompts"),
+        ("decode_ttft_ms", "TTFT of ongoing decodes"),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.2))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for name in LAYOUTS:
+            lay = report["layouts"].get(name)
+            if lay is None:
+                continue
+            xs = sorted(lay["samples"][key])
+            if xs:
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.step(xs, ys, where="post", label=f"{LAYOUT_TITLES[name]} (n={len(xs)})")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of samples")
+        ax.set_ylim(0, 1.02)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(
+        f"pd-bench interference: {report.get('model')} on {report.get('device')}, "
+        f"commit {report.get('commit')}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# processes: started with Popen, stopped by PID
+# ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        for path in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                with open(path) as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            out.extend(kids)
+            stack.extend(kids)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    url: str
+    log: Path
+    cmd: list[str]
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def terminate(self) -> list[int]:
+        """SIGTERM to this PID; returns its descendants (TP workers) as they were."""
+        kids = _descendants(self.popen.pid)
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGTERM)
+        return kids
+
+    def reap(self, kids: list[int], timeout: float = 30.0) -> None:
+        """Waits ``timeout`` for this PID (then SIGKILL), and 10 s more for ``kids``: each
+        one still alive is SIGKILLed by its PID."""
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for k in kids:
+            if _alive(k):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(k, signal.SIGKILL)
+
+
+class Cluster:
+    """The processes of one layout; ``stop_all`` stops each by its PID."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.procs: list[Proc] = []
+
+    def start(
+        self, name: str, module: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> Proc:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", module, *argv, "--port", str(port)]
+        log = self.log_dir / f"{name}.log"
+        with open(log, "wb") as f:
+            popen = subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env={**os.environ, **(self.env or {}), **(env or {})},
+            )
+        proc = Proc(name, popen, url, log, cmd)
+        self.procs.append(proc)
+        return proc
+
+    def wait_healthy(self, procs: list[Proc], timeout: float) -> None:
+        """Every node's ``/health`` answers 200."""
+        import httpx
+
+        pending = list(procs)
+        deadline = time.monotonic() + timeout
+        while pending:
+            for p in list(pending):
+                self._check_alive(p)
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(p.url + "/health", timeout=2).status_code == 200:
+                        pending.remove(p)
+            if pending and time.monotonic() > deadline:
+                raise BenchError(
+                    f"{pending[0].name} not healthy after {timeout:g}s; its log "
+                    f"({pending[0].log}):\n{pending[0].tail()}"
+                )
+            if pending:
+                time.sleep(0.2)
+
+    def wait_proxy(self, proxy: Proc, nodes: list[Proc], timeout: float) -> None:
+        """The proxy lists every node of ``nodes`` as healthy in its ``/health`` body (its
+        status may be 503 for the colocated layout: no prefill node)."""
+        import httpx
+
+        want = {n.url for n in nodes}
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive(proxy)
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                body = httpx.get(proxy.url + "/health", timeout=2).json()
+                healthy = {
+                    n["url"]
+                    for role in ("prefill", "decode")
+                    for n in body.get(role, [])
+                    if n.get("healthy")
+                }
+                if want <= healthy:
+                    return
+            if time.monotonic() > deadline:
+                raise BenchError(
+                    f"proxy did not see every node healthy after {timeout:g}s; its log "
+                    f"({proxy.log}):\n{proxy.tail()}"
+                )
+            time.sleep(0.2)
+
+    def _check_alive(self, p: Proc) -> None:
+        if p.popen.poll() is not None:
+            raise BenchError(
+                f"{p.name} exited with {p.popen.returncode}; its log ({p.log}):\n{p.tail()}"
+            )
+
+    def check_all_alive(self) -> None:
+        for p in self.procs:
+            self._check_alive(p)
+
+    def stop_all(self) -> None:
+        """SIGTERM to every process at once (each by its PID), then wait for each."""
+        kids = [p.terminate() for p in self.procs]
+        for p, k in zip(self.procs, kids, strict=True):
+            with contextlib.suppress(Exception):
+                p.reap(k)
+        self.procs = []
+
+
+def node_argv(args: argparse.Namespace) -> list[str]:
+    """Flags every node of both layouts gets."""
+    argv = ["--model", args.model, "--device", args.device, "--tp", str(args.tp)]
+    argv += ["--log-level", args.node_log_level]
+    if args.num_blocks:
+        argv += ["--num-blocks", str(args.num_blocks)]
+    return argv + list(args.node_arg)
+
+
+def layout_plan(layout: str, args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
+    """(name, module, argv) of each node of ``layout``, in start order (no ports)."""
+    common = node_argv(args)
+    kv = ["--kv-connector", "nixl"]
+    if layout == "pd":
+        return [
+            ("prefill", "prefill_node", [*common, *kv, *args.prefill_arg]),
+            ("decode", "decode_node", [*common, *kv, *args.decode_arg]),
+        ]
+    return [
+        ("colocated0", "decode_node", [*common, *args.colocated_arg]),
+        ("colocated1", "decode_node", [*common, *args.colocated_arg]),
+    ]
+
+
+def proxy_argv(layout: str, urls: list[str], args: argparse.Namespace) -> list[str]:
+    argv = ["serve", "--health-interval", "0.5", "--log-level", args.node_log_level]
+    if layout == "pd":
+        argv += ["--prefill", urls[0], "--decode", urls[1]]
+    else:
+        # Both colocated nodes are decode nodes; every prompt is shorter than the
+        # threshold, so each request goes to one node alone (no prefill leg, no KV
+        # transfer). The registration key (given to nobody) is what lets the proxy run
+        # without a prefill node list.
+        argv += ["--decode", *urls]
+        argv += ["--disagg-min-prompt-tokens", str(NEVER_DISAGGREGATE)]
+        argv += ["--registration-key", secrets.token_hex(16)]
+    return argv + list(args.proxy_arg)
+
+
+def _gpu_env(index: int, args: argparse.Namespace) -> dict[str, str] | None:
+    """``--gpu-per-node``: node ``index`` sees GPUs ``index*tp .. (index+1)*tp - 1``."""
+    if not args.gpu_per_node:
+        return None
+    first = index * args.tp
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(first + i) for i in range(args.tp))}
+
+
+# ---------------------------------------------------------------------------------------
+# the workload
+# ---------------------------------------------------------------------------------------
+
+
+def long_arrivals(args: argparse.Namespace) -> list[float]:
+    """Send times (s after ``--lead-s``) of the long prompts: ``--num-long`` Poisson
+    arrivals, or as many as fall inside ``--duration-s``."""
+    from engine.bench.serve import arrival_delays
+
+    if args.num_long is not None:
+        return arrival_delays(args.num_long, args.long_rate, args.seed)
+    n = max(1, int(args.long_rate * args.duration_s * 3) + 10)
+    out = [t for t in arrival_delays(n, args.long_rate, args.seed) if t < args.duration_s]
+    return out or [0.0]
+
+
+def _body_args(output_len: int) -> argparse.Namespace:
+    """What ``serve.request_body`` reads, for one request class."""
+    return argparse.Namespace(
+        output_len=output_len,
+        temperature=0.0,
+        ignore_eos=True,
+        endpoint="/v1/completions",
+        extra_body=None,
+    )
+
+
+async def drive(base_url: str, args: argparse.Namespace) -> LayoutRun:
+    """The workload against ``base_url`` (the layout's proxy)."""
+    import httpx
+
+    from engine.bench.serve import get_model, make_prompts, request_body, send_one
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    delays = long_arrivals(args)
+    ids = tuple(args.token_id_range)
+    long_prompts = make_prompts(len(delays), args.long_len, "ids", ids, args.seed)
+    long_body, dec_body = _body_args(args.long_output_len), _body_args(args.decode_output_len)
+    conns = args.decode_streams + len(delays) + 4
+    limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
+    timeout = httpx.Timeout(args.timeout, connect=min(30.0, args.timeout))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = await get_model(client, base_url.rstrip("/"))
+        # warm-up, not counted: one long and one decode request, other prompts
+        for body_args, length, seed in (
+            (long_body, args.long_len, args.seed + 50_021),
+            (dec_body, args.decode_input_len, args.seed + 50_023),
+        ):
+            p = make_prompts(1, length, "ids", ids, seed)[0]
+            r = await send_one(client, url, request_body(body_args, model, p), p, args.timeout)
+            if not r.ok:
+                raise BenchError(f"warm-up request failed: {r.error}")
+        stop = asyncio.Event()
+        t0 = time.perf_counter()
+
+        def now() -> float:
+            return time.perf_counter() - t0
+
+        async def stream(k: int) -> list[RequestResult]:
+            out: list[RequestResult] = []
+            i = 0
+            while not stop.is_set():
+                seed = args.seed + 1_000 + k * 100_003 + i
+                p = make_prompts(1, args.decode_input_len, "ids", ids, seed)[0]
+                sent = now()
+                r = await send_one(client, url, request_body(dec_body, model, p), p, args.timeout)
+                r.start = sent
+                out.append(r)
+                i += 1
+                if not r.ok:  # do not spin on a failing endpoint
+                    await asyncio.sleep(0.1)
+            return out
+
+        async def long_one(i: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, args.lead_s + delays[i] - now()))
+            sent = now()
+            p = long_prompts[i]
+            r = await send_one(client, url, request_body(long_body, model, p), p, args.timeout)
+            r.start = sent
+            return r
+
+        streams = [asyncio.create_task(stream(k)) for k in range(args.decode_streams)]
+        try:
+            longs = list(await asyncio.gather(*(long_one(i) for i in range(len(delays)))))
+        finally:
+            window_end = now()
+            stop.set()
+        decode = [r for rs in await asyncio.gather(*streams) for r in rs]
+        duration = now()
+    window = (args.lead_s + delays[0], window_end)
+    return LayoutRun(long=longs, decode=decode, window=window, duration_s=duration)
+
+
+def route_modes(proxy_url: str) -> dict[str, float]:
+    """The proxy's ``pdproxy_route_mode_total`` per mode (disaggregated, decode_only): which
+    path the requests took; {} if it cannot be read."""
+    import httpx
+
+    out: dict[str, float] = {}
+    try:
+        text = httpx.get(proxy_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return out
+    prefix = "pdproxy_route_mode_total{"
+    for line in text.splitlines():
+        if line.startswith(prefix) and 'mode="' in line:
+            mode = line.split('mode="', 1)[1].split('"', 1)[0]
+            with contextlib.suppress(ValueError):
+                out[mode] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def kv_hop_means(node_url: str) -> dict[str, Any]:
+    """The P/D hop histograms a node exports (``pdserve_kv_*_seconds``, e.g. D's
+    ``kv_load_wait_seconds``): mean ms and count of each, over the whole run (warm-up
+    included); {} if they cannot be read."""
+    import httpx
+
+    try:
+        text = httpx.get(node_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = name.split("{", 1)[0]
+        if name.startswith("pdserve_kv_") and name.endswith(("_seconds_sum", "_seconds_count")):
+            with contextlib.suppress(ValueError):
+                sums[name] = sums.get(name, 0.0) + float(value)
+    out: dict[str, Any] = {}
+    for name, total in sums.items():
+        if name.endswith("_sum"):
+            hop = name[len("pdserve_") : -len("_sum")]
+            count = sums.get(name[: -len("_sum")] + "_count", 0.0)
+            if count:
+                out[hop] = {"mean_ms": total / count * 1e3, "count": count}
+    return out
+
+
+def _shown_cmd(cmd: list[str]) -> list[str]:
+    """The command as recorded: the interpreter's base name, the registration key hidden."""
+    out = [os.path.basename(cmd[0])]
+    for i, a in enumerate(cmd[1:], 1):
+        out.append("<random>" if cmd[i - 1] == "--registration-key" else a)
+    return out
+
+
+def run_layout(layout: str, args: argparse.Namespace, log_dir: Path, log: Any = print) -> LayoutRun:
+    """Start the layout, drive the workload through its proxy, stop it (always)."""
+    cluster = Cluster(log_dir)
+    t_start = time.perf_counter()
+    try:
+        nodes = [
+            cluster.start(f"{layout}-{name}", module, argv, _gpu_env(i, args))
+            for i, (name, module, argv) in enumerate(layout_plan(layout, args))
+        ]
+        # the proxy starts with them: it routes to a node once its health check passes
+        proxy = cluster.start(
+            f"{layout}-proxy", "proxy", proxy_argv(layout, [n.url for n in nodes], args)
+        )
+        cluster.wait_healthy(nodes, args.startup_timeout)
+        cluster.wait_proxy(proxy, nodes, args.startup_timeout)
+        started = time.perf_counter()
+        log(
+            f"  {layout}: {len(nodes)} nodes + proxy up in {started - t_start:.1f}s; "
+            "driving the workload"
+        )
+        run = asyncio.run(drive(proxy.url, args))
+        cluster.check_all_alive()
+        run.route_modes = route_modes(proxy.url)
+        if layout == "pd":
+            run.kv_hops = {p.name: kv_hop_means(p.url) for p in nodes}
+        log(f"  {layout}: workload done in {time.perf_counter() - started:.1f}s")
+        run.nodes = [
+            {"name": p.name, "cmd": _shown_cmd(p.cmd), "log": str(p.log)} for p in cluster.procs
+        ]
+        return run
+    finally:
+        t_stop = time.perf_counter()
+        cluster.stop_all()
+        log(f"  {layout}: stopped in {time.perf_counter() - t_stop:.1f}s")
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------
+
+
+def add_interference_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("nodes (the same for both layouts)")
+    g.add_argument("--model", default="tiny", help="every node's --model (default: tiny)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: cpu)")
+    g.add_argument("--tp", type=int, default=1, help="every node's --tp (default: 1)")
+    g.add_argument(
+        "--num-blocks",
+        type=int,
+        help="every node's --num-blocks (default: the node's own sizing; --smoke: 128)",
+    )
+    g.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra flag for every node of both layouts (repeat; write --node-arg=--flag=V)",
+    )
+    g.add_argument(
+        "--prefill-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra flag for the P/D layout's prefill node, e.g. "
+        "--prefill-arg=--kv-layer-group-size=4 (repeat)",
+    )
+    g.add_argument(
+        "--decode-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra flag for the P/D layout's decode node (repeat)",
+    )
+    g.add_argument(
+        "--colocated-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra flag for the two colocated nodes (repeat)",
+    )
+    g.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra flag for both layouts' pd-proxy (repeat)",
+    )
+    g.add_argument(
+        "--gpu-per-node",
+        action="store_true",
+        help="--device cuda: node i of a layout sees GPUs i*tp..(i+1)*tp-1 only "
+        "(CUDA_VISIBLE_DEVICES); default: every node sees every GPU",
+    )
+    g.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=LAYOUTS,
+        default=list(LAYOUTS),
+        help="which layouts to run, in this order (default: pd colocated)",
+    )
+    g.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a layout may take to become healthy (default: 300)",
+    )
+    g.add_argument(
+        "--node-log-level",
+        default="WARNING",
+        help="--log-level of nodes and proxy (default: WARNING)",
+    )
+    g.add_argument("--log-dir", help="where process logs go (default: a new temporary folder)")
+
+    w = p.add_argument_group("workload")
+    d = DEFAULTS
+    w.add_argument(
+        "--long-rate",
+        type=float,
+        help=f"long prompts per second, Poisson; inf: all at once (default: {d['long_rate']:g})",
+    )
+    w.add_argument(
+        "--long-len", type=int, help=f"long prompt length, tokens (default: {d['long_len']})"
+    )
+    w.add_argument(
+        "--long-output-len",
+        type=int,
+        help=f"max_tokens of a long prompt (default: {d['long_output_len']})",
+    )
+    span = w.add_mutually_exclusive_group()
+    span.add_argument(
+        "--duration-s",
+        type=float,
+        help=f"long prompts arrive during this many seconds (default: {d['duration_s']:g})",
+    )
+    span.add_argument("--num-long", type=int, help="send this many long prompts instead")
+    w.add_argument(
+        "--decode-streams",
+        type=int,
+        help=f"ongoing decodes: concurrent closed-loop streams (default: {d['decode_streams']})",
+    )
+    w.add_argument(
+        "--decode-input-len",
+        type=int,
+        help=f"an ongoing decode's prompt length (default: {d['decode_input_len']})",
+    )
+    w.add_argument(
+        "--decode-output-len",
+        type=int,
+        help=f"an ongoing decode's max_tokens (default: {d['decode_output_len']})",
+    )
+    w.add_argument(
+        "--lead-s",
+        type=float,
+        help=f"seconds the streams run before the first long prompt (default: {d['lead_s']:g})",
+    )
+    w.add_argument(
+        "--token-id-range",
+        type=int,
+        nargs=2,
+        default=(3, 256),
+        metavar=("LO", "HI"),
+        help="prompt token ids are drawn from [LO, HI) (default: 3 256)",
+    )
+    w.add_argument("--seed", type=int, default=0, help="prompt and arrival seed (default: 0)")
+    w.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds one request may take (default: 600)"
+    )
+    w.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes, seconds per layout (3 long prompts of 96 tokens, 2 streams of "
+        "8 -> 12 tokens, --num-blocks 128); flags given explicitly still win",
+    )
+
+    r = p.add_argument_group("results")
+    r.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=1000.0,
+        help="goodput: TTFT SLO, ms (default: 1000)",
+    )
+    r.add_argument(
+        "--slo-itl-ms",
+        type=float,
+        default=100.0,
+        help="goodput: SLO on a request's largest ITL, ms (default: 100)",
+    )
+    r.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
+    r.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        help="ITL and TTFT CDFs of both layouts (matplotlib)",
+    )
+
+
+def resolve(args: argparse.Namespace) -> None:
+    """Fill the workload flags left unset: ``--smoke``'s values, else the defaults."""
+    base = {**DEFAULTS, **(SMOKE if args.smoke else {})}
+    for key, value in base.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.num_long is not None:
+        args.duration_s = None
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Raises ``ValueError`` naming the flag."""
+    if args.tp < 1:
+        raise ValueError("--tp must be >= 1")
+    if args.num_blocks is not None and args.num_blocks < 1:
+        raise ValueError("--num-blocks must be >= 1")
+    if not args.long_rate > 0:
+        raise ValueError("--long-rate must be > 0 (inf: all at once)")
+    for flag in ("long_len", "long_output_len", "decode_input_len", "decode_output_len"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.decode_streams < 0:
+        raise ValueError("--decode-streams must be >= 0")
+    if args.num_long is not None and args.num_long < 1:
+        raise ValueError("--num-long must be >= 1")
+    if args.duration_s is not None and not args.duration_s > 0:
+        raise ValueError("--duration-s must be > 0")
+    if math.isinf(args.long_rate) and args.num_long is None:
+        raise ValueError("--long-rate inf (all at once) needs --num-long")
+    if args.lead_s < 0 or args.timeout <= 0 or args.startup_timeout <= 0:
+        raise ValueError("--lead-s >= 0, --timeout > 0 and --startup-timeout > 0 required")
+    for name in ("slo_ttft_ms", "slo_itl_ms"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    lo, hi = args.token_id_range
+    if not 0 <= lo < hi:
+        raise ValueError("--token-id-range: need 0 <= LO < HI")
+    if args.gpu_per_node and args.device != "cuda":
+        raise ValueError("--gpu-per-node needs --device cuda")
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=ROOT,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    if isinstance(x, float):
+        return _json_float(x)
+    return x
+
+
+def run_interference(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    resolve(args)
+    try:
+        validate(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if "pd" in args.layouts:
+        from kvconnector.nixl.transport import NIXL_AVAILABLE
+
+        if not NIXL_AVAILABLE:
+            print(
+                "pd-bench interference: nixl is not installed (pip install nixl); "
+                "--layouts colocated runs without it",
+                file=sys.stderr,
+            )
+            return 2
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pd-bench-interference-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    span = (
+        f"{args.num_long} long prompts"
+        if args.num_long is not None
+        else f"long prompts for {args.duration_s:g}s"
+    )
+    rate = "inf" if math.isinf(args.long_rate) else f"{args.long_rate:g}/s"
+    print(
+        f"pd-bench interference: {args.model} on {args.device}, TP {args.tp}; {span} of "
+        f"{args.long_len} -> {args.long_output_len} tokens at {rate} (Poisson) over "
+        f"{args.decode_streams} ongoing decodes of {args.decode_input_len} -> "
+        f"{args.decode_output_len} tokens; layouts {' then '.join(args.layouts)}; "
+        f"logs in {log_dir}",
+        flush=True,
+    )
+    commit = _git_commit()
+    layouts: dict[str, dict[str, Any]] = {}
+    for layout in args.layouts:
+        try:
+            run = run_layout(layout, args, log_dir, log=lambda s: print(s, flush=True))
+        except BenchError as e:
+            print(f"pd-bench interference: {layout}: {e}", file=sys.stderr)
+            return 1
+        layouts[layout] = layout_report(run, args.slo_ttft_ms, args.slo_itl_ms)
+    report: dict[str, Any] = {
+        "command": "interference",
+        "commit": commit,
+        "model": args.model,
+        "device": args.device,
+        "tp": args.tp,
+        "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
+        "workload": {k: getattr(args, k) for k in WORKLOAD_KEYS},
+        "args": {k: v for k, v in vars(args).items() if k not in ("command",)},
+        "note": "on CPU every process shares the same cores: numbers are for shape only",
+        "layouts": layouts,
+    }
+    report["ratios"] = ratios(layouts)
+    print()
+    print(markdown_table(report))
+    for name, lay in layouts.items():
+        errors = lay["all"].get("errors") or {}
+        for msg, n in sorted(errors.items(), key=lambda kv: -kv[1])[:3]:
+            print(f"{name}: error x{n}: {msg}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(_clean(report), f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot and plot_interference(report, args.plot):
+        print(f"wrote {args.plot}")
+    ok = all(lay["headline"]["completed"] for lay in layouts.values())
+    return 0 if ok else 1
