@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -124,6 +125,32 @@ def counters(url: str) -> list[tuple[str, float]]:
     return out
 
 
+def proxy_overhead(direct: str, via: str, n: int) -> dict[str, float]:
+    """Short requests (8-token prompt, 1 token out), alternating straight to the node and
+    through the proxy, so drift in the box's load hits both alike; p50 of each and of the
+    per-pair difference, in ms."""
+    import httpx
+
+    body = {"model": "tiny", "max_tokens": 1, "temperature": 0}
+    straight, proxied, diffs = [], [], []
+    with httpx.Client(timeout=60) as c:
+        for i in range(n + 5):
+            times = []
+            for url in (direct, via):
+                prompt = f"overhead {i} {url[-5:]}"  # distinct: no prefix-cache hit
+                t0 = time.perf_counter()
+                r = c.post(url + "/v1/completions", json={**body, "prompt": prompt})
+                r.raise_for_status()
+                times.append((time.perf_counter() - t0) * 1000)
+            if i >= 5:  # warm-up
+                straight.append(times[0])
+                proxied.append(times[1])
+                diffs.append(times[1] - times[0])
+    med = statistics.median
+    return {"direct_p50_ms": med(straight), "proxy_p50_ms": med(proxied),
+            "overhead_p50_ms": med(diffs)}  # fmt: skip
+
+
 def bench(url: str, length: int, args: argparse.Namespace, seed: int = 0) -> dict[str, float]:
     """``seed``: other prompts for a second pass on the same node (no prefix-cache hits)."""
     parser = argparse.ArgumentParser()
@@ -158,6 +185,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--log-dir", default="/tmp/pd_overhead_logs")
+    ap.add_argument("--overhead-requests", type=int, default=100)
     ap.add_argument(
         "--prefill-arg", action="append", default=[], metavar="ARG",
         help="extra flag for the prefill node (repeat), e.g. --prefill-arg=--kv-layer-group-size=1",
@@ -221,6 +249,14 @@ def main() -> int:
                 f"{q['itl_p99_ms']:.1f} | {q['itl_p99_ms'] / c['itl_p99_ms']:.2f} | "
                 f"{r['colocated_cpu_s']} / {r['pd_nodes_cpu_s']} |"
             )
+        over = proxy_overhead(colo_url, solo_url, args.overhead_requests)
+        print()
+        print(
+            f"proxy overhead (1-token requests, alternating, n={args.overhead_requests}): "
+            f"p50 straight {over['direct_p50_ms']:.2f} ms, via the proxy "
+            f"{over['proxy_p50_ms']:.2f} ms, per-pair difference p50 "
+            f"{over['overhead_p50_ms']:.2f} ms"
+        )
         print()
         print("| input | TTFT p50 colocated straight / via the proxy ms | proxy overhead ms |")
         print("|---:|---:|---:|")

@@ -60,6 +60,7 @@ if [ "$SMOKE" = 1 ]; then
   DEV=(--device cpu --dtype float32); PRESET=tiny-llama
   THR=(--num-prompts 4 --input-len 32 --output-len 8); LAT=(--num-prompts 1 --input-len 32 --output-len 8)
   PRE=(--num-prompts 1 --input-len 256 --output-len 1); SERVE=(--num-prompts 8 --max-concurrency 4 --input-len 64 --output-len 8)
+  LOW=(--num-prompts 4 --max-concurrency 1 --input-len 64 --output-len 4)
   NODE=(--device cpu --dtype float32 --num-blocks 512); PD_NODE=("${NODE[@]}")
   PROF=(--device cpu --batch 4 --context 64 --prefill-tokens 128 --iters 4)
   XFER=(--device cpu --layers 2 --kv-heads 2 --head-dim 16 --tokens 64 --tp 1 2 --reps 2)
@@ -67,8 +68,9 @@ else
   DEV=(--device cuda --dtype bfloat16); PRESET=llama-886m
   THR=(--workload throughput); LAT=(--workload latency); PRE=(--workload prefill)
   SERVE=(--num-prompts 64 --max-concurrency 32 --input-len 1024 --output-len 64)
+  LOW=(--num-prompts 16 --max-concurrency 1 --input-len 1024 --output-len 16)  # low load
   NODE=(--device cuda --dtype bfloat16 --max-num-seqs 64)
-  PD_NODE=("${NODE[@]}" --gpu-memory-utilization 0.4 --num-blocks 8192)
+  PD_NODE=("${NODE[@]}" --gpu-memory-utilization 0.3 --num-blocks 8192)
   PROF=(--device cuda --batch 32 --context 512 --prefill-tokens 2048 --iters 20)
   XFER=(--device cuda --tokens 128 512 2048 8192 --tp 1 2)  # Llama-3-8B KV, VRAM, 3 GiB
   say "host: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
@@ -80,10 +82,6 @@ say "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if [ "$SMOKE" != 1 ]; then
   step "pytest gpu" 240 $PY -m pytest -q -x -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" tests/test_gpu.py tests/test_triton_attention.py tests/test_sampler.py
 fi
-# TP ranks sharing the GPU over gloo (P/D 2->2, 1->2, 2->1 in VRAM) and, on a host with
-# more GPUs, P and D on different ones; on CPU (SMOKE) only its placement tests run, the
-# others skip with their reasons.
-step "pytest multi-gpu" 420 $PY -m pytest -q -rs -p no:cacheprovider --junitxml "$OUT/pytest_multi_gpu.xml" tests/test_multi_gpu.py
 
 # 2. Offline.
 MODEL="$OUT/model-$PRESET"
@@ -104,26 +102,42 @@ $PY -m decode_node --model "$MODEL" "${NODE[@]}" --port 8300 >"$OUT/node.log" 2>
 PIDS+=($!)
 if wait_up http://127.0.0.1:8300 "${PIDS[-1]}"; then
   step "serve colocated" 240 "${S[@]}" --base-url http://127.0.0.1:8300 --json "$OUT/serve_colocated.json" --plot "$OUT/serve_colocated.png"
+  step "low load colocated" 120 "${S[@]}" "${LOW[@]}" --seed 1 --base-url http://127.0.0.1:8300 --json "$OUT/low_colocated.json"
 else
   say "colocated node did not start (see node.log)"; echo "serve colocated rc=start" >>"$OUT/steps.txt"
 fi
 cleanup
 
-# 4. HTTP: P/D through the proxy, P and D on the same GPU.
+# 4. HTTP: P/D through the proxy, P and D on the same GPU; a second prefill node with the
+# pipelined push (--kv-layer-group-size 4) behind a second proxy, same decode node.
 say "P/D"
 $PY -m prefill_node --model "$MODEL" "${PD_NODE[@]}" --port 8100 --kv-connector nixl >"$OUT/prefill.log" 2>&1 &
 PIDS+=($!); P_PID=$!
+$PY -m prefill_node --model "$MODEL" "${PD_NODE[@]}" --port 8101 --kv-connector nixl --kv-layer-group-size 4 >"$OUT/prefill_pipelined.log" 2>&1 &
+PIDS+=($!); P2_PID=$!
 $PY -m decode_node --model "$MODEL" "${PD_NODE[@]}" --port 8200 --kv-connector nixl >"$OUT/decode.log" 2>&1 &
 PIDS+=($!); D_PID=$!
 $PY -m proxy serve --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000 >"$OUT/proxy.log" 2>&1 &
 PIDS+=($!)
-if wait_up http://127.0.0.1:8100 $P_PID && wait_up http://127.0.0.1:8200 $D_PID && wait_up http://127.0.0.1:8000 "${PIDS[-1]}"; then
+$PY -m proxy serve --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8200 --port 8001 >"$OUT/proxy_pipelined.log" 2>&1 &
+PIDS+=($!)
+if wait_up http://127.0.0.1:8100 $P_PID && wait_up http://127.0.0.1:8200 $D_PID && wait_up http://127.0.0.1:8000 "${PIDS[-2]}"; then
   step "serve P/D" 240 "${S[@]}" --base-url http://127.0.0.1:8000 --json "$OUT/serve_pd.json" --plot "$OUT/serve_pd.png"
+  step "low load P/D" 120 "${S[@]}" "${LOW[@]}" --seed 2 --base-url http://127.0.0.1:8000 --json "$OUT/low_pd.json"
+  if wait_up http://127.0.0.1:8101 $P2_PID && wait_up http://127.0.0.1:8001 "${PIDS[-1]}"; then
+    step "low load P/D pipelined" 120 "${S[@]}" "${LOW[@]}" --seed 3 --base-url http://127.0.0.1:8001 --json "$OUT/low_pd_pipelined.json"
+    curl -s http://127.0.0.1:8101/metrics >"$OUT/prefill_pipelined_metrics.txt" 2>/dev/null
+  fi
   curl -s http://127.0.0.1:8200/metrics >"$OUT/decode_metrics.txt" 2>/dev/null
 else
   say "P/D did not start (see prefill.log, decode.log, proxy.log)"; echo "serve P/D rc=start" >>"$OUT/steps.txt"
 fi
 cleanup
 
-# 5. Summary.
+# 5. Last (longest, and least needed if the device time runs out): TP ranks sharing the
+# GPU over gloo (P/D 2->2, 1->2, 2->1 in VRAM) and, on a host with more GPUs, P and D on
+# different ones; on CPU (SMOKE) only its placement tests run, the others skip with reasons.
+step "pytest multi-gpu" 420 $PY -m pytest -q -rs -p no:cacheprovider --junitxml "$OUT/pytest_multi_gpu.xml" tests/test_multi_gpu.py
+
+# 6. Summary.
 $PY scripts/gpu_summary.py "$OUT" | tee "$OUT/summary.md"

@@ -112,7 +112,33 @@ def rows(out: str) -> list[Row]:
                 "{}",
             ),
         ]
+    table += low_load_rows(out)
     table += transfer_rows(_load(out, "transfer.json"))
+    return table
+
+
+def low_load_rows(out: str) -> list[Row]:
+    """One request at a time, 1024-token prompts: what P/D adds to TTFT over colocated,
+    with and without the pipelined push (target: <= exposed transfer + 5 ms)."""
+    ttft = {
+        name: _get(_load(out, f"low_{name}.json"), "summary", "ttft_ms", "median")
+        for name in ("colocated", "pd", "pd_pipelined")
+    }
+    colo = ttft["colocated"]
+    table: list[Row] = [
+        ("low load 1x1024->16: TTFT p50 ms, colocated", "(info)", colo, lambda v: True, "{:.1f}")
+    ]
+    for name, label in (("pd", "P/D"), ("pd_pipelined", "P/D pipelined (4 layers/piece)")):
+        extra = None if colo is None or ttft[name] is None else ttft[name] - colo
+        table.append(
+            (
+                f"  {label}: TTFT p50 minus colocated ms",
+                "<= exposed push + 5",
+                extra,
+                lambda v: v <= 5.0,
+                "{:+.1f}",
+            )  # fmt: skip
+        )
     return table
 
 

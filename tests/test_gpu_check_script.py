@@ -28,7 +28,9 @@ def test_gpu_check_smoke_runs_every_step_and_prints_the_target_table(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log[-3000:]
     summary = (tmp_path / "summary.md").read_text()
     assert "steps not ok: none" in summary, summary + log[-5000:]
-    for row in ("offline 32x512->128", "single stream", "colocated: ITL p99", "P/D: TTFT p50"):
+    rows = ("offline 32x512->128", "single stream", "colocated: ITL p99", "P/D: TTFT p50",
+            "low load 1x1024", "P/D pipelined")  # fmt: skip
+    for row in rows:
         line = next(ln for ln in summary.splitlines() if row in ln)
         assert "missing" not in line, summary
     for name in ("serve_colocated.json", "serve_pd.json", "offline_throughput.json"):
