@@ -249,13 +249,18 @@ def main() -> int:
                 f"{q['itl_p99_ms']:.1f} | {q['itl_p99_ms'] / c['itl_p99_ms']:.2f} | "
                 f"{r['colocated_cpu_s']} / {r['pd_nodes_cpu_s']} |"
             )
+        cpu0 = cpu_seconds(solo.pid)
         over = proxy_overhead(colo_url, solo_url, args.overhead_requests)
+        over["proxy_cpu_ms_per_request"] = (
+            (cpu_seconds(solo.pid) - cpu0) * 1000 / (args.overhead_requests + 5)
+        )
         print()
         print(
             f"proxy overhead (1-token requests, alternating, n={args.overhead_requests}): "
             f"p50 straight {over['direct_p50_ms']:.2f} ms, via the proxy "
             f"{over['proxy_p50_ms']:.2f} ms, per-pair difference p50 "
-            f"{over['overhead_p50_ms']:.2f} ms"
+            f"{over['overhead_p50_ms']:.2f} ms; the proxy's CPU per request "
+            f"{over['proxy_cpu_ms_per_request']:.2f} ms (load-independent)"
         )
         print()
         print("| input | TTFT p50 colocated straight / via the proxy ms | proxy overhead ms |")
