@@ -297,7 +297,9 @@ def plot_interference(report: dict[str, Any], path: str) -> bool:
                 ys = [(i + 1) / len(xs) for i in range(len(xs))]
                 ax.step(xs, ys, where="post", label=f"{LAYOUT_TITLES[name]} (n={len(xs)})")
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("ms")
+        if ax.get_lines():  # latencies span orders of magnitude (a stall vs a step)
+            ax.set_xscale("log")
+        ax.set_xlabel("ms (log scale)")
         ax.set_ylabel("fraction of samples")
         ax.set_ylim(0, 1.02)
         ax.grid(True, alpha=0.3)
