@@ -239,10 +239,14 @@ def test_restarted_decode_replaces_its_old_incarnation(prefill: Proc, procs: Pro
     assert second.metric("pdserve_prompt_tokens_total") == 0  # the KV was pushed
 
 
-def test_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(prefill: Proc, procs: Procs):
+def test_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(procs: Procs):
     """D reserved, then died before P's push: the WRITE errors (no hang), P frees its
-    blocks, counts the failure and forgets the dead peer's agents."""
-    dead = procs.node(*NIXL_ARGS, module="decode_node")
+    blocks, counts the failure and forgets the dead peer's agents. Its own pair with a
+    long transfer timeout: D's early reservation must outlive killing D on a loaded box
+    (with the module's 3 s it expired first once, and P then had nothing to push)."""
+    slow = ("--kv-connector", "nixl", "--kv-transfer-timeout", "60", "--num-blocks", "128")
+    prefill = procs.node(*slow, module="prefill_node")
+    dead = procs.node(*slow, module="decode_node")
     _disagg(prefill, dead, list(range(5, 30)), "dead-0")  # the peer is known to P
     peers = prefill.metric("pdserve_engine_kv_decode_peers")
     failures = prefill.metric("pdserve_engine_kv_transfer_failures_total")
