@@ -120,7 +120,7 @@ def counters(url: str) -> list[tuple[str, float]]:
     out = []
     for line in text.splitlines():
         for name in COUNTERS:
-            if line.startswith((f"pdserve_{name} ", f"pdserve_{name}{{")):
+            if line.startswith((f"pdserve_engine_{name} ", f"pdserve_engine_{name}{{")):
                 out.append((name, float(line.rsplit(" ", 1)[1])))
     return out
 
