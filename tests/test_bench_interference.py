@@ -147,6 +147,45 @@ def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
     assert not out.exists()
 
 
+def test_route_modes_and_hop_means_are_read_from_metrics_text(monkeypatch):
+    import httpx
+
+    text = "\n".join(
+        [
+            "# HELP pdproxy_route_mode_total Attempts routed",
+            'pdproxy_route_mode_total{mode="disaggregated"} 7.0',
+            'pdproxy_route_mode_total{mode="decode_only"} 0.0',
+            "pdserve_kv_load_wait_seconds_sum 3.0",
+            "pdserve_kv_load_wait_seconds_count 2.0",
+            'pdserve_engine_kv_transfer_duration_seconds_sum{rank="0"} 0.5',
+            'pdserve_engine_kv_transfer_duration_seconds_sum{rank="1"} 0.5',
+            'pdserve_engine_kv_transfer_duration_seconds_count{rank="0"} 2.0',
+            'pdserve_engine_kv_transfer_duration_seconds_count{rank="1"} 2.0',
+            "pdserve_kv_notif_to_step_seconds_sum 0.0",
+            "pdserve_kv_notif_to_step_seconds_count 0.0",
+            "pdserve_request_seconds_sum 9.0",
+        ]
+    )
+
+    class Resp:
+        pass
+
+    resp = Resp()
+    resp.text = text
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: resp)
+    assert ib.route_modes("http://x") == {"disaggregated": 7.0, "decode_only": 0.0}
+    assert ib.kv_hop_means("http://x") == {
+        "kv_load_wait_seconds": {"mean_ms": 1500.0, "count": 2.0},
+        "kv_transfer_duration_seconds": {"mean_ms": 250.0, "count": 4.0},
+    }  # a hop with no observations is left out; other histograms are not hops
+
+    def refuse(*a, **k):
+        raise httpx.ConnectError("refused")
+
+    monkeypatch.setattr(httpx, "get", refuse)
+    assert ib.route_modes("http://x") == {} and ib.kv_hop_means("http://x") == {}
+
+
 # ---------------------------------------------------------------------------------------
 # flags and the layouts' commands
 # ---------------------------------------------------------------------------------------

@@ -659,13 +659,14 @@ def kv_hop_means(node_url: str) -> dict[str, Any]:
             continue
         name, value = line.rsplit(" ", 1)
         name = name.split("{", 1)[0]
-        if name.startswith("pdserve_kv_") and name.endswith(("_seconds_sum", "_seconds_count")):
+        kv = name.startswith(("pdserve_kv_", "pdserve_engine_kv_"))
+        if kv and name.endswith(("_seconds_sum", "_seconds_count")):
             with contextlib.suppress(ValueError):
                 sums[name] = sums.get(name, 0.0) + float(value)
     out: dict[str, Any] = {}
     for name, total in sums.items():
         if name.endswith("_sum"):
-            hop = name[len("pdserve_") : -len("_sum")]
+            hop = name[len("pdserve_") : -len("_sum")].removeprefix("engine_")
             count = sums.get(name[: -len("_sum")] + "_count", 0.0)
             if count:
                 out[hop] = {"mean_ms": total / count * 1e3, "count": count}
