@@ -30,6 +30,11 @@ from proxy.validation import CHAT, validate_request
 logger = logging.getLogger(__name__)
 
 
+# Bodies up to this size are validated on the event loop (well under a millisecond);
+# larger ones in a worker thread.
+INLINE_VALIDATION_BYTES = 16 * 1024
+
+
 class ProxyServing:
     def __init__(
         self,
@@ -72,10 +77,12 @@ class ProxyServing:
         try:
             limit = cfg.max_model_len or pool.max_model_len()
             raw = await read_body(request, cfg.max_request_bytes)
-            # Off the event loop: a huge body must not stall the other clients' streams.
-            req = await anyio.to_thread.run_sync(
-                validate_request, endpoint, raw, pool.model_names(), limit
-            )
+            if len(raw) <= INLINE_VALIDATION_BYTES:  # microseconds: no thread hop
+                req = validate_request(endpoint, raw, pool.model_names(), limit)
+            else:  # off the event loop: a huge body must not stall the other clients' streams
+                req = await anyio.to_thread.run_sync(
+                    validate_request, endpoint, raw, pool.model_names(), limit
+                )
         except APIError as e:
             return answer(json_error(e), "bad_request")
         finally:
