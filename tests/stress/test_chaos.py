@@ -28,7 +28,7 @@ RESTARTS = ("kill_prefill", "kill_decode", "kill_worker", "drain")
 
 def test_chaos_short_form(tmp_path):
     cfg = ChaosConfig(
-        requests=int(os.environ.get("CHAOS_SHORT_REQUESTS", "64")),
+        requests=int(os.environ.get("CHAOS_SHORT_REQUESTS", "32")),  # ~110 s on 2 cores
         rounds=2,
         faults=FAULTS,
         later_round_faults=tuple(f for f in FAULTS if f not in RESTARTS),
