@@ -16,6 +16,7 @@ import pytest
 from harness import REPO_ROOT
 
 from engine.bench import interference as ib
+from engine.bench import interference_report as rep
 from engine.bench.cli import build_parser, main
 from engine.bench.stats import RequestResult
 
@@ -43,14 +44,14 @@ def _r(start: float, ttft: float, itl: list[float], ok: bool = True) -> RequestR
 
 def test_token_times_and_the_gaps_inside_the_window():
     r = _r(start=1.0, ttft=0.5, itl=[0.25, 0.25, 1.0, 0.5])
-    assert ib.token_times(r) == [1.5, 1.75, 2.0, 3.0, 3.5]
+    assert rep.token_times(r) == [1.5, 1.75, 2.0, 3.0, 3.5]
     # gaps ending at 1.75, 2.0, 3.0, 3.5: inside [1.8, 3.0] only those ending at 2.0 and 3.0
-    assert ib.itl_in_window([r], 1.8, 3.0) == [0.25, 1.0]
-    assert ib.itl_in_window([r], 0.0, 10.0) == r.itl
-    assert ib.itl_in_window([r], 4.0, 5.0) == []
+    assert rep.itl_in_window([r], 1.8, 3.0) == [0.25, 1.0]
+    assert rep.itl_in_window([r], 0.0, 10.0) == r.itl
+    assert rep.itl_in_window([r], 4.0, 5.0) == []
     failed = _r(start=0.0, ttft=0.1, itl=[0.1], ok=False)
-    assert ib.itl_in_window([failed], 0.0, 10.0) == []  # a failed request's gaps never count
-    assert ib.token_times(RequestResult()) == []
+    assert rep.itl_in_window([failed], 0.0, 10.0) == []  # a failed request's gaps never count
+    assert rep.token_times(RequestResult()) == []
 
 
 def test_goodput_counts_requests_meeting_both_slos_per_second():
@@ -61,37 +62,37 @@ def test_goodput_counts_requests_meeting_both_slos_per_second():
         _r(0, 0.50, [0.05]),  # good: both SLOs are inclusive
         _r(0, 0.10, [0.01], ok=False),  # failed: never good
     ]
-    good, rate = ib.goodput(results, 2.0, slo_ttft_ms=500, slo_itl_ms=50)
+    good, rate = rep.goodput(results, 2.0, slo_ttft_ms=500, slo_itl_ms=50)
     assert (good, rate) == (2, pytest.approx(1.0))
-    assert ib.goodput(results, 2.0, slo_ttft_ms=500, slo_itl_ms=None)[0] == 3  # ITL unchecked
-    assert ib.goodput(results, 2.0, slo_ttft_ms=None, slo_itl_ms=50)[0] == 3  # TTFT unchecked
-    good, rate = ib.goodput(results, 4.0, None, None)  # no SLO: every completed request
+    assert rep.goodput(results, 2.0, slo_ttft_ms=500, slo_itl_ms=None)[0] == 3  # ITL unchecked
+    assert rep.goodput(results, 2.0, slo_ttft_ms=None, slo_itl_ms=50)[0] == 3  # TTFT unchecked
+    good, rate = rep.goodput(results, 4.0, None, None)  # no SLO: every completed request
     assert (good, rate) == (4, pytest.approx(1.0))
 
 
 def test_ratio_is_none_when_a_side_is_missing_or_zero():
-    assert ib.ratio(3.0, 6.0) == 0.5
-    assert ib.ratio(0.0, 2.0) == 0.0
+    assert rep.ratio(3.0, 6.0) == 0.5
+    assert rep.ratio(0.0, 2.0) == 0.0
     for a, b in ((1.0, 0.0), (None, 1.0), (1.0, None), (math.nan, 1.0), (1.0, math.inf)):
-        assert ib.ratio(a, b) is None
+        assert rep.ratio(a, b) is None
 
 
-def _run(ttft_long: float, decode_gap: float) -> ib.LayoutRun:
+def _run(ttft_long: float, decode_gap: float) -> rep.LayoutRun:
     # the streams run from 0 to 4 s; long prompts from 1 s to 3 s
     decode = [_r(0.0, 0.05, [decode_gap] * 10), _r(2.0, 0.05, [0.01] * 10)]
     long = [_r(1.0, ttft_long, [0.01, 0.01]), _r(1.5, ttft_long, [0.01])]
-    return ib.LayoutRun(long=long, decode=decode, window=(1.0, 3.0), duration_s=4.0)
+    return rep.LayoutRun(long=long, decode=decode, window=(1.0, 3.0), duration_s=4.0)
 
 
-def _report(**layouts: ib.LayoutRun) -> dict:
-    out = {name: ib.layout_report(run, 400.0, 100.0) for name, run in layouts.items()}
+def _report(**layouts: rep.LayoutRun) -> dict:
+    out = {name: rep.layout_report(run, 400.0, 100.0) for name, run in layouts.items()}
     return {
         "model": "tiny",
         "device": "cpu",
         "commit": "abc1234",
         "slo": {"ttft_ms": 400.0, "itl_ms": 100.0},
         "layouts": out,
-        "ratios": ib.ratios(out),
+        "ratios": rep.ratios(out),
     }
 
 
@@ -117,10 +118,10 @@ def test_layout_report_headline_ratios_and_table():
     kinds = [r["kind"] for r in report["layouts"]["pd"]["requests"]]
     assert kinds == ["long", "long", "decode", "decode"]
 
-    table = ib.markdown_table(report).splitlines()
+    table = rep.markdown_table(report).splitlines()
     assert table[0].startswith("| metric | P/D (1 P + 1 D) | colocated (2 nodes) |")
     assert "P/D ÷ colocated" in table[0]
-    assert len(table) == 2 + len(ib.ROWS) and all(ln.count("|") == 5 for ln in table)
+    assert len(table) == 2 + len(rep.ROWS) and all(ln.count("|") == 5 for ln in table)
     itl_row = next(ln for ln in table if ln.startswith("| ITL p99, ongoing"))
     assert itl_row.endswith("| 10.0 | 200.0 | 0.05 |")
     assert any("TTFT <= 400 ms, max ITL <= 100 ms" in ln for ln in table)
@@ -128,21 +129,21 @@ def test_layout_report_headline_ratios_and_table():
 
     one = _report(colocated=colo)  # a single layout: no ratio column
     assert one["ratios"] == {}
-    assert all(ln.count("|") == 3 for ln in ib.markdown_table(one).splitlines())
+    assert all(ln.count("|") == 3 for ln in rep.markdown_table(one).splitlines())
 
 
 @pytest.mark.skipif(not HAVE_MPL, reason="matplotlib not installed")
 def test_plot_from_a_report_writes_a_png(tmp_path):
     report = _report(pd=_run(0.3, 0.02), colocated=_run(0.2, 0.2))
     out = tmp_path / "i.png"
-    assert ib.plot_interference(report, str(out))
+    assert rep.plot_interference(report, str(out))
     assert out.read_bytes().startswith(PNG)
 
 
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     out = tmp_path / "i.png"
-    assert not ib.plot_interference(_report(pd=_run(0.3, 0.02)), str(out))
+    assert not rep.plot_interference(_report(pd=_run(0.3, 0.02)), str(out))
     assert "matplotlib is not installed" in capsys.readouterr().out
     assert not out.exists()
 
@@ -322,6 +323,6 @@ def test_smoke_runs_both_layouts_and_writes_json_and_png(tmp_path):
     assert [n["name"] for n in report["layouts"]["colocated"]["nodes"]] == [
         "colocated-colocated0", "colocated-colocated1", "colocated-proxy",
     ]  # fmt: skip
-    assert set(report["ratios"]) == {key for key, _, _ in ib.ROWS}
+    assert set(report["ratios"]) == {key for key, _, _ in rep.ROWS}
     if HAVE_MPL:
         assert png.read_bytes().startswith(PNG)

@@ -1,0 +1,188 @@
+"""Processes of a benchmark run on one box: nodes and proxies started with ``Popen`` in their
+own session, stopped by PID (SIGTERM, then SIGKILL for whatever of their tree is left)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class BenchError(RuntimeError):
+    """A process did not start, died, or the workload could not run."""
+
+
+# ---------------------------------------------------------------------------------------
+# processes: started with Popen, stopped by PID
+# ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        for path in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                with open(path) as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            out.extend(kids)
+            stack.extend(kids)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    url: str
+    log: Path
+    cmd: list[str]
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def terminate(self) -> list[int]:
+        """SIGTERM to this PID; returns its descendants (TP workers) as they were."""
+        kids = _descendants(self.popen.pid)
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGTERM)
+        return kids
+
+    def reap(self, kids: list[int], timeout: float = 30.0) -> None:
+        """Waits ``timeout`` for this PID (then SIGKILL), and 10 s more for ``kids``: each
+        one still alive is SIGKILLed by its PID."""
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for k in kids:
+            if _alive(k):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(k, signal.SIGKILL)
+
+
+class Cluster:
+    """The processes of one layout; ``stop_all`` stops each by its PID."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.procs: list[Proc] = []
+
+    def start(
+        self, name: str, module: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> Proc:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", module, *argv, "--port", str(port)]
+        log = self.log_dir / f"{name}.log"
+        with open(log, "wb") as f:
+            popen = subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env={**os.environ, **(self.env or {}), **(env or {})},
+            )
+        proc = Proc(name, popen, url, log, cmd)
+        self.procs.append(proc)
+        return proc
+
+    def wait_healthy(self, procs: list[Proc], timeout: float) -> None:
+        """Every node's ``/health`` answers 200."""
+        import httpx
+
+        pending = list(procs)
+        deadline = time.monotonic() + timeout
+        while pending:
+            for p in list(pending):
+                self._check_alive(p)
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(p.url + "/health", timeout=2).status_code == 200:
+                        pending.remove(p)
+            if pending and time.monotonic() > deadline:
+                raise BenchError(
+                    f"{pending[0].name} not healthy after {timeout:g}s; its log "
+                    f"({pending[0].log}):\n{pending[0].tail()}"
+                )
+            if pending:
+                time.sleep(0.2)
+
+    def wait_proxy(self, proxy: Proc, nodes: list[Proc], timeout: float) -> None:
+        """The proxy lists every node of ``nodes`` as healthy in its ``/health`` body (its
+        status may be 503 for the colocated layout: no prefill node)."""
+        import httpx
+
+        want = {n.url for n in nodes}
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive(proxy)
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                body = httpx.get(proxy.url + "/health", timeout=2).json()
+                healthy = {
+                    n["url"]
+                    for role in ("prefill", "decode")
+                    for n in body.get(role, [])
+                    if n.get("healthy")
+                }
+                if want <= healthy:
+                    return
+            if time.monotonic() > deadline:
+                raise BenchError(
+                    f"proxy did not see every node healthy after {timeout:g}s; its log "
+                    f"({proxy.log}):\n{proxy.tail()}"
+                )
+            time.sleep(0.2)
+
+    def _check_alive(self, p: Proc) -> None:
+        if p.popen.poll() is not None:
+            raise BenchError(
+                f"{p.name} exited with {p.popen.returncode}; its log ({p.log}):\n{p.tail()}"
+            )
+
+    def check_all_alive(self) -> None:
+        for p in self.procs:
+            self._check_alive(p)
+
+    def stop_all(self) -> None:
+        """SIGTERM to every process at once (each by its PID), then wait for each."""
+        kids = [p.terminate() for p in self.procs]
+        for p, k in zip(self.procs, kids, strict=True):
+            with contextlib.suppress(Exception):
+                p.reap(k)
+        self.procs = []
