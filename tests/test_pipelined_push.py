@@ -165,13 +165,14 @@ def _all_free(*engines: EngineCore) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp):
+@pytest.mark.parametrize(("tp", "kv_checksum"), [(1, "off"), (2, "full")], ids=["tp1", "tp2"])
+def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp, kv_checksum):
     """Prompts shorter than a block, an exact multiple of the block size, and 990 tokens;
     greedy and seeded: pipelined P/D == colocated, D computes no prompt token, and every
-    send went out in pieces (4 per rank: one per layer group)."""
+    send went out in pieces (4 per rank: one per layer group); with checksums, the sums of
+    the last piece verify every block once all pieces landed."""
     prompts = [random_prompt(n, 256, seed=n) for n in (5, 32, 990)]
-    p, d = _engines(tp)
+    p, d = _engines(tp, kv_checksum=kv_checksum)
     try:
         base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
         with LLM(base) as llm:
@@ -184,6 +185,7 @@ def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp):
         assert ps["kv_pipelined_transfers_total"] == 2 * len(prompts)
         assert ds["prompt_tokens_total"] == 0  # every prompt decoded from pushed KV
         assert ds["kv_notifs_received_total"] == 2 * len(prompts) * 4 * tp  # pieces x ranks
+        assert ds["kv_checksum_failures_total"] == 0
         # The same P unpipelined (P's prefill before D's reservation): same tokens.
         res = _pd(p, d, prompts, GREEDY, reserve_first=False)
         assert res["tokens"] == want[0]
