@@ -106,14 +106,14 @@ SEEDED = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=7)
 GROUP = 1  # tiny has 4 layers: 4 pieces per send
 
 
-def _engines(tp: int, group: int = GROUP, **kv: object) -> tuple[EngineCore, EngineCore]:
-    base = EngineConfig(
-        model=ModelConfig(model="tiny"),
-        cache=CacheConfig(num_blocks=160),
-        parallel=ParallelConfig(tp=tp),
-    )
-    p = EngineCore(nixl_config(base, "producer", kv_layer_group_size=group, **kv))
-    d = EngineCore(nixl_config(base, "consumer", **kv))
+def _engines(
+    tp: int, group: int = GROUP, tp_d: int | None = None, **kv: object
+) -> tuple[EngineCore, EngineCore]:
+    base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
+    p_base = base.replace(parallel=ParallelConfig(tp=tp))
+    d_base = base.replace(parallel=ParallelConfig(tp=tp if tp_d is None else tp_d))
+    p = EngineCore(nixl_config(p_base, "producer", kv_layer_group_size=group, **kv))
+    d = EngineCore(nixl_config(d_base, "consumer", **kv))
     return p, d
 
 
@@ -165,14 +165,19 @@ def _all_free(*engines: EngineCore) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "kv_checksum"), [(1, "off"), (2, "full")], ids=["tp1", "tp2"])
-def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp, kv_checksum):
+@pytest.mark.parametrize(
+    ("tp", "tp_d", "kv_checksum"),
+    [(1, 1, "off"), (2, 2, "full"), (2, 1, "full")],
+    ids=["tp1", "tp2", "P2-D1-head-slices"],
+)
+def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp, tp_d, kv_checksum):
     """Prompts shorter than a block, an exact multiple of the block size, and 990 tokens;
     greedy and seeded: pipelined P/D == colocated, D computes no prompt token, and every
-    send went out in pieces (4 per rank: one per layer group); with checksums, the sums of
-    the last piece verify every block once all pieces landed."""
+    send went out in pieces (4 per P rank: one per layer group; with P2 -> D1 both P
+    ranks write their heads into D's one rank); with checksums, the sums of the last
+    pieces verify every block once all pieces landed."""
     prompts = [random_prompt(n, 256, seed=n) for n in (5, 32, 990)]
-    p, d = _engines(tp, kv_checksum=kv_checksum)
+    p, d = _engines(tp, tp_d=tp_d, kv_checksum=kv_checksum)
     try:
         base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
         with LLM(base) as llm:
@@ -184,7 +189,7 @@ def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp, kv_c
         ps, ds = p.stats(), d.stats()
         assert ps["kv_pipelined_transfers_total"] == 2 * len(prompts)
         assert ds["prompt_tokens_total"] == 0  # every prompt decoded from pushed KV
-        assert ds["kv_notifs_received_total"] == 2 * len(prompts) * 4 * tp  # pieces x ranks
+        assert ds["kv_notifs_received_total"] == 2 * len(prompts) * 4 * tp  # pieces x P ranks
         assert ds["kv_checksum_failures_total"] == 0
         # The same P unpipelined (P's prefill before D's reservation): same tokens.
         res = _pd(p, d, prompts, GREEDY, reserve_first=False)
