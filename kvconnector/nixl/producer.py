@@ -120,7 +120,14 @@ class Producer:
             piped.first_token, piped.finished_at = first_token, now
             return True  # already being sent: hold the blocks until it is done
         in_flight = any(s.transfer_id == transfer_id for s in self.in_flight.values())
-        if transfer_id in self.pending or transfer_id in self.tombstones or in_flight:
+        dead = self.tombstones.get(transfer_id)
+        if dead is not None and not in_flight and transfer_id not in self.pending:
+            # Ended before its prefill did (D gave up, its reservation expired, a cancel):
+            # D was told or will recompute; nothing to push.
+            logger.info("transfer %s ended before its prefill: %s; not pushing", transfer_id,
+                        dead.why)  # fmt: skip
+            return False
+        if transfer_id in self.pending or in_flight:
             logger.error("transfer id %s is already in use; not pushing it twice", transfer_id)
             return False
         send = PendingSend(
