@@ -199,6 +199,10 @@ class SideChannelServer:
             msg = _unpack(payload_frames[0])
             if not isinstance(msg, dict):
                 raise TypeError(f"request must be a map, got {type(msg).__name__}")
+        except Exception as exc:  # the peer's bytes, not our bug: one line, no traceback
+            logger.warning("side channel: unreadable request: %s: %s", type(exc).__name__, exc)
+            return _pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        try:
             if self._secret is None:
                 if "mac" in msg:
                     return _pack(
