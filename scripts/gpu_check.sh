@@ -124,6 +124,7 @@ PIDS+=($!)
 if wait_up http://127.0.0.1:8100 $P_PID && wait_up http://127.0.0.1:8200 $D_PID && wait_up http://127.0.0.1:8000 "${PIDS[-2]}"; then
   step "serve P/D" 240 "${S[@]}" --base-url http://127.0.0.1:8000 --json "$OUT/serve_pd.json" --plot "$OUT/serve_pd.png"
   step "low load P/D" 120 "${S[@]}" "${LOW[@]}" --seed 2 --base-url http://127.0.0.1:8000 --json "$OUT/low_pd.json"
+  curl -s http://127.0.0.1:8100/metrics >"$OUT/prefill_metrics.txt" 2>/dev/null
   if wait_up http://127.0.0.1:8101 $P2_PID && wait_up http://127.0.0.1:8001 "${PIDS[-1]}"; then
     step "low load P/D pipelined" 120 "${S[@]}" "${LOW[@]}" --seed 3 --base-url http://127.0.0.1:8001 --json "$OUT/low_pd_pipelined.json"
     curl -s http://127.0.0.1:8101/metrics >"$OUT/prefill_pipelined_metrics.txt" 2>/dev/null

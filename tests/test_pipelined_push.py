@@ -191,6 +191,8 @@ def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp, tp_d
         assert ds["prompt_tokens_total"] == 0  # every prompt decoded from pushed KV
         assert ds["kv_notifs_received_total"] == 2 * len(prompts) * 4 * tp  # pieces x P ranks
         assert ds["kv_checksum_failures_total"] == 0
+        # What each push added after its prefill, one observation per push.
+        assert p.connector.histograms["kv_push_exposed_seconds"].count == 2 * len(prompts)
         # The same P unpipelined (P's prefill before D's reservation): same tokens.
         res = _pd(p, d, prompts, GREEDY, reserve_first=False)
         assert res["tokens"] == want[0]

@@ -141,6 +141,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 "P: prefill finished -> its WRITEs issued (waiting for D's reservation)",
                 DURATION_BUCKETS,
             ),
+            "kv_push_exposed_seconds": Histogram(
+                "P: prefill finished -> its push done on every rank (the part of the push "
+                "not hidden behind the prefill; a pipelined push overlaps it)",
+                DURATION_BUCKETS,
+            ),
             "kv_load_wait_seconds": Histogram(
                 "D: blocks reserved -> the KV landed on every rank (P's queue, prefill and push)",
                 DURATION_BUCKETS,
@@ -583,9 +588,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 send = self.producer.send_finished(rid, output.kv_failed.get(rid))
                 if send is None or send.started_at is None:
                     continue
-                self.histograms["kv_transfer_duration_seconds"].observe(
-                    time.monotonic() - send.started_at
-                )
+                now = time.monotonic()
+                self.histograms["kv_transfer_duration_seconds"].observe(now - send.started_at)
+                if rid not in output.kv_failed:
+                    self.histograms["kv_push_exposed_seconds"].observe(
+                        max(0.0, now - send.finished_at)
+                    )
                 if rid in output.kv_failed and send.reservation is not None:
                     self.failed_transfers += 1
                     r = send.reservation
