@@ -255,6 +255,17 @@ class KVTransferConfig:
             "Needs --kv-transport nixl; set on prefill nodes"
         },
     )
+    kv_progress_thread: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "NIXL's UCX progress thread in each worker: it moves bytes in the "
+            "background (TCP across hosts, a WRITE during a forward) but busy-polls a "
+            "core per worker even when idle; off: UCX progresses when the worker polls "
+            "its transfers (every 0.5 ms while any is open, and in every step). auto: "
+            "off on CPU (same-host copies are synchronous and the cores compute), on "
+            "with --device cuda"
+        },
+    )
     kv_pipeline_wait_ms: float = field(
         default=20.0,
         metadata={

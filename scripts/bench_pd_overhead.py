@@ -88,6 +88,7 @@ COUNTERS = ("kv_transfers_started_total", "kv_pipelined_transfers_total")
 HOPS = (
     "kv_prefill_to_push_seconds",
     "kv_transfer_duration_seconds",
+    "kv_push_exposed_seconds",
     "kv_load_wait_seconds",
     "kv_notif_to_step_seconds",
 )

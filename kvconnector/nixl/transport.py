@@ -221,12 +221,16 @@ class NixlTransport:
         num_layers: int | None = None,
         num_heads: int | None = None,
         layer_ranges: bool = False,
+        progress_thread: bool = True,
     ) -> None:
         """``num_layers``/``num_heads`` (this rank's KV heads) describe a block's inside
         (``[layer, kv, head, token, dim]``); they are needed to write head slices
         (heterogeneous TP, ``add_peer(..., heads=...)``) and layer ranges
         (``write_blocks(..., layers=...)``, the pipelined push; ``layer_ranges=True``
-        prepares each peer's unit descriptors in ``add_peer``)."""
+        prepares each peer's unit descriptors in ``add_peer``). ``progress_thread``: NIXL's
+        own thread progressing UCX in the background (it busy-polls: one core per agent);
+        without it UCX progresses only inside this object's calls -- enough when both
+        sides poll while a transfer is open, as the connector's workers do."""
         if not NIXL_AVAILABLE:
             raise NixlTransportError("nixl is not installed (pip install nixl)")
         if not kv_cache.is_contiguous():
@@ -265,7 +269,11 @@ class NixlTransport:
 
         self._agent = nixl_agent(
             agent_name,
-            nixl_agent_config(backends=list(backends), capture_telemetry=telemetry),
+            nixl_agent_config(
+                enable_prog_thread=progress_thread,
+                backends=list(backends),
+                capture_telemetry=telemetry,
+            ),
         )
         if not self._agent.backends:
             raise NixlTransportError(f"none of the NIXL backends {list(backends)} is available")

@@ -70,6 +70,12 @@ class _Count:
     checked: list[Notif] = dataclasses.field(default_factory=list)  # notifs with sums
 
 
+def progress_thread(config: EngineConfig) -> bool:
+    """``--kv-progress-thread``: auto is off on CPU, on with CUDA."""
+    mode = config.kv_transfer.kv_progress_thread
+    return mode == "on" or (mode == "auto" and config.parallel.device == "cuda")
+
+
 class NixlConnectorWorker(KVConnectorWorker):
     def __init__(self, config: EngineConfig, rank: int, world_size: int) -> None:
         super().__init__(config, rank, world_size)
@@ -108,6 +114,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             make = UcxxTransport
         group = self.config.kv_transfer.kv_layer_group_size
         extra: dict[str, Any] = {"layer_ranges": True} if group else {}
+        if self.config.kv_transfer.kv_transport == "nixl":
+            extra["progress_thread"] = progress_thread(self.config)
         self.transport = make(
             name,
             kv_cache,
