@@ -264,8 +264,9 @@ class AsyncLLMEngine:
             for out in outputs:
                 self._deliver(out, out.request_id)
             self._stats = self.core.stats()
-            if num_tokens == 0:
-                # only waiting on transfers/holds (or a delayed admission's end)
+            if num_tokens == 0 and not self.core.has_running():
+                # only waiting on transfers/holds (or a delayed admission's end); a request
+                # whose KV landed in this step is running now: step again at once
                 self._wake.wait(self.core.idle_wait(EMPTY_STEP_WAIT_S))
                 self._wake.clear()
 

@@ -116,6 +116,11 @@ class EngineCore:
         self.executor.set_wake_callback(wake)
         self.connector.set_wake(wake)
 
+    def has_running(self) -> bool:
+        """Requests the next step will compute tokens for (e.g. one whose KV just landed,
+        in a step that computed nothing)."""
+        return bool(self.scheduler.running)
+
     def idle_wait(self, longest: float) -> float:
         """How long an idle loop may wait for a wake-up after a step that computed
         nothing: ``longest``, or less when a delayed admission ends sooner."""

@@ -88,3 +88,63 @@ def test_an_engine_waiting_for_kv_sends_its_workers_no_step_per_loop():
         core.shutdown()
         silent.close(linger=0)
         ctx.term()
+
+
+class _ScriptedCore:
+    """The engine loop's view of an engine: step 1 computes nothing but lands a request's KV
+    (it is running now), step 2 decodes it, then there is no work."""
+
+    def __init__(self, stop) -> None:
+        self.steps, self.stop = 0, stop
+
+    def has_work(self) -> bool:
+        if self.steps >= 2:
+            self.stop.set()  # ends the loop
+        return self.steps < 2
+
+    def has_running(self) -> bool:
+        return self.steps == 1  # after the landing step
+
+    def step(self):
+        self.steps += 1
+        return [], (0 if self.steps == 1 else 1)
+
+    def stats(self):
+        return None
+
+    def idle_wait(self, longest: float) -> float:
+        return longest
+
+
+class _RecordingEvent:
+    def __init__(self, loop) -> None:
+        self.loop, self.waits = loop, []
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        self.loop._stop.set()  # one idle wait is all this test needs to see
+        return False
+
+    def clear(self) -> None:
+        pass
+
+
+def test_a_request_whose_kv_landed_is_decoded_at_once_not_after_the_idle_wait():
+    """The step that sees KV land computes nothing (the request becomes runnable in it);
+    the loop must step again at once, not wait out the 50 ms idle timeout first (it did:
+    the first token after P's was ~55 ms late through the proxy)."""
+    import queue
+    import threading
+
+    from engine.async_engine import AsyncLLMEngine
+
+    loop = AsyncLLMEngine.__new__(AsyncLLMEngine)
+    loop._stop = threading.Event()
+    loop.core = _ScriptedCore(loop._stop)  # type: ignore[assignment]
+    loop._inbox = queue.Queue()
+    loop._wake = _RecordingEvent(loop)  # type: ignore[assignment]
+    loop._streams, loop._streams_lock = {}, threading.Lock()
+    loop._run()
+    # Both steps ran without an idle wait between them.
+    assert loop.core.steps == 2
+    assert loop._wake.waits == []
