@@ -8,11 +8,9 @@ any descendants it left behind (TP workers) are killed too. No psutil: /proc is 
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.bench.cluster import alive, descendants, free_port  # noqa: F401 - re-exported
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -32,37 +32,7 @@ NIXL = ("--kv-connector", "nixl")
 
 
 # -- ports, processes, polling ---------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        for path in glob.glob(f"/proc/{p}/task/*/children"):
-            try:
-                with open(path) as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            out.extend(kids)
-            stack.extend(kids)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+# free_port, descendants and alive are the benchmarks' (engine/bench/cluster.py): one copy.
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:

@@ -32,7 +32,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first."""
     out: list[int] = []
     stack = [pid]
     while stack:
@@ -48,7 +49,8 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
@@ -73,7 +75,7 @@ class Proc:
 
     def terminate(self) -> list[int]:
         """SIGTERM to this PID; returns its descendants (TP workers) as they were."""
-        kids = _descendants(self.popen.pid)
+        kids = descendants(self.popen.pid)
         if self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.popen.send_signal(signal.SIGTERM)
@@ -88,10 +90,10 @@ class Proc:
             self.popen.kill()
             self.popen.wait(10)
         deadline = time.monotonic() + 10
-        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+        while any(alive(k) for k in kids) and time.monotonic() < deadline:
             time.sleep(0.1)
         for k in kids:
-            if _alive(k):
+            if alive(k):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(k, signal.SIGKILL)
 
