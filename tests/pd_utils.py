@@ -55,21 +55,29 @@ def disagg_generate(
     d_params: dict | None = None,
     submit_prefill: bool = True,
     timeout: float = 120.0,
+    reserve_first: bool = False,
 ) -> dict[str, RequestOutput | list[int]]:
-    """P prefills, D decodes. Returns per D request: tokens, and the final output."""
+    """P prefills, D decodes. Returns per D request: tokens, and the final output.
+
+    ``reserve_first``: D's requests go first, and P's only once every reservation reached
+    P (P then knows where to write before its prefill step: a pipelined push)."""
     tokens: dict[str, list[int]] = {}
     final: dict[str, RequestOutput] = {}
-    for i, prompt in enumerate(prompts):
-        tid = f"{tag}{i}-{time.monotonic_ns()}"
-        if submit_prefill:
-            p.add_request(
-                Request(
-                    f"p-{tid}",
-                    prompt,
-                    replace(params, max_tokens=1),
-                    kv_transfer_params=KVTransferParams(do_remote_decode=True, transfer_id=tid),
-                )
+    tids = [f"{tag}{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+
+    def submit_p(tid: str, prompt: list[int]) -> None:
+        p.add_request(
+            Request(
+                f"p-{tid}",
+                prompt,
+                replace(params, max_tokens=1),
+                kv_transfer_params=KVTransferParams(do_remote_decode=True, transfer_id=tid),
             )
+        )
+
+    for tid, prompt in zip(tids, prompts, strict=True):
+        if submit_prefill and not reserve_first:
+            submit_p(tid, prompt)
         rid = f"d-{tid}"
         tokens[rid] = []
         d.add_request(
@@ -87,6 +95,12 @@ def disagg_generate(
                 ),
             )
         )
+
+    if submit_prefill and reserve_first:
+        early = p.connector.producer.early
+        run_until([d], lambda: len(early) >= len(prompts), lambda e, o: None, timeout)
+        for tid, prompt in zip(tids, prompts, strict=True):
+            submit_p(tid, prompt)
 
     def on_output(eng: EngineCore, out: RequestOutput) -> None:
         if eng is d:

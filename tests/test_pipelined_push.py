@@ -99,7 +99,7 @@ from kvconnector.params import KVTransferParams  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_models import random_prompt  # noqa: E402
-from pd_utils import nixl_config, run_until  # noqa: E402
+from pd_utils import disagg_generate, nixl_config, run_until  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 SEEDED = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=7)
@@ -117,44 +117,10 @@ def _engines(
     return p, d
 
 
-def _pd(
-    p: EngineCore,
-    d: EngineCore,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    reserve_first: bool = True,
-    timeout: float = 180.0,
-) -> dict:
-    """D's requests first, and (``reserve_first``) P's only once every reservation
-    reached P: P then knows where to write before its prefill step, so it pipelines."""
-    tag = f"t{time.monotonic_ns()}"
-    tokens: dict[str, list[int]] = {}
-    final: dict[str, object] = {}
-    tids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for tid, prompt in zip(tids, prompts, strict=True):
-        kv = KVTransferParams(
-            do_remote_prefill=True, transfer_id=tid, remote_side_channel=p.connector.address
-        )
-        d.add_request(Request(f"d-{tid}", prompt, params, kv_transfer_params=kv))
-        tokens[f"d-{tid}"] = []
-    if reserve_first:
-        run_until([d], lambda: len(p.connector.producer.early) == len(prompts),
-                  lambda e, o: None, timeout)  # fmt: skip
-    for tid, prompt in zip(tids, prompts, strict=True):
-        kv = KVTransferParams(do_remote_decode=True, transfer_id=tid)
-        p.add_request(
-            Request(f"p-{tid}", prompt, replace(params, max_tokens=1), kv_transfer_params=kv)
-        )
-
-    def on_output(eng: EngineCore, out) -> None:
-        if eng is d:
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                final[out.request_id] = out
-
-    run_until([p, d], lambda: len(final) == len(tokens), on_output, timeout)
-    run_until([p, d], lambda: not p.has_work() and not d.has_work(), lambda e, o: None, timeout)
-    return {"tokens": [tokens[r] for r in tokens], "final": [final[r] for r in tokens]}
+def _pd(p, d, prompts, params, reserve_first: bool = True, timeout: float = 180.0) -> dict:
+    """P/D with D's reservations at P before P's prefill (so that it pipelines)."""
+    return disagg_generate(p, d, prompts, params, tag="t", timeout=timeout,
+                           reserve_first=reserve_first)  # fmt: skip
 
 
 def _all_free(*engines: EngineCore) -> None:
