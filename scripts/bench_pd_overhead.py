@@ -32,6 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engine.bench.interference import kv_hop_means  # noqa: E402
 from engine.bench.serve import add_serve_args, run_benchmark  # noqa: E402
 
 
@@ -95,24 +96,10 @@ HOPS = (
 
 
 def hop_means(url: str) -> list[tuple[str, float, float]]:
-    """(histogram, mean seconds, count) of the P/D hop histograms a node exports."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, value = line.rsplit(" ", 1)
-        name = name.split("{", 1)[0]
-        sums[name] = sums.get(name, 0.0) + float(value)
-    out = []
-    for hop in HOPS:
-        for metric in (f"pdserve_{hop}", hop):
-            count = sums.get(f"{metric}_count", 0.0)
-            if count:
-                out.append((hop, sums[f"{metric}_sum"] / count, count))
-                break
-    return out
+    """(histogram, mean seconds, count) of the P/D hop histograms a node exports, in
+    ``HOPS`` order (read by ``pd-bench interference``'s parser)."""
+    means = kv_hop_means(url)
+    return [(h, means[h]["mean_ms"] / 1e3, means[h]["count"]) for h in HOPS if h in means]
 
 
 def counters(url: str) -> list[tuple[str, float]]:
