@@ -1,7 +1,7 @@
 """The proxy's OpenAI-compatible HTTP front: wiring.
 
 ``build_app(cfg)`` returns a FastAPI app whose lifespan owns the shared node clients
-(one pooled ``httpx.AsyncClient`` for requests, one for health checks), the health
+(one pooled ``NodeClient`` for requests, one for health checks: ``proxy/node_client.py``), the health
 poller and node discovery (registration expiry, DNS names: ``proxy/discovery.py``); the
 kit's middlewares (request id, API key, drain) and error handlers; and routes to
 ``ProxyServing`` (``proxy/serving.py``) and to node registration
@@ -15,7 +15,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -29,6 +28,7 @@ from proxy.dns import DnsDiscovery, Resolver, parse_dns_name, system_resolver
 from proxy.health import HealthChecker
 from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
+from proxy.node_client import NodeClient
 from proxy.nodes import NodePool, Role
 from proxy.registration import DEREGISTER_PATH, REGISTER_PATH, Registry, serve_registration
 from proxy.router import Router
@@ -63,13 +63,14 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(
-            max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections
-        )
-        timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
         async with (
-            httpx.AsyncClient(limits=limits, timeout=timeout, headers=node_auth) as client,
-            httpx.AsyncClient(timeout=cfg.health_timeout, headers=node_auth) as health_client,
+            NodeClient(
+                timeout=cfg.request_timeout,
+                connect_timeout=cfg.connect_timeout,
+                max_connections=cfg.max_connections,
+                headers=node_auth,
+            ) as client,
+            NodeClient(timeout=cfg.health_timeout, headers=node_auth) as health_client,
         ):
             health = HealthChecker(pool, health_client, cfg.health_interval)
             serving.legs, serving.client = Legs(client), client

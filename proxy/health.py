@@ -14,15 +14,14 @@ import contextlib
 import logging
 from typing import Any
 
-import httpx
-
+from proxy.node_client import NodeClient, NodeHTTPError
 from proxy.nodes import Node, NodePool
 
 logger = logging.getLogger(__name__)
 
 
 class HealthChecker:
-    def __init__(self, pool: NodePool, client: httpx.AsyncClient, interval: float) -> None:
+    def __init__(self, pool: NodePool, client: NodeClient, interval: float) -> None:
         self.pool = pool
         self.client = client
         self.interval = interval
@@ -32,7 +31,7 @@ class HealthChecker:
     async def check_node(self, node: Node) -> None:
         try:
             resp = await self.client.get(node.url + "/health")
-        except httpx.HTTPError as e:
+        except NodeHTTPError as e:
             node.set_healthy(False, f"health check failed: {type(e).__name__}: {e}")
             return
         if resp.status_code != 200:
@@ -42,7 +41,7 @@ class HealthChecker:
             try:
                 node.update_info(await self._get_json(node, "/v1/kv_transfer_info"), None)
                 node.update_info(None, await self._get_json(node, "/v1/models"))
-            except (httpx.HTTPError, ValueError) as e:
+            except (NodeHTTPError, ValueError) as e:
                 node.set_healthy(False, f"node facts unavailable: {e}")
                 return
             if node.role == "prefill" and node.side_channel is None:

@@ -1,6 +1,6 @@
 """The two legs of a disaggregated request: one prefill call and one decode call.
 
-``Legs`` owns the shared ``httpx.AsyncClient`` to the nodes and knows how to start a
+``Legs`` owns the shared ``NodeClient`` to the nodes (``proxy/node_client.py``) and knows how to start a
 pair (``Attempt``): P gets the client's body with ``do_remote_decode`` (non-streaming; it
 answers with the first token), D gets it with ``do_remote_prefill`` and P's side-channel
 address. A decode-only attempt (``--disagg-min-prompt-tokens``) has no prefill leg: D gets
@@ -25,11 +25,10 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any
 
-import httpx
-
 from engine.httpkit.admission import OVERLOADED_CODE
 from engine.httpkit.request_id import REQUEST_ID_HEADER
 from kvconnector.params import KVTransferParams
+from proxy.node_client import NodeClient, NodeHTTPError, NodeResponse
 from proxy.nodes import Node
 from proxy.validation import ProxyRequest
 
@@ -66,7 +65,7 @@ class UpstreamError(Exception):
         return self.status is None or (self.status >= 500 and not self.overloaded)
 
 
-async def _error_from_response(node: Node, resp: httpx.Response) -> UpstreamError:
+async def _error_from_response(node: Node, resp: NodeResponse) -> UpstreamError:
     raw = await resp.aread()
     body: dict[str, Any] | None = None
     with contextlib.suppress(ValueError):
@@ -81,7 +80,7 @@ async def _error_from_response(node: Node, resp: httpx.Response) -> UpstreamErro
 class Legs:
     """Shared node client plus fire-and-forget housekeeping (aborts, stream closes)."""
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: NodeClient) -> None:
         self.client = client
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -108,7 +107,7 @@ class Legs:
                 logger.info(
                     "abort of %s on %s answered %s", transfer_id, node.url, resp.status_code
                 )
-        except httpx.HTTPError as e:
+        except NodeHTTPError as e:
             logger.info("abort of %s on %s failed: %s", transfer_id, node.url, e)
 
     async def prefill(self, req: ProxyRequest, node: Node, rid: str, tid: str) -> dict[str, Any]:
@@ -121,7 +120,7 @@ class Legs:
                 resp = await self.client.post(
                     node.url + req.path, json=body, headers={REQUEST_ID_HEADER: rid}
                 )
-            except httpx.HTTPError as e:
+            except NodeHTTPError as e:
                 raise UpstreamError(node, f"{type(e).__name__}: {e}") from e
             if resp.status_code != 200:
                 raise await _error_from_response(node, resp)
@@ -140,7 +139,7 @@ class Legs:
         tid: str,
         side_channel: str | None,
         skip_first: bool,
-    ) -> httpx.Response:
+    ) -> NodeResponse:
         """Send the decode leg; returns the (streaming) response once its headers arrived.
         Without ``side_channel`` D prefills the prompt itself (no KV comes)."""
         if side_channel is None:
@@ -153,18 +152,17 @@ class Legs:
                 skip_first_token=skip_first,
             )
         body = {**req.body, "kv_transfer_params": kv.to_dict()}
-        request = self.client.build_request(
-            "POST", node.url + req.path, json=body, headers={REQUEST_ID_HEADER: rid}
-        )
         try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as e:
+            resp = await self.client.send_stream(
+                "POST", node.url + req.path, json=body, headers={REQUEST_ID_HEADER: rid}
+            )
+        except NodeHTTPError as e:
             raise UpstreamError(node, f"{type(e).__name__}: {e}") from e
         if resp.status_code != 200:
             try:
                 raise await _error_from_response(node, resp)
             finally:
-                await resp.aclose()
+                resp.close()
         return resp
 
 
@@ -188,7 +186,7 @@ class Attempt:
         self._d_leased = True
         side = p.side_channel if p is not None else None
         self.d_task = asyncio.ensure_future(legs.open_decode(req, d, rid, tid, side, skip_first))
-        self.d_stream: httpx.Response | None = None
+        self.d_stream: NodeResponse | None = None
         self.finished = False  # D's answer was read to its end
         self.prestream = False  # P's first token goes to the client before D's stream
         self._aborted = False
@@ -206,7 +204,7 @@ class Attempt:
                 raise self.d_task.exception()  # type: ignore[misc]
         return self.p_task.result()
 
-    async def wait_decode(self) -> httpx.Response:
+    async def wait_decode(self) -> NodeResponse:
         """D's open response. If P fails first, P's error is raised."""
         tasks = {self.d_task} if self.p_task is None else {self.p_task, self.d_task}
         while not self.d_task.done():
@@ -229,7 +227,7 @@ class Attempt:
                 task.cancel()
             task.add_done_callback(_consume)
         if self.d_stream is not None:
-            self.legs.spawn(self.d_stream.aclose())
+            self.d_stream.close()
             self.d_stream = None
         if self._d_leased:
             self._d_leased = False
@@ -242,6 +240,10 @@ class Attempt:
 
 
 def _consume(task: asyncio.Future[Any]) -> None:
-    """Retrieve a finished leg's outcome so asyncio does not log it as never retrieved."""
-    if not task.cancelled():
-        task.exception()
+    """Retrieve a finished leg's outcome so asyncio does not log it as never retrieved, and
+    close a decode answer nobody claimed (D answered after the attempt was dropped): an
+    open answer holds one of the client's connection slots."""
+    if not task.cancelled() and task.exception() is None:
+        result = task.result()
+        if isinstance(result, NodeResponse):
+            result.close()

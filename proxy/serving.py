@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -22,6 +21,7 @@ from engine.server.protocol import APIError
 from proxy.config import ProxyConfig
 from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
+from proxy.node_client import NodeClient, NodeHTTPError
 from proxy.nodes import NodePool
 from proxy.router import Router
 from proxy.session import PassThrough, Session
@@ -49,7 +49,7 @@ class ProxyServing:
         self.inflight = 0
         self.reading = 0  # requests whose bodies are being read and validated
         self.legs: Legs | None = None  # set by the app's lifespan
-        self.client: httpx.AsyncClient | None = None
+        self.client: NodeClient | None = None
 
     async def generate(self, request: Request, endpoint: str) -> Response:
         """A completion or chat request: refuse at ``--max-inflight`` (429, before the body
@@ -146,7 +146,7 @@ class ProxyServing:
             resp = await self.client.post(
                 node.url + path, content=raw, headers={"Content-Type": "application/json"}
             )
-        except httpx.HTTPError as e:
+        except NodeHTTPError as e:
             err = APIError(
                 f"node {node.url} did not answer {path}: {e!r}", status_code=502,
                 err_type="server_error", code="upstream_error",

@@ -44,8 +44,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
-
 from engine.httpkit import openai
 from engine.httpkit.sse import SSE_DONE, sse_event
 from engine.httpkit.sse_reader import SSEReader
@@ -54,6 +52,7 @@ from engine.server.protocol import APIError, error_body
 from proxy.config import ProxyConfig
 from proxy.legs import Attempt, Legs, UpstreamError
 from proxy.metrics import ProxyMetrics
+from proxy.node_client import NodeHTTPError, NodeResponse
 from proxy.prefix import answer_suffix
 from proxy.router import NoHealthyNode, Route, Router
 from proxy.validation import ProxyRequest
@@ -247,7 +246,7 @@ class Session:
             except UpstreamError as e:
                 self._failed(attempt, e)
                 continue
-            except (httpx.HTTPError, ValueError) as e:
+            except (NodeHTTPError, ValueError) as e:
                 self._failed(attempt, UpstreamError(attempt.d, f"reading the answer: {e}"))
                 continue
             self._saw_first_token()
@@ -322,7 +321,7 @@ class Session:
             body["usage"] = None
         return body
 
-    async def _reopen_after_first_token(self) -> httpx.Response:
+    async def _reopen_after_first_token(self) -> NodeResponse:
         """D failed after P's token was streamed: rerun a pair that agrees on that token."""
         while True:
             attempt = self._launch(allow_decode_only=False)
@@ -380,6 +379,7 @@ class Session:
                     last = now
                 yield sse_event(out)
             if events.done:
+                await resp.drain()  # the stream's last chunk: the connection stays reusable
                 assert self.current is not None
                 self.current.finished = True
                 self.current.d.mark_answered()
@@ -391,10 +391,10 @@ class Session:
             else:
                 raise UpstreamError(self.current.d, "the decode stream ended without [DONE]")
             yield SSE_DONE
-        except (UpstreamError, APIError, PassThrough, httpx.HTTPError, ValueError) as e:
+        except (UpstreamError, APIError, PassThrough, NodeHTTPError, ValueError) as e:
             if isinstance(e, UpstreamError) and e.node_fault:
                 e.node.mark_failed(e.detail)
-            elif isinstance(e, httpx.HTTPError) and self.current is not None:
+            elif isinstance(e, NodeHTTPError) and self.current is not None:
                 self.current.d.mark_failed(f"decode stream broke: {e}")
             logger.warning("request %s failed mid-stream: %s", self.request_id, e)
             self.metrics.errors.labels("stream_error").inc()

@@ -207,38 +207,37 @@ def test_a_stream_to_decode_nodes_that_just_refused_for_load_gets_the_429_even_w
 ):
     """Every decode node answered a request with 429; P answers a streamed request before
     D's refusal arrives. The client must get D's 429 (a status it can act on), not a 200
-    stream with P's first token followed by an error event."""
-    import httpx
-
+    stream with P's first token followed by an error event. Stand-in nodes on loopback."""
     from proxy.config import ProxyConfig
     from proxy.legs import Legs
     from proxy.metrics import ProxyMetrics
+    from proxy.node_client import NodeClient
     from proxy.nodes import NodePool
     from proxy.router import Router
     from proxy.session import PassThrough, Session
     from proxy.validation import COMPLETIONS, validate_request
+    from tests.standin_http import SeenRequest, StandIn, answer
 
-    p_url, d_urls = "http://10.0.0.1:8100", ("http://10.0.0.2:8200", "http://10.0.0.3:8200")
-    cfg = ProxyConfig(prefill=(p_url,), decode=d_urls)
-    pool = NodePool(cfg.prefill, cfg.decode)
-    for node in pool.all():
-        node.set_healthy(True)
-        node.update_info({"side_channel": "tcp://10.0.0.1:5600"}, {"data": [{"id": "tiny"}]})
     refused = {
         "error": {"message": "at the limit", "type": "rate_limit_error", "code": "overloaded"}
     }
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.port == 8100:  # P: the first token at once
-            body = {"choices": [{"index": 0, "text": "6", "token_ids": [54]}], "model": "tiny"}
-            return httpx.Response(200, json=body)
-        await asyncio.sleep(0.3)  # D: the refusal comes after P's answer
-        return httpx.Response(429, json=refused, headers={"Retry-After": "2"})
+    async def prefill(req: SeenRequest) -> bytes:  # P: the first token at once
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        body = {"choices": [{"index": 0, "text": "6", "token_ids": [54]}], "model": "tiny"}
+        return answer(200, body)
 
-    async def run(stream: bool) -> tuple[int, str | None]:
+    async def decode(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        await asyncio.sleep(0.3)  # D: the refusal comes after P's answer
+        return answer(429, refused, {"Retry-After": "2"})
+
+    async def run(pool: NodePool, cfg: ProxyConfig, stream: bool) -> tuple[int, str | None]:
         body = {"prompt": "x", "max_tokens": 4, "stream": stream}
         req = validate_request(COMPLETIONS, json.dumps(body).encode(), ["tiny"], None)
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        async with NodeClient(timeout=10) as client:
             legs = Legs(client)
             session = Session(req, "r", cfg, Router(pool), legs, ProxyMetrics(pool))
             try:
@@ -254,5 +253,16 @@ def test_a_stream_to_decode_nodes_that_just_refused_for_load_gets_the_429_even_w
                 session.close()
                 await legs.drain()  # the aborts of the refused legs
 
-    assert asyncio.run(run(stream=False)) == (429, "2")
-    assert asyncio.run(run(stream=True)) == (429, "2")
+    async def main() -> list[tuple[int, str | None]]:
+        async with StandIn(prefill) as p, StandIn(decode) as d1, StandIn(decode) as d2:
+            cfg = ProxyConfig(prefill=(p.url,), decode=(d1.url, d2.url))
+            pool = NodePool(cfg.prefill, cfg.decode)
+            for node in pool.all():
+                node.set_healthy(True)
+                node.update_info(
+                    {"side_channel": "tcp://10.0.0.1:5600"}, {"data": [{"id": "tiny"}]}
+                )
+            # The first (not streamed) request teaches the proxy that every D refuses.
+            return [await run(pool, cfg, stream=False), await run(pool, cfg, stream=True)]
+
+    assert asyncio.run(main()) == [(429, "2"), (429, "2")]
