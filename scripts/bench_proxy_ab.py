@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""The proxy's own overhead, this checkout against another one, in one run.
+
+    git worktree add /tmp/base <commit>
+    python scripts/bench_proxy_ab.py --baseline-tree /tmp/base [-n 200]
+
+Starts one colocated node and one prefill node (from this checkout), and two proxies in
+front of them -- one run from ``--baseline-tree``, one from this checkout -- each sending
+every request to the colocated node as a decode node prefilling by itself (no P/D), so
+the difference to calling the node straight is the proxy alone. One-token requests go
+straight / via the baseline proxy / via this proxy in turn, so the box's load drift hits
+all three alike. Prints p50 latency of each, the per-request difference to straight, and
+each proxy's CPU per request (from /proc). Stops everything it started, by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_pd_overhead import cpu_seconds, free_port, wait_healthy  # noqa: E402
+
+
+def start(tree: Path, log: Path, *cmd: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *cmd, "--port", str(port)],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tree, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+    )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline-tree", type=Path, required=True, help="another checkout")
+    ap.add_argument("-n", "--requests", type=int, default=200)
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp/proxy_ab_logs"))
+    args = ap.parse_args()
+    import httpx
+
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    common = ["--model", "tiny", "--num-blocks", "1024", "--log-level", "WARNING"]
+    procs: list[subprocess.Popen] = []
+    try:
+        node, node_url = start(ROOT, args.log_dir / "node.log", "decode_node", *common)
+        pre, pre_url = start(
+            ROOT, args.log_dir / "p.log", "prefill_node", *common, "--kv-connector", "nixl"
+        )
+        procs += [node, pre]
+        wait_healthy(node_url, node)
+        wait_healthy(pre_url, pre)
+        proxies: dict[str, tuple[subprocess.Popen, str]] = {}
+        for name, tree in (("baseline", args.baseline_tree.resolve()), ("this", ROOT)):
+            proxies[name] = start(
+                tree, args.log_dir / f"proxy_{name}.log", "proxy", "serve",
+                "--prefill", pre_url, "--decode", node_url,
+                "--disagg-min-prompt-tokens", "1000000000",
+            )  # fmt: skip
+            procs.append(proxies[name][0])
+        for proc, url in proxies.values():
+            wait_healthy(url, proc)
+        targets = [("straight", node_url)] + [(k, u) for k, (_, u) in proxies.items()]
+        times: dict[str, list[float]] = {k: [] for k, _ in targets}
+        cpu0 = {k: cpu_seconds(p.pid) for k, (p, _) in proxies.items()}
+        body = {"model": "tiny", "max_tokens": 1, "temperature": 0}
+        warm = 5
+        with httpx.Client(timeout=60) as client:
+            for i in range(args.requests + warm):
+                for name, url in targets:
+                    t0 = time.perf_counter()
+                    r = client.post(url + "/v1/completions", json={**body, "prompt": f"{i} {name}"})
+                    r.raise_for_status()
+                    if i >= warm:
+                        times[name].append((time.perf_counter() - t0) * 1000)
+        med = statistics.median
+        print(
+            f"n={args.requests}, one-token requests; straight p50 {med(times['straight']):.2f} ms"
+        )
+        for name, (proc, _) in proxies.items():
+            cpu = (cpu_seconds(proc.pid) - cpu0[name]) * 1000 / (args.requests + warm)
+            diff = med(a - b for a, b in zip(times[name], times["straight"], strict=True))
+            print(
+                f"{name:8s} via the proxy p50 {med(times[name]):.2f} ms, overhead p50 "
+                f"{diff:.2f} ms, proxy CPU {cpu:.2f} ms per request"
+            )
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
