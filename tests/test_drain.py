@@ -5,13 +5,14 @@ in flight finish, and streams still open at --shutdown-timeout end with an error
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
 
 import httpx
 import pytest
-from harness import Procs, sse_data, wait_for
+from harness import Procs, descendants, sse_data, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +62,30 @@ def test_sigterm_refuses_new_work_and_lets_a_running_request_finish(procs: Procs
     first = json.loads(out["first"].removeprefix("data:"))
     assert tokens + len(first["choices"][0]["token_ids"]) == 200
     assert node.proc.wait(60) == 0, node.logs()
+
+
+def test_sigterm_to_the_whole_process_group_still_drains_a_running_request(procs: Procs):
+    """systemd (KillMode=control-group) and ``kill -TERM -PGID`` signal the TP workers too.
+    The workers leave their shutdown to the engine process, so the drain still finishes
+    the request and the node exits cleanly, without an "executor dead" error."""
+    node = procs.node(*NODE_ARGS, "--shutdown-timeout", "60")
+    out: dict = {}
+    body = {"prompt": "finish me too", "max_tokens": 200, "stream": True, **GREEDY}
+    t = _stream_in_thread(node.url, body, out)
+    wait_for(lambda: "first" in out, 60, "the stream to start")
+    workers = descendants(node.pid)
+    assert workers, "a node runs its TP rank in a worker process"
+    for pid in (node.pid, *workers):
+        os.kill(pid, signal.SIGTERM)
+    t.join(120)
+    events = out["events"]
+    assert events[-1] == "DONE", events[-3:]
+    assert events[-2]["choices"][0]["finish_reason"] == "length", events[-3:]
+    first = json.loads(out["first"].removeprefix("data:"))
+    tokens = sum(len(e["choices"][0]["token_ids"]) for e in events[:-1] if e.get("choices"))
+    assert tokens + len(first["choices"][0]["token_ids"]) == 200
+    assert node.proc.wait(60) == 0, node.logs()
+    assert "executor dead" not in node.logs(100_000)
 
 
 def test_streams_open_at_the_shutdown_timeout_end_with_an_error_event(procs: Procs):

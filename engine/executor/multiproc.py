@@ -223,10 +223,7 @@ class MultiprocExecutor:
                 conn.send_bytes(b"shutdown")
         for proc in self.procs:
             proc.join(SHUTDOWN_GRACE_S)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(SHUTDOWN_GRACE_S)
-            if proc.is_alive():
+            if proc.is_alive():  # workers ignore SIGTERM (see worker_main): SIGKILL
                 proc.kill()
                 proc.join()
         for conn in self._task + self._result:

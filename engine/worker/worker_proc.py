@@ -95,8 +95,11 @@ def worker_main(
     log_level: str = "INFO",
 ) -> None:
     _setup_logging(rank, log_level)
-    # Ctrl-C reaches the whole process group; the engine process shuts workers down.
+    # Ctrl-C, ``kill -TERM -PGID`` and systemd (KillMode=control-group) signal the whole
+    # group; the engine process drains, then shuts its workers down (a worker killed here
+    # would fail the requests the drain is finishing). A parent that dies is noticed below.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     device, backend = "cpu", "gloo"
     if config.parallel.device == "cuda":
