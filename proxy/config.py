@@ -116,7 +116,11 @@ class ProxyConfig:
         default=600.0, metadata={"help": "max seconds to wait for a node's next bytes"}
     )
     max_connections: int = field(
-        default=1024, metadata={"help": "pooled HTTP connections to nodes, in total"}
+        default=1024,
+        metadata={
+            "help": "node calls in flight at once, each on a keep-alive connection "
+            "(a further call waits for one to end); up to as many idle ones kept per node"
+        },
     )
     node_skip_first_token: bool = field(
         default=False,
