@@ -14,6 +14,10 @@ driver), ``ucx_info -d`` is run once. ``PDSERVE_TEST_HW_ON_CPU=1`` skips none of
 the hardware tests then run their code on CPU (``--device cpu``), a dry run of the tests
 themselves on a box without the hardware (see docs/deploy.md, "Running the hardware
 tests").
+
+``isolated``: the test runs in a child pytest process (``isolated.py``), so a crash in
+native code fails that test, not the run (the UCXX tests that build ``ucxx`` workers in
+the test process).
 """
 
 from __future__ import annotations
@@ -26,10 +30,15 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import isolated
 import pytest
 from harness import PD, Procs, procs_in
 
 PROCESS_FIXTURES = {"procs", "module_procs", "pd_pair"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(isolated, "pdserve-isolated")  # @pytest.mark.isolated
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

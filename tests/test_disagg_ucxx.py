@@ -2,7 +2,15 @@
 whose ranks push KV with ``UcxxTransport`` answer what a colocated node answers, with
 homogeneous and heterogeneous TP; a NIXL node and a UCXX node refuse to pair; the
 worker's fencing holds with real UCXX notifications; a dead or killed peer ends every
-wait. Skipped without ``ucxx`` (the optional ``.[ucxx]`` extra; CI installs ``.[test]``).
+wait.
+
+These tests run in CI: ``ucxx`` is in the ``.[test]`` extra (for users it stays the
+optional ``.[ucxx]`` extra). Without ``ucxx`` installed every test skips, saying so.
+``PDSERVE_TEST_UCXX=0`` switches them off. Engines and nodes build their transports in
+their own worker and node processes; the two fencing tests that build ``UcxxTransport``
+objects in the test's process run in a child pytest process (``@pytest.mark.isolated``,
+``tests/isolated.py``), so a segfault in ``ucxx`` (seen once, closing an endpoint) fails
+that test, not the whole run.
 """
 
 from __future__ import annotations
@@ -30,17 +38,11 @@ from engine.sampling_params import SamplingParams
 from kvconnector.nixl.messages import Notif, TransferFailed
 from kvconnector.nixl.transport_ucxx import ucxx_available
 
-if not os.environ.get("PDSERVE_TEST_UCXX"):
-    # Opt-in: ucxx's endpoint close on a peer killed mid-write can segfault the calling
-    # process (seen once in test_write_to_killed_peer_errors_without_hanging), which
-    # would take a whole pytest run down. Run with PDSERVE_TEST_UCXX=1 and ucxx installed.
-    pytest.skip(
-        "ucxx tests are opt-in: PDSERVE_TEST_UCXX=1 (and pip install -e '.[ucxx]')",
-        allow_module_level=True,
-    )
+if os.environ.get("PDSERVE_TEST_UCXX", "").strip().lower() in ("0", "false", "no", "off"):
+    pytest.skip("ucxx tests switched off (PDSERVE_TEST_UCXX=0)", allow_module_level=True)
 if not ucxx_available():
     pytest.skip(
-        "ucxx is not installed (optional transport: pip install -e '.[ucxx]')",
+        "ucxx is not installed (pip install -e '.[test]' or '.[ucxx]')",
         allow_module_level=True,
     )
 
@@ -248,6 +250,7 @@ def _running(d: Any, rid: str) -> bool:
     return any(r.request_id == rid for r in d.sch.running)
 
 
+@pytest.mark.isolated  # ucxx workers in the test's process
 def test_ucxx_a_stale_notification_cannot_complete_a_newer_transfer(ucxx_decode):
     """An old transfer's notification from rank 0 and the new one's from rank 1 do not
     add up to "all ranks have it"; the new transfer's two do, and its blocks hold what
@@ -274,6 +277,7 @@ def test_ucxx_a_stale_notification_cannot_complete_a_newer_transfer(ucxx_decode)
         assert torch.equal(w._kv_cache[blocks], p_kv[blocks]), f"rank {rank}"
 
 
+@pytest.mark.isolated  # ucxx workers in the test's process
 def test_ucxx_a_notification_without_the_reservations_nonce_completes_nothing(ucxx_decode):
     u, d = ucxx_decode, ucxx_decode.d
     nonce = d.add("X", "t1")

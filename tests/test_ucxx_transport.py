@@ -3,10 +3,16 @@ workers, no mocks: the same checks as ``tests/test_nixl_transport.py`` (whole bl
 slices, notifications only after the data, a peer killed mid-write, a hung peer), plus
 what the receiving side must refuse.
 
-The test process plays the prefill worker (P); a spawned child plays the decode worker
-(D) and serves a small side-channel API so the test can read its KV cache and notifs.
-Every test skips when ``ucxx`` is not installed (CI installs ``.[test]`` only; the
-transport is the optional ``.[ucxx]`` extra).
+The test plays the prefill worker (P); a spawned child plays the decode worker (D) and
+serves a small side-channel API so the test can read its KV cache and notifs.
+
+These tests run in CI: ``ucxx`` is in the ``.[test]`` extra (for users it stays the
+optional ``.[ucxx]`` extra). Without ``ucxx`` installed every test skips, saying so.
+``PDSERVE_TEST_UCXX=0`` switches them off. Each test runs in a child pytest process
+(``@pytest.mark.isolated``, ``tests/isolated.py``): a test builds ``ucxx`` workers and
+endpoints in its own process, and ``ucxx`` was seen to segfault once closing an endpoint
+to a peer killed mid-write (``test_write_to_killed_peer_errors_without_hanging``); a
+crash like that fails that one test, with its signal and output, not the whole run.
 """
 
 from __future__ import annotations
@@ -29,20 +35,16 @@ from engine.kv_cache_layout import KVCacheSpec
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
 from kvconnector.nixl.transport_ucxx import UcxxTransport, ucxx_available
 
-if not os.environ.get("PDSERVE_TEST_UCXX"):
-    # Opt-in: ucxx's endpoint close on a peer killed mid-write can segfault the calling
-    # process (seen once in test_write_to_killed_peer_errors_without_hanging), which
-    # would take a whole pytest run down. Run with PDSERVE_TEST_UCXX=1 and ucxx installed.
-    pytest.skip(
-        "ucxx tests are opt-in: PDSERVE_TEST_UCXX=1 (and pip install -e '.[ucxx]')",
-        allow_module_level=True,
-    )
+if os.environ.get("PDSERVE_TEST_UCXX", "").strip().lower() in ("0", "false", "no", "off"):
+    pytest.skip("ucxx tests switched off (PDSERVE_TEST_UCXX=0)", allow_module_level=True)
 if not ucxx_available():
     pytest.skip(
-        "ucxx is not installed (optional transport: pip install -e '.[ucxx]')",
+        "ucxx is not installed (pip install -e '.[test]' or '.[ucxx]')",
         allow_module_level=True,
     )
-pytestmark = pytest.mark.slow  # D is a spawned process; every transport has a UCX thread
+# D is a spawned process; every transport has a UCX thread. Each test in a child pytest
+# process: a segfault in ucxx fails that test, not the run (module docstring).
+pytestmark = [pytest.mark.slow, pytest.mark.isolated]
 
 SPEC = KVCacheSpec(
     num_blocks=32, num_layers=2, num_kv_heads=2, block_size=16, head_dim=32, dtype=torch.float16
