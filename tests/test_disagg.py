@@ -111,6 +111,9 @@ def test_64_concurrent_requests_leave_no_state(checkpoint):
             assert not eng.connector.has_pending_work()
             assert eng.executor.aggregator.pending_ids == set()
         assert p.stats()["kv_rank_transfers_done_total"] == 64
+        # Each WRITE's wire time lies inside the engine's view of its push (TP 1 here).
+        _, engine_view = p.connector.histograms["kv_transfer_duration_seconds"].snapshot()
+        assert 0 < p.stats()["kv_rank_write_seconds_total"] <= engine_view
     finally:
         p.shutdown()
         d.shutdown()

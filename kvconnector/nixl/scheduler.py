@@ -134,7 +134,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._worker_stats = NixlWorkerStats()  # the ranks' transport counters, summed
         self.histograms = {
             "kv_transfer_duration_seconds": Histogram(
-                "KV push duration: from issuing the WRITEs to all ranks done", DURATION_BUCKETS
+                "KV push duration as the engine sees it: from the step that issues the "
+                "WRITEs to all ranks reported done (the posting step and the report included; "
+                "the wire time alone is kv_rank_write_seconds_total)",
+                DURATION_BUCKETS,
             ),
             # One histogram per hop of a P/D request (docs/performance.md, "P/D hops").
             "kv_prefill_to_push_seconds": Histogram(

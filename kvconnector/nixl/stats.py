@@ -41,4 +41,8 @@ class NixlWorkerStats(Stats):
     kv_rank_transfers_started_total: int = counter("Per-rank WRITEs started")
     kv_rank_transfers_done_total: int = counter("Per-rank WRITEs completed")
     kv_rank_transfers_failed_total: int = counter("Per-rank WRITEs failed")
+    kv_rank_write_seconds_total: float = counter(
+        "Seconds per-rank WRITEs took, posted to completion seen, over completed ones (the "
+        "wire time: divide by kv_rank_transfers_done_total for the mean)"
+    )
     kv_notifs_received_total: int = counter("KV-landed notifications received, all ranks")

@@ -124,6 +124,7 @@ class TransportStats:
     bytes_written: int = 0  # bytes of transfers that completed
     blocks_written: int = 0
     descriptors_total: int = 0  # over all started transfers
+    write_seconds: float = 0.0  # posted -> completion seen, summed over completed transfers
     last_descriptors: int = 0
 
 
@@ -605,6 +606,7 @@ class NixlTransport:
         handle.finished_at = time.monotonic()
         if state == DONE:
             self.stats.transfers_done += 1
+            self.stats.write_seconds += handle.finished_at - handle.started_at
             self.stats.bytes_written += handle.num_bytes
             self.stats.blocks_written += handle.num_blocks
         else:

@@ -633,6 +633,7 @@ class UcxxTransport:
         handle.finished_at = time.monotonic()
         if state == DONE:
             self.stats.transfers_done += 1
+            self.stats.write_seconds += handle.finished_at - handle.started_at
             self.stats.bytes_written += handle.num_bytes
             self.stats.blocks_written += handle.num_blocks
         else:

@@ -428,6 +428,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             kv_rank_transfers_started_total=s.transfers_started,
             kv_rank_transfers_done_total=s.transfers_done,
             kv_rank_transfers_failed_total=s.transfers_failed,
+            kv_rank_write_seconds_total=s.write_seconds,
             kv_notifs_received_total=self._notifs,
         )
 
