@@ -187,7 +187,7 @@ class AsyncLLMEngine:
         return self.core.connector.info()
 
     def histograms(self) -> dict[str, Any]:
-        """Connector histograms by metric name (``kvconnector.nixl.histogram.Histogram``)."""
+        """Connector histograms by metric name (``engine.stats.Histogram`` with a ``doc``)."""
         return dict(getattr(self.core.connector, "histograms", {}))
 
     def _post(self, item: tuple[str, Any]) -> None:

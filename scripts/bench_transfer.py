@@ -107,7 +107,7 @@ def main() -> None:
                 n += 1
                 tid = f"b{n}"
                 prompt = [(i * 7) % 250 + 1 for i in range(length)]
-                before, stats0 = hist.snapshot()[1], p.stats()
+                before, stats0 = hist.snapshot().sum, p.stats()
                 p_params = KVTransferParams(do_remote_decode=True, transfer_id=tid)
                 d_params = KVTransferParams(
                     do_remote_prefill=True,
@@ -118,7 +118,7 @@ def main() -> None:
                 d_sp = replace(sp, max_tokens=2)
                 d.add_request(Request(f"d{tid}", prompt, d_sp, kv_transfer_params=d_params))
                 step_until([p, d], lambda: not p.has_work() and not d.has_work())
-                durations.append(hist.snapshot()[1] - before)
+                durations.append(hist.snapshot().sum - before)
                 nbytes = p.stats()["kv_bytes_sent_total"] - stats0.get("kv_bytes_sent_total", 0)
                 descs = p.stats()["kv_descriptors_total"] - stats0.get("kv_descriptors_total", 0)
             if row == 0:

@@ -65,11 +65,9 @@ class EngineStatsCollector(Collector):
             )
         histograms = getattr(self._engine, "histograms", dict)()
         for name, hist in sorted(histograms.items()):
-            buckets, total = hist.snapshot()
+            value = hist.snapshot()
             h = HistogramMetricFamily(f"{PREFIX}_{name}", hist.doc)
-            h.add_metric(
-                [], [("+Inf" if le == float("inf") else repr(le), n) for le, n in buckets], total
-            )
+            h.add_metric([], [(_le(le), n) for le, n in value.cumulative()], value.sum)
             yield h
 
 
