@@ -3,6 +3,7 @@
 
     git worktree add /tmp/base <commit>
     python scripts/bench_proxy_ab.py --baseline-tree /tmp/base [-n 200]
+    python scripts/bench_proxy_ab.py --baseline-tree /tmp/base --stream --output-len 128
 
 Starts one colocated node and one prefill node (from this checkout), and two proxies in
 front of them -- one run from ``--baseline-tree``, one from this checkout -- each sending
@@ -10,7 +11,9 @@ every request to the colocated node as a decode node prefilling by itself (no P/
 the difference to calling the node straight is the proxy alone. One-token requests go
 straight / via the baseline proxy / via this proxy in turn, so the box's load drift hits
 all three alike. Prints p50 latency of each, the per-request difference to straight, and
-each proxy's CPU per request (from /proc). Stops everything it started, by PID.
+each proxy's CPU per request (from /proc). ``--stream --output-len N``: streamed requests
+of N tokens (``ignore_eos``), read to their end; the CPU per token is the proxy's cost of
+relaying one event. Stops everything it started, by PID.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def main() -> int:
     ap.add_argument("--baseline-tree", type=Path, required=True, help="another checkout")
     ap.add_argument("-n", "--requests", type=int, default=200)
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/proxy_ab_logs"))
+    ap.add_argument("--stream", action="store_true", help="streamed requests")
+    ap.add_argument("--output-len", type=int, default=1, help="tokens per request")
     args = ap.parse_args()
     import httpx
 
@@ -72,19 +77,25 @@ def main() -> int:
         targets = [("straight", node_url)] + [(k, u) for k, (_, u) in proxies.items()]
         times: dict[str, list[float]] = {k: [] for k, _ in targets}
         cpu0 = {k: cpu_seconds(p.pid) for k, (p, _) in proxies.items()}
-        body = {"model": "tiny", "max_tokens": 1, "temperature": 0}
+        body = {"model": "tiny", "max_tokens": args.output_len, "temperature": 0}
+        body.update(ignore_eos=True, stream=args.stream)
         warm = 5
         with httpx.Client(timeout=60) as client:
             for i in range(args.requests + warm):
                 for name, url in targets:
                     t0 = time.perf_counter()
-                    r = client.post(url + "/v1/completions", json={**body, "prompt": f"{i} {name}"})
-                    r.raise_for_status()
+                    req = {**body, "prompt": f"{i} {name}"}
+                    with client.stream("POST", url + "/v1/completions", json=req) as r:
+                        r.raise_for_status()
+                        for _ in r.iter_bytes():
+                            pass
                     if i >= warm:
                         times[name].append((time.perf_counter() - t0) * 1000)
         med = statistics.median
+        kind = "streamed" if args.stream else "plain"
         print(
-            f"n={args.requests}, one-token requests; straight p50 {med(times['straight']):.2f} ms"
+            f"n={args.requests} {kind} requests of {args.output_len} token(s); "
+            f"straight p50 {med(times['straight']):.2f} ms"
         )
         for name, (proc, _) in proxies.items():
             cpu = (cpu_seconds(proc.pid) - cpu0[name]) * 1000 / (args.requests + warm)
@@ -92,6 +103,7 @@ def main() -> int:
             print(
                 f"{name:8s} via the proxy p50 {med(times[name]):.2f} ms, overhead p50 "
                 f"{diff:.2f} ms, proxy CPU {cpu:.2f} ms per request"
+                + (f", {1000 * cpu / args.output_len:.0f} us per token" if args.stream else "")
             )
     finally:
         for proc in procs:
