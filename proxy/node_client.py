@@ -207,7 +207,10 @@ class NodeResponse:
     async def aiter_lines(self) -> AsyncIterator[str]:
         """The body's lines (UTF-8, without their ``\\n`` or ``\\r\\n``)."""
         pending = b""
-        async for piece in self.aiter_bytes():
+        if self._body is None and not self._done:
+            self._body = self._read_body()
+        pieces = self._body if self._body is not None else self.aiter_bytes()
+        async for piece in pieces:  # straight from the wire's reader: one generator less
             pending += piece
             if b"\n" not in piece:
                 continue

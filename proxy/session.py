@@ -367,7 +367,8 @@ class Session:
                     break
                 if isinstance(obj.get("usage"), dict):
                     self.router.observe_usage(self.req.key, obj)
-                await self._fill_logprobs(obj)
+                if self.req.parsed.logprobs is not None:
+                    await self._fill_logprobs(obj)
                 out = self._rewrite(obj)
                 if out is None:
                     continue
@@ -458,7 +459,8 @@ class Session:
             text = c.get("text") or ""
         n = len(ids)
         ids, text = self._skip.apply(ids, text)
-        drop_first(c.get("logprobs"), self.req.chat, n - len(ids))  # with their tokens
+        if n > len(ids) and self.req.parsed.logprobs is not None:
+            drop_first(c.get("logprobs"), self.req.chat, n - len(ids))  # with their tokens
         c["token_ids"] = ids
         self._keep(ids, text)
         role_added = False
