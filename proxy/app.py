@@ -41,7 +41,7 @@ WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions"])
 
 
 def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI:
-    pool = NodePool(cfg.prefill, cfg.decode)
+    pool = NodePool(cfg.prefill, cfg.decode, cfg.prefill_fallback)
     router = Router.from_config(pool, cfg)
     members = Membership(pool)
     registry = None

@@ -195,6 +195,14 @@ class ProxyConfig:
             "many tokens (estimated from its length); 0 = always disaggregate"
         },
     )
+    prefill_fallback: bool = field(
+        default=False,
+        metadata={
+            "help": "when no prefill node is ready (all down, none configured), serve requests "
+            "on decode nodes alone -- they prefill the prompt themselves, slower, and their "
+            "prefills stall the decodes running there -- instead of answering 503"
+        },
+    )
     chars_per_token: float = field(
         default=4.0,
         metadata={
@@ -207,11 +215,14 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
             urls = getattr(self, role)
+            found = bool(urls) or bool(getattr(self, f"{role}_dns")) or bool(self.registration_key)
+            fallback = role == "prefill" and self.prefill_fallback
             _require(
-                bool(urls) or bool(getattr(self, f"{role}_dns")) or bool(self.registration_key),
+                found or fallback,
                 role,
                 f"at least one {role} node URL is required, or a DNS name to find them "
-                f"(--{role}-dns NAME:PORT), or --registration-key to let nodes register",
+                f"(--{role}-dns NAME:PORT), or --registration-key to let nodes register"
+                + (" (or --prefill-fallback: decode nodes alone)" if role == "prefill" else ""),
             )
             for name in getattr(self, f"{role}_dns"):
                 try:

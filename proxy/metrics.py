@@ -81,11 +81,12 @@ class _NodeCollector(Collector):
             decisions.add_metric([role, reason], float(n))
         modes = CounterMetricFamily(
             f"{PREFIX}_route_mode",
-            "Attempts routed, by mode: disaggregated (prefill + decode node) or decode_only "
-            "(--disagg-min-prompt-tokens)",
+            "Attempts routed, by mode: disaggregated (prefill + decode node), decode_only "
+            "(--disagg-min-prompt-tokens) or prefill_fallback (no prefill node ready, "
+            "--prefill-fallback)",
             labels=["mode"],
         )
-        for mode in ("disaggregated", "decode_only"):
+        for mode in ("disaggregated", "decode_only", "prefill_fallback"):
             modes.add_metric([mode], float(router.modes[mode]))
         yield from (decisions, modes)
         index = router.index

@@ -125,9 +125,12 @@ class Node:
 
 
 class NodePool:
-    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...]) -> None:
+    def __init__(
+        self, prefill: tuple[str, ...], decode: tuple[str, ...], prefill_fallback: bool = False
+    ) -> None:
         self.prefill = [Node(url.rstrip("/"), "prefill") for url in prefill]
         self.decode = [Node(url.rstrip("/"), "decode") for url in decode]
+        self.prefill_fallback = prefill_fallback  # decode nodes alone when no P is ready
         self._on_reset: Callable[[Node], None] | None = None
 
     def set_on_reset(self, callback: Callable[[Node], None]) -> None:
@@ -166,8 +169,10 @@ class NodePool:
 
     @property
     def serving(self) -> bool:
-        """At least one prefill and one decode node can take requests."""
-        return bool(self.ready("prefill")) and bool(self.ready("decode"))
+        """At least one prefill and one decode node can take requests (a decode node alone
+        with ``--prefill-fallback``)."""
+        p_ok = self.prefill_fallback or bool(self.ready("prefill"))
+        return p_ok and bool(self.ready("decode"))
 
     def model_names(self) -> list[str]:
         names: list[str] = []

@@ -150,7 +150,9 @@ class Router:
         self.estimator = estimator
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self.decisions: Counter[tuple[str, str]] = Counter()  # (role, reason) -> count
-        self.modes: Counter[str] = Counter()  # "disaggregated" / "decode_only" -> count
+        # "disaggregated" / "decode_only" / "prefill_fallback" -> count
+        self.modes: Counter[str] = Counter()
+        self._falling_back = False  # the last route was a --prefill-fallback one
         if index is not None:
             pool.set_on_reset(self._node_reset)
 
@@ -222,9 +224,22 @@ class Router:
             and route.prompt_tokens is not None
             and route.prompt_tokens - (route.decode_cached_tokens or 0.0) < n
         )
+        mode = "decode_only"
         if not (allow_decode_only and short):
-            route.prefill = self.pick("prefill", exclude, key)
-        self.modes["decode_only" if route.decode_only else "disaggregated"] += 1
+            try:
+                route.prefill = self.pick("prefill", exclude, key)
+                mode = "disaggregated"
+            except NoHealthyNode:
+                if not (allow_decode_only and self.pool.prefill_fallback):
+                    raise
+                mode = "prefill_fallback"  # no prefill node ready: D prefills by itself
+        if mode != "decode_only" and (mode == "prefill_fallback") != self._falling_back:
+            self._falling_back = not self._falling_back
+            if self._falling_back:
+                logger.warning("no prefill node is ready: decode nodes prefill by themselves")
+            else:
+                logger.info("a prefill node is ready again: disaggregating")
+        self.modes[mode] += 1
         if self.index is not None and key is not None:
             self.index.insert(d.url, key)
             if route.prefill is not None:

@@ -190,8 +190,7 @@ class ProxyServing:
             for role in ("prefill", "decode")
         }
         if pool.serving:
-            return JSONResponse({"status": "ok", **nodes})
-        reason = (
-            "no healthy prefill node" if not pool.ready("prefill") else "no healthy decode node"
-        )
+            fallback = {} if pool.ready("prefill") else {"prefill_fallback": True}
+            return JSONResponse({"status": "ok", **fallback, **nodes})
+        reason = "no healthy decode node" if not pool.ready("decode") else "no healthy prefill node"
         return JSONResponse({"status": "unavailable", "reason": reason, **nodes}, 503)

@@ -372,6 +372,32 @@ def test_429_at_max_inflight_and_503_without_a_pair(cluster: Cluster) -> None:
     assert resp.json()["error"]["code"] == "no_healthy_nodes"
 
 
+def test_prefill_fallback_serves_on_decode_nodes_while_no_prefill_node_is_ready(
+    cluster: Cluster,
+) -> None:
+    """--prefill-fallback: the only prefill node refuses connections, so the decode nodes
+    prefill by themselves: same tokens as the colocated node, /health says so, and the
+    route counter counts it. A prefill leg is never tried."""
+    dead_p = f"http://127.0.0.1:{free_port()}"
+    fallback = cluster.procs.proxy(
+        [dead_p], [n.url for n in cluster.decode], "--prefill-fallback", name="proxy-fallback"
+    )
+    health = httpx.get(fallback.url + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["prefill_fallback"] is True
+    body = {"prompt": "Once upon a time", "max_tokens": 12, **GREEDY}
+    want = httpx.post(cluster.colo.url + "/v1/completions", json=body, timeout=60).json()
+    got = httpx.post(fallback.url + "/v1/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    with httpx.stream(
+        "POST", fallback.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as resp:
+        assert resp.status_code == 200
+        assert stream_ids(sse_data(resp.iter_lines())) == want["choices"][0]["token_ids"]
+    assert metric(fallback.url, "pdproxy_route_mode_total", {"mode": "prefill_fallback"}) == 2
+    assert metric(fallback.url, "pdproxy_route_mode_total", {"mode": "disaggregated"}) == 0
+
+
 # -- terminal clients --------------------------------------------------------------------------
 
 

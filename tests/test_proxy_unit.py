@@ -108,6 +108,30 @@ def test_least_outstanding_with_round_robin_ties() -> None:
         router.pick_pair()
 
 
+def test_prefill_fallback_routes_to_decode_alone_only_while_no_prefill_node_is_ready() -> None:
+    pool = _pool(1, 2)
+    pool.prefill[0].set_healthy(False, "down")
+    with pytest.raises(NoHealthyNode):  # off by default: no pair, no route
+        Router(pool).plan()
+    assert not pool.serving
+    pool.prefill_fallback = True
+    router = Router(pool)
+    route = router.plan()
+    assert route.prefill is None and route.decode in pool.decode
+    assert pool.serving and router.modes["prefill_fallback"] == 1
+    with pytest.raises(NoHealthyNode):  # a retry that must check P's first token needs P
+        router.plan(allow_decode_only=False)
+    pool.prefill[0].set_healthy(True)
+    assert router.plan().prefill is pool.prefill[0] and router.modes["disaggregated"] == 1
+
+
+def test_a_proxy_without_prefill_nodes_needs_prefill_fallback() -> None:
+    with pytest.raises(ProxyConfigError, match="--prefill-fallback"):
+        _cfg(["--decode", D])
+    cfg = _cfg(["--decode", D, "--prefill-fallback"])
+    assert cfg.prefill == () and cfg.prefill_fallback
+
+
 def test_validation_reuses_node_rules() -> None:
     ok = validate_request(COMPLETIONS, b'{"prompt": "x", "max_tokens": 5}', ["tiny"], 100)
     assert ok.parsed.max_tokens == 5 and not ok.stream
