@@ -67,13 +67,23 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvconnector.nixl.block_runs import BlockRun, block_runs
+from kvconnector.nixl.block_runs import block_runs
+from kvconnector.nixl.transport_common import (  # noqa: F401 - DONE/ERROR/PENDING re-exported
+    DONE,
+    ERROR,
+    PENDING,
+    TransferHandle,
+    TransportBase,
+    TransportStats,
+    check_head_slice,
+    check_runs,
+)
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -85,47 +95,9 @@ logger = logging.getLogger(__name__)
 
 NIXL_AVAILABLE = nixl_agent is not None
 
-DONE = "done"
-PENDING = "pending"
-ERROR = "error"
-
 
 class NixlTransportError(RuntimeError):
     """Setup of the transport or of a peer failed."""
-
-
-@dataclass
-class TransferHandle:
-    """One WRITE issued by :meth:`NixlTransport.write_blocks`."""
-
-    peer_key: str
-    num_blocks: int
-    num_descriptors: int
-    num_bytes: int
-    started_at: float
-    deadline: float | None
-    state: str = PENDING
-    error: str | None = None
-    finished_at: float | None = None
-    # Descriptor count NIXL reports after completion (only with telemetry enabled).
-    nixl_desc_count: int | None = None
-    _xfer: Any = field(default=None, repr=False)
-
-    @property
-    def duration_s(self) -> float | None:
-        return None if self.finished_at is None else self.finished_at - self.started_at
-
-
-@dataclass
-class TransportStats:
-    transfers_started: int = 0
-    transfers_done: int = 0
-    transfers_failed: int = 0
-    bytes_written: int = 0  # bytes of transfers that completed
-    blocks_written: int = 0
-    descriptors_total: int = 0  # over all started transfers
-    write_seconds: float = 0.0  # posted -> completion seen, summed over completed transfers
-    last_descriptors: int = 0
 
 
 @dataclass
@@ -177,38 +149,11 @@ def _block_descs(base_addr: int, num_blocks: int, block_bytes: int, dev_id: int)
     return descs
 
 
-def check_head_slice(
-    local: Any, peer_key: str, meta: dict[str, Any], heads: tuple[int, int, int]
-) -> None:
-    """``ValueError`` unless ``heads=(local_first, remote_first, count)`` fits both this
-    rank's geometry (``local``: ``head_bytes``, ``num_layers``, ``num_heads``) and the
-    peer's metadata -- shared by every transport that writes head slices."""
-    local_first, remote_first, count = heads
-    if not local.head_bytes:
-        raise ValueError("head slices need num_layers and num_heads at construction")
-    layers, peer_heads = meta.get("num_layers"), meta.get("num_heads")
-    if layers != local.num_layers or not isinstance(peer_heads, int) or peer_heads < 1:
-        raise ValueError(f"peer {peer_key}: layers {layers} / heads {peer_heads} do not fit")
-    if int(meta["block_bytes"]) != local.head_bytes * 2 * layers * peer_heads:
-        raise ValueError(f"peer {peer_key}: its heads are not the size of this node's")
-    if count < 1 or local_first < 0 or local_first + count > local.num_heads:
-        raise ValueError(f"local heads {local_first}+{count} out of {local.num_heads}")
-    if remote_first < 0 or remote_first + count > peer_heads:
-        raise ValueError(f"peer {peer_key}: heads {remote_first}+{count} out of {peer_heads}")
-
-
-def _check_runs(runs: list[BlockRun], local_limit: int, remote_limit: int) -> None:
-    """Ids grow by one inside a run, so a run's last id is its largest."""
-    for src, dst, length in runs:
-        if src + length > local_limit or dst + length > remote_limit:
-            raise ValueError(
-                f"block run {src}..{src + length - 1} -> {dst}..{dst + length - 1} out of "
-                f"range (local {local_limit}, remote {remote_limit} blocks)"
-            )
-
-
-class NixlTransport:
+class NixlTransport(TransportBase):
     """Pushes KV blocks of one TP rank into a peer's reserved blocks with NIXL WRITE."""
+
+    KIND = "NIXL"
+    ERROR_CLS = NixlTransportError
 
     def __init__(
         self,
@@ -323,20 +268,7 @@ class NixlTransport:
         head range of each (block, layer, kv) -- rank-local head indices on each side --
         instead of whole blocks (heterogeneous TP)."""
         with self._lock:
-            self._check_open()
-            if heads is None and int(peer_meta["block_bytes"]) != self.block_bytes:
-                raise ValueError(
-                    f"peer {peer_key} block_bytes {peer_meta['block_bytes']} != {self.block_bytes}"
-                )
-            if heads is not None:
-                self._check_slice(peer_key, peer_meta, heads)
-            if peer_key in self._peers:
-                logger.info("NIXL peer %s re-added; dropping the old one", peer_key)
-                self.remove_peer(peer_key)
-            name = str(peer_meta.get("agent_name", ""))
-            for key, peer in self._peers.items():
-                if name and peer.agent_name == name:
-                    raise ValueError(f"agent {name} already added as peer {key}")
+            self._check_new_peer(peer_key, peer_meta, heads)
             try:
                 loaded = self._agent.add_remote_agent(peer_meta["agent_metadata"])
             except Exception as exc:
@@ -368,7 +300,7 @@ class NixlTransport:
                 peer.dlist = self._agent.prep_xfer_dlist(agent_name, descs, mem)
                 if heads is None and self.layer_ranges:
                     assert self.num_layers is not None and self.num_heads is not None
-                    self._check_slice(peer_key, peer_meta, (0, 0, self.num_heads))
+                    check_head_slice(self, peer_key, peer_meta, (0, 0, self.num_heads))
                     units = _slice_descs(
                         base, num_blocks, self.block_bytes, 2 * self.num_layers,
                         self.num_heads, 0, self.num_heads, self.head_bytes, dev,
@@ -384,11 +316,6 @@ class NixlTransport:
             logger.info(
                 "NIXL peer %s added (agent %s, %d blocks)", peer_key, agent_name, num_blocks
             )
-
-    def _check_slice(
-        self, peer_key: str, meta: dict[str, Any], heads: tuple[int, int, int]
-    ) -> None:
-        check_head_slice(self, peer_key, meta, heads)
 
     def _local_slice(self, first: int, count: int) -> Any:
         key = (first, count)
@@ -429,9 +356,6 @@ class NixlTransport:
             self._forget_agent(peer.agent_name)
             logger.info("NIXL peer %s removed", peer_key)
 
-    def has_peer(self, peer_key: str) -> bool:
-        return peer_key in self._peers
-
     def _forget_agent(self, agent_name: str) -> None:
         try:
             self._agent.remove_remote_agent(agent_name)
@@ -468,7 +392,7 @@ class NixlTransport:
                     f"{len(local_block_ids)} local block ids but {len(remote_block_ids)} remote"
                 )
             runs = block_runs(local_block_ids, remote_block_ids)  # also rejects negative ids
-            _check_runs(runs, self.num_blocks, peer.num_blocks)
+            check_runs(runs, self.num_blocks, peer.num_blocks)
             num_blocks = len(local_block_ids)
             timeout = self.xfer_timeout_s if timeout_s is None else timeout_s
             now = time.monotonic()
@@ -598,20 +522,6 @@ class NixlTransport:
         else:
             self._finish(handle, ERROR, f"NIXL status {status}")
 
-    def _finish(self, handle: TransferHandle, state: str, error: str | None = None) -> None:
-        if handle.state != PENDING:
-            return
-        handle.state = state
-        handle.error = error
-        handle.finished_at = time.monotonic()
-        if state == DONE:
-            self.stats.transfers_done += 1
-            self.stats.write_seconds += handle.finished_at - handle.started_at
-            self.stats.bytes_written += handle.num_bytes
-            self.stats.blocks_written += handle.num_blocks
-        else:
-            self.stats.transfers_failed += 1
-
     # ---------------------------------------------------------- notifications
 
     def get_notifs(self) -> list[bytes]:
@@ -645,10 +555,6 @@ class NixlTransport:
 
     # -------------------------------------------------------------- lifecycle
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise NixlTransportError(f"NIXL transport {self.agent_name} is closed")
-
     def close(self) -> None:
         """Cancel and release all requests, drop all peers, deregister memory."""
         with self._lock:
@@ -675,9 +581,3 @@ class NixlTransport:
             self._closed = True
             self._agent = None
             logger.info("NIXL transport %s closed", self.agent_name)
-
-    def __enter__(self) -> NixlTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

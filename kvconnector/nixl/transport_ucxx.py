@@ -93,14 +93,14 @@ import numpy as np
 import torch
 
 from kvconnector.nixl.block_runs import block_runs
-from kvconnector.nixl.transport import (
+from kvconnector.nixl.transport_common import (
     DONE,
     ERROR,
     PENDING,
     TransferHandle,
+    TransportBase,
     TransportStats,
-    _check_runs,
-    check_head_slice,
+    check_runs,
 )
 
 logger = logging.getLogger(__name__)
@@ -256,9 +256,12 @@ def _req_state(req: Any) -> tuple[bool, str | None]:
     return True, None
 
 
-class UcxxTransport:
+class UcxxTransport(TransportBase):
     """Pushes KV blocks of one TP rank into a peer's reserved blocks with UCXX tagged
     messages; the same calls and stats as ``NixlTransport``."""
+
+    KIND = "UCXX"
+    ERROR_CLS = UcxxTransportError
 
     def __init__(
         self,
@@ -367,19 +370,8 @@ class UcxxTransport:
                     f"peer {peer_key} uses the {library} transport, this rank uses {LIBRARY} "
                     "(--kv-transport must be the same on both nodes)"
                 )
-            if heads is None and int(peer_meta["block_bytes"]) != self.block_bytes:
-                raise ValueError(
-                    f"peer {peer_key} block_bytes {peer_meta['block_bytes']} != {self.block_bytes}"
-                )
-            if heads is not None:
-                self._check_slice(peer_key, peer_meta, heads)
-            if peer_key in self._peers:
-                logger.info("UCXX peer %s re-added; dropping the old one", peer_key)
-                self.remove_peer(peer_key)
+            self._check_new_peer(peer_key, peer_meta, heads)
             name = str(peer_meta.get("agent_name", ""))
-            for key, peer in self._peers.items():
-                if name and peer.agent_name == name:
-                    raise ValueError(f"agent {name} already added as peer {key}")
             try:
                 address = _ucx.UCXAddress.create_from_buffer(bytes(peer_meta["worker_address"]))
                 ep = self._worker.create_endpoint_from_worker_address(address, True)
@@ -400,11 +392,6 @@ class UcxxTransport:
             self._peers[peer_key] = peer
             logger.info("UCXX peer %s added (agent %s, %d blocks)", peer_key, name, peer.num_blocks)
 
-    def _check_slice(
-        self, peer_key: str, meta: dict[str, Any], heads: tuple[int, int, int]
-    ) -> None:
-        check_head_slice(self, peer_key, meta, heads)
-
     def remove_peer(self, peer_key: str) -> None:
         """Fail the peer's pending writes and close its endpoint."""
         with self._lock:
@@ -417,9 +404,6 @@ class UcxxTransport:
                 self._release_locked(handle, peer)
             self._close_ep(peer, "removed")
             logger.info("UCXX peer %s removed", peer_key)
-
-    def has_peer(self, peer_key: str) -> bool:
-        return peer_key in self._peers
 
     def _close_ep(self, peer: _Peer, why: str) -> None:
         if peer.ep is None:
@@ -460,7 +444,7 @@ class UcxxTransport:
                     f"{len(local_block_ids)} local block ids but {len(remote_block_ids)} remote"
                 )
             runs = block_runs(local_block_ids, remote_block_ids)  # also rejects negative ids
-            _check_runs(runs, self.num_blocks, peer.num_blocks)
+            check_runs(runs, self.num_blocks, peer.num_blocks)
             num_blocks = len(local_block_ids)
             timeout = self.xfer_timeout_s if timeout_s is None else timeout_s
             now = time.monotonic()
@@ -624,20 +608,6 @@ class UcxxTransport:
             self._lingering = still
         self._notif_sends = [x for x in self._notif_sends if not all(r.completed for r in x.reqs)]
         self._discards = [(r, b) for r, b in self._discards if not r.completed]
-
-    def _finish(self, handle: TransferHandle, state: str, error: str | None = None) -> None:
-        if handle.state != PENDING:
-            return
-        handle.state = state
-        handle.error = error
-        handle.finished_at = time.monotonic()
-        if state == DONE:
-            self.stats.transfers_done += 1
-            self.stats.write_seconds += handle.finished_at - handle.started_at
-            self.stats.bytes_written += handle.num_bytes
-            self.stats.blocks_written += handle.num_blocks
-        else:
-            self.stats.transfers_failed += 1
 
     # ---------------------------------------------------------- notifications
 
@@ -810,10 +780,6 @@ class UcxxTransport:
 
     # -------------------------------------------------------------- lifecycle
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise UcxxTransportError(f"UCXX transport {self.agent_name} is closed")
-
     def close(self) -> None:
         """Fail and forget all writes, close all endpoints, stop the progress thread."""
         with self._lock:
@@ -840,9 +806,3 @@ class UcxxTransport:
             self._worker = None
             self._ctx = None
             logger.info("UCXX transport %s closed", self.agent_name)
-
-    def __enter__(self) -> UcxxTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
