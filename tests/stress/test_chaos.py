@@ -8,7 +8,7 @@ of p2 and d2, side-channel bursts). Round 2 injects only what leaves every node 
 (aborts, reused ids, SIGSTOP, side-channel bursts). The resident memory of p2, d2 and the
 proxy, which run through both rounds, is compared between them.
 
-Asserts 0 hung, 0 broken, 0 wrong, 0 leaked, flat memory, and that every fault was
+Asserts 0 hung, 0 broken, 0 wrong, 0 leaked, no valid request answered with a 4xx, flat memory, and that every fault was
 injected as planned. The summary table is printed; ``CHAOS_JSON=path`` also writes it as
 JSON. The long form is ``scripts/chaos.sh``.
 """
