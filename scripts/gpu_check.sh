@@ -80,7 +80,7 @@ say "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 
 # 1. Correctness (each pytest run leaves its junit XML for the summary).
 if [ "$SMOKE" != 1 ]; then
-  step "pytest gpu" 240 $PY -m pytest -q -x -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" tests/test_gpu.py tests/test_triton_attention.py tests/test_sampler.py
+  step "pytest gpu" 240 $PY -m pytest -q -x -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" tests/test_triton_attention.py tests/test_sampler.py tests/test_gpu.py
 fi
 
 # 2. Offline.

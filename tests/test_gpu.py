@@ -111,33 +111,6 @@ def test_bf16_triton_logits_within_tolerance_of_reference_on_mixed_batches():
             assert (fast - ref).abs().max().item() <= 0.02 * scale + 0.02, seq
 
 
-def test_the_triton_forward_of_a_mixed_step_never_synchronizes_with_the_host():
-    """What ``tests/test_no_host_sync.py`` checks on CPU by the calls made, checked here by
-    CUDA itself: any synchronizing call inside the forward raises."""
-    from engine.kv_cache_layout import KVCacheSpec
-    from engine.model.attention import pack_step
-    from engine.model.loader import load_model
-
-    dev = torch.device("cuda")
-    net, cfg = load_model("tiny", dtype=torch.bfloat16, device="cuda", attention_backend="triton")
-    cache = KVCacheSpec(
-        32, cfg.num_hidden_layers, cfg.num_key_value_heads, 16, cfg.head_dim, torch.bfloat16
-    ).allocate(dev)
-    first = pack_step([list(range(1, 21)), [5, 6, 7]], [0, 0], [[1, 2], [3]], 16).to_device(dev)
-    net(first.input_ids, first.positions, first.attn, cache)  # compiles the kernels
-    tokens = [[30], [8], list(range(40, 52)), list(range(60, 70))]
-    step = pack_step(tokens, [20, 3, 0, 20], [[1, 2], [3], [4], [5, 6]], 16).to_device(dev)
-    rows = torch.tensor([0, 1, 13, 23], device=dev)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        hidden = net(step.input_ids, step.positions, step.attn, cache)
-        net.compute_logits(hidden[rows])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-
-
 def test_sampler_noise_is_the_same_on_gpu_and_cpu():
     from engine.worker.sampler import hashed_uniform, position_seed
 
@@ -164,3 +137,31 @@ def test_pd_over_nixl_vram_matches_colocated(checkpoint):
     finally:
         p.shutdown()
         d.shutdown()
+
+
+# Last: new, not yet run on a GPU; gpu_check.sh runs this file with -x.
+def test_the_triton_forward_of_a_mixed_step_never_synchronizes_with_the_host():
+    """What ``tests/test_no_host_sync.py`` checks on CPU by the calls made, checked here by
+    CUDA itself: any synchronizing call inside the forward raises."""
+    from engine.kv_cache_layout import KVCacheSpec
+    from engine.model.attention import pack_step
+    from engine.model.loader import load_model
+
+    dev = torch.device("cuda")
+    net, cfg = load_model("tiny", dtype=torch.bfloat16, device="cuda", attention_backend="triton")
+    cache = KVCacheSpec(
+        32, cfg.num_hidden_layers, cfg.num_key_value_heads, 16, cfg.head_dim, torch.bfloat16
+    ).allocate(dev)
+    first = pack_step([list(range(1, 21)), [5, 6, 7]], [0, 0], [[1, 2], [3]], 16).to_device(dev)
+    net(first.input_ids, first.positions, first.attn, cache)  # compiles the kernels
+    tokens = [[30], [8], list(range(40, 52)), list(range(60, 70))]
+    step = pack_step(tokens, [20, 3, 0, 20], [[1, 2], [3], [4], [5, 6]], 16).to_device(dev)
+    rows = torch.tensor([0, 1, 13, 23], device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hidden = net(step.input_ids, step.positions, step.attn, cache)
+        net.compute_logits(hidden[rows])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
