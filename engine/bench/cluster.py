@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,10 +27,50 @@ class BenchError(RuntimeError):
 # ---------------------------------------------------------------------------------------
 
 
+_HANDED_OUT: set[int] = set()  # ports this process gave out: never twice
+_PORTS_BELOW_EPHEMERAL = 12000  # how many ports under the kernel's ephemeral range to use
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port nobody listens on now, for a process started next.
+
+    A process binds its port seconds later (after loading its model), so a port the kernel
+    hands out for ``bind(0)`` may meanwhile go to another process's UCX/ZMQ listener or
+    outgoing connection, or come back from the next ``free_port()`` call: two nodes on one
+    port, the loser exiting after the winner answered its health check (a decode node's
+    URL served by the colocated node once made a whole test module fail). So ports come
+    from just below the kernel's ephemeral range, where it never hands out ports by
+    itself, at random, never twice in this process, and checked free by a bind.
+    """
+    low = _ephemeral_low()
+    if low > _PORTS_BELOW_EPHEMERAL + 1024:
+        rng = random.Random(os.getpid() ^ time.monotonic_ns())
+        for _ in range(200):
+            port = rng.randrange(low - _PORTS_BELOW_EPHEMERAL, low)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
+    while True:  # no such range here: the kernel's choice, still never twice
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def descendants(pid: int) -> list[int]:
