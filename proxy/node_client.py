@@ -303,23 +303,18 @@ class NodeClient:
 
     # -- the calls ---------------------------------------------------------------------
     async def get(self, url: str, *, timeout: float | None = None) -> NodeResponse:
-        resp = await self.send_stream("GET", url, timeout=timeout)
-        await _read_or_close(resp)
-        return resp
+        return await self.request("GET", url, timeout=timeout)
 
-    async def post(
-        self,
-        url: str,
-        *,
-        json: Any = None,
-        content: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-    ) -> NodeResponse:
-        resp = await self.send_stream(
-            "POST", url, json=json, content=content, headers=headers, timeout=timeout
-        )
-        await _read_or_close(resp)
+    async def post(self, url: str, **kw: Any) -> NodeResponse:
+        """``send_stream("POST", url, **kw)`` with the whole answer read."""
+        return await self.request("POST", url, **kw)
+
+    async def request(self, method: str, url: str, **kw: Any) -> NodeResponse:
+        resp = await self.send_stream(method, url, **kw)
+        try:
+            await resp.aread()
+        finally:
+            resp.close()
         return resp
 
     async def send_stream(
@@ -466,13 +461,6 @@ def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
         text = value.strip().decode("latin-1")
         headers[key] = f"{headers[key]}, {text}" if key in headers else text
     return status, headers
-
-
-async def _read_or_close(resp: NodeResponse) -> None:
-    try:
-        await resp.aread()
-    finally:
-        resp.close()
 
 
 __all__ = [

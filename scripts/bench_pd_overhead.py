@@ -272,14 +272,20 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return 0
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop(procs)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each process group (all at once), SIGKILL one not gone within 30 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 if __name__ == "__main__":

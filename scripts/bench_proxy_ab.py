@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_pd_overhead import cpu_seconds, free_port, wait_healthy  # noqa: E402
+from bench_pd_overhead import cpu_seconds, free_port, stop, wait_healthy  # noqa: E402
 
 
 def start(tree: Path, log: Path, *cmd: str) -> tuple[subprocess.Popen, str]:
@@ -106,15 +105,7 @@ def main() -> int:
                 + (f", {1000 * cpu / args.output_len:.0f} us per token" if args.stream else "")
             )
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(procs)
     return 0
 
 
