@@ -10,6 +10,7 @@ from types import FrameType
 from typing import Any
 
 from engine.httpkit.drain import Drainer
+from engine.httpkit.http_protocol import uvicorn_http_options
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -59,6 +60,7 @@ def make_server(
         access_log=log_level.upper() == "DEBUG",
         lifespan=lifespan,
         timeout_graceful_shutdown=graceful_shutdown_s,
+        **uvicorn_http_options(),  # httptools when installed; the request head capped
     )
 
     class Server(uvicorn.Server):
