@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.httpkit.auth import OPEN_PATHS, ApiKeyMiddleware
+from engine.httpkit.direct import FrontedApp
 from engine.httpkit.drain import Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers
 from engine.httpkit.request_id import RequestIdMiddleware
@@ -92,29 +93,32 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI
                 await health.stop()
                 await serving.legs.drain()
 
-    app = FastAPI(
+    app = FrontedApp(
         title="pdserve proxy", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
     app.state.pool = pool
     app.state.metrics = metrics
     app.state.config = cfg
     app.state.drainer = drainer
-    app.add_middleware(DrainMiddleware, drainer=drainer)
+    install_error_handlers(app)
     # Registration has its own key (checked by its handler), not the clients' --api-key.
     open_paths = OPEN_PATHS | {REGISTER_PATH, DEREGISTER_PATH}
-    app.add_middleware(
-        ApiKeyMiddleware, keys=(cfg.api_key,) if cfg.api_key else (), open_paths=open_paths
-    )
-    app.add_middleware(RequestIdMiddleware)
-    install_error_handlers(app)
+    keys = (cfg.api_key,) if cfg.api_key else ()
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serving.generate(request, COMPLETIONS)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.generate(request, CHAT)
+
+    # Every request passes the kit's middlewares (request id, API key, drain); the two
+    # generation routes are then served past FastAPI's layers (engine/httpkit/direct.py).
+    app.set_front(
+        {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
+        lambda inner: RequestIdMiddleware(
+            ApiKeyMiddleware(DrainMiddleware(inner, drainer), keys, open_paths)
+        ),
+    )
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
