@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.httpkit.admission import Admission, AdmissionMiddleware
 from engine.httpkit.auth import ApiKeyMiddleware
 from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES
+from engine.httpkit.direct import FrontedApp
 from engine.httpkit.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers
 from engine.httpkit.request_id import RequestIdMiddleware
@@ -52,7 +53,7 @@ def build_app(
     ``max_admitted`` generation requests in flight (``--max-num-seqs`` +
     ``--max-queued-requests``; ``None``: no bound) the next gets 429
     (``engine.httpkit.admission``)."""
-    app = FastAPI(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FrontedApp(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(engine, metrics, max_request_bytes)
     tokenize_serving = TokenizeServing(engine, max_request_bytes)
@@ -68,19 +69,25 @@ def build_app(
     def observe(method: str, path: str, status: int, seconds: float) -> None:
         metrics.observe_http(method, path if path in ROUTES else "other", status, seconds)
 
-    app.add_middleware(AdmissionMiddleware, admission=admission)  # inside drain and API key
-    app.add_middleware(DrainMiddleware, drainer=drainer)
-    app.add_middleware(ApiKeyMiddleware, keys=(api_key,) if api_key else ())
-    app.add_middleware(RequestIdMiddleware, observe=observe)  # outermost: ids on every answer
     install_error_handlers(app)
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.chat_completions(request)
+
+    # Every request passes the kit's middlewares (request id outermost: ids on every
+    # answer; admission inside drain and API key); the two generation routes are then
+    # served past FastAPI's layers (engine/httpkit/direct.py).
+    keys = (api_key,) if api_key else ()
+    app.set_front(
+        {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
+        lambda inner: RequestIdMiddleware(
+            ApiKeyMiddleware(DrainMiddleware(AdmissionMiddleware(inner, admission), drainer), keys),
+            observe=observe,
+        ),
+    )
 
     @app.post("/v1/abort")
     async def abort(request: Request) -> Response:
