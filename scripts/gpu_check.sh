@@ -60,7 +60,7 @@ if [ "$SMOKE" = 1 ]; then
   DEV=(--device cpu --dtype float32); PRESET=tiny-llama
   THR=(--num-prompts 4 --input-len 32 --output-len 8); LAT=(--num-prompts 1 --input-len 32 --output-len 8)
   PRE=(--num-prompts 1 --input-len 256 --output-len 1); SERVE=(--num-prompts 8 --max-concurrency 4 --input-len 64 --output-len 8)
-  LOW=(--num-prompts 4 --max-concurrency 1 --input-len 64 --output-len 4)
+  LOW=(--num-prompts 4 --max-concurrency 1 --input-len 64 --output-len 4); OVERHEAD_N=10
   NODE=(--device cpu --dtype float32 --num-blocks 512); PD_NODE=("${NODE[@]}")
   PROF=(--device cpu --batch 4 --context 64 --prefill-tokens 128 --iters 4)
   XFER=(--device cpu --layers 2 --kv-heads 2 --head-dim 16 --tokens 64 --tp 1 2 --reps 2)
@@ -69,6 +69,7 @@ else
   THR=(--workload throughput); LAT=(--workload latency); PRE=(--workload prefill)
   SERVE=(--num-prompts 64 --max-concurrency 32 --input-len 1024 --output-len 64)
   LOW=(--num-prompts 16 --max-concurrency 1 --input-len 1024 --output-len 16)  # low load
+  OVERHEAD_N=300
   NODE=(--device cuda --dtype bfloat16 --max-num-seqs 64)
   PD_NODE=("${NODE[@]}" --gpu-memory-utilization 0.3 --num-blocks 8192)
   PROF=(--device cuda --batch 32 --context 512 --prefill-tokens 2048 --iters 20)
@@ -103,6 +104,15 @@ PIDS+=($!)
 if wait_up http://127.0.0.1:8300 "${PIDS[-1]}"; then
   step "serve colocated" 240 "${S[@]}" --base-url http://127.0.0.1:8300 --json "$OUT/serve_colocated.json" --plot "$OUT/serve_colocated.png"
   step "low load colocated" 120 "${S[@]}" "${LOW[@]}" --seed 1 --base-url http://127.0.0.1:8300 --json "$OUT/low_colocated.json"
+  # The proxy's own overhead on this (quiet, fast) host: 1-token requests straight to the
+  # node and through a proxy in front of it (decode node alone: --prefill-fallback), in turn.
+  $PY -m proxy serve --decode http://127.0.0.1:8300 --prefill-fallback --port 8301 >"$OUT/proxy_solo.log" 2>&1 &
+  PIDS+=($!)
+  if wait_up http://127.0.0.1:8301 "${PIDS[-1]}"; then
+    step "proxy overhead" 60 $PY scripts/bench_proxy_ab.py --node http://127.0.0.1:8300 --proxy http://127.0.0.1:8301 -n "$OVERHEAD_N" --json "$OUT/proxy_overhead.json"
+  else
+    echo "proxy overhead rc=start" >>"$OUT/steps.txt"
+  fi
 else
   say "colocated node did not start (see node.log)"; echo "serve colocated rc=start" >>"$OUT/steps.txt"
 fi

@@ -113,6 +113,16 @@ def rows(out: str) -> list[Row]:
             ),
         ]
     table += low_load_rows(out)
+    overhead = _load(out, "proxy_overhead.json")
+    table.append(
+        (
+            "proxy overhead p50 ms (1-token requests, via the proxy minus straight)",
+            "<= 1",
+            _get(overhead, "proxies", "proxy", "overhead_p50_ms"),
+            lambda v: v <= 1.0,
+            "{:.2f}",
+        )
+    )
     table += transfer_rows(_load(out, "transfer.json"))
     return table
 
