@@ -171,18 +171,12 @@ class NodeResponse:
         try:
             if self._chunked:
                 while True:
-                    line = await self._read(reader.readuntil(b"\r\n"))
-                    size_text = line[:-2].split(b";", 1)[0].strip()
-                    try:
-                        size = int(size_text, 16)
-                    except ValueError:
-                        raise NodeProtocolError(f"bad chunk size {size_text[:20]!r}") from None
-                    if size < 0:
-                        raise NodeProtocolError("bad chunk size")
+                    size, whole = await self._read(self._next_chunk(reader))
                     if size == 0:
-                        while (await self._read(reader.readuntil(b"\r\n"))) != b"\r\n":
-                            pass  # trailers: ignored
                         break
+                    if whole is not None:  # the common case: one SSE event, one chunk
+                        yield whole
+                        continue
                     while size > 0:
                         piece = await self._read(reader.readexactly(min(size, READ_PIECE)))
                         size -= len(piece)
@@ -203,6 +197,30 @@ class NodeResponse:
             self._done = True
         finally:
             self._release()
+
+    @staticmethod
+    async def _next_chunk(reader: asyncio.StreamReader) -> tuple[int, bytes | None]:
+        """The next chunk's size, and the chunk itself with its closing CRLF when it is at
+        most ``READ_PIECE`` bytes: read under one deadline (one timer per relayed event,
+        not three). Size 0: the last chunk, its trailers read and ignored."""
+        line = await reader.readuntil(b"\r\n")
+        size_text = line[:-2].split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError:
+            raise NodeProtocolError(f"bad chunk size {size_text[:20]!r}") from None
+        if size < 0:
+            raise NodeProtocolError("bad chunk size")
+        if size == 0:
+            while (await reader.readuntil(b"\r\n")) != b"\r\n":
+                pass  # trailers: ignored
+            return 0, None
+        if size > READ_PIECE:
+            return size, None
+        whole = await reader.readexactly(size)
+        if await reader.readexactly(2) != b"\r\n":
+            raise NodeProtocolError("a chunk does not end with CRLF")
+        return size, whole
 
     async def aiter_lines(self) -> AsyncIterator[str]:
         """The body's lines (UTF-8, without their ``\\n`` or ``\\r\\n``)."""

@@ -73,6 +73,27 @@ def test_a_chunked_stream_yields_its_lines_across_chunk_boundaries_then_the_conn
     run(main())
 
 
+def test_chunks_small_and_larger_than_a_read_piece_and_trailers_make_the_whole_body() -> None:
+    sizes = [1, 65_535, 65_536, 65_537, 200_000, 3]
+    pieces = [bytes([65 + i]) * n for i, n in enumerate(sizes)]
+    wire = chunked(200, pieces).removesuffix(b"0\r\n\r\n") + b"0\r\nX-Trailer: t\r\n\r\n"
+
+    async def handler(req: SeenRequest) -> bytes:
+        return wire if req.path == "/chunks" else await _ok(req)
+
+    async def main() -> None:
+        async with StandIn(handler) as node, NodeClient(timeout=5) as c:
+            resp = await c.send_stream("POST", node.url + "/chunks", json={})
+            got = [piece async for piece in resp.aiter_bytes()]
+            assert b"".join(got) == b"".join(pieces)
+            assert max(len(p) for p in got) <= 65_536  # a larger chunk comes in read pieces
+            assert c.in_flight == 0
+            assert (await c.post(node.url + "/x", json={})).status_code == 200
+            assert node.connections == 1  # read to its end: the connection was reused
+
+    run(main())
+
+
 def test_a_stream_closed_before_its_end_closes_its_connection_and_frees_its_slot() -> None:
     async def handler(req: SeenRequest) -> bytes:
         if req.path == "/stream":
@@ -176,6 +197,7 @@ def test_a_node_slower_than_the_timeout_gives_a_timeout_and_the_slot_back() -> N
         b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",  # bad chunk size
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY",  # chunk without CRLF
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n11170\r\n" + b"z" * 70_000 + b"XY",
         b"HTTP/1.1 200 OK\r\nX: " + b"y" * 70_000 + b"\r\n\r\n",  # headers over 64 KiB
         b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
         b"HTTP/1.1 200",  # closed inside the head
@@ -188,6 +210,7 @@ def test_a_node_slower_than_the_timeout_gives_a_timeout_and_the_slot_back() -> N
         "neg-length",
         "chunk-size",
         "chunk-crlf",
+        "big-chunk-crlf",
         "huge-head",
         "header-line",
         "cut-head",
