@@ -10,6 +10,7 @@ WHEELS=(
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0
   pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.8.0 typing-inspection==0.4.5
   opentelemetry-api==1.45.2 importlib-metadata==10.2.0
+  httptools==0.9.0  # uvicorn's parser, as in CI (h11 otherwise: works, ~0.2 ms slower per request)
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
