@@ -1,8 +1,11 @@
-"""The request head is capped whichever parser uvicorn runs (httptools or h11).
+"""The request head is capped whichever parser uvicorn runs (httptools or h11), and a
+head or a body that stops arriving has a deadline (slowloris).
 
 A real uvicorn server (``make_server``, as the nodes and the proxy start theirs) on a
 loopback socket, in a thread, and raw-socket clients: a head past the cap is refused and
-the connection closed, heads under the cap and large bodies (also pipelined) are not.
+the connection closed, heads under the cap and large bodies (also pipelined) are not; a
+silent connection, a half head or a half body is answered 408 after its deadline, a slow
+but steady client is served.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from starlette.requests import Request
 
+from engine.httpkit import body as body_mod
 from engine.httpkit import http_protocol
 from engine.httpkit.http_protocol import MAX_HEAD_BYTES
 from engine.httpkit.serve import bind_socket, make_server
+from engine.server.protocol import APIError
 
 
 async def echo_length(scope, receive, send) -> None:  # noqa: ANN001 - a bare ASGI app
@@ -104,9 +110,95 @@ def test_large_bodies_sent_with_their_heads_and_pipelined_are_not_counted_as_hea
         s.sendall(first + second)  # one write: the parser sees body and next head together
         answers = b""
         s.settimeout(10)
-        while answers.count(b"HTTP/1.1 200") < 2:
+        while not answers.endswith(b"\r\n\r\n3"):  # the second answer, body included
             chunk = s.recv(65536)
             assert chunk, answers
             answers += chunk
     assert answers.count(b"HTTP/1.1 200") == 2
     assert answers.endswith(b"\r\n\r\n3") and b"\r\n\r\n%d" % big in answers
+
+
+# -- deadlines: a head (and a body) that never completes does not hold a connection ----------
+
+
+@pytest.fixture
+def quick_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """The httptools server with a 0.5 s head deadline and a 0.5 s body read deadline."""
+    proto = http_protocol._capped_httptools_protocol()
+    if proto is None:
+        pytest.skip("httptools is not installed")
+    monkeypatch.setattr(http_protocol, "HEAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(body_mod, "BODY_READ_TIMEOUT_S", 0.5)
+    sock = bind_socket("127.0.0.1", 0)
+    srv = make_server(
+        read_body_app, log_level="WARNING", banner="", lifespan="off", own_signals=True
+    )
+    thread = threading.Thread(target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        threading.Event().wait(0.02)
+    yield sock.getsockname()[1]
+    srv.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+async def read_body_app(scope, receive, send) -> None:  # noqa: ANN001 - a bare ASGI app
+    """Reads the body with the kit's ``read_body`` (its limit and its read deadline)."""
+    if scope["type"] != "http":
+        return
+    try:
+        raw = await body_mod.read_body(Request(scope, receive), 1 << 20)
+        status, body = 200, str(len(raw)).encode()
+    except APIError as e:
+        status, body = e.status_code, e.message.encode()
+    headers = [(b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"GET / HTTP/1.1\r\nHost: x\r\n", b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTT"],
+    ids=["silent", "half-head", "half-head-after-a-request"],
+)
+def test_a_head_that_never_completes_is_answered_408_and_closed(
+    quick_server: int, sent: bytes
+) -> None:
+    with socket.create_connection(("127.0.0.1", quick_server)) as s:
+        s.sendall(sent)
+        s.settimeout(10)  # without a deadline the server waits for good: recv times out
+        answers = b""
+        while chunk := s.recv(65536):
+            answers += chunk
+    if sent.count(b"\r\n\r\n"):  # the complete request was served first
+        assert answers.startswith(b"HTTP/1.1 200")
+    if sent:
+        assert b"HTTP/1.1 408" in answers, answers
+    else:
+        assert answers == b"" or b"HTTP/1.1 408" in answers
+
+
+def test_a_body_that_stops_arriving_is_answered_408(quick_server: int) -> None:
+    with socket.create_connection(("127.0.0.1", quick_server)) as s:
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+        answer = read_answer(s)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"did not arrive" in answer
+
+
+def test_a_slow_but_steady_client_is_served(quick_server: int) -> None:
+    with socket.create_connection(("127.0.0.1", quick_server)) as s:
+        for piece in (
+            b"POST / HTTP/1.1\r\n",
+            b"Host: x\r\n",
+            b"Content-Length: 4\r\n\r\n",
+            b"ab",
+            b"cd",
+        ):
+            s.sendall(piece)
+            threading.Event().wait(0.2)  # each gap under the deadlines, the whole over them
+        answer = read_answer(s)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\n4"), answer[:200]

@@ -1,4 +1,4 @@
-"""Which HTTP/1.1 parser uvicorn runs, with the request head capped either way.
+"""Which HTTP/1.1 parser uvicorn runs, with the request head capped and given a deadline.
 
 uvicorn parses with ``httptools`` (C, llhttp) when it is installed and with ``h11`` (pure
 Python) otherwise. ``httptools`` costs the proxy ~0.2 ms less CPU per request, but
@@ -11,6 +11,14 @@ So the head is capped at ``MAX_HEAD_BYTES`` on both: ``h11`` by its own setting,
 a request's head is incomplete and answers 431 (and closes) past the cap. A chunk in which
 another request's head ended is not counted (it may hold that request's body), so the
 parser holds at most the cap plus two reads (asyncio reads at most 256 KiB at a time).
+
+uvicorn has no deadline on a request head either: a connection that sends nothing, or
+half a head, is held for good (slowloris: enough of them exhaust the server's file
+descriptors). ``CappedHttpToolsProtocol`` gives each head ``HEAD_TIMEOUT_S`` from the
+connection's start or the head's first byte, then answers 408 and closes (nginx's
+``client_header_timeout``; idle keep-alive connections between requests are uvicorn's own
+``timeout_keep_alive``). A body that stops arriving is ``read_body``'s (``body.py``). With
+``h11`` (httptools missing) heads are capped but have no deadline: a warning says so.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ logger = logging.getLogger(__name__)
 # Request line plus headers. Real clients send well under 8 KiB; nginx's default for
 # a whole head is 32 KiB (large_client_header_buffers 4 x 8k).
 MAX_HEAD_BYTES = 64 * 1024
+# From the connection's start (first request) or the head's first byte (later ones).
+HEAD_TIMEOUT_S = 30.0
 
 _431 = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
@@ -31,6 +41,13 @@ _431 = (
     b"content-length: 33\r\n"
     b"connection: close\r\n\r\n"
     b"Request header fields too large.\n"
+)
+_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\n"
+    b"content-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 41\r\n"
+    b"connection: close\r\n\r\n"
+    b"The request head did not arrive in time.\n"
 )
 
 
@@ -41,7 +58,8 @@ def _capped_httptools_protocol() -> type[asyncio.Protocol] | None:
         return None
 
     class CappedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
-        """uvicorn's httptools protocol with the request head capped at ``max_head_bytes``."""
+        """uvicorn's httptools protocol with the request head capped at ``max_head_bytes``
+        and given ``HEAD_TIMEOUT_S`` to arrive."""
 
         max_head_bytes = MAX_HEAD_BYTES
 
@@ -51,6 +69,36 @@ def _capped_httptools_protocol() -> type[asyncio.Protocol] | None:
             self._head_bytes = 0
             self._heads_done = 0  # request heads completed on this connection
             self._refused = False
+            self._head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+        def _arm_head_timer(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_slow)
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_too_slow(self) -> None:
+            self._head_timer = None
+            if self._in_head and not self._refused and not self.transport.is_closing():
+                self._refused = True
+                logger.info("closed %s: no request head within %gs", self.client, HEAD_TIMEOUT_S)
+                self.transport.write(_408)
+                self.transport.close()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm_head_timer()  # a later request's head: from its first byte
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
@@ -73,6 +121,7 @@ def _capped_httptools_protocol() -> type[asyncio.Protocol] | None:
             self._in_head = False
             self._head_bytes = 0
             self._heads_done += 1
+            self._cancel_head_timer()
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
@@ -87,4 +136,8 @@ def uvicorn_http_options() -> dict[str, Any]:
     proto = _capped_httptools_protocol()
     if proto is not None:
         return {"http": proto}
+    logger.warning(
+        "httptools is not installed: HTTP parsed by h11, request heads capped at %d bytes "
+        "but without a deadline (pip install httptools)", MAX_HEAD_BYTES,
+    )  # fmt: skip
     return {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
