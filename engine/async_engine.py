@@ -88,6 +88,11 @@ class _Stream:
         return self._items.popleft()
 
 
+def _put_each(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream._put(out)  # noqa: SLF001 - on the stream's loop, as put() would
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
         config = resolve_model_config(config)  # a repo id becomes a local path, once
@@ -209,6 +214,17 @@ class AsyncLLMEngine:
         if target is not None:
             target.put(out)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams in one hand-off per event loop (one wake-up of
+        the loop per step, not one per request)."""
+        with self._streams_lock:
+            pairs = [(s, o) for o in outputs if (s := self._streams.get(o.request_id))]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for stream, out in pairs:
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_each, items)
+
     def _drain_inbox(self, block: bool) -> None:
         try:
             item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
@@ -261,8 +277,7 @@ class AsyncLLMEngine:
             except Exception as e:
                 self._die(f"{type(e).__name__}: {e}")
                 return
-            for out in outputs:
-                self._deliver(out, out.request_id)
+            self._deliver_step(outputs)
             self._stats = self.core.stats()
             if num_tokens == 0 and not self.core.has_running():
                 # only waiting on transfers/holds (or a delayed admission's end); a request
