@@ -17,6 +17,7 @@ from engine.core.kv_cache_manager import cdiv
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.core.step_stats import StepStats
 from engine.executor.multiproc import MultiprocExecutor
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import resolve_dtype
@@ -100,6 +101,7 @@ class EngineCore:
             raise
         self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, self.connector)
         self._last_dispatch = 0.0
+        self.step_stats = StepStats()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -129,13 +131,24 @@ class EngineCore:
 
     def step(self) -> tuple[list[RequestOutput], int]:
         """One engine step; returns the outputs and the number of tokens computed."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        if self._workers_idle(sched):
+        t1 = time.perf_counter()
+        idle = self._workers_idle(sched)
+        if idle:
             result = ModelRunnerOutput()  # nothing for the workers to do or report
         else:
             self._last_dispatch = time.monotonic()
             result = self.executor.execute_model(sched)  # type: ignore[assignment]
+        t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(sched, result)
+        if not idle:  # where the step's time went (core/step_stats.py)
+            st = self.step_stats
+            st.steps_total += 1
+            st.step_schedule_seconds_total += t1 - t0
+            st.step_execute_seconds_total += t2 - t1
+            st.step_worker_seconds_total += result.worker_busy_s
+            st.step_update_seconds_total += time.perf_counter() - t2
         return outputs, sched.num_scheduled_tokens
 
     def _workers_idle(self, sched: SchedulerOutput) -> bool:
@@ -162,8 +175,10 @@ class EngineCore:
         return self.scheduler.take_outputs()
 
     def stats(self) -> StatsGroup:
-        """The scheduler's and the connector's typed stats, read as one."""
-        return StatsGroup(self.scheduler.stats(), self.connector.stats())
+        """The scheduler's, the step timings' and the connector's typed stats, read as one."""
+        return StatsGroup(
+            self.scheduler.stats(), dataclasses.replace(self.step_stats), self.connector.stats()
+        )
 
     def shutdown(self) -> None:
         self.connector.shutdown()

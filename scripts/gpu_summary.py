@@ -31,6 +31,15 @@ def _get(d: dict[str, Any] | None, *path: str) -> Any:
 Row = tuple[str, str, Any, Callable[[float], bool], str]
 
 
+def step_split(report: dict[str, Any] | None) -> str | None:
+    """``pd-bench offline``'s mean split of a measured step (engine/core/step_stats.py)."""
+    d = _get(report, "step_ms")
+    if not d:
+        return None
+    parts = (d["schedule_ms"], d["ipc_ms"], d["worker_ms"], d["update_ms"])
+    return " + ".join(f"{v:.3f}" for v in parts)
+
+
 def rows(out: str) -> list[Row]:
     thr = _load(out, "offline_throughput.json")
     lat = _load(out, "offline_latency.json")
@@ -45,6 +54,13 @@ def rows(out: str) -> list[Row]:
             "{:,.0f}",
         ),
         (
+            "  where a step goes, ms: schedule + executor + worker + update",
+            "(info)",
+            step_split(thr),
+            lambda v: True,
+            "{}",
+        ),
+        (
             "  vs transformers generate (same run)",
             ">= 20x",
             _get(thr, "hf", "speedup"),
@@ -57,6 +73,13 @@ def rows(out: str) -> list[Row]:
             _get(lat, "result", "ms_per_output_token"),
             lambda v: v <= 1.5,
             "{:.3f}",
+        ),
+        (
+            "  where a step goes, ms: schedule + executor + worker + update",
+            "(info)",
+            step_split(lat),
+            lambda v: True,
+            "{}",
         ),
         (
             "  same, --enforce-eager",

@@ -174,6 +174,12 @@ def test_offline_on_tiny_writes_positive_throughput(tmp_path: Path):
     assert res["output_tokens_per_s"] > 0
     assert res["total_tokens_per_s"] > res["output_tokens_per_s"]
     assert res["ttft_ms"]["mean"] > 0
+    # Where the measured steps' time went: every phase measured, per step.
+    split = report["step_ms"]
+    assert split["steps"] == res["steps"]  # each step of the run went to the workers
+    for phase in ("schedule_ms", "update_ms", "ipc_ms", "worker_ms"):
+        assert split[phase] > 0, (phase, split)
+    assert "per step (mean of" in proc.stdout
 
 
 @pytest.mark.slow

@@ -419,6 +419,7 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             seed = args.prompt_seed + 1_000_003 * (w + 1)
             run_batch(core, random_prompts(n, in_len, lo, hi, seed), out_len)
         runs, last_prompts, last = [], [], None
+        step_base = dataclasses.replace(core.step_stats)
         for it in range(args.num_iters):
             prompts = random_prompts(n, in_len, lo, hi, args.prompt_seed + 7919 * it)
             last = run_batch(core, prompts, out_len)
@@ -428,11 +429,14 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             runs.append(last.numbers())
             last_prompts = prompts
         assert last is not None
+        # Where a measured step's time went: the engine's host work, the executor, the worker.
+        step_split = core.step_stats.per_step_ms(step_base)
     finally:
         llm.shutdown()
     result = _median_numbers(runs)
     report["iterations"] = runs
     report["result"] = result
+    report["step_ms"] = step_split
 
     print(f"dtype {dtype}, {args.num_warmup} warm-up + {args.num_iters} measured run(s)")
     print(
@@ -446,6 +450,12 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         f"{_fmt(result['ttft_ms']['median'])} ms"
     )
     print(f"  TPOT mean               {_fmt(result['tpot_ms']['mean'], '.3f')} ms/token")
+    if step_split:
+        print(
+            f"  per step (mean of {step_split['steps']:.0f})  schedule "
+            f"{step_split['schedule_ms']:.3f} + executor {step_split['ipc_ms']:.3f} + worker "
+            f"{step_split['worker_ms']:.3f} + update {step_split['update_ms']:.3f} ms"
+        )
     if n == 1:
         print(f"  single-stream TTFT      {result['single_ttft_ms']:10.2f} ms")
         print(f"  ms per output token     {_fmt(result['ms_per_output_token'], '10.3f')} (decode)")

@@ -66,6 +66,7 @@ class WorkerOutput:
     # Per-request transfer failures seen by this rank: request id -> reason.
     kv_failed: dict[str, str] = field(default_factory=dict)
     kv_stats: Stats | None = None  # the connector's per-rank counters (typed)
+    busy_s: float = 0.0  # from receiving the step to this output ready (step_stats.py)
 
 
 @dataclass
@@ -80,3 +81,4 @@ class ModelRunnerOutput:
     kv_recv_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     kv_failed: dict[str, str] = field(default_factory=dict)
     kv_stats: Stats | None = None  # the connector's per-rank counters (typed)
+    worker_busy_s: float = 0.0  # the slowest rank's busy_s

@@ -96,6 +96,7 @@ class KVOutputAggregator:
             kv_recv_info=kv_recv_info,
             kv_failed=kv_failed,
             kv_stats=kv_stats,
+            worker_busy_s=max(o.busy_s for o in outputs),
         )
 
     def async_aggregate(

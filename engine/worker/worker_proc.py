@@ -172,9 +172,11 @@ def worker_main(
             msg = task_conn.recv_bytes()
             if msg == b"shutdown":
                 return
+            t0 = time.perf_counter()
             sched = pickle.loads(msg)
             try:
                 out = worker.execute_model(sched)
+                out.busy_s = time.perf_counter() - t0
                 result_conn.send_bytes(pickle.dumps(out))
             except Exception:
                 logger.exception("step %s failed", sched.step_id)
