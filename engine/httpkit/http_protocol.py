@@ -1,4 +1,5 @@
-"""Which HTTP/1.1 parser uvicorn runs, with the request head capped and given a deadline.
+"""Which HTTP/1.1 parser uvicorn runs, with the request head capped, and deadlines on a
+head that never completes and on a client that stops reading.
 
 uvicorn parses with ``httptools`` (C, llhttp) when it is installed and with ``h11`` (pure
 Python) otherwise. ``httptools`` costs the proxy ~0.2 ms less CPU per request, but
@@ -7,18 +8,27 @@ endless header line makes the server buffer it all (measured: 187 MiB of one hea
 buffered, then a 400). ``h11`` refuses a head past ``h11_max_incomplete_event_size``.
 
 So the head is capped at ``MAX_HEAD_BYTES`` on both: ``h11`` by its own setting, and
-``httptools`` by ``CappedHttpToolsProtocol``, which counts the bytes fed to the parser while
+``httptools`` by ``GuardedHttpToolsProtocol``, which counts the bytes fed to the parser while
 a request's head is incomplete and answers 431 (and closes) past the cap. A chunk in which
 another request's head ended is not counted (it may hold that request's body), so the
 parser holds at most the cap plus two reads (asyncio reads at most 256 KiB at a time).
 
 uvicorn has no deadline on a request head either: a connection that sends nothing, or
 half a head, is held for good (slowloris: enough of them exhaust the server's file
-descriptors). ``CappedHttpToolsProtocol`` gives each head ``HEAD_TIMEOUT_S`` from the
+descriptors). ``GuardedHttpToolsProtocol`` gives each head ``HEAD_TIMEOUT_S`` from the
 connection's start or the head's first byte, then answers 408 and closes (nginx's
 ``client_header_timeout``; idle keep-alive connections between requests are uvicorn's own
-``timeout_keep_alive``). A body that stops arriving is ``read_body``'s (``body.py``). With
-``h11`` (httptools missing) heads are capped but have no deadline: a warning says so.
+``timeout_keep_alive``). A body that stops arriving is ``read_body``'s (``body.py``).
+
+Nor has uvicorn a deadline on writing: an answer to a client that stops reading (its
+window shut, the connection open) waits in ``send`` for good -- a stream's request holds
+its admission slot (and in the proxy its decode leg) as long as the client likes. Once
+the transport's buffer is over its high-water mark, ``WRITE_STALL_TIMEOUT_S`` without it
+draining closes the connection (nginx's ``send_timeout``): the app sees the client gone
+and ends the request (a stream is aborted on the engine, as on any disconnect).
+
+With ``h11`` (httptools missing) heads are capped but neither deadline holds: a warning
+says so.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ logger = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 64 * 1024
 # From the connection's start (first request) or the head's first byte (later ones).
 HEAD_TIMEOUT_S = 30.0
+# How long an answer may sit unread past the send buffer's high-water mark.
+WRITE_STALL_TIMEOUT_S = 60.0
 
 _431 = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
@@ -51,15 +63,16 @@ _408 = (
 )
 
 
-def _capped_httptools_protocol() -> type[asyncio.Protocol] | None:
+def _guarded_httptools_protocol() -> type[asyncio.Protocol] | None:
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # httptools is not installed
         return None
 
-    class CappedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
         """uvicorn's httptools protocol with the request head capped at ``max_head_bytes``
-        and given ``HEAD_TIMEOUT_S`` to arrive."""
+        and given ``HEAD_TIMEOUT_S`` to arrive, and answers cut off after
+        ``WRITE_STALL_TIMEOUT_S`` unread."""
 
         max_head_bytes = MAX_HEAD_BYTES
 
@@ -70,6 +83,7 @@ def _capped_httptools_protocol() -> type[asyncio.Protocol] | None:
             self._heads_done = 0  # request heads completed on this connection
             self._refused = False
             self._head_timer: asyncio.TimerHandle | None = None
+            self._write_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -77,7 +91,31 @@ def _capped_httptools_protocol() -> type[asyncio.Protocol] | None:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
+            self._cancel_write_timer()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(WRITE_STALL_TIMEOUT_S, self._write_stalled)
+
+        def resume_writing(self) -> None:
+            self._cancel_write_timer()
+            super().resume_writing()
+
+        def _cancel_write_timer(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_stalled(self) -> None:
+            self._write_timer = None
+            if not self.transport.is_closing():
+                logger.info(
+                    "closed %s: it read nothing of its answer for %gs", self.client,
+                    WRITE_STALL_TIMEOUT_S,
+                )  # fmt: skip
+                self.transport.abort()
 
         def _arm_head_timer(self) -> None:
             if self._head_timer is None:
@@ -128,16 +166,17 @@ def _capped_httptools_protocol() -> type[asyncio.Protocol] | None:
             self._in_head = True
             super().on_message_complete()
 
-    return CappedHttpToolsProtocol
+    return GuardedHttpToolsProtocol
 
 
 def uvicorn_http_options() -> dict[str, Any]:
     """``uvicorn.Config`` keyword arguments: the parser, with the head capped."""
-    proto = _capped_httptools_protocol()
+    proto = _guarded_httptools_protocol()
     if proto is not None:
         return {"http": proto}
     logger.warning(
         "httptools is not installed: HTTP parsed by h11, request heads capped at %d bytes "
-        "but without a deadline (pip install httptools)", MAX_HEAD_BYTES,
+        "but no deadline on a slow head or a client that stops reading (pip install "
+        "httptools)", MAX_HEAD_BYTES,
     )  # fmt: skip
     return {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES}

@@ -1,11 +1,13 @@
-"""The request head is capped whichever parser uvicorn runs (httptools or h11), and a
-head or a body that stops arriving has a deadline (slowloris).
+"""The request head is capped whichever parser uvicorn runs (httptools or h11); a head
+or a body that stops arriving has a deadline (slowloris), and so has an answer its client
+stopped reading.
 
 A real uvicorn server (``make_server``, as the nodes and the proxy start theirs) on a
 loopback socket, in a thread, and raw-socket clients: a head past the cap is refused and
 the connection closed, heads under the cap and large bodies (also pipelined) are not; a
 silent connection, a half head or a half body is answered 408 after its deadline, a slow
-but steady client is served.
+but steady client is served; an endless answer to a client that reads nothing is cut
+off and the app's send returns.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ PARSERS = ["httptools", "h11"]
 @pytest.fixture(params=PARSERS)
 def server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     if request.param == "h11":
-        monkeypatch.setattr(http_protocol, "_capped_httptools_protocol", lambda: None)
-    elif http_protocol._capped_httptools_protocol() is None:
+        monkeypatch.setattr(http_protocol, "_guarded_httptools_protocol", lambda: None)
+    elif http_protocol._guarded_httptools_protocol() is None:
         pytest.skip("httptools is not installed")
     sock = bind_socket("127.0.0.1", 0)
     srv = make_server(echo_length, log_level="WARNING", banner="", lifespan="off", own_signals=True)
@@ -124,7 +126,7 @@ def test_large_bodies_sent_with_their_heads_and_pipelined_are_not_counted_as_hea
 @pytest.fixture
 def quick_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     """The httptools server with a 0.5 s head deadline and a 0.5 s body read deadline."""
-    proto = http_protocol._capped_httptools_protocol()
+    proto = http_protocol._guarded_httptools_protocol()
     if proto is None:
         pytest.skip("httptools is not installed")
     monkeypatch.setattr(http_protocol, "HEAD_TIMEOUT_S", 0.5)
@@ -202,3 +204,48 @@ def test_a_slow_but_steady_client_is_served(quick_server: int) -> None:
             threading.Event().wait(0.2)  # each gap under the deadlines, the whole over them
         answer = read_answer(s)
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\n4"), answer[:200]
+
+
+# -- a client that stops reading an answer ------------------------------------------------
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_off_and_the_app_sees_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The answer streams for good; the client reads nothing (its receive buffer small).
+    Once the server's send buffer is full past the write deadline, the connection is
+    closed and the app's stream ends (without the deadline its send waits for good)."""
+    if http_protocol._guarded_httptools_protocol() is None:
+        pytest.skip("httptools is not installed")
+    monkeypatch.setattr(http_protocol, "WRITE_STALL_TIMEOUT_S", 0.5)
+    ended = threading.Event()
+
+    async def endless(scope, receive, send) -> None:  # noqa: ANN001 - a bare ASGI app
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            for _ in range(100_000):  # ~6 GB unread: far past any socket buffer
+                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+        finally:
+            ended.set()
+
+    sock = bind_socket("127.0.0.1", 0)
+    srv = make_server(endless, log_level="WARNING", banner="", lifespan="off", own_signals=True)
+    thread = threading.Thread(target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            if srv.started:
+                break
+            threading.Event().wait(0.02)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(sock.getsockname())
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert ended.wait(20), "the app's send still waits on a client that reads nothing"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        sock.close()
