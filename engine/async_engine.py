@@ -218,7 +218,8 @@ class AsyncLLMEngine:
         """A step's outputs to their streams in one hand-off per event loop (one wake-up of
         the loop per step, not one per request)."""
         with self._streams_lock:
-            pairs = [(s, o) for o in outputs if (s := self._streams.get(o.request_id))]
+            found = [(self._streams.get(o.request_id), o) for o in outputs]
+        pairs = [(s, o) for s, o in found if s is not None]
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for stream, out in pairs:
             by_loop.setdefault(stream.loop, []).append((stream, out))
