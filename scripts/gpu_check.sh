@@ -145,6 +145,9 @@ else
 fi
 cleanup
 
+# A summary now, so that a run cut short in step 5 still leaves one; rewritten at the end.
+$PY scripts/gpu_summary.py "$OUT" >"$OUT/summary.md" 2>&1
+
 # 5. Last (longest, and least needed if the device time runs out): TP ranks sharing the
 # GPU over gloo (P/D 2->2, 1->2, 2->1 in VRAM) and, on a host with more GPUs, P and D on
 # different ones; on CPU (SMOKE) only its placement tests run, the others skip with reasons.
