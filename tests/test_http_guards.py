@@ -6,7 +6,7 @@ A real uvicorn server (``make_server``, as the nodes and the proxy start theirs)
 loopback socket, in a thread, and raw-socket clients: a head past the cap is refused and
 the connection closed, heads under the cap and large bodies (also pipelined) are not; a
 silent connection, a half head or a half body is answered 408 after its deadline, a slow
-but steady client is served; an endless answer to a client that reads nothing is cut
+and a body trickling in is served; an endless answer to a client that reads nothing is cut
 off and the app's send returns.
 """
 
@@ -191,19 +191,19 @@ def test_a_body_that_stops_arriving_is_answered_408(quick_server: int) -> None:
     assert b"did not arrive" in answer
 
 
-def test_a_slow_but_steady_client_is_served(quick_server: int) -> None:
+def test_a_body_that_trickles_in_is_served(
+    quick_server: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The body deadline is per piece: eight pieces 0.3 s apart (2.4 s in all) pass a
+    1.5 s deadline, each gap a fifth of it."""
+    monkeypatch.setattr(body_mod, "BODY_READ_TIMEOUT_S", 1.5)
     with socket.create_connection(("127.0.0.1", quick_server)) as s:
-        for piece in (
-            b"POST / HTTP/1.1\r\n",
-            b"Host: x\r\n",
-            b"Content-Length: 4\r\n\r\n",
-            b"ab",
-            b"cd",
-        ):
-            s.sendall(piece)
-            threading.Event().wait(0.2)  # each gap under the deadlines, the whole over them
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n\r\n")
+        for piece in b"abcdefgh":
+            threading.Event().wait(0.3)
+            s.sendall(bytes([piece]))
         answer = read_answer(s)
-    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\n4"), answer[:200]
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\n8"), answer[:200]
 
 
 # -- a client that stops reading an answer ------------------------------------------------
