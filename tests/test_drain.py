@@ -21,13 +21,19 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 def _stream_in_thread(url: str, body: dict, out: dict) -> threading.Thread:
+    """Reads the stream into ``out`` (``first``, then ``events``); a connection cut before
+    its end leaves ``out["cut"]`` instead of ``events`` (a node killed at teardown)."""
+
     def run() -> None:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
             out["status"] = resp.status_code
             assert resp.status_code == 200, resp.read()
             lines = resp.iter_lines()
             out["first"] = next(line for line in lines if line)  # streaming has begun
-            out["events"] = sse_data(lines)
+            try:
+                out["events"] = sse_data(lines)
+            except httpx.TransportError as e:
+                out["cut"] = e
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
