@@ -208,15 +208,9 @@ class AsyncLLMEngine:
             return True
 
     # -- engine thread -----------------------------------------------------------------------
-    def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
-        with self._streams_lock:
-            target = self._streams.get(request_id)
-        if target is not None:
-            target.put(out)
-
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs to their streams in one hand-off per event loop (one wake-up of
-        the loop per step, not one per request)."""
+        """Outputs (a step's, or the errors of a dying engine) to their streams in one
+        hand-off per event loop (one wake-up of the loop per step, not one per request)."""
         with self._streams_lock:
             found = [(self._streams.get(o.request_id), o) for o in outputs]
         pairs = [(s, o) for s, o in found if s is not None]
@@ -289,8 +283,7 @@ class AsyncLLMEngine:
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
         logger.error("engine is dead: %s", reason)
-        for out in self.core.fail_all(f"engine failed: {reason}"):
-            self._deliver(out, out.request_id)
+        self._deliver_step(self.core.fail_all(f"engine failed: {reason}"))
         # Requests still in the inbox, or added from now on, get the error too.
         while True:
             try:

@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,14 +31,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engine.bench.cluster import free_port  # noqa: E402 - re-exported to bench_proxy_ab
 from engine.bench.interference import kv_hop_means  # noqa: E402
 from engine.bench.serve import add_serve_args, run_benchmark  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(module: str, *args: str, log: Path) -> tuple[subprocess.Popen, str]:

@@ -8,7 +8,7 @@ round trip minus the worker is the executor's cost: pickling, pipes, wake-ups.
 
 Rates of these counters split a step: e.g. ``rate(pdserve_engine_step_update_seconds_total)
 / rate(pdserve_engine_steps_total)`` is the update's mean per step. ``pd-bench offline``
-prints the split per step (``StepTimes.per_step_ms``).
+prints the split per step (``StepStats.per_step_ms``).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,28 @@ _408 = (
 )
 
 
+class _Deadline:
+    """One timer of a connection: ``arm`` starts it unless running, ``cancel`` stops it;
+    ``on_expiry`` runs when it fires."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_expiry: Callable[[], None]) -> None:
+        self._loop, self._on_expiry = loop, on_expiry
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arm(self, delay_s: float) -> None:
+        if self._timer is None:
+            self._timer = self._loop.call_later(delay_s, self._fire)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._on_expiry()
+
+
 def _guarded_httptools_protocol() -> type[asyncio.Protocol] | None:
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -82,34 +105,27 @@ def _guarded_httptools_protocol() -> type[asyncio.Protocol] | None:
             self._head_bytes = 0
             self._heads_done = 0  # request heads completed on this connection
             self._refused = False
-            self._head_timer: asyncio.TimerHandle | None = None
-            self._write_timer: asyncio.TimerHandle | None = None
+            self._head_deadline = _Deadline(self.loop, self._head_too_slow)
+            self._write_deadline = _Deadline(self.loop, self._write_stalled)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._arm_head_timer()
+            self._head_deadline.arm(HEAD_TIMEOUT_S)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_head_timer()
-            self._cancel_write_timer()
+            self._head_deadline.cancel()
+            self._write_deadline.cancel()
             super().connection_lost(exc)
 
         def pause_writing(self) -> None:
             super().pause_writing()
-            if self._write_timer is None:
-                self._write_timer = self.loop.call_later(WRITE_STALL_TIMEOUT_S, self._write_stalled)
+            self._write_deadline.arm(WRITE_STALL_TIMEOUT_S)
 
         def resume_writing(self) -> None:
-            self._cancel_write_timer()
+            self._write_deadline.cancel()
             super().resume_writing()
 
-        def _cancel_write_timer(self) -> None:
-            if self._write_timer is not None:
-                self._write_timer.cancel()
-                self._write_timer = None
-
         def _write_stalled(self) -> None:
-            self._write_timer = None
             if not self.transport.is_closing():
                 logger.info(
                     "closed %s: it read nothing of its answer for %gs", self.client,
@@ -117,17 +133,7 @@ def _guarded_httptools_protocol() -> type[asyncio.Protocol] | None:
                 )  # fmt: skip
                 self.transport.abort()
 
-        def _arm_head_timer(self) -> None:
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_slow)
-
-        def _cancel_head_timer(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
         def _head_too_slow(self) -> None:
-            self._head_timer = None
             if self._in_head and not self._refused and not self.transport.is_closing():
                 self._refused = True
                 logger.info("closed %s: no request head within %gs", self.client, HEAD_TIMEOUT_S)
@@ -136,7 +142,7 @@ def _guarded_httptools_protocol() -> type[asyncio.Protocol] | None:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._arm_head_timer()  # a later request's head: from its first byte
+            self._head_deadline.arm(HEAD_TIMEOUT_S)  # a later request's head: its first byte
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
@@ -159,7 +165,7 @@ def _guarded_httptools_protocol() -> type[asyncio.Protocol] | None:
             self._in_head = False
             self._head_bytes = 0
             self._heads_done += 1
-            self._cancel_head_timer()
+            self._head_deadline.cancel()
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
@@ -170,7 +176,8 @@ def _guarded_httptools_protocol() -> type[asyncio.Protocol] | None:
 
 
 def uvicorn_http_options() -> dict[str, Any]:
-    """``uvicorn.Config`` keyword arguments: the parser, with the head capped."""
+    """``uvicorn.Config`` keyword arguments: the parser, with the head capped (and, with
+    httptools, the head and write deadlines)."""
     proto = _guarded_httptools_protocol()
     if proto is not None:
         return {"http": proto}
