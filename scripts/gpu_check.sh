@@ -1,18 +1,38 @@
 #!/usr/bin/env bash
 # The one GPU check: correctness tests marked `gpu`, the Triton kernel tests compiled, the
 # offline and HTTP benchmarks (colocated, and P/D through the proxy with P and D sharing
-# the GPU), a per-step profile, and a summary table against the targets of
-# docs/performance.md. Everything it measures lands in $OUT (default /tmp/gpu_check).
+# the GPU), a per-step profile, the KV push, and a summary table against the targets of
+# docs/performance.md.
 #
 #   scripts/gpu_check.sh            # on a CUDA host, from the repository root
 #   SMOKE=1 scripts/gpu_check.sh    # the same steps at toy sizes on CPU (checks the script)
 #
+# Made for the device tool (`run(command="OUT=$OUT bash scripts/gpu_check.sh",
+# carry=[".whl"], timeout_s=540)`), whose limits shape it:
+# - What comes back is at most 8 files of 16 MiB from $OUT. Everything is made in
+#   $GPU_CHECK_WORK (default /tmp/gpu_check_work: the model, logs, traces, JSON); after
+#   every step $OUT is refreshed with four files: summary.md (the target table so far),
+#   steps.txt (each step's rc), gpu_check.log (its last 12 MiB) and results.tgz (the JSON,
+#   junit XML, metrics, plots and node logs; no model).
+# - The run has a wall-clock budget, GPU_CHECK_BUDGET_S (default 470 s, inside a 540 s
+#   timeout_s). Steps run most valuable first; each one's limit is cut to what is left, and
+#   a step that no longer fits is recorded as `rc=budget` rather than started.
+# - GPU_CHECK_ONLY="key ..." runs only those steps (keys below: kernels model throughput
+#   latency colocated pd gpu-tests prefill eager profile transfer multi-gpu), e.g. a rerun
+#   of what the budget cut. Steps that need the model build it when it is missing.
+# The summary is printed to stdout at the end (the tool's output tail) as well.
+#
 # Wheels in .whl/ (scripts/fetch_gpu_wheels.sh) are installed first into /tmp/site, for
-# hosts without nixl/pyzmq/fastapi/uvicorn/pydantic. Budget: about 10 minutes on one H200.
+# hosts without nixl/pyzmq/fastapi/uvicorn/pydantic.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_check}"
-mkdir -p "$OUT"
+WORK="${GPU_CHECK_WORK:-/tmp/gpu_check_work}"
+BUDGET="${GPU_CHECK_BUDGET_S:-470}"
+ONLY="${GPU_CHECK_ONLY:-}"
+RESERVE=20  # seconds kept for the last summary, the copy to $OUT and the cleanup
+END=$((SECONDS + BUDGET))
+mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${SMOKE:-0}" != 1 ] && compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -21,8 +41,9 @@ if [ "${SMOKE:-0}" != 1 ] && compgen -G ".whl/*.whl" >/dev/null; then
 fi
 PY=python3
 SMOKE="${SMOKE:-0}"
-LOG="$OUT/gpu_check.log"
+LOG="$WORK/gpu_check.log"
 : >"$LOG"
+: >"$WORK/steps.txt"
 PIDS=()
 cleanup() {  # SIGTERM what this script started, wait up to 20 s, then SIGKILL
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
@@ -37,18 +58,33 @@ cleanup() {  # SIGTERM what this script started, wait up to 20 s, then SIGKILL
   PIDS=()
 }
 trap cleanup EXIT
-say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
-step() {  # step NAME TIMEOUT_S CMD...: run, log, never abort the whole check
-  local name=$1 limit=$2; shift 2
-  say "$name"
-  timeout "$limit" "$@" >>"$LOG" 2>&1
-  local rc=$?
-  echo "$name rc=$rc" >>"$OUT/steps.txt"
-  [ $rc -eq 0 ] || say "$name FAILED (rc=$rc)"
-  return 0
+say() { echo "== $(date +%T) [${SECONDS}s] $*" | tee -a "$LOG"; }
+left() { echo $((END - SECONDS - RESERVE)); }
+selected() { [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]; }
+publish() {  # refresh the few files $OUT holds (the device tool returns at most 8)
+  $PY scripts/gpu_summary.py "$WORK" >"$WORK/summary.md" 2>&1
+  cp "$WORK/summary.md" "$WORK/steps.txt" "$OUT/"
+  tail -c $((12 * 1024 * 1024)) "$LOG" >"$OUT/gpu_check.log"
+  (cd "$WORK" && find . -maxdepth 1 -type f \( -name '*.json' -o -name '*.xml' -o -name '*.txt' \
+    -o -name '*.png' -o -name '*.log' -o -name '*.md' \) ! -name gpu_check.log -print0 |
+    xargs -0 -r tar -czf "$OUT/results.tgz.part" && mv "$OUT/results.tgz.part" "$OUT/results.tgz")
 }
-wait_up() {  # wait_up URL PID
-  for _ in $(seq 1 600); do
+record() { echo "$1 rc=$2" >>"$WORK/steps.txt"; [ "$2" = 0 ] || say "$1: rc=$2"; }
+step() {  # step NAME LIMIT_S MIN_S CMD...: run within the budget, log, never abort the check
+  local name=$1 limit=$2 min=$3; shift 3
+  local room; room=$(left)
+  if [ "$room" -lt "$min" ]; then record "$name" budget; return 0; fi
+  [ "$room" -lt "$limit" ] && limit=$room
+  say "$name (limit ${limit}s)"
+  # SIGINT first: pytest still writes its junit XML, benchmarks shut their engines down.
+  timeout -s INT -k 20 "$limit" "$@" >>"$LOG" 2>&1
+  record "$name" $?
+  publish
+}
+wait_up() {  # wait_up URL PID: up to 120 s (less when the budget is short)
+  local tries=$((2 * $(left)))
+  [ $tries -gt 240 ] && tries=240
+  for _ in $(seq 1 $tries); do
     $PY -c "import sys,urllib.request; urllib.request.urlopen(sys.argv[1]+'/health',timeout=2)" "$1" 2>/dev/null && return 0
     kill -0 "$2" 2>/dev/null || return 1
     sleep 0.5
@@ -77,81 +113,121 @@ else
   say "host: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$LOG"
 fi
-say "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+say "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), budget ${BUDGET}s, only '${ONLY}'"
+MODEL="$WORK/model-$PRESET"
+need_model() {  # build the benchmark model once (steps that need it call this first)
+  [ -f "$MODEL/config.json" ] || step "make-model $PRESET" 120 20 $PY -m engine.bench make-model --out "$MODEL" --preset "$PRESET"
+}
+B=($PY -m engine.bench offline --model "$MODEL" "${DEV[@]}")
+S=($PY -m engine.bench serve --no-progress --slo-ttft-ms 150 --slo-itl-ms 25 "${SERVE[@]}")
 
-# 1. Correctness (each pytest run leaves its junit XML for the summary).
-if [ "$SMOKE" != 1 ]; then
-  step "pytest gpu" 240 $PY -m pytest -q -x -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" tests/test_triton_attention.py tests/test_sampler.py tests/test_gpu.py
+# Steps, most valuable first (each stage below is skipped when the budget is spent).
+# 1. The compiled Triton kernels and the device sampler against their references.
+if [ "$SMOKE" != 1 ] && selected kernels; then
+  step "pytest kernels" 150 40 $PY -m pytest -q -p no:cacheprovider --junitxml "$WORK/pytest_kernels.xml" tests/test_triton_attention.py tests/test_sampler.py
 fi
 
-# 2. Offline.
-MODEL="$OUT/model-$PRESET"
-[ -d "$MODEL" ] || step "make-model $PRESET" 120 $PY -m engine.bench make-model --out "$MODEL" --preset "$PRESET"
-B=($PY -m engine.bench offline --model "$MODEL" "${DEV[@]}")
-step "offline throughput (+transformers)" 240 "${B[@]}" "${THR[@]}" --compare-hf --json "$OUT/offline_throughput.json"
-step "offline latency" 120 "${B[@]}" "${LAT[@]}" --json "$OUT/offline_latency.json"
-step "offline latency eager" 120 "${B[@]}" "${LAT[@]}" --enforce-eager --json "$OUT/offline_latency_eager.json"
-step "offline prefill" 180 "${B[@]}" "${PRE[@]}" --json "$OUT/offline_prefill.json"
-step "profile" 180 $PY scripts/profile_step.py --model "$MODEL" "${PROF[@]}" --trace "$OUT/trace" --json "$OUT/profile.json"
-# KV push P->D: the connector path vs raw NIXL vs a device-to-device copy, same bytes.
-step "transfer" 180 $PY -m engine.bench transfer "${XFER[@]}" --json "$OUT/transfer.json"
+# 2. Offline: the throughput workload (with transformers in the same run) and one stream.
+selected model && need_model
+if selected throughput; then
+  need_model
+  step "offline throughput (+transformers)" 180 60 "${B[@]}" "${THR[@]}" --compare-hf --json "$WORK/offline_throughput.json"
+fi
+if selected latency; then
+  need_model
+  step "offline latency" 90 30 "${B[@]}" "${LAT[@]}" --json "$WORK/offline_latency.json"
+fi
 
 # 3. HTTP: colocated node.
-S=($PY -m engine.bench serve --no-progress --slo-ttft-ms 150 --slo-itl-ms 25 "${SERVE[@]}")
-say "colocated node"
-$PY -m decode_node --model "$MODEL" "${NODE[@]}" --port 8300 >"$OUT/node.log" 2>&1 &
-PIDS+=($!)
-if wait_up http://127.0.0.1:8300 "${PIDS[-1]}"; then
-  step "serve colocated" 240 "${S[@]}" --base-url http://127.0.0.1:8300 --json "$OUT/serve_colocated.json" --plot "$OUT/serve_colocated.png"
-  step "low load colocated" 120 "${S[@]}" "${LOW[@]}" --seed 1 --base-url http://127.0.0.1:8300 --json "$OUT/low_colocated.json"
-  # The proxy's own overhead on this (quiet, fast) host: 1-token requests straight to the
-  # node and through a proxy in front of it (decode node alone: --prefill-fallback), in turn.
-  $PY -m proxy serve --decode http://127.0.0.1:8300 --prefill-fallback --port 8301 >"$OUT/proxy_solo.log" 2>&1 &
+if selected colocated && need_model && [ "$(left)" -ge 60 ]; then
+  say "colocated node"
+  $PY -m decode_node --model "$MODEL" "${NODE[@]}" --port 8300 >"$WORK/node.log" 2>&1 &
   PIDS+=($!)
-  if wait_up http://127.0.0.1:8301 "${PIDS[-1]}"; then
-    step "proxy overhead" 60 $PY scripts/bench_proxy_ab.py --node http://127.0.0.1:8300 --proxy http://127.0.0.1:8301 -n "$OVERHEAD_N" --json "$OUT/proxy_overhead.json"
+  if wait_up http://127.0.0.1:8300 "${PIDS[-1]}"; then
+    step "serve colocated" 150 40 "${S[@]}" --base-url http://127.0.0.1:8300 --json "$WORK/serve_colocated.json" --plot "$WORK/serve_colocated.png"
+    step "low load colocated" 90 30 "${S[@]}" "${LOW[@]}" --seed 1 --base-url http://127.0.0.1:8300 --json "$WORK/low_colocated.json"
+    # The proxy's own overhead on this (quiet, fast) host: 1-token requests straight to the
+    # node and through a proxy in front of it (decode node alone: --prefill-fallback), in turn.
+    $PY -m proxy serve --decode http://127.0.0.1:8300 --prefill-fallback --port 8301 >"$WORK/proxy_solo.log" 2>&1 &
+    PIDS+=($!)
+    if wait_up http://127.0.0.1:8301 "${PIDS[-1]}"; then
+      step "proxy overhead" 60 20 $PY scripts/bench_proxy_ab.py --node http://127.0.0.1:8300 --proxy http://127.0.0.1:8301 -n "$OVERHEAD_N" --json "$WORK/proxy_overhead.json"
+    else
+      record "proxy overhead" start
+    fi
   else
-    echo "proxy overhead rc=start" >>"$OUT/steps.txt"
+    say "colocated node did not start (see node.log)"; record "serve colocated" start
   fi
-else
-  say "colocated node did not start (see node.log)"; echo "serve colocated rc=start" >>"$OUT/steps.txt"
+  cleanup
+  publish
+elif selected colocated; then
+  record "serve colocated" budget
 fi
-cleanup
 
 # 4. HTTP: P/D through the proxy, P and D on the same GPU; a second prefill node with the
 # pipelined push (--kv-layer-group-size 4) behind a second proxy, same decode node.
-say "P/D"
-$PY -m prefill_node --model "$MODEL" "${PD_NODE[@]}" --port 8100 --kv-connector nixl >"$OUT/prefill.log" 2>&1 &
-PIDS+=($!); P_PID=$!
-$PY -m prefill_node --model "$MODEL" "${PD_NODE[@]}" --port 8101 --kv-connector nixl --kv-layer-group-size 4 >"$OUT/prefill_pipelined.log" 2>&1 &
-PIDS+=($!); P2_PID=$!
-$PY -m decode_node --model "$MODEL" "${PD_NODE[@]}" --port 8200 --kv-connector nixl >"$OUT/decode.log" 2>&1 &
-PIDS+=($!); D_PID=$!
-$PY -m proxy serve --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000 >"$OUT/proxy.log" 2>&1 &
-PIDS+=($!)
-$PY -m proxy serve --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8200 --port 8001 >"$OUT/proxy_pipelined.log" 2>&1 &
-PIDS+=($!)
-if wait_up http://127.0.0.1:8100 $P_PID && wait_up http://127.0.0.1:8200 $D_PID && wait_up http://127.0.0.1:8000 "${PIDS[-2]}"; then
-  step "serve P/D" 240 "${S[@]}" --base-url http://127.0.0.1:8000 --json "$OUT/serve_pd.json" --plot "$OUT/serve_pd.png"
-  step "low load P/D" 120 "${S[@]}" "${LOW[@]}" --seed 2 --base-url http://127.0.0.1:8000 --json "$OUT/low_pd.json"
-  curl -s http://127.0.0.1:8100/metrics >"$OUT/prefill_metrics.txt" 2>/dev/null
-  if wait_up http://127.0.0.1:8101 $P2_PID && wait_up http://127.0.0.1:8001 "${PIDS[-1]}"; then
-    step "low load P/D pipelined" 120 "${S[@]}" "${LOW[@]}" --seed 3 --base-url http://127.0.0.1:8001 --json "$OUT/low_pd_pipelined.json"
-    curl -s http://127.0.0.1:8101/metrics >"$OUT/prefill_pipelined_metrics.txt" 2>/dev/null
+if selected pd && need_model && [ "$(left)" -ge 90 ]; then
+  say "P/D"
+  $PY -m prefill_node --model "$MODEL" "${PD_NODE[@]}" --port 8100 --kv-connector nixl >"$WORK/prefill.log" 2>&1 &
+  PIDS+=($!); P_PID=$!
+  $PY -m prefill_node --model "$MODEL" "${PD_NODE[@]}" --port 8101 --kv-connector nixl --kv-layer-group-size 4 >"$WORK/prefill_pipelined.log" 2>&1 &
+  PIDS+=($!); P2_PID=$!
+  $PY -m decode_node --model "$MODEL" "${PD_NODE[@]}" --port 8200 --kv-connector nixl >"$WORK/decode.log" 2>&1 &
+  PIDS+=($!); D_PID=$!
+  $PY -m proxy serve --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000 >"$WORK/proxy.log" 2>&1 &
+  PIDS+=($!); X_PID=$!
+  $PY -m proxy serve --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8200 --port 8001 >"$WORK/proxy_pipelined.log" 2>&1 &
+  PIDS+=($!); X2_PID=$!
+  if wait_up http://127.0.0.1:8100 $P_PID && wait_up http://127.0.0.1:8200 $D_PID && wait_up http://127.0.0.1:8000 $X_PID; then
+    step "serve P/D" 150 40 "${S[@]}" --base-url http://127.0.0.1:8000 --json "$WORK/serve_pd.json" --plot "$WORK/serve_pd.png"
+    step "low load P/D" 90 30 "${S[@]}" "${LOW[@]}" --seed 2 --base-url http://127.0.0.1:8000 --json "$WORK/low_pd.json"
+    curl -s http://127.0.0.1:8100/metrics >"$WORK/prefill_metrics.txt" 2>/dev/null
+    if wait_up http://127.0.0.1:8101 $P2_PID && wait_up http://127.0.0.1:8001 $X2_PID; then
+      step "low load P/D pipelined" 90 30 "${S[@]}" "${LOW[@]}" --seed 3 --base-url http://127.0.0.1:8001 --json "$WORK/low_pd_pipelined.json"
+      curl -s http://127.0.0.1:8101/metrics >"$WORK/prefill_pipelined_metrics.txt" 2>/dev/null
+    else
+      record "low load P/D pipelined" start
+    fi
+    curl -s http://127.0.0.1:8200/metrics >"$WORK/decode_metrics.txt" 2>/dev/null
+  else
+    say "P/D did not start (see prefill.log, decode.log, proxy.log)"; record "serve P/D" start
   fi
-  curl -s http://127.0.0.1:8200/metrics >"$OUT/decode_metrics.txt" 2>/dev/null
-else
-  say "P/D did not start (see prefill.log, decode.log, proxy.log)"; echo "serve P/D rc=start" >>"$OUT/steps.txt"
+  cleanup
+  publish
+elif selected pd; then
+  record "serve P/D" budget
 fi
-cleanup
 
-# A summary now, so that a run cut short in step 5 still leaves one; rewritten at the end.
-$PY scripts/gpu_summary.py "$OUT" >"$OUT/summary.md" 2>&1
+# 5. Correctness of the engine on the GPU (transformers, graphs vs eager, the reference
+# backend with chunks/prefix hits/preemption, P/D over NIXL in VRAM).
+if [ "$SMOKE" != 1 ] && selected gpu-tests; then
+  step "pytest gpu" 240 60 $PY -m pytest -q -p no:cacheprovider --junitxml "$WORK/pytest_gpu.xml" tests/test_gpu.py
+fi
 
-# 5. Last (longest, and least needed if the device time runs out): TP ranks sharing the
-# GPU over gloo (P/D 2->2, 1->2, 2->1 in VRAM) and, on a host with more GPUs, P and D on
-# different ones; on CPU (SMOKE) only its placement tests run, the others skip with reasons.
-step "pytest multi-gpu" 420 $PY -m pytest -q -rs -p no:cacheprovider --junitxml "$OUT/pytest_multi_gpu.xml" tests/test_multi_gpu.py
+# 6. The remaining offline rows, the profile and the KV push.
+if selected prefill; then
+  need_model
+  step "offline prefill" 120 30 "${B[@]}" "${PRE[@]}" --json "$WORK/offline_prefill.json"
+fi
+if selected eager; then
+  need_model
+  step "offline latency eager" 90 30 "${B[@]}" "${LAT[@]}" --enforce-eager --json "$WORK/offline_latency_eager.json"
+fi
+if selected profile; then
+  need_model
+  step "profile" 120 30 $PY scripts/profile_step.py --model "$MODEL" "${PROF[@]}" --trace "$WORK/trace" --json "$WORK/profile.json"
+fi
+# KV push P->D: the connector path vs raw NIXL vs a device-to-device copy, same bytes.
+selected transfer && step "transfer" 150 40 $PY -m engine.bench transfer "${XFER[@]}" --json "$WORK/transfer.json"
 
-# 6. Summary.
-$PY scripts/gpu_summary.py "$OUT" | tee "$OUT/summary.md"
+# 7. Last (longest, least needed): TP ranks sharing the GPU over gloo (P/D 2->2, 1->2, 2->1
+# in VRAM) and, on a host with more GPUs, P and D on different ones; on CPU (SMOKE) only its
+# placement tests run, the others skip with reasons.
+selected multi-gpu && step "pytest multi-gpu" 420 30 $PY -m pytest -q -rs -p no:cacheprovider --junitxml "$WORK/pytest_multi_gpu.xml" tests/test_multi_gpu.py
+
+# 8. Summary (also on stdout: the device tool's output tail).
+publish
+cat "$OUT/summary.md"
+echo
+echo "steps:"; cat "$OUT/steps.txt"
+echo "(${SECONDS}s of ${BUDGET}s; files in $OUT: $(ls "$OUT" | tr '\n' ' '))"

@@ -35,13 +35,32 @@ def _config(path: str, **model: object) -> EngineConfig:
     )
 
 
+_CHECKPOINTS: dict[str, dict] = {}
+
+
+def _checkpoint(name: str, tmp_path_factory) -> dict:
+    """A random checkpoint of ``name``, its prompts and transformers' greedy tokens (fp32,
+    on the CPU); made once per module."""
+    if name not in _CHECKPOINTS:
+        model = make_hf_model(name, seed=0)
+        path = save_hf_model(model, tmp_path_factory.mktemp("ckpt") / name)
+        prompts = [random_prompt(n, 256, seed=n) for n in LENGTHS]
+        hf = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+        _CHECKPOINTS[name] = {"path": path, "prompts": prompts, "hf": hf}
+    return _CHECKPOINTS[name]
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def checkpoint(request, tmp_path_factory) -> dict:
-    model = make_hf_model(request.param, seed=0)
-    path = save_hf_model(model, tmp_path_factory.mktemp("ckpt") / request.param)
-    prompts = [random_prompt(n, 256, seed=n) for n in LENGTHS]
-    hf = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]  # fp32, on the CPU
-    return {"path": path, "prompts": prompts, "hf": hf}
+    return _checkpoint(request.param, tmp_path_factory)
+
+
+# The engine-level checks below run on Llama only: each engine start costs seconds of the
+# GPU run's few minutes, and what they check (graphs, backends, the VRAM push) does not
+# depend on the architecture; Qwen2 is checked against transformers above.
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> dict:
+    return _checkpoint("llama", tmp_path_factory)
 
 
 def test_fp32_greedy_with_graphs_matches_transformers(checkpoint):
@@ -51,21 +70,21 @@ def test_fp32_greedy_with_graphs_matches_transformers(checkpoint):
     assert out == checkpoint["hf"]
 
 
-def test_cuda_graph_decode_is_token_identical_to_eager(checkpoint):
+def test_cuda_graph_decode_is_token_identical_to_eager(llama):
     # 24 prompts: decode batches of 24 down to 1 replay padded buckets.
     prompts = [random_prompt(5 + 7 * i, 256, seed=100 + i) for i in range(24)]
     params = [SamplingParams(max_tokens=8 + i, temperature=0.0) for i in range(24)]
-    with LLM(_config(checkpoint["path"], enforce_eager=True)) as llm:
+    with LLM(_config(llama["path"], enforce_eager=True)) as llm:
         eager = llm.generate(prompts, params)
-    with LLM(_config(checkpoint["path"])) as llm:
+    with LLM(_config(llama["path"])) as llm:
         graphs = llm.generate(prompts, params)
     assert graphs == eager
 
 
-def test_triton_engine_matches_reference_with_chunks_prefix_hits_and_preemption(checkpoint):
+def test_triton_engine_matches_reference_with_chunks_prefix_hits_and_preemption(llama):
     """Chunked prefill, prefix-cache hits and preemption under both backends (fp32)."""
-    prompts = checkpoint["prompts"] + checkpoint["prompts"][:3]  # repeats hit the cache
-    base = _config(checkpoint["path"])
+    prompts = llama["prompts"] + llama["prompts"][:3]  # repeats hit the cache
+    base = _config(llama["path"])
     tight = dataclasses.replace(
         base,
         cache=CacheConfig(
@@ -81,7 +100,7 @@ def test_triton_engine_matches_reference_with_chunks_prefix_hits_and_preemption(
             stats = llm.stats()
         assert stats["num_preemptions_total"] > 0, "the test should exercise preemption"
     assert results["triton"] == results["reference"]
-    assert results["triton"][: len(LENGTHS)] == checkpoint["hf"]
+    assert results["triton"][: len(LENGTHS)] == llama["hf"]
 
 
 def test_bf16_triton_logits_within_tolerance_of_reference_on_mixed_batches():
@@ -118,20 +137,20 @@ def test_sampler_noise_is_the_same_on_gpu_and_cpu():
     assert torch.equal(hashed_uniform(keys, 1000), hashed_uniform(keys.cuda(), 1000).cpu())
 
 
-def test_pd_over_nixl_vram_matches_colocated(checkpoint):
+def test_pd_over_nixl_vram_matches_colocated(llama):
+    """P/D equals transformers' greedy tokens, which the colocated engine equals
+    (``test_fp32_greedy_with_graphs_matches_transformers``)."""
     pytest.importorskip("nixl._api")
     from pd_utils import disagg_generate, nixl_config
 
     from engine.engine_core import EngineCore
 
-    base = _config(checkpoint["path"])
-    with LLM(base) as llm:
-        colocated = llm.generate(checkpoint["prompts"], GREEDY)
+    base = _config(llama["path"])
     p = EngineCore(nixl_config(base, "producer"))
     d = EngineCore(nixl_config(base, "consumer"))
     try:
-        res = disagg_generate(p, d, checkpoint["prompts"], GREEDY)
-        assert res["tokens"] == colocated == checkpoint["hf"]
+        res = disagg_generate(p, d, llama["prompts"], GREEDY)
+        assert res["tokens"] == llama["hf"]
         assert d.stats()["prompt_tokens_total"] == 0  # D computed no prompt token
         assert p.stats()["kv_bytes_sent_total"] > 0
     finally:
@@ -139,7 +158,6 @@ def test_pd_over_nixl_vram_matches_colocated(checkpoint):
         d.shutdown()
 
 
-# Last: new, not yet run on a GPU; gpu_check.sh runs this file with -x.
 def test_the_triton_forward_of_a_mixed_step_never_synchronizes_with_the_host():
     """What ``tests/test_no_host_sync.py`` checks on CPU by the calls made, checked here by
     CUDA itself: any synchronizing call inside the forward raises."""

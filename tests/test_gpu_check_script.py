@@ -1,42 +1,96 @@
 """scripts/gpu_check.sh runs end to end at toy sizes on CPU (SMOKE=1), so the one GPU run a
-session may get is not spent on a broken script."""
+session may get is not spent on a broken script; what it leaves in ``$OUT`` fits what the
+device tool brings back, and a short budget still ends in a summary."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# What the device tool returns from $OUT (/work/.library/device/README.md, Limits).
+MAX_FILES, MAX_FILE_BYTES, MAX_TOTAL_BYTES = 8, 16 * 2**20, 64 * 2**20
+
+
+def _run(tmp_path: Path, timeout: float, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh"],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "SMOKE": "1",
+            "OUT": str(out),
+            "GPU_CHECK_WORK": str(tmp_path / "work"),
+            **env,
+        },  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, out
+
+
+def _assert_fits_the_device_tool(out: Path) -> None:
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert 0 < len(files) <= MAX_FILES, files
+    assert all(p.stat().st_size <= MAX_FILE_BYTES for p in files), files
+    assert sum(p.stat().st_size for p in files) <= MAX_TOTAL_BYTES
+    assert all(len(p.relative_to(out).parts) <= 3 for p in files), files  # out/a/b/file at most
+    assert not [p for p in files if p.suffix == ".safetensors"]
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_gpu_check_smoke_runs_every_step_and_prints_the_target_table(tmp_path):
-    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path)}
-    proc = subprocess.run(
-        ["bash", "scripts/gpu_check.sh"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=580,
-    )
-    log = (tmp_path / "gpu_check.log").read_text() if (tmp_path / "gpu_check.log").exists() else ""
+    proc, out = _run(tmp_path, 580)
+    log = (out / "gpu_check.log").read_text() if (out / "gpu_check.log").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log[-3000:]
-    summary = (tmp_path / "summary.md").read_text()
+    _assert_fits_the_device_tool(out)
+    summary = (out / "summary.md").read_text()
     assert "steps not ok: none" in summary, summary + log[-5000:]
+    assert "steps not ok: none" in proc.stdout  # the summary is in the tool's output tail too
     rows = ("offline 32x512->128", "single stream", "colocated: ITL p99", "P/D: TTFT p50",
             "low load 1x1024", "P/D pipelined")  # fmt: skip
     for row in rows:
         line = next(ln for ln in summary.splitlines() if row in ln)
         assert "missing" not in line, summary
+    with tarfile.open(out / "results.tgz") as tar:
+        members = {m.name.removeprefix("./"): m for m in tar.getmembers()}
     for name in ("serve_colocated.json", "serve_pd.json", "offline_throughput.json"):
-        assert (tmp_path / name).stat().st_size > 0
+        assert members[name].size > 0, sorted(members)
     # The multi-GPU test file ran (its placement tests; the GPU ones skip on CPU) and the
     # summary read its junit XML.
     row = next(ln for ln in summary.splitlines() if ln.startswith("| pytest_multi_gpu.xml"))
     passed, failed, _ = (int(c) for c in row.strip(" |").split("|")[1:4])
     assert passed >= 2 and failed == 0, summary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_gpu_check_past_its_budget_skips_steps_and_still_writes_the_summary(tmp_path):
+    proc, out = _run(tmp_path, 100, GPU_CHECK_BUDGET_S="5")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _assert_fits_the_device_tool(out)
+    steps = (out / "steps.txt").read_text().splitlines()
+    assert steps and all(line.endswith("rc=budget") for line in steps), steps
+    assert any(line.startswith("serve P/D") for line in steps), steps
+    summary = (out / "summary.md").read_text()
+    assert "steps not ok: " in summary and "rc=budget" in summary, summary
+    assert "rc=budget" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gpu_check_only_runs_the_steps_named(tmp_path):
+    proc, out = _run(tmp_path, 280, GPU_CHECK_ONLY="latency")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = (out / "steps.txt").read_text().splitlines()
+    # The step named, and the model it needs; nothing else.
+    assert [s.split(" rc=")[0] for s in steps] == ["make-model tiny-llama", "offline latency"]
+    assert all(s.endswith("rc=0") for s in steps), steps
