@@ -23,7 +23,9 @@ from engine.kv_cache_layout import TORCH_DTYPES, KVCacheSpec
 from engine.model.attention import pack_step
 from engine.model.loader import load_model
 from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.gpu_memory import kv_cache_budget
 from engine.worker.sampler import Sampler, compute_logprobs
 from engine.worker.staging import HostStaging
 
@@ -39,6 +41,11 @@ class ModelRunner:
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(device)
+        # Free device memory before the weights: what this process takes later is measured
+        # from here, so other processes' memory is not counted as this node's.
+        self._free_at_start = (
+            torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        )
         self.dtype = TORCH_DTYPES[config.model.dtype]  # resolved by the engine (never "auto")
         self.model, self.arch = load_model(
             config.model.model,
@@ -71,7 +78,6 @@ class ModelRunner:
             return None
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        free_before, total = torch.cuda.mem_get_info(self.device)
         weights = torch.cuda.memory_allocated(self.device)
         sched = self.config.scheduler
         tokens = sched.max_num_batched_tokens
@@ -83,33 +89,49 @@ class ModelRunner:
         step = packed.to_device(self.device)
         hidden = self.model(step.input_ids, step.positions, step.attn, scratch)
         rows = min(sched.max_num_seqs, tokens)
-        self.model.compute_logits(hidden[:rows]).softmax(-1)  # the sampler's [S, V] temporaries
+        # The sampler's [S, V] temporaries at their largest (top-k and top-p: the sort).
+        worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)
+        self.sampler.sample(
+            self.model.compute_logits(hidden[:rows]), [worst] * rows, list(range(rows))
+        )
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - spec.block_bytes * spec.num_blocks
         del scratch, hidden, step
         torch.cuda.empty_cache()
-        free_after, _ = torch.cuda.mem_get_info(self.device)
-        budget = int(total * self.config.cache.gpu_memory_utilization)
-        # Memory this process holds outside torch's allocator (CUDA context, NCCL, ...).
-        non_torch = max(0, (total - free_after) - torch.cuda.memory_reserved(self.device))
-        activations = max(0, peak - weights)
-        kv_bytes = budget - weights - activations - non_torch
-        # Never plan on more than is free now (other processes share the GPU).
-        kv_bytes = min(kv_bytes, free_after - activations)
+        free_now, total = torch.cuda.mem_get_info(self.device)
+        b = kv_cache_budget(
+            total=total,
+            utilization=self.config.cache.gpu_memory_utilization,
+            free_at_start=self._free_at_start,
+            free_now=free_now,
+            reserved_now=torch.cuda.memory_reserved(self.device),
+            weights=weights,
+            peak=peak,
+        )
+        gib = 2**30
         logger.info(
             "rank %d memory: total %.2f GiB, budget %.2f GiB (%.0f%%), weights %.2f GiB, "
             "activation peak %.2f GiB, non-torch %.2f GiB, free %.2f GiB -> KV cache %.2f GiB",
             self.rank,
-            total / 2**30,
-            budget / 2**30,
+            b.total / gib,
+            b.budget / gib,
             100 * self.config.cache.gpu_memory_utilization,
-            weights / 2**30,
-            activations / 2**30,
-            non_torch / 2**30,
-            free_before / 2**30,
-            kv_bytes / 2**30,
+            b.weights / gib,
+            b.activations / gib,
+            b.non_torch / gib,
+            b.free / gib,
+            b.kv_bytes / gib,
         )
-        return max(0, kv_bytes)
+        if b.limited_by_free:
+            logger.warning(
+                "rank %d: other processes hold GPU memory; the KV cache gets %.2f GiB, less "
+                "than this node's share of %.0f%% would give (free the GPU or lower "
+                "--gpu-memory-utilization of the other nodes on it)",
+                self.rank,
+                b.kv_bytes / gib,
+                100 * self.config.cache.gpu_memory_utilization,
+            )
+        return b.kv_bytes
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``[num_blocks, layers, 2, kv_heads, block_size, head_dim]``; capture the
