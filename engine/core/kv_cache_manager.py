@@ -15,6 +15,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[int]] = {}
+        # Per request: how many of its leading blocks were offered to the prefix cache, so
+        # each step registers only the blocks that became full since (not the whole table).
+        self._num_cached: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -36,7 +39,7 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else 0
             hashes.append(hash((parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]))))
-        return hashes[:num_full_blocks]
+        return hashes  # at least num_full_blocks long
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Longest cached prefix of full blocks; always leaves >= 1 token to compute."""
@@ -44,7 +47,7 @@ class KVCacheManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         out = []
-        for h in self._hash_chain(request, max_blocks):
+        for h in self._hash_chain(request, max_blocks)[:max_blocks]:
             block = self.pool.lookup(h)
             if block is None:
                 break
@@ -80,15 +83,23 @@ class KVCacheManager:
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return
+        rid = request.request_id
+        done = self._num_cached.get(rid, 0)
         n_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        for block, h in zip(blocks[:n_full], self._hash_chain(request, n_full), strict=True):
-            self.pool.cache(block, h)
+        if n_full <= done:
+            return
+        hashes = self._hash_chain(request, n_full)
+        for i in range(done, n_full):
+            self.pool.cache(blocks[i], hashes[i])
+        self._num_cached[rid] = n_full
 
     def detach(self, request_id: str) -> list[int]:
         """Take the request's blocks away without freeing them (the caller owns them)."""
+        self._num_cached.pop(request_id, None)
         return self._blocks.pop(request_id, [])
 
     def free(self, request_id: str) -> None:
+        self._num_cached.pop(request_id, None)
         blocks = self._blocks.pop(request_id, None)
         if blocks:
             self.pool.free(blocks)
