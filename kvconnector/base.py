@@ -31,9 +31,10 @@ Scheduler side, called by ``engine.core.scheduler.Scheduler``:
    up to ``--kv-pipeline-wait-ms`` for its reservation, to pipeline the push).
 2. ``update_state_after_alloc(request, block_ids, num_external_tokens)`` right after the
    blocks for those tokens were allocated (the decode side announces them to the peer).
-3. ``build_connector_meta(scheduler_output) -> KVConnectorMetadata`` once per step, after
-   scheduling. Always returns an object (possibly empty); the scheduler attaches it to
-   the step.
+3. ``build_connector_meta(scheduler_output, block_ids) -> KVConnectorMetadata`` once per
+   step, after scheduling. ``block_ids(request_id)`` is a request's whole block table (the
+   step's ``ScheduledSeq`` carries only the blocks appended to it). Always returns an
+   object (possibly empty); the scheduler attaches it to the step.
 4. ``request_finished(request, block_ids) -> (delay_free, kv_transfer_params)`` when a
    request ends for any reason. ``delay_free=True`` means the connector still needs the
    blocks (a send in flight, or a peer that may still write into them); the scheduler
@@ -186,7 +187,9 @@ class KVConnectorScheduler(ABC):
     ) -> None: ...
 
     @abstractmethod
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata: ...
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, block_ids: Callable[[str], list[int]]
+    ) -> KVConnectorMetadata: ...
 
     @abstractmethod
     def request_finished(

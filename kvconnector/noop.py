@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from kvconnector.base import KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from engine.core.request import Request
@@ -35,7 +37,9 @@ class NoopConnectorScheduler(KVConnectorScheduler):
     ) -> None:
         pass
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, block_ids: Callable[[str], list[int]]
+    ) -> KVConnectorMetadata:
         return NoopConnectorMetadata()
 
     def request_finished(

@@ -49,7 +49,7 @@ def measure(tp: int, steps: int, device: str) -> dict[str, float]:
             for i in range(steps + 50):
                 seqs = []
                 if kind == "decode1":  # position 7 of a sequence in block 0
-                    seqs = [ScheduledSeq("r", [5], 7, [0], greedy)]
+                    seqs = [ScheduledSeq("r", [5], 7, [0], greedy, samples=True)]
                 sched = SchedulerOutput(step_id=i, seqs=seqs)
                 t0 = time.perf_counter()
                 ex.execute_model(sched)

@@ -65,26 +65,33 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(args.batch)]
 
+    def run(sched: SchedulerOutput) -> None:  # what a worker does with a step
+        runner.update_states(sched)
+        runner.execute(sched)
+
     # Fill every sequence's context (prefill steps of up to --prefill-tokens tokens).
     step_id = 0
     for i in range(args.batch):
         for start in range(0, args.context, args.prefill_tokens):
             n = min(args.prefill_tokens, args.context - start)
-            seq = ScheduledSeq(f"r{i}", [1] * n, start, tables[i], greedy)
-            runner.execute(SchedulerOutput(step_id, [seq]))
+            seq = ScheduledSeq(f"r{i}", [1] * n, start, tables[i], greedy, samples=True)
+            run(SchedulerOutput(step_id, [seq]))
             step_id += 1
 
     prefill_blocks = list(range(1 + args.batch * per_seq, num_blocks))
 
     def prefill_step() -> None:
-        seq = ScheduledSeq("p", [2] * args.prefill_tokens, 0, prefill_blocks, greedy)
-        runner.execute(SchedulerOutput(0, [seq]))
+        seq = ScheduledSeq("p", [2] * args.prefill_tokens, 0, prefill_blocks, greedy, samples=True)
+        run(SchedulerOutput(0, [seq]))
 
     pos = [args.context] * args.batch
 
     def decode_step() -> None:
-        seqs = [ScheduledSeq(f"r{i}", [3], pos[i], tables[i], greedy) for i in range(args.batch)]
-        runner.execute(SchedulerOutput(0, seqs))
+        seqs = [
+            ScheduledSeq(f"r{i}", [3], pos[i], tables[i], greedy, samples=True)
+            for i in range(args.batch)
+        ]
+        run(SchedulerOutput(0, seqs))
         for i in range(args.batch):
             pos[i] = min(pos[i] + 1, per_seq * bs - 1)
 

@@ -25,7 +25,7 @@ def _scheduler(num_blocks: int = 256, max_num_seqs: int = 8) -> Scheduler:
 
 def _step(s: Scheduler, token: int = 7) -> None:
     so = s.schedule()
-    sampled = {q.request_id: token for q in so.seqs if q.sampling_params is not None}
+    sampled = {q.request_id: token for q in so.seqs if q.samples}
     s.update_from_output(so, ModelRunnerOutput(sampled_token_ids=sampled))
 
 

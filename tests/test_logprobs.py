@@ -111,6 +111,7 @@ class InProcessEngine:
             if not self.sched.requests:
                 return self.outputs
             so = self.sched.schedule()
+            self.runner.update_states(so)
             wo = self.runner.execute(so) if so.num_scheduled_tokens else None
             self.worker_outputs.append(wo)
             mro = ModelRunnerOutput()

@@ -48,17 +48,20 @@ class FakeRunner:
     def init_kv_cache(self, num_blocks):
         pass
 
+    def update_states(self, sched):
+        pass
+
     def execute(self, sched):
         self.calls += 1
         if self.fail:
             raise RuntimeError("forward exploded")
-        return WorkerOutput(0, {s.request_id: 1 for s in sched.seqs if s.sampling_params})
+        return WorkerOutput(0, {s.request_id: 1 for s in sched.seqs if s.samples})
 
 
 def _step(with_tokens: bool) -> SchedulerOutput:
     seqs = []
     if with_tokens:
-        seqs = [ScheduledSeq("r1", [1, 2, 3], 0, [0], SamplingParams(temperature=0))]
+        seqs = [ScheduledSeq("r1", [1, 2, 3], 0, [0], SamplingParams(temperature=0), samples=True)]
     out = SchedulerOutput(step_id=1, seqs=seqs)
     out.kv_connector_metadata = NoopConnectorMetadata()
     return out

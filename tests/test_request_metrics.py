@@ -64,11 +64,7 @@ def _run(sch: Scheduler, tokens: dict[str, list[int]]) -> None:
     """Step until every request finished, sampling each request's next token from ``tokens``."""
     for _ in range(100):
         sched = sch.schedule()
-        sampled = {
-            s.request_id: tokens[s.request_id].pop(0)
-            for s in sched.seqs
-            if s.sampling_params is not None
-        }
+        sampled = {s.request_id: tokens[s.request_id].pop(0) for s in sched.seqs if s.samples}
         sch.update_from_output(sched, ModelRunnerOutput(sampled_token_ids=sampled))
         if not sch.requests:
             return

@@ -99,9 +99,7 @@ class DecodeTP2:
                     finished_recving=recving,
                     kv_recv_info=w.take_recv_info(),
                     # rank 0 samples: any token will do, the model is not what is tested
-                    sampled_token_ids={
-                        seq.request_id: 1 for seq in so.seqs if seq.sampling_params is not None
-                    }
+                    sampled_token_ids={seq.request_id: 1 for seq in so.seqs if seq.samples}
                     if w.rank == 0
                     else {},
                 )

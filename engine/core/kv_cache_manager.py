@@ -18,6 +18,8 @@ class KVCacheManager:
         # Per request: how many of its leading blocks were offered to the prefix cache, so
         # each step registers only the blocks that became full since (not the whole table).
         self._num_cached: dict[str, int] = {}
+        # Per request: how many of its blocks the workers were sent (``blocks_to_send``).
+        self._num_sent: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -93,13 +95,28 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i])
         self._num_cached[rid] = n_full
 
+    def blocks_to_send(self, request_id: str) -> tuple[list[int], bool, int]:
+        """The request's blocks the workers have not been sent yet, whether they make a new
+        table (the first send since these blocks were allocated), and the table's length.
+        Called once per step the request is scheduled in."""
+        blocks = self._blocks[request_id]
+        sent = self._num_sent.get(request_id)
+        self._num_sent[request_id] = len(blocks)
+        if sent is None:
+            return list(blocks), True, len(blocks)
+        return blocks[sent:], False, len(blocks)
+
+    def _forget(self, request_id: str) -> None:
+        self._num_cached.pop(request_id, None)
+        self._num_sent.pop(request_id, None)
+
     def detach(self, request_id: str) -> list[int]:
         """Take the request's blocks away without freeing them (the caller owns them)."""
-        self._num_cached.pop(request_id, None)
+        self._forget(request_id)
         return self._blocks.pop(request_id, [])
 
     def free(self, request_id: str) -> None:
-        self._num_cached.pop(request_id, None)
+        self._forget(request_id)
         blocks = self._blocks.pop(request_id, None)
         if blocks:
             self.pool.free(blocks)

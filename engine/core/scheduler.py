@@ -132,7 +132,7 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
                 break
-            seqs.append(self._scheduled(req, n, blocks))
+            seqs.append(self._scheduled(req, n))
             budget -= n
             i += 1
 
@@ -148,7 +148,7 @@ class Scheduler:
             step_id=self._step, seqs=seqs, finished_request_ids=self._finished_ids
         )
         self._finished_ids = set()
-        out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        out.kv_connector_metadata = self.connector.build_connector_meta(out, self.kv.block_ids)
         return out
 
     def _admit(self, req: Request, budget: int, seqs: list[ScheduledSeq]) -> bool:
@@ -182,19 +182,23 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         RequestMetrics.scheduled(req, time.monotonic())
         self.running.append(req)
-        seqs.append(self._scheduled(req, n, blocks))
+        seqs.append(self._scheduled(req, n))
         return True
 
-    def _scheduled(self, req: Request, n: int, blocks: list[int]) -> ScheduledSeq:
+    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         samples = start + n == req.num_tokens
         sp = req.sampling_params
+        new_blocks, new_table, num_blocks = self.kv.blocks_to_send(req.request_id)
         seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + n],
             start_pos=start,
-            block_ids=list(blocks),
-            sampling_params=sp if samples else None,
+            new_block_ids=new_blocks,
+            sampling_params=sp if new_table else None,  # the workers keep it with the table
+            num_blocks=num_blocks,
+            new_table=new_table,
+            samples=samples,
         )
         if samples and req.num_output_tokens < sp.min_tokens:
             seq.banned_token_ids = sp.banned_token_ids(req.eos_token_ids)
@@ -233,7 +237,7 @@ class Scheduler:
             self.kv.cache_computed_blocks(req)
             if seq.prompt_targets and req.prompt_logprobs is not None:
                 req.prompt_logprobs.extend(output.prompt_logprobs.get(req.request_id, ()))
-            if seq.sampling_params is not None:
+            if seq.samples:
                 rid = req.request_id
                 self._append(req, output.sampled_token_ids[rid], output.logprobs.get(rid))
 

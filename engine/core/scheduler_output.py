@@ -17,8 +17,12 @@ class ScheduledSeq:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
     start_pos: int  # == request.num_computed_tokens
-    block_ids: list[int]  # the request's whole block table
-    # Set when this step computes the request's last known token: sample the next one.
+    # The request's block table, sent as a change (``engine/worker/request_states.py``):
+    # these ids are appended to the table the workers hold for it, or make a new one when
+    # ``new_table`` (the request's first step, or its first since its blocks were freed and
+    # allocated again: preemption). ``num_blocks``: the table's length after this step.
+    new_block_ids: list[int]
+    # The request's parameters: sent with a new table only (the workers keep them).
     sampling_params: SamplingParams | None = None
     # While ``min_tokens`` is not reached: the ids the sample may not be (EOS, stop ids).
     banned_token_ids: tuple[int, ...] = ()
@@ -28,6 +32,10 @@ class ScheduledSeq:
     prompt_targets: list[int] = field(default_factory=list)
     prompt_row: int = 0
     prompt_logprobs: int = 0
+    num_blocks: int = -1  # -1: len(new_block_ids) (a new table)
+    new_table: bool = True
+    # This step computes the request's last known token: sample the next one.
+    samples: bool = False
 
     @property
     def num_tokens(self) -> int:

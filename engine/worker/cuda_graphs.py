@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.model.attention import PackedStep, pack_step
@@ -98,7 +100,10 @@ class DecodeGraphs:
         )
 
     def run(
-        self, token_ids: list[list[int]], starts: list[int], tables: list[list[int]]
+        self,
+        token_ids: list[list[int]],
+        starts: list[int],
+        tables: Sequence[Sequence[int] | np.ndarray],
     ) -> tuple[PackedStep, torch.Tensor]:
         """One decode step of ``len(token_ids)`` sequences; returns its packing and the hidden
         states ``[b, H]`` (rows past the real sequences are padding)."""

@@ -26,6 +26,7 @@ from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.gpu_memory import kv_cache_budget
+from engine.worker.request_states import RequestStates
 from engine.worker.sampler import Sampler, compute_logprobs
 from engine.worker.staging import HostStaging
 
@@ -63,6 +64,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
+        self.requests = RequestStates()  # per request: block table, sampling parameters
         self.staging = HostStaging(self.device)
 
     def _spec(self, num_blocks: int) -> KVCacheSpec:
@@ -156,6 +158,11 @@ class ModelRunner:
             self.graphs.capture()
 
     # -- steps ------------------------------------------------------------------------------
+    def update_states(self, sched: SchedulerOutput) -> None:
+        """Every step, before anything else (tokens or not): the requests' changes (block
+        tables, new and finished requests)."""
+        self.requests.update(sched)
+
     @torch.inference_mode()
     def execute(
         self, sched: SchedulerOutput, after_layer: Callable[[int], None] | None = None
@@ -166,7 +173,7 @@ class ModelRunner:
         seqs = sched.seqs
         token_ids = [s.token_ids for s in seqs]
         starts = [s.start_pos for s in seqs]
-        tables = [s.block_ids for s in seqs]
+        tables = [self.requests.block_ids(s.request_id) for s in seqs]
         graphs = self.graphs
         if graphs is not None and after_layer is None and graphs.can_run(token_ids):
             packed, hidden = graphs.run(token_ids, starts, tables)
@@ -180,7 +187,7 @@ class ModelRunner:
         rows = [
             packed.query_start[i] + packed.query_lens[i] - 1
             for i, seq in enumerate(seqs)
-            if seq.sampling_params is not None
+            if seq.samples
         ]
         out = WorkerOutput(rank=self.rank)
         prompt_rows = [
@@ -196,8 +203,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[row_idx])  # [S, vocab] float32, all ranks
         if self.rank != 0:
             return out
-        sampled = [s for s in seqs if s.sampling_params is not None]
-        params = [s.sampling_params for s in sampled]
+        sampled = [s for s in seqs if s.samples]
+        params = [self.requests.sampling_params(s.request_id) for s in sampled]
         tokens = self.sampler.sample(
             logits,
             params,  # type: ignore[arg-type]

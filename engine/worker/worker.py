@@ -55,17 +55,19 @@ class Worker:
             connector.bind_connector_metadata(sched.kv_connector_metadata)
             connector.start_load_kv()
             sampled = WorkerOutput(rank=self.rank)
-            if sched.num_scheduled_tokens > 0:
-                try:
+            try:
+                # Every step, tokens or not: the block tables' changes (finished requests).
+                self.model_runner.update_states(sched)
+                if sched.num_scheduled_tokens > 0:
                     if connector.wants_layer_hook():  # a pipelined push: pieces per layer
                         sampled = self.model_runner.execute(
                             sched, after_layer=connector.save_kv_layer
                         )
                     else:
                         sampled = self.model_runner.execute(sched)
-                except BaseException:
-                    self._post_sends_of_failed_step()
-                    raise
+            except BaseException:
+                self._post_sends_of_failed_step()
+                raise
             connector.wait_for_save(sampled.sampled_token_ids)
             sending, recving = connector.get_finished(sched.finished_request_ids)
             return WorkerOutput(

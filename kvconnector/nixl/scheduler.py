@@ -23,6 +23,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.core.request import RequestStatus
@@ -514,7 +515,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         with self._lock:
             self.producer.abort(request.transfer_id)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput, block_ids: Callable[[str], list[int]]
+    ) -> NixlConnectorMetadata:
         md = NixlConnectorMetadata()
         with self._lock:
             md.remove_peers, self._remove = self._remove, []
@@ -528,9 +531,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             if self.pipeline:
                 for seq in scheduler_output.seqs:
                     tid = self._p_requests.get(seq.request_id)
-                    if tid is None or seq.sampling_params is None:
+                    if tid is None or not seq.samples:
                         continue  # not a prefill leg, or not its last prefill step
-                    send = self.producer.start_pipelined(seq.request_id, tid, seq.block_ids, ready)
+                    blocks = block_ids(seq.request_id)
+                    send = self.producer.start_pipelined(seq.request_id, tid, blocks, ready)
                     if send is not None:
                         self.pipelined_sends += 1
                         self._add_send(md, send)

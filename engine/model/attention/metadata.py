@@ -13,6 +13,7 @@ model runner (CUDA-graph bucket choice). Nothing in the forward reads a device v
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,7 +99,7 @@ class PackedStep:
 def pack_step(
     token_ids: list[list[int]],
     start_positions: list[int],
-    block_ids: list[list[int]],
+    block_ids: Sequence[Sequence[int] | np.ndarray],
     block_size: int,
     width: int | None = None,
     pad_seqs: int = 0,
