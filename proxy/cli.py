@@ -80,6 +80,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     banner = f"pdserve proxy listening on {listen_url(cfg.host, port)} ({'; '.join(sources)})"
     app = build_app(cfg)
     server = make_server(app, log_level=cfg.log_level, banner=banner, drainer=app.state.drainer)
+    from engine.heap import freeze_startup_heap
+
+    freeze_startup_heap("proxy")
     try:
         server.run(sockets=[sock])
     finally:

@@ -190,6 +190,9 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
                 proxies, role, url, args.registration_key, args.registration_interval
             )
             signals.on_stop = announcer.request_stop
+        from engine.heap import freeze_startup_heap
+
+        freeze_startup_heap(f"{role} node")  # the engine, the app: before the first request
         signals.server = server
         signals.phase = "serving"
         if signals.received:  # a signal raced with the end of startup

@@ -151,6 +151,9 @@ def worker_main(
         result_conn.send(("error", traceback.format_exc()))
         return
     logger.info("worker ready (%d KV blocks)", num_blocks)
+    from engine.heap import freeze_startup_heap
+
+    freeze_startup_heap(f"tp{rank} worker")
     connector = worker.connector
     woke = False  # a WAKE is out and no step came since: do not send another
     last_parent_check = time.monotonic()
