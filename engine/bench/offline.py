@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.bench.stats import Summary, _json_float
+from engine.heap import freeze_startup_heap
 
 WORKLOADS: dict[str, dict[str, int]] = {
     "throughput": {"num_prompts": 32, "input_len": 512, "output_len": 128},
@@ -405,6 +406,7 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         arch = core.arch
         report["dtype"] = dtype
         report["engine_start_s"] = time.perf_counter() - t_start
+        freeze_startup_heap("pd-bench offline")  # as a node does: no full GC mid-run
         report["num_blocks"] = getattr(core, "num_blocks", None)
         vocab = arch.vocab_size
         lo, hi = args.token_id_range or (min(3, vocab - 1), vocab)
