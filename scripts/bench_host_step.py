@@ -29,6 +29,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.core.request import Request  # noqa: E402
 from engine.core.scheduler import Scheduler  # noqa: E402
 from engine.core.scheduler_output import ModelRunnerOutput  # noqa: E402
+from engine.heap import freeze_startup_heap  # noqa: E402
 from engine.model.attention import pack_step  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.worker.request_states import RequestStates  # noqa: E402
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
+    freeze_startup_heap("bench")  # as a node does at start-up (engine/heap.py)
     results = []
     for n in args.seqs:
         for ctx in args.context:

@@ -23,16 +23,19 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value.startswith("finished")
+        return self in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-            RequestStatus.FINISHED_ERROR: "error",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
 
 
 class Request:
@@ -122,7 +125,8 @@ class Request:
             self.output_logprobs.append(logprob)
 
     def take_new_output_tokens(self) -> list[int]:
-        out = self.output_token_ids[self._num_emitted :]
+        # Sliced from the end: a step costs its new tokens, not the whole output so far.
+        out = self.all_token_ids[len(self.prompt_token_ids) + self._num_emitted :]
         self._num_emitted += len(out)
         return out
 
