@@ -295,3 +295,41 @@ def test_delay_admission_holds_only_prefill_legs_without_a_reservation_and_only_
         assert not conn.delay_admission(p_req)  # waited long enough
     finally:
         conn.shutdown()
+
+
+def test_a_rank_that_samples_nothing_waits_for_the_gpu_before_the_last_piece(monkeypatch):
+    """Unit level (a recording transport, a stand-in CUDA cache): every piece of a
+    pipelined send is posted only after the GPU finished writing its KV. The middle pieces
+    wait in ``save_kv_layer``; the last goes from ``wait_for_save``, where only rank 0's
+    sampling has waited for the GPU -- a rank that samples nothing (TP > 1 on NCCL) must
+    wait itself, or D receives the last layers' KV from before they were written."""
+    from types import SimpleNamespace
+
+    from engine.config import KVTransferConfig
+    from kvconnector.nixl.messages import Notif
+    from kvconnector.nixl.metadata import NixlConnectorMetadata, SendSpec
+    from kvconnector.nixl.worker import NixlConnectorWorker
+
+    log: list[tuple] = []
+
+    class Transport:
+        def write_blocks(self, sub, local, remote, notif, layers=None):
+            log.append(("write", layers))
+            return object()
+
+    cfg = EngineConfig(kv_transfer=KVTransferConfig(kv_connector="nixl", kv_role="producer"))
+    w = NixlConnectorWorker(cfg, 1, 2)
+    w.transport = Transport()  # type: ignore[assignment]
+    w._kv_cache = SimpleNamespace(is_cuda=True, device="cuda:1")  # type: ignore[assignment]
+    stream = SimpleNamespace(synchronize=lambda: log.append(("sync",)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    w._groups = [(0, 2), (2, 4)]
+    w._targets = {"peer": [("sub", None, 1)]}  # type: ignore[dict-item]
+    send = SendSpec("r", "peer", [1], [2], Notif(r="r", t="t", k="n1").pack(), pipelined=True)
+    w.bind_connector_metadata(NixlConnectorMetadata(sends=[send]))
+    w.start_load_kv()
+    assert w.wants_layer_hook()
+    w.save_kv_layer(1)  # layers 0-1 written: the first piece
+    w.wait_for_save({})  # this rank sampled nothing
+    assert log == [("sync",), ("write", (0, 2)), ("sync",), ("write", (2, 4))]
+    w.clear_connector_metadata()

@@ -168,13 +168,20 @@ class NixlConnectorWorker(KVConnectorWorker):
         ]  # fmt: skip
         if not ready:
             return
-        assert self._kv_cache is not None
-        if self._kv_cache.is_cuda:  # the layer's KV writes were only queued on the GPU
-            import torch
-
-            torch.cuda.current_stream(self._kv_cache.device).synchronize()
+        self._wait_for_kv_writes()
         for pipe in ready:
             self._post_piece(pipe, None)
+
+    def _wait_for_kv_writes(self) -> None:
+        """On a GPU the forward's KV writes are only queued when the host gets here: a
+        WRITE posted before they ran would send what the blocks held before. Rank 0 waited
+        already when it read its sampled tokens; other ranks sample nothing and must wait
+        here (their host runs ahead of their GPU). On CPU the writes are done."""
+        kv = self._kv_cache
+        if kv is not None and kv.is_cuda:
+            import torch
+
+            torch.cuda.current_stream(kv.device).synchronize()
 
     def wait_for_save(self, sampled: dict[str, int] | None = None) -> None:
         md = self._apply_peers()
@@ -205,6 +212,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             # No targets: with replicated heads another replica writes everything.
             self._sending[send.request_id] = handles
         pipes, self._pipes = self._pipes, {}
+        if sampled is not None and any(p.error is None for p in pipes.values()):
+            self._wait_for_kv_writes()  # the last pieces: the last layers' KV
         for rid, pipe in pipes.items():
             if sampled is None and pipe.error is None:
                 pipe.error = STEP_FAILED  # the later layers' KV was never computed
