@@ -114,6 +114,8 @@ else
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$LOG"
 fi
 say "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), budget ${BUDGET}s, only '${ONLY}'"
+# What the steps import, from this host or the wheels: a missing one is named at once.
+step "preflight imports" 60 5 $PY -c "import fastapi, uvicorn, httptools, zmq, pydantic, nixl._api, torch, triton; print('imports ok')"
 MODEL="$WORK/model-$PRESET"
 need_model() {  # build the benchmark model once (steps that need it call this first)
   [ -f "$MODEL/config.json" ] || step "make-model $PRESET" 120 20 $PY -m engine.bench make-model --out "$MODEL" --preset "$PRESET"

@@ -119,6 +119,9 @@ def main() -> None:
     result["prefill_tok_s"] = round(args.prefill_tokens / result["prefill_ms"] * 1000)
     result["decode_tok_s"] = round(args.batch / result["decode_step_ms"] * 1000)
     print(json.dumps(result, indent=2))
+    if args.json:  # before the profiler: a trace that fails (CUPTI) keeps the timings
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
 
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
@@ -134,9 +137,6 @@ def main() -> None:
             print(f"== {name}: top 15 by {sort} ==")
             print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
             prof.export_chrome_trace(os.path.join(args.trace, f"trace_{name}.json"))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

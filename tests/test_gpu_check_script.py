@@ -91,6 +91,7 @@ def test_gpu_check_only_runs_the_steps_named(tmp_path):
     proc, out = _run(tmp_path, 280, GPU_CHECK_ONLY="latency")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = (out / "steps.txt").read_text().splitlines()
-    # The step named, and the model it needs; nothing else.
-    assert [s.split(" rc=")[0] for s in steps] == ["make-model tiny-llama", "offline latency"]
+    # The preflight, the step named and the model it needs; nothing else.
+    names = [s.split(" rc=")[0] for s in steps]
+    assert names == ["preflight imports", "make-model tiny-llama", "offline latency"]
     assert all(s.endswith("rc=0") for s in steps), steps
