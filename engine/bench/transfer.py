@@ -976,7 +976,12 @@ def run_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         "poll_us": args.poll_us,
         "copy_threads": args.copy_threads,
         "kv_transport": args.kv_transport,
-        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "ucx_env": {
+            k: v
+            for k, v in os.environ.items()
+            # expandable_segments: NIXL registers VRAM, UCX may fall back to TCP (nixl#1754)
+            if k.startswith("UCX_") or k == "PYTORCH_CUDA_ALLOC_CONF"
+        },
         "gb": "1e9 bytes; GB/s = bytes of all ranks / median seconds",
         "results": results,
         "all_data_ok": all(r["data_ok"] is not False for r in results),
