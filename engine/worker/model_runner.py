@@ -199,8 +199,11 @@ class ModelRunner:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
         if not rows:
             return out
-        row_idx = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[row_idx])  # [S, vocab] float32, all ranks
+        if rows[-1] == len(rows) - 1:  # rows 0..S-1 (decodes): a view, no index copy
+            picked = hidden[: len(rows)]
+        else:  # a pageable copy: the driver may wait for the forward first
+            picked = hidden[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(picked)  # [S, vocab] float32, all ranks
         if self.rank != 0:
             return out
         sampled = [s for s in seqs if s.samples]
