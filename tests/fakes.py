@@ -3,7 +3,14 @@ several test files; integration tests use the real parts)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import HealthCheck, settings
+
+from engine.config import EngineConfig
+from engine.core.request import Request
+from engine.core.scheduler_output import ModelRunnerOutput
+from kvconnector.noop import NoopConnectorScheduler
 
 
 class NotifsOnly:
@@ -16,6 +23,25 @@ class NotifsOnly:
     def get_notifs(self) -> list[bytes]:
         out, self.inbox = self.inbox, []
         return out
+
+
+class RemotePrefill(NoopConnectorScheduler):
+    """A decode node's scheduler connector for driving the real scheduler: every prompt's
+    KV comes from a prefill node; a test sets ``landed`` ({request id: info, e.g. the
+    first token}) to make it arrive in the next step."""
+
+    moves_kv = True
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config, None)  # type: ignore[arg-type]
+        self.landed: dict[str, dict[str, Any]] = {}
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
+        return request.num_prompt_tokens - num_computed, True
+
+    def update_connector_output(self, output: ModelRunnerOutput) -> dict[str, dict[str, Any]]:
+        landed, self.landed = self.landed, {}
+        return landed
 
 
 def fixed_examples(n: int) -> settings:

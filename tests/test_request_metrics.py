@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fakes import RemotePrefill
 from harness import GREEDY, MODEL, Proc, Procs, parse_metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -118,29 +119,11 @@ def test_an_abort_counts_and_an_error_does_not() -> None:
     assert st.time_to_first_token_seconds.count == 0  # no token came
 
 
-class _RemotePrefill(NoopConnectorScheduler):
-    """A decode node's connector: every prompt comes from a prefill node; ``land`` makes the
-    KV (and the prefill node's first token) arrive."""
-
-    moves_kv = True
-
-    def __init__(self) -> None:
-        super().__init__(_config(), None)  # type: ignore[arg-type]
-        self.landed: dict[str, dict[str, Any]] = {}
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        return request.num_prompt_tokens - num_computed, True
-
-    def update_connector_output(self, output: ModelRunnerOutput) -> dict[str, dict[str, Any]]:
-        landed, self.landed = self.landed, {}
-        return landed
-
-
 def test_decode_node_ttft_is_the_first_token_arriving_with_the_kv() -> None:
     """On a P/D decode node the first token is the prefill node's, arriving with the KV:
     TTFT ends there (it includes the KV wait, as on a vLLM decode instance), the wait counts
     as prefill time, and inter-token latency starts from it."""
-    conn = _RemotePrefill()
+    conn = RemotePrefill(_config())
     sch = Scheduler(_config(), 64, MAX_LEN, conn)
     params = KVTransferParams(
         do_remote_prefill=True, transfer_id="t", remote_side_channel="tcp://127.0.0.1:1"

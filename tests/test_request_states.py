@@ -15,6 +15,7 @@ import pickle
 from typing import Any
 
 import pytest
+from fakes import RemotePrefill
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.core.request import Request
@@ -96,25 +97,8 @@ def test_an_aborted_request_leaves_no_table_on_the_workers():
     _drain(s, worker)
 
 
-class _RemotePrefill(NoopConnectorScheduler):
-    """A decode node's connector: the prompt's KV comes from a prefill node (``land``)."""
-
-    moves_kv = True
-
-    def __init__(self) -> None:
-        super().__init__(_config(), None)  # type: ignore[arg-type]
-        self.landed: dict[str, dict[str, Any]] = {}
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        return request.num_prompt_tokens - num_computed, True
-
-    def update_connector_output(self, output: ModelRunnerOutput) -> dict[str, dict[str, Any]]:
-        landed, self.landed = self.landed, {}
-        return landed
-
-
 def test_a_decode_nodes_reserved_blocks_reach_the_workers_with_its_first_step():
-    conn = _RemotePrefill()
+    conn = RemotePrefill(_config())
     s = _scheduler(num_blocks=64, connector=conn)
     worker = RequestStates()
     params = KVTransferParams(
