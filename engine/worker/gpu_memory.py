@@ -10,10 +10,7 @@ free now (the cache never plans on more than ``free - activations``).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
