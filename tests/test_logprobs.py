@@ -220,11 +220,12 @@ def test_a_decode_node_leaves_what_the_prefill_node_computed_empty() -> None:
     """On a P/D decode node the first token arrives with the KV: its entry (and, with
     echo, the prompt's) is None -- the proxy fills them from the prefill node's answer --
     while the tokens the node samples itself carry theirs."""
-    from test_request_metrics import _config, _RemotePrefill  # the fake decode connector
+    from fakes import RemotePrefill  # the fake decode connector
+    from test_request_metrics import _config
 
     from kvconnector.params import KVTransferParams
 
-    conn = _RemotePrefill()
+    conn = RemotePrefill(_config())
     sch = Scheduler(_config(), 64, 256, conn)
     params = KVTransferParams(
         do_remote_prefill=True, transfer_id="t", remote_side_channel="tcp://127.0.0.1:1"
