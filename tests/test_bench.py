@@ -305,3 +305,18 @@ def test_serve_counts_failed_requests_and_keeps_going(tiny_node, tmp_path: Path)
     assert s["completed"] == 0 and s["failed"] == 3
     assert all("HTTP 400" in msg and "out of range" in msg for msg in s["errors"])
     assert sum(s["errors"].values()) == 3
+
+
+def test_bench_host_step_runs_and_reports_each_part():
+    """``scripts/bench_host_step.py`` at toy sizes (no timing asserted)."""
+    import importlib.util
+
+    path = REPO_ROOT / "scripts" / "bench_host_step.py"
+    spec = importlib.util.spec_from_file_location("bench_host_step", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.measure(seqs=4, context=40, steps=3)
+    assert r["seqs"] == 4 and r["message_bytes"] > 0
+    parts = ("schedule_ms", "pickle_ms", "worker_prep_ms", "update_ms")
+    assert abs(sum(r[k] for k in parts) - r["total_ms"]) < 1e-3

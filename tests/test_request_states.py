@@ -161,19 +161,3 @@ def test_a_block_table_grows_past_its_buffer_and_keeps_every_id():
         want += new
         assert table.array().tolist() == want
     assert len(table) == len(want) > 32  # past the first buffers
-
-
-def test_bench_host_step_runs_and_reports_each_part():
-    """``scripts/bench_host_step.py`` at toy sizes (no timing asserted)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_host_step.py"
-    spec = importlib.util.spec_from_file_location("bench_host_step", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    r = mod.measure(seqs=4, context=40, steps=3)
-    assert r["seqs"] == 4 and r["message_bytes"] > 0
-    parts = ("schedule_ms", "pickle_ms", "worker_prep_ms", "update_ms")
-    assert abs(sum(r[k] for k in parts) - r["total_ms"]) < 1e-3
