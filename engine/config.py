@@ -176,6 +176,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "token budget per step (chunked prefill)"}
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata={
+            "help": "schedule step N+1 while step N runs (vLLM's flag): the host's "
+            "scheduling and output work overlaps the forward; the workers fill in the "
+            "tokens step N sampled"
+        },
+    )
     max_queued_requests: int = field(
         default=256,
         metadata={

@@ -2,6 +2,11 @@
 
 ``EngineCore`` owns the scheduler, the scheduler-side connector and the executor. It is
 driven by one thread (``AsyncLLMEngine``'s loop, or ``LLM.generate`` offline).
+
+With ``--async-scheduling`` one step stays in flight: a step schedules and sends step
+N+1, then waits for step N and updates from it, so the workers start N+1 as soon as N is
+done while the engine turns N's results into outputs (``core/scheduler.py`` says how the
+tokens N samples are scheduled before they are known).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import cdiv
@@ -102,6 +108,10 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, self.connector)
         self._last_dispatch = 0.0
         self.step_stats = StepStats()
+        # Async scheduling: the step sent and not updated from yet.
+        # (The step, its result, when it was sent.)
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput], float] | None = None
+        self._last_result_at = 0.0
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -110,7 +120,7 @@ class EngineCore:
         self.scheduler.abort_request(request_id, error)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work()
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """Whoever runs the step loop (``AsyncLLMEngine``) is woken by the workers (a
@@ -120,8 +130,8 @@ class EngineCore:
 
     def has_running(self) -> bool:
         """Requests the next step will compute tokens for (e.g. one whose KV just landed,
-        in a step that computed nothing)."""
-        return bool(self.scheduler.running)
+        in a step that computed nothing), or a step in flight (async scheduling)."""
+        return self._in_flight is not None or bool(self.scheduler.running)
 
     def idle_wait(self, longest: float) -> float:
         """How long an idle loop may wait for a wake-up after a step that computed
@@ -131,6 +141,8 @@ class EngineCore:
 
     def step(self) -> tuple[list[RequestOutput], int]:
         """One engine step; returns the outputs and the number of tokens computed."""
+        if self.scheduler.async_scheduling:
+            return self._step_async()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -149,6 +161,38 @@ class EngineCore:
             st.step_execute_seconds_total += t2 - t1
             st.step_worker_seconds_total += result.worker_busy_s
             st.step_update_seconds_total += time.perf_counter() - t2
+        return outputs, sched.num_scheduled_tokens
+
+    def _step_async(self) -> tuple[list[RequestOutput], int]:
+        """Send step N+1, then wait for step N and update from it: the outputs are step
+        N's, the token count step N+1's."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        prev, self._in_flight = self._in_flight, None
+        idle = self._workers_idle(sched)
+        if not idle:
+            self._last_dispatch = time.monotonic()
+            fut = self.executor.execute_model(sched, non_block=True)
+            self._in_flight = (sched, fut, time.perf_counter())  # type: ignore[assignment]
+        outputs: list[RequestOutput] = []
+        if prev is not None:
+            prev_sched, prev_fut, sent = prev
+            result = self.executor.wait(prev_fut)
+            t3 = time.perf_counter()
+            outputs = self.scheduler.update_from_output(prev_sched, result)
+            # Execute: from when the workers could start the step (sent, and the step
+            # before it done) to its result, as in sync mode; the engine's scheduling and
+            # updating overlapped it (the phases add up to more than the wall time).
+            st = self.step_stats
+            st.steps_total += 1
+            st.step_schedule_seconds_total += t1 - t0
+            st.step_execute_seconds_total += t3 - max(sent, self._last_result_at)
+            self._last_result_at = t3
+            st.step_worker_seconds_total += result.worker_busy_s
+            st.step_update_seconds_total += time.perf_counter() - t3
+        if idle:
+            outputs += self.scheduler.update_from_output(sched, ModelRunnerOutput())
         return outputs, sched.num_scheduled_tokens
 
     def _workers_idle(self, sched: SchedulerOutput) -> bool:
@@ -170,6 +214,7 @@ class EngineCore:
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """End every request with an error (the executor died)."""
+        self._in_flight = None
         for rid in list(self.scheduler.requests):
             self.scheduler.abort_request(rid, reason)
         return self.scheduler.take_outputs()

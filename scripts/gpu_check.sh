@@ -18,7 +18,7 @@
 #   timeout_s). Steps run most valuable first; each one's limit is cut to what is left, and
 #   a step that no longer fits is recorded as `rc=budget` rather than started.
 # - GPU_CHECK_ONLY="key ..." runs only those steps (keys below: kernels model throughput
-#   latency colocated pd gpu-tests prefill eager profile transfer multi-gpu), e.g. a rerun
+#   latency async colocated pd gpu-tests prefill eager profile transfer multi-gpu), e.g. a rerun
 #   of what the budget cut. Steps that need the model build it when it is missing.
 # The summary is printed to stdout at the end (the tool's output tail) as well.
 #
@@ -138,6 +138,13 @@ fi
 if selected latency; then
   need_model
   step "offline latency" 90 30 "${B[@]}" "${LAT[@]}" --json "$WORK/offline_latency.json"
+fi
+
+# The same two with --async-scheduling (step N+1 scheduled while N runs).
+if selected async; then
+  need_model
+  step "offline throughput async" 120 40 "${B[@]}" "${THR[@]}" --async-scheduling --json "$WORK/offline_throughput_async.json"
+  step "offline latency async" 90 30 "${B[@]}" "${LAT[@]}" --async-scheduling --json "$WORK/offline_latency_async.json"
 fi
 
 # 3. HTTP: colocated node.

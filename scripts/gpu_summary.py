@@ -44,6 +44,8 @@ def rows(out: str) -> list[Row]:
     thr = _load(out, "offline_throughput.json")
     lat = _load(out, "offline_latency.json")
     eager = _load(out, "offline_latency_eager.json")
+    thr_async = _load(out, "offline_throughput_async.json")
+    lat_async = _load(out, "offline_latency_async.json")
     pre = _load(out, "offline_prefill.json")
     table: list[Row] = [
         (
@@ -59,6 +61,13 @@ def rows(out: str) -> list[Row]:
             step_split(thr),
             lambda v: True,
             "{}",
+        ),
+        (
+            "  same, --async-scheduling: output tok/s",
+            "(info)",
+            _get(thr_async, "result", "output_tokens_per_s"),
+            lambda v: True,
+            "{:,.0f}",
         ),
         (
             "  vs transformers generate (same run)",
@@ -80,6 +89,13 @@ def rows(out: str) -> list[Row]:
             step_split(lat),
             lambda v: True,
             "{}",
+        ),
+        (
+            "  same, --async-scheduling",
+            "(info)",
+            _get(lat_async, "result", "ms_per_output_token"),
+            lambda v: True,
+            "{:.3f}",
         ),
         (
             "  same, --enforce-eager",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -85,6 +85,28 @@ def test_disaggregated_output_matches_colocated_and_transformers(checkpoint, tp)
         for eng in (p, d):
             s = eng.stats()
             assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_async_scheduling_on_both_nodes_matches_colocated(checkpoint):
+    """P and D with --async-scheduling: P never computes past its one token (its blocks
+    are the prompt's), D decodes ahead of its outputs; tokens as colocated (greedy and
+    seeded), nothing left behind."""
+    sched = SchedulerConfig(async_scheduling=True)
+    base = dataclasses.replace(checkpoint["base"], scheduler=sched)
+    p = EngineCore(nixl_config(base, "producer"))
+    d = EngineCore(nixl_config(base, "consumer"))
+    try:
+        prompts = checkpoint["prompts"]
+        assert disagg_generate(p, d, prompts, GREEDY)["tokens"] == checkpoint["colocated"]
+        assert disagg_generate(p, d, prompts, SEEDED, tag="s")["tokens"] == checkpoint["seeded"]
+        assert d.stats()["prompt_tokens_total"] == 0
+        for eng in (p, d):
+            s = eng.stats()
+            assert s["kv_blocks_free"] == s["kv_blocks_total"], s
+            assert not eng.scheduler.requests and not eng.connector.has_pending_work()
     finally:
         p.shutdown()
         d.shutdown()

@@ -87,7 +87,9 @@ class KVCacheManager:
             return
         rid = request.request_id
         done = self._num_cached.get(rid, 0)
-        n_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        # Known tokens only: a step in flight may compute one whose id is not known yet.
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        n_full = min(computed // self.block_size, len(blocks))
         if n_full <= done:
             return
         hashes = self._hash_chain(request, n_full)

@@ -42,8 +42,9 @@ class Request:
     """One generation request.
 
     Token accounting: ``all_token_ids`` is prompt + output; ``num_computed_tokens`` counts
-    the tokens whose KV is in the cache. Each step schedules
-    ``num_tokens - num_computed_tokens`` (capped by the budget); prefill, chunked prefill,
+    the tokens whose KV is in the cache or being written by a step already scheduled.
+    Each step schedules ``num_tokens - num_computed_tokens`` (capped by the budget; plus
+    ``num_output_placeholders`` with async scheduling); prefill, chunked prefill,
     remote KV (which advances ``num_computed_tokens`` without a forward pass) and decode
     are all this one rule.
     """
@@ -72,6 +73,8 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Async scheduling: tokens sampled by steps in flight, not known yet.
+        self.num_output_placeholders = 0
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # hashes of this request's full blocks
         self.arrival_time = time.monotonic()

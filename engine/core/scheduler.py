@@ -3,10 +3,21 @@
 Every request's ``num_computed_tokens`` catches up with its ``num_tokens``: a step gives
 each running request ``num_tokens - num_computed_tokens`` tokens (capped by the step's
 token budget, which makes long prompts chunked), and samples the next token when the
-step reaches the last known token. Remote KV (from a prefill node) advances
-``num_computed_tokens`` without a forward pass. When blocks run out, the most recently
-admitted running request is preempted and later recomputed from scratch (its prefix
-cache entries usually make that cheap).
+step reaches the last known token. ``num_computed_tokens`` advances when a step is
+scheduled (as vLLM v1), so it counts the tokens whose KV is in the cache or is being
+written by a step already sent. Remote KV (from a prefill node) advances it without a
+forward pass. When blocks run out, the most recently admitted running request is
+preempted and later recomputed from scratch (its prefix cache entries usually make that
+cheap).
+
+With ``--async-scheduling`` the engine schedules step N+1 while step N runs: a token
+step N samples is not known yet, so it counts as a placeholder
+(``Request.num_output_placeholders``) -- step N+1 computes it (the workers fill in what
+they sampled in step N) and ``update_from_output`` of step N turns it into a real token.
+A request whose pending sample surely ends it (``max_tokens``, the context) is not
+scheduled ahead; one that stops on EOS or a stop id has computed one token too many,
+which is dropped. A step's results apply only to the requests it scheduled: not to one
+finished, preempted or replaced since.
 """
 
 from __future__ import annotations
@@ -19,7 +30,12 @@ from typing import TYPE_CHECKING
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.core.scheduler_output import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from engine.core.scheduler_stats import RequestMetrics, SchedulerStats
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import InvalidRequestError
@@ -43,6 +59,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.async_scheduling = config.scheduler.async_scheduling
         self.block_size = config.cache.block_size
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.connector = connector
@@ -54,6 +71,10 @@ class Scheduler:
         # Blocks of failed remote loads that a late WRITE may still touch.
         self.quarantine: dict[str, list[int]] = {}
         self._finished_ids: set[str] = set()
+        # Per step not yet updated: the requests it scheduled (its results go to these
+        # objects only: a request finished, preempted or replaced since is skipped).
+        # (The request's preemption count then: preempted since, the results are stale.)
+        self._scheduled_reqs: dict[int, dict[str, tuple[Request, int]]] = {}
         self._outputs: list[RequestOutput] = []
         self._step = 0
         self.prompt_tokens_total = 0
@@ -119,10 +140,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
 
+        scheduled: dict[str, tuple[Request, int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_output_placeholders and self._ends_with_pending(req):
+                i += 1  # its sample in flight ends it: nothing to compute ahead
+                continue
+            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
             blocks = self.kv.allocate_slots(req, n)
             while blocks is None:
                 victim = self.running.pop()
@@ -133,6 +158,7 @@ class Scheduler:
             if blocks is None:
                 break
             seqs.append(self._scheduled(req, n))
+            scheduled[req.request_id] = (req, req.num_preemptions)
             budget -= n
             i += 1
 
@@ -143,13 +169,23 @@ class Scheduler:
             self.waiting.popleft()
             if req.status == RequestStatus.RUNNING:
                 budget -= seqs[-1].num_tokens
+                scheduled[req.request_id] = (req, req.num_preemptions)
 
         out = SchedulerOutput(
             step_id=self._step, seqs=seqs, finished_request_ids=self._finished_ids
         )
+        self._scheduled_reqs[self._step] = scheduled
         self._finished_ids = set()
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self.kv.block_ids)
         return out
+
+    def _ends_with_pending(self, req: Request) -> bool:
+        """The sample(s) in flight end ``req`` whatever they are (length or context)."""
+        n = req.num_output_placeholders
+        return (
+            req.num_output_tokens + n >= req.sampling_params.max_tokens
+            or req.num_tokens + n >= self.max_model_len
+        )
 
     def _admit(self, req: Request, budget: int, seqs: list[ScheduledSeq]) -> bool:
         """Try to start ``req``; False when there is no room this step."""
@@ -186,13 +222,20 @@ class Scheduler:
         return True
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+        """``req``'s slice of this step: ``n`` tokens from ``num_computed_tokens`` on, which
+        advances by ``n`` (the step is sent)."""
         start = req.num_computed_tokens
-        samples = start + n == req.num_tokens
+        end = start + n
+        samples = end == req.num_tokens + req.num_output_placeholders
         sp = req.sampling_params
         new_blocks, new_table, num_blocks = self.kv.blocks_to_send(req.request_id)
+        token_ids = req.all_token_ids[start:end]
+        if len(token_ids) < n:  # the last one is sampled by the step in flight
+            assert len(token_ids) == n - 1, (req, start, n)
+            token_ids.append(PLACEHOLDER_TOKEN_ID)
         seq = ScheduledSeq(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + n],
+            token_ids=token_ids,
             start_pos=start,
             new_block_ids=new_blocks,
             sampling_params=sp if new_table else None,  # the workers keep it with the table
@@ -200,7 +243,8 @@ class Scheduler:
             new_table=new_table,
             samples=samples,
         )
-        if samples and req.num_output_tokens < sp.min_tokens:
+        # Outputs before this sample (placeholders included) below min_tokens: mask.
+        if samples and end - req.num_prompt_tokens < sp.min_tokens:
             seq.banned_token_ids = sp.banned_token_ids(req.eos_token_ids)
         if req.needs_prompt_logprobs:
             # Row p predicts the token at p + 1; the prompt tokens not computed yet (the
@@ -213,12 +257,16 @@ class Scheduler:
                 seq.prompt_row = first - start
                 seq.prompt_targets = req.prompt_token_ids[first + 1 : end + 1]
                 seq.prompt_logprobs = sp.prompt_logprobs or 0
+        req.num_computed_tokens = end
+        if samples and self.async_scheduling:
+            req.num_output_placeholders += 1
         return seq
 
     def _preempt(self, req: Request) -> None:
         logger.info("preempting %s (recompute later)", req.request_id)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # a step in flight samples for it in vain
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -227,18 +275,22 @@ class Scheduler:
     def update_from_output(
         self, sched_out: SchedulerOutput, output: ModelRunnerOutput
     ) -> list[RequestOutput]:
+        scheduled = self._scheduled_reqs.pop(sched_out.step_id, {})
         for seq in sched_out.seqs:
-            req = self.requests.get(seq.request_id)
+            req, preemptions = scheduled.get(seq.request_id, (None, 0))
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished (aborted) while the step ran
-            req.num_computed_tokens += seq.num_tokens
-            if req.num_computed_tokens <= req.num_prompt_tokens:
+            if req.num_preemptions != preemptions:
+                continue  # preempted (and admitted again) since: not its tokens now
+            if seq.start_pos + seq.num_tokens <= req.num_prompt_tokens:
                 self.prompt_tokens_total += seq.num_tokens
             self.kv.cache_computed_blocks(req)
             if seq.prompt_targets and req.prompt_logprobs is not None:
                 req.prompt_logprobs.extend(output.prompt_logprobs.get(req.request_id, ()))
             if seq.samples:
                 rid = req.request_id
+                if req.num_output_placeholders:
+                    req.num_output_placeholders -= 1
                 self._append(req, output.sampled_token_ids[rid], output.logprobs.get(rid))
 
         # The connector learns first what landed and what was sent, so that a request

@@ -9,14 +9,20 @@ from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.stats import Stats
 
+# Async scheduling: stands for the token the step in flight samples for the request (the
+# workers put in what they sampled); never a real token id.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledSeq:
     """One request's slice of this step: tokens at positions ``start_pos ..``."""
 
     request_id: str
-    token_ids: list[int]  # the tokens to compute this step
-    start_pos: int  # == request.num_computed_tokens
+    # The tokens to compute this step; with async scheduling the last may be
+    # PLACEHOLDER_TOKEN_ID (a 1-token decode of what the previous step sampled).
+    token_ids: list[int]
+    start_pos: int  # request.num_computed_tokens when scheduled
     # The request's block table, sent as a change (``engine/worker/request_states.py``):
     # these ids are appended to the table the workers hold for it, or make a new one when
     # ``new_table`` (the request's first step, or its first since its blocks were freed and

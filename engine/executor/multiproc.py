@@ -145,6 +145,10 @@ class MultiprocExecutor:
         result = self.aggregator.async_aggregate(futures)
         if non_block:
             return result
+        return self.wait(result)
+
+    def wait(self, result: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
+        """A step's aggregated result; the executor is dead past ``--step-timeout``."""
         try:
             return result.result(timeout=self.step_timeout)
         except FutureTimeoutError:

@@ -18,10 +18,16 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import cdiv
-from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, WorkerOutput
+from engine.core.scheduler_output import (
+    PLACEHOLDER_TOKEN_ID,
+    ScheduledSeq,
+    SchedulerOutput,
+    WorkerOutput,
+)
 from engine.kv_cache_layout import TORCH_DTYPES, KVCacheSpec
 from engine.model.attention import pack_step
 from engine.model.loader import load_model
+from engine.model.parallel import tp_broadcast_ints
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphs
@@ -34,6 +40,22 @@ logger = logging.getLogger(__name__)
 
 # Prompt rows whose logits are computed at once for prompt logprobs.
 PROMPT_LOGPROBS_ROWS = 256
+
+
+def fill_placeholders(seqs: list[ScheduledSeq], last_sampled: dict[str, int]) -> None:
+    """Async scheduling: put in each placeholder (a decode of the token the previous step
+    sampled) that token, from ``last_sampled`` (request id -> what this rank's previous
+    sampling step sampled)."""
+    for s in seqs:
+        ids = s.token_ids
+        if ids and ids[-1] == PLACEHOLDER_TOKEN_ID:
+            token = last_sampled.get(s.request_id)
+            if token is None:  # the scheduler's invariant, broken
+                raise RuntimeError(
+                    f"request {s.request_id!r}: a placeholder token but no sample from the "
+                    "previous step"
+                )
+            ids[-1] = token
 
 
 class ModelRunner:
@@ -65,6 +87,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
         self.requests = RequestStates()  # per request: block table, sampling parameters
+        # Async scheduling: what the last sampling step sampled, on every rank (a step's
+        # placeholders are the tokens its predecessor sampled).
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._last_sampled: dict[str, int] = {}
         self.staging = HostStaging(self.device)
 
     def _spec(self, num_blocks: int) -> KVCacheSpec:
@@ -171,6 +197,8 @@ class ModelRunner:
         asked for (rank 0 only; other ranks return an empty output)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
         seqs = sched.seqs
+        if self.async_scheduling:
+            fill_placeholders(seqs, self._last_sampled)
         token_ids = [s.token_ids for s in seqs]
         starts = [s.start_pos for s in seqs]
         tables = [self.requests.block_ids(s.request_id) for s in seqs]
@@ -205,6 +233,10 @@ class ModelRunner:
             picked = hidden[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
         logits = self.model.compute_logits(picked)  # [S, vocab] float32, all ranks
         if self.rank != 0:
+            if self.async_scheduling:  # the next step's placeholders: rank 0's samples
+                ids = [s.request_id for s in seqs if s.samples]
+                tokens = tp_broadcast_ints(None, len(ids), self.device)
+                self._last_sampled = dict(zip(ids, tokens, strict=True))
             return out
         sampled = [s for s in seqs if s.samples]
         params = [self.requests.sampling_params(s.request_id) for s in sampled]
@@ -215,6 +247,10 @@ class ModelRunner:
             [s.banned_token_ids for s in sampled],
         )
         out.sampled_token_ids = {s.request_id: t for s, t in zip(sampled, tokens, strict=True)}
+        if self.async_scheduling:
+            if self.world_size > 1:
+                tp_broadcast_ints(tokens, len(tokens), self.device)
+            self._last_sampled = out.sampled_token_ids
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]  # type: ignore[union-attr]
         if want:  # only rows that asked: no cost for the others
             idx = torch.tensor(want, dtype=torch.long).to(self.device, non_blocking=True)

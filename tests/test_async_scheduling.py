@@ -1,0 +1,336 @@
+"""Async scheduling (``--async-scheduling``): step N+1 is scheduled and sent while step N
+runs; the tokens step N samples are placeholders the workers fill in.
+
+Checked two ways. Fast: the real scheduler and worker-side request states driving a toy
+model with a paged KV cache, whose next token is a hash of every token its cache holds for
+the sequence (read through the block table), so a placeholder filled wrongly, a block
+reused while a step in flight still writes it, a prefix-cache hit on unwritten KV, or a
+stale sample applied to a preempted request all change the tokens -- compared with the
+same scheduler run synchronously. Slow: real engines (worker processes, the tiny model),
+TP 1 and 2, token-identical to synchronous scheduling.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from typing import Any
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.worker.model_runner import fill_placeholders
+from engine.worker.request_states import RequestStates
+from kvconnector.noop import NoopConnectorScheduler
+
+BLOCK = 4
+VOCAB = 40
+EOS = 0
+
+
+class PagedToyModel:
+    """A worker stand-in: writes each step's tokens into their cache slots, and samples
+    from what the cache holds (a hash of the sequence's tokens read through its table)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[int, int], int] = {}  # (block, offset) -> token id
+        self.states = RequestStates()
+        self.last_sampled: dict[str, int] = {}
+        self.placeholders = 0
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        so = pickle.loads(pickle.dumps(so))  # what a worker receives
+        self.states.update(so)
+        self.placeholders += sum(1 for q in so.seqs if q.token_ids[-1] == PLACEHOLDER_TOKEN_ID)
+        fill_placeholders(so.seqs, self.last_sampled)
+        sampled: dict[str, int] = {}
+        for seq in so.seqs:
+            table = self.states.block_ids(seq.request_id).tolist()
+            for j, token in enumerate(seq.token_ids):
+                pos = seq.start_pos + j
+                self.cache[(table[pos // BLOCK], pos % BLOCK)] = token
+            if seq.samples:
+                h = 17
+                for pos in range(seq.start_pos + seq.num_tokens):
+                    h = (h * 1_000_003 + self.cache[(table[pos // BLOCK], pos % BLOCK)]) % (
+                        2**61 - 1
+                    )
+                token = h % VOCAB
+                while token in seq.banned_token_ids:
+                    token = (token + 1) % VOCAB
+                sampled[seq.request_id] = token
+        if sampled:  # as the model runner: a step that samples nothing keeps the last
+            self.last_sampled = sampled
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def _scheduler(async_scheduling: bool, num_blocks: int, budget: int) -> Scheduler:
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        cache=CacheConfig(block_size=BLOCK),
+        scheduler=SchedulerConfig(
+            max_num_seqs=6, max_num_batched_tokens=budget, async_scheduling=async_scheduling
+        ),
+    )
+    return Scheduler(cfg, num_blocks, 256, NoopConnectorScheduler(cfg, None))  # type: ignore[arg-type]
+
+
+def _requests(seed: int) -> list[tuple[str, list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    shared = [rng.randint(1, VOCAB - 1) for _ in range(9)]  # prefix-cache hits
+    out = []
+    for i in range(12):
+        n = rng.choice([1, 3, 4, 5, 9, 14, 30])
+        prompt = (shared if i % 3 == 0 else []) + [rng.randint(1, VOCAB - 1) for _ in range(n)]
+        params = SamplingParams(
+            max_tokens=rng.choice([1, 2, 7, 20, 33]),
+            min_tokens=rng.choice([0, 0, 3]),
+            stop_token_ids=[rng.randint(1, VOCAB - 1)] if i % 4 == 1 else [],
+            ignore_eos=i % 5 == 4,
+        )
+        out.append((f"r{i}", prompt, params))
+    return out
+
+
+def _run(
+    async_scheduling: bool,
+    seed: int,
+    num_blocks: int = 22,
+    budget: int = 12,
+    abort_at: tuple[int, str] | None = None,
+) -> tuple[dict[str, tuple[list[int], str | None]], Scheduler, PagedToyModel]:
+    """Requests arrive over the first steps; returns each one's tokens and finish reason."""
+    s = _scheduler(async_scheduling, num_blocks, budget)
+    model = PagedToyModel()
+    pending = _requests(seed)
+    tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in pending}
+    reasons: dict[str, str | None] = {}
+
+    def collect(outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+
+    in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+    step = 0
+    while pending or s.has_work() or in_flight:
+        step += 1
+        assert step < 2000, "no progress"
+        if pending and step % 2:
+            rid, prompt, params = pending.pop(0)
+            s.add_request(Request(rid, prompt, params, eos_token_ids=[EOS]))
+        if abort_at is not None and step == abort_at[0]:
+            s.abort_request(abort_at[1])
+        so = s.schedule()
+        result = model.execute(so)
+        if not async_scheduling:
+            collect(s.update_from_output(so, result))
+            continue
+        # The worker ran step N+1 before the engine updates from step N: the order the
+        # real engine allows that is hardest on the scheduler.
+        if in_flight is not None:
+            collect(s.update_from_output(*in_flight))
+        in_flight = (so, result) if so.seqs or so.finished_request_ids else None
+        if in_flight is None:
+            collect(s.update_from_output(so, result))
+    return {rid: (tokens[rid], reasons.get(rid)) for rid in tokens}, s, model
+
+
+@pytest.mark.parametrize("seed", range(1, 7))
+def test_async_scheduling_gives_the_tokens_of_synchronous_scheduling(seed):
+    """Chunked prefills, preemption, prefix-cache hits, EOS / stop ids / min_tokens /
+    max_tokens endings: the same tokens and finish reasons."""
+    sync, _, _ = _run(False, seed)
+    out, s, model = _run(True, seed)
+    assert out == sync
+    assert all(reason is not None for _, reason in out.values())
+    assert model.placeholders > 0, "no step was scheduled ahead"
+    assert s.num_preemptions_total > 0, "the test should exercise preemption"
+    assert s.kv.pool.num_free == s.kv.num_blocks  # every block back
+    assert not s.requests and not s.running
+    assert not s._scheduled_reqs, "a step's record outlived its update"
+
+
+def test_an_abort_while_a_step_is_in_flight_leaves_the_others_untouched():
+    sync, _, _ = _run(False, 3, abort_at=(9, "r3"))
+    out, s, _ = _run(True, 3, abort_at=(9, "r3"))
+    assert out.pop("r3")[1] == sync.pop("r3")[1] == "abort"
+    assert out == sync
+    assert s.kv.pool.num_free == s.kv.num_blocks
+
+
+def test_a_request_that_the_pending_sample_ends_is_not_scheduled_ahead():
+    """max_tokens=1 (a prefill node's leg): no step computes past its one token, so its
+    blocks are the prompt's alone when it finishes (what a P node sends)."""
+    s = _scheduler(True, num_blocks=16, budget=64)
+    s.add_request(Request("p", list(range(1, 9)), SamplingParams(max_tokens=1)))  # 2 blocks
+    first = s.schedule()
+    assert [q.samples for q in first.seqs] == [True]
+    ahead = s.schedule()  # step 1 in flight: its sample ends the request
+    assert ahead.seqs == []
+    assert len(s.kv.block_ids("p")) == 2
+    (out,) = s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={"p": 5}))
+    assert out.finished and out.finish_reason == "length" and out.new_token_ids == [5]
+
+
+def test_a_sample_for_a_request_preempted_since_is_dropped():
+    """The request was preempted (and admitted again) after the step was scheduled: that
+    step's sample belongs to the old run, and the new run samples the position again."""
+    s = _scheduler(True, num_blocks=16, budget=64)
+    s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=8)))
+    step1 = s.schedule()  # a's prefill, samples its first token
+    step2 = s.schedule()  # a's first token (a placeholder), in flight behind step 1
+    assert step2.seqs[0].token_ids == [PLACEHOLDER_TOKEN_ID]
+    req = s.requests["a"]
+    s.running.remove(req)
+    s._preempt(req)  # what schedule() does when blocks run out
+    step3 = s.schedule()  # admitted again: the prompt recomputed, sampling token 1 again
+    assert step3.seqs[0].start_pos == 0 and step3.seqs[0].samples
+    assert s.update_from_output(step1, ModelRunnerOutput(sampled_token_ids={"a": 11})) == []
+    assert s.update_from_output(step2, ModelRunnerOutput(sampled_token_ids={"a": 12})) == []
+    (out,) = s.update_from_output(step3, ModelRunnerOutput(sampled_token_ids={"a": 13}))
+    assert out.new_token_ids == [13] and req.output_token_ids == [13]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_blocks_completed_by_generated_tokens_are_prefix_cache_hits(async_scheduling):
+    """A block is registered once its tokens are known, not when a step in flight will
+    complete it with a token not sampled yet (its hash would be of the wrong tokens)."""
+    s = _scheduler(async_scheduling, num_blocks=16, budget=64)
+    model = PagedToyModel()
+    s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True)))
+    in_flight, outputs = None, []
+    while s.has_work() or in_flight:
+        so = s.schedule()
+        result = model.execute(so)
+        if in_flight is not None:
+            outputs += s.update_from_output(*in_flight)
+        in_flight = (so, result) if async_scheduling and so.seqs else None
+        if in_flight is None:
+            outputs += s.update_from_output(so, result)
+    generated = [t for o in outputs for t in o.new_token_ids]
+    assert len(generated) == 6
+    # 3 + 5 tokens computed (the last sample is never fed back): two full blocks.
+    again = Request("b", [1, 2, 3, *generated], SamplingParams())
+    assert len(s.kv.get_computed_blocks(again)) == 2
+
+
+def test_a_placeholder_without_a_sample_before_it_is_an_error_not_a_wrong_token():
+    s = _scheduler(True, num_blocks=16, budget=64)
+    s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=8)))
+    s.schedule()
+    ahead = s.schedule()
+    with pytest.raises(RuntimeError, match="placeholder"):
+        fill_placeholders(ahead.seqs, {})
+
+
+# -- real engines ---------------------------------------------------------------------------
+def _engine_config(async_scheduling: bool, tp: int = 1) -> EngineConfig:
+    return EngineConfig(
+        cache=CacheConfig(num_blocks=24),
+        parallel=ParallelConfig(tp=tp),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=32, max_num_seqs=8, async_scheduling=async_scheduling
+        ),
+    )
+
+
+def _engine_prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randint(1, 255) for _ in range(n)] for n in [1, 15, 16, 17, 40, 90, 33, 100]]
+
+
+def _generate(cfg: EngineConfig) -> dict[str, Any]:
+    from engine.llm import LLM
+
+    prompts = _engine_prompts()
+    with LLM(cfg) as llm:
+        greedy = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+        seeded = llm.generate(
+            prompts,
+            [
+                SamplingParams(max_tokens=8 + i, temperature=0.8, seed=7 + i, min_tokens=i % 3)
+                for i in range(len(prompts))
+            ],
+        )
+        stats = llm.stats()
+    return {"greedy": greedy, "seeded": seeded, "stats": stats}
+
+
+@pytest.fixture(scope="module")
+def synchronous() -> dict[str, Any]:
+    return _generate(_engine_config(False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_async_engine_is_token_identical_to_synchronous(synchronous, tp):
+    """Chunked prefill and preemption (24 blocks), greedy and seeded sampling; at TP 2 the
+    other rank gets rank 0's samples for its placeholders."""
+    out = _generate(_engine_config(True, tp))
+    assert out["greedy"] == synchronous["greedy"]
+    assert out["seeded"] == synchronous["seeded"]
+    assert out["stats"]["num_preemptions_total"] > 0
+    assert out["stats"]["kv_blocks_free"] == out["stats"]["kv_blocks_total"]
+
+
+@pytest.mark.slow
+def test_an_async_node_over_http_matches_a_synchronous_one(procs):
+    """Concurrent completions (greedy, seeded, stop strings) and a streamed request the
+    client drops midway: the async node answers as the synchronous one, and ends with
+    every block free."""
+    import asyncio
+
+    import httpx
+    from harness import wait_for, wait_healthy
+
+    sync = procs.node("--num-blocks", "256", name="sync", wait=False)
+    fast = procs.node("--num-blocks", "256", "--async-scheduling", name="async")
+    wait_healthy(sync)
+    rng = random.Random(1)
+    bodies = [
+        {
+            "prompt": [rng.randint(1, 255) for _ in range(rng.randint(1, 120))],
+            "max_tokens": rng.randint(1, 24),
+            "temperature": 0.0 if i % 2 else 0.9,
+            "seed": i,
+            **({"stop": ["N", "P", "~", "t"]} if i % 3 == 0 else {}),
+        }
+        for i in range(16)
+    ]
+
+    async def run(url: str) -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            # A streamed request dropped after its first event, among the others.
+            async def dropped() -> None:
+                body = {"prompt": [5] * 40, "max_tokens": 200, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data:"):
+                            return
+
+            results = await asyncio.gather(
+                dropped(), *(client.post("/v1/completions", json=b) for b in bodies)
+            )
+            return [r.json()["choices"][0] for r in results[1:]]
+
+    want = asyncio.run(run(sync.url))
+    got = asyncio.run(run(fast.url))
+    assert [(c["text"], c["finish_reason"]) for c in got] == [
+        (c["text"], c["finish_reason"]) for c in want
+    ]
+    assert any(c["finish_reason"] == "stop" for c in got)
+    wait_for(
+        lambda: (
+            fast.metric("pdserve_kv_blocks_used") == 0
+            and fast.metric("pdserve_kv_blocks_free") == 256
+        ),
+        30,
+        "the async node's blocks all free",
+    )
