@@ -24,7 +24,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.worker.model_runner import fill_placeholders
+from engine.worker.model_runner import DEFER_READBACK_ENV, placeholder_sources
 from engine.worker.request_states import RequestStates
 from kvconnector.noop import NoopConnectorScheduler
 
@@ -40,14 +40,17 @@ class PagedToyModel:
     def __init__(self) -> None:
         self.cache: dict[tuple[int, int], int] = {}  # (block, offset) -> token id
         self.states = RequestStates()
-        self.last_sampled: dict[str, int] = {}
+        # The last sampling step's ids and each request's row in them (as the runner).
+        self.prev_ids: list[int] = []
+        self.prev_rows: dict[str, int] = {}
         self.placeholders = 0
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         so = pickle.loads(pickle.dumps(so))  # what a worker receives
         self.states.update(so)
         self.placeholders += sum(1 for q in so.seqs if q.token_ids[-1] == PLACEHOLDER_TOKEN_ID)
-        fill_placeholders(so.seqs, self.last_sampled)
+        for i, row in zip(*placeholder_sources(so.seqs, self.prev_rows), strict=True):
+            so.seqs[i].token_ids[-1] = self.prev_ids[row]
         sampled: dict[str, int] = {}
         for seq in so.seqs:
             table = self.states.block_ids(seq.request_id).tolist()
@@ -65,7 +68,8 @@ class PagedToyModel:
                     token = (token + 1) % VOCAB
                 sampled[seq.request_id] = token
         if sampled:  # as the model runner: a step that samples nothing keeps the last
-            self.last_sampled = sampled
+            self.prev_ids = list(sampled.values())
+            self.prev_rows = {rid: j for j, rid in enumerate(sampled)}
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
@@ -227,7 +231,7 @@ def test_a_placeholder_without_a_sample_before_it_is_an_error_not_a_wrong_token(
     s.schedule()
     ahead = s.schedule()
     with pytest.raises(RuntimeError, match="placeholder"):
-        fill_placeholders(ahead.seqs, {})
+        placeholder_sources(ahead.seqs, {})
 
 
 # -- real engines ---------------------------------------------------------------------------
@@ -269,10 +273,12 @@ def synchronous() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_async_engine_is_token_identical_to_synchronous(synchronous, tp):
+@pytest.mark.parametrize(("tp", "defer"), [(1, "0"), (1, "1"), (2, "1")])
+def test_async_engine_is_token_identical_to_synchronous(synchronous, tp, defer, monkeypatch):
     """Chunked prefill and preemption (24 blocks), greedy and seeded sampling; at TP 2 the
-    other rank gets rank 0's samples for its placeholders."""
+    other rank gets rank 0's samples for its placeholders. ``defer``: rank 0 holds a
+    step's output until the next step is launched (as on CUDA) -- forced on here."""
+    monkeypatch.setenv(DEFER_READBACK_ENV, defer)  # the workers inherit it
     out = _generate(_engine_config(True, tp))
     assert out["greedy"] == synchronous["greedy"]
     assert out["seeded"] == synchronous["seeded"]
@@ -283,15 +289,17 @@ def test_async_engine_is_token_identical_to_synchronous(synchronous, tp):
 @pytest.mark.slow
 def test_an_async_node_over_http_matches_a_synchronous_one(procs):
     """Concurrent completions (greedy, seeded, stop strings) and a streamed request the
-    client drops midway: the async node answers as the synchronous one, and ends with
-    every block free."""
+    client drops midway: the async node (outputs held until the next step's launch, as
+    on CUDA) answers as the synchronous one, and ends with every block free."""
     import asyncio
 
     import httpx
     from harness import wait_for, wait_healthy
 
     sync = procs.node("--num-blocks", "256", name="sync", wait=False)
-    fast = procs.node("--num-blocks", "256", "--async-scheduling", name="async")
+    fast = procs.node(
+        "--num-blocks", "256", "--async-scheduling", name="async", env={DEFER_READBACK_ENV: "1"}
+    )
     wait_healthy(sync)
     rng = random.Random(1)
     bodies = [

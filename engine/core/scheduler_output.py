@@ -81,6 +81,17 @@ class WorkerOutput:
     kv_failed: dict[str, str] = field(default_factory=dict)
     kv_stats: Stats | None = None  # the connector's per-rank counters (typed)
     busy_s: float = 0.0  # from receiving the step to this output ready (step_stats.py)
+    # Async scheduling (rank 0): the sampled ids still on their way from the device, as
+    # (request ids, staging.PendingIds); the worker puts them into ``sampled_token_ids``
+    # (``resolve_sampled``) before the output leaves the process. Never pickled.
+    pending_sampled: Any = None
+
+    def resolve_sampled(self) -> WorkerOutput:
+        if self.pending_sampled is not None:
+            rids, pending = self.pending_sampled
+            self.sampled_token_ids = dict(zip(rids, pending.result(), strict=True))
+            self.pending_sampled = None
+        return self
 
 
 @dataclass

@@ -60,15 +60,11 @@ def tp_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     return x
 
 
-def tp_broadcast_ints(values: list[int] | None, n: int, device: torch.device) -> list[int]:
-    """Rank 0's ``n`` ints (``values``; None elsewhere) on every rank of the TP group."""
-    t = (
-        torch.tensor(values, dtype=torch.int64, device=device)
-        if values is not None
-        else torch.empty(n, dtype=torch.int64, device=device)
-    )
+def tp_broadcast_(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``t`` into every rank's ``t`` (in place, on the tensor's device; no host
+    read), over the TP group."""
     dist.broadcast(t, src=0)
-    return t.tolist()
+    return t
 
 
 def tp_all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:

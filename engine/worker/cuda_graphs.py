@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -104,15 +104,20 @@ class DecodeGraphs:
         token_ids: list[list[int]],
         starts: list[int],
         tables: Sequence[Sequence[int] | np.ndarray],
+        fill: Callable[[torch.Tensor, PackedStep], None] | None = None,
     ) -> tuple[PackedStep, torch.Tensor]:
         """One decode step of ``len(token_ids)`` sequences; returns its packing and the hidden
-        states ``[b, H]`` (rows past the real sequences are padding)."""
+        states ``[b, H]`` (rows past the real sequences are padding). ``fill(buffer,
+        packed)`` may change the static input buffer on the device before the replay
+        (async scheduling: the placeholders)."""
         n = len(token_ids)
         b = self.bucket_for(n)
         packed = pack_step(
             token_ids, starts, tables, self.block_size, width=self.width, pad_seqs=b - n
         )
         self.staging.to_device(packed.buffer, out=self._bufs[b])
+        if fill is not None:
+            fill(self._bufs[b], packed)
         if b in self._graphs:
             self._graphs[b].replay()
             return packed, self._outs[b]

@@ -12,6 +12,7 @@ in the forward reads a device value back; the only host read is the sampled toke
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -26,15 +27,16 @@ from engine.core.scheduler_output import (
 )
 from engine.kv_cache_layout import TORCH_DTYPES, KVCacheSpec
 from engine.model.attention import pack_step
+from engine.model.attention.metadata import PackedStep
 from engine.model.loader import load_model
-from engine.model.parallel import tp_broadcast_ints
+from engine.model.parallel import tp_broadcast_
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.gpu_memory import kv_cache_budget
 from engine.worker.request_states import RequestStates
 from engine.worker.sampler import Sampler, compute_logprobs
-from engine.worker.staging import HostStaging
+from engine.worker.staging import HostStaging, Readback
 
 logger = logging.getLogger(__name__)
 
@@ -42,20 +44,32 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGPROBS_ROWS = 256
 
 
-def fill_placeholders(seqs: list[ScheduledSeq], last_sampled: dict[str, int]) -> None:
-    """Async scheduling: put in each placeholder (a decode of the token the previous step
-    sampled) that token, from ``last_sampled`` (request id -> what this rank's previous
-    sampling step sampled)."""
-    for s in seqs:
+# Async scheduling: "1" makes rank 0 hand back a step's sampled ids after the next step's
+# launch (the worker holds the output meanwhile) also off CUDA (tests), "0" never; unset:
+# on CUDA. On a CPU the "launch" is the whole forward, so holding only adds latency.
+DEFER_READBACK_ENV = "PDSERVE_DEFER_READBACK"
+
+
+def placeholder_sources(
+    seqs: list[ScheduledSeq], prev_rows: dict[str, int]
+) -> tuple[list[int], list[int]]:
+    """Async scheduling: the sequences whose last token is a placeholder (a decode of what
+    the previous sampling step sampled for them), and for each the row of that sample
+    (``prev_rows``: request id -> row, of the previous sampling step)."""
+    seq_idx: list[int] = []
+    src: list[int] = []
+    for i, s in enumerate(seqs):
         ids = s.token_ids
         if ids and ids[-1] == PLACEHOLDER_TOKEN_ID:
-            token = last_sampled.get(s.request_id)
-            if token is None:  # the scheduler's invariant, broken
+            row = prev_rows.get(s.request_id)
+            if row is None:  # the scheduler's invariant, broken
                 raise RuntimeError(
                     f"request {s.request_id!r}: a placeholder token but no sample from the "
                     "previous step"
                 )
-            ids[-1] = token
+            seq_idx.append(i)
+            src.append(row)
+    return seq_idx, src
 
 
 class ModelRunner:
@@ -85,13 +99,23 @@ class ModelRunner:
         self.kv_spec: KVCacheSpec | None = None
         self.kv_cache: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
-        self.sampler = Sampler()
-        self.requests = RequestStates()  # per request: block table, sampling parameters
-        # Async scheduling: what the last sampling step sampled, on every rank (a step's
-        # placeholders are the tokens its predecessor sampled).
-        self.async_scheduling = config.scheduler.async_scheduling
-        self._last_sampled: dict[str, int] = {}
         self.staging = HostStaging(self.device)
+        self.sampler = Sampler(staging=HostStaging(self.device, slots=2))
+        self.requests = RequestStates()  # per request: block table, sampling parameters
+        # Async scheduling: the last sampling step's ids [S] on the device, on every rank
+        # (rank 0's, broadcast), and each request's row: a step's placeholders are filled
+        # from them on the device, so no rank waits for the host to learn them.
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._prev_ids: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
+        # One staging per use, two slots each: a copy never waits for the step in flight.
+        self._fill_staging = HostStaging(self.device, slots=2)
+        self._rows_staging = HostStaging(self.device, slots=2)
+        self._readback = Readback(self.device)
+        flag = os.environ.get(DEFER_READBACK_ENV)
+        self.defer_readback = self.async_scheduling and (
+            flag == "1" if flag in ("0", "1") else self.device.type == "cuda"
+        )
 
     def _spec(self, num_blocks: int) -> KVCacheSpec:
         return KVCacheSpec.for_model(self.arch, self.config, num_blocks)
@@ -197,17 +221,25 @@ class ModelRunner:
         asked for (rank 0 only; other ranks return an empty output)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
         seqs = sched.seqs
-        if self.async_scheduling:
-            fill_placeholders(seqs, self._last_sampled)
+        fills = placeholder_sources(seqs, self._prev_rows) if self.async_scheduling else None
+        fill = None
+        if fills and fills[0]:
+
+            def fill(dev: torch.Tensor, packed: PackedStep) -> None:
+                self._fill_placeholders(dev, packed, *fills)
+
         token_ids = [s.token_ids for s in seqs]
         starts = [s.start_pos for s in seqs]
         tables = [self.requests.block_ids(s.request_id) for s in seqs]
         graphs = self.graphs
         if graphs is not None and after_layer is None and graphs.can_run(token_ids):
-            packed, hidden = graphs.run(token_ids, starts, tables)
+            packed, hidden = graphs.run(token_ids, starts, tables, fill=fill)
         else:
             packed = pack_step(token_ids, starts, tables, self.block_size)
-            step = packed.unpack(self.staging.to_device(packed.buffer))
+            dev = self.staging.to_device(packed.buffer)
+            if fill is not None:
+                fill(dev, packed)
+            step = packed.unpack(dev)
             hidden = self.model(
                 step.input_ids, step.positions, step.attn, self.kv_cache, after_layer
             )
@@ -229,29 +261,38 @@ class ModelRunner:
             return out
         if rows[-1] == len(rows) - 1:  # rows 0..S-1 (decodes): a view, no index copy
             picked = hidden[: len(rows)]
-        else:  # a pageable copy: the driver may wait for the forward first
-            picked = hidden[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+        else:  # through pinned staging: no wait for the forward before the copy
+            idx = self._rows_staging.to_device(torch.tensor(rows, dtype=torch.long))
+            picked = hidden[idx]
         logits = self.model.compute_logits(picked)  # [S, vocab] float32, all ranks
+        sampled = [s for s in seqs if s.samples]
         if self.rank != 0:
             if self.async_scheduling:  # the next step's placeholders: rank 0's samples
-                ids = [s.request_id for s in seqs if s.samples]
-                tokens = tp_broadcast_ints(None, len(ids), self.device)
-                self._last_sampled = dict(zip(ids, tokens, strict=True))
+                ids = torch.empty(len(sampled), dtype=torch.int64, device=self.device)
+                self._keep_samples(sampled, tp_broadcast_(ids))
             return out
-        sampled = [s for s in seqs if s.samples]
         params = [self.requests.sampling_params(s.request_id) for s in sampled]
-        tokens = self.sampler.sample(
+        args = (
             logits,
-            params,  # type: ignore[arg-type]
+            params,
             [s.start_pos + s.num_tokens for s in sampled],
             [s.banned_token_ids for s in sampled],
         )
-        out.sampled_token_ids = {s.request_id: t for s, t in zip(sampled, tokens, strict=True)}
-        if self.async_scheduling:
-            if self.world_size > 1:
-                tp_broadcast_ints(tokens, len(tokens), self.device)
-            self._last_sampled = out.sampled_token_ids
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]  # type: ignore[union-attr]
+        if self.async_scheduling:
+            ids = self.sampler.sample_on_device(*args)  # type: ignore[arg-type]
+            if self.world_size > 1:
+                tp_broadcast_(ids)
+            self._keep_samples(sampled, ids)
+            if self.defer_readback and after_layer is None and not want:
+                # The worker sends this output after it launched the next step.
+                rids = [s.request_id for s in sampled]
+                out.pending_sampled = (rids, self._readback.start(ids))
+                return out
+            tokens = ids.tolist()
+        else:
+            tokens = self.sampler.sample(*args)  # type: ignore[arg-type]
+        out.sampled_token_ids = {s.request_id: t for s, t in zip(sampled, tokens, strict=True)}
         if want:  # only rows that asked: no cost for the others
             idx = torch.tensor(want, dtype=torch.long).to(self.device, non_blocking=True)
             lps = compute_logprobs(
@@ -261,6 +302,23 @@ class ModelRunner:
             )
             out.logprobs = {sampled[i].request_id: lp for i, lp in zip(want, lps, strict=True)}
         return out
+
+    def _keep_samples(self, sampled: list[ScheduledSeq], ids: torch.Tensor) -> None:
+        """Async scheduling: this step's samples fill the next step's placeholders."""
+        self._prev_ids = ids
+        self._prev_rows = {s.request_id: j for j, s in enumerate(sampled)}
+
+    def _fill_placeholders(
+        self, dev: torch.Tensor, packed: PackedStep, seq_idx: list[int], src: list[int]
+    ) -> None:
+        """Write the previous step's samples (rows ``src`` of ``_prev_ids``) over the
+        placeholders of sequences ``seq_idx`` in ``dev``, the step's buffer on the device
+        (its first entries are the input ids), before the forward reads it."""
+        assert self._prev_ids is not None
+        dst = [packed.query_start[i] + packed.query_lens[i] - 1 for i in seq_idx]
+        idx = self._fill_staging.to_device(torch.tensor(dst + src, dtype=torch.int64))
+        n = len(dst)
+        dev.index_copy_(0, idx[:n], self._prev_ids.index_select(0, idx[n:]))
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, seqs: list[tuple[ScheduledSeq, int]]

@@ -8,8 +8,10 @@ tensor ops, so they are the same on every device. A seeded request's key at posi
 is ``position_seed(seed, p)`` alone, so the same token comes out whichever node (prefill,
 decode or a colocated one) samples that position; an unseeded row gets a random key.
 
-One host read per step: the sampled ids (``.tolist()``). Greedy-only batches skip the
-noise, and batches without top-k/top-p skip the sort.
+One host read per step: the sampled ids (``sample``'s ``.tolist()``; ``sample_on_device``
+leaves them on the device, for async scheduling). The per-row parameters go over in one
+copy (through pinned staging when given one). Greedy-only batches skip the noise, and
+batches without top-k/top-p skip the sort.
 
 ``min_tokens``: rows given ``banned`` ids cannot sample them (their logits are masked in a
 copy). ``compute_logprobs`` -- only called for rows that asked for log probabilities, so the
@@ -25,6 +27,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.worker.staging import HostStaging
 
 _MASK64 = (1 << 63) - 1
 _M32 = 0xFFFFFFFF
@@ -60,8 +63,10 @@ def hashed_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, staging: HostStaging | None = None) -> None:
         self._rng = random.SystemRandom()
+        # The per-row parameters' copy: pinned (no wait for the forward before it).
+        self._staging = staging
 
     def sample(
         self,
@@ -73,10 +78,20 @@ class Sampler:
         """``logits``: [S, vocab] float32 (any device); ``positions``: where each token will
         sit; ``banned``: per row, ids that may not be sampled (``min_tokens``). Returns the
         S sampled token ids."""
+        return self.sample_on_device(logits, params, positions, banned).tolist()
+
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        banned: list[tuple[int, ...]] | None = None,
+    ) -> torch.Tensor:
+        """``sample`` without the host read: the ids ``[S]`` int64 on the logits' device."""
         if banned is not None and any(banned):
             logits = _mask(logits, banned)
         if all(sp.greedy for sp in params):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         dev = logits.device
         num, vocab = logits.shape
         temps = [sp.temperature if not sp.greedy else 1.0 for sp in params]
@@ -87,11 +102,15 @@ class Sampler:
         top_k = [sp.top_k if 0 < sp.top_k < vocab else vocab for sp in params]
         top_p = [sp.top_p for sp in params]
         greedy = [sp.greedy for sp in params]
-        # One host->device copy for the per-row parameters.
-        f32 = torch.tensor([temps, top_p], dtype=torch.float32).to(dev, non_blocking=True)
-        i64 = torch.tensor([keys, top_k, greedy], dtype=torch.int64).to(dev, non_blocking=True)
-        temp_t, top_p_t = f32[0], f32[1]
-        keys_t, top_k_t, greedy_t = i64[0], i64[1], i64[2].bool()
+        # One host->device copy for the per-row parameters: [temps | top_p | keys | top_k |
+        # greedy], the float rows as their bits in int64 (temps and top_p as float64).
+        rows = torch.tensor([temps, top_p], dtype=torch.float64).view(torch.int64)
+        ints = torch.tensor([keys, top_k, greedy], dtype=torch.int64)
+        host = torch.cat([rows, ints]).reshape(-1)  # [5 * S]
+        packed = self._to_device(host, dev).view(5, num)
+        temp_t = packed[:2].view(torch.float64).float()[0]
+        top_p_t = packed[:2].view(torch.float64).float()[1]
+        keys_t, top_k_t, greedy_t = packed[2], packed[3], packed[4].bool()
 
         x = logits.float() / temp_t[:, None]  # [S, V]
         noise = -torch.log(hashed_uniform(keys_t, vocab))  # [S, V] Exp(1)
@@ -109,8 +128,12 @@ class Sampler:
         else:
             probs = torch.softmax(x, dim=-1)
             sampled = torch.argmax(probs / noise, dim=-1)
-        out = torch.where(greedy_t, logits.argmax(dim=-1), sampled)
-        return out.tolist()
+        return torch.where(greedy_t, logits.argmax(dim=-1), sampled)
+
+    def _to_device(self, host: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        if self._staging is not None and dev.type == "cuda":
+            return self._staging.to_device(host)
+        return host.to(dev, non_blocking=True)
 
 
 def _mask(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:

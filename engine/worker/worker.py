@@ -73,6 +73,7 @@ class Worker:
             return WorkerOutput(
                 rank=self.rank,
                 sampled_token_ids=sampled.sampled_token_ids,
+                pending_sampled=sampled.pending_sampled,  # async scheduling: ids on their way
                 logprobs=sampled.logprobs,
                 prompt_logprobs=sampled.prompt_logprobs,
                 finished_sending=sending,

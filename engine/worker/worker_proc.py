@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine.config import EngineConfig
+from engine.core.scheduler_output import WorkerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +158,20 @@ def worker_main(
     connector = worker.connector
     woke = False  # a WAKE is out and no step came since: do not send another
     last_parent_check = time.monotonic()
+    # Async scheduling: a step's output whose sampled ids are still on their way from the
+    # device, held while the next step (already queued) is launched, then sent before it.
+    held: tuple[WorkerOutput, float] | None = None
+
+    def send(out: WorkerOutput, t0: float) -> None:
+        out.resolve_sampled()
+        out.busy_s = time.perf_counter() - t0
+        result_conn.send_bytes(pickle.dumps(out))
+
     try:
         while True:
+            if held is not None and not task_conn.poll(0):
+                send(*held)  # no step queued behind it: nothing to overlap
+                held = None
             watching = connector.watching()
             if not task_conn.poll(WATCH_INTERVAL_S if watching else PARENT_CHECK_S):
                 if watching and not woke and connector.progress():
@@ -178,12 +191,21 @@ def worker_main(
             t0 = time.perf_counter()
             sched = pickle.loads(msg)
             try:
-                out = worker.execute_model(sched)
-                out.busy_s = time.perf_counter() - t0
-                result_conn.send_bytes(pickle.dumps(out))
+                out = worker.execute_model(sched)  # launched (CUDA), or done
             except Exception:
                 logger.exception("step %s failed", sched.step_id)
+                if held is not None:
+                    send(*held)
+                    held = None
                 result_conn.send_bytes(pickle.dumps(WorkerError(rank, traceback.format_exc())))
+                continue
+            if held is not None:  # the step before this one, in order
+                send(*held)
+                held = None
+            if out.pending_sampled is not None:
+                held = (out, t0)
+            else:
+                send(out, t0)
     except (EOFError, OSError, KeyboardInterrupt):
         return
     finally:
