@@ -62,7 +62,9 @@ Worker side, called by ``engine.worker.worker.Worker`` every step, in this order
        save_kv_layer(i) after layer i wrote its KV (pipelined sends post pieces)...
     wait_for_save(sampled)             # issue/advance sends of this step; ``sampled``:
                                        # this rank's sampled tokens, None if the forward
-                                       # raised (sends whose KV it was computing fail)
+                                       # raised (sends whose KV it was computing fail);
+                                       # with async scheduling they may still be on the
+                                       # device ({}) unless needs_sampled_ids()
     get_finished(finished_req_ids)     # -> (finished_sending, finished_recving) of THIS rank
     clear_connector_metadata()         # always last, also when the forward raised
 
@@ -281,6 +283,11 @@ class KVConnectorWorker(ABC):
 
     def wants_layer_hook(self) -> bool:
         """True when this step's forward should call ``save_kv_layer`` after each layer."""
+        return False
+
+    def needs_sampled_ids(self) -> bool:
+        """True when this step's ``wait_for_save`` sends sampled ids (e.g. a pipelined
+        push's last piece carries the first token): the worker reads them back first."""
         return False
 
     def save_kv_layer(self, layer: int) -> None:  # noqa: B027

@@ -169,6 +169,35 @@ def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp, tp_d
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("group", [1, 4], ids=["four-pieces", "one-piece"])
+def test_async_scheduling_pipelined_push_carries_the_first_token(group, monkeypatch):
+    """P and D with async scheduling and the sampled ids read back late (as on CUDA): the
+    last piece still carries P's first token -- also with one layer group, where the
+    forward has no layer hook -- so D computes no prompt token and the tokens are the
+    colocated ones."""
+    from engine.config import SchedulerConfig
+    from engine.worker.model_runner import DEFER_READBACK_ENV
+
+    monkeypatch.setenv(DEFER_READBACK_ENV, "1")
+    prompts = [random_prompt(n, 256, seed=n) for n in (5, 32, 90)]
+    base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
+    with LLM(base) as llm:
+        want = llm.generate(prompts, SEEDED)
+    base = base.replace(scheduler=SchedulerConfig(async_scheduling=True))
+    p = EngineCore(nixl_config(base, "producer", kv_layer_group_size=group))
+    d = EngineCore(nixl_config(base, "consumer"))
+    try:
+        res = _pd(p, d, prompts, SEEDED)
+        assert res["tokens"] == want
+        assert p.stats()["kv_pipelined_transfers_total"] == len(prompts)
+        assert d.stats()["prompt_tokens_total"] == 0  # the first token came with the KV
+        _all_free(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.slow
 def test_a_prefill_killed_mid_pipeline_leaves_decode_recomputing_the_right_tokens(monkeypatch):
     """P's worker dies after posting the first layer group: D never counts the send
     complete, gives up after its deadline, keeps the blocks a late WRITE could reach

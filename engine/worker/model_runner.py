@@ -100,7 +100,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.staging = HostStaging(self.device)
-        self.sampler = Sampler(staging=HostStaging(self.device, slots=2))
+        self.sampler = Sampler(self.device)
         self.requests = RequestStates()  # per request: block table, sampling parameters
         # Async scheduling: the last sampling step's ids [S] on the device, on every rank
         # (rank 0's, broadcast), and each request's row: a step's placeholders are filled
@@ -280,7 +280,12 @@ class ModelRunner:
         )
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]  # type: ignore[union-attr]
         if self.async_scheduling:
-            ids = self.sampler.sample_on_device(*args)  # type: ignore[arg-type]
+            try:
+                ids = self.sampler.sample_on_device(*args)  # type: ignore[arg-type]
+            except BaseException:
+                if self.world_size > 1:  # the other ranks wait in the broadcast: free them
+                    tp_broadcast_(torch.zeros(len(sampled), dtype=torch.int64, device=self.device))
+                raise
             if self.world_size > 1:
                 tp_broadcast_(ids)
             self._keep_samples(sampled, ids)

@@ -22,6 +22,7 @@ and top-k/top-p (vLLM's default ``raw_logprobs``), read back in one more host re
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -63,10 +64,13 @@ def hashed_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, staging: HostStaging | None = None) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self._rng = random.SystemRandom()
-        # The per-row parameters' copy: pinned (no wait for the forward before it).
-        self._staging = staging
+        # The per-row parameters' and the min_tokens mask's copies: pinned, two slots each
+        # (one use per step each: a copy never waits for the step in flight).
+        cuda = device is not None and device.type == "cuda"
+        self._staging = HostStaging(device, slots=2) if cuda else None
+        self._mask_staging = HostStaging(device, slots=2) if cuda else None
 
     def sample(
         self,
@@ -89,7 +93,7 @@ class Sampler:
     ) -> torch.Tensor:
         """``sample`` without the host read: the ids ``[S]`` int64 on the logits' device."""
         if banned is not None and any(banned):
-            logits = _mask(logits, banned)
+            logits = _mask(logits, banned, self._to_device_mask)
         if all(sp.greedy for sp in params):
             return logits.argmax(dim=-1)
         dev = logits.device
@@ -135,16 +139,26 @@ class Sampler:
             return self._staging.to_device(host)
         return host.to(dev, non_blocking=True)
 
+    def _to_device_mask(self, host: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        if self._mask_staging is not None and dev.type == "cuda":
+            return self._mask_staging.to_device(host)
+        return host.to(dev, non_blocking=True)
 
-def _mask(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
+
+def _mask(
+    logits: torch.Tensor,
+    banned: list[tuple[int, ...]],
+    to_device: Callable[[torch.Tensor, torch.device], torch.Tensor],
+) -> torch.Tensor:
     vocab = logits.shape[1]
     rows = [i for i, ids in enumerate(banned) for t in ids if 0 <= t < vocab]
     cols = [t for ids in banned for t in ids if 0 <= t < vocab]
     if not rows:
         return logits
     masked = logits.clone()
-    idx = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device, non_blocking=True)
-    masked[idx[0], idx[1]] = float("-inf")
+    idx = to_device(torch.tensor(rows + cols, dtype=torch.int64), logits.device)
+    n = len(rows)
+    masked[idx[:n], idx[n:]] = float("-inf")
     return masked
 
 

@@ -56,6 +56,10 @@ class PendingIds:
         self._host = host
         self._event = event
 
+    def ready(self) -> bool:
+        """The ids are on the host (``result()`` will not wait)."""
+        return self._event is None or self._event.query()
+
     def result(self) -> list[int]:
         if self._event is not None:
             self._event.synchronize()

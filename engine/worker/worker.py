@@ -68,6 +68,8 @@ class Worker:
             except BaseException:
                 self._post_sends_of_failed_step()
                 raise
+            if sampled.pending_sampled is not None and connector.needs_sampled_ids():
+                sampled.resolve_sampled()  # async scheduling: the ids, now
             connector.wait_for_save(sampled.sampled_token_ids)
             sending, recving = connector.get_finished(sched.finished_request_ids)
             return WorkerOutput(

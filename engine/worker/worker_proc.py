@@ -23,6 +23,9 @@ PARENT_CHECK_S = 1.0
 # one did, sends WAKE on the result pipe: the engine runs the step that reports it at
 # once, instead of sending the workers empty steps on a timer.
 WATCH_INTERVAL_S = 0.0005
+# Async scheduling: how often a worker holding an output looks for the next step while its
+# sampled ids are on their way (a spin of short polls; the wait ends with the ids).
+HOLD_POLL_S = 0.0001
 WAKE = b"wake"
 # Set to 1 to let the TP ranks of a node share its visible GPUs (``rank_placement``).
 SHARE_GPU_ENV = "PDSERVE_TP_SHARE_GPU"
@@ -169,9 +172,15 @@ def worker_main(
 
     try:
         while True:
-            if held is not None and not task_conn.poll(0):
-                send(*held)  # no step queued behind it: nothing to overlap
-                held = None
+            if held is not None:
+                # Until its ids are on the host, the next step may still arrive (the engine
+                # sends it once it has the step before): launch it first if it does.
+                pending = held[0].pending_sampled[1]
+                while not pending.ready() and not task_conn.poll(HOLD_POLL_S):
+                    pass
+                if not task_conn.poll(0):
+                    send(*held)  # no step queued behind it: nothing to overlap
+                    held = None
             watching = connector.watching()
             if not task_conn.poll(WATCH_INTERVAL_S if watching else PARENT_CHECK_S):
                 if watching and not woke and connector.progress():

@@ -158,6 +158,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._apply_peers()
         return bool(self._pipes) and len(self._groups) > 1
 
+    def needs_sampled_ids(self) -> bool:
+        self._apply_peers()
+        return bool(self._pipes)  # the last piece carries the first token
+
     def save_kv_layer(self, layer: int) -> None:
         """Post the pieces whose layers are now all written -- never the last one, which
         waits for the sampled first token (``wait_for_save``)."""
