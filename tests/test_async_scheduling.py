@@ -342,3 +342,46 @@ def test_an_async_node_over_http_matches_a_synchronous_one(procs):
         30,
         "the async node's blocks all free",
     )
+
+
+class _Pending:
+    """Sampled ids that reach the host after ``ready_after`` checks."""
+
+    def __init__(self, ready_after: int) -> None:
+        self.checks = 0
+        self.ready_after = ready_after
+
+    def ready(self) -> bool:
+        self.checks += 1
+        return self.checks > self.ready_after
+
+
+class _Conn:
+    """A task pipe whose next step arrives at the ``arrives_at``-th poll (never: None)."""
+
+    def __init__(self, arrives_at: int | None) -> None:
+        self.polls = 0
+        self.arrives_at = arrives_at
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        self.polls += 1
+        return self.arrives_at is not None and self.polls >= self.arrives_at
+
+
+def test_a_held_output_waits_for_its_ids_or_the_next_step_whichever_comes_first():
+    from engine.core.scheduler_output import WorkerOutput
+    from engine.worker.worker_proc import next_step_arrives
+
+    def held(ready_after: int) -> WorkerOutput:
+        return WorkerOutput(rank=0, pending_sampled=(["a"], _Pending(ready_after)))
+
+    # The next step comes while the ids are still on their way: launch it first.
+    out, conn = held(ready_after=10), _Conn(arrives_at=3)
+    assert next_step_arrives(out, conn)
+    assert out.pending_sampled[1].checks == 3  # stopped waiting when the step came
+    # The ids come first and no step is queued: send the held output now.
+    out, conn = held(ready_after=4), _Conn(arrives_at=None)
+    assert not next_step_arrives(out, conn)
+    assert out.pending_sampled[1].checks == 5
+    # The ids are there, but so is the next step: still launch it first (outputs in order).
+    assert next_step_arrives(held(ready_after=0), _Conn(arrives_at=1))

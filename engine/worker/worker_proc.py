@@ -89,6 +89,17 @@ def _setup_logging(rank: int, level: str) -> None:
     )
 
 
+def next_step_arrives(held: WorkerOutput, task_conn: Connection) -> bool:
+    """Async scheduling: whether the next step comes while ``held``'s sampled ids are on
+    their way from the device (the engine sends it once it has the step before), so the
+    worker launches it before it sends ``held``; False once the ids are there first."""
+    pending = held.pending_sampled[1]
+    while not pending.ready():
+        if task_conn.poll(HOLD_POLL_S):
+            return True
+    return task_conn.poll(0)
+
+
 def worker_main(
     rank: int,
     world_size: int,
@@ -172,15 +183,9 @@ def worker_main(
 
     try:
         while True:
-            if held is not None:
-                # Until its ids are on the host, the next step may still arrive (the engine
-                # sends it once it has the step before): launch it first if it does.
-                pending = held[0].pending_sampled[1]
-                while not pending.ready() and not task_conn.poll(HOLD_POLL_S):
-                    pass
-                if not task_conn.poll(0):
-                    send(*held)  # no step queued behind it: nothing to overlap
-                    held = None
+            if held is not None and not next_step_arrives(held[0], task_conn):
+                send(*held)  # no step queued behind it: nothing to overlap
+                held = None
             watching = connector.watching()
             if not task_conn.poll(WATCH_INTERVAL_S if watching else PARENT_CHECK_S):
                 if watching and not woke and connector.progress():
