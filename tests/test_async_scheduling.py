@@ -385,3 +385,19 @@ def test_a_held_output_waits_for_its_ids_or_the_next_step_whichever_comes_first(
     assert out.pending_sampled[1].checks == 5
     # The ids are there, but so is the next step: still launch it first (outputs in order).
     assert next_step_arrives(held(ready_after=0), _Conn(arrives_at=1))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_prompt_with_prompt_logprobs_is_computed_once(async_scheduling):
+    """Prompt logprobs ask for rows up to the prompt's second-to-last token: the prefill
+    still computes the whole prompt once, and the next step is a 1-token decode."""
+    s = _scheduler(async_scheduling, num_blocks=16, budget=64)
+    params = SamplingParams(max_tokens=4, prompt_logprobs=1, ignore_eos=True)
+    s.add_request(Request("a", list(range(1, 11)), params))  # 10 prompt tokens
+    first = s.schedule()
+    assert [q.num_tokens for q in first.seqs] == [10] and first.seqs[0].samples
+    assert s.requests["a"].num_computed_tokens == 10
+    if not async_scheduling:
+        s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={"a": 7}))
+    second = s.schedule()
+    assert [q.num_tokens for q in second.seqs] == [1] and second.seqs[0].start_pos == 10

@@ -252,10 +252,10 @@ class Scheduler:
             lps = req.prompt_logprobs
             assert lps is not None
             first = max(start, len(lps) - 1)
-            end = min(start + n, req.num_prompt_tokens - 1)
-            if end > first:
+            last = min(end, req.num_prompt_tokens - 1)
+            if last > first:
                 seq.prompt_row = first - start
-                seq.prompt_targets = req.prompt_token_ids[first + 1 : end + 1]
+                seq.prompt_targets = req.prompt_token_ids[first + 1 : last + 1]
                 seq.prompt_logprobs = sp.prompt_logprobs or 0
         req.num_computed_tokens = end
         if samples and self.async_scheduling:
