@@ -195,6 +195,15 @@ class EngineCore:
             outputs += self.scheduler.update_from_output(sched, ModelRunnerOutput())
         return outputs, sched.num_scheduled_tokens
 
+    def finish_in_flight(self) -> list[RequestOutput]:
+        """Async scheduling: wait for the step in flight and update from it (an offline
+        run's end: its blocks come back, nothing is left running)."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is None:
+            return []
+        sched, fut, _ = prev
+        return self.scheduler.update_from_output(sched, self.executor.wait(fut))
+
     def _workers_idle(self, sched: SchedulerOutput) -> bool:
         md = sched.kv_connector_metadata
         if (

@@ -36,6 +36,9 @@ class LLM:
                     if out.finish_reason == "error":
                         raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                     done.add(out.request_id)
+        # Async scheduling: a step may still be in flight (one token too many for a request
+        # that stopped); its update gives its blocks back. It has nothing for the caller.
+        self.core.finish_in_flight()
         return [results[rid] for rid in ids]
 
     def stats(self) -> StatsGroup:

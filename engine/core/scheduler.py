@@ -15,9 +15,11 @@ step N samples is not known yet, so it counts as a placeholder
 (``Request.num_output_placeholders``) -- step N+1 computes it (the workers fill in what
 they sampled in step N) and ``update_from_output`` of step N turns it into a real token.
 A request whose pending sample surely ends it (``max_tokens``, the context) is not
-scheduled ahead; one that stops on EOS or a stop id has computed one token too many,
-which is dropped. A step's results apply only to the requests it scheduled: not to one
-finished, preempted or replaced since.
+scheduled ahead, nor preempted; one that stops on EOS or a stop id has computed one token
+too many, which is dropped. A step's results apply only to the requests it scheduled:
+not to one finished, preempted or replaced since. The blocks of a request that ends or is
+preempted while a step not yet updated scheduled it are freed at that step's update (its
+forward may still write them; a remote load given one must not take a late local write).
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class Scheduler:
         # objects only: a request finished, preempted or replaced since is skipped).
         # (The request's preemption count then: preempted since, the results are stale.)
         self._scheduled_reqs: dict[int, dict[str, tuple[Request, int]]] = {}
+        # Blocks of requests that ended or were preempted while such a step may still
+        # write them: freed at that step's update.
+        self._free_after: dict[int, list[list[int]]] = {}
         self._outputs: list[RequestOutput] = []
         self._step = 0
         self.prompt_tokens_total = 0
@@ -150,10 +155,12 @@ class Scheduler:
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
             blocks = self.kv.allocate_slots(req, n)
             while blocks is None:
+                if self._blocks_coming_back():
+                    break  # async scheduling: wait a step for them rather than preempt
                 victim = self.running.pop()
                 self._preempt(victim)
-                if victim is req:
-                    break
+                if victim is req or self._frees_later(victim.request_id):
+                    break  # (a victim in the step in flight gives its blocks back at its update)
                 blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
                 break
@@ -178,6 +185,31 @@ class Scheduler:
         self._finished_ids = set()
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self.kv.block_ids)
         return out
+
+    def _blocks_coming_back(self) -> bool:
+        """Async scheduling: blocks return at the update of the step in flight -- of
+        requests that ended or were preempted since it was sent, or that its samples end
+        (a sync step would have finished those before scheduling). Never in sync mode."""
+        return bool(self._free_after) or any(
+            r.num_output_placeholders and self._ends_with_pending(r) for r in self.running
+        )
+
+    def _frees_later(self, request_id: str) -> bool:
+        """Async scheduling: a step not updated yet scheduled the request (its forward may
+        still write its blocks)."""
+        return any(request_id in reqs for reqs in self._scheduled_reqs.values())
+
+    def _free_blocks(self, request_id: str) -> None:
+        """Free the request's blocks now, or -- when a step not updated yet scheduled it --
+        at that step's update: its forward may still write them, and a block handed to a
+        remote load must not take a late local write after the remote one."""
+        steps = [k for k, reqs in self._scheduled_reqs.items() if request_id in reqs]
+        if not steps:
+            self.kv.free(request_id)
+            return
+        blocks = self.kv.detach(request_id)
+        if blocks:
+            self._free_after.setdefault(max(steps), []).append(blocks)
 
     def _ends_with_pending(self, req: Request) -> bool:
         """The sample(s) in flight end ``req`` whatever they are (length or context)."""
@@ -264,7 +296,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         logger.info("preempting %s (recompute later)", req.request_id)
-        self.kv.free(req.request_id)
+        self._free_blocks(req.request_id)
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # a step in flight samples for it in vain
         req.status = RequestStatus.PREEMPTED
@@ -276,6 +308,8 @@ class Scheduler:
         self, sched_out: SchedulerOutput, output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         scheduled = self._scheduled_reqs.pop(sched_out.step_id, {})
+        for blocks in self._free_after.pop(sched_out.step_id, ()):
+            self.kv.pool.free(blocks)  # the step's forward is done: no write is left
         for seq in sched_out.seqs:
             req, preemptions = scheduled.get(seq.request_id, (None, 0))
             if req is None or req.status != RequestStatus.RUNNING:
@@ -358,14 +392,14 @@ class Scheduler:
         if delay_free:
             self.held[rid] = req
         else:
-            self.kv.free(rid)
+            self._free_blocks(rid)
             del self.requests[rid]
         self._emit(req, params)
 
     def _release_held(self, rid: str) -> None:
         req = self.held.pop(rid, None)
         if req is not None:
-            self.kv.free(rid)
+            self._free_blocks(rid)
             self.requests.pop(rid, None)
 
     def _emit(self, req: Request, kv_transfer_params: KVTransferParams | None = None) -> None:
