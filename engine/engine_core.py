@@ -172,37 +172,38 @@ class EngineCore:
         prev, self._in_flight = self._in_flight, None
         idle = self._workers_idle(sched)
         if not idle:
+            self.step_stats.step_schedule_seconds_total += t1 - t0
             self._last_dispatch = time.monotonic()
             fut = self.executor.execute_model(sched, non_block=True)
             self._in_flight = (sched, fut, time.perf_counter())  # type: ignore[assignment]
-        outputs: list[RequestOutput] = []
-        if prev is not None:
-            prev_sched, prev_fut, sent = prev
-            result = self.executor.wait(prev_fut)
-            t3 = time.perf_counter()
-            outputs = self.scheduler.update_from_output(prev_sched, result)
-            # Execute: from when the workers could start the step (sent, and the step
-            # before it done) to its result, as in sync mode; the engine's scheduling and
-            # updating overlapped it (the phases add up to more than the wall time).
-            st = self.step_stats
-            st.steps_total += 1
-            st.step_schedule_seconds_total += t1 - t0
-            st.step_execute_seconds_total += t3 - max(sent, self._last_result_at)
-            self._last_result_at = t3
-            st.step_worker_seconds_total += result.worker_busy_s
-            st.step_update_seconds_total += time.perf_counter() - t3
+        outputs = self.finish_in_flight(prev)
         if idle:
             outputs += self.scheduler.update_from_output(sched, ModelRunnerOutput())
         return outputs, sched.num_scheduled_tokens
 
-    def finish_in_flight(self) -> list[RequestOutput]:
-        """Async scheduling: wait for the step in flight and update from it (an offline
-        run's end: its blocks come back, nothing is left running)."""
-        prev, self._in_flight = self._in_flight, None
-        if prev is None:
-            return []
-        sched, fut, _ = prev
-        return self.scheduler.update_from_output(sched, self.executor.wait(fut))
+    def finish_in_flight(
+        self, step: tuple[SchedulerOutput, Future[ModelRunnerOutput], float] | None = None
+    ) -> list[RequestOutput]:
+        """Async scheduling: wait for a step sent earlier (by default the one in flight:
+        an offline run's end, so its blocks come back) and update from it."""
+        if step is None:
+            step, self._in_flight = self._in_flight, None
+            if step is None:
+                return []
+        sched, fut, sent = step
+        result = self.executor.wait(fut)
+        t = time.perf_counter()
+        outputs = self.scheduler.update_from_output(sched, result)
+        # Execute: from when the workers could start the step (sent, and the step before it
+        # done) to its result, as in sync mode; the engine's scheduling and updating
+        # overlapped it (the phases add up to more than the wall time).
+        st = self.step_stats
+        st.steps_total += 1
+        st.step_execute_seconds_total += t - max(sent, self._last_result_at)
+        self._last_result_at = t
+        st.step_worker_seconds_total += result.worker_busy_s
+        st.step_update_seconds_total += time.perf_counter() - t
+        return outputs
 
     def _workers_idle(self, sched: SchedulerOutput) -> bool:
         md = sched.kv_connector_metadata

@@ -158,8 +158,8 @@ class Scheduler:
                 if self._blocks_coming_back():
                     break  # async scheduling: wait a step for them rather than preempt
                 victim = self.running.pop()
-                self._preempt(victim)
-                if victim is req or self._frees_later(victim.request_id):
+                freed_now = self._preempt(victim)
+                if victim is req or not freed_now:
                     break  # (a victim in the step in flight gives its blocks back at its update)
                 blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
@@ -194,22 +194,19 @@ class Scheduler:
             r.num_output_placeholders and self._ends_with_pending(r) for r in self.running
         )
 
-    def _frees_later(self, request_id: str) -> bool:
-        """Async scheduling: a step not updated yet scheduled the request (its forward may
-        still write its blocks)."""
-        return any(request_id in reqs for reqs in self._scheduled_reqs.values())
-
-    def _free_blocks(self, request_id: str) -> None:
-        """Free the request's blocks now, or -- when a step not updated yet scheduled it --
-        at that step's update: its forward may still write them, and a block handed to a
-        remote load must not take a late local write after the remote one."""
+    def _free_blocks(self, request_id: str) -> bool:
+        """Free the request's blocks now (True), or -- when a step not updated yet scheduled
+        it (async scheduling) -- at that step's update: its forward may still write them,
+        and a block handed to a remote load must not take a late local write after the
+        remote one."""
         steps = [k for k, reqs in self._scheduled_reqs.items() if request_id in reqs]
         if not steps:
             self.kv.free(request_id)
-            return
+            return True
         blocks = self.kv.detach(request_id)
         if blocks:
             self._free_after.setdefault(max(steps), []).append(blocks)
+        return False
 
     def _ends_with_pending(self, req: Request) -> bool:
         """The sample(s) in flight end ``req`` whatever they are (length or context)."""
@@ -294,15 +291,17 @@ class Scheduler:
             req.num_output_placeholders += 1
         return seq
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request) -> bool:
+        """Preempt ``req``; True when its blocks are free now (not at a later update)."""
         logger.info("preempting %s (recompute later)", req.request_id)
-        self._free_blocks(req.request_id)
+        freed_now = self._free_blocks(req.request_id)
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # a step in flight samples for it in vain
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
+        return freed_now
 
     def update_from_output(
         self, sched_out: SchedulerOutput, output: ModelRunnerOutput

@@ -11,6 +11,7 @@ in the forward reads a device value back; the only host read is the sampled toke
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -221,12 +222,11 @@ class ModelRunner:
         asked for (rank 0 only; other ranks return an empty output)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
         seqs = sched.seqs
-        fills = placeholder_sources(seqs, self._prev_rows) if self.async_scheduling else None
         fill = None
-        if fills and fills[0]:
-
-            def fill(dev: torch.Tensor, packed: PackedStep) -> None:
-                self._fill_placeholders(dev, packed, *fills)
+        if self.async_scheduling:
+            seq_idx, src = placeholder_sources(seqs, self._prev_rows)
+            if seq_idx:
+                fill = functools.partial(self._fill_placeholders, seq_idx=seq_idx, src=src)
 
         token_ids = [s.token_ids for s in seqs]
         starts = [s.start_pos for s in seqs]

@@ -93,7 +93,7 @@ class Sampler:
     ) -> torch.Tensor:
         """``sample`` without the host read: the ids ``[S]`` int64 on the logits' device."""
         if banned is not None and any(banned):
-            logits = _mask(logits, banned, self._to_device_mask)
+            logits = _mask(logits, banned, lambda h, d: _copy(h, d, self._mask_staging))
         if all(sp.greedy for sp in params):
             return logits.argmax(dim=-1)
         dev = logits.device
@@ -111,9 +111,8 @@ class Sampler:
         rows = torch.tensor([temps, top_p], dtype=torch.float64).view(torch.int64)
         ints = torch.tensor([keys, top_k, greedy], dtype=torch.int64)
         host = torch.cat([rows, ints]).reshape(-1)  # [5 * S]
-        packed = self._to_device(host, dev).view(5, num)
-        temp_t = packed[:2].view(torch.float64).float()[0]
-        top_p_t = packed[:2].view(torch.float64).float()[1]
+        packed = _copy(host, dev, self._staging).view(5, num)
+        temp_t, top_p_t = packed[:2].view(torch.float64).float()
         keys_t, top_k_t, greedy_t = packed[2], packed[3], packed[4].bool()
 
         x = logits.float() / temp_t[:, None]  # [S, V]
@@ -134,15 +133,12 @@ class Sampler:
             sampled = torch.argmax(probs / noise, dim=-1)
         return torch.where(greedy_t, logits.argmax(dim=-1), sampled)
 
-    def _to_device(self, host: torch.Tensor, dev: torch.device) -> torch.Tensor:
-        if self._staging is not None and dev.type == "cuda":
-            return self._staging.to_device(host)
-        return host.to(dev, non_blocking=True)
 
-    def _to_device_mask(self, host: torch.Tensor, dev: torch.device) -> torch.Tensor:
-        if self._mask_staging is not None and dev.type == "cuda":
-            return self._mask_staging.to_device(host)
-        return host.to(dev, non_blocking=True)
+def _copy(host: torch.Tensor, dev: torch.device, staging: HostStaging | None) -> torch.Tensor:
+    """``host`` on ``dev``: through ``staging`` (pinned) on CUDA when there is one."""
+    if staging is not None and dev.type == "cuda":
+        return staging.to_device(host)
+    return host.to(dev, non_blocking=True)
 
 
 def _mask(

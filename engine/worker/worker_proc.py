@@ -204,19 +204,18 @@ def worker_main(
                 return
             t0 = time.perf_counter()
             sched = pickle.loads(msg)
+            error = None
             try:
                 out = worker.execute_model(sched)  # launched (CUDA), or done
             except Exception:
                 logger.exception("step %s failed", sched.step_id)
-                if held is not None:
-                    send(*held)
-                    held = None
-                result_conn.send_bytes(pickle.dumps(WorkerError(rank, traceback.format_exc())))
-                continue
+                error = WorkerError(rank, traceback.format_exc())
             if held is not None:  # the step before this one, in order
                 send(*held)
                 held = None
-            if out.pending_sampled is not None:
+            if error is not None:
+                result_conn.send_bytes(pickle.dumps(error))
+            elif out.pending_sampled is not None:
                 held = (out, t0)
             else:
                 send(out, t0)
