@@ -176,20 +176,21 @@ class EngineCore:
             self._last_dispatch = time.monotonic()
             fut = self.executor.execute_model(sched, non_block=True)
             self._in_flight = (sched, fut, time.perf_counter())  # type: ignore[assignment]
-        outputs = self.finish_in_flight(prev)
+        outputs = self._wait_and_update(prev) if prev is not None else []
         if idle:
             outputs += self.scheduler.update_from_output(sched, ModelRunnerOutput())
         return outputs, sched.num_scheduled_tokens
 
-    def finish_in_flight(
-        self, step: tuple[SchedulerOutput, Future[ModelRunnerOutput], float] | None = None
+    def finish_in_flight(self) -> list[RequestOutput]:
+        """Async scheduling: wait for the step in flight, if any, and update from it (an
+        offline run's end, so its blocks come back)."""
+        step, self._in_flight = self._in_flight, None
+        return [] if step is None else self._wait_and_update(step)
+
+    def _wait_and_update(
+        self, step: tuple[SchedulerOutput, Future[ModelRunnerOutput], float]
     ) -> list[RequestOutput]:
-        """Async scheduling: wait for a step sent earlier (by default the one in flight:
-        an offline run's end, so its blocks come back) and update from it."""
-        if step is None:
-            step, self._in_flight = self._in_flight, None
-            if step is None:
-                return []
+        """Wait for a step sent earlier and update from it."""
         sched, fut, sent = step
         result = self.executor.wait(fut)
         t = time.perf_counter()

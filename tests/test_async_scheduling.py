@@ -73,14 +73,18 @@ class PagedToyModel:
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
-def _scheduler(async_scheduling: bool, num_blocks: int, budget: int) -> Scheduler:
-    cfg = EngineConfig(
+def _scheduler_config(async_scheduling: bool, budget: int) -> EngineConfig:
+    return EngineConfig(
         model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
         cache=CacheConfig(block_size=BLOCK),
         scheduler=SchedulerConfig(
             max_num_seqs=6, max_num_batched_tokens=budget, async_scheduling=async_scheduling
         ),
     )
+
+
+def _scheduler(async_scheduling: bool, num_blocks: int, budget: int) -> Scheduler:
+    cfg = _scheduler_config(async_scheduling, budget)
     return Scheduler(cfg, num_blocks, 256, NoopConnectorScheduler(cfg, None))  # type: ignore[arg-type]
 
 
@@ -232,6 +236,72 @@ def test_a_placeholder_without_a_sample_before_it_is_an_error_not_a_wrong_token(
     ahead = s.schedule()
     with pytest.raises(RuntimeError, match="placeholder"):
         placeholder_sources(ahead.seqs, {})
+
+
+class _ToyExecutor:
+    """The engine core's executor, in process: the paged toy model answers each step when
+    it is sent; the order of sends and waits is recorded."""
+
+    num_blocks = 32
+    worker_infos: list[Any] = []
+
+    def __init__(self, *_: Any) -> None:
+        self.model = PagedToyModel()
+        self.log: list[tuple[str, int]] = []
+
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
+        from concurrent.futures import Future
+
+        self.log.append(("send", so.step_id))
+        result = self.model.execute(so)
+        if not non_block:
+            return result
+        fut: Future[ModelRunnerOutput] = Future()
+        fut.step_id = so.step_id  # type: ignore[attr-defined]
+        fut.set_result(result)
+        return fut
+
+    def wait(self, fut: Any) -> ModelRunnerOutput:
+        self.log.append(("wait", fut.step_id))
+        return fut.result()
+
+    def take_wake(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_engine_core_keeps_a_step_in_flight_with_synchronous_tokens(seed, monkeypatch):
+    """``EngineCore.step`` sends step N+1 before it waits for step N, so one step is
+    always in flight while requests run, and the tokens are the synchronous engine's."""
+    import engine.engine_core as engine_core
+
+    monkeypatch.setattr(engine_core, "MultiprocExecutor", _ToyExecutor)
+
+    def run(async_scheduling: bool) -> tuple[dict[str, list[int]], list[tuple[str, int]]]:
+        core = engine_core.EngineCore(_scheduler_config(async_scheduling, budget=24))
+        for rid, prompt, params in _requests(seed):
+            core.add_request(Request(rid, prompt, params, eos_token_ids=[EOS]))
+        tokens: dict[str, list[int]] = {}
+        while core.has_work():
+            for out in core.step()[0]:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert core.stats()["kv_blocks_free"] == core.stats()["kv_blocks_total"]
+        return tokens, core.executor.log
+
+    sync_tokens, sync_log = run(False)
+    async_tokens, log = run(True)
+    assert async_tokens == sync_tokens
+    assert ("wait", 1) not in sync_log  # the synchronous engine waits inside execute_model
+    sends = [step for what, step in log if what == "send"]
+    waits = [step for what, step in log if what == "wait"]
+    assert waits == sends  # every step waited for, in order
+    # Step N is waited for only after step N+1 was sent, while there was a step N+1.
+    for n in waits[:-1]:
+        if n + 1 in sends:
+            assert log.index(("send", n + 1)) < log.index(("wait", n))
 
 
 # -- real engines ---------------------------------------------------------------------------
