@@ -112,6 +112,7 @@ class EngineCore:
         # (The step, its result, when it was sent.)
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput], float] | None = None
         self._last_result_at = 0.0
+        self._room_made = False  # async: the last step sent nothing but updated one
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -130,8 +131,10 @@ class EngineCore:
 
     def has_running(self) -> bool:
         """Requests the next step will compute tokens for (e.g. one whose KV just landed,
-        in a step that computed nothing), or a step in flight (async scheduling)."""
-        return self._in_flight is not None or bool(self.scheduler.running)
+        in a step that computed nothing), or a step in flight (async scheduling), or an
+        async step that sent nothing but updated the step before (room for waiting
+        requests, which a synchronous step would have scheduled at once)."""
+        return self._in_flight is not None or self._room_made or bool(self.scheduler.running)
 
     def idle_wait(self, longest: float) -> float:
         """How long an idle loop may wait for a wake-up after a step that computed
@@ -177,6 +180,9 @@ class EngineCore:
             fut = self.executor.execute_model(sched, non_block=True)
             self._in_flight = (sched, fut, time.perf_counter())  # type: ignore[assignment]
         outputs = self._wait_and_update(prev) if prev is not None else []
+        # Nothing sent, but the update of the step before may have made room (requests
+        # it ended, blocks back): the next schedule may find work, so do not idle yet.
+        self._room_made = idle and prev is not None
         if idle:
             outputs += self.scheduler.update_from_output(sched, ModelRunnerOutput())
         return outputs, sched.num_scheduled_tokens

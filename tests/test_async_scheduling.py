@@ -73,12 +73,14 @@ class PagedToyModel:
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
-def _scheduler_config(async_scheduling: bool, budget: int) -> EngineConfig:
+def _scheduler_config(async_scheduling: bool, budget: int, max_num_seqs: int = 6) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
         cache=CacheConfig(block_size=BLOCK),
         scheduler=SchedulerConfig(
-            max_num_seqs=6, max_num_batched_tokens=budget, async_scheduling=async_scheduling
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            async_scheduling=async_scheduling,
         ),
     )
 
@@ -302,6 +304,33 @@ def test_the_engine_core_keeps_a_step_in_flight_with_synchronous_tokens(seed, mo
     for n in waits[:-1]:
         if n + 1 in sends:
             assert log.index(("send", n + 1)) < log.index(("wait", n))
+
+
+def test_an_async_step_that_sent_nothing_but_freed_room_is_followed_at_once(monkeypatch):
+    """Both running requests end with the sample in flight (not scheduled ahead) and the
+    waiting ones have no room (max_num_seqs): the step sends nothing, but its update of
+    the step before ends the running ones. The engine must not then look idle -- the
+    loop would sleep up to EMPTY_STEP_WAIT_S with requests it can start waiting."""
+    import engine.engine_core as engine_core
+
+    monkeypatch.setattr(engine_core, "MultiprocExecutor", _ToyExecutor)
+    core = engine_core.EngineCore(_scheduler_config(True, budget=64, max_num_seqs=2))
+    for i in range(4):
+        core.add_request(Request(f"r{i}", [1 + i, 2, 3], SamplingParams(max_tokens=1)))
+    _, sent = core.step()  # r0, r1's prefills
+    assert sent == 6
+    outputs, sent = core.step()  # nothing to send; r0, r1 end in the update
+    assert sent == 0 and sorted(o.request_id for o in outputs if o.finished) == ["r0", "r1"]
+    assert core.has_running()  # step again now: r2 and r3 can start
+    _, sent = core.step()
+    assert sent == 6
+    # Once everything ended, the engine goes idle within a few steps (no busy loop).
+    steps = 0
+    while core.has_work() or core.has_running():
+        core.step()
+        steps += 1
+        assert steps < 20
+    assert core.stats()["kv_blocks_free"] == core.stats()["kv_blocks_total"]
 
 
 # -- real engines ---------------------------------------------------------------------------
