@@ -271,21 +271,23 @@ class ModelRunner:
                 ids = torch.empty(len(sampled), dtype=torch.int64, device=self.device)
                 self._keep_samples(sampled, tp_broadcast_(ids))
             return out
-        params = [self.requests.sampling_params(s.request_id) for s in sampled]
-        args = (
-            logits,
-            params,
-            [s.start_pos + s.num_tokens for s in sampled],
-            [s.banned_token_ids for s in sampled],
-        )
-        want = [i for i, sp in enumerate(params) if sp.logprobs is not None]  # type: ignore[union-attr]
-        if self.async_scheduling:
-            try:
+        try:
+            params = [self.requests.sampling_params(s.request_id) for s in sampled]
+            args = (
+                logits,
+                params,
+                [s.start_pos + s.num_tokens for s in sampled],
+                [s.banned_token_ids for s in sampled],
+            )
+            want = [i for i, sp in enumerate(params) if sp.logprobs is not None]  # type: ignore[union-attr]
+            if self.async_scheduling:
                 ids = self.sampler.sample_on_device(*args)  # type: ignore[arg-type]
-            except BaseException:
-                if self.world_size > 1:  # the other ranks wait in the broadcast: free them
-                    tp_broadcast_(torch.zeros(len(sampled), dtype=torch.int64, device=self.device))
-                raise
+        except BaseException:
+            if self.async_scheduling and self.world_size > 1:
+                # The other ranks wait in the broadcast: free them (the step fails anyway).
+                tp_broadcast_(torch.zeros(len(sampled), dtype=torch.int64, device=self.device))
+            raise
+        if self.async_scheduling:
             if self.world_size > 1:
                 tp_broadcast_(ids)
             self._keep_samples(sampled, ids)
