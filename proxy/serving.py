@@ -85,6 +85,9 @@ class ProxyServing:
                 )
         except APIError as e:
             return answer(json_error(e), "bad_request")
+        except ClientDisconnected:  # gone before its body was in
+            logger.info("request %s: client disconnected while sending its body", rid)
+            return answer(Response(status_code=499), "client_disconnect")
         finally:
             self.reading -= 1
         assert self.legs is not None, "the app's lifespan has not started"

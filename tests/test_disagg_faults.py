@@ -157,8 +157,13 @@ def test_decode_abort_while_waiting_cancels_on_prefill(decode: Proc, prefill: Pr
     assert choice["finish_reason"] == "abort" and choice["token_ids"] == [], choice
     # P confirms the cancel (nothing was written), so D frees the blocks at once; without
     # that confirmation they would stay quarantined for 2 x TIMEOUT_S after the abort.
-    wait_for(lambda: pools_full(decode), TIMEOUT_S, "D to free the aborted blocks")
-    assert prefill.metric("pdserve_engine_kv_reservations_waiting") == 0
+    took = wait_for(lambda: pools_full(decode), TIMEOUT_S, "D to free the aborted blocks")
+    assert took < TIMEOUT_S / 2
+    wait_for(  # P's gauges are read between its engine's (idle) loop turns
+        lambda: prefill.metric("pdserve_engine_kv_reservations_waiting") == 0,
+        5,
+        "P to drop the cancelled reservation",
+    )
     # A late prefill for the cancelled transfer is not pushed anywhere; P frees its blocks.
     p = httpx.post(
         prefill.url + "/v1/completions",

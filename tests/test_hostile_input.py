@@ -4,6 +4,7 @@ node for other clients (a real node, tiny model)."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -92,3 +93,69 @@ def test_health_answers_while_a_huge_prompt_is_checked(node):
     _error(result["r"], 400)  # longer than the context
     # Holding the event loop for the whole check would block /health for about as long.
     assert worst < 0.4 * result["r"].elapsed.total_seconds()
+
+
+# -- the connection and the log: what a client can do to them -----------------------------
+
+
+@pytest.fixture(scope="module")
+def proxy(module_procs: Procs, node: Proc) -> Proc:
+    """A proxy in front of the node (routing does not matter: these requests end before)."""
+    p = module_procs.proxy([node.url], [node.url], wait=False)
+    deadline = time.monotonic() + 60
+    while True:  # serving, healthy or not
+        try:
+            httpx.get(p.url + "/health", timeout=2)
+            return p
+        except httpx.HTTPError:
+            assert p.proc.poll() is None and time.monotonic() < deadline, p.logs()
+            time.sleep(0.2)
+
+
+def _log_lines(p: Proc) -> list[str]:
+    return p.logs(10**7).splitlines()
+
+
+@pytest.mark.parametrize("which", ["node", "proxy"])
+def test_a_client_gone_mid_body_is_a_disconnect_not_a_logged_error(request, which):
+    """A client that sends part of a body and closes the connection is an ordinary
+    disconnect: no ERROR line or traceback for anyone to be paged about."""
+    srv: Proc = request.getfixturevalue(which)
+    before = len(_log_lines(srv))
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": "hel'
+        )
+        time.sleep(0.3)
+    time.sleep(1.0)  # the server notices the close
+    assert httpx.get(srv.url + "/health", timeout=10).status_code in (200, 503)
+    new = "\n".join(_log_lines(srv)[before:])
+    assert "Traceback" not in new and " ERROR " not in new, new
+
+
+@pytest.mark.parametrize("which", ["node", "proxy"])
+def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_clients_host(request, which):
+    srv: Proc = request.getfixturevalue(which)
+    resp = httpx.post(
+        srv.url + "/v1/completions/",
+        json={"prompt": "hi", "max_tokens": 1},
+        headers={"Host": "evil.example:666"},
+        timeout=30,
+    )
+    assert resp.status_code == 404, (resp.status_code, resp.headers)
+    assert "location" not in resp.headers
+    assert resp.json()["error"]["message"]
+
+
+def test_ids_given_to_abort_cannot_forge_log_lines(node):
+    forged = "FORGED 2026-12-01 00:00:00 ERROR injected"
+    for by in ("request_id", "transfer_id"):
+        body = {by: f"zz\n{forged}\r\n{forged}" + "x" * 100_000}
+        resp = httpx.post(node.url + "/v1/abort", json=body, timeout=30)
+        assert resp.status_code == 200 and resp.json()["request_ids"] == []
+    time.sleep(0.2)
+    lines = _log_lines(node)
+    assert not any(line.startswith("FORGED") for line in lines)
+    assert max(len(line) for line in lines) < 10_000  # the 100 kB id is not logged whole

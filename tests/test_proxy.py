@@ -273,7 +273,7 @@ def test_client_disconnect_aborts_on_both_nodes(cluster: Cluster) -> None:
     for n in cluster.nodes:
         wait_for(lambda n=n: kv_pool_full(n.url), 30, f"{n.name}'s KV pool to be full again")
     # The proxy sent the abort to the decode node that served it, and released its lease.
-    assert any(f"abort requested for {rid}" in d.logs(10**6) for d in cluster.decode)
+    assert any(f"abort requested for '{rid}" in d.logs(10**6) for d in cluster.decode)
     wait_for(
         lambda: metric(cluster.proxy.url, "pdproxy_node_outstanding_requests") == 0,
         10,

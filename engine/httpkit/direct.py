@@ -19,6 +19,7 @@ installed exception handler would make it; anything else propagates to uvicorn (
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -53,6 +54,12 @@ class DirectRoutes:
 
 class FrontedApp(FastAPI):
     _front: ASGIApp | None = None
+
+    def __init__(self, **kwargs: Any) -> None:
+        # No redirect of ``/v1/completions/`` to ``/v1/completions``: Starlette builds its
+        # Location from the client's Host header (an open redirect); a 404 instead.
+        kwargs.setdefault("redirect_slashes", False)
+        super().__init__(**kwargs)
 
     def set_front(self, routes: Mapping[str, Handler], wrap: Callable[[ASGIApp], ASGIApp]) -> None:
         """Serve ``routes`` (``POST``) directly; ``wrap`` builds the middlewares around them

@@ -43,6 +43,11 @@ logger = logging.getLogger(__name__)
 ENGINE_ID_HEADER = "X-PDServe-Request-Id"
 
 
+def _shown(value: str, limit: int = 128) -> str:
+    """A client's string for the log: quoted and escaped (no forged lines), bounded."""
+    return repr(value[:limit]) + (f" (+{len(value) - limit} chars)" if len(value) > limit else "")
+
+
 def _field_names(names: tuple[str, ...], limit: int = 20) -> str:
     """The ignored field names for the log, bounded (a client picks them)."""
     shown = ", ".join(repr(n[:64]) for n in names[:limit])
@@ -108,7 +113,9 @@ class OpenAIServing:
             if not isinstance(key, str) or not key:
                 raise APIError(f"'{by}' must be a non-empty string", param=by)
             ids = await self.engine.abort_matching(key, by)
-            logger.info("abort requested for %s (%s): %s", key, by, ", ".join(ids) or "none")
+            logger.info(
+                "abort requested for %s (%s): %s", _shown(key), by, ", ".join(ids) or "none"
+            )
             return JSONResponse({by: key, "aborted": True, "request_ids": ids})
 
         return await self._guarded(request, handle)
@@ -264,6 +271,9 @@ class OpenAIServing:
             return await handler()
         except InvalidRequestError as e:  # raised by the engine, e.g. a duplicate request id
             return JSONResponse(error_body(str(e), param=e.param), status_code=400)
+        except ClientDisconnected:  # gone before its body was in: nothing was started
+            logger.info("request %s: client disconnected", request.state.request_id)
+            return Response(status_code=499)
         except APIError as e:
             if e.status_code >= 500:
                 logger.warning("request %s: %s", request.state.request_id, e.message)
