@@ -146,7 +146,7 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI
     async def models() -> JSONResponse:
         return serving.models()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health() -> JSONResponse:
         return serving.health()
 

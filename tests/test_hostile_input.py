@@ -159,3 +159,45 @@ def test_ids_given_to_abort_cannot_forge_log_lines(node):
     lines = _log_lines(node)
     assert not any(line.startswith("FORGED") for line in lines)
     assert max(len(line) for line in lines) < 10_000  # the 100 kB id is not logged whole
+
+
+@pytest.mark.parametrize("which", ["node", "proxy"])
+def test_a_compressed_body_is_a_415_naming_the_encoding(request, which):
+    import gzip
+
+    srv: Proc = request.getfixturevalue(which)
+    raw = gzip.compress(json.dumps({"prompt": "hi", "max_tokens": 1}).encode())
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    resp = httpx.post(srv.url + "/v1/completions", content=raw, headers=headers, timeout=30)
+    assert resp.status_code == 415, resp.text
+    assert "gzip" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("which", ["node", "proxy"])
+def test_health_answers_head_as_load_balancers_send_it(request, which):
+    srv: Proc = request.getfixturevalue(which)
+    get = httpx.get(srv.url + "/health", timeout=10)
+    head = httpx.head(srv.url + "/health", timeout=10)
+    assert head.status_code == get.status_code and head.content == b""
+
+
+def test_tokenizing_a_huge_prompt_does_not_stall_other_clients(node):
+    """The answer to /tokenize of a long prompt (millions of token ids) is built off the
+    event loop: /health keeps answering meanwhile."""
+    body = json.dumps({"prompt": "hello world " * 800_000}).encode()
+    result: dict[str, httpx.Response] = {}
+
+    def big() -> None:
+        result["r"] = _post_raw(node, body, "/tokenize")
+
+    t = threading.Thread(target=big)
+    t.start()
+    worst = 0.0
+    while t.is_alive():
+        start = time.monotonic()
+        assert httpx.get(node.url + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - start)
+        time.sleep(0.01)
+    t.join()
+    assert result["r"].status_code == 200 and result["r"].json()["count"] > 1_000_000
+    assert worst < 0.4 * result["r"].elapsed.total_seconds()

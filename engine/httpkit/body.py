@@ -32,9 +32,17 @@ def _too_large(limit: int) -> APIError:
 async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, or a 413 ``APIError`` as soon as it is known to exceed ``limit``
     (by its Content-Length, or while it streams in), without buffering more than that; a
-    408 ``APIError`` when no piece of it arrives for ``BODY_READ_TIMEOUT_S`` or the body
-    arrives slower than ``MIN_BODY_RATE_BYTES_PER_S`` allows; ``ClientDisconnected``
+    415 ``APIError`` for a compressed body; a 408 ``APIError`` when no piece of it
+    arrives for ``BODY_READ_TIMEOUT_S`` or the body arrives slower than
+    ``MIN_BODY_RATE_BYTES_PER_S`` allows; ``ClientDisconnected``
     when the client closes the connection before the body is complete."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(
+            f"Content-Encoding {encoding[:64]!r} is not supported: send the body uncompressed",
+            status_code=415,
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)

@@ -123,7 +123,7 @@ def build_app(
         """What a proxy needs to pair this node: engine id, side channel, role."""
         return JSONResponse(engine.kv_info())
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health() -> JSONResponse:
         if drainer.draining:
             return JSONResponse({"status": "draining", "in_flight": drainer.in_flight}, 503)
