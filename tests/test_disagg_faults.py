@@ -278,3 +278,18 @@ def test_transfer_params_without_connector_are_refused(procs: Procs):
     )
     assert resp.status_code == 400
     assert "--kv-connector" in resp.json()["error"]["message"]
+
+
+def test_a_second_prefill_leg_with_a_transfer_id_in_use_is_refused(prefill: Proc):
+    """The proxy makes one transfer id per request and attempt; a client calling P with an
+    id P still holds blocks for gets a 400 naming it, not a second prefill that is then
+    computed for nothing (and an ERROR in P's log)."""
+    log_before = len(prefill.logs(10**7))
+    first = httpx.post(prefill.url + "/v1/completions", json=p_body([5, 6, 7], "dup-1"))
+    assert first.status_code == 200  # P holds its blocks for a decode node
+    second = httpx.post(prefill.url + "/v1/completions", json=p_body([5, 6, 7], "dup-1"))
+    assert second.status_code == 400, second.text
+    err = second.json()["error"]
+    assert err["param"] == "kv_transfer_params" and "dup-1" in err["message"]
+    assert " ERROR " not in prefill.logs(10**7)[log_before:]
+    wait_for(lambda: pools_full(prefill), TIMEOUT_S + 5, "P to free the held blocks")

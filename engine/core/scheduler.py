@@ -105,6 +105,20 @@ class Scheduler:
                 f"{self.max_model_len} tokens",
                 "prompt",
             )
+        params = request.kv_transfer_params
+        if params is not None and params.disaggregated and params.transfer_id is not None:
+            # One leg per transfer and side (a kv_role=both node could hold both legs).
+            tid, leg = params.transfer_id, params.do_remote_decode
+            if any(
+                (p := r.kv_transfer_params) is not None
+                and p.transfer_id == tid
+                and p.do_remote_decode == leg
+                for r in self.requests.values()
+            ):
+                raise InvalidRequestError(
+                    f"transfer id {tid[:128]!r} is in use by another request on this node",
+                    "kv_transfer_params",
+                )
         self.connector.prepare_request(request)  # P/D policy: may set max_tokens and seed
         total = min(n + request.sampling_params.max_tokens, self.max_model_len)
         if self.kv.blocks_needed(total) > self.kv.num_blocks:
