@@ -486,6 +486,42 @@ def test_a_held_output_waits_for_its_ids_or_the_next_step_whichever_comes_first(
     assert next_step_arrives(held(ready_after=0), _Conn(arrives_at=1))
 
 
+class _Broken:
+    """Sampled ids whose read-back fails (a device error surfacing late)."""
+
+    def ready(self) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def result(self) -> list[int]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class _Sent:
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def send_bytes(self, data: bytes) -> None:
+        self.items.append(pickle.loads(data))
+
+
+def test_a_held_output_whose_ids_cannot_be_read_back_is_sent_as_that_steps_error():
+    """The worker reports the failure in the step's place (the engine fails that step with
+    the real error) instead of dying with it (an exit code, the error only in its log)."""
+    from engine.core.scheduler_output import WorkerOutput
+    from engine.worker.worker_proc import WorkerError, next_step_arrives, send_output
+
+    held = WorkerOutput(rank=0, pending_sampled=(["a"], _Broken()))
+    assert not next_step_arrives(held, _Conn(arrives_at=None))  # send it now: it fails
+    conn = _Sent()
+    send_output(conn, 0, held, 0.0)  # type: ignore[arg-type]
+    (sent,) = conn.items
+    assert isinstance(sent, WorkerError) and "illegal memory access" in sent.message
+    good = WorkerOutput(rank=0, pending_sampled=(["a"], _Pending(0)))
+    good.pending_sampled[1].result = lambda: [7]  # type: ignore[union-attr]
+    send_output(conn, 0, good, 0.0)  # type: ignore[arg-type]
+    assert conn.items[1].sampled_token_ids == {"a": 7}
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_prompt_with_prompt_logprobs_is_computed_once(async_scheduling):
     """Prompt logprobs ask for rows up to the prompt's second-to-last token: the prefill

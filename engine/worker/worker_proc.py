@@ -94,10 +94,26 @@ def next_step_arrives(held: WorkerOutput, task_conn: Connection) -> bool:
     their way from the device (the engine sends it once it has the step before), so the
     worker launches it before it sends ``held``; False once the ids are there first."""
     pending = held.pending_sampled[1]
-    while not pending.ready():
-        if task_conn.poll(HOLD_POLL_S):
-            return True
+    try:
+        while not pending.ready():
+            if task_conn.poll(HOLD_POLL_S):
+                return True
+    except Exception:  # e.g. a CUDA error seen by the event's query: send() reports it
+        return False
     return task_conn.poll(0)
+
+
+def send_output(result_conn: Connection, rank: int, out: WorkerOutput, t0: float) -> None:
+    """Send a step's output, its sampled ids read back first; a failure reading them (a
+    device error surfacing late) is sent as that step's ``WorkerError``, in its place."""
+    try:
+        out.resolve_sampled()
+    except Exception:
+        logger.exception("reading back the sampled ids of a step failed")
+        result_conn.send_bytes(pickle.dumps(WorkerError(rank, traceback.format_exc())))
+        return
+    out.busy_s = time.perf_counter() - t0
+    result_conn.send_bytes(pickle.dumps(out))
 
 
 def worker_main(
@@ -177,9 +193,7 @@ def worker_main(
     held: tuple[WorkerOutput, float] | None = None
 
     def send(out: WorkerOutput, t0: float) -> None:
-        out.resolve_sampled()
-        out.busy_s = time.perf_counter() - t0
-        result_conn.send_bytes(pickle.dumps(out))
+        send_output(result_conn, rank, out, t0)
 
     try:
         while True:
