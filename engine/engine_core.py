@@ -232,6 +232,7 @@ class EngineCore:
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """End every request with an error (the executor died)."""
         self._in_flight = None
+        self.scheduler.forget_steps_in_flight()
         for rid in list(self.scheduler.requests):
             self.scheduler.abort_request(rid, reason)
         return self.scheduler.take_outputs()

@@ -486,6 +486,27 @@ def test_a_held_output_waits_for_its_ids_or_the_next_step_whichever_comes_first(
     assert next_step_arrives(held(ready_after=0), _Conn(arrives_at=1))
 
 
+def test_an_engine_failing_with_a_step_in_flight_ends_every_request_and_frees_its_blocks(
+    monkeypatch,
+):
+    import engine.engine_core as engine_core
+
+    monkeypatch.setattr(engine_core, "MultiprocExecutor", _ToyExecutor)
+    core = engine_core.EngineCore(_scheduler_config(True, budget=64))
+    for i in range(3):
+        core.add_request(Request(f"r{i}", [1 + i, 2, 3], SamplingParams(max_tokens=9)))
+    core.step()
+    core.step()  # one step in flight, the requests in it
+    outputs = core.fail_all("engine failed: workers died")
+    assert sorted(o.request_id for o in outputs if o.finish_reason == "error") == [
+        "r0",
+        "r1",
+        "r2",
+    ]
+    stats = core.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
 class _Broken:
     """Sampled ids whose read-back fails (a device error surfacing late)."""
 

@@ -222,6 +222,15 @@ class Scheduler:
             self._free_after.setdefault(max(steps), []).append(blocks)
         return False
 
+    def forget_steps_in_flight(self) -> None:
+        """The workers are gone (the executor died): no step in flight will be updated or
+        write anything, so the blocks waiting for those updates are free now."""
+        for step in sorted(self._free_after):
+            for blocks in self._free_after[step]:
+                self.kv.pool.free(blocks)
+        self._free_after.clear()
+        self._scheduled_reqs.clear()
+
     def _ends_with_pending(self, req: Request) -> bool:
         """The sample(s) in flight end ``req`` whatever they are (length or context)."""
         n = req.num_output_placeholders
