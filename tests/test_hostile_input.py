@@ -36,6 +36,27 @@ def _error(resp: httpx.Response, status: int) -> dict:
     return err
 
 
+def _post_watching_health(
+    node: Proc, body: bytes, path: str = "/v1/completions"
+) -> tuple[httpx.Response, float]:
+    """POST ``body``; meanwhile poll ``/health``: the answer and the slowest health check."""
+    result: dict[str, httpx.Response] = {}
+
+    def big() -> None:
+        result["r"] = _post_raw(node, body, path)
+
+    t = threading.Thread(target=big)
+    t.start()
+    worst = 0.0
+    while t.is_alive():
+        start = time.monotonic()
+        assert httpx.get(node.url + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - start)
+        time.sleep(0.01)
+    t.join()
+    return result["r"], worst
+
+
 def test_deeply_nested_json_is_a_400(node):
     err = _error(_post_raw(node, b"[" * 100_000 + b"]" * 100_000), 400)
     assert "nested" in err["message"]
@@ -76,23 +97,10 @@ def test_health_answers_while_a_huge_prompt_is_checked(node):
     """Parsing and checking a big body run off the event loop: /health keeps answering."""
     ids = list(range(3, 200)) * 10_000  # ~2M token ids, ~8 MB of JSON
     body = json.dumps({"prompt": ids, "max_tokens": 2}).encode()
-    result: dict[str, httpx.Response] = {}
-
-    def big() -> None:
-        result["r"] = _post_raw(node, body)
-
-    t = threading.Thread(target=big)
-    t.start()
-    worst = 0.0
-    while t.is_alive():
-        start = time.monotonic()
-        assert httpx.get(node.url + "/health", timeout=30).status_code == 200
-        worst = max(worst, time.monotonic() - start)
-        time.sleep(0.01)
-    t.join()
-    _error(result["r"], 400)  # longer than the context
+    resp, worst = _post_watching_health(node, body)
+    _error(resp, 400)  # longer than the context
     # Holding the event loop for the whole check would block /health for about as long.
-    assert worst < 0.4 * result["r"].elapsed.total_seconds()
+    assert worst < 0.4 * resp.elapsed.total_seconds()
 
 
 # -- the connection and the log: what a client can do to them -----------------------------
@@ -185,19 +193,6 @@ def test_tokenizing_a_huge_prompt_does_not_stall_other_clients(node):
     """The answer to /tokenize of a long prompt (millions of token ids) is built off the
     event loop: /health keeps answering meanwhile."""
     body = json.dumps({"prompt": "hello world " * 800_000}).encode()
-    result: dict[str, httpx.Response] = {}
-
-    def big() -> None:
-        result["r"] = _post_raw(node, body, "/tokenize")
-
-    t = threading.Thread(target=big)
-    t.start()
-    worst = 0.0
-    while t.is_alive():
-        start = time.monotonic()
-        assert httpx.get(node.url + "/health", timeout=30).status_code == 200
-        worst = max(worst, time.monotonic() - start)
-        time.sleep(0.01)
-    t.join()
-    assert result["r"].status_code == 200 and result["r"].json()["count"] > 1_000_000
-    assert worst < 0.4 * result["r"].elapsed.total_seconds()
+    resp, worst = _post_watching_health(node, body, "/tokenize")
+    assert resp.status_code == 200 and resp.json()["count"] > 1_000_000
+    assert worst < 0.4 * resp.elapsed.total_seconds()
