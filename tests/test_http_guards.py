@@ -191,19 +191,28 @@ def test_a_body_that_stops_arriving_is_answered_408(quick_server: int) -> None:
     assert b"did not arrive" in answer
 
 
+def _trickle(port: int, monkeypatch: pytest.MonkeyPatch, gap_s: float) -> bytes:
+    """An 8-byte body sent a byte every ``gap_s`` (a 1.5 s gap deadline, a minimum rate of
+    4 bytes/s); the answer."""
+    monkeypatch.setattr(body_mod, "BODY_READ_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(body_mod, "MIN_BODY_RATE_BYTES_PER_S", 4.0)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n\r\n")
+        for piece in b"abcdefgh":
+            threading.Event().wait(gap_s)
+            try:
+                s.sendall(bytes([piece]))
+            except OSError:  # answered and closed already
+                break
+        return read_answer(s)
+
+
 def test_a_body_that_trickles_in_is_served(
     quick_server: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Eight pieces 0.3 s apart (2.4 s in all) pass a 1.5 s gap deadline, each gap a fifth
     of it, and the whole body's deadline (1.5 s + 1 s per 4 bytes: 3.5 s)."""
-    monkeypatch.setattr(body_mod, "BODY_READ_TIMEOUT_S", 1.5)
-    monkeypatch.setattr(body_mod, "MIN_BODY_RATE_BYTES_PER_S", 4.0)
-    with socket.create_connection(("127.0.0.1", quick_server)) as s:
-        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n\r\n")
-        for piece in b"abcdefgh":
-            threading.Event().wait(0.3)
-            s.sendall(bytes([piece]))
-        answer = read_answer(s)
+    answer = _trickle(quick_server, monkeypatch, gap_s=0.3)
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\n8"), answer[:200]
 
 
@@ -213,17 +222,7 @@ def test_a_body_trickling_slower_than_the_minimum_rate_is_answered_408(
     """No gap reaches the 1.5 s gap deadline (a byte every 0.6 s), but the body runs out of
     its whole deadline (1.5 s + 1 s per 4 bytes) after ~2.5 s: a client holding a slot by
     sending a byte now and then is cut off, not served for as long as it likes."""
-    monkeypatch.setattr(body_mod, "BODY_READ_TIMEOUT_S", 1.5)
-    monkeypatch.setattr(body_mod, "MIN_BODY_RATE_BYTES_PER_S", 4.0)
-    with socket.create_connection(("127.0.0.1", quick_server)) as s:
-        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n\r\n")
-        for piece in b"abcdefgh":
-            threading.Event().wait(0.6)
-            try:
-                s.sendall(bytes([piece]))
-            except OSError:  # answered and closed already
-                break
-        answer = read_answer(s)
+    answer = _trickle(quick_server, monkeypatch, gap_s=0.6)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"slower than 4 bytes/s" in answer
 
