@@ -37,16 +37,23 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# A transfer id names a transfer on the side channel, where knowing it is what lets a
+# peer reserve or cancel it: the proxy makes each one with 48 random bits.
+MAX_TRANSFER_ID_CHARS = 256
+
 # field name -> (check, what it must be); every field is optional.
 _CHECKS: dict[str, tuple[Any, str]] = {
     "do_remote_decode": (lambda v: isinstance(v, bool), "a boolean"),
     "do_remote_prefill": (lambda v: isinstance(v, bool), "a boolean"),
-    "transfer_id": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "transfer_id": (
+        lambda v: isinstance(v, str) and 0 < len(v) <= MAX_TRANSFER_ID_CHARS,
+        f"a non-empty string of at most {MAX_TRANSFER_ID_CHARS} characters",
+    ),
     "remote_side_channel": (
-        lambda v: isinstance(v, str) and v.startswith("tcp://"),
+        lambda v: isinstance(v, str) and v.startswith("tcp://") and len(v) <= 512,
         "the prefill node's side-channel address (tcp://host:port)",
     ),
-    "remote_engine_id": (lambda v: isinstance(v, str), "a string"),
+    "remote_engine_id": (lambda v: isinstance(v, str) and len(v) <= 512, "a string"),
     "first_token": (lambda v: _is_int(v) and v >= 0, "a non-negative integer (a token id)"),
     "skip_first_token": (lambda v: isinstance(v, bool), "a boolean"),
 }

@@ -16,7 +16,8 @@ from engine.core.scheduler_output import ModelRunnerOutput
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.loader import load_arch_config
 from engine.sampling_params import SamplingParams
-from kvconnector.nixl.messages import Cancel, Reserve
+from kvconnector.nixl.decode_peers import DecodePeer
+from kvconnector.nixl.messages import Cancel, Reserve, ranks_digest
 from kvconnector.params import KVTransferParams
 
 BLOCKS = 64
@@ -118,7 +119,10 @@ def test_a_cancel_after_a_failed_send_says_a_write_may_still_land(prefill, error
     and D freed the blocks at once. A send that completed is safe to confirm."""
     conn = prefill
     d_key = "decode:abc"
-    conn._d_peers[d_key] = {"engine_id": "decode", "address": dead_address(), "ranks": []}
+    ranks = [{"num_blocks": BLOCKS}]
+    conn._d_peers.peers[d_key] = DecodePeer(
+        "decode", "abc", dead_address(), ranks, ranks_digest(ranks), verified=True
+    )
     assert conn.producer.prefill_finished("P1", "t1", [0, 1, 2], 7)
     reserve = Reserve("t1", "n1", "D1", d_key, dead_address(), (5, 6, 7), 0).to_wire()
     assert conn._handle(reserve) == {"ok": True}

@@ -50,6 +50,7 @@ def test_typed_fields():
         ({"do_remote_prefill": 0, "remote_side_channel": "tcp://h:1"}, "do_remote_prefill"),
         ({"transfer_id": 7}, "transfer_id"),
         ({"transfer_id": ""}, "transfer_id"),
+        ({"transfer_id": "t" * 257}, "transfer_id"),  # a side-channel name is bounded
         ({"do_remote_prefill": True}, "remote_side_channel"),
         ({"do_remote_prefill": True, "remote_side_channel": 5}, "remote_side_channel"),
         ({"do_remote_prefill": True, "remote_side_channel": "http://h:1"}, "remote_side_channel"),

@@ -142,7 +142,7 @@ def test_a_decode_node_without_the_secret_cannot_pair_with_a_prefill_node_that_h
         assert good._ensure_handshake(p.address).engine_id == p.engine_id
         with pytest.raises(Exception, match="unauthenticated"):
             bad._ensure_handshake(p.address)
-        assert set(p._d_peers) == {good.peer_key}
+        assert set(p._d_peers.peers) == {good.peer_key}
     finally:
         for c in (p, good, bad):
             c.shutdown()
@@ -253,3 +253,38 @@ def test_a_leg_sent_to_a_node_of_the_other_role_is_a_400(role, leg, field):
         assert not sch.requests
     finally:
         node.shutdown()
+
+
+@pytest.mark.parametrize("ts", [float("nan"), float("inf"), float("-inf")])
+def test_a_request_whose_clock_is_not_a_number_is_refused(signed_server, ts):
+    """NaN compared false with the replay window's bounds, so a NaN-stamped request was
+    served (and its nonce remembered forever)."""
+    srv, calls = signed_server
+    reply = raw_request(srv.address, _signed({"x": 6}, ts=ts, nonce=b"f" * 16))
+    assert reply["code"] == "unauthenticated" and "clock" in reply["error"] and calls == []
+
+
+@pytest.mark.parametrize("body", [b"\xc1", msgpack.packb([1, 2])], ids=["undecodable", "array"])
+def test_a_signed_body_that_is_not_a_map_is_refused_in_one_line(signed_server, body, caplog):
+    """A holder of the secret signing garbage gets a refusal; the log gets one line, not
+    a traceback per message."""
+    srv, calls = signed_server
+    ts, nonce = time.time(), b"g" * 16
+    mac = sc._request_mac(SECRET, ts, nonce, body)
+    env = msgpack.packb({"ts": ts, "n": nonce, "body": body, "mac": mac}, use_bin_type=True)
+    with caplog.at_level("WARNING", logger="kvconnector.nixl.side_channel"):
+        reply = raw_request(srv.address, env)
+    assert "body" in reply and calls == []  # a signed refusal
+    assert msgpack.unpackb(reply["body"])["ok"] is False
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_a_message_over_the_size_limit_is_dropped_and_the_server_serves_on(monkeypatch):
+    monkeypatch.setattr(sc, "MAX_MESSAGE_BYTES", 4096)
+    srv = sc.SideChannelServer("127.0.0.1", 0, lambda msg: {"ok": True})
+    try:
+        with pytest.raises(sc.SideChannelTimeout):
+            sc.SideChannelClient().request(srv.address, {"x": b"y" * 10_000}, timeout=1.0)
+        assert sc.SideChannelClient().request(srv.address, {"x": 1}, timeout=5) == {"ok": True}
+    finally:
+        srv.close()

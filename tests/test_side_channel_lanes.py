@@ -121,6 +121,7 @@ def test_a_silent_prefill_peer_does_not_delay_reservations_to_a_healthy_one(monk
     conn = nixl_scheduler.NixlConnectorScheduler(
         cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
     )
+    conn.set_worker_info([{"num_blocks": 256}])
     sch = Scheduler(cfg, 256, 256, conn)
     ctx = zmq.Context()
     silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers

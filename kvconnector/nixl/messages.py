@@ -27,7 +27,9 @@ Requests (``kind``) and their replies:
 * ``transfer_failed`` (``TransferFailed``) P -> D: ``d_request_id``, ``transfer_id``,
   ``nonce``, ``reason``, ``safe``: the KV will not come and, when ``safe``, nothing more
   will be written into its blocks. Reply ``Ack``.
-* ``ping`` (``Ping``): liveness. Reply ``PingReply``: ``incarnation`` (and ``engine_id``).
+* ``ping`` (``Ping``): liveness, and P's check of a new decode peer. Reply
+  ``PingReply``: ``incarnation``, ``engine_id`` and ``ranks_digest`` (of the rank
+  metadata this node hands out in its handshakes).
 
 Every reply is a map with ``ok``; a ``Refusal`` is ``{"ok": False, "error": ..., "code"?}``.
 
@@ -80,7 +82,11 @@ import msgpack
 #      notif; ``n`` counts senders x pieces, and only the last piece carries ``ft`` and
 #      ``c``. D keeps ``ft`` and the sums from whichever notif has them and checks the sums
 #      once every piece landed (a v5 D took ``ft`` from the last notif to arrive).
-CONNECTOR_VERSION = 6
+#   7  peer trust: a decode node refuses handshake/reserve/cancel and a prefill node
+#      transfer_failed (``code: wrong_role``); P's handshake reply carries only public rank
+#      info (``public_rank_info``); the ping reply gained ``ranks_digest``, which P checks
+#      before it pushes to a peer (``decode_peers``); names, texts and arrays are bounded.
+CONNECTOR_VERSION = 7
 LAYOUT = "block,layer,kv,head,token,dim"
 
 # Compared in this order; the first difference is the error message.
@@ -135,6 +141,58 @@ def compat_mismatch(local: dict[str, Any], raw: Any) -> str | None:
     return check_compat(local, compat) if isinstance(compat, dict) else None
 
 
+MAX_NAME_CHARS = 512  # ids, keys, nonces, addresses (a transfer id is at most 256)
+MAX_TEXT_CHARS = 4096  # reasons and errors
+MAX_RANKS = 1024  # rank metadata maps in one handshake
+MAX_BLOCK_IDS = 1 << 22  # block ids in one reservation (and blocks of one peer rank)
+
+# What of a rank's transport metadata a decode peer may see: what tells it the rank's
+# place and size, never what opens its memory (agent metadata, addresses, worker address).
+PUBLIC_RANK_KEYS = ("library", "num_blocks", "mem_type", "num_layers", "num_heads")
+
+
+def public_rank_info(rank: dict[str, Any]) -> dict[str, Any]:
+    return {k: rank[k] for k in PUBLIC_RANK_KEYS if k in rank}
+
+
+def ranks_digest(ranks: Any) -> str:
+    """Names a node's rank metadata exactly as it travels (msgpack), so that P can ask the
+    address a handshake claims whether those ranks are its own."""
+    return hashlib.sha256(msgpack.packb(list(ranks), use_bin_type=True)).hexdigest()[:32]
+
+
+# Bounds of a decode rank's metadata, checked when P pairs with it: P's workers build
+# descriptor arrays from these numbers (num_blocks x layers of them), so a forged 2**62
+# must be refused here, not found out as an allocation on every P rank.
+RANK_INT_BOUNDS = {
+    "num_blocks": (1, MAX_BLOCK_IDS),  # required
+    "block_bytes": (1, 1 << 40),
+    "base_addr": (0, (1 << 64) - 1),
+    "num_layers": (1, 1 << 12),
+    "num_heads": (1, 1 << 12),
+    "device_id": (0, 1 << 16),
+}
+MAX_RANK_UNITS = 1 << 26  # num_blocks x 2 x num_layers: the largest descriptor list
+
+
+def rank_info_error(rank: dict[str, Any], where: str) -> str | None:
+    """Why a peer rank's transport metadata cannot be used, or None."""
+    if "num_blocks" not in rank:
+        return f"{where}.num_blocks is missing"
+    for key, (lo, hi) in RANK_INT_BOUNDS.items():
+        if key in rank and not (_is_int(rank[key]) and lo <= rank[key] <= hi):
+            return f"{where}.{key} must be an integer in [{lo}, {hi}], got {rank[key]!r:.40}"
+    if rank["num_blocks"] * 2 * rank.get("num_layers", 1) > MAX_RANK_UNITS:
+        return f"{where}: num_blocks x num_layers is over {MAX_RANK_UNITS // 2}"
+    end = rank.get("base_addr", 0) + rank["num_blocks"] * rank.get("block_bytes", 1)
+    if end > 1 << 64:
+        return f"{where}: its KV cache ends past the 64-bit address space"
+    for key in ("agent_name", "mem_type", "library"):
+        if key in rank and not (isinstance(rank[key], str) and len(rank[key]) <= MAX_NAME_CHARS):
+            return f"{where}.{key} must be a string of at most {MAX_NAME_CHARS} characters"
+    return None
+
+
 # -- typed messages ------------------------------------------------------------------------
 
 
@@ -154,19 +212,20 @@ def _fail(where: str, what: str, value: Any) -> MessageError:
 
 
 def _text(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise _fail(where, "a string", value)
+    if not isinstance(value, str) or len(value) > MAX_TEXT_CHARS:
+        raise _fail(where, f"a string of at most {MAX_TEXT_CHARS} characters", value)
     return value
 
 
 def _name(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise _fail(where, "a non-empty string", value)
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
+        raise _fail(where, f"a non-empty string of at most {MAX_NAME_CHARS} characters", value)
     return value
 
 
 def _address(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value.startswith("tcp://"):
+    ok = isinstance(value, str) and value.startswith("tcp://") and len(value) <= MAX_NAME_CHARS
+    if not ok:
         raise _fail(where, "a side-channel address (tcp://host:port)", value)
     return value
 
@@ -196,14 +255,14 @@ def _map(value: Any, where: str) -> dict[str, Any]:
 
 
 def _maps(value: Any, where: str) -> tuple[dict[str, Any], ...]:
-    if not isinstance(value, list | tuple):
-        raise _fail(where, "an array of maps", value)
+    if not isinstance(value, list | tuple) or not 0 < len(value) <= MAX_RANKS:
+        raise _fail(where, f"an array of 1 to {MAX_RANKS} maps", value)
     return tuple(_map(v, f"{where}[{i}]") for i, v in enumerate(value))
 
 
 def _block_ids(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list | tuple):
-        raise _fail(where, "an array of block ids", value)
+    if not isinstance(value, list | tuple) or len(value) > MAX_BLOCK_IDS:
+        raise _fail(where, f"an array of at most {MAX_BLOCK_IDS} block ids", value)
     for i, b in enumerate(value):
         if not _is_int(b) or b < 0:
             raise _fail(f"{where}[{i}]", "a non-negative integer block id", b)
@@ -426,9 +485,14 @@ class CancelReply(_Reply):
 @dataclass(frozen=True)
 class PingReply(_Reply):
     NAME: ClassVar[str] = "ping reply"
-    CHECKS: ClassVar[dict[str, Check]] = {"incarnation": _name, "engine_id": _text}
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "incarnation": _name,
+        "engine_id": _text,
+        "ranks_digest": _text,
+    }
     incarnation: str
     engine_id: str = ""
+    ranks_digest: str = ""  # ``ranks_digest`` of the ranks this node hands out, if any
 
 
 @dataclass(frozen=True)
@@ -438,6 +502,7 @@ class Refusal(_Message):
     NAME: ClassVar[str] = "refusal"
     CHECKS: ClassVar[dict[str, Check]] = {"error": _text, "code": _text}
     HANDSHAKE_REQUIRED: ClassVar[str] = "handshake_required"
+    WRONG_ROLE: ClassVar[str] = "wrong_role"  # a message only the other role takes
     error: str
     code: str = ""
 

@@ -307,5 +307,21 @@ class Producer:
         nonce = res.nonce if res is not None else None
         self.tombstones[transfer_id] = Tombstone(why, expiry, may_land, nonce)
 
+    def early_blocks(self, peer_key: str, but: str) -> int:
+        """Blocks (at least one each) of ``peer_key``'s reservations waiting for their
+        prefill, but the one of transfer ``but`` (a retry of it is not more)."""
+        return sum(
+            max(1, len(r.block_ids))
+            for tid, r in self.early.items()
+            if r.peer_key == peer_key and tid != but
+        )
+
+    def peers_in_use(self) -> set[str]:
+        """Decode peer keys a held reservation or a running send refers to."""
+        held = [s.reservation for s in self.pending.values()]
+        held += [s.reservation for s in self.in_flight.values()]
+        held += list(self.early.values())
+        return {r.peer_key for r in held if r is not None}
+
     def num_states(self) -> int:
         return len(self.pending) + len(self.in_flight) + len(self.early)

@@ -34,6 +34,7 @@ from kvconnector.base import ConnectorEvents, KVConnectorScheduler
 from kvconnector.nixl import tp_map
 from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
+from kvconnector.nixl.decode_peers import DecodePeer, DecodePeers
 from kvconnector.nixl.histogram import Histogram
 from kvconnector.nixl.lanes import LaneFull, PeerLanes
 from kvconnector.nixl.liveness import PeerLiveness
@@ -47,6 +48,7 @@ from kvconnector.nixl.messages import (
     HandshakeReply,
     MessageError,
     Notif,
+    Ping,
     PingReply,
     Refusal,
     Reserve,
@@ -56,6 +58,9 @@ from kvconnector.nixl.messages import (
     decode_reply,
     decode_request,
     model_fingerprint,
+    public_rank_info,
+    rank_info_error,
+    ranks_digest,
 )
 from kvconnector.nixl.metadata import STEP_FAILED, NixlConnectorMetadata, PeerSpec, SendSpec
 from kvconnector.nixl.peers import PeerAllowlist
@@ -119,7 +124,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._lock = threading.RLock()
         self._ranks: list[dict[str, Any]] = []
         # P side: decode peers by key, and which of them the workers have added.
-        self._d_peers: dict[str, dict[str, Any]] = {}
+        self._d_peers = DecodePeers()
         self._workers_have: set[str] = set()
         self._remove: list[str] = []
         # D side: handshake results by P address.
@@ -387,8 +392,13 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return Refusal(
                 f"{msg.address} is not an allowed peer of this node (--kv-allowed-peers)"
             )
-        mismatch = check_compat(self.compat, msg.compat) or self._tp_mismatch(
-            len(msg.ranks), msg.compat.get("tp_size")
+        mismatch = (
+            check_compat(self.compat, msg.compat)
+            or self._tp_mismatch(len(msg.ranks), msg.compat.get("tp_size"))
+            or next(
+                (e for i, r in enumerate(msg.ranks) if (e := rank_info_error(r, f"ranks[{i}]"))),
+                None,
+            )
         )
         if mismatch:
             with self._lock:
@@ -396,23 +406,27 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             logger.warning("refusing handshake from %s: %s", msg.address, mismatch)
             return Refusal(f"incompatible peer: {mismatch}")
         key = msg.peer_key
+        claim = DecodePeer(
+            engine_id=msg.engine_id,
+            incarnation=msg.incarnation,
+            address=msg.address,
+            ranks=list(msg.ranks),
+            digest=ranks_digest(msg.ranks),
+        )
         with self._lock:
-            for old, peer in list(self._d_peers.items()):
-                # Same engine id or same side-channel address, new incarnation: the old
-                # process is gone (restarted); forget its agents and descriptor lists.
-                same = peer["engine_id"] == msg.engine_id or peer["address"] == msg.address
-                if same and old != key:
-                    logger.info("decode at %s restarted; dropping peer %s", msg.address, old)
-                    del self._d_peers[old]
-                    if old in self._workers_have:
-                        self._workers_have.discard(old)
-                        self._remove.append(old)
-            self._d_peers[key] = {
-                "engine_id": msg.engine_id,
-                "address": msg.address,
-                "ranks": list(msg.ranks),
-            }
+            verify, evicted, refused = self._d_peers.offer(key, claim, self.producer.peers_in_use())
+            if refused is not None:
+                self.handshake_failures += 1
+                logger.warning("refusing handshake from %s: %s", msg.address, refused)
+                return Refusal(refused)
+            for old in evicted:
+                self._forget_workers_peer(old)
+                logger.info("decode peer %s evicted (the table is full)", old)
             self.handshakes += 1
+        if verify and not self._submit(msg.address, self._verify_job, key, claim):
+            with self._lock:
+                self._d_peers.drop(key, claim)
+            return Refusal(f"too many calls queued for {msg.address}; try again")
         return HandshakeReply(
             engine_id=self.engine_id,
             incarnation=self.incarnation,
@@ -420,7 +434,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             role=self.config.kv_transfer.kv_role,
             compat=self.compat,
             transport=self.transport_info(),
-            ranks=tuple(self._ranks),
+            ranks=tuple(public_rank_info(r) for r in self._ranks),
         )
 
     def _on_reserve(self, msg: Reserve) -> Ack | Refusal:
@@ -428,20 +442,30 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             peer = self._d_peers.get(msg.peer_key)
             if peer is None:
                 return Refusal("handshake first", code=Refusal.HANDSHAKE_REQUIRED)
+            peer.last_used = time.monotonic()
             # A forged or confused reservation is refused here, not by a failed WRITE.
-            sizes = [r.get("num_blocks") for r in peer["ranks"]]
-            limit = min((n for n in sizes if isinstance(n, int)), default=None)
-            if limit is not None and any(b >= limit for b in msg.block_ids):
+            limit = peer.num_blocks
+            if any(b >= limit for b in msg.block_ids):
                 return Refusal(
                     f"reserve.block_ids: block {max(msg.block_ids)} is out of range "
                     f"(the decode peer has {limit} blocks)"
+                )
+            if len(set(msg.block_ids)) != len(msg.block_ids):
+                return Refusal("reserve.block_ids: a block is named twice")
+            # Reservations waiting for their prefill are the part of P's state a peer
+            # grows at will: no more of them, in blocks, than the peer's cache holds.
+            waiting = self.producer.early_blocks(msg.peer_key, but=msg.transfer_id)
+            if waiting + max(1, len(msg.block_ids)) > limit:
+                return Refusal(
+                    f"the decode peer has {waiting} blocks reserved here waiting for their "
+                    f"prefill, and {limit} in all"
                 )
             res = Reservation(
                 transfer_id=msg.transfer_id,
                 nonce=msg.nonce,
                 d_request_id=msg.d_request_id,
                 peer_key=msg.peer_key,
-                d_address=peer["address"],  # the handshaken one, not what this message says
+                d_address=peer.address,  # the handshaken one, not what this message says
                 block_ids=list(msg.block_ids),
                 skip_blocks=msg.skip_blocks,
                 expires=time.monotonic() + self.timeout,
@@ -456,6 +480,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         except MessageError as e:
             return self._refuse_malformed(raw, e).to_wire()
         reply: HandshakeReply | Ack | CancelReply | PingReply | Refusal
+        if (wrong_role := self._wrong_role(msg)) is not None:
+            return wrong_role.to_wire()
         if isinstance(msg, Handshake):
             reply = self._on_handshake(msg)
         elif isinstance(msg, Reserve):
@@ -468,9 +494,27 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 self.consumer.fail(msg.d_request_id, msg.reason, msg.safe, nonce=msg.nonce)
             reply = Ack()
         else:
-            return PingReply(incarnation=self.incarnation, engine_id=self.engine_id).to_wire()
+            return PingReply(
+                incarnation=self.incarnation,
+                engine_id=self.engine_id,
+                ranks_digest=ranks_digest(self._ranks),
+            ).to_wire()
         self.wake()  # the next step may act on it (push, fail over, free blocks)
         return reply.to_wire()
+
+    def _wrong_role(self, msg: Any) -> Refusal | None:
+        """What only the other role takes: a decode node pairs with no one and holds no
+        prefill (its handshake reply would hand out its KV memory's keys); a prefill node
+        waits for no KV."""
+        role = self.config.kv_transfer.kv_role
+        if role == "consumer" and isinstance(msg, Handshake | Reserve | Cancel):
+            why = f"this is a decode node: a {msg.KIND} goes to a prefill node"
+        elif role == "producer" and isinstance(msg, TransferFailed):
+            why = f"this is a prefill node: a {msg.KIND} goes to a decode node"
+        else:
+            return None
+        logger.warning("side channel: refusing a %s: %s", msg.KIND, why)
+        return Refusal(why, code=Refusal.WRONG_ROLE)
 
     def _refuse_malformed(self, raw: dict[str, Any], error: MessageError) -> Refusal:
         is_handshake = raw.get("kind") == Handshake.KIND
@@ -525,7 +569,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             watch = bool(self.consumer.recvs or self.consumer.quarantine)
             if watch != self._watching:
                 md.watch = self._watching = watch
-            ready = lambda k: k in self._d_peers  # noqa: E731
+            ready = self._d_peers.ready
             for send in self.producer.ready_sends(ready):
                 self._add_send(md, send)
             if self.pipeline:
@@ -551,7 +595,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 self.producer.outcome.free_blocks.add(send.request_id)
             return
         if res.peer_key not in self._workers_have:
-            ranks = self._d_peers[res.peer_key]["ranks"]
+            peer = self._d_peers.get(res.peer_key)
+            assert peer is not None  # ready() said so
+            ranks = peer.ranks
             md.add_peers[res.peer_key] = PeerSpec(ranks, self.model_kv_heads)
             self._workers_have.add(res.peer_key)
         self.histograms["kv_transfer_descriptors"].observe(len(block_runs(local, res.block_ids)))
@@ -623,12 +669,40 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def _evict_peer(self, key: str, why: str) -> None:
         """A push to this decode peer failed: forget it (agents, descriptor lists). A live
         peer's next reservation is answered ``handshake_required`` and it handshakes anew."""
-        if self._d_peers.pop(key, None) is None:
+        if not self._d_peers.drop(key):
             return
         logger.warning("dropping decode peer %s after a failed push: %s", key, why)
+        self._forget_workers_peer(key)
+
+    def _forget_workers_peer(self, key: str) -> None:
+        """The workers drop ``key``'s agents and descriptor lists in the next step."""
         if key in self._workers_have:
             self._workers_have.discard(key)
             self._remove.append(key)
+
+    def _verify_job(self, key: str, claim: DecodePeer) -> None:
+        """Ask the address a handshake claimed whether it is that peer (decode_peers)."""
+        try:
+            raw = self._client.request(claim.address, Ping().to_wire(), RPC_TIMEOUT_S)
+            reply = decode_reply(raw, PingReply)
+        except Exception as e:  # unreachable, or not a reply we know
+            reply, why = None, f"no answer from {claim.address}: {e}"
+        else:
+            why = f"{claim.address} answered {reply!r:.200}"
+        with self._lock:
+            if (
+                isinstance(reply, PingReply)
+                and (reply.engine_id, reply.incarnation) == (claim.engine_id, claim.incarnation)
+                and reply.ranks_digest == claim.digest
+            ):
+                for old in self._d_peers.confirm(key, claim):
+                    logger.info("decode at %s restarted; dropping peer %s", claim.address, old)
+                    self._forget_workers_peer(old)
+            elif self._d_peers.drop(key, claim):
+                self.handshake_failures += 1
+                logger.warning("decode peer %s not confirmed by its address: %s", key, why)
+                self._forget_workers_peer(key)
+        self.wake()
 
     def _prefill_lost(self, address: str, incarnation: str | None, why: str, safe: bool) -> None:
         """Liveness: the prefill process at ``address`` restarted (``incarnation`` is gone:

@@ -21,6 +21,9 @@ reply as ``{"body", "mac"}`` with the MAC bound to the request's ``n``. The serv
 than ``REPLAY_WINDOW_S`` away from its own clock, and one whose ``n`` it has seen
 (a replay); the client refuses a reply without a valid MAC. Both ends must have the same
 secret; without one, messages are plain maps (loopback development).
+
+Size: a message over ``MAX_MESSAGE_BYTES`` (either way) is never read; ZMQ drops the
+connection it came on (the sender sees a timeout).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import threading
 import time
@@ -66,6 +70,7 @@ def _remaining_ms(deadline: float) -> int:
     return max(0, int((deadline - time.monotonic()) * 1000))
 
 
+MAX_MESSAGE_BYTES = 64 << 20  # a bigger request drops its connection (ZMQ_MAXMSGSIZE)
 REPLAY_WINDOW_S = 60.0  # a signed request older or newer than this is refused
 MAX_SEEN = 200_000  # request nonces remembered for replay checks (at most)
 
@@ -101,7 +106,7 @@ class _ReplayGuard:
         now = time.time()
         while self._seen and next(iter(self._seen.values())) < now - 2 * REPLAY_WINDOW_S:
             self._seen.popitem(last=False)
-        if abs(now - ts) > REPLAY_WINDOW_S:
+        if not math.isfinite(ts) or abs(now - ts) > REPLAY_WINDOW_S:
             return f"timestamp {now - ts:+.0f}s away from this node's clock (window {REPLAY_WINDOW_S:.0f}s)"
         if nonce in self._seen:
             return "a replayed request"
@@ -156,6 +161,7 @@ class SideChannelServer:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             sock.bind(self._bind_addr)
             endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -216,8 +222,10 @@ class SideChannelServer:
             else:
                 msg, nonce, refused = self._open(msg)
                 if refused is not None:
-                    self.refused_unauthenticated += 1
                     logger.warning("side channel: refusing a request: %s", refused["error"])
+                    if nonce is not None:  # signed, but not a message: a signed refusal
+                        return self._seal(refused, nonce)
+                    self.refused_unauthenticated += 1
                     return _pack(refused)
                 reply = self._handler(msg)
             if not isinstance(reply, dict):
@@ -228,7 +236,8 @@ class SideChannelServer:
             return _pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
 
     def _open(self, env: dict[str, Any]) -> tuple[Any, bytes | None, dict[str, Any] | None]:
-        """(message, its nonce, None) for a valid signed envelope, else (None, None, why)."""
+        """(message, its nonce, None) for a valid signed envelope, else (None, None, why);
+        (None, nonce, why) when it is authentic but its body is not a map."""
         assert self._secret is not None
         ts, nonce, body, mac = env.get("ts"), env.get("n"), env.get("body"), env.get("mac")
         if not (
@@ -243,9 +252,16 @@ class SideChannelServer:
             return None, None, _unauthenticated("bad signature (is --kv-secret the same?)")
         if (why := self._replays.check(ts, nonce)) is not None:
             return None, None, _unauthenticated(why)
-        msg = _unpack(body)
+        try:
+            msg = _unpack(body)
+        except Exception as exc:  # a secret holder's garbage: one line, no traceback
+            return None, nonce, {"ok": False, "error": f"unreadable body: {type(exc).__name__}"}
         if not isinstance(msg, dict):
-            raise TypeError(f"request must be a map, got {type(msg).__name__}")
+            return (
+                None,
+                nonce,
+                {"ok": False, "error": f"body must be a map, got {type(msg).__name__}"},
+            )
         return msg, nonce, None
 
     def _seal(self, reply: dict[str, Any], nonce: bytes | None) -> bytes:
@@ -297,6 +313,7 @@ class SideChannelClient:
             )
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a bigger reply: a timeout
         # Do not queue the request for a peer that never connects; the timeout covers it.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         try:

@@ -1,0 +1,310 @@
+"""Forged side-channel messages from a peer that can reach a node's side channel (with the
+default unsigned channel, or holding ``--kv-secret``): what each message may and may not
+do. Real connectors with their real side-channel servers and clients; no mocks.
+
+The holes these tests close were found by a black-box fuzz of running nodes: a decode node
+answered handshakes with its NIXL rank metadata (anyone could then WRITE into its KV
+cache), and a forged handshake naming a decode node's engine id made P drop the real one.
+
+Not a hole: a cancel naming a transfer id with a made-up nonce drops P's held prefill when
+no reservation for it has come (D recomputes). Knowing a transfer id is the capability in
+this protocol -- a reservation naming it has the same power -- and the proxy makes them
+unguessable (docs/reliability.md, "Access").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from harness import free_port, wait_for
+
+import kvconnector.nixl.decode_peers as decode_peers
+from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from engine.kv_cache_layout import KVCacheSpec
+from engine.model.loader import load_arch_config
+from kvconnector.nixl.messages import (
+    Ack,
+    Cancel,
+    Handshake,
+    HandshakeReply,
+    Refusal,
+    Reserve,
+    TransferFailed,
+    decode_reply,
+)
+from kvconnector.nixl.producer import Reservation
+from kvconnector.nixl.scheduler import RPC_TIMEOUT_S, NixlConnectorScheduler
+from kvconnector.nixl.side_channel import SideChannelClient
+
+SECRET_MD = b"nixl-agent-metadata: remote keys of this node's KV memory"
+
+
+def rank_info(num_blocks: int = 64) -> dict[str, Any]:
+    return {
+        "library": "nixl",
+        "agent_name": "agent-x",
+        "agent_metadata": SECRET_MD,
+        "base_addr": 140_000_000,
+        "num_blocks": num_blocks,
+        "block_bytes": 4096,
+        "mem_type": "DRAM",
+    }
+
+
+def connector(role: str, **kv: Any) -> NixlConnectorScheduler:
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=64),
+        kv_transfer=KVTransferConfig(kv_connector="nixl", kv_role=role, peer_ping_interval=0, **kv),
+    )
+    conn = NixlConnectorScheduler(cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg))
+    conn.set_worker_info([rank_info()])
+    return conn
+
+
+@pytest.fixture
+def conns():
+    made: list[NixlConnectorScheduler] = []
+
+    def make(role: str, **kv: Any) -> NixlConnectorScheduler:
+        made.append(connector(role, **kv))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.shutdown()
+
+
+def ask(address: str, msg: dict[str, Any]) -> dict[str, Any]:
+    return SideChannelClient().request(address, msg, RPC_TIMEOUT_S)
+
+
+def handshake_of(peer: NixlConnectorScheduler, **override: Any) -> dict[str, Any]:
+    """The handshake ``peer`` would send (``override`` forges fields)."""
+    fields: dict[str, Any] = {
+        "engine_id": peer.engine_id,
+        "incarnation": peer.incarnation,
+        "peer_key": peer.peer_key,
+        "compat": peer.compat,
+        "ranks": tuple(peer._ranks),
+        "address": peer.address,
+    }
+    fields.update(override)
+    return Handshake(**fields).to_wire()
+
+
+# -- a decode node is not a prefill node ------------------------------------------------------
+
+
+def test_a_decode_node_refuses_handshakes_and_gives_out_no_rank_metadata(conns):
+    """Anyone who handshook with D got its NIXL agent metadata (the keys to WRITE into its
+    KV memory). Only a prefill node pairs; D refuses and sends nothing of its own."""
+    d = conns("consumer")
+    stranger = conns("producer")
+    raw = ask(d.address, handshake_of(stranger))
+    reply = decode_reply(raw, HandshakeReply)
+    assert isinstance(reply, Refusal) and "decode node" in reply.error
+    assert "ranks" not in raw and SECRET_MD not in repr(raw).encode()
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        Reserve("t", "n", "r", "x:1", "tcp://127.0.0.1:1", (0, 1), 0).to_wire(),
+        Cancel("t", "n").to_wire(),
+    ],
+    ids=["reserve", "cancel"],
+)
+def test_a_decode_node_refuses_what_only_a_prefill_node_takes(conns, msg):
+    d = conns("consumer")
+    reply = decode_reply(ask(d.address, msg), Ack)
+    assert isinstance(reply, Refusal) and "decode node" in reply.error
+    assert d.producer.num_states() == 0 and not d.producer.cancelled
+
+
+def test_a_prefill_node_refuses_failure_notices(conns):
+    p = conns("producer")
+    msg = TransferFailed("r", "t", "n", "forged", True).to_wire()
+    reply = decode_reply(ask(p.address, msg), Ack)
+    assert isinstance(reply, Refusal) and "prefill node" in reply.error
+
+
+def test_a_prefill_nodes_handshake_reply_carries_no_memory_keys(conns):
+    """D needs P's rank count (the TP map), not the keys to P's KV memory."""
+    p, d = conns("producer"), conns("consumer")
+    raw = ask(p.address, handshake_of(d))
+    reply = decode_reply(raw, HandshakeReply)
+    assert isinstance(reply, HandshakeReply) and len(reply.ranks) == 1
+    assert SECRET_MD not in repr(raw).encode()
+    assert not {"agent_metadata", "base_addr", "worker_address"} & set(reply.ranks[0])
+    assert d._ensure_handshake(p.address).engine_id == p.engine_id  # still pairs
+
+
+# -- bounds -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rank", "named"),
+    [
+        ({"block_bytes": 4096}, "num_blocks is missing"),
+        ({"num_blocks": 2**62}, "num_blocks"),
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"num_blocks": "64"}, "num_blocks"),
+        ({"num_blocks": 64, "num_layers": 2**40}, "num_layers"),
+        ({"num_blocks": 1 << 22, "num_layers": 1024}, "num_layers"),
+        ({"num_blocks": 64, "block_bytes": 1 << 40, "base_addr": 2**64 - 2}, "address space"),
+        ({"num_blocks": 64, "agent_name": "x" * 10_000}, "agent_name"),
+    ],
+)
+def test_a_handshake_with_impossible_rank_metadata_is_refused(conns, rank, named):
+    """P's workers build descriptor arrays from a decode rank's ``num_blocks``: a forged
+    2**62 was an allocation on every P rank, a missing one disabled the reservation's
+    block-range check."""
+    p, d = conns("producer"), conns("consumer")
+    reply = decode_reply(ask(p.address, handshake_of(d, ranks=(rank,))), HandshakeReply)
+    assert isinstance(reply, Refusal) and named in reply.error
+    assert not p._d_peers
+
+
+def reserve_of(d: NixlConnectorScheduler, block_ids: Any, tid: str = "t1") -> dict[str, Any]:
+    msg = Reserve(tid, f"nonce-{tid}", "d-req", d.peer_key, d.address, (), 0).to_wire()
+    msg["block_ids"] = block_ids
+    return msg
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "named"),
+    [
+        ([3, 4, 3], "named twice"),
+        (list(range(65)), "out of range"),
+        ([0] * (1 << 22 + 1), "at most"),
+    ],
+    ids=["duplicate", "more-than-the-peer-has", "huge"],
+)
+def test_a_reservation_naming_blocks_the_peer_cannot_have_is_refused(conns, block_ids, named):
+    p, d = conns("producer"), conns("consumer")
+    assert d._ensure_handshake(p.address).engine_id == p.engine_id
+    reply = decode_reply(ask(p.address, reserve_of(d, block_ids)), Ack)
+    assert isinstance(reply, Refusal) and named in reply.error
+    assert p.producer.num_states() == 0
+
+
+def test_reservations_waiting_for_their_prefill_are_bounded_by_the_peers_cache(conns):
+    """Early reservations (before their prefill) are state a peer grows at will: an honest
+    D cannot have more blocks reserved than its cache holds, so P keeps no more."""
+    p, d = conns("producer"), conns("consumer")
+    d.set_worker_info([rank_info(num_blocks=4)])
+    paired(p, d)
+    assert decode_reply(ask(p.address, reserve_of(d, [0, 1, 2], tid="t1")), Ack) == Ack()
+    assert decode_reply(ask(p.address, reserve_of(d, [0, 1, 2], tid="t1")), Ack) == Ack()  # retry
+    assert decode_reply(ask(p.address, reserve_of(d, [3], tid="t2")), Ack) == Ack()
+    reply = decode_reply(ask(p.address, reserve_of(d, [0], tid="t3")), Ack)
+    assert isinstance(reply, Refusal) and "4 in all" in reply.error
+    assert set(p.producer.early) == {"t1", "t2"}
+
+
+def test_a_transfer_id_longer_than_the_wire_allows_is_refused(conns):
+    p, d = conns("producer"), conns("consumer")
+    d._ensure_handshake(p.address)
+    reply = decode_reply(ask(p.address, reserve_of(d, [1], tid="t" * 100_000)), Ack)
+    assert isinstance(reply, Refusal) and "at most 512 characters" in reply.error
+
+
+# -- who P pushes to ---------------------------------------------------------------------------
+
+
+def paired(p: NixlConnectorScheduler, d: NixlConnectorScheduler) -> None:
+    """``d`` handshakes with ``p`` and ``p`` verifies it (its address answered as it)."""
+    assert d._ensure_handshake(p.address).engine_id == p.engine_id
+    wait_for(lambda: p._d_peers.ready(d.peer_key), 10, "P to verify the decode peer")
+
+
+def settled(p: NixlConnectorScheduler, key: str) -> bool:
+    """P has made up its mind about ``key``: trusted, or dropped."""
+    peer = p._d_peers.get(key)
+    return peer is None or peer.verified
+
+
+def test_a_forged_handshake_naming_a_decode_nodes_engine_id_leaves_it_paired(conns):
+    """P took a new incarnation under a known engine id as a restart and dropped the real
+    D (its pushes then never started). Now only the claim's own address can confirm it."""
+    p, d, evil = conns("producer"), conns("consumer"), conns("consumer")
+    paired(p, d)
+    forged = handshake_of(evil, engine_id=d.engine_id, peer_key=f"{d.engine_id}:{evil.incarnation}")
+    assert ask(p.address, forged)["ok"] is True  # a claim; nothing is trusted yet
+    wait_for(lambda: settled(p, forged["peer_key"]), 15, "P to check the claim")
+    assert forged["peer_key"] not in p._d_peers  # evil's address answered as evil
+    assert p._d_peers.ready(d.peer_key)
+
+
+def test_a_forged_handshake_claiming_a_decode_nodes_address_leaves_it_paired(conns):
+    p, d, evil = conns("producer"), conns("consumer"), conns("consumer")
+    paired(p, d)
+    forged = handshake_of(evil, address=d.address)  # D's address, evil's ranks
+    assert ask(p.address, forged)["ok"] is True
+    wait_for(lambda: settled(p, evil.peer_key), 15, "P to check the claim")
+    assert evil.peer_key not in p._d_peers and p._d_peers.ready(d.peer_key)
+    assert p.stats()["kv_handshake_failures_total"] == 1
+
+
+def test_a_handshake_taking_over_a_paired_peers_key_is_refused(conns):
+    """Under D's own key, with the attacker's address (where failure notices go) and
+    ranks (where the KV would be written): it replaced D's entry."""
+    p, d, evil = conns("producer"), conns("consumer"), conns("consumer")
+    paired(p, d)
+    forged = handshake_of(
+        evil, engine_id=d.engine_id, incarnation=d.incarnation, peer_key=d.peer_key
+    )
+    reply = decode_reply(ask(p.address, forged), HandshakeReply)
+    assert isinstance(reply, Refusal) and "already paired" in reply.error
+    peer = p._d_peers.get(d.peer_key)
+    assert peer is not None and peer.address == d.address and peer.verified
+    assert ask(p.address, handshake_of(d))["ok"] is True  # D's own retry still pairs
+
+
+def test_nothing_is_pushed_to_a_peer_before_its_address_answered_as_it(conns):
+    p = conns("producer")
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    forged = handshake_of(p, engine_id="d", incarnation="i", peer_key="d:i", address=dead)
+    forged["ranks"] = [rank_info()]
+    assert ask(p.address, forged)["ok"] is True
+    with p._lock:
+        assert p.producer.prefill_finished("p-req", "t1", [0, 1], first_token=3)
+        res = Reservation("t1", "n1", "d-req", "d:i", dead, [4, 5], 0, float("inf"))
+        assert isinstance(p.producer.reserve(res), Ack)
+    assert not p.build_connector_meta(None, lambda rid: []).sends  # type: ignore[arg-type]
+    wait_for(lambda: "d:i" not in p._d_peers, RPC_TIMEOUT_S + 10, "the claim to be dropped")
+    assert not p.build_connector_meta(None, lambda rid: []).sends  # type: ignore[arg-type]
+
+
+def test_a_decode_node_restarted_at_the_same_address_replaces_the_old_one(conns):
+    p = conns("producer")
+    port = free_port()
+    first = conns("consumer", side_channel_port=port)
+    paired(p, first)
+    first.shutdown()
+    second = conns("consumer", side_channel_port=port)
+    paired(p, second)
+    wait_for(lambda: first.peer_key not in p._d_peers, 10, "the old incarnation to go")
+    assert len(p._d_peers) == 1
+
+
+def test_the_decode_peer_table_is_bounded(conns, monkeypatch):
+    """A full table evicts the least recently used peer no reservation refers to; when
+    every peer is in use, a new one is refused."""
+    monkeypatch.setattr(decode_peers, "MAX_DECODE_PEERS", 2)
+    p = conns("producer")
+    ds = [conns("consumer") for _ in range(3)]
+    paired(p, ds[0])
+    paired(p, ds[1])
+    with p._lock:
+        res = Reservation("t1", "n1", "r", ds[1].peer_key, ds[1].address, [1], 0, float("inf"))
+        assert isinstance(p.producer.reserve(res), Ack)
+    paired(p, ds[2])  # evicts ds[0]: idle and least recently used
+    assert set(p._d_peers.peers) == {ds[1].peer_key, ds[2].peer_key}
+    with p._lock:
+        res = Reservation("t2", "n2", "r", ds[2].peer_key, ds[2].address, [1], 0, float("inf"))
+        assert isinstance(p.producer.reserve(res), Ack)
+    reply = decode_reply(ask(p.address, handshake_of(ds[0])), HandshakeReply)
+    assert isinstance(reply, Refusal) and "2 decode peers" in reply.error
