@@ -176,7 +176,9 @@ def test_offline_on_tiny_writes_positive_throughput(tmp_path: Path):
     assert res["ttft_ms"]["mean"] > 0
     # Where the measured steps' time went: every phase measured, per step.
     split = report["step_ms"]
-    assert split["steps"] == res["steps"]  # each step of the run went to the workers
+    # Both prompts prefill in the first step: one worker step per sampled token. With
+    # async scheduling (the default) one more engine step collects the last of them.
+    assert split["steps"] == 4 and res["steps"] in (4, 5)
     for phase in ("schedule_ms", "update_ms", "ipc_ms", "worker_ms"):
         assert split[phase] > 0, (phase, split)
     assert "per step (mean of" in proc.stdout
