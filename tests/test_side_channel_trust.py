@@ -308,3 +308,18 @@ def test_the_decode_peer_table_is_bounded(conns, monkeypatch):
         assert isinstance(p.producer.reserve(res), Ack)
     reply = decode_reply(ask(p.address, handshake_of(ds[0])), HandshakeReply)
     assert isinstance(reply, Refusal) and "2 decode peers" in reply.error
+
+
+def test_a_full_peer_table_evicts_unconfirmed_claims_before_paired_peers(monkeypatch):
+    monkeypatch.setattr(decode_peers, "MAX_DECODE_PEERS", 2)
+    table = decode_peers.DecodePeers()
+
+    def peer(name: str) -> decode_peers.DecodePeer:
+        return decode_peers.DecodePeer(name, "i", f"tcp://127.0.0.1:{free_port()}", [], name)
+
+    paired_one, claim, newer_claim = peer("paired"), peer("claim"), peer("newer")
+    assert table.offer("paired:i", paired_one, in_use=())[2] is None
+    table.confirm("paired:i", paired_one)
+    assert table.offer("claim:i", claim, in_use=())[2] is None
+    _, evicted, _ = table.offer("newer:i", newer_claim, in_use=())
+    assert evicted == ["claim:i"] and table.ready("paired:i")

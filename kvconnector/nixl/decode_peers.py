@@ -16,8 +16,9 @@ one (anyone holding ``--kv-secret``, when it is set). So:
   address leaves its old entry to the table's bound or to a failed push.
 * **A key is not taken over.** A handshake under a verified peer's key with another
   address or other ranks is refused; the same handshake again (a retry) is idempotent.
-* **The table is bounded** (``MAX_DECODE_PEERS``): a new peer evicts the least recently
-  used one that no reservation or send refers to, or is refused when every one is in use.
+* **The table is bounded** (``MAX_DECODE_PEERS``): a new peer evicts an unconfirmed one,
+  else the least recently used one, that no reservation or send refers to; it is refused
+  when every one is in use.
 
 Not thread-safe on its own: the scheduler-side connector calls it under its lock.
 """
@@ -95,7 +96,8 @@ class DecodePeers:
             idle = [k for k in self.peers if k not in in_use]
             if not idle:
                 return False, [], f"this prefill node pairs with {MAX_DECODE_PEERS} decode peers"
-            lru = min(idle, key=lambda k: self.peers[k].last_used)
+            # Unconfirmed claims go first: a flood of them cannot push out paired peers.
+            lru = min(idle, key=lambda k: (self.peers[k].verified, self.peers[k].last_used))
             del self.peers[lru]
             evicted.append(lru)
         self.peers[key] = peer
