@@ -35,7 +35,7 @@ from kvconnector.nixl.messages import (
 )
 from kvconnector.nixl.producer import Reservation
 from kvconnector.nixl.scheduler import RPC_TIMEOUT_S, NixlConnectorScheduler
-from kvconnector.nixl.side_channel import SideChannelClient
+from kvconnector.nixl.side_channel import SideChannelClient, SideChannelError
 
 SECRET_MD = b"nixl-agent-metadata: remote keys of this node's KV memory"
 
@@ -284,7 +284,17 @@ def test_a_decode_node_restarted_at_the_same_address_replaces_the_old_one(conns)
     first = conns("consumer", side_channel_port=port)
     paired(p, first)
     first.shutdown()
-    second = conns("consumer", side_channel_port=port)
+    started: list[NixlConnectorScheduler] = []
+
+    def restart() -> bool:
+        try:  # ZMQ releases the port a moment after the socket closed
+            started.append(conns("consumer", side_channel_port=port))
+        except SideChannelError:
+            return False
+        return True
+
+    wait_for(restart, 10, "the side-channel port to be free again")
+    second = started[0]
     paired(p, second)
     wait_for(lambda: first.peer_key not in p._d_peers, 10, "the old incarnation to go")
     assert len(p._d_peers) == 1
