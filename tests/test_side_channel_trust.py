@@ -20,6 +20,7 @@ import pytest
 from harness import free_port, wait_for
 
 import kvconnector.nixl.decode_peers as decode_peers
+import kvconnector.nixl.scheduler as nixl_scheduler
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.loader import load_arch_config
@@ -333,3 +334,16 @@ def test_a_full_peer_table_evicts_unconfirmed_claims_before_paired_peers(monkeyp
     assert table.offer("claim:i", claim, in_use=())[2] is None
     _, evicted, _ = table.offer("newer:i", newer_claim, in_use=())
     assert evicted == ["claim:i"] and table.ready("paired:i")
+
+
+def test_a_decode_node_keeps_no_state_per_address_it_failed_to_reach(conns, monkeypatch):
+    """Clients name the prefill address of a decode leg: a lock per address ever named
+    was kept forever (with --kv-allowed-peers '*', one per address a client made up)."""
+    monkeypatch.setattr(nixl_scheduler, "MAX_P_LOCKS", 4)
+    monkeypatch.setattr(nixl_scheduler, "RPC_TIMEOUT_S", 0.05)
+    d, p = conns("consumer", kv_allowed_peers="*"), conns("producer")
+    d._ensure_handshake(p.address)
+    for _ in range(12):
+        with pytest.raises(Exception):  # noqa: B017 - nothing listens there
+            d._ensure_handshake(f"tcp://127.0.0.1:{free_port()}")
+    assert len(d._p_locks) <= 5 and p.address in d._p_locks

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0
+MAX_P_LOCKS = 1024  # D: per-prefill-address handshake locks kept beyond the paired peers
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
@@ -330,6 +331,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def _ensure_handshake(self, address: str, force: bool = False) -> HandshakeReply:
         with self._lock:
+            if address not in self._p_locks and len(self._p_locks) >= MAX_P_LOCKS:
+                # Addresses come from clients (within --kv-allowed-peers): keep the locks
+                # of paired peers and of handshakes running, forget the rest.
+                for a, held in list(self._p_locks.items()):
+                    if a not in self._p_peers and not held.locked():
+                        del self._p_locks[a]
             lock = self._p_locks.setdefault(address, threading.Lock())
         with lock:  # one handshake per peer at a time; others wait here, off the loop
             peer = self._p_peers.get(address)
