@@ -130,7 +130,7 @@ def test_a_cancel_after_a_failed_send_says_a_write_may_still_land(prefill, error
     assert send.request_id == "P1"
     failed = {"P1": error} if error else {}
     conn.update_connector_output(ModelRunnerOutput(finished_sending={"P1"}, kv_failed=failed))
-    reply = conn._handle(Cancel("t1", "n1").to_wire())
+    reply = conn._handle(Cancel("t1", "n1", d_key).to_wire())
     assert reply == {"ok": True, "state": state}
     # Still so on a second ask (D retries the cancel until its quarantine ends).
-    assert conn._handle(Cancel("t1", "n1").to_wire())["state"] == state
+    assert conn._handle(Cancel("t1", "n1", d_key).to_wire())["state"] == state

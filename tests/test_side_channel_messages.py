@@ -33,7 +33,7 @@ RESERVE = m.Reserve(
 REQUESTS = [
     HANDSHAKE,
     RESERVE,
-    m.Cancel("t1", "abc.1.00ff"),
+    m.Cancel("t1", "abc.1.00ff", "d-0:abc"),
     m.TransferFailed("d1", "t1", "abc.1.00ff", "gone", True),
     m.Ping(),
 ]
@@ -76,7 +76,12 @@ def test_replies_round_trip(reply):
 def test_the_wire_keeps_its_v7_shape():
     assert m.CONNECTOR_VERSION == 7
     assert m.Ping().to_wire() == {"kind": "ping"}
-    assert m.Cancel("t", "n").to_wire() == {"kind": "cancel", "transfer_id": "t", "nonce": "n"}
+    assert m.Cancel("t", "n", "k").to_wire() == {
+        "kind": "cancel",
+        "transfer_id": "t",
+        "nonce": "n",
+        "peer_key": "k",
+    }
     assert RESERVE.to_wire()["block_ids"] == [3, 4, 7]
     assert m.CancelReply("cancelled").to_wire() == {"ok": True, "state": "cancelled"}
     refusal = m.Refusal("handshake first", code=m.Refusal.HANDSHAKE_REQUIRED)
@@ -228,9 +233,13 @@ def test_a_live_server_refuses_forged_messages_and_keeps_serving(prefill):
     other = {**RESERVE.to_wire(), "nonce": "abc.2.11ee"}  # another reservation: no
     assert isinstance(m.decode_reply(ask(other), m.Ack), m.Refusal)
     # A cancel naming another reservation leaves this one alone.
-    cancel = m.decode_reply(ask(m.Cancel("t1", "abc.2.11ee").to_wire()), m.CancelReply)
+    cancel = m.decode_reply(
+        ask(m.Cancel("t1", "abc.2.11ee", RESERVE.peer_key).to_wire()), m.CancelReply
+    )
     assert cancel == m.CancelReply("cancelled") and "t1" in prefill.producer.early
-    cancel = m.decode_reply(ask(m.Cancel("t1", RESERVE.nonce).to_wire()), m.CancelReply)
+    cancel = m.decode_reply(
+        ask(m.Cancel("t1", RESERVE.nonce, RESERVE.peer_key).to_wire()), m.CancelReply
+    )
     assert cancel == m.CancelReply("cancelled") and "t1" not in prefill.producer.early
     ping = m.decode_reply(ask(m.Ping().to_wire()), m.PingReply)
     assert ping == m.PingReply(

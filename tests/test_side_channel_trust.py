@@ -29,14 +29,17 @@ from kvconnector.nixl.messages import (
     Cancel,
     Handshake,
     HandshakeReply,
+    Ping,
+    PingReply,
     Refusal,
     Reserve,
     TransferFailed,
     decode_reply,
+    ranks_digest,
 )
-from kvconnector.nixl.producer import Reservation
+from kvconnector.nixl.producer import Producer, Reservation
 from kvconnector.nixl.scheduler import RPC_TIMEOUT_S, NixlConnectorScheduler
-from kvconnector.nixl.side_channel import SideChannelClient, SideChannelError
+from kvconnector.nixl.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 
 SECRET_MD = b"nixl-agent-metadata: remote keys of this node's KV memory"
 
@@ -113,7 +116,7 @@ def test_a_decode_node_refuses_handshakes_and_gives_out_no_rank_metadata(conns):
     "msg",
     [
         Reserve("t", "n", "r", "x:1", "tcp://127.0.0.1:1", (0, 1), 0).to_wire(),
-        Cancel("t", "n").to_wire(),
+        Cancel("t", "n", "k").to_wire(),
     ],
     ids=["reserve", "cancel"],
 )
@@ -178,10 +181,10 @@ def reserve_of(d: NixlConnectorScheduler, block_ids: Any, tid: str = "t1") -> di
     ("block_ids", "named"),
     [
         ([3, 4, 3], "named twice"),
-        (list(range(65)), "out of range"),
+        ([3, 64], "out of range"),
         ([0] * (1 << 22 + 1), "at most"),
     ],
-    ids=["duplicate", "more-than-the-peer-has", "huge"],
+    ids=["duplicate", "past-the-peers-cache", "huge"],
 )
 def test_a_reservation_naming_blocks_the_peer_cannot_have_is_refused(conns, block_ids, named):
     p, d = conns("producer"), conns("consumer")
@@ -333,7 +336,7 @@ def test_a_full_peer_table_evicts_unconfirmed_claims_before_paired_peers(monkeyp
     table.confirm("paired:i", paired_one)
     assert table.offer("claim:i", claim, in_use=())[2] is None
     _, evicted, _ = table.offer("newer:i", newer_claim, in_use=())
-    assert evicted == ["claim:i"] and table.ready("paired:i")
+    assert [p.name for p in evicted] == ["claim:i"] and table.ready("paired:i")
 
 
 def test_a_decode_node_keeps_no_state_per_address_it_failed_to_reach(conns, monkeypatch):
@@ -347,3 +350,119 @@ def test_a_decode_node_keeps_no_state_per_address_it_failed_to_reach(conns, monk
         with pytest.raises(Exception):  # noqa: B017 - nothing listens there
             d._ensure_handshake(f"tcp://127.0.0.1:{free_port()}")
     assert len(d._p_locks) <= 5 and p.address in d._p_locks
+
+
+# -- a decode node's public name is not its pairing key ---------------------------------------
+
+
+def public_key_of(d: NixlConnectorScheduler) -> str:
+    """What anyone can learn of a decode node: a ping tells its engine id and incarnation
+    (the peer key was ``engine_id:incarnation``)."""
+    ping = decode_reply(ask(d.address, Ping().to_wire()), PingReply)
+    assert isinstance(ping, PingReply)
+    return f"{ping.engine_id}:{ping.incarnation}"
+
+
+@pytest.fixture
+def impostor():
+    """A side channel answering pings as someone else: what an attacker runs."""
+    servers: list[SideChannelServer] = []
+
+    def make(engine_id: str, incarnation: str, ranks: list[dict[str, Any]]) -> str:
+        reply = PingReply(incarnation, engine_id, ranks_digest(ranks)).to_wire()
+        servers.append(SideChannelServer("127.0.0.1", 0, lambda msg: reply))
+        return servers[-1].address
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_a_decode_nodes_pairing_key_is_in_no_ping_reply_or_info(conns):
+    d = conns("consumer")
+    raw = ask(d.address, Ping().to_wire())
+    assert d.peer_key not in repr(raw) and d.peer_key not in repr(d.info())
+    assert d.peer_key != public_key_of(d)  # it was engine_id:incarnation, which pings tell
+
+
+def test_a_key_learned_from_a_ping_cannot_squat_on_a_decode_node(conns, impostor):
+    """Before D's first handshake, an attacker paired under the key a ping told (D's
+    engine id and incarnation), answering P's check as D from its own address: every
+    handshake of the real D was then refused as a takeover."""
+    p, d = conns("producer"), conns("consumer")
+    eid, inc = public_key_of(d).split(":")
+    evil_ranks = [rank_info()]
+    forged = handshake_of(
+        d, peer_key=public_key_of(d), ranks=evil_ranks, address=impostor(eid, inc, evil_ranks)
+    )
+    assert ask(p.address, forged)["ok"] is True
+    wait_for(lambda: settled(p, forged["peer_key"]), 15, "P to check the claim")
+    paired(p, d)  # the real D pairs all the same
+
+
+def test_a_key_learned_from_a_ping_cannot_take_over_an_evicted_decode_nodes_pushes(conns, impostor):
+    """D was evicted (a full table); an attacker paired under the key a ping told, with
+    its own ranks, and D's next reservation -- D does not handshake again while it holds
+    P's reply -- was accepted for the attacker's entry: P pushed D's clients' KV to it."""
+    p, d = conns("producer"), conns("consumer")
+    paired(p, d)
+    with p._lock:
+        p._evict_peer(d.peer_key, "evicted for the test")
+    eid, inc = public_key_of(d).split(":")
+    evil_ranks = [rank_info()]
+    forged = handshake_of(
+        d, peer_key=public_key_of(d), ranks=evil_ranks, address=impostor(eid, inc, evil_ranks)
+    )
+    assert ask(p.address, forged)["ok"] is True
+    wait_for(lambda: settled(p, forged["peer_key"]), 15, "P to check the claim")
+    reply = decode_reply(ask(p.address, reserve_of(d, [1, 2])), Ack)
+    assert isinstance(reply, Refusal) and reply.code == Refusal.HANDSHAKE_REQUIRED
+    assert not p.producer.early
+
+
+def test_a_stranger_cannot_fill_a_decode_nodes_reservation_quota(conns):
+    p, d = conns("producer"), conns("consumer")
+    paired(p, d)
+    stolen = {**reserve_of(d, list(range(64)), tid="evil"), "peer_key": public_key_of(d)}
+    assert ask(p.address, stolen)["code"] == Refusal.HANDSHAKE_REQUIRED
+    assert decode_reply(ask(p.address, reserve_of(d, [1, 2, 3])), Ack) == Ack()
+
+
+def test_cancels_from_strangers_are_not_remembered():
+    """A cancel of a reservation P never saw is remembered (so that the reservation is
+    refused if it comes late) -- but only a paired peer's: strangers' random nonces pushed
+    real ones out of the bounded memory."""
+    p = Producer(timeout=30.0)
+    assert p.cancel("t1", "n-stranger", None).state == "cancelled"
+    assert not p.cancelled
+    assert p.cancel("t1", "n-peer", "key").state == "cancelled" and "n-peer" in p.cancelled
+
+
+def test_a_reservation_is_bounded_by_one_prompt_and_their_number_by_the_nodes_queue(conns):
+    p, d = conns("producer"), conns("consumer")
+    d.set_worker_info([rank_info(num_blocks=1000)])
+    paired(p, d)
+    too_long = list(range(p.max_blocks_per_seq + 1))  # max_model_len 256 / block size 4
+    reply = decode_reply(ask(p.address, reserve_of(d, too_long)), Ack)
+    assert isinstance(reply, Refusal) and "max_model_len" in reply.error
+    p.max_early = 2
+    for tid in ("a", "b"):
+        assert decode_reply(ask(p.address, reserve_of(d, [1], tid=tid)), Ack) == Ack()
+    reply = decode_reply(ask(p.address, reserve_of(d, [2], tid="c")), Ack)
+    assert isinstance(reply, Refusal) and "wait here for their prefill" in reply.error
+
+
+def test_a_flood_of_unconfirmable_claims_is_capped_and_takes_no_lane(conns, monkeypatch):
+    """Each claim's check ran on a lane of P's (256 in all, each kept 30 s): 256 claims of
+    closed ports left P unable to call any new decode node."""
+    monkeypatch.setattr(nixl_scheduler, "VERIFY_TIMEOUT_S", 0.3)
+    p, d = conns("producer"), conns("consumer")
+    refused = 0
+    for i in range(decode_peers.MAX_UNCONFIRMED + 8):
+        dead = f"tcp://127.0.0.1:{free_port()}"
+        flood = handshake_of(d, peer_key=f"flood-{i}", engine_id=f"flood-{i}", address=dead)
+        reply = decode_reply(ask(p.address, flood), HandshakeReply)
+        refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
+    assert refused >= 8 and p._lanes.num_lanes() == 0
+    wait_for(lambda: len(p._d_peers) == 0, 30, "the claims to be dropped")
+    paired(p, d)

@@ -248,10 +248,10 @@ def test_a_delayed_cancel_of_an_old_reservation_leaves_the_current_one_alone():
     p = Producer(TIMEOUT)
     assert p.prefill_finished("P1", "t1", [0, 1], 7)
     assert p.reserve(_reservation("new")) == Ack()
-    assert p.cancel("t1", "old").state == "cancelled"  # nothing of "old" was written...
+    assert p.cancel("t1", "old", "d:1").state == "cancelled"  # nothing of "old" was written...
     assert p.pending["t1"].reservation is not None  # ...and "new" still gets its push
     assert p.pending["t1"].reservation.nonce == "new"
-    assert p.cancel("t1", "new").state == "cancelled"
+    assert p.cancel("t1", "new", "d:1").state == "cancelled"
     assert "t1" not in p.pending and p.take_outcome().free_blocks == {"P1"}
 
 
@@ -259,7 +259,7 @@ def test_a_reservation_that_arrives_after_its_own_cancel_is_refused():
     """Reserve and cancel raced (different threads on D): P answered the cancel first,
     D freed the blocks; the reservation must not be accepted afterwards."""
     p = Producer(TIMEOUT)
-    assert p.cancel("t1", "n1").state == "cancelled"
+    assert p.cancel("t1", "n1", "d:1").state == "cancelled"
     assert isinstance(p.reserve(_reservation("n1")), Refusal)
     assert p.reserve(_reservation("n2")) == Ack()  # another reservation is fine
 
@@ -269,17 +269,17 @@ def test_a_cancel_of_a_send_in_flight_is_in_flight_only_for_its_own_reservation(
     assert p.prefill_finished("P1", "t1", [0, 1], 7)
     assert p.reserve(_reservation("n1")) == Ack()
     assert [s.request_id for s in p.ready_sends(lambda key: True)] == ["P1"]
-    assert p.cancel("t1", "n1").state == "in_flight"
-    assert p.cancel("t1", "someone-else").state == "cancelled"
+    assert p.cancel("t1", "n1", "d:1").state == "in_flight"
+    assert p.cancel("t1", "someone-else", "d:1").state == "cancelled"
     p.send_finished("P1", error="WRITE timed out")
-    assert p.cancel("t1", "n1").state == "in_flight"  # may still land: keep quarantine
-    assert p.cancel("t1", "someone-else").state == "cancelled"
+    assert p.cancel("t1", "n1", "d:1").state == "in_flight"  # may still land: keep quarantine
+    assert p.cancel("t1", "someone-else", "d:1").state == "cancelled"
 
 
 def test_side_channel_cancel_and_reserve_carry_the_nonce():
     wire = Reserve("t", "n", "d", "k", "tcp://h:1", (1,), 0).to_wire()
     assert wire["nonce"] == "n"
-    assert Cancel("t", "n").to_wire()["nonce"] == "n"
+    assert Cancel("t", "n", "k").to_wire()["nonce"] == "n"
 
 
 def test_a_send_no_rank_reports_is_given_up_after_twice_the_timeout(monkeypatch):
@@ -301,4 +301,4 @@ def test_a_send_no_rank_reports_is_given_up_after_twice_the_timeout(monkeypatch)
     out = p.take_outcome()
     assert not p.in_flight and out.free_blocks == {"P1"} and out.ended == ["P1"]
     assert [(res.nonce, why) for res, why in out.notify_unsafe] == [("n1", "push lost on prefill")]
-    assert p.cancel("t1", "n1").state == "in_flight"
+    assert p.cancel("t1", "n1", "d:1").state == "in_flight"

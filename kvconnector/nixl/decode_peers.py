@@ -1,36 +1,47 @@
 """Prefill side: the decode peers this node pairs with, and when it trusts one.
 
+A decode node's ``peer_key`` is a random secret of its incarnation (128 bits), sent only
+in its handshakes -- to the prefill nodes it chose to pair with -- never in a ping reply,
+its ``/v1/kv_transfer_info`` or a log line (those name it ``engine_id:incarnation``,
+``DecodePeer.name``). P keys its table by it, and a reservation or cancel counts only
+under a key P has paired with: knowing a decode node's public name is not enough to
+reserve, cancel or squat in its name.
+
 A handshake only *claims* an identity: an engine id, an incarnation, a side-channel
 address and the ranks' transport metadata. Anyone who reaches P's side channel can send
 one (anyone holding ``--kv-secret``, when it is set). So:
 
 * **Nothing is pushed to a peer before its address answered as it.** A new peer is
-  unverified; P pings the address it claims (off the engine loop, on that address's lane)
-  and trusts it only when the answer names the same engine id and incarnation and the
-  same ranks (``ranks_digest``). A claim whose address answers otherwise, or not at all,
-  is dropped. Reservations from an unverified peer are accepted; their pushes wait.
+  unconfirmed; P pings the address it claims (on a small pool of its own, not the peers'
+  lanes) and trusts it only when the answer names the same engine id and incarnation and
+  the same ranks (``ranks_digest``). A claim its address does not confirm is dropped. At
+  most ``MAX_UNCONFIRMED`` claims wait at a time; more are refused.
 * **A paired peer is replaced only by proof.** A handshake naming an engine id or an
-  address P already pairs with no longer drops the old peer ("restarted") on its word:
-  the old one is dropped when the *new* one is verified at the *same* address (one
-  address serves one process, so the old incarnation is gone). A D restarted on another
-  address leaves its old entry to the table's bound or to a failed push.
-* **A key is not taken over.** A handshake under a verified peer's key with another
+  address P already pairs with does not drop the old peer on its word: the old one goes
+  when a *new* one is confirmed at the *same* address (one address serves one process).
+* **A key is not taken over.** A handshake under a confirmed peer's key with another
   address or other ranks is refused; the same handshake again (a retry) is idempotent.
 * **The table is bounded** (``MAX_DECODE_PEERS``): a new peer evicts an unconfirmed one,
   else the least recently used one, that no reservation or send refers to; it is refused
   when every one is in use.
+
+P's workers know a peer by its ``handle`` (``name#n``, unique in this process), never by
+its key.
 
 Not thread-safe on its own: the scheduler-side connector calls it under its lock.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_DECODE_PEERS = 256
+MAX_UNCONFIRMED = 32  # claims waiting for their address to answer, at most
+_handles = itertools.count(1)
 
 
 @dataclass
@@ -42,6 +53,12 @@ class DecodePeer:
     digest: str  # ``messages.ranks_digest(ranks)``: what its ping must name
     verified: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    handle: str = ""  # what P's workers call it (set when it enters the table)
+
+    @property
+    def name(self) -> str:
+        """Its public name, for logs: ``engine_id:incarnation``."""
+        return f"{self.engine_id}:{self.incarnation}"
 
     @property
     def num_blocks(self) -> int:
@@ -76,8 +93,8 @@ class DecodePeers:
 
     def offer(
         self, key: str, peer: DecodePeer, in_use: Collection[str]
-    ) -> tuple[bool, list[str], str | None]:
-        """A handshake claims ``peer`` under ``key``. Returns (needs verifying, keys
+    ) -> tuple[bool, list[DecodePeer], str | None]:
+        """A handshake claims ``peer`` under ``key``. Returns (needs verifying, peers
         evicted to make room, why refused or None)."""
         old = self.peers.get(key)
         if old is not None:
@@ -88,39 +105,41 @@ class DecodePeers:
                 return (
                     False,
                     [],
-                    f"peer key {key!r:.80} is already paired with another address or other "
-                    "ranks (a restarted node has a new incarnation, hence a new key)",
+                    f"this peer key is already paired as {old.name} at another address or "
+                    "with other ranks (a restarted node has a new key)",
                 )
-        evicted: list[str] = []
+        unconfirmed = sum(not p.verified for p in self.peers.values())
+        if (old is None or old.verified) and unconfirmed >= MAX_UNCONFIRMED:
+            return False, [], f"{unconfirmed} decode peers wait to be confirmed; try again"
+        evicted: list[DecodePeer] = []
         if old is None and len(self.peers) >= MAX_DECODE_PEERS:
             idle = [k for k in self.peers if k not in in_use]
             if not idle:
                 return False, [], f"this prefill node pairs with {MAX_DECODE_PEERS} decode peers"
             # Unconfirmed claims go first: a flood of them cannot push out paired peers.
             lru = min(idle, key=lambda k: (self.peers[k].verified, self.peers[k].last_used))
-            del self.peers[lru]
-            evicted.append(lru)
+            evicted.append(self.peers.pop(lru))
+        if old is not None:
+            evicted.append(old)  # an unconfirmed claim under this key, replaced
+        peer.handle = f"{peer.name}#{next(_handles)}"
         self.peers[key] = peer
         return True, evicted, None
 
-    def confirm(self, key: str, peer: DecodePeer) -> list[str]:
-        """``peer``'s address answered as it: trust it. Returns the keys of the peers it
-        replaces (other incarnations claiming the same address, now gone)."""
+    def confirm(self, key: str, peer: DecodePeer) -> list[DecodePeer]:
+        """``peer``'s address answered as it: trust it. Returns the peers it replaces
+        (other incarnations claiming the same address, now gone)."""
         if self.peers.get(key) is not peer:
             return []  # replaced or dropped meanwhile
         peer.verified = True
         gone = [k for k, p in self.peers.items() if k != key and p.address == peer.address]
-        for k in gone:
-            del self.peers[k]
-        return gone
+        return [self.peers.pop(k) for k in gone]
 
-    def drop(self, key: str, peer: DecodePeer | None = None) -> bool:
-        """Forget ``key`` (only if it is still ``peer``, when given)."""
+    def drop(self, key: str, peer: DecodePeer | None = None) -> DecodePeer | None:
+        """Forget ``key`` (only if it is still ``peer``, when given); the peer dropped."""
         current = self.peers.get(key)
         if current is None or (peer is not None and current is not peer):
-            return False
-        del self.peers[key]
-        return True
+            return None
+        return self.peers.pop(key)
 
     def touch(self, key: str) -> None:
         peer = self.peers.get(key)

@@ -20,7 +20,8 @@ Requests (``kind``) and their replies:
   prompt blocks D already has). Reply ``Ack``, or a ``Refusal``
   (``code="handshake_required"`` when P does not know the peer). The same reservation
   sent twice (same ``nonce``) is acknowledged twice.
-* ``cancel`` (``Cancel``) D -> P: ``transfer_id``, ``nonce``. Reply ``CancelReply``,
+* ``cancel`` (``Cancel``) D -> P: ``transfer_id``, ``nonce``, ``peer_key`` (refused with
+  ``handshake_required`` from a key P does not pair with). Reply ``CancelReply``,
   ``state``: ``cancelled`` (nothing was or will be written for that reservation) or
   ``in_flight`` (a WRITE may still land: one running, or one that errored or timed out,
   which UCX may not really have aborted; wait for its notif or a deadline).
@@ -85,7 +86,9 @@ import msgpack
 #   7  peer trust: a decode node refuses handshake/reserve/cancel and a prefill node
 #      transfer_failed (``code: wrong_role``); P's handshake reply carries only public rank
 #      info (``public_rank_info``); the ping reply gained ``ranks_digest``, which P checks
-#      before it pushes to a peer (``decode_peers``); names, texts and arrays are bounded.
+#      before it pushes to a peer (``decode_peers``); ``peer_key`` is a random secret of
+#      D's incarnation (was ``engine_id:incarnation``, which pings hand out) and ``cancel``
+#      gained it; names, texts and arrays are bounded.
 CONNECTOR_VERSION = 7
 LAYOUT = "block,layer,kv,head,token,dim"
 
@@ -144,7 +147,8 @@ def compat_mismatch(local: dict[str, Any], raw: Any) -> str | None:
 MAX_NAME_CHARS = 512  # ids, keys, nonces, addresses (a transfer id is at most 256)
 MAX_TEXT_CHARS = 4096  # reasons and errors
 MAX_RANKS = 1024  # rank metadata maps in one handshake
-MAX_BLOCK_IDS = 1 << 22  # block ids in one reservation (and blocks of one peer rank)
+MAX_BLOCK_IDS = 1 << 22  # blocks of one peer rank
+MAX_RESERVE_IDS = 1 << 20  # block ids in one reservation (P bounds it by max_model_len)
 
 # What of a rank's transport metadata a decode peer may see: what tells it the rank's
 # place and size, never what opens its memory (agent metadata, addresses, worker address).
@@ -261,8 +265,8 @@ def _maps(value: Any, where: str) -> tuple[dict[str, Any], ...]:
 
 
 def _block_ids(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list | tuple) or len(value) > MAX_BLOCK_IDS:
-        raise _fail(where, f"an array of at most {MAX_BLOCK_IDS} block ids", value)
+    if not isinstance(value, list | tuple) or len(value) > MAX_RESERVE_IDS:
+        raise _fail(where, f"an array of at most {MAX_RESERVE_IDS} block ids", value)
     for i, b in enumerate(value):
         if not _is_int(b) or b < 0:
             raise _fail(f"{where}[{i}]", "a non-negative integer block id", b)
@@ -399,9 +403,10 @@ class Reserve(_Request):
 class Cancel(_Request):
     KIND: ClassVar[str] = "cancel"
     NAME: ClassVar[str] = "cancel"
-    CHECKS: ClassVar[dict[str, Check]] = {"transfer_id": _name, "nonce": _name}
+    CHECKS: ClassVar[dict[str, Check]] = {"transfer_id": _name, "nonce": _name, "peer_key": _name}
     transfer_id: str
     nonce: str
+    peer_key: str  # the sender's pairing key: only a paired decode peer cancels
 
 
 @dataclass(frozen=True)

@@ -260,9 +260,12 @@ class Producer:
         if send.reservation is not None:
             self.outcome.notify_failed.append((send.reservation, "aborted on prefill"))
 
-    def cancel(self, transfer_id: str, nonce: str) -> CancelReply:
+    def cancel(self, transfer_id: str, nonce: str, peer_key: str | None) -> CancelReply:
         """D gives up on its reservation ``nonce`` of a transfer. ``cancelled``: nothing
-        was or will be written for that reservation; ``in_flight``: a WRITE may land."""
+        was or will be written for that reservation; ``in_flight``: a WRITE may land.
+        ``peer_key``: the paired decode peer it comes from, None from a sender P does not
+        pair with (a D whose handshake failed): that only ends a hold no reservation came
+        for, and nothing of it is remembered."""
         started = self._started(transfer_id)
         if started is not None:
             res = started.reservation
@@ -277,12 +280,13 @@ class Producer:
             )
         send = self.pending.get(transfer_id)
         held = send.reservation if send is not None else self.early.get(transfer_id)
-        if held is None or held.nonce != nonce:
+        if held is None or held.nonce != nonce or held.peer_key != peer_key:
             # Not a reservation P holds (not arrived yet, or another one): nothing of it
             # was or will be written, and it is refused if it comes later.
-            if len(self.cancelled) >= MAX_CANCELLED:
-                self.cancelled.pop(next(iter(self.cancelled)))  # the oldest
-            self.cancelled[nonce] = time.monotonic() + 4 * self.timeout
+            if peer_key is not None:  # only a paired peer's, so strangers cannot flush it
+                if len(self.cancelled) >= MAX_CANCELLED:
+                    self.cancelled.pop(next(iter(self.cancelled)))  # the oldest
+                self.cancelled[nonce] = time.monotonic() + 4 * self.timeout
             if held is None and send is not None:
                 # D gave up before its reservation got here (e.g. the handshake was
                 # refused): no reservation will come, drop the held prefill now.

@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from engine.core.request import RequestStatus
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0
+VERIFY_TIMEOUT_S = 2.0  # P's ping of a new decode peer's claimed address
 MAX_P_LOCKS = 1024  # D: per-prefill-address handshake locks kept beyond the paired peers
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
@@ -95,12 +97,20 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         kvc = config.kv_transfer
         self.engine_id = kvc.engine_id
         self.incarnation = uuid.uuid4().hex[:12]
-        self.peer_key = f"{self.engine_id}:{self.incarnation}"
+        self.name = f"{self.engine_id}:{self.incarnation}"  # public: logs, pings
+        # Secret: only the prefill nodes this node pairs with learn it (decode_peers).
+        self.peer_key = secrets.token_hex(16)
         self.timeout = kvc.kv_transfer_timeout
         self.block_size = config.cache.block_size
+        # P: a reservation names at most one prompt's blocks; so many wait at most.
+        arch = load_arch_config(config.model.model)
+        max_len = config.model.max_model_len or arch.max_position_embeddings
+        self.max_blocks_per_seq = -(-max_len // self.block_size)
+        sched = config.scheduler
+        self.max_early = 2 * (sched.max_num_seqs + sched.max_queued_requests)
         tp = config.parallel.tp
         # The model's KV heads (not one rank's): each side maps its ranks onto them.
-        self.model_kv_heads = load_arch_config(config.model.model).num_key_value_heads
+        self.model_kv_heads = arch.num_key_value_heads
         self.compat = {
             "connector_version": CONNECTOR_VERSION,
             "kv_transport": kvc.kv_transport,  # nixl or ucxx: both sides use the same
@@ -135,6 +145,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._ended: list[str] = []  # nonces whose counts every rank must drop
         self._watching = False  # what the workers were last told (metadata ``watch``)
         self._lanes = PeerLanes()
+        # P: pings of new decode peers' addresses (at most MAX_UNCONFIRMED wait).
+        self._verifier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-verify")
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
         secret = kvc.kv_secret.encode() or None
         self._client = SideChannelClient(secret=secret)
@@ -185,7 +197,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 "unless all peers are on one trusted box"
             )
         self.address = self._server.address
-        logger.info("NIXL connector %s listening on %s", self.peer_key, self.address)
+        logger.info("NIXL connector %s listening on %s", self.name, self.address)
 
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:
         self._ranks = infos
@@ -428,12 +440,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 return Refusal(refused)
             for old in evicted:
                 self._forget_workers_peer(old)
-                logger.info("decode peer %s evicted (the table is full)", old)
+                logger.info("decode peer %s dropped for %s", old.name, claim.name)
             self.handshakes += 1
-        if verify and not self._submit(msg.address, self._verify_job, key, claim):
-            with self._lock:
-                self._d_peers.drop(key, claim)
-            return Refusal(f"too many calls queued for {msg.address}; try again")
+        if verify:
+            # Its own pool: claims must not take the lanes of paired peers' calls.
+            self._verifier.submit(self._verify_job, key, claim)
         return HandshakeReply(
             engine_id=self.engine_id,
             incarnation=self.incarnation,
@@ -445,28 +456,29 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         )
 
     def _on_reserve(self, msg: Reserve) -> Ack | Refusal:
+        # A forged or confused reservation is refused here, not by a failed WRITE.
+        if len(msg.block_ids) > self.max_blocks_per_seq:  # before anything costs
+            return Refusal(
+                f"reserve.block_ids: {len(msg.block_ids)} blocks, more than a prompt of "
+                f"this node's max_model_len fills ({self.max_blocks_per_seq})"
+            )
+        if len(set(msg.block_ids)) != len(msg.block_ids):
+            return Refusal("reserve.block_ids: a block is named twice")
         with self._lock:
             peer = self._d_peers.get(msg.peer_key)
             if peer is None:
                 return Refusal("handshake first", code=Refusal.HANDSHAKE_REQUIRED)
             peer.last_used = time.monotonic()
-            # A forged or confused reservation is refused here, not by a failed WRITE.
             limit = peer.num_blocks
             if any(b >= limit for b in msg.block_ids):
                 return Refusal(
                     f"reserve.block_ids: block {max(msg.block_ids)} is out of range "
                     f"(the decode peer has {limit} blocks)"
                 )
-            if len(set(msg.block_ids)) != len(msg.block_ids):
-                return Refusal("reserve.block_ids: a block is named twice")
-            # Reservations waiting for their prefill are the part of P's state a peer
-            # grows at will: no more of them, in blocks, than the peer's cache holds.
-            waiting = self.producer.early_blocks(msg.peer_key, but=msg.transfer_id)
-            if waiting + max(1, len(msg.block_ids)) > limit:
-                return Refusal(
-                    f"the decode peer has {waiting} blocks reserved here waiting for their "
-                    f"prefill, and {limit} in all"
-                )
+            if msg.transfer_id not in self.producer.pending and (
+                refused := self._early_full(msg, limit)
+            ):
+                return refused
             res = Reservation(
                 transfer_id=msg.transfer_id,
                 nonce=msg.nonce,
@@ -478,6 +490,22 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 expires=time.monotonic() + self.timeout,
             )
             return self.producer.reserve(res)
+
+    def _early_full(self, msg: Reserve, limit: int) -> Refusal | None:
+        """Reservations waiting for their prefill are the part of P's state a peer grows
+        at will: no more of them, in blocks, than the peer's cache holds, and no more in
+        all than this node could be asked to prefill (running + queued, twice over)."""
+        if msg.transfer_id in self.producer.early:
+            return None  # a retry, or refused as already reserved
+        if len(self.producer.early) >= self.max_early:
+            return Refusal(f"{self.max_early} reservations wait here for their prefill")
+        waiting = self.producer.early_blocks(msg.peer_key, but=msg.transfer_id)
+        if waiting + max(1, len(msg.block_ids)) > limit:
+            return Refusal(
+                f"the decode peer has {waiting} blocks reserved here waiting for their "
+                f"prefill, and {limit} in all"
+            )
+        return None
 
     def _handle(self, raw: dict[str, Any]) -> dict[str, Any]:
         """Serve one side-channel request. Never raises: a message that does not decode
@@ -495,7 +523,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             reply = self._on_reserve(msg)
         elif isinstance(msg, Cancel):
             with self._lock:
-                reply = self.producer.cancel(msg.transfer_id, msg.nonce)
+                key = msg.peer_key if msg.peer_key in self._d_peers else None
+                reply = self.producer.cancel(msg.transfer_id, msg.nonce, key)
         elif isinstance(msg, TransferFailed):
             with self._lock:
                 self.consumer.fail(msg.d_request_id, msg.reason, msg.safe, nonce=msg.nonce)
@@ -601,12 +630,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             if not send.pipelined:  # a pipelined one's request still runs: it holds them
                 self.producer.outcome.free_blocks.add(send.request_id)
             return
-        if res.peer_key not in self._workers_have:
-            peer = self._d_peers.get(res.peer_key)
-            assert peer is not None  # ready() said so
-            ranks = peer.ranks
-            md.add_peers[res.peer_key] = PeerSpec(ranks, self.model_kv_heads)
-            self._workers_have.add(res.peer_key)
+        peer = self._d_peers.get(res.peer_key)
+        assert peer is not None  # ready() said so, under the same lock
+        if peer.handle not in self._workers_have:
+            md.add_peers[peer.handle] = PeerSpec(peer.ranks, self.model_kv_heads)
+            self._workers_have.add(peer.handle)
         self.histograms["kv_transfer_descriptors"].observe(len(block_runs(local, res.block_ids)))
         if not send.pipelined:
             self.histograms["kv_prefill_to_push_seconds"].observe(
@@ -615,7 +643,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         md.sends.append(
             SendSpec(
                 request_id=send.request_id,
-                peer_key=res.peer_key,
+                peer_key=peer.handle,
                 local_block_ids=local,
                 remote_block_ids=res.block_ids,
                 notif=Notif(
@@ -676,21 +704,22 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def _evict_peer(self, key: str, why: str) -> None:
         """A push to this decode peer failed: forget it (agents, descriptor lists). A live
         peer's next reservation is answered ``handshake_required`` and it handshakes anew."""
-        if not self._d_peers.drop(key):
+        peer = self._d_peers.drop(key)
+        if peer is None:
             return
-        logger.warning("dropping decode peer %s after a failed push: %s", key, why)
-        self._forget_workers_peer(key)
+        logger.warning("dropping decode peer %s after a failed push: %s", peer.name, why)
+        self._forget_workers_peer(peer)
 
-    def _forget_workers_peer(self, key: str) -> None:
-        """The workers drop ``key``'s agents and descriptor lists in the next step."""
-        if key in self._workers_have:
-            self._workers_have.discard(key)
-            self._remove.append(key)
+    def _forget_workers_peer(self, peer: DecodePeer) -> None:
+        """The workers drop ``peer``'s agents and descriptor lists in the next step."""
+        if peer.handle in self._workers_have:
+            self._workers_have.discard(peer.handle)
+            self._remove.append(peer.handle)
 
     def _verify_job(self, key: str, claim: DecodePeer) -> None:
         """Ask the address a handshake claimed whether it is that peer (decode_peers)."""
         try:
-            raw = self._client.request(claim.address, Ping().to_wire(), RPC_TIMEOUT_S)
+            raw = self._client.request(claim.address, Ping().to_wire(), VERIFY_TIMEOUT_S)
             reply = decode_reply(raw, PingReply)
         except Exception as e:  # unreachable, or not a reply we know
             reply, why = None, f"no answer from {claim.address}: {e}"
@@ -703,12 +732,16 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 and reply.ranks_digest == claim.digest
             ):
                 for old in self._d_peers.confirm(key, claim):
-                    logger.info("decode at %s restarted; dropping peer %s", claim.address, old)
+                    logger.info(
+                        "decode at %s restarted; %s replaces %s",
+                        claim.address,
+                        claim.name,
+                        old.name,
+                    )
                     self._forget_workers_peer(old)
-            elif self._d_peers.drop(key, claim):
+            elif self._d_peers.drop(key, claim) is not None:
                 self.handshake_failures += 1
-                logger.warning("decode peer %s not confirmed by its address: %s", key, why)
-                self._forget_workers_peer(key)
+                logger.warning("decode peer %s not confirmed by its address: %s", claim.name, why)
         self.wake()
 
     def _prefill_lost(self, address: str, incarnation: str | None, why: str, safe: bool) -> None:
@@ -775,7 +808,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return None
 
     def _cancel_job(self, address: str, transfer_id: str, nonce: str, request_id: str) -> None:
-        raw = self._send_quietly(address, Cancel(transfer_id, nonce).to_wire())
+        raw = self._send_quietly(address, Cancel(transfer_id, nonce, self.peer_key).to_wire())
         try:
             reply = None if raw is None else decode_reply(raw, CancelReply)
         except MessageError as e:
@@ -819,3 +852,4 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def shutdown(self) -> None:
         self._server.close()
         self._lanes.shutdown()
+        self._verifier.shutdown(wait=False, cancel_futures=True)

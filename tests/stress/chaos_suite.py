@@ -879,7 +879,16 @@ def fuzz_messages(
         ),
         (
             "cancel unknown nonce",
-            [enc({"kind": "cancel", "transfer_id": tid, "nonce": "never-issued"})],
+            [
+                enc(
+                    {
+                        "kind": "cancel",
+                        "transfer_id": tid,
+                        "nonce": "never-issued",
+                        "peer_key": fake_key,
+                    }
+                )
+            ],
             "any",
         ),
         (
@@ -960,7 +969,7 @@ def fuzz_messages(
         "ranks": [{"num_blocks": 64} for _ in range(tp)],
         "address": dead_addr,
     }
-    cancel = {"kind": "cancel", "transfer_id": tid, "nonce": nonce}
+    cancel = {"kind": "cancel", "transfer_id": tid, "nonce": nonce, "peer_key": fake_key}
     if target.get("role") == "producer":
         msgs += [
             ("handshake (own identity)", [enc(handshake)], "ok"),
@@ -990,6 +999,46 @@ def fuzz_messages(
                 [enc({**reserve, "transfer_id": tid + "-e", "nonce": nonce + "-e"})],
                 "ok",
             ),
+        ]
+        # Claims naming a real decode node: P takes them as claims its address must confirm
+        # (that address answers as the real node, so they are dropped), never as that
+        # node restarting; the real node's pushes go on (the run's token checks see it).
+        for info in decode_infos:
+            eid, inc = info.get("engine_id"), info.get("incarnation")
+            msgs += [
+                (
+                    f"handshake claiming {eid}'s engine id and address",
+                    [
+                        enc(
+                            {
+                                **handshake,
+                                "engine_id": eid,
+                                "peer_key": f"{eid}:{incarnation}",
+                                "address": info.get("side_channel") or dead_addr,
+                            }
+                        )
+                    ],
+                    "any",
+                ),
+                (
+                    f"handshake under {eid}'s own key",
+                    [
+                        enc(
+                            {
+                                **handshake,
+                                "engine_id": eid,
+                                "incarnation": inc,
+                                "peer_key": f"{eid}:{inc}",
+                            }
+                        )
+                    ],  # fmt: skip
+                    "any",
+                ),
+            ]
+    else:  # a decode node pairs with no one and takes no reservation or cancel
+        msgs += [
+            ("handshake to a decode node", [enc(handshake)], "refused"),
+            ("reserve to a decode node", [enc(reserve)], "refused"),
         ]
     return msgs
 
