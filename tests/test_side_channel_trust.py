@@ -343,9 +343,9 @@ def test_a_decode_node_keeps_no_state_per_address_it_failed_to_reach(conns, monk
     """Clients name the prefill address of a decode leg: a lock per address ever named
     was kept forever (with --kv-allowed-peers '*', one per address a client made up)."""
     monkeypatch.setattr(nixl_scheduler, "MAX_P_LOCKS", 4)
-    monkeypatch.setattr(nixl_scheduler, "RPC_TIMEOUT_S", 0.05)
     d, p = conns("consumer", kv_allowed_peers="*"), conns("producer")
     d._ensure_handshake(p.address)
+    monkeypatch.setattr(nixl_scheduler, "RPC_TIMEOUT_S", 0.05)  # only for the closed ports
     for _ in range(12):
         with pytest.raises(Exception):  # noqa: B017 - nothing listens there
             d._ensure_handshake(f"tcp://127.0.0.1:{free_port()}")
@@ -465,4 +465,13 @@ def test_a_flood_of_unconfirmable_claims_is_capped_and_takes_no_lane(conns, monk
         refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
     assert refused >= 8 and p._lanes.num_lanes() == 0
     wait_for(lambda: len(p._d_peers) == 0, 30, "the claims to be dropped")
+    monkeypatch.setattr(nixl_scheduler, "VERIFY_TIMEOUT_S", 5.0)  # a loaded box may be slow
     paired(p, d)
+
+
+def test_a_repeated_claim_queues_one_check(monkeypatch):
+    table = decode_peers.DecodePeers()
+    claim = decode_peers.DecodePeer("d", "i", "tcp://127.0.0.1:1", [], "x")
+    assert table.offer("k", claim, in_use=())[0] is True
+    again = decode_peers.DecodePeer("d", "i", "tcp://127.0.0.1:1", [], "x")
+    assert table.offer("k", again, in_use=())[0] is False  # a flood of it queues nothing

@@ -100,7 +100,7 @@ class DecodePeers:
         if old is not None:
             if old.same_claim(peer):
                 old.last_used = time.monotonic()
-                return not old.verified, [], None  # a retry: nothing changes
+                return False, [], None  # a retry: nothing changes (its check is queued)
             if old.verified:
                 return (
                     False,
