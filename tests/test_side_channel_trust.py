@@ -475,3 +475,16 @@ def test_a_repeated_claim_queues_one_check(monkeypatch):
     assert table.offer("k", claim, in_use=())[0] is True
     again = decode_peers.DecodePeer("d", "i", "tcp://127.0.0.1:1", [], "x")
     assert table.offer("k", again, in_use=())[0] is False  # a flood of it queues nothing
+
+
+def test_claims_replacing_claims_under_one_key_queue_a_bounded_number_of_checks(conns):
+    """Each new claim under a key whose entry was still unconfirmed replaced it and queued
+    one more ping: the verifier's queue had no bound."""
+    p, d = conns("producer"), conns("consumer")
+    refused = 0
+    for i in range(decode_peers.MAX_UNCONFIRMED + 16):
+        dead = f"tcp://127.0.0.1:{free_port()}"
+        claim = handshake_of(d, peer_key="one-key", engine_id=f"e{i}", address=dead)
+        reply = decode_reply(ask(p.address, claim), HandshakeReply)
+        refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
+    assert refused >= 16 and p._verifying <= decode_peers.MAX_UNCONFIRMED

@@ -35,7 +35,7 @@ from kvconnector.base import ConnectorEvents, KVConnectorScheduler
 from kvconnector.nixl import tp_map
 from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
-from kvconnector.nixl.decode_peers import DecodePeer, DecodePeers
+from kvconnector.nixl.decode_peers import MAX_UNCONFIRMED, DecodePeer, DecodePeers
 from kvconnector.nixl.histogram import Histogram
 from kvconnector.nixl.lanes import LaneFull, PeerLanes
 from kvconnector.nixl.liveness import PeerLiveness
@@ -147,6 +147,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._lanes = PeerLanes()
         # P: pings of new decode peers' addresses (at most MAX_UNCONFIRMED wait).
         self._verifier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-verify")
+        self._verifying = 0  # checks queued or running
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
         secret = kvc.kv_secret.encode() or None
         self._client = SideChannelClient(secret=secret)
@@ -433,7 +434,16 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             digest=ranks_digest(msg.ranks),
         )
         with self._lock:
-            verify, evicted, refused = self._d_peers.offer(key, claim, self.producer.peers_in_use())
+            old = self._d_peers.get(key)
+            retry = old is not None and old.same_claim(claim)
+            if self._verifying >= MAX_UNCONFIRMED and not retry:
+                # Claims replacing claims under one key would queue checks without end.
+                refused: str | None = f"{self._verifying} decode peers wait to be confirmed"
+                verify, evicted = False, []
+            else:
+                verify, evicted, refused = self._d_peers.offer(
+                    key, claim, self.producer.peers_in_use()
+                )
             if refused is not None:
                 self.handshake_failures += 1
                 logger.warning("refusing handshake from %s: %s", msg.address, refused)
@@ -442,6 +452,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 self._forget_workers_peer(old)
                 logger.info("decode peer %s dropped for %s", old.name, claim.name)
             self.handshakes += 1
+            if verify:
+                self._verifying += 1
         if verify:
             # Its own pool: claims must not take the lanes of paired peers' calls.
             self._verifier.submit(self._verify_job, key, claim)
@@ -726,6 +738,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         else:
             why = f"{claim.address} answered {reply!r:.200}"
         with self._lock:
+            self._verifying -= 1
             if (
                 isinstance(reply, PingReply)
                 and (reply.engine_id, reply.incarnation) == (claim.engine_id, claim.incarnation)
