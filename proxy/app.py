@@ -26,11 +26,11 @@ from engine.httpkit.request_id import RequestIdMiddleware
 from proxy.config import ProxyConfig
 from proxy.discovery import DiscoveryLoop, Membership
 from proxy.dns import DnsDiscovery, Resolver, parse_dns_name, system_resolver
-from proxy.health import HealthChecker
+from proxy.health import MAX_HEALTH_BODY_BYTES, HealthChecker
 from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeClient
-from proxy.nodes import NodePool, Role
+from proxy.nodes import Node, NodePool, Role
 from proxy.registration import DEREGISTER_PATH, REGISTER_PATH, Registry, serve_registration
 from proxy.router import Router
 from proxy.serving import ProxyServing
@@ -71,9 +71,21 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI
                 max_connections=cfg.max_connections,
                 headers=node_auth,
             ) as client,
-            NodeClient(timeout=cfg.health_timeout, headers=node_auth) as health_client,
+            NodeClient(
+                timeout=cfg.health_timeout,
+                headers=node_auth,
+                # one check per node at once, every node the proxy may hold
+                max_connections=len(pool.all()) + cfg.max_registered_nodes + 16,
+                max_body_bytes=MAX_HEALTH_BODY_BYTES,
+            ) as health_client,
         ):
             health = HealthChecker(pool, health_client, cfg.health_interval)
+
+            def forget(node: Node) -> None:  # its idle connections, in both clients
+                client.forget(node.url)
+                health_client.forget(node.url)
+
+            members.on_removed = forget
             serving.legs, serving.client = Legs(client), client
             app.state.legs = serving.legs
             await discovery.run_once()  # DNS names resolved before the first health round

@@ -39,7 +39,8 @@ class Membership:
         # answered 4xx), dns_error (a lookup failed; what it listed was kept).
         self.events: Counter[str] = Counter()
         self.checker: Callable[[Node], Awaitable[None]] | None = None
-        self._checks: set[asyncio.Task[None]] = set()
+        self.on_removed: Callable[[Node], None] | None = None  # e.g. close its connections
+        self._checks: dict[str, asyncio.Task[None]] = {}  # URL -> its join-time check
 
     def add(self, role: Role, url: str, source: str) -> Node:
         """``url`` is listed by ``source``: the node, added to the pool if new."""
@@ -53,8 +54,13 @@ class Membership:
         self.events["added"] += 1
         if self.checker is not None:  # routable after one health check, not one interval
             task = asyncio.get_running_loop().create_task(self.checker(node))
-            self._checks.add(task)
-            task.add_done_callback(self._checks.discard)
+            self._checks[url] = task
+
+            def done(finished: asyncio.Task[None]) -> None:
+                if self._checks.get(url) is finished:  # not a later check of the URL
+                    del self._checks[url]
+
+            task.add_done_callback(done)
         return node
 
     def drop(self, url: str, source: str) -> bool:
@@ -67,15 +73,20 @@ class Membership:
             return False
         self.pool.remove(node, f"no longer listed ({source})")
         self.events["removed"] += 1
+        check = self._checks.pop(url, None)
+        if check is not None:
+            check.cancel()  # a node that left is not waited on
+        if self.on_removed is not None:
+            self.on_removed(node)
         return True
 
     def listed_by(self, source: str) -> set[str]:
         return {n.url for n in self.pool.all() if source in n.sources}
 
     async def close(self) -> None:
-        for task in list(self._checks):
+        for task in list(self._checks.values()):
             task.cancel()
-        for task in list(self._checks):
+        for task in list(self._checks.values()):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 

@@ -5,8 +5,11 @@ a Kubernetes headless service answers with its pods' addresses) and each address
 node ``http://ADDR:PORT`` of that role: new addresses join the pool, vanished ones leave
 (``proxy/discovery.py``). A name that does not exist (NXDOMAIN: e.g. a headless service
 with no pods) lists no node; any other lookup failure (timeout, no DNS server) keeps what
-the name listed before, since the nodes are health-checked anyway. The resolver is a plain
-function ``name -> [address, ...]`` so tests can inject one.
+the name listed before, since the nodes are health-checked anyway. A lookup has a deadline
+(``LOOKUP_TIMEOUT_S``: past it, it counts as failed) and a name whose lookup still runs is
+not looked up again (a hung resolver holds one thread per name, not one per refresh); a
+name lists at most ``MAX_NODES_PER_NAME`` addresses. The resolver is a plain function
+``name -> [address, ...]`` so tests can inject one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from proxy.nodes import Role
 logger = logging.getLogger(__name__)
 
 Resolver = Callable[[str], list[str]]
+LOOKUP_TIMEOUT_S = 10.0
+MAX_NODES_PER_NAME = 256
 HOST_NAME = re.compile(
     r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*\.?$"
 )
@@ -78,10 +83,19 @@ class DnsDiscovery:
         self.names = list(names)
         self.resolver = resolver
         self._failing: set[str] = set()  # names whose last lookup failed (logged once)
+        self._running: dict[str, asyncio.Future[list[str]]] = {}  # lookups past a deadline
 
     async def _lookup(self, name: str) -> list[str] | Exception:
+        running = self._running.get(name)
+        if running is not None and not running.done():
+            return TimeoutError(f"the lookup of {name} from an earlier refresh still runs")
+        future = asyncio.ensure_future(asyncio.to_thread(self.resolver, name))
+        self._running[name] = future
         try:
-            return await asyncio.to_thread(self.resolver, name)
+            # shield: past the deadline the thread runs on; the next refresh sees it
+            return await asyncio.wait_for(asyncio.shield(future), LOOKUP_TIMEOUT_S)
+        except TimeoutError:
+            return TimeoutError(f"no answer within {LOOKUP_TIMEOUT_S:g} s")
         except NameNotFound:
             return []
         except OSError as e:
@@ -99,6 +113,12 @@ class DnsDiscovery:
                 self._failing.add(source)
                 continue
             self._failing.discard(source)
+            if len(addrs) > MAX_NODES_PER_NAME:
+                logger.warning(
+                    "%s lists %d addresses; taking the first %d",
+                    source, len(addrs), MAX_NODES_PER_NAME,
+                )  # fmt: skip
+                addrs = addrs[:MAX_NODES_PER_NAME]
             urls = {u for u in (node_url(a, port) for a in addrs) if u is not None}
             listed = self.members.listed_by(source)
             for url in sorted(urls - listed):

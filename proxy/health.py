@@ -5,6 +5,10 @@ that answers 200 is (re)admitted once its facts are known: ``GET /v1/models`` (m
 context length) and ``GET /v1/kv_transfer_info`` (side-channel address, incarnation);
 these are fetched again whenever the node comes back, since it may have restarted. A
 connection error, timeout or non-200 answer takes the node out of rotation.
+
+A check has one deadline for all of it (``deadline``: the answers' bodies included), so a
+node that trickles its answer cannot hold up a round, and answers are read up to
+``MAX_HEALTH_BODY_BYTES`` (the health client's limit; a bigger one fails the check).
 """
 
 from __future__ import annotations
@@ -19,16 +23,29 @@ from proxy.nodes import Node, NodePool
 
 logger = logging.getLogger(__name__)
 
+MAX_HEALTH_BODY_BYTES = 1 << 20  # /health, /v1/models, /v1/kv_transfer_info answers
+
 
 class HealthChecker:
-    def __init__(self, pool: NodePool, client: NodeClient, interval: float) -> None:
+    def __init__(
+        self, pool: NodePool, client: NodeClient, interval: float, deadline: float | None = None
+    ) -> None:
         self.pool = pool
         self.client = client
         self.interval = interval
+        # Three calls at most (health, KV info, models), each within the client's timeout.
+        self.deadline = 3 * client.timeout if deadline is None else deadline
         self._task: asyncio.Task[None] | None = None
         self._first_round = asyncio.Event()
 
     async def check_node(self, node: Node) -> None:
+        try:
+            async with asyncio.timeout(self.deadline):
+                await self._check(node)
+        except TimeoutError:
+            node.set_healthy(False, f"health check took over {self.deadline:g} s")
+
+    async def _check(self, node: Node) -> None:
         try:
             resp = await self.client.get(node.url + "/health")
         except NodeHTTPError as e:

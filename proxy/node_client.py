@@ -319,6 +319,16 @@ class NodeClient:
                 conn.close()
         self._idle.clear()
 
+    def forget(self, url: str) -> None:
+        """Close the idle connections to ``url``'s host and port: the node left the pool
+        (they were kept until the same address was called again, i.e. forever)."""
+        try:
+            key, _ = _split(url)
+        except ValueError:
+            return
+        for conn in self._idle.pop(key, []):
+            conn.close()
+
     # -- the calls ---------------------------------------------------------------------
     async def get(self, url: str, *, timeout: float | None = None) -> NodeResponse:
         return await self.request("GET", url, timeout=timeout)

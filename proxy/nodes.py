@@ -107,7 +107,8 @@ class Node:
             if cards and isinstance(cards[0], dict):
                 self.model = str(cards[0].get("id"))
                 mml = cards[0].get("max_model_len")
-                self.max_model_len = int(mml) if isinstance(mml, int) else None
+                ok = isinstance(mml, int) and not isinstance(mml, bool) and mml >= 2
+                self.max_model_len = mml if ok else None
 
     def _reset(self) -> None:
         if self.on_reset is not None:
@@ -175,12 +176,16 @@ class NodePool:
         return p_ok and bool(self.ready("decode"))
 
     def model_names(self) -> list[str]:
+        """What the ready nodes serve (a node not ready -- e.g. one that just registered,
+        or failed its check -- says nothing to clients)."""
         names: list[str] = []
         for n in self.all():
+            if not n.ready:
+                continue
             if n.model is not None and n.model not in names:
                 names.append(n.model)
         return names
 
     def max_model_len(self) -> int | None:
-        lens = [n.max_model_len for n in self.all() if n.max_model_len is not None]
+        lens = [n.max_model_len for n in self.all() if n.ready and n.max_model_len is not None]
         return min(lens) if lens else None

@@ -1,0 +1,194 @@
+"""A node the proxy health-checks or discovers cannot hold the proxy up (found by a review
+of discovery: a registered node, or any address a DNS name lists, is not trusted).
+
+Real sockets: each misbehaving node is a small asyncio server on a loopback port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from standin_http import StandIn, answer
+
+import proxy.dns as dns_module
+from proxy.discovery import Membership
+from proxy.dns import DnsDiscovery
+from proxy.health import MAX_HEALTH_BODY_BYTES, HealthChecker
+from proxy.node_client import NodeClient
+from proxy.nodes import Node, NodePool
+
+KV_INFO = {"engine_id": "e", "incarnation": "i", "side_channel": "tcp://127.0.0.1:1"}
+
+
+@asynccontextmanager
+async def trickling_node() -> AsyncIterator[tuple[str, list[int]]]:
+    """Answers any request with a 1 MB body it sends one byte every 0.1 s; counts the
+    connections still open."""
+    open_conns = [0]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        open_conns[0] += 1
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n")
+            while True:
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.1)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            open_conns[0] -= 1
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", open_conns
+    finally:
+        server.close()
+
+
+def test_a_node_that_trickles_its_health_answer_cannot_hold_up_a_round():
+    """Each read had a timeout, the check none: a node sending a byte every 0.1 s kept its
+    check -- and with it the round, which gathers every node's -- running for ever."""
+
+    async def main() -> None:
+        async with trickling_node() as (url, _), NodeClient(timeout=0.5) as client:
+            pool = NodePool((url,), ())
+            checker = HealthChecker(pool, client, interval=1.0)
+            await asyncio.wait_for(checker.check_all(), 10)  # hung before
+            node = pool.prefill[0]
+            assert not node.healthy and "took over 1.5 s" in (node.last_error or "")
+
+    asyncio.run(main())
+
+
+def test_a_node_leaving_cancels_its_join_time_check():
+    """The check started when a node joined ran on after the node left (and held one of the
+    health client's connections while it did)."""
+
+    async def main() -> None:
+        started = asyncio.Event()
+
+        async def stuck_check(node: Node) -> None:
+            started.set()
+            await asyncio.Event().wait()
+
+        members = Membership(NodePool((), ()))
+        members.checker = stuck_check
+        members.add("decode", "http://127.0.0.1:9", "registered")
+        await started.wait()
+        (task,) = members._checks.values()
+        assert members.drop("http://127.0.0.1:9", "registered")
+        await asyncio.sleep(0)
+        assert task.cancelled() and not members._checks
+
+    asyncio.run(main())
+
+
+def test_a_node_leaving_closes_its_idle_connections():
+    """Idle keep-alive connections were dropped only when the same address was called
+    again: every node that left (each pod of a rollout) kept its sockets for good."""
+
+    async def main() -> None:
+        async def ok(req):  # noqa: ANN001, ANN202
+            return answer(200, {"ok": True})
+
+        async with StandIn(ok) as node, NodeClient(timeout=5) as client:
+            pool = NodePool((), ())
+            members = Membership(pool)
+            members.on_removed = lambda n: client.forget(n.url)
+            members.add("decode", node.url, "registered")
+            assert (await client.get(node.url + "/health")).status_code == 200
+            assert sum(len(c) for c in client._idle.values()) == 1
+            members.drop(node.url, "registered")
+            assert not client._idle
+
+    asyncio.run(main())
+
+
+def test_node_facts_are_read_up_to_a_bound():
+    """A node's /v1/models of any size was read whole (256 MiB) and parsed on the event
+    loop, every round while the node was not ready."""
+
+    async def main() -> None:
+        big = {"data": [{"id": "m", "max_model_len": 64, "pad": "x" * (2 * MAX_HEALTH_BODY_BYTES)}]}
+
+        async def handler(req):  # noqa: ANN001, ANN202
+            if req.path == "/v1/models":
+                return answer(200, big)
+            return answer(200, KV_INFO if req.path == "/v1/kv_transfer_info" else {})
+
+        async with (
+            StandIn(handler) as node,
+            NodeClient(timeout=5, max_body_bytes=MAX_HEALTH_BODY_BYTES) as client,
+        ):
+            pool = NodePool((node.url,), ())
+            await HealthChecker(pool, client, interval=1.0).check_all()
+            n = pool.prefill[0]
+            assert not n.healthy and "facts unavailable" in (n.last_error or "")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad", [True, 1, -5, "4096"])
+def test_a_nodes_context_length_must_be_a_real_one(bad):
+    """``max_model_len: true`` was taken as 1, and any node's -- even one not ready --
+    became every client's limit (400 context_length_exceeded for every request)."""
+    pool = NodePool(("http://127.0.0.1:1",), ("http://127.0.0.1:2",))
+    p, d = pool.prefill[0], pool.decode[0]
+    p.update_info(KV_INFO, {"data": [{"id": "m", "max_model_len": bad}]})
+    assert p.max_model_len is None
+    p.update_info(None, {"data": [{"id": "m", "max_model_len": 8}]})
+    d.update_info(None, {"data": [{"id": "m", "max_model_len": 4096}]})
+    d.set_healthy(True)
+    assert pool.max_model_len() == 4096  # p is not ready: it sets no limit
+    p.set_healthy(True)
+    assert pool.max_model_len() == 8
+
+
+def test_a_hung_dns_lookup_ends_at_its_deadline_and_is_not_started_twice(monkeypatch):
+    monkeypatch.setattr(dns_module, "LOOKUP_TIMEOUT_S", 0.2)
+    release = threading.Event()
+    calls: list[str] = []
+
+    def hung(name: str) -> list[str]:
+        calls.append(name)
+        release.wait(30)
+        return ["10.0.0.1"]
+
+    async def main() -> None:
+        members = Membership(NodePool((), ()))
+        dns = DnsDiscovery(members, [("decode", "svc", 8200)], hung)
+        await asyncio.wait_for(dns.refresh(), 10)  # waited as long as the resolver did
+        await asyncio.wait_for(dns.refresh(), 10)
+        assert calls == ["svc"] and members.events["dns_error"] == 2
+        release.set()
+        await asyncio.sleep(0.2)
+        await dns.refresh()  # the first lookup's thread is done: a new one starts
+        assert calls == ["svc", "svc"]
+
+    asyncio.run(main())
+
+
+def test_a_dns_name_lists_a_bounded_number_of_nodes(monkeypatch):
+    monkeypatch.setattr(dns_module, "MAX_NODES_PER_NAME", 3)
+    pool = NodePool((), ())
+    dns = DnsDiscovery(
+        Membership(pool), [("decode", "svc", 8200)], lambda n: [f"10.0.0.{i}" for i in range(9)]
+    )
+    asyncio.run(dns.refresh())
+    assert len(pool.decode) == 3
+
+
+def test_models_are_what_ready_nodes_serve():
+    pool = NodePool(("http://127.0.0.1:1",), ("http://127.0.0.1:2",))
+    pool.prefill[0].update_info(None, {"data": [{"id": "other"}]})  # registered, not ready
+    pool.decode[0].update_info(None, {"data": [{"id": "m"}]})
+    pool.decode[0].set_healthy(True)
+    assert pool.model_names() == ["m"]
