@@ -1,25 +1,30 @@
 """The node's side of registration (``--register-with``): register with each proxy once
 the node serves, renew the registration (a heartbeat), deregister on shutdown.
 
-Runs in one daemon thread with a blocking HTTP client, so it needs nothing from the node's
-event loop. A proxy that is down, or refuses, is retried every ``retry_s`` seconds; the
-outcome is logged when it changes. Renewals come every ``interval`` seconds, and at least
-three times per registration lifetime the proxy states (``expires_in``), so a registration
-never lapses while the node lives. ``stop()`` (from a signal handler: ``request_stop()``)
-ends the loop and posts the deregistration (the proxy then stops routing new requests
-here at once, while the node drains the ones it has).
+Runs one daemon thread per proxy with a blocking HTTP client, so it needs nothing from
+the node's event loop and a proxy that does not answer delays only its own renewals. A
+proxy that is down, or refuses, is retried every ``retry_s`` seconds; the outcome is logged
+when it changes. Renewals come every ``interval`` seconds, and at least three times per
+registration lifetime the proxy states (``expires_in``), but never more often than every
+``MIN_RENEW_S`` (a proxy answering ``expires_in: 0.001`` made the node post every 0.3 ms),
+so a registration never lapses while the node lives. ``stop()`` (from a signal handler:
+``request_stop()``) ends the loops and posts the deregistrations (the proxy then stops
+routing new requests here at once, while the node drains the ones it has).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import httpx
 
 from proxy.registration import DEREGISTER_PATH, REGISTER_PATH
 
 logger = logging.getLogger(__name__)
+
+MIN_RENEW_S = 0.5
 
 
 class Announcer:
@@ -40,30 +45,34 @@ class Announcer:
         self.retry_s = min(retry_s, interval)
         self.timeout = timeout
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._ok: dict[str, bool | None] = dict.fromkeys(self.proxies)
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="pdserve-register", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            self._threads = [
+                threading.Thread(target=self._run, args=(p,), name="pdserve-register", daemon=True)
+                for p in self.proxies
+            ]
+            for t in self._threads:
+                t.start()
 
     def request_stop(self) -> None:
         """Signal-safe: the thread deregisters and ends."""
         self._stop.set()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Deregister from every proxy (at once: the threads post in parallel)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
-    def _run(self) -> None:
+    def _run(self, proxy: str) -> None:
         with httpx.Client(timeout=self.timeout, headers=self.headers) as client:
             while not self._stop.is_set():
-                waits = [self._register(client, p) for p in self.proxies]
-                self._stop.wait(min(waits))
-            for proxy in self.proxies:
-                self._post(client, proxy, DEREGISTER_PATH)
+                self._stop.wait(max(MIN_RENEW_S, self._register(client, proxy)))
+            self._post(client, proxy, DEREGISTER_PATH)
 
     def _register(self, client: httpx.Client, proxy: str) -> float:
         """Register once; seconds until the next try."""
