@@ -192,7 +192,31 @@ async def serve_registration(
             return JSONResponse(registry.register(role, url))
         return JSONResponse(registry.deregister(role, url))
     except APIError as e:
-        members.events["refused"] += 1
+        members.events["refused"] += 1  # every one is counted; the log is rate-limited
         client = request.client.host if request.client else "?"
-        logger.warning("%s from %s refused (%d): %s", path, client, e.status_code, e.message)
+        if (quiet := _refusal_log.take()) is not None:
+            logger.warning(
+                "%s from %s refused (%d): %s%s", path, client, e.status_code, e.message,
+                f" ({quiet} more refused, not logged)" if quiet else "",
+            )  # fmt: skip
         return json_error(e)
+
+
+class _LogLimit:
+    """At most one line per ``period`` seconds; ``take`` says how many were held back."""
+
+    def __init__(self, period: float = 1.0) -> None:
+        self.period = period
+        self._last = -period
+        self._quiet = 0
+
+    def take(self) -> int | None:
+        now = time.monotonic()
+        if now - self._last < self.period:
+            self._quiet += 1
+            return None
+        quiet, self._last, self._quiet = self._quiet, now, 0
+        return quiet
+
+
+_refusal_log = _LogLimit()  # a flood of unauthenticated posts must not flood the log

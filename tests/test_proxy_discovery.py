@@ -435,6 +435,22 @@ def test_bad_registrations_get_4xx_and_change_nothing(setup: Setup) -> None:
 
 
 @pytest.mark.slow
+def test_a_flood_of_refused_registrations_does_not_flood_the_log(setup: Setup) -> None:
+    """Every refused post was logged at WARNING: anyone reaching the proxy could fill its
+    log. All are still counted."""
+    b = setup.b
+    log = b.stderr_path.read_text()
+    before = metric(b.url, "pdproxy_discovery_events_total", {"event": "refused"})
+    for _ in range(40):
+        resp = httpx.post(b.url + "/v1/nodes/register", json={"role": "decode"}, timeout=10)
+        assert resp.status_code == 401
+    new_lines = b.stderr_path.read_text()[len(log) :].count("/v1/nodes/register from")
+    assert 1 <= new_lines <= 5, new_lines
+    after = metric(b.url, "pdproxy_discovery_events_total", {"event": "refused"})
+    assert after == before + 40
+
+
+@pytest.mark.slow
 def test_a_dns_name_adds_its_addresses(setup: Setup) -> None:
     d = setup.decode()
     port = d.url.rsplit(":", 1)[1]
