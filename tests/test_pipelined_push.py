@@ -302,6 +302,7 @@ def test_a_prefill_leg_waits_briefly_for_its_reservation_so_that_it_can_pipeline
 def test_delay_admission_holds_only_prefill_legs_without_a_reservation_and_only_so_long():
     from engine.config import KVTransferConfig
     from engine.kv_cache_layout import KVCacheSpec
+    from kvconnector.nixl.decode_peers import DecodePeer
     from kvconnector.nixl.producer import Reservation
     from kvconnector.nixl.scheduler import NixlConnectorScheduler
 
@@ -319,7 +320,10 @@ def test_delay_admission_holds_only_prefill_legs_without_a_reservation_and_only_
         assert conn.admission_retry_at() == pytest.approx(p_req.arrival_time + 0.05)
         assert conn.admission_retry_at() is None  # taken once per step
         conn.producer.early["t1"] = Reservation("t1", "n", "d", "k", "a", [0], 0, 1e18)
-        assert not conn.delay_admission(p_req)  # its reservation is here
+        assert conn.delay_admission(p_req)  # its reservation is here, its peer unconfirmed
+        ranks = [{"num_blocks": 8}]
+        conn._d_peers.peers["k"] = DecodePeer("d", "i", "a", ranks, "x", verified=True)
+        assert not conn.delay_admission(p_req)  # ... and now confirmed
         del conn.producer.early["t1"]
         p_req.arrival_time -= 0.05
         assert not conn.delay_admission(p_req)  # waited long enough

@@ -488,3 +488,48 @@ def test_claims_replacing_claims_under_one_key_queue_a_bounded_number_of_checks(
         reply = decode_reply(ask(p.address, claim), HandshakeReply)
         refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
     assert refused >= 16 and p._verifying <= decode_peers.MAX_UNCONFIRMED
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [({"junk": b"x" * 64}, "unknown keys"), ({"agent_metadata": b"x" * (2 << 20)}, "bytes")],
+)
+def test_rank_metadata_carries_only_what_p_uses_and_in_bounded_sizes(conns, extra, named):
+    """P keeps a peer's rank maps for as long as it pairs with it: 16 MiB of junk per rank
+    was kept (256 peers: ~16 GiB)."""
+    p, d = conns("producer"), conns("consumer")
+    rank = {**rank_info(), **extra}
+    reply = decode_reply(ask(p.address, handshake_of(d, ranks=(rank,))), HandshakeReply)
+    assert isinstance(reply, Refusal) and named in reply.error and not p._d_peers
+
+
+def test_one_peer_cannot_fill_the_reservations_waiting_for_their_prefill(conns):
+    """The count of reservations waiting for their prefill is bounded for all peers
+    together; one stranger with its own key filled it and every real D's early
+    reservation was refused. Now the peer holding the most gives up its oldest."""
+    p, d = conns("producer"), conns("consumer")
+    stranger = conns("consumer")
+    paired(p, d)
+    paired(p, stranger)
+    p.max_early = 4
+    for i in range(4):
+        msg = reserve_of(stranger, [i], tid=f"s{i}")
+        assert decode_reply(ask(p.address, msg), Ack) == Ack()
+    assert isinstance(
+        decode_reply(ask(p.address, reserve_of(stranger, [5], tid="s5")), Ack), Refusal
+    )
+    for tid in ("d0", "d1"):
+        assert decode_reply(ask(p.address, reserve_of(d, [1], tid=tid)), Ack) == Ack()
+    assert set(p.producer.early) == {"s2", "s3", "d0", "d1"}  # the stranger's oldest went
+    assert isinstance(decode_reply(ask(p.address, reserve_of(d, [2], tid="d2")), Ack), Refusal)
+
+
+def test_reservations_of_a_claim_its_address_does_not_confirm_are_dropped(conns, monkeypatch):
+    monkeypatch.setattr(nixl_scheduler, "VERIFY_TIMEOUT_S", 0.3)
+    p, d = conns("producer"), conns("consumer")
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    assert ask(p.address, handshake_of(d, address=dead))["ok"] is True
+    assert decode_reply(ask(p.address, reserve_of(d, [1, 2])), Ack) == Ack()
+    assert p.producer.early
+    wait_for(lambda: not p.producer.early, 15, "the claim's reservations to go")
+    assert d.peer_key not in p._d_peers

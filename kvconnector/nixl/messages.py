@@ -179,6 +179,11 @@ RANK_INT_BOUNDS = {
 MAX_RANK_UNITS = 1 << 26  # num_blocks x 2 x num_layers: the largest descriptor list
 
 
+RANK_BYTES_KEYS = ("agent_metadata", "worker_address")  # NIXL agent / UCX worker address
+RANK_KEYS = {*RANK_INT_BOUNDS, *RANK_BYTES_KEYS, "agent_name", "mem_type", "library"}
+MAX_RANK_BLOB_BYTES = 1 << 20
+
+
 def rank_info_error(rank: dict[str, Any], where: str) -> str | None:
     """Why a peer rank's transport metadata cannot be used, or None."""
     if "num_blocks" not in rank:
@@ -194,6 +199,13 @@ def rank_info_error(rank: dict[str, Any], where: str) -> str | None:
     for key in ("agent_name", "mem_type", "library"):
         if key in rank and not (isinstance(rank[key], str) and len(rank[key]) <= MAX_NAME_CHARS):
             return f"{where}.{key} must be a string of at most {MAX_NAME_CHARS} characters"
+    for key in RANK_BYTES_KEYS:
+        value = rank.get(key)
+        if key in rank and not (isinstance(value, bytes) and len(value) <= MAX_RANK_BLOB_BYTES):
+            return f"{where}.{key} must be at most {MAX_RANK_BLOB_BYTES} bytes"
+    if unknown := set(rank) - RANK_KEYS:
+        # P keeps what a peer sends for as long as it pairs with it: nothing it does not use.
+        return f"{where} has unknown keys {sorted(unknown)[:4]!r:.80}"
     return None
 
 

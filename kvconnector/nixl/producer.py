@@ -320,6 +320,22 @@ class Producer:
             if r.peer_key == peer_key and tid != but
         )
 
+    def evict_early(self, peer_key: str, why: str) -> None:
+        """Give up ``peer_key``'s oldest reservation waiting for its prefill (D is told:
+        nothing was written; a late prefill of it is not pushed)."""
+        tid = next(t for t, r in self.early.items() if r.peer_key == peer_key)
+        res = self.early.pop(tid)
+        self._tombstone(tid, why, res)
+        self.outcome.notify_failed.append((res, why))
+
+    def drop_early(self, peer_key: str, why: str) -> None:
+        """Forget every reservation of ``peer_key`` waiting for its prefill, telling no one
+        (a claim P never trusted: its address did not confirm it)."""
+        for tid, res in list(self.early.items()):
+            if res.peer_key == peer_key:
+                del self.early[tid]
+                self._tombstone(tid, why, res)
+
     def peers_in_use(self) -> set[str]:
         """Decode peer keys a held reservation or a running send refers to."""
         held = [s.reservation for s in self.pending.values()]

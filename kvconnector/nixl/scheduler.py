@@ -23,6 +23,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -256,8 +257,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if time.monotonic() >= until:
             return False
         with self._lock:
-            if request.transfer_id in self.producer.early:
-                return False
+            res = self.producer.early.get(request.transfer_id)
+            if res is not None and self._d_peers.ready(res.peer_key):
+                return False  # a new peer: also until its address confirmed it
             self._retry_at = until if self._retry_at is None else min(self._retry_at, until)
             return True
 
@@ -510,7 +512,13 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if msg.transfer_id in self.producer.early:
             return None  # a retry, or refused as already reserved
         if len(self.producer.early) >= self.max_early:
-            return Refusal(f"{self.max_early} reservations wait here for their prefill")
+            # Full: the peer holding the most gives up its oldest -- unless that is the
+            # sender itself. One peer (or a stranger's many) cannot starve the others.
+            counts = Counter(r.peer_key for r in self.producer.early.values())
+            biggest, held = counts.most_common(1)[0]
+            if biggest == msg.peer_key or held <= counts[msg.peer_key] + 1:
+                return Refusal(f"{self.max_early} reservations wait here for their prefill")
+            self.producer.evict_early(biggest, "too many reservations wait on prefill")
         waiting = self.producer.early_blocks(msg.peer_key, but=msg.transfer_id)
         if waiting + max(1, len(msg.block_ids)) > limit:
             return Refusal(
@@ -755,6 +763,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             elif self._d_peers.drop(key, claim) is not None:
                 self.handshake_failures += 1
                 logger.warning("decode peer %s not confirmed by its address: %s", claim.name, why)
+                # Never pushed: its reservations waiting for their prefill go now.
+                self.producer.drop_early(key, "the decode peer was not confirmed")
         self.wake()
 
     def _prefill_lost(self, address: str, incarnation: str | None, why: str, safe: bool) -> None:
