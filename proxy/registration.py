@@ -20,6 +20,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,9 @@ SOURCE = "registered"
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
+NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*", re.IGNORECASE)
+
+
 def normalize_node_url(text: str) -> str:
     """``scheme://host:port`` of a node's base URL, or ``ValueError`` saying what is wrong."""
     if not isinstance(text, str) or not text or len(text) > 300 or text != text.strip():
@@ -68,6 +72,12 @@ def normalize_node_url(text: str) -> str:
     except ValueError:
         if not HOST_NAME.match(host) or "[" in parts.netloc:
             raise ValueError(f"{text!r:.80}: the host is not a valid name or address") from None
+        if NUMERIC_LABEL.fullmatch(host.rstrip(".").rsplit(".", 1)[-1]):
+            # "0", "127.1", "2130706433", "0.0.0.0.": the resolver reads them as addresses
+            # (past the unspecified-address check); no real name ends in a number.
+            raise ValueError(
+                f"{text!r:.80}: an address must be written a.b.c.d (or [v6]), not {host!r:.40}"
+            ) from None
         return f"{parts.scheme}://{host}:{port}"
     if addr.is_unspecified or addr.is_multicast:
         raise ValueError(

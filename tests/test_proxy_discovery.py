@@ -91,6 +91,12 @@ def test_registration_body_is_checked_field_by_field() -> None:
         ({"role": "decode", "url": "http://bad host:8200"}, "url"),
         ({"role": "decode", "url": "http://0.0.0.0:8200"}, "url"),  # not reachable
         ({"role": "decode", "url": "http://[::]:8200"}, "url"),
+        # the resolver reads these as addresses (0.0.0.0 and loopback in disguise)
+        ({"role": "decode", "url": "http://0:8200"}, "url"),
+        ({"role": "decode", "url": "http://0.0.0.0.:8200"}, "url"),
+        ({"role": "decode", "url": "http://2130706433:8200"}, "url"),
+        ({"role": "decode", "url": "http://127.1:8200"}, "url"),
+        ({"role": "decode", "url": "http://0x7f.1:8200"}, "url"),
         ({"role": "decode", "url": "http://" + "a" * 300 + ":8200"}, "url"),
     ]
     for body, param in bad:
