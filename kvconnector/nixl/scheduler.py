@@ -511,6 +511,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         all than this node could be asked to prefill (running + queued, twice over)."""
         if msg.transfer_id in self.producer.early:
             return None  # a retry, or refused as already reserved
+        waiting = self.producer.early_blocks(msg.peer_key, but=msg.transfer_id)
+        if waiting + max(1, len(msg.block_ids)) > limit:
+            return Refusal(
+                f"the decode peer has {waiting} blocks reserved here waiting for their "
+                f"prefill, and {limit} in all"
+            )
         if len(self.producer.early) >= self.max_early:
             # Full: the peer holding the most gives up its oldest -- unless that is the
             # sender itself. One peer (or a stranger's many) cannot starve the others.
@@ -519,12 +525,6 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             if biggest == msg.peer_key or held <= counts[msg.peer_key] + 1:
                 return Refusal(f"{self.max_early} reservations wait here for their prefill")
             self.producer.evict_early(biggest, "too many reservations wait on prefill")
-        waiting = self.producer.early_blocks(msg.peer_key, but=msg.transfer_id)
-        if waiting + max(1, len(msg.block_ids)) > limit:
-            return Refusal(
-                f"the decode peer has {waiting} blocks reserved here waiting for their "
-                f"prefill, and {limit} in all"
-            )
         return None
 
     def _handle(self, raw: dict[str, Any]) -> dict[str, Any]:
