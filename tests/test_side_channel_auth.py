@@ -142,7 +142,7 @@ def test_a_decode_node_without_the_secret_cannot_pair_with_a_prefill_node_that_h
         assert good._ensure_handshake(p.address).engine_id == p.engine_id
         with pytest.raises(Exception, match="unauthenticated"):
             bad._ensure_handshake(p.address)
-        assert set(p._d_peers.peers) == {good.peer_key}
+        assert set(p._d_peers.peers) == {good.pairing_key(p.address)}
     finally:
         for c in (p, good, bad):
             c.shutdown()

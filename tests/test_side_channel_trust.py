@@ -84,12 +84,14 @@ def ask(address: str, msg: dict[str, Any]) -> dict[str, Any]:
     return SideChannelClient().request(address, msg, RPC_TIMEOUT_S)
 
 
-def handshake_of(peer: NixlConnectorScheduler, **override: Any) -> dict[str, Any]:
-    """The handshake ``peer`` would send (``override`` forges fields)."""
+def handshake_of(
+    peer: NixlConnectorScheduler, to: NixlConnectorScheduler, **override: Any
+) -> dict[str, Any]:
+    """The handshake ``peer`` would send ``to`` (``override`` forges fields)."""
     fields: dict[str, Any] = {
         "engine_id": peer.engine_id,
         "incarnation": peer.incarnation,
-        "peer_key": peer.peer_key,
+        "peer_key": peer.pairing_key(to.address),
         "compat": peer.compat,
         "ranks": tuple(peer._ranks),
         "address": peer.address,
@@ -106,7 +108,7 @@ def test_a_decode_node_refuses_handshakes_and_gives_out_no_rank_metadata(conns):
     KV memory). Only a prefill node pairs; D refuses and sends nothing of its own."""
     d = conns("consumer")
     stranger = conns("producer")
-    raw = ask(d.address, handshake_of(stranger))
+    raw = ask(d.address, handshake_of(stranger, d))
     reply = decode_reply(raw, HandshakeReply)
     assert isinstance(reply, Refusal) and "decode node" in reply.error
     assert "ranks" not in raw and SECRET_MD not in repr(raw).encode()
@@ -137,7 +139,7 @@ def test_a_prefill_node_refuses_failure_notices(conns):
 def test_a_prefill_nodes_handshake_reply_carries_no_memory_keys(conns):
     """D needs P's rank count (the TP map), not the keys to P's KV memory."""
     p, d = conns("producer"), conns("consumer")
-    raw = ask(p.address, handshake_of(d))
+    raw = ask(p.address, handshake_of(d, p))
     reply = decode_reply(raw, HandshakeReply)
     assert isinstance(reply, HandshakeReply) and len(reply.ranks) == 1
     assert SECRET_MD not in repr(raw).encode()
@@ -166,13 +168,16 @@ def test_a_handshake_with_impossible_rank_metadata_is_refused(conns, rank, named
     2**62 was an allocation on every P rank, a missing one disabled the reservation's
     block-range check."""
     p, d = conns("producer"), conns("consumer")
-    reply = decode_reply(ask(p.address, handshake_of(d, ranks=(rank,))), HandshakeReply)
+    reply = decode_reply(ask(p.address, handshake_of(d, p, ranks=(rank,))), HandshakeReply)
     assert isinstance(reply, Refusal) and named in reply.error
     assert not p._d_peers
 
 
-def reserve_of(d: NixlConnectorScheduler, block_ids: Any, tid: str = "t1") -> dict[str, Any]:
-    msg = Reserve(tid, f"nonce-{tid}", "d-req", d.peer_key, d.address, (), 0).to_wire()
+def reserve_of(
+    d: NixlConnectorScheduler, p: NixlConnectorScheduler, block_ids: Any, tid: str = "t1"
+) -> dict[str, Any]:
+    key = d.pairing_key(p.address)
+    msg = Reserve(tid, f"nonce-{tid}", "d-req", key, d.address, (), 0).to_wire()
     msg["block_ids"] = block_ids
     return msg
 
@@ -189,7 +194,7 @@ def reserve_of(d: NixlConnectorScheduler, block_ids: Any, tid: str = "t1") -> di
 def test_a_reservation_naming_blocks_the_peer_cannot_have_is_refused(conns, block_ids, named):
     p, d = conns("producer"), conns("consumer")
     assert d._ensure_handshake(p.address).engine_id == p.engine_id
-    reply = decode_reply(ask(p.address, reserve_of(d, block_ids)), Ack)
+    reply = decode_reply(ask(p.address, reserve_of(d, p, block_ids)), Ack)
     assert isinstance(reply, Refusal) and named in reply.error
     assert p.producer.num_states() == 0
 
@@ -200,10 +205,12 @@ def test_reservations_waiting_for_their_prefill_are_bounded_by_the_peers_cache(c
     p, d = conns("producer"), conns("consumer")
     d.set_worker_info([rank_info(num_blocks=4)])
     paired(p, d)
-    assert decode_reply(ask(p.address, reserve_of(d, [0, 1, 2], tid="t1")), Ack) == Ack()
-    assert decode_reply(ask(p.address, reserve_of(d, [0, 1, 2], tid="t1")), Ack) == Ack()  # retry
-    assert decode_reply(ask(p.address, reserve_of(d, [3], tid="t2")), Ack) == Ack()
-    reply = decode_reply(ask(p.address, reserve_of(d, [0], tid="t3")), Ack)
+    assert decode_reply(ask(p.address, reserve_of(d, p, [0, 1, 2], tid="t1")), Ack) == Ack()
+    assert (
+        decode_reply(ask(p.address, reserve_of(d, p, [0, 1, 2], tid="t1")), Ack) == Ack()
+    )  # retry
+    assert decode_reply(ask(p.address, reserve_of(d, p, [3], tid="t2")), Ack) == Ack()
+    reply = decode_reply(ask(p.address, reserve_of(d, p, [0], tid="t3")), Ack)
     assert isinstance(reply, Refusal) and "4 in all" in reply.error
     assert set(p.producer.early) == {"t1", "t2"}
 
@@ -211,7 +218,7 @@ def test_reservations_waiting_for_their_prefill_are_bounded_by_the_peers_cache(c
 def test_a_transfer_id_longer_than_the_wire_allows_is_refused(conns):
     p, d = conns("producer"), conns("consumer")
     d._ensure_handshake(p.address)
-    reply = decode_reply(ask(p.address, reserve_of(d, [1], tid="t" * 100_000)), Ack)
+    reply = decode_reply(ask(p.address, reserve_of(d, p, [1], tid="t" * 100_000)), Ack)
     assert isinstance(reply, Refusal) and "at most 512 characters" in reply.error
 
 
@@ -221,7 +228,7 @@ def test_a_transfer_id_longer_than_the_wire_allows_is_refused(conns):
 def paired(p: NixlConnectorScheduler, d: NixlConnectorScheduler) -> None:
     """``d`` handshakes with ``p`` and ``p`` verifies it (its address answered as it)."""
     assert d._ensure_handshake(p.address).engine_id == p.engine_id
-    wait_for(lambda: p._d_peers.ready(d.peer_key), 10, "P to verify the decode peer")
+    wait_for(lambda: p._d_peers.ready(d.pairing_key(p.address)), 10, "P to verify the decode peer")
 
 
 def settled(p: NixlConnectorScheduler, key: str) -> bool:
@@ -235,20 +242,24 @@ def test_a_forged_handshake_naming_a_decode_nodes_engine_id_leaves_it_paired(con
     D (its pushes then never started). Now only the claim's own address can confirm it."""
     p, d, evil = conns("producer"), conns("consumer"), conns("consumer")
     paired(p, d)
-    forged = handshake_of(evil, engine_id=d.engine_id, peer_key=f"{d.engine_id}:{evil.incarnation}")
+    forged = handshake_of(
+        evil, p, engine_id=d.engine_id, peer_key=f"{d.engine_id}:{evil.incarnation}"
+    )
     assert ask(p.address, forged)["ok"] is True  # a claim; nothing is trusted yet
     wait_for(lambda: settled(p, forged["peer_key"]), 15, "P to check the claim")
     assert forged["peer_key"] not in p._d_peers  # evil's address answered as evil
-    assert p._d_peers.ready(d.peer_key)
+    assert p._d_peers.ready(d.pairing_key(p.address))
 
 
 def test_a_forged_handshake_claiming_a_decode_nodes_address_leaves_it_paired(conns):
     p, d, evil = conns("producer"), conns("consumer"), conns("consumer")
     paired(p, d)
-    forged = handshake_of(evil, address=d.address)  # D's address, evil's ranks
+    forged = handshake_of(evil, p, address=d.address)  # D's address, evil's ranks
     assert ask(p.address, forged)["ok"] is True
-    wait_for(lambda: settled(p, evil.peer_key), 15, "P to check the claim")
-    assert evil.peer_key not in p._d_peers and p._d_peers.ready(d.peer_key)
+    wait_for(lambda: settled(p, evil.pairing_key(p.address)), 15, "P to check the claim")
+    assert evil.pairing_key(p.address) not in p._d_peers and p._d_peers.ready(
+        d.pairing_key(p.address)
+    )
     assert p.stats()["kv_handshake_failures_total"] == 1
 
 
@@ -258,19 +269,19 @@ def test_a_handshake_taking_over_a_paired_peers_key_is_refused(conns):
     p, d, evil = conns("producer"), conns("consumer"), conns("consumer")
     paired(p, d)
     forged = handshake_of(
-        evil, engine_id=d.engine_id, incarnation=d.incarnation, peer_key=d.peer_key
+        evil, p, engine_id=d.engine_id, incarnation=d.incarnation, peer_key=d.pairing_key(p.address)
     )
     reply = decode_reply(ask(p.address, forged), HandshakeReply)
     assert isinstance(reply, Refusal) and "already paired" in reply.error
-    peer = p._d_peers.get(d.peer_key)
+    peer = p._d_peers.get(d.pairing_key(p.address))
     assert peer is not None and peer.address == d.address and peer.verified
-    assert ask(p.address, handshake_of(d))["ok"] is True  # D's own retry still pairs
+    assert ask(p.address, handshake_of(d, p))["ok"] is True  # D's own retry still pairs
 
 
 def test_nothing_is_pushed_to_a_peer_before_its_address_answered_as_it(conns):
     p = conns("producer")
     dead = f"tcp://127.0.0.1:{free_port()}"
-    forged = handshake_of(p, engine_id="d", incarnation="i", peer_key="d:i", address=dead)
+    forged = handshake_of(p, p, engine_id="d", incarnation="i", peer_key="d:i", address=dead)
     forged["ranks"] = [rank_info()]
     assert ask(p.address, forged)["ok"] is True
     with p._lock:
@@ -300,7 +311,9 @@ def test_a_decode_node_restarted_at_the_same_address_replaces_the_old_one(conns)
     wait_for(restart, 10, "the side-channel port to be free again")
     second = started[0]
     paired(p, second)
-    wait_for(lambda: first.peer_key not in p._d_peers, 10, "the old incarnation to go")
+    wait_for(
+        lambda: first.pairing_key(p.address) not in p._d_peers, 10, "the old incarnation to go"
+    )
     assert len(p._d_peers) == 1
 
 
@@ -313,14 +326,18 @@ def test_the_decode_peer_table_is_bounded(conns, monkeypatch):
     paired(p, ds[0])
     paired(p, ds[1])
     with p._lock:
-        res = Reservation("t1", "n1", "r", ds[1].peer_key, ds[1].address, [1], 0, float("inf"))
+        res = Reservation(
+            "t1", "n1", "r", ds[1].pairing_key(p.address), ds[1].address, [1], 0, float("inf")
+        )
         assert isinstance(p.producer.reserve(res), Ack)
     paired(p, ds[2])  # evicts ds[0]: idle and least recently used
-    assert set(p._d_peers.peers) == {ds[1].peer_key, ds[2].peer_key}
+    assert set(p._d_peers.peers) == {ds[1].pairing_key(p.address), ds[2].pairing_key(p.address)}
     with p._lock:
-        res = Reservation("t2", "n2", "r", ds[2].peer_key, ds[2].address, [1], 0, float("inf"))
+        res = Reservation(
+            "t2", "n2", "r", ds[2].pairing_key(p.address), ds[2].address, [1], 0, float("inf")
+        )
         assert isinstance(p.producer.reserve(res), Ack)
-    reply = decode_reply(ask(p.address, handshake_of(ds[0])), HandshakeReply)
+    reply = decode_reply(ask(p.address, handshake_of(ds[0], p)), HandshakeReply)
     assert isinstance(reply, Refusal) and "2 decode peers" in reply.error
 
 
@@ -379,10 +396,11 @@ def impostor():
 
 
 def test_a_decode_nodes_pairing_key_is_in_no_ping_reply_or_info(conns):
-    d = conns("consumer")
+    d, p = conns("consumer"), conns("producer")
     raw = ask(d.address, Ping().to_wire())
-    assert d.peer_key not in repr(raw) and d.peer_key not in repr(d.info())
-    assert d.peer_key != public_key_of(d)  # it was engine_id:incarnation, which pings tell
+    key = d.pairing_key(p.address)
+    assert key not in repr(raw) and key not in repr(d.info())
+    assert key != public_key_of(d)  # it was engine_id:incarnation, which pings tell
 
 
 def test_a_key_learned_from_a_ping_cannot_squat_on_a_decode_node(conns, impostor):
@@ -393,7 +411,7 @@ def test_a_key_learned_from_a_ping_cannot_squat_on_a_decode_node(conns, impostor
     eid, inc = public_key_of(d).split(":")
     evil_ranks = [rank_info()]
     forged = handshake_of(
-        d, peer_key=public_key_of(d), ranks=evil_ranks, address=impostor(eid, inc, evil_ranks)
+        d, p, peer_key=public_key_of(d), ranks=evil_ranks, address=impostor(eid, inc, evil_ranks)
     )
     assert ask(p.address, forged)["ok"] is True
     wait_for(lambda: settled(p, forged["peer_key"]), 15, "P to check the claim")
@@ -407,15 +425,15 @@ def test_a_key_learned_from_a_ping_cannot_take_over_an_evicted_decode_nodes_push
     p, d = conns("producer"), conns("consumer")
     paired(p, d)
     with p._lock:
-        p._evict_peer(d.peer_key, "evicted for the test")
+        p._evict_peer(d.pairing_key(p.address), "evicted for the test")
     eid, inc = public_key_of(d).split(":")
     evil_ranks = [rank_info()]
     forged = handshake_of(
-        d, peer_key=public_key_of(d), ranks=evil_ranks, address=impostor(eid, inc, evil_ranks)
+        d, p, peer_key=public_key_of(d), ranks=evil_ranks, address=impostor(eid, inc, evil_ranks)
     )
     assert ask(p.address, forged)["ok"] is True
     wait_for(lambda: settled(p, forged["peer_key"]), 15, "P to check the claim")
-    reply = decode_reply(ask(p.address, reserve_of(d, [1, 2])), Ack)
+    reply = decode_reply(ask(p.address, reserve_of(d, p, [1, 2])), Ack)
     assert isinstance(reply, Refusal) and reply.code == Refusal.HANDSHAKE_REQUIRED
     assert not p.producer.early
 
@@ -423,9 +441,9 @@ def test_a_key_learned_from_a_ping_cannot_take_over_an_evicted_decode_nodes_push
 def test_a_stranger_cannot_fill_a_decode_nodes_reservation_quota(conns):
     p, d = conns("producer"), conns("consumer")
     paired(p, d)
-    stolen = {**reserve_of(d, list(range(64)), tid="evil"), "peer_key": public_key_of(d)}
+    stolen = {**reserve_of(d, p, list(range(64)), tid="evil"), "peer_key": public_key_of(d)}
     assert ask(p.address, stolen)["code"] == Refusal.HANDSHAKE_REQUIRED
-    assert decode_reply(ask(p.address, reserve_of(d, [1, 2, 3])), Ack) == Ack()
+    assert decode_reply(ask(p.address, reserve_of(d, p, [1, 2, 3])), Ack) == Ack()
 
 
 def test_cancels_from_strangers_are_not_remembered():
@@ -443,12 +461,12 @@ def test_a_reservation_is_bounded_by_one_prompt_and_their_number_by_the_nodes_qu
     d.set_worker_info([rank_info(num_blocks=1000)])
     paired(p, d)
     too_long = list(range(p.max_blocks_per_seq + 1))  # max_model_len 256 / block size 4
-    reply = decode_reply(ask(p.address, reserve_of(d, too_long)), Ack)
+    reply = decode_reply(ask(p.address, reserve_of(d, p, too_long)), Ack)
     assert isinstance(reply, Refusal) and "max_model_len" in reply.error
     p.max_early = 2
     for tid in ("a", "b"):
-        assert decode_reply(ask(p.address, reserve_of(d, [1], tid=tid)), Ack) == Ack()
-    reply = decode_reply(ask(p.address, reserve_of(d, [2], tid="c")), Ack)
+        assert decode_reply(ask(p.address, reserve_of(d, p, [1], tid=tid)), Ack) == Ack()
+    reply = decode_reply(ask(p.address, reserve_of(d, p, [2], tid="c")), Ack)
     assert isinstance(reply, Refusal) and "wait here for their prefill" in reply.error
 
 
@@ -460,7 +478,7 @@ def test_a_flood_of_unconfirmable_claims_is_capped_and_takes_no_lane(conns, monk
     refused = 0
     for i in range(decode_peers.MAX_UNCONFIRMED + 8):
         dead = f"tcp://127.0.0.1:{free_port()}"
-        flood = handshake_of(d, peer_key=f"flood-{i}", engine_id=f"flood-{i}", address=dead)
+        flood = handshake_of(d, p, peer_key=f"flood-{i}", engine_id=f"flood-{i}", address=dead)
         reply = decode_reply(ask(p.address, flood), HandshakeReply)
         refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
     assert refused >= 8 and p._lanes.num_lanes() == 0
@@ -484,7 +502,7 @@ def test_claims_replacing_claims_under_one_key_queue_a_bounded_number_of_checks(
     refused = 0
     for i in range(decode_peers.MAX_UNCONFIRMED + 16):
         dead = f"tcp://127.0.0.1:{free_port()}"
-        claim = handshake_of(d, peer_key="one-key", engine_id=f"e{i}", address=dead)
+        claim = handshake_of(d, p, peer_key="one-key", engine_id=f"e{i}", address=dead)
         reply = decode_reply(ask(p.address, claim), HandshakeReply)
         refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
     assert refused >= 16 and p._verifying <= decode_peers.MAX_UNCONFIRMED
@@ -499,7 +517,7 @@ def test_rank_metadata_carries_only_what_p_uses_and_in_bounded_sizes(conns, extr
     was kept (256 peers: ~16 GiB)."""
     p, d = conns("producer"), conns("consumer")
     rank = {**rank_info(), **extra}
-    reply = decode_reply(ask(p.address, handshake_of(d, ranks=(rank,))), HandshakeReply)
+    reply = decode_reply(ask(p.address, handshake_of(d, p, ranks=(rank,))), HandshakeReply)
     assert isinstance(reply, Refusal) and named in reply.error and not p._d_peers
 
 
@@ -513,23 +531,90 @@ def test_one_peer_cannot_fill_the_reservations_waiting_for_their_prefill(conns):
     paired(p, stranger)
     p.max_early = 4
     for i in range(4):
-        msg = reserve_of(stranger, [i], tid=f"s{i}")
+        msg = reserve_of(stranger, p, [i], tid=f"s{i}")
         assert decode_reply(ask(p.address, msg), Ack) == Ack()
     assert isinstance(
-        decode_reply(ask(p.address, reserve_of(stranger, [5], tid="s5")), Ack), Refusal
+        decode_reply(ask(p.address, reserve_of(stranger, p, [5], tid="s5")), Ack), Refusal
     )
     for tid in ("d0", "d1"):
-        assert decode_reply(ask(p.address, reserve_of(d, [1], tid=tid)), Ack) == Ack()
+        assert decode_reply(ask(p.address, reserve_of(d, p, [1], tid=tid)), Ack) == Ack()
     assert set(p.producer.early) == {"s2", "s3", "d0", "d1"}  # the stranger's oldest went
-    assert isinstance(decode_reply(ask(p.address, reserve_of(d, [2], tid="d2")), Ack), Refusal)
+    assert isinstance(decode_reply(ask(p.address, reserve_of(d, p, [2], tid="d2")), Ack), Refusal)
 
 
 def test_reservations_of_a_claim_its_address_does_not_confirm_are_dropped(conns, monkeypatch):
     monkeypatch.setattr(nixl_scheduler, "VERIFY_TIMEOUT_S", 0.3)
     p, d = conns("producer"), conns("consumer")
     dead = f"tcp://127.0.0.1:{free_port()}"
-    assert ask(p.address, handshake_of(d, address=dead))["ok"] is True
-    assert decode_reply(ask(p.address, reserve_of(d, [1, 2])), Ack) == Ack()
+    assert ask(p.address, handshake_of(d, p, address=dead))["ok"] is True
+    assert decode_reply(ask(p.address, reserve_of(d, p, [1, 2])), Ack) == Ack()
     assert p.producer.early
     wait_for(lambda: not p.producer.early, 15, "the claim's reservations to go")
-    assert d.peer_key not in p._d_peers
+    assert d.pairing_key(p.address) not in p._d_peers
+
+
+# -- a fake "prefill node" a client names ----------------------------------------------------
+
+
+@pytest.fixture
+def recorder():
+    """A side channel that records what it gets and refuses it: a fake "prefill node" a
+    client names in a decode leg (any address --kv-allowed-peers allows)."""
+    servers: list[SideChannelServer] = []
+    seen: list[dict[str, Any]] = []
+
+    def make(**kw: Any) -> str:
+        def handle(msg: dict[str, Any]) -> dict[str, Any]:
+            seen.append(msg)
+            return Refusal("no").to_wire()
+
+        servers.append(SideChannelServer("127.0.0.1", 0, handle, **kw))
+        return servers[-1].address
+
+    yield make, seen
+    for s in servers:
+        s.close()
+
+
+class _Wiretap(SideChannelServer):
+    """A side channel that keeps every byte it receives (what any listener can read)."""
+
+    frames: list[bytes]
+
+    def _dispatch(self, frames: list[bytes]) -> bytes | None:
+        self.frames.append(b"".join(frames))
+        return super()._dispatch(frames)
+
+
+def test_a_key_a_fake_prefill_node_learned_is_worth_nothing_at_a_real_one(conns, recorder):
+    """D sent one pairing key to every prefill address a client named: a fake one captured
+    it, reserved D's blocks under it at the real P with its own prefills, and P wrote that
+    KV into D's cache (D's clients then got wrong tokens with HTTP 200)."""
+    p, d = conns("producer"), conns("consumer")
+    make, seen = recorder
+    fake = make()
+    paired(p, d)
+    with pytest.raises(Exception, match="refused the handshake"):
+        d._ensure_handshake(fake)
+    (shake,) = seen
+    stolen = {**reserve_of(d, p, [0, 1, 2]), "peer_key": shake["peer_key"]}
+    reply = decode_reply(ask(p.address, stolen), Ack)
+    assert isinstance(reply, Refusal) and reply.code == Refusal.HANDSHAKE_REQUIRED
+    assert not p.producer.early
+
+
+def test_with_the_secret_d_hands_its_rank_metadata_only_to_an_address_that_proves_it(conns):
+    """A signed message is not a secret one: D's signed handshake carried its NIXL agent
+    metadata (the keys to write into its KV memory) to any address a client named, secret
+    or not. Now the address first answers a signed ping."""
+    d = conns("consumer", kv_secret="s3cret")
+    _Wiretap.frames = []
+    fake = _Wiretap("127.0.0.1", 0, lambda msg: {"ok": True})  # no secret: unsigned replies
+    try:
+        with pytest.raises(Exception, match="did not prove the secret"):
+            d._ensure_handshake(fake.address)
+    finally:
+        fake.close()
+    assert _Wiretap.frames and not any(SECRET_MD in f for f in _Wiretap.frames)
+    p = conns("producer", kv_secret="s3cret")
+    assert d._ensure_handshake(p.address).engine_id == p.engine_id  # a real one pairs

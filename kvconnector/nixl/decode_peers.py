@@ -1,9 +1,10 @@
 """Prefill side: the decode peers this node pairs with, and when it trusts one.
 
-A decode node's ``peer_key`` is a random secret of its incarnation (128 bits), sent only
-in its handshakes -- to the prefill nodes it chose to pair with -- never in a ping reply,
-its ``/v1/kv_transfer_info`` or a log line (those name it ``engine_id:incarnation``,
-``DecodePeer.name``). P keys its table by it, and a reservation or cancel counts only
+A decode node's ``peer_key`` is a secret of its incarnation *and of the prefill address it
+pairs with* (128 bits, ``NixlConnectorScheduler.pairing_key``), sent only in its handshake
+to that address -- never in a ping reply, its ``/v1/kv_transfer_info`` or a log line
+(those name it ``engine_id:incarnation``, ``DecodePeer.name``): a key a fake "prefill
+node" learned (a client may name any allowed address) is worth nothing at a real one. P keys its table by it, and a reservation or cancel counts only
 under a key P has paired with: knowing a decode node's public name is not enough to
 reserve, cancel or squat in its name.
 
@@ -131,7 +132,14 @@ class DecodePeers:
         if self.peers.get(key) is not peer:
             return []  # replaced or dropped meanwhile
         peer.verified = True
-        gone = [k for k, p in self.peers.items() if k != key and p.address == peer.address]
+        # Another incarnation at this address is gone (one address, one process); the same
+        # incarnation under another key (its address spelt another way by D) stays.
+        me = (peer.engine_id, peer.incarnation)
+        gone = [
+            k
+            for k, p in self.peers.items()
+            if k != key and p.address == peer.address and (p.engine_id, p.incarnation) != me
+        ]
         return [self.peers.pop(k) for k in gone]
 
     def drop(self, key: str, peer: DecodePeer | None = None) -> DecodePeer | None:

@@ -86,9 +86,10 @@ import msgpack
 #   7  peer trust: a decode node refuses handshake/reserve/cancel and a prefill node
 #      transfer_failed (``code: wrong_role``); P's handshake reply carries only public rank
 #      info (``public_rank_info``); the ping reply gained ``ranks_digest``, which P checks
-#      before it pushes to a peer (``decode_peers``); ``peer_key`` is a random secret of
-#      D's incarnation (was ``engine_id:incarnation``, which pings hand out) and ``cancel``
-#      gained it; names, texts and arrays are bounded.
+#      before it pushes to a peer (``decode_peers``); ``peer_key`` is a secret of D's
+#      incarnation and the prefill address (was ``engine_id:incarnation``, which pings hand
+#      out) and ``cancel`` gained it; with a secret, D's handshake follows a signed ping;
+#      names, texts and arrays are bounded.
 CONNECTOR_VERSION = 7
 LAYOUT = "block,layer,kv,head,token,dim"
 

@@ -16,6 +16,8 @@ Flow (push, D reserves while P prefills):
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import logging
 import os
@@ -67,7 +69,7 @@ from kvconnector.nixl.messages import (
 from kvconnector.nixl.metadata import STEP_FAILED, NixlConnectorMetadata, PeerSpec, SendSpec
 from kvconnector.nixl.peers import PeerAllowlist
 from kvconnector.nixl.producer import PendingSend, Producer, Reservation
-from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
+from kvconnector.nixl.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 from kvconnector.nixl.stats import NixlSchedulerStats, NixlWorkerStats
 from kvconnector.params import KVTransferParams
 
@@ -99,8 +101,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.engine_id = kvc.engine_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.name = f"{self.engine_id}:{self.incarnation}"  # public: logs, pings
-        # Secret: only the prefill nodes this node pairs with learn it (decode_peers).
-        self.peer_key = secrets.token_hex(16)
+        # Secret: each prefill node this node pairs with learns its own pairing key
+        # (pairing_key), so a key one learned -- e.g. a fake "prefill node" a client
+        # named -- is worth nothing at another (decode_peers).
+        self._key_secret = secrets.token_bytes(32)
         self.timeout = kvc.kv_transfer_timeout
         self.block_size = config.cache.block_size
         # P: a reservation names at most one prompt's blocks; so many wait at most.
@@ -200,6 +204,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             )
         self.address = self._server.address
         logger.info("NIXL connector %s listening on %s", self.name, self.address)
+
+    def pairing_key(self, p_address: str) -> str:
+        """D: the secret this node pairs with the prefill node at ``p_address`` under (128
+        bits, its own for every address and incarnation)."""
+        mac = hmac.new(self._key_secret, p_address.encode(), hashlib.sha256)
+        return mac.hexdigest()[:32]
 
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:
         self._ranks = infos
@@ -314,7 +324,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             transfer_id=recv.transfer_id,
             nonce=recv.nonce,
             d_request_id=recv.request_id,
-            peer_key=self.peer_key,
+            peer_key=self.pairing_key(recv.p_address),
             address=self.address,
             block_ids=tuple(recv.block_ids),
             skip_blocks=recv.skip_blocks,
@@ -357,10 +367,20 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             peer = self._p_peers.get(address)
             if peer is not None and not force:
                 return peer
+            if self._client.signed:
+                # The handshake hands out this node's rank metadata (the keys to write into
+                # its KV memory), and a signed message is not a secret one: first the
+                # address proves it holds --kv-secret (a signed ping reply).
+                try:
+                    self._client.request(address, Ping().to_wire(), RPC_TIMEOUT_S)
+                except SideChannelError as e:
+                    with self._lock:
+                        self.handshake_failures += 1
+                    raise HandshakeError(f"prefill {address} did not prove the secret: {e}") from e
             msg = Handshake(
                 engine_id=self.engine_id,
                 incarnation=self.incarnation,
-                peer_key=self.peer_key,
+                peer_key=self.pairing_key(address),
                 compat=self.compat,
                 ranks=tuple(self._ranks),
                 address=self.address,
@@ -831,7 +851,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return None
 
     def _cancel_job(self, address: str, transfer_id: str, nonce: str, request_id: str) -> None:
-        raw = self._send_quietly(address, Cancel(transfer_id, nonce, self.peer_key).to_wire())
+        raw = self._send_quietly(
+            address, Cancel(transfer_id, nonce, self.pairing_key(address)).to_wire()
+        )
         try:
             reply = None if raw is None else decode_reply(raw, CancelReply)
         except MessageError as e:

@@ -292,6 +292,11 @@ class SideChannelClient:
         self._ctx = context or zmq.Context.instance()
         self._secret = secret or None
 
+    @property
+    def signed(self) -> bool:
+        """Requests are signed, and replies must be (``--kv-secret``)."""
+        return self._secret is not None
+
     def request(self, address: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send ``msg`` to ``address`` and return the reply map.
 
