@@ -403,18 +403,23 @@ def test_a_decode_nodes_pairing_key_is_in_no_ping_reply_or_info(conns):
     assert key != public_key_of(d)  # it was engine_id:incarnation, which pings tell
 
 
+def impersonate_by_public_name(p: NixlConnectorScheduler, d: NixlConnectorScheduler, impostor):
+    """An attacker pairs with ``p`` under the key a ping of ``d`` tells, with its own ranks,
+    answering P's check as ``d`` from its own address; returns once P made up its mind."""
+    eid, inc = public_key_of(d).split(":")
+    evil_ranks = [rank_info()]
+    address = impostor(eid, inc, evil_ranks)
+    forged = handshake_of(d, p, peer_key=public_key_of(d), ranks=evil_ranks, address=address)
+    assert ask(p.address, forged)["ok"] is True
+    wait_for(lambda: settled(p, forged["peer_key"]), 15, "P to check the claim")
+
+
 def test_a_key_learned_from_a_ping_cannot_squat_on_a_decode_node(conns, impostor):
     """Before D's first handshake, an attacker paired under the key a ping told (D's
     engine id and incarnation), answering P's check as D from its own address: every
     handshake of the real D was then refused as a takeover."""
     p, d = conns("producer"), conns("consumer")
-    eid, inc = public_key_of(d).split(":")
-    evil_ranks = [rank_info()]
-    forged = handshake_of(
-        d, p, peer_key=public_key_of(d), ranks=evil_ranks, address=impostor(eid, inc, evil_ranks)
-    )
-    assert ask(p.address, forged)["ok"] is True
-    wait_for(lambda: settled(p, forged["peer_key"]), 15, "P to check the claim")
+    impersonate_by_public_name(p, d, impostor)
     paired(p, d)  # the real D pairs all the same
 
 
@@ -426,13 +431,7 @@ def test_a_key_learned_from_a_ping_cannot_take_over_an_evicted_decode_nodes_push
     paired(p, d)
     with p._lock:
         p._evict_peer(d.pairing_key(p.address), "evicted for the test")
-    eid, inc = public_key_of(d).split(":")
-    evil_ranks = [rank_info()]
-    forged = handshake_of(
-        d, p, peer_key=public_key_of(d), ranks=evil_ranks, address=impostor(eid, inc, evil_ranks)
-    )
-    assert ask(p.address, forged)["ok"] is True
-    wait_for(lambda: settled(p, forged["peer_key"]), 15, "P to check the claim")
+    impersonate_by_public_name(p, d, impostor)
     reply = decode_reply(ask(p.address, reserve_of(d, p, [1, 2])), Ack)
     assert isinstance(reply, Refusal) and reply.code == Refusal.HANDSHAKE_REQUIRED
     assert not p.producer.early
