@@ -504,7 +504,7 @@ def test_claims_replacing_claims_under_one_key_queue_a_bounded_number_of_checks(
         claim = handshake_of(d, p, peer_key="one-key", engine_id=f"e{i}", address=dead)
         reply = decode_reply(ask(p.address, claim), HandshakeReply)
         refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
-    assert refused >= 16 and p._verifying <= decode_peers.MAX_UNCONFIRMED
+    assert refused >= 16 and p._d_peers.checking <= decode_peers.MAX_UNCONFIRMED
 
 
 @pytest.mark.parametrize(

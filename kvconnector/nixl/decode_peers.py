@@ -77,6 +77,9 @@ class DecodePeer:
 class DecodePeers:
     def __init__(self) -> None:
         self.peers: dict[str, DecodePeer] = {}
+        # Checks queued or running: every claim ``offer`` asked to verify, until
+        # ``checked`` (a claim replaced while its check runs still counts until then).
+        self.checking = 0
 
     def __len__(self) -> int:
         return len(self.peers)
@@ -109,9 +112,8 @@ class DecodePeers:
                     f"this peer key is already paired as {old.name} at another address or "
                     "with other ranks (a restarted node has a new key)",
                 )
-        unconfirmed = sum(not p.verified for p in self.peers.values())
-        if (old is None or old.verified) and unconfirmed >= MAX_UNCONFIRMED:
-            return False, [], f"{unconfirmed} decode peers wait to be confirmed; try again"
+        if self.checking >= MAX_UNCONFIRMED:
+            return False, [], f"{self.checking} decode peers wait to be confirmed; try again"
         evicted: list[DecodePeer] = []
         if old is None and len(self.peers) >= MAX_DECODE_PEERS:
             idle = [k for k in self.peers if k not in in_use]
@@ -124,7 +126,12 @@ class DecodePeers:
             evicted.append(old)  # an unconfirmed claim under this key, replaced
         peer.handle = f"{peer.name}#{next(_handles)}"
         self.peers[key] = peer
+        self.checking += 1
         return True, evicted, None
+
+    def checked(self) -> None:
+        """A check ``offer`` asked for is over (whatever it found)."""
+        self.checking -= 1
 
     def confirm(self, key: str, peer: DecodePeer) -> list[DecodePeer]:
         """``peer``'s address answered as it: trust it. Returns the peers it replaces

@@ -38,7 +38,7 @@ from kvconnector.base import ConnectorEvents, KVConnectorScheduler
 from kvconnector.nixl import tp_map
 from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
-from kvconnector.nixl.decode_peers import MAX_UNCONFIRMED, DecodePeer, DecodePeers
+from kvconnector.nixl.decode_peers import DecodePeer, DecodePeers
 from kvconnector.nixl.histogram import Histogram
 from kvconnector.nixl.lanes import LaneFull, PeerLanes
 from kvconnector.nixl.liveness import PeerLiveness
@@ -139,6 +139,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.consumer = Consumer(self.timeout)
         self._lock = threading.RLock()
         self._ranks: list[dict[str, Any]] = []
+        self._ranks_digest = ranks_digest(self._ranks)
         # P side: decode peers by key, and which of them the workers have added.
         self._d_peers = DecodePeers()
         self._workers_have: set[str] = set()
@@ -150,9 +151,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._ended: list[str] = []  # nonces whose counts every rank must drop
         self._watching = False  # what the workers were last told (metadata ``watch``)
         self._lanes = PeerLanes()
-        # P: pings of new decode peers' addresses (at most MAX_UNCONFIRMED wait).
+        # P: pings of new decode peers' addresses (DecodePeers bounds how many wait).
         self._verifier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-verify")
-        self._verifying = 0  # checks queued or running
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
         secret = kvc.kv_secret.encode() or None
         self._client = SideChannelClient(secret=secret)
@@ -213,6 +213,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:
         self._ranks = infos
+        self._ranks_digest = ranks_digest(infos)  # what this node's pings name
         logger.info("KV transport: %s", self.transport_info())
 
     def info(self) -> dict[str, Any]:
@@ -456,16 +457,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             digest=ranks_digest(msg.ranks),
         )
         with self._lock:
-            old = self._d_peers.get(key)
-            retry = old is not None and old.same_claim(claim)
-            if self._verifying >= MAX_UNCONFIRMED and not retry:
-                # Claims replacing claims under one key would queue checks without end.
-                refused: str | None = f"{self._verifying} decode peers wait to be confirmed"
-                verify, evicted = False, []
-            else:
-                verify, evicted, refused = self._d_peers.offer(
-                    key, claim, self.producer.peers_in_use()
-                )
+            verify, evicted, refused = self._d_peers.offer(key, claim, self.producer.peers_in_use())
             if refused is not None:
                 self.handshake_failures += 1
                 logger.warning("refusing handshake from %s: %s", msg.address, refused)
@@ -474,8 +466,6 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 self._forget_workers_peer(old)
                 logger.info("decode peer %s dropped for %s", old.name, claim.name)
             self.handshakes += 1
-            if verify:
-                self._verifying += 1
         if verify:
             # Its own pool: claims must not take the lanes of paired peers' calls.
             self._verifier.submit(self._verify_job, key, claim)
@@ -573,7 +563,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return PingReply(
                 incarnation=self.incarnation,
                 engine_id=self.engine_id,
-                ranks_digest=ranks_digest(self._ranks),
+                ranks_digest=self._ranks_digest,
             ).to_wire()
         self.wake()  # the next step may act on it (push, fail over, free blocks)
         return reply.to_wire()
@@ -766,7 +756,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         else:
             why = f"{claim.address} answered {reply!r:.200}"
         with self._lock:
-            self._verifying -= 1
+            self._d_peers.checked()
             if (
                 isinstance(reply, PingReply)
                 and (reply.engine_id, reply.incarnation) == (claim.engine_id, claim.incarnation)
