@@ -8,6 +8,7 @@ import time
 import pytest
 from harness import free_port
 
+import kvconnector.nixl.prefill_links as prefill_links
 import kvconnector.nixl.scheduler as nixl_scheduler
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine.core.request import Request
@@ -59,7 +60,7 @@ def test_abort_after_an_unsafe_failure_keeps_blocks_quarantined(decode, monkeypa
     """The reserve call times out on a pool thread (P may hold the reservation), then the
     client aborts before the scheduler saw that failure: the blocks must stay held."""
     sch, conn = decode
-    monkeypatch.setattr(nixl_scheduler, "RPC_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 0.2)
     sch.add_request(remote("X", dead_address()))
     step(sch)
     reserved = len(sch.kv.block_ids("X"))
@@ -78,7 +79,7 @@ def test_abort_after_an_unsafe_failure_keeps_blocks_quarantined(decode, monkeypa
 
 def test_request_that_finishes_as_its_kv_lands_is_not_treated_as_aborted(decode, monkeypatch):
     sch, conn = decode
-    monkeypatch.setattr(nixl_scheduler.NixlConnectorScheduler, "_reserve_job", lambda s, r: None)
+    monkeypatch.setattr(prefill_links.PrefillLinks, "reserve_job", lambda s, r: None)
     sch.add_request(remote("X", "tcp://127.0.0.1:1", max_tokens=1))
     step(sch)
     nonce = conn.consumer.recvs["X"].nonce
@@ -120,7 +121,7 @@ def test_a_cancel_after_a_failed_send_says_a_write_may_still_land(prefill, error
     conn = prefill
     d_key = "decode:abc"
     ranks = [{"num_blocks": BLOCKS}]
-    conn._d_peers.peers[d_key] = DecodePeer(
+    conn.service.peers.peers[d_key] = DecodePeer(
         "decode", "abc", dead_address(), ranks, ranks_digest(ranks), verified=True
     )
     assert conn.producer.prefill_finished("P1", "t1", [0, 1, 2], 7)

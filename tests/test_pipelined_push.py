@@ -322,7 +322,7 @@ def test_delay_admission_holds_only_prefill_legs_without_a_reservation_and_only_
         conn.producer.early["t1"] = Reservation("t1", "n", "d", "k", "a", [0], 0, 1e18)
         assert conn.delay_admission(p_req)  # its reservation is here, its peer unconfirmed
         ranks = [{"num_blocks": 8}]
-        conn._d_peers.peers["k"] = DecodePeer("d", "i", "a", ranks, "x", verified=True)
+        conn.service.peers.peers["k"] = DecodePeer("d", "i", "a", ranks, "x", verified=True)
         assert not conn.delay_admission(p_req)  # ... and now confirmed
         del conn.producer.early["t1"]
         p_req.arrival_time -= 0.05

@@ -139,10 +139,10 @@ def test_a_decode_node_without_the_secret_cannot_pair_with_a_prefill_node_that_h
     good = connector("consumer", kv_secret="s3cret")
     bad = connector("consumer", kv_secret="")
     try:
-        assert good._ensure_handshake(p.address).engine_id == p.engine_id
+        assert good.links.ensure_handshake(p.address).engine_id == p.engine_id
         with pytest.raises(Exception, match="unauthenticated"):
-            bad._ensure_handshake(p.address)
-        assert set(p._d_peers.peers) == {good.pairing_key(p.address)}
+            bad.links.ensure_handshake(p.address)
+        assert set(p.service.peers.peers) == {good.links.pairing_key(p.address)}
     finally:
         for c in (p, good, bad):
             c.shutdown()
@@ -186,7 +186,7 @@ def test_a_prefill_node_refuses_handshakes_from_peers_outside_its_allowlist():
         )
         reply = decode_reply(p._handle(shake.to_wire()), HandshakeReply)
         assert isinstance(reply, Refusal) and "--kv-allowed-peers" in reply.error
-        assert not p._d_peers
+        assert not p.service.peers
     finally:
         p.shutdown()
 

@@ -10,6 +10,7 @@ import pytest
 import zmq
 from harness import free_port, wait_for
 
+import kvconnector.nixl.prefill_links as prefill_links
 import kvconnector.nixl.scheduler as nixl_scheduler
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine.core.request import Request
@@ -110,7 +111,7 @@ def test_a_silent_prefill_peer_does_not_delay_reservations_to_a_healthy_one(monk
     """Twelve reservations to a prefill node that never answers, then one to a healthy
     node: the healthy one is acknowledged while the silent ones still wait. With one
     shared 8-thread pool it waited until the silent node's calls timed out."""
-    monkeypatch.setattr(nixl_scheduler, "RPC_TIMEOUT_S", 20.0)
+    monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 20.0)
     cfg = EngineConfig(
         model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=256),

@@ -20,7 +20,8 @@ import pytest
 from harness import free_port, wait_for
 
 import kvconnector.nixl.decode_peers as decode_peers
-import kvconnector.nixl.scheduler as nixl_scheduler
+import kvconnector.nixl.prefill_links as prefill_links
+import kvconnector.nixl.prefill_service as prefill_service
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.loader import load_arch_config
@@ -37,8 +38,9 @@ from kvconnector.nixl.messages import (
     decode_reply,
     ranks_digest,
 )
+from kvconnector.nixl.prefill_links import RPC_TIMEOUT_S
 from kvconnector.nixl.producer import Producer, Reservation
-from kvconnector.nixl.scheduler import RPC_TIMEOUT_S, NixlConnectorScheduler
+from kvconnector.nixl.scheduler import NixlConnectorScheduler
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 
 SECRET_MD = b"nixl-agent-metadata: remote keys of this node's KV memory"
@@ -91,7 +93,7 @@ def handshake_of(
     fields: dict[str, Any] = {
         "engine_id": peer.engine_id,
         "incarnation": peer.incarnation,
-        "peer_key": peer.pairing_key(to.address),
+        "peer_key": peer.links.pairing_key(to.address),
         "compat": peer.compat,
         "ranks": tuple(peer._ranks),
         "address": peer.address,
@@ -144,7 +146,7 @@ def test_a_prefill_nodes_handshake_reply_carries_no_memory_keys(conns):
     assert isinstance(reply, HandshakeReply) and len(reply.ranks) == 1
     assert SECRET_MD not in repr(raw).encode()
     assert not {"agent_metadata", "base_addr", "worker_address"} & set(reply.ranks[0])
-    assert d._ensure_handshake(p.address).engine_id == p.engine_id  # still pairs
+    assert d.links.ensure_handshake(p.address).engine_id == p.engine_id  # still pairs
 
 
 # -- bounds -----------------------------------------------------------------------------------
@@ -170,13 +172,13 @@ def test_a_handshake_with_impossible_rank_metadata_is_refused(conns, rank, named
     p, d = conns("producer"), conns("consumer")
     reply = decode_reply(ask(p.address, handshake_of(d, p, ranks=(rank,))), HandshakeReply)
     assert isinstance(reply, Refusal) and named in reply.error
-    assert not p._d_peers
+    assert not p.service.peers
 
 
 def reserve_of(
     d: NixlConnectorScheduler, p: NixlConnectorScheduler, block_ids: Any, tid: str = "t1"
 ) -> dict[str, Any]:
-    key = d.pairing_key(p.address)
+    key = d.links.pairing_key(p.address)
     msg = Reserve(tid, f"nonce-{tid}", "d-req", key, d.address, (), 0).to_wire()
     msg["block_ids"] = block_ids
     return msg
@@ -193,7 +195,7 @@ def reserve_of(
 )
 def test_a_reservation_naming_blocks_the_peer_cannot_have_is_refused(conns, block_ids, named):
     p, d = conns("producer"), conns("consumer")
-    assert d._ensure_handshake(p.address).engine_id == p.engine_id
+    assert d.links.ensure_handshake(p.address).engine_id == p.engine_id
     reply = decode_reply(ask(p.address, reserve_of(d, p, block_ids)), Ack)
     assert isinstance(reply, Refusal) and named in reply.error
     assert p.producer.num_states() == 0
@@ -217,7 +219,7 @@ def test_reservations_waiting_for_their_prefill_are_bounded_by_the_peers_cache(c
 
 def test_a_transfer_id_longer_than_the_wire_allows_is_refused(conns):
     p, d = conns("producer"), conns("consumer")
-    d._ensure_handshake(p.address)
+    d.links.ensure_handshake(p.address)
     reply = decode_reply(ask(p.address, reserve_of(d, p, [1], tid="t" * 100_000)), Ack)
     assert isinstance(reply, Refusal) and "at most 512 characters" in reply.error
 
@@ -227,13 +229,17 @@ def test_a_transfer_id_longer_than_the_wire_allows_is_refused(conns):
 
 def paired(p: NixlConnectorScheduler, d: NixlConnectorScheduler) -> None:
     """``d`` handshakes with ``p`` and ``p`` verifies it (its address answered as it)."""
-    assert d._ensure_handshake(p.address).engine_id == p.engine_id
-    wait_for(lambda: p._d_peers.ready(d.pairing_key(p.address)), 10, "P to verify the decode peer")
+    assert d.links.ensure_handshake(p.address).engine_id == p.engine_id
+    wait_for(
+        lambda: p.service.peers.ready(d.links.pairing_key(p.address)),
+        10,
+        "P to verify the decode peer",
+    )
 
 
 def settled(p: NixlConnectorScheduler, key: str) -> bool:
     """P has made up its mind about ``key``: trusted, or dropped."""
-    peer = p._d_peers.get(key)
+    peer = p.service.peers.get(key)
     return peer is None or peer.verified
 
 
@@ -247,8 +253,8 @@ def test_a_forged_handshake_naming_a_decode_nodes_engine_id_leaves_it_paired(con
     )
     assert ask(p.address, forged)["ok"] is True  # a claim; nothing is trusted yet
     wait_for(lambda: settled(p, forged["peer_key"]), 15, "P to check the claim")
-    assert forged["peer_key"] not in p._d_peers  # evil's address answered as evil
-    assert p._d_peers.ready(d.pairing_key(p.address))
+    assert forged["peer_key"] not in p.service.peers  # evil's address answered as evil
+    assert p.service.peers.ready(d.links.pairing_key(p.address))
 
 
 def test_a_forged_handshake_claiming_a_decode_nodes_address_leaves_it_paired(conns):
@@ -256,9 +262,9 @@ def test_a_forged_handshake_claiming_a_decode_nodes_address_leaves_it_paired(con
     paired(p, d)
     forged = handshake_of(evil, p, address=d.address)  # D's address, evil's ranks
     assert ask(p.address, forged)["ok"] is True
-    wait_for(lambda: settled(p, evil.pairing_key(p.address)), 15, "P to check the claim")
-    assert evil.pairing_key(p.address) not in p._d_peers and p._d_peers.ready(
-        d.pairing_key(p.address)
+    wait_for(lambda: settled(p, evil.links.pairing_key(p.address)), 15, "P to check the claim")
+    assert evil.links.pairing_key(p.address) not in p.service.peers and p.service.peers.ready(
+        d.links.pairing_key(p.address)
     )
     assert p.stats()["kv_handshake_failures_total"] == 1
 
@@ -269,11 +275,15 @@ def test_a_handshake_taking_over_a_paired_peers_key_is_refused(conns):
     p, d, evil = conns("producer"), conns("consumer"), conns("consumer")
     paired(p, d)
     forged = handshake_of(
-        evil, p, engine_id=d.engine_id, incarnation=d.incarnation, peer_key=d.pairing_key(p.address)
+        evil,
+        p,
+        engine_id=d.engine_id,
+        incarnation=d.incarnation,
+        peer_key=d.links.pairing_key(p.address),
     )
     reply = decode_reply(ask(p.address, forged), HandshakeReply)
     assert isinstance(reply, Refusal) and "already paired" in reply.error
-    peer = p._d_peers.get(d.pairing_key(p.address))
+    peer = p.service.peers.get(d.links.pairing_key(p.address))
     assert peer is not None and peer.address == d.address and peer.verified
     assert ask(p.address, handshake_of(d, p))["ok"] is True  # D's own retry still pairs
 
@@ -289,7 +299,7 @@ def test_nothing_is_pushed_to_a_peer_before_its_address_answered_as_it(conns):
         res = Reservation("t1", "n1", "d-req", "d:i", dead, [4, 5], 0, float("inf"))
         assert isinstance(p.producer.reserve(res), Ack)
     assert not p.build_connector_meta(None, lambda rid: []).sends  # type: ignore[arg-type]
-    wait_for(lambda: "d:i" not in p._d_peers, RPC_TIMEOUT_S + 10, "the claim to be dropped")
+    wait_for(lambda: "d:i" not in p.service.peers, RPC_TIMEOUT_S + 10, "the claim to be dropped")
     assert not p.build_connector_meta(None, lambda rid: []).sends  # type: ignore[arg-type]
 
 
@@ -312,9 +322,11 @@ def test_a_decode_node_restarted_at_the_same_address_replaces_the_old_one(conns)
     second = started[0]
     paired(p, second)
     wait_for(
-        lambda: first.pairing_key(p.address) not in p._d_peers, 10, "the old incarnation to go"
+        lambda: first.links.pairing_key(p.address) not in p.service.peers,
+        10,
+        "the old incarnation to go",
     )
-    assert len(p._d_peers) == 1
+    assert len(p.service.peers) == 1
 
 
 def test_the_decode_peer_table_is_bounded(conns, monkeypatch):
@@ -327,14 +339,17 @@ def test_the_decode_peer_table_is_bounded(conns, monkeypatch):
     paired(p, ds[1])
     with p._lock:
         res = Reservation(
-            "t1", "n1", "r", ds[1].pairing_key(p.address), ds[1].address, [1], 0, float("inf")
+            "t1", "n1", "r", ds[1].links.pairing_key(p.address), ds[1].address, [1], 0, float("inf")
         )
         assert isinstance(p.producer.reserve(res), Ack)
     paired(p, ds[2])  # evicts ds[0]: idle and least recently used
-    assert set(p._d_peers.peers) == {ds[1].pairing_key(p.address), ds[2].pairing_key(p.address)}
+    assert set(p.service.peers.peers) == {
+        ds[1].links.pairing_key(p.address),
+        ds[2].links.pairing_key(p.address),
+    }
     with p._lock:
         res = Reservation(
-            "t2", "n2", "r", ds[2].pairing_key(p.address), ds[2].address, [1], 0, float("inf")
+            "t2", "n2", "r", ds[2].links.pairing_key(p.address), ds[2].address, [1], 0, float("inf")
         )
         assert isinstance(p.producer.reserve(res), Ack)
     reply = decode_reply(ask(p.address, handshake_of(ds[0], p)), HandshakeReply)
@@ -359,14 +374,14 @@ def test_a_full_peer_table_evicts_unconfirmed_claims_before_paired_peers(monkeyp
 def test_a_decode_node_keeps_no_state_per_address_it_failed_to_reach(conns, monkeypatch):
     """Clients name the prefill address of a decode leg: a lock per address ever named
     was kept forever (with --kv-allowed-peers '*', one per address a client made up)."""
-    monkeypatch.setattr(nixl_scheduler, "MAX_P_LOCKS", 4)
+    monkeypatch.setattr(prefill_links, "MAX_P_LOCKS", 4)
     d, p = conns("consumer", kv_allowed_peers="*"), conns("producer")
-    d._ensure_handshake(p.address)
-    monkeypatch.setattr(nixl_scheduler, "RPC_TIMEOUT_S", 0.05)  # only for the closed ports
+    d.links.ensure_handshake(p.address)
+    monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 0.05)  # only for the closed ports
     for _ in range(12):
         with pytest.raises(Exception):  # noqa: B017 - nothing listens there
-            d._ensure_handshake(f"tcp://127.0.0.1:{free_port()}")
-    assert len(d._p_locks) <= 5 and p.address in d._p_locks
+            d.links.ensure_handshake(f"tcp://127.0.0.1:{free_port()}")
+    assert len(d.links._locks) <= 5 and p.address in d.links._locks
 
 
 # -- a decode node's public name is not its pairing key ---------------------------------------
@@ -398,7 +413,7 @@ def impostor():
 def test_a_decode_nodes_pairing_key_is_in_no_ping_reply_or_info(conns):
     d, p = conns("consumer"), conns("producer")
     raw = ask(d.address, Ping().to_wire())
-    key = d.pairing_key(p.address)
+    key = d.links.pairing_key(p.address)
     assert key not in repr(raw) and key not in repr(d.info())
     assert key != public_key_of(d)  # it was engine_id:incarnation, which pings tell
 
@@ -430,7 +445,7 @@ def test_a_key_learned_from_a_ping_cannot_take_over_an_evicted_decode_nodes_push
     p, d = conns("producer"), conns("consumer")
     paired(p, d)
     with p._lock:
-        p._evict_peer(d.pairing_key(p.address), "evicted for the test")
+        p.service.evict(d.links.pairing_key(p.address), "evicted for the test")
     impersonate_by_public_name(p, d, impostor)
     reply = decode_reply(ask(p.address, reserve_of(d, p, [1, 2])), Ack)
     assert isinstance(reply, Refusal) and reply.code == Refusal.HANDSHAKE_REQUIRED
@@ -459,10 +474,10 @@ def test_a_reservation_is_bounded_by_one_prompt_and_their_number_by_the_nodes_qu
     p, d = conns("producer"), conns("consumer")
     d.set_worker_info([rank_info(num_blocks=1000)])
     paired(p, d)
-    too_long = list(range(p.max_blocks_per_seq + 1))  # max_model_len 256 / block size 4
+    too_long = list(range(p.service.max_blocks_per_seq + 1))  # max_model_len 256 / block size 4
     reply = decode_reply(ask(p.address, reserve_of(d, p, too_long)), Ack)
     assert isinstance(reply, Refusal) and "max_model_len" in reply.error
-    p.max_early = 2
+    p.service.max_early = 2
     for tid in ("a", "b"):
         assert decode_reply(ask(p.address, reserve_of(d, p, [1], tid=tid)), Ack) == Ack()
     reply = decode_reply(ask(p.address, reserve_of(d, p, [2], tid="c")), Ack)
@@ -472,7 +487,7 @@ def test_a_reservation_is_bounded_by_one_prompt_and_their_number_by_the_nodes_qu
 def test_a_flood_of_unconfirmable_claims_is_capped_and_takes_no_lane(conns, monkeypatch):
     """Each claim's check ran on a lane of P's (256 in all, each kept 30 s): 256 claims of
     closed ports left P unable to call any new decode node."""
-    monkeypatch.setattr(nixl_scheduler, "VERIFY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(prefill_service, "VERIFY_TIMEOUT_S", 0.3)
     p, d = conns("producer"), conns("consumer")
     refused = 0
     for i in range(decode_peers.MAX_UNCONFIRMED + 8):
@@ -481,8 +496,8 @@ def test_a_flood_of_unconfirmable_claims_is_capped_and_takes_no_lane(conns, monk
         reply = decode_reply(ask(p.address, flood), HandshakeReply)
         refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
     assert refused >= 8 and p._lanes.num_lanes() == 0
-    wait_for(lambda: len(p._d_peers) == 0, 30, "the claims to be dropped")
-    monkeypatch.setattr(nixl_scheduler, "VERIFY_TIMEOUT_S", 5.0)  # a loaded box may be slow
+    wait_for(lambda: len(p.service.peers) == 0, 30, "the claims to be dropped")
+    monkeypatch.setattr(prefill_service, "VERIFY_TIMEOUT_S", 5.0)  # a loaded box may be slow
     paired(p, d)
 
 
@@ -504,7 +519,7 @@ def test_claims_replacing_claims_under_one_key_queue_a_bounded_number_of_checks(
         claim = handshake_of(d, p, peer_key="one-key", engine_id=f"e{i}", address=dead)
         reply = decode_reply(ask(p.address, claim), HandshakeReply)
         refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
-    assert refused >= 16 and p._d_peers.checking <= decode_peers.MAX_UNCONFIRMED
+    assert refused >= 16 and p.service.peers.checking <= decode_peers.MAX_UNCONFIRMED
 
 
 @pytest.mark.parametrize(
@@ -517,7 +532,7 @@ def test_rank_metadata_carries_only_what_p_uses_and_in_bounded_sizes(conns, extr
     p, d = conns("producer"), conns("consumer")
     rank = {**rank_info(), **extra}
     reply = decode_reply(ask(p.address, handshake_of(d, p, ranks=(rank,))), HandshakeReply)
-    assert isinstance(reply, Refusal) and named in reply.error and not p._d_peers
+    assert isinstance(reply, Refusal) and named in reply.error and not p.service.peers
 
 
 def test_one_peer_cannot_fill_the_reservations_waiting_for_their_prefill(conns):
@@ -528,7 +543,7 @@ def test_one_peer_cannot_fill_the_reservations_waiting_for_their_prefill(conns):
     stranger = conns("consumer")
     paired(p, d)
     paired(p, stranger)
-    p.max_early = 4
+    p.service.max_early = 4
     for i in range(4):
         msg = reserve_of(stranger, p, [i], tid=f"s{i}")
         assert decode_reply(ask(p.address, msg), Ack) == Ack()
@@ -542,14 +557,14 @@ def test_one_peer_cannot_fill_the_reservations_waiting_for_their_prefill(conns):
 
 
 def test_reservations_of_a_claim_its_address_does_not_confirm_are_dropped(conns, monkeypatch):
-    monkeypatch.setattr(nixl_scheduler, "VERIFY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(prefill_service, "VERIFY_TIMEOUT_S", 0.3)
     p, d = conns("producer"), conns("consumer")
     dead = f"tcp://127.0.0.1:{free_port()}"
     assert ask(p.address, handshake_of(d, p, address=dead))["ok"] is True
     assert decode_reply(ask(p.address, reserve_of(d, p, [1, 2])), Ack) == Ack()
     assert p.producer.early
     wait_for(lambda: not p.producer.early, 15, "the claim's reservations to go")
-    assert d.pairing_key(p.address) not in p._d_peers
+    assert d.links.pairing_key(p.address) not in p.service.peers
 
 
 # -- a fake "prefill node" a client names ----------------------------------------------------
@@ -594,7 +609,7 @@ def test_a_key_a_fake_prefill_node_learned_is_worth_nothing_at_a_real_one(conns,
     fake = make()
     paired(p, d)
     with pytest.raises(Exception, match="refused the handshake"):
-        d._ensure_handshake(fake)
+        d.links.ensure_handshake(fake)
     (shake,) = seen
     stolen = {**reserve_of(d, p, [0, 1, 2]), "peer_key": shake["peer_key"]}
     reply = decode_reply(ask(p.address, stolen), Ack)
@@ -611,9 +626,9 @@ def test_with_the_secret_d_hands_its_rank_metadata_only_to_an_address_that_prove
     fake = _Wiretap("127.0.0.1", 0, lambda msg: {"ok": True})  # no secret: unsigned replies
     try:
         with pytest.raises(Exception, match="did not prove the secret"):
-            d._ensure_handshake(fake.address)
+            d.links.ensure_handshake(fake.address)
     finally:
         fake.close()
     assert _Wiretap.frames and not any(SECRET_MD in f for f in _Wiretap.frames)
     p = conns("producer", kv_secret="s3cret")
-    assert d._ensure_handshake(p.address).engine_id == p.engine_id  # a real one pairs
+    assert d.links.ensure_handshake(p.address).engine_id == p.engine_id  # a real one pairs

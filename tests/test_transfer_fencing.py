@@ -28,6 +28,7 @@ from engine.kv_cache_layout import KVCacheSpec
 from engine.model.loader import load_arch_config
 from engine.sampling_params import SamplingParams
 from kvconnector.nixl.messages import Ack, Cancel, Notif, Refusal, Reserve, TransferFailed
+from kvconnector.nixl.prefill_links import PrefillLinks
 from kvconnector.nixl.producer import Producer, Reservation
 from kvconnector.nixl.worker import NixlConnectorWorker
 from kvconnector.params import KVTransferParams
@@ -41,8 +42,8 @@ class DecodeTP2:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         # Reservations are not sent anywhere: the test plays P.
-        monkeypatch.setattr(nixl_scheduler.NixlConnectorScheduler, "_reserve_job", _no_rpc)
-        monkeypatch.setattr(nixl_scheduler.NixlConnectorScheduler, "_cancel_job", _no_rpc)
+        monkeypatch.setattr(PrefillLinks, "reserve_job", _no_rpc)
+        monkeypatch.setattr(PrefillLinks, "cancel_job", _no_rpc)
         self.cfg = EngineConfig(
             model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
             cache=CacheConfig(block_size=4, num_blocks=BLOCKS),

@@ -1,7 +1,7 @@
 """Prefill side: the decode peers this node pairs with, and when it trusts one.
 
 A decode node's ``peer_key`` is a secret of its incarnation *and of the prefill address it
-pairs with* (128 bits, ``NixlConnectorScheduler.pairing_key``), sent only in its handshake
+pairs with* (128 bits, ``PrefillLinks.pairing_key``), sent only in its handshake
 to that address -- never in a ping reply, its ``/v1/kv_transfer_info`` or a log line
 (those name it ``engine_id:incarnation``, ``DecodePeer.name``): a key a fake "prefill
 node" learned (a client may name any allowed address) is worth nothing at a real one. P keys its table by it, and a reservation or cancel counts only

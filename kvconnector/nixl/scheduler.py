@@ -1,11 +1,19 @@
-"""Scheduler-side NIXL connector: transfer bookkeeping, side channel, handshakes.
+"""Scheduler-side NIXL connector: the engine's hooks, transfer bookkeeping, side channel.
 
 Runs in the engine process. It owns the node's side-channel server (peers reach it for
 handshakes, reservations, cancels and failure notices) and one lane (a FIFO queue and a
 thread, ``lanes.PeerLanes``) per peer for the calls this node makes, so that no network
 wait ever runs on the engine's step loop and a peer that does not answer delays only the
-calls to itself. Prefill-side state lives in ``Producer``, decode-side state in ``Consumer``; a node
-with ``kv_role=both`` runs both.
+calls to itself. One lock guards all of it. The parts, one role each:
+
+* ``Producer`` / ``Consumer``: the prefill side's held transfers, the decode side's waits;
+* ``PrefillService`` (P): what it answers decode peers -- handshakes (confirmed by a
+  ping, ``decode_peers``), reservations, cancels;
+* ``PrefillLinks`` (D): its calls to prefill nodes -- handshake, reserve, cancel;
+* this class: the ``KVConnectorScheduler`` hooks that turn them into step metadata and
+  read the workers' reports back, the failure notices, liveness, stats.
+
+A node with ``kv_role=both`` runs both sides.
 
 Flow (push, D reserves while P prefills):
   D: request arrives -> blocks reserved -> ``reserve`` to P (handshake first, once per P
@@ -16,8 +24,6 @@ Flow (push, D reserves while P prefills):
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import itertools
 import logging
 import os
@@ -25,9 +31,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from engine.core.request import RequestStatus
@@ -35,10 +39,8 @@ from engine.model.loader import load_arch_config
 from engine.sampling_params import InvalidRequestError
 from engine.stats import StatsGroup
 from kvconnector.base import ConnectorEvents, KVConnectorScheduler
-from kvconnector.nixl import tp_map
 from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
-from kvconnector.nixl.decode_peers import DecodePeer, DecodePeers
 from kvconnector.nixl.histogram import Histogram
 from kvconnector.nixl.lanes import LaneFull, PeerLanes
 from kvconnector.nixl.liveness import PeerLiveness
@@ -52,24 +54,21 @@ from kvconnector.nixl.messages import (
     HandshakeReply,
     MessageError,
     Notif,
-    Ping,
     PingReply,
     Refusal,
     Reserve,
     TransferFailed,
-    check_compat,
     compat_mismatch,
-    decode_reply,
     decode_request,
     model_fingerprint,
-    public_rank_info,
-    rank_info_error,
     ranks_digest,
 )
-from kvconnector.nixl.metadata import STEP_FAILED, NixlConnectorMetadata, PeerSpec, SendSpec
+from kvconnector.nixl.metadata import STEP_FAILED, NixlConnectorMetadata, SendSpec
 from kvconnector.nixl.peers import PeerAllowlist
+from kvconnector.nixl.prefill_links import PrefillLinks
+from kvconnector.nixl.prefill_service import PrefillService
 from kvconnector.nixl.producer import PendingSend, Producer, Reservation
-from kvconnector.nixl.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
 from kvconnector.nixl.stats import NixlSchedulerStats, NixlWorkerStats
 from kvconnector.params import KVTransferParams
 
@@ -81,15 +80,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RPC_TIMEOUT_S = 5.0
-VERIFY_TIMEOUT_S = 2.0  # P's ping of a new decode peer's claimed address
-MAX_P_LOCKS = 1024  # D: per-prefill-address handshake locks kept beyond the paired peers
+RPC_TIMEOUT_S = 5.0  # the failure notices this node sends
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
-
-
-class HandshakeError(RuntimeError):
-    pass
 
 
 class NixlConnectorScheduler(KVConnectorScheduler):
@@ -101,18 +94,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.engine_id = kvc.engine_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.name = f"{self.engine_id}:{self.incarnation}"  # public: logs, pings
-        # Secret: each prefill node this node pairs with learns its own pairing key
-        # (pairing_key), so a key one learned -- e.g. a fake "prefill node" a client
-        # named -- is worth nothing at another (decode_peers).
-        self._key_secret = secrets.token_bytes(32)
         self.timeout = kvc.kv_transfer_timeout
         self.block_size = config.cache.block_size
-        # P: a reservation names at most one prompt's blocks; so many wait at most.
         arch = load_arch_config(config.model.model)
         max_len = config.model.max_model_len or arch.max_position_embeddings
-        self.max_blocks_per_seq = -(-max_len // self.block_size)
-        sched = config.scheduler
-        self.max_early = 2 * (sched.max_num_seqs + sched.max_queued_requests)
         tp = config.parallel.tp
         # The model's KV heads (not one rank's): each side maps its ranks onto them.
         self.model_kv_heads = arch.num_key_value_heads
@@ -140,19 +125,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._lock = threading.RLock()
         self._ranks: list[dict[str, Any]] = []
         self._ranks_digest = ranks_digest(self._ranks)
-        # P side: decode peers by key, and which of them the workers have added.
-        self._d_peers = DecodePeers()
-        self._workers_have: set[str] = set()
-        self._remove: list[str] = []
-        # D side: handshake results by P address.
-        self._p_peers: dict[str, HandshakeReply] = {}
-        self._p_locks: dict[str, threading.Lock] = {}
         self._nonces = itertools.count(1)
         self._ended: list[str] = []  # nonces whose counts every rank must drop
         self._watching = False  # what the workers were last told (metadata ``watch``)
         self._lanes = PeerLanes()
-        # P: pings of new decode peers' addresses (DecodePeers bounds how many wait).
-        self._verifier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-verify")
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
         secret = kvc.kv_secret.encode() or None
         self._client = SideChannelClient(secret=secret)
@@ -187,10 +163,40 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 DESCRIPTOR_BUCKETS,
             ),
         }
-        self.handshakes = 0
-        self.handshake_failures = 0
         self.failed_transfers = 0
         self.checksum_failures = 0
+        sched = config.scheduler
+        # P: what it answers its decode peers (handshakes, reservations, cancels).
+        self.service = PrefillService(
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            address="",  # set below, once the side-channel server is bound
+            role=kvc.kv_role,
+            compat=self.compat,
+            model_kv_heads=self.model_kv_heads,
+            timeout=self.timeout,
+            # A reservation names at most one prompt's blocks; so many wait at most.
+            max_blocks_per_seq=-(-max_len // self.block_size),
+            max_early=2 * (sched.max_num_seqs + sched.max_queued_requests),
+            producer=self.producer,
+            lock=self._lock,
+            client=self._client,
+            allowed_peers=self.allowed_peers,
+            transport_info=self.transport_info,
+            wake=self.wake,
+        )
+        # D: its calls to prefill nodes (handshakes, reservations, cancels).
+        self.links = PrefillLinks(
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            address="",
+            compat=self.compat,
+            model_kv_heads=self.model_kv_heads,
+            consumer=self.consumer,
+            lock=self._lock,
+            client=self._client,
+            wake=self.wake,
+        )
         self.liveness = PeerLiveness(
             kvc.peer_ping_interval, self._client.request, self._lanes, self._prefill_lost
         )
@@ -202,17 +208,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 "side channel unsigned: set PDSERVE_KV_SECRET (or --kv-secret) on every node "
                 "unless all peers are on one trusted box"
             )
-        self.address = self._server.address
+        self.address = self.service.address = self.links.address = self._server.address
         logger.info("NIXL connector %s listening on %s", self.name, self.address)
 
-    def pairing_key(self, p_address: str) -> str:
-        """D: the secret this node pairs with the prefill node at ``p_address`` under (128
-        bits, its own for every address and incarnation)."""
-        mac = hmac.new(self._key_secret, p_address.encode(), hashlib.sha256)
-        return mac.hexdigest()[:32]
-
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:
-        self._ranks = infos
+        self._ranks = self.service.ranks = self.links.ranks = infos
         self._ranks_digest = ranks_digest(infos)  # what this node's pings name
         logger.info("KV transport: %s", self.transport_info())
 
@@ -269,7 +269,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return False
         with self._lock:
             res = self.producer.early.get(request.transfer_id)
-            if res is not None and self._d_peers.ready(res.peer_key):
+            if res is not None and self.service.ready(res.peer_key):
                 return False  # a new peer: also until its address confirmed it
             self._retry_at = until if self._retry_at is None else min(self._retry_at, until)
             return True
@@ -310,232 +310,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         )
         with self._lock:
             self.consumer.expect(recv)
-        if not self._submit(recv.p_address, self._reserve_job, recv):
+        if not self._submit(recv.p_address, self.links.reserve_job, recv):
             # Nothing was sent: P cannot hold this reservation, the blocks are free.
             self.consumer.fail(recv.request_id, "too many calls queued for prefill", safe=True)
-
-    def _reserve_job(self, recv: RemoteRecv) -> None:
-        try:
-            self._reserve(recv)
-        finally:
-            self.wake()
-
-    def _reserve(self, recv: RemoteRecv) -> None:
-        msg = Reserve(
-            transfer_id=recv.transfer_id,
-            nonce=recv.nonce,
-            d_request_id=recv.request_id,
-            peer_key=self.pairing_key(recv.p_address),
-            address=self.address,
-            block_ids=tuple(recv.block_ids),
-            skip_blocks=recv.skip_blocks,
-        ).to_wire()
-        try:
-            for attempt in range(2):
-                peer = self._ensure_handshake(recv.p_address, force=attempt > 0)
-                raw = self._client.request(recv.p_address, msg, RPC_TIMEOUT_S)
-                reply = decode_reply(raw, Ack)
-                if isinstance(reply, Ack) or reply.code != Refusal.HANDSHAKE_REQUIRED:
-                    break
-        except HandshakeError as e:
-            with self._lock:
-                self.consumer.fail(recv.request_id, str(e), safe=True)
-            return
-        except MessageError as e:  # P answered, but not a reply we know: not safe
-            with self._lock:
-                self.consumer.fail(recv.request_id, f"bad reply from prefill: {e}", safe=False)
-            return
-        except Exception as e:  # unreachable P: it may have the reservation; not safe
-            with self._lock:
-                self.consumer.fail(recv.request_id, f"prefill unreachable: {e}", safe=False)
-            return
-        with self._lock:
-            if isinstance(reply, Ack):
-                self.consumer.reserved(recv.request_id, peer.incarnation)
-            else:
-                self.consumer.fail(recv.request_id, reply.error, safe=True)
-
-    def _ensure_handshake(self, address: str, force: bool = False) -> HandshakeReply:
-        with self._lock:
-            if address not in self._p_locks and len(self._p_locks) >= MAX_P_LOCKS:
-                # Addresses come from clients (within --kv-allowed-peers): keep the locks
-                # of paired peers and of handshakes running, forget the rest.
-                for a, held in list(self._p_locks.items()):
-                    if a not in self._p_peers and not held.locked():
-                        del self._p_locks[a]
-            lock = self._p_locks.setdefault(address, threading.Lock())
-        with lock:  # one handshake per peer at a time; others wait here, off the loop
-            peer = self._p_peers.get(address)
-            if peer is not None and not force:
-                return peer
-            if self._client.signed:
-                # The handshake hands out this node's rank metadata (the keys to write into
-                # its KV memory), and a signed message is not a secret one: first the
-                # address proves it holds --kv-secret (a signed ping reply).
-                try:
-                    self._client.request(address, Ping().to_wire(), RPC_TIMEOUT_S)
-                except SideChannelError as e:
-                    with self._lock:
-                        self.handshake_failures += 1
-                    raise HandshakeError(f"prefill {address} did not prove the secret: {e}") from e
-            msg = Handshake(
-                engine_id=self.engine_id,
-                incarnation=self.incarnation,
-                peer_key=self.pairing_key(address),
-                compat=self.compat,
-                ranks=tuple(self._ranks),
-                address=self.address,
-            ).to_wire()
-            raw = self._client.request(address, msg, RPC_TIMEOUT_S)
-            reply, error = self._check_handshake_reply(address, raw)
-            with self._lock:
-                self.handshakes += 1
-                if reply is None:
-                    self.handshake_failures += 1
-                    raise HandshakeError(error)
-                self._p_peers[address] = reply
-            logger.info("handshake with prefill %s (%s) done", reply.engine_id, address)
-            return reply
-
-    def _check_handshake_reply(
-        self, address: str, raw: dict[str, Any]
-    ) -> tuple[HandshakeReply | None, str]:
-        """(P's reply, "") when it can be paired with, else (None, why not)."""
-        try:
-            reply = decode_reply(raw, HandshakeReply)
-        except MessageError as e:
-            if mismatch := compat_mismatch(self.compat, raw):  # another version's shape
-                return None, f"prefill {address} is incompatible: {mismatch}"
-            return None, f"prefill {address} sent a malformed handshake reply: {e}"
-        if isinstance(reply, Refusal):
-            return None, f"prefill {address} refused the handshake: {reply.error}"
-        mismatch = check_compat(self.compat, reply.compat) or self._tp_mismatch(
-            len(reply.ranks), reply.compat.get("tp_size")
-        )
-        if mismatch:
-            return None, f"prefill {address} is incompatible: {mismatch}"
-        return reply, ""
-
-    def _tp_mismatch(self, num_ranks: int, tp_size: Any) -> str | None:
-        """Why a peer of ``num_ranks`` ranks cannot be mapped onto this model's KV heads."""
-        if num_ranks != tp_size:
-            return f"the peer sent {num_ranks} ranks for tp_size {tp_size!r}"
-        try:
-            tp_map.check_tp(num_ranks, self.model_kv_heads)
-        except ValueError as e:
-            return str(e)
-        return None
-
-    # -- prefill side --------------------------------------------------------------------
-    def _on_handshake(self, msg: Handshake) -> HandshakeReply | Refusal:
-        if not self.allowed_peers.allows(msg.address):
-            with self._lock:
-                self.handshake_failures += 1
-            logger.warning("refusing a handshake from %s: not in --kv-allowed-peers", msg.address)
-            return Refusal(
-                f"{msg.address} is not an allowed peer of this node (--kv-allowed-peers)"
-            )
-        mismatch = (
-            check_compat(self.compat, msg.compat)
-            or self._tp_mismatch(len(msg.ranks), msg.compat.get("tp_size"))
-            or next(
-                (e for i, r in enumerate(msg.ranks) if (e := rank_info_error(r, f"ranks[{i}]"))),
-                None,
-            )
-        )
-        if mismatch:
-            with self._lock:
-                self.handshake_failures += 1
-            logger.warning("refusing handshake from %s: %s", msg.address, mismatch)
-            return Refusal(f"incompatible peer: {mismatch}")
-        key = msg.peer_key
-        claim = DecodePeer(
-            engine_id=msg.engine_id,
-            incarnation=msg.incarnation,
-            address=msg.address,
-            ranks=list(msg.ranks),
-            digest=ranks_digest(msg.ranks),
-        )
-        with self._lock:
-            verify, evicted, refused = self._d_peers.offer(key, claim, self.producer.peers_in_use())
-            if refused is not None:
-                self.handshake_failures += 1
-                logger.warning("refusing handshake from %s: %s", msg.address, refused)
-                return Refusal(refused)
-            for old in evicted:
-                self._forget_workers_peer(old)
-                logger.info("decode peer %s dropped for %s", old.name, claim.name)
-            self.handshakes += 1
-        if verify:
-            # Its own pool: claims must not take the lanes of paired peers' calls.
-            self._verifier.submit(self._verify_job, key, claim)
-        return HandshakeReply(
-            engine_id=self.engine_id,
-            incarnation=self.incarnation,
-            side_channel=self.address,
-            role=self.config.kv_transfer.kv_role,
-            compat=self.compat,
-            transport=self.transport_info(),
-            ranks=tuple(public_rank_info(r) for r in self._ranks),
-        )
-
-    def _on_reserve(self, msg: Reserve) -> Ack | Refusal:
-        # A forged or confused reservation is refused here, not by a failed WRITE.
-        if len(msg.block_ids) > self.max_blocks_per_seq:  # before anything costs
-            return Refusal(
-                f"reserve.block_ids: {len(msg.block_ids)} blocks, more than a prompt of "
-                f"this node's max_model_len fills ({self.max_blocks_per_seq})"
-            )
-        if len(set(msg.block_ids)) != len(msg.block_ids):
-            return Refusal("reserve.block_ids: a block is named twice")
-        with self._lock:
-            peer = self._d_peers.get(msg.peer_key)
-            if peer is None:
-                return Refusal("handshake first", code=Refusal.HANDSHAKE_REQUIRED)
-            peer.last_used = time.monotonic()
-            limit = peer.num_blocks
-            if any(b >= limit for b in msg.block_ids):
-                return Refusal(
-                    f"reserve.block_ids: block {max(msg.block_ids)} is out of range "
-                    f"(the decode peer has {limit} blocks)"
-                )
-            if msg.transfer_id not in self.producer.pending and (
-                refused := self._early_full(msg, limit)
-            ):
-                return refused
-            res = Reservation(
-                transfer_id=msg.transfer_id,
-                nonce=msg.nonce,
-                d_request_id=msg.d_request_id,
-                peer_key=msg.peer_key,
-                d_address=peer.address,  # the handshaken one, not what this message says
-                block_ids=list(msg.block_ids),
-                skip_blocks=msg.skip_blocks,
-                expires=time.monotonic() + self.timeout,
-            )
-            return self.producer.reserve(res)
-
-    def _early_full(self, msg: Reserve, limit: int) -> Refusal | None:
-        """Reservations waiting for their prefill are the part of P's state a peer grows
-        at will: no more of them, in blocks, than the peer's cache holds, and no more in
-        all than this node could be asked to prefill (running + queued, twice over)."""
-        if msg.transfer_id in self.producer.early:
-            return None  # a retry, or refused as already reserved
-        waiting = self.producer.early_blocks(msg.peer_key, but=msg.transfer_id)
-        if waiting + max(1, len(msg.block_ids)) > limit:
-            return Refusal(
-                f"the decode peer has {waiting} blocks reserved here waiting for their "
-                f"prefill, and {limit} in all"
-            )
-        if len(self.producer.early) >= self.max_early:
-            # Full: the peer holding the most gives up its oldest -- unless that is the
-            # sender itself. One peer (or a stranger's many) cannot starve the others.
-            counts = Counter(r.peer_key for r in self.producer.early.values())
-            biggest, held = counts.most_common(1)[0]
-            if biggest == msg.peer_key or held <= counts[msg.peer_key] + 1:
-                return Refusal(f"{self.max_early} reservations wait here for their prefill")
-            self.producer.evict_early(biggest, "too many reservations wait on prefill")
-        return None
 
     def _handle(self, raw: dict[str, Any]) -> dict[str, Any]:
         """Serve one side-channel request. Never raises: a message that does not decode
@@ -548,13 +325,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if (wrong_role := self._wrong_role(msg)) is not None:
             return wrong_role.to_wire()
         if isinstance(msg, Handshake):
-            reply = self._on_handshake(msg)
+            reply = self.service.handshake(msg)
         elif isinstance(msg, Reserve):
-            reply = self._on_reserve(msg)
+            reply = self.service.reserve(msg)
         elif isinstance(msg, Cancel):
-            with self._lock:
-                key = msg.peer_key if msg.peer_key in self._d_peers else None
-                reply = self.producer.cancel(msg.transfer_id, msg.nonce, key)
+            reply = self.service.cancel(msg)
         elif isinstance(msg, TransferFailed):
             with self._lock:
                 self.consumer.fail(msg.d_request_id, msg.reason, msg.safe, nonce=msg.nonce)
@@ -587,7 +362,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if is_handshake and (mismatch := compat_mismatch(self.compat, raw)):
             # A peer of another version may speak another shape: name the version first.
             with self._lock:
-                self.handshake_failures += 1
+                self.service.handshake_failures += 1
             return Refusal(f"incompatible peer: {mismatch}")
         logger.warning("side channel: refusing a malformed message: %s", error)
         return Refusal(f"malformed message: {error}")
@@ -630,12 +405,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     ) -> NixlConnectorMetadata:
         md = NixlConnectorMetadata()
         with self._lock:
-            md.remove_peers, self._remove = self._remove, []
+            md.remove_peers = self.service.take_removed()
             md.ended_keys, self._ended = self._ended, []
             watch = bool(self.consumer.recvs or self.consumer.quarantine)
             if watch != self._watching:
                 md.watch = self._watching = watch
-            ready = self._d_peers.ready
+            ready = self.service.ready
             for send in self.producer.ready_sends(ready):
                 self._add_send(md, send)
             if self.pipeline:
@@ -660,11 +435,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             if not send.pipelined:  # a pipelined one's request still runs: it holds them
                 self.producer.outcome.free_blocks.add(send.request_id)
             return
-        peer = self._d_peers.get(res.peer_key)
-        assert peer is not None  # ready() said so, under the same lock
-        if peer.handle not in self._workers_have:
-            md.add_peers[peer.handle] = PeerSpec(peer.ranks, self.model_kv_heads)
-            self._workers_have.add(peer.handle)
+        handle, spec = self.service.worker_peer(res.peer_key)
+        if spec is not None:
+            md.add_peers[handle] = spec
         self.histograms["kv_transfer_descriptors"].observe(len(block_runs(local, res.block_ids)))
         if not send.pipelined:
             self.histograms["kv_prefill_to_push_seconds"].observe(
@@ -673,7 +446,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         md.sends.append(
             SendSpec(
                 request_id=send.request_id,
-                peer_key=peer.handle,
+                peer_key=handle,
                 local_block_ids=local,
                 remote_block_ids=res.block_ids,
                 notif=Notif(
@@ -719,7 +492,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     # Part of an errored WRITE may still land: D quarantines (safe=False).
                     self._notify_failed(r, why, safe=False)
                     if why != STEP_FAILED:  # the peer is fine when P's own step failed
-                        self._evict_peer(r.peer_key, why)
+                        self.service.evict(r.peer_key, why)
             if isinstance(output.kv_stats, NixlWorkerStats):
                 self._worker_stats = output.kv_stats
         return landed
@@ -731,59 +504,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if isinstance(arrived, float):  # the workers' wall clock: same host
             self.histograms["kv_notif_to_step_seconds"].observe(max(0.0, time.time() - arrived))
 
-    def _evict_peer(self, key: str, why: str) -> None:
-        """A push to this decode peer failed: forget it (agents, descriptor lists). A live
-        peer's next reservation is answered ``handshake_required`` and it handshakes anew."""
-        peer = self._d_peers.drop(key)
-        if peer is None:
-            return
-        logger.warning("dropping decode peer %s after a failed push: %s", peer.name, why)
-        self._forget_workers_peer(peer)
-
-    def _forget_workers_peer(self, peer: DecodePeer) -> None:
-        """The workers drop ``peer``'s agents and descriptor lists in the next step."""
-        if peer.handle in self._workers_have:
-            self._workers_have.discard(peer.handle)
-            self._remove.append(peer.handle)
-
-    def _verify_job(self, key: str, claim: DecodePeer) -> None:
-        """Ask the address a handshake claimed whether it is that peer (decode_peers)."""
-        try:
-            raw = self._client.request(claim.address, Ping().to_wire(), VERIFY_TIMEOUT_S)
-            reply = decode_reply(raw, PingReply)
-        except Exception as e:  # unreachable, or not a reply we know
-            reply, why = None, f"no answer from {claim.address}: {e}"
-        else:
-            why = f"{claim.address} answered {reply!r:.200}"
-        with self._lock:
-            self._d_peers.checked()
-            if (
-                isinstance(reply, PingReply)
-                and (reply.engine_id, reply.incarnation) == (claim.engine_id, claim.incarnation)
-                and reply.ranks_digest == claim.digest
-            ):
-                for old in self._d_peers.confirm(key, claim):
-                    logger.info(
-                        "decode at %s restarted; %s replaces %s",
-                        claim.address,
-                        claim.name,
-                        old.name,
-                    )
-                    self._forget_workers_peer(old)
-            elif self._d_peers.drop(key, claim) is not None:
-                self.handshake_failures += 1
-                logger.warning("decode peer %s not confirmed by its address: %s", claim.name, why)
-                # Never pushed: its reservations waiting for their prefill go now.
-                self.producer.drop_early(key, "the decode peer was not confirmed")
-        self.wake()
-
     def _prefill_lost(self, address: str, incarnation: str | None, why: str, safe: bool) -> None:
         """Liveness: the prefill process at ``address`` restarted (``incarnation`` is gone:
         its waits are safe to free) or went silent (every wait there, quarantined)."""
         with self._lock:
-            peer = self._p_peers.get(address)
-            if safe and peer is not None and peer.incarnation == incarnation:
-                self._p_peers.pop(address, None)  # re-handshake with the new incarnation
+            if safe:
+                self.links.forget(address, incarnation)  # re-handshake with the new one
             for rid, recv in list(self.consumer.recvs.items()):
                 if recv.p_address == address and incarnation in (None, recv.p_incarnation):
                     self.consumer.fail(rid, why, safe=safe)
@@ -808,7 +534,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self._notify_failed(res, why, safe=False)
         for p_addr, tid, nonce, rid in c.cancels:
             # Not sent: the quarantine keeps the blocks until its deadline.
-            self._submit(p_addr, self._cancel_job, p_addr, tid, nonce, rid)
+            self._submit(p_addr, self.links.cancel_job, p_addr, tid, nonce, rid)
         return ConnectorEvents(
             failed_loads=c.failed_loads, free_blocks=p.free_blocks | c.free_blocks
         )
@@ -840,20 +566,6 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             logger.info("side-channel %s to %s failed: %s", msg.get("kind"), address, e)
             return None
 
-    def _cancel_job(self, address: str, transfer_id: str, nonce: str, request_id: str) -> None:
-        raw = self._send_quietly(
-            address, Cancel(transfer_id, nonce, self.pairing_key(address)).to_wire()
-        )
-        try:
-            reply = None if raw is None else decode_reply(raw, CancelReply)
-        except MessageError as e:
-            logger.info("cancel of %s: bad reply from %s: %s", transfer_id, address, e)
-            return
-        if isinstance(reply, CancelReply) and reply.state == "cancelled":
-            with self._lock:
-                self.consumer.cancel_confirmed(request_id, nonce)
-            self.wake()
-
     def has_pending_work(self) -> bool:
         with self._lock:
             return self.producer.num_states() + self.consumer.num_states() > 0
@@ -876,10 +588,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 kv_quarantined_requests=len(self.consumer.quarantine),
                 kv_held_for_send=len(self.producer.pending),
                 kv_reservations_waiting=len(self.producer.early),
-                kv_handshakes_total=self.handshakes,
+                kv_handshakes_total=self.service.handshakes + self.links.handshakes,
                 kv_prefill_peers_lost_total=self.liveness.peers_lost,
-                kv_decode_peers=len(self._d_peers),
-                kv_handshake_failures_total=self.handshake_failures,
+                kv_decode_peers=len(self.service.peers),
+                kv_handshake_failures_total=(
+                    self.service.handshake_failures + self.links.handshake_failures
+                ),
                 kv_checksum_failures_total=self.checksum_failures,
             )
             return StatsGroup(own, self._worker_stats)
@@ -887,4 +601,4 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def shutdown(self) -> None:
         self._server.close()
         self._lanes.shutdown()
-        self._verifier.shutdown(wait=False, cancel_futures=True)
+        self.service.shutdown()

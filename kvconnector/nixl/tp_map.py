@@ -41,6 +41,18 @@ def check_tp(tp: int, num_heads: int) -> None:
         )
 
 
+def peer_tp_error(num_ranks: int, tp_size: object, num_heads: int) -> str | None:
+    """Why a peer that sent ``num_ranks`` ranks for ``tp_size`` cannot be mapped onto a
+    model of ``num_heads`` KV heads (None: it can)."""
+    if num_ranks != tp_size:
+        return f"the peer sent {num_ranks} ranks for tp_size {tp_size!r}"
+    try:
+        check_tp(num_ranks, num_heads)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 @dataclass(frozen=True)
 class HeadWrite:
     """P rank -> D rank: ``count`` heads starting at ``p_offset`` in P's rank-local heads,

@@ -1,0 +1,214 @@
+"""Decode side of the side channel: a decode node's calls to the prefill nodes it pairs with.
+
+For each request whose prompt a prefill node (P) computes, the decode node (D) reserves
+blocks and tells P where to push (``reserve``), pairing with P first (``handshake``, once
+per P incarnation); a wait that ends early is cancelled at P (``cancel``). Every call runs
+on P's lane (``lanes.PeerLanes``), never on the engine's step loop, and its outcome goes
+into the ``Consumer`` (the receives this node waits for) under the scheduler-side
+connector's lock.
+
+D pairs with each P address under its own secret key (``pairing_key``): what one P
+learned -- e.g. a fake "prefill node" a client named -- is worth nothing at another
+(``decode_peers``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvconnector.nixl import tp_map
+from kvconnector.nixl.consumer import Consumer, RemoteRecv
+from kvconnector.nixl.messages import (
+    Ack,
+    Cancel,
+    CancelReply,
+    Handshake,
+    HandshakeReply,
+    MessageError,
+    Ping,
+    Refusal,
+    Reserve,
+    check_compat,
+    compat_mismatch,
+    decode_reply,
+)
+from kvconnector.nixl.side_channel import SideChannelClient, SideChannelError
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 5.0
+MAX_P_LOCKS = 1024  # per-prefill-address handshake locks kept beyond the paired peers
+
+
+class HandshakeError(RuntimeError):
+    pass
+
+
+class PrefillLinks:
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        incarnation: str,
+        address: str,
+        compat: dict[str, Any],
+        model_kv_heads: int,
+        consumer: Consumer,
+        lock: threading.RLock,
+        client: SideChannelClient,
+        wake: Callable[[], None],
+    ) -> None:
+        self.engine_id = engine_id
+        self.incarnation = incarnation
+        self.address = address
+        self.compat = compat
+        self.model_kv_heads = model_kv_heads
+        self.consumer = consumer
+        self._lock = lock
+        self._client = client
+        self._wake = wake
+        # Secret: each prefill node this node pairs with learns its own pairing key.
+        self._key_secret = secrets.token_bytes(32)
+        self.ranks: list[dict[str, Any]] = []  # this node's ranks (set once they report)
+        self.peers: dict[str, HandshakeReply] = {}  # handshake results by P address
+        self._locks: dict[str, threading.Lock] = {}
+        self.handshakes = 0
+        self.handshake_failures = 0
+
+    def pairing_key(self, p_address: str) -> str:
+        """The secret this node pairs with the prefill node at ``p_address`` under (128
+        bits, its own for every address and incarnation)."""
+        mac = hmac.new(self._key_secret, p_address.encode(), hashlib.sha256)
+        return mac.hexdigest()[:32]
+
+    def forget(self, address: str, incarnation: str | None) -> None:
+        """The prefill at ``address`` restarted: the next call handshakes with the new one.
+        Under the lock."""
+        peer = self.peers.get(address)
+        if peer is not None and peer.incarnation == incarnation:
+            del self.peers[address]
+
+    # -- jobs on a prefill node's lane -----------------------------------------------------
+    def reserve_job(self, recv: RemoteRecv) -> None:
+        try:
+            self._reserve(recv)
+        finally:
+            self._wake()
+
+    def _reserve(self, recv: RemoteRecv) -> None:
+        msg = Reserve(
+            transfer_id=recv.transfer_id,
+            nonce=recv.nonce,
+            d_request_id=recv.request_id,
+            peer_key=self.pairing_key(recv.p_address),
+            address=self.address,
+            block_ids=tuple(recv.block_ids),
+            skip_blocks=recv.skip_blocks,
+        ).to_wire()
+        try:
+            for attempt in range(2):
+                peer = self.ensure_handshake(recv.p_address, force=attempt > 0)
+                raw = self._client.request(recv.p_address, msg, RPC_TIMEOUT_S)
+                reply = decode_reply(raw, Ack)
+                if isinstance(reply, Ack) or reply.code != Refusal.HANDSHAKE_REQUIRED:
+                    break
+        except HandshakeError as e:
+            with self._lock:
+                self.consumer.fail(recv.request_id, str(e), safe=True)
+            return
+        except MessageError as e:  # P answered, but not a reply we know: not safe
+            with self._lock:
+                self.consumer.fail(recv.request_id, f"bad reply from prefill: {e}", safe=False)
+            return
+        except Exception as e:  # unreachable P: it may have the reservation; not safe
+            with self._lock:
+                self.consumer.fail(recv.request_id, f"prefill unreachable: {e}", safe=False)
+            return
+        with self._lock:
+            if isinstance(reply, Ack):
+                self.consumer.reserved(recv.request_id, peer.incarnation)
+            else:
+                self.consumer.fail(recv.request_id, reply.error, safe=True)
+
+    def cancel_job(self, address: str, transfer_id: str, nonce: str, request_id: str) -> None:
+        msg = Cancel(transfer_id, nonce, self.pairing_key(address)).to_wire()
+        try:
+            raw = self._client.request(address, msg, RPC_TIMEOUT_S)
+            reply = decode_reply(raw, CancelReply)
+        except MessageError as e:
+            logger.info("cancel of %s: bad reply from %s: %s", transfer_id, address, e)
+            return
+        except Exception as e:  # not sent: the quarantine keeps the blocks to its deadline
+            logger.info("side-channel cancel to %s failed: %s", address, e)
+            return
+        if isinstance(reply, CancelReply) and reply.state == "cancelled":
+            with self._lock:
+                self.consumer.cancel_confirmed(request_id, nonce)
+            self._wake()
+
+    def ensure_handshake(self, address: str, force: bool = False) -> HandshakeReply:
+        with self._lock:
+            if address not in self._locks and len(self._locks) >= MAX_P_LOCKS:
+                # Addresses come from clients (within --kv-allowed-peers): keep the locks
+                # of paired peers and of handshakes running, forget the rest.
+                for a, held in list(self._locks.items()):
+                    if a not in self.peers and not held.locked():
+                        del self._locks[a]
+            lock = self._locks.setdefault(address, threading.Lock())
+        with lock:  # one handshake per peer at a time; others wait here, off the loop
+            peer = self.peers.get(address)
+            if peer is not None and not force:
+                return peer
+            if self._client.signed:
+                # The handshake hands out this node's rank metadata (the keys to write into
+                # its KV memory), and a signed message is not a secret one: first the
+                # address proves it holds --kv-secret (a signed ping reply).
+                try:
+                    self._client.request(address, Ping().to_wire(), RPC_TIMEOUT_S)
+                except SideChannelError as e:
+                    with self._lock:
+                        self.handshake_failures += 1
+                    raise HandshakeError(f"prefill {address} did not prove the secret: {e}") from e
+            msg = Handshake(
+                engine_id=self.engine_id,
+                incarnation=self.incarnation,
+                peer_key=self.pairing_key(address),
+                compat=self.compat,
+                ranks=tuple(self.ranks),
+                address=self.address,
+            ).to_wire()
+            raw = self._client.request(address, msg, RPC_TIMEOUT_S)
+            reply, error = self._check_handshake_reply(address, raw)
+            with self._lock:
+                self.handshakes += 1
+                if reply is None:
+                    self.handshake_failures += 1
+                    raise HandshakeError(error)
+                self.peers[address] = reply
+            logger.info("handshake with prefill %s (%s) done", reply.engine_id, address)
+            return reply
+
+    def _check_handshake_reply(
+        self, address: str, raw: dict[str, Any]
+    ) -> tuple[HandshakeReply | None, str]:
+        """(P's reply, "") when it can be paired with, else (None, why not)."""
+        try:
+            reply = decode_reply(raw, HandshakeReply)
+        except MessageError as e:
+            if mismatch := compat_mismatch(self.compat, raw):  # another version's shape
+                return None, f"prefill {address} is incompatible: {mismatch}"
+            return None, f"prefill {address} sent a malformed handshake reply: {e}"
+        if isinstance(reply, Refusal):
+            return None, f"prefill {address} refused the handshake: {reply.error}"
+        mismatch = check_compat(self.compat, reply.compat) or tp_map.peer_tp_error(
+            len(reply.ranks), reply.compat.get("tp_size"), self.model_kv_heads
+        )
+        if mismatch:
+            return None, f"prefill {address} is incompatible: {mismatch}"
+        return reply, ""
