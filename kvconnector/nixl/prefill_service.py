@@ -93,6 +93,7 @@ class PrefillService:
         # Pings of new decode peers' addresses (DecodePeers bounds how many wait). Its own
         # pool: claims must not take the lanes of paired peers' calls.
         self._verifier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-verify")
+        self._closed = False
         self.handshakes = 0
         self.handshake_failures = 0
 
@@ -220,6 +221,8 @@ class PrefillService:
             reply, why = None, f"no answer from {claim.address}: {e}"
         else:
             why = f"{claim.address} answered {reply!r:.200}"
+        if self._closed:
+            return  # the node is stopping: no verdict, no log line after its last
         with self._lock:
             self.peers.checked()
             if (
@@ -278,4 +281,5 @@ class PrefillService:
             self._remove.append(peer.handle)
 
     def shutdown(self) -> None:
+        self._closed = True  # a ping still running ends within VERIFY_TIMEOUT_S, silently
         self._verifier.shutdown(wait=False, cancel_futures=True)
