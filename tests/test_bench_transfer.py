@@ -15,6 +15,7 @@ import torch
 from harness import REPO_ROOT
 
 from engine.bench import transfer as tb
+from engine.bench import transfer_ranks as tr
 from engine.bench.cli import build_parser, main
 
 TOY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16"]
@@ -62,11 +63,11 @@ def test_fill_pattern_differs_per_block_and_rank_and_check_blocks_catches_errors
     shape = geo.rank_shape(1, 8)
     src = torch.zeros(shape, dtype=torch.bfloat16)
     for b in range(8):
-        tb.fill_pattern(src[b], seed=3, rank=0, block_id=b)
+        tr.fill_pattern(src[b], seed=3, rank=0, block_id=b)
     as_bytes = [src[b].reshape(-1).view(torch.uint8) for b in range(8)]
     assert all(not torch.equal(as_bytes[0], as_bytes[b]) for b in range(1, 8))
     other_rank = torch.zeros_like(src[0])
-    tb.fill_pattern(other_rank, seed=3, rank=1, block_id=0)
+    tr.fill_pattern(other_rank, seed=3, rank=1, block_id=0)
     assert not torch.equal(other_rank.reshape(-1).view(torch.uint8), as_bytes[0])
     assert torch.isnan(src.float()).any()  # so the check must compare bytes, not values
 
@@ -74,19 +75,19 @@ def test_fill_pattern_differs_per_block_and_rank_and_check_blocks_catches_errors
     dst = torch.zeros_like(src)
     for k, d in enumerate(dst_ids):
         dst[d] = src[k]
-    good = tb.check_blocks(dst, dst_ids, [0, 1, 2, 3], seed=3, rank=0)
+    good = tr.check_blocks(dst, dst_ids, [0, 1, 2, 3], seed=3, rank=0)
     assert good["ok"] and good["wrong_blocks"] == 0 and good["dirty_other_blocks"] == 0
-    assert not tb.check_blocks(dst, dst_ids, [0, 1, 2, 3], seed=3, rank=1)["ok"]
-    assert tb.check_blocks(dst, dst_ids, [1, 0, 2, 3], seed=3, rank=0)["wrong_blocks"] == 2
+    assert not tr.check_blocks(dst, dst_ids, [0, 1, 2, 3], seed=3, rank=1)["ok"]
+    assert tr.check_blocks(dst, dst_ids, [1, 0, 2, 3], seed=3, rank=0)["wrong_blocks"] == 2
 
     flipped = dst.clone()
     flipped[7].view(-1).view(torch.uint8)[100] ^= 1  # one bit of one block
-    bad = tb.check_blocks(flipped, dst_ids, [0, 1, 2, 3], seed=3, rank=0)
+    bad = tr.check_blocks(flipped, dst_ids, [0, 1, 2, 3], seed=3, rank=0)
     assert not bad["ok"] and bad["wrong_blocks"] == 1 and bad["first_wrong"] == [2]
 
     stray = dst.clone()
     stray[4].view(-1).view(torch.uint8)[0] = 1  # a block nobody reserved was written
-    assert tb.check_blocks(stray, dst_ids, [0, 1, 2, 3], seed=3, rank=0) == {
+    assert tr.check_blocks(stray, dst_ids, [0, 1, 2, 3], seed=3, rank=0) == {
         **good,
         "dirty_other_blocks": 1,
         "ok": False,
@@ -97,15 +98,15 @@ def _device_paths(device: str) -> None:
     geo = tb.Geometry(layers=2, kv_heads=2, head_dim=16)
     cache = torch.zeros(geo.rank_shape(2, 6), dtype=torch.bfloat16, device=device)
     for b in range(6):
-        tb.fill_pattern(cache[b], seed=0, rank=1, block_id=b)
+        tr.fill_pattern(cache[b], seed=0, rank=1, block_id=b)
     scratch = torch.zeros_like(cache)
-    t0, t1 = tb.timed_copy(scratch[:4], cache[:4])
+    t0, t1 = tr.timed_copy(scratch[:4], cache[:4])
     assert t1 >= t0
     assert torch.equal(
         scratch[:4].reshape(-1).view(torch.uint8), cache[:4].reshape(-1).view(torch.uint8)
     )
     assert not scratch[4:].reshape(-1).view(torch.uint8).any()
-    assert tb.check_blocks(cache, [0, 1, 2, 3, 4, 5], list(range(6)), seed=0, rank=1)["ok"]
+    assert tr.check_blocks(cache, [0, 1, 2, 3, 4, 5], list(range(6)), seed=0, rank=1)["ok"]
 
 
 def test_copy_and_check_on_cpu():
@@ -115,14 +116,14 @@ def test_copy_and_check_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_copy_and_check_on_cuda():
-    assert tb.rank_device("cuda", 3).startswith("cuda:")
+    assert tr.rank_device("cuda", 3).startswith("cuda:")
     _device_paths("cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_cuda_without_cuda_is_refused(capsys):
     with pytest.raises(tb.BenchError, match="CUDA is not available"):
-        tb.rank_device("cuda", 0)
+        tr.rank_device("cuda", 0)
     assert main(["transfer", "--device", "cuda", *TOY, "--tokens", "16"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
 
