@@ -274,12 +274,26 @@ class KVTransferConfig:
             "with --device cuda"
         },
     )
+    kv_reserve_first: bool = field(
+        default=True,
+        metadata={
+            "help": "a prefill node computes a prefill leg only once its decode node "
+            "reserved the blocks (as SGLang and Dynamo order it; other requests pass the "
+            "waiting leg; no reservation within --kv-transfer-timeout fails it): it never "
+            "holds KV no decode node has room for, so a full decode node and a full "
+            "prefill node cannot wait on each other, and every push can be pipelined. "
+            "A prefill leg without a transfer_id (a client that sends the decode leg "
+            "after the prefill leg's answer) is computed at once. --no-kv-reserve-first: "
+            "every leg at once, overlapping D's admission (lower TTFT by that much)"
+        },
+    )
     kv_pipeline_wait_ms: float = field(
         default=20.0,
         metadata={
-            "help": "with --kv-layer-group-size: how long a prefill node holds a new "
-            "prefill leg for its decode node's reservation, so that it knows where to "
-            "write before the prefill runs and can pipeline the push (0: never wait)"
+            "help": "with --kv-layer-group-size and --no-kv-reserve-first: how long a "
+            "prefill node holds a new prefill leg for its decode node's reservation, so "
+            "that it knows where to write before the prefill runs and can pipeline the "
+            "push (0: never wait)"
         },
     )
     kv_allowed_peers: str = field(

@@ -27,8 +27,10 @@ Scheduler side, called by ``engine.core.scheduler.Scheduler``:
    arrive from a peer. ``load_async=True`` puts the request in ``WAITING_FOR_REMOTE_KV``
    after its blocks are reserved; it is not scheduled until the KV has landed.
    ``delay_admission(request) -> bool`` before that, each time a new request is
-   considered: True keeps it waiting this step (the NIXL producer holds a prefill leg
-   up to ``--kv-pipeline-wait-ms`` for its reservation, to pipeline the push).
+   considered: True keeps it waiting this step while the requests behind it may pass
+   (the NIXL producer holds a prefill leg until its decode node reserved the blocks,
+   ``--kv-reserve-first``; a delayed request the connector gives up on comes back in
+   ``ConnectorEvents.failed_waiting`` and the scheduler fails it).
 2. ``update_state_after_alloc(request, block_ids, num_external_tokens)`` right after the
    blocks for those tokens were allocated (the decode side announces them to the peer).
 3. ``build_connector_meta(scheduler_output, block_ids) -> KVConnectorMetadata`` once per
@@ -133,6 +135,8 @@ class ConnectorEvents:
     failed_loads: dict[str, str] = field(default_factory=dict)
     # request ids whose held blocks may be freed now (sends done, cancelled, timed out).
     free_blocks: set[str] = field(default_factory=set)
+    # request id -> reason: a request it delayed (delay_admission) that must not start.
+    failed_waiting: dict[str, str] = field(default_factory=dict)
 
 
 class KVConnectorScheduler(ABC):

@@ -183,14 +183,19 @@ class Scheduler:
             budget -= n
             i += 1
 
+        delayed: list[Request] = []  # waiting on a peer: the requests behind them pass
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.status == RequestStatus.WAITING and self.connector.delay_admission(req):
+                delayed.append(self.waiting.popleft())
+                continue
             if not self._admit(req, budget, seqs):
                 break
             self.waiting.popleft()
             if req.status == RequestStatus.RUNNING:
                 budget -= seqs[-1].num_tokens
                 scheduled[req.request_id] = (req, req.num_preemptions)
+        self.waiting.extendleft(reversed(delayed))  # in their places, first in line
 
         out = SchedulerOutput(
             step_id=self._step, seqs=seqs, finished_request_ids=self._finished_ids
@@ -241,8 +246,6 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, seqs: list[ScheduledSeq]) -> bool:
         """Try to start ``req``; False when there is no room this step."""
-        if req.status == RequestStatus.WAITING and self.connector.delay_admission(req):
-            return False
         # Prompt logprobs need the prompt computed here: no prefix-cache hits (as vLLM).
         computed = [] if req.needs_prompt_logprobs else self.kv.get_computed_blocks(req)
         num_cached = len(computed) * self.block_size
@@ -447,6 +450,11 @@ class Scheduler:
 
     def _apply_connector_events(self) -> None:
         events = self.connector.take_events()
+        for rid, reason in events.failed_waiting.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.WAITING:
+                logger.warning("request %s: %s", rid, reason)
+                self._finish(req, RequestStatus.FINISHED_ERROR, reason)
         for rid, reason in events.failed_loads.items():
             req = self.remote_waiting.pop(rid, None)
             if req is None:

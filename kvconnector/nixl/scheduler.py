@@ -120,6 +120,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._p_requests: dict[str, str] = {}
         self.pipeline_wait = kvc.kv_pipeline_wait_ms / 1000 if self.pipeline else 0.0
         self._retry_at: float | None = None  # earliest end of a delayed admission
+        self.reserve_first = kvc.kv_reserve_first
+        self._gave_up: dict[str, str] = {}  # delayed prefill legs whose deadline passed
         self.pipelined_sends = 0
         self.consumer = Consumer(self.timeout)
         self._lock = threading.RLock()
@@ -258,19 +260,30 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             )
 
     def delay_admission(self, request: Request) -> bool:
-        """Pipelined push: hold a new prefill leg briefly until D's reservation is here."""
-        if self.pipeline_wait <= 0:
-            return False
+        """P: hold a new prefill leg until its decode node reserved the blocks -- up to
+        --kv-transfer-timeout, then it fails (--kv-reserve-first), or up to
+        --kv-pipeline-wait-ms, then it prefills anyway (to pipeline the push)."""
         params = request.kv_transfer_params
         if params is None or not params.do_remote_decode:
             return False
-        until = request.arrival_time + self.pipeline_wait
-        if time.monotonic() >= until:
+        # Without a transfer id the client learns it from this leg's answer: no
+        # reservation can come before it.
+        reserve_first = self.reserve_first and params.transfer_id is not None
+        wait = self.timeout if reserve_first else self.pipeline_wait
+        if wait <= 0:
             return False
         with self._lock:
             res = self.producer.early.get(request.transfer_id)
             if res is not None and self.service.ready(res.peer_key):
                 return False  # a new peer: also until its address confirmed it
+            until = request.arrival_time + wait
+            if time.monotonic() >= until:
+                if not reserve_first:
+                    return False
+                self._gave_up[request.request_id] = (
+                    f"no decode node reserved blocks for transfer {request.transfer_id!r:.80} "
+                    f"within {self.timeout:g} s (--kv-transfer-timeout)"
+                )
             self._retry_at = until if self._retry_at is None else min(self._retry_at, until)
             return True
 
@@ -520,6 +533,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self.producer.expire()
             self.consumer.expire()
             p, c = self.producer.take_outcome(), self.consumer.take_outcome()
+            gave_up, self._gave_up = self._gave_up, {}
             self._ended.extend(c.ended)
             self._ended.extend(p.ended)
             watched = {
@@ -536,7 +550,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             # Not sent: the quarantine keeps the blocks until its deadline.
             self._submit(p_addr, self.links.cancel_job, p_addr, tid, nonce, rid)
         return ConnectorEvents(
-            failed_loads=c.failed_loads, free_blocks=p.free_blocks | c.free_blocks
+            failed_loads=c.failed_loads,
+            free_blocks=p.free_blocks | c.free_blocks,
+            failed_waiting=gave_up,
         )
 
     def _notify_failed(self, res: Reservation, why: str, safe: bool) -> None:
