@@ -135,8 +135,10 @@ class ConnectorEvents:
     failed_loads: dict[str, str] = field(default_factory=dict)
     # request ids whose held blocks may be freed now (sends done, cancelled, timed out).
     free_blocks: set[str] = field(default_factory=set)
-    # request id -> reason: a request it delayed (delay_admission) that must not start.
-    failed_waiting: dict[str, str] = field(default_factory=dict)
+    # request id -> reason: a request it delayed (delay_admission) that must not start;
+    # it fails with that reason, or ends as aborted when the reason is None (its peer
+    # cancelled it).
+    failed_waiting: dict[str, str | None] = field(default_factory=dict)
 
 
 class KVConnectorScheduler(ABC):

@@ -126,9 +126,15 @@ class Legs:
                 raise await _error_from_response(node, resp)
             try:
                 data = resp.json()
-                data["choices"][0]  # noqa: B018 - shape check
-            except (ValueError, KeyError, IndexError, TypeError) as e:
+                choice = data["choices"][0]
+                first = (data.get("kv_transfer_params") or {}).get("first_token")
+                ids, reason = choice.get("token_ids"), choice.get("finish_reason")
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
                 raise UpstreamError(node, f"malformed prefill response: {e}", status=502) from e
+            if first is None and not ids:
+                # E.g. a leg aborted on P: streamed on, its "first token" would be none,
+                # and D (told to skip the first token) would drop the real one.
+                raise UpstreamError(node, f"prefill answer without a token ({reason})", status=502)
         return data
 
     async def open_decode(

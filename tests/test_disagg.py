@@ -267,7 +267,8 @@ def test_unseeded_sampling_agrees_between_prefill_and_a_recomputing_decode():
     sampled = SamplingParams(max_tokens=8, temperature=1.0)  # no seed
     dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     base = EngineConfig(cache=CacheConfig(num_blocks=64))
-    p = EngineCore(nixl_config(base, "producer"))
+    # P computes its leg at once (no decode node will reserve it: D's P is elsewhere).
+    p = EngineCore(nixl_config(base, "producer", kv_reserve_first=False))
     d = EngineCore(nixl_config(base, "consumer"))
     try:
         prompt = random_prompt(30, 256, seed=9)

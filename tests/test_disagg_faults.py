@@ -35,6 +35,14 @@ def prefill(pd_pair: PD) -> Proc:
     return pd_pair.p
 
 
+@pytest.fixture(scope="module")
+def eager_prefill(module_procs: Procs) -> Proc:
+    """A prefill node that computes a leg before any reservation (--no-kv-reserve-first),
+    so that it holds the blocks for a decode node: the waits of that hold."""
+    return module_procs.node(*NIXL_ARGS, "--no-kv-reserve-first", module="prefill_node",
+                             name="p-eager")  # fmt: skip
+
+
 def test_kv_transfer_info_reports_the_transport(prefill: Proc):
     info = httpx.get(prefill.url + "/v1/kv_transfer_info", timeout=5).json()
     assert info["role"] == "producer" and info["side_channel"].startswith("tcp://127.0.0.1:")
@@ -164,49 +172,49 @@ def test_decode_abort_while_waiting_cancels_on_prefill(decode: Proc, prefill: Pr
         5,
         "P to drop the cancelled reservation",
     )
-    # A late prefill for the cancelled transfer is not pushed anywhere; P frees its blocks.
+    # A late prefill leg for the cancelled transfer computes nothing: it fails at once.
     p = httpx.post(
         prefill.url + "/v1/completions",
         json=p_body(prompt, rid),
         timeout=30,
     )
-    assert p.status_code == 200
-    wait_for(lambda: pools_full(prefill), TIMEOUT_S + 5, "P to free the tombstoned blocks")
+    assert p.status_code == 500 and "ended before a decode node reserved" in p.text
+    wait_for(lambda: pools_full(prefill), TIMEOUT_S + 5, "P's pool to be whole")
 
 
-def test_prefill_frees_blocks_when_no_reservation_comes(prefill: Proc):
-    sent_before = prefill.metric("pdserve_engine_kv_transfers_started_total")
+def test_prefill_frees_blocks_when_no_reservation_comes(eager_prefill: Proc):
+    sent_before = eager_prefill.metric("pdserve_engine_kv_transfers_started_total")
     resp = httpx.post(
-        prefill.url + "/v1/completions",
+        eager_prefill.url + "/v1/completions",
         json=p_body(list(range(1, 50)), "nobody-wants-it"),
         timeout=30,
     )
     assert resp.status_code == 200
     params = resp.json()["kv_transfer_params"]
     assert params["first_token"] == resp.json()["choices"][0]["token_ids"][0]
-    assert prefill.metric("pdserve_engine_kv_held_for_send") == 1
-    assert prefill.metric("pdserve_kv_blocks_used") == 4  # held for the decode node
-    took = wait_for(lambda: pools_full(prefill), TIMEOUT_S + 5, "P's held blocks to free")
+    assert eager_prefill.metric("pdserve_engine_kv_held_for_send") == 1
+    assert eager_prefill.metric("pdserve_kv_blocks_used") == 4  # held for the decode node
+    took = wait_for(lambda: pools_full(eager_prefill), TIMEOUT_S + 5, "P's held blocks to free")
     assert took > TIMEOUT_S / 2  # held until the deadline, not dropped at once
-    assert prefill.metric("pdserve_engine_kv_held_for_send") == 0
-    assert prefill.metric("pdserve_engine_kv_transfers_started_total") == sent_before
+    assert eager_prefill.metric("pdserve_engine_kv_held_for_send") == 0
+    assert eager_prefill.metric("pdserve_engine_kv_transfers_started_total") == sent_before
 
 
-def test_abort_on_prefill_frees_blocks_held_for_send(prefill: Proc):
+def test_abort_on_prefill_frees_blocks_held_for_send(eager_prefill: Proc):
     """The proxy aborts P when D died before reserving: P frees at once, not at the deadline."""
     rid = "abort-held-1"
     resp = httpx.post(
-        prefill.url + "/v1/completions",
+        eager_prefill.url + "/v1/completions",
         json=p_body(list(range(1, 40)), rid),
         headers={"X-Request-Id": rid},
         timeout=30,
     )
     assert resp.status_code == 200
-    assert prefill.metric("pdserve_engine_kv_held_for_send") == 1
-    httpx.post(prefill.url + "/v1/abort", json={"request_id": rid}, timeout=10)
-    took = wait_for(lambda: pools_full(prefill), TIMEOUT_S, "P to free the aborted hold")
+    assert eager_prefill.metric("pdserve_engine_kv_held_for_send") == 1
+    httpx.post(eager_prefill.url + "/v1/abort", json={"request_id": rid}, timeout=10)
+    took = wait_for(lambda: pools_full(eager_prefill), TIMEOUT_S, "P to free the aborted hold")
     assert took < TIMEOUT_S / 2
-    assert prefill.metric("pdserve_engine_kv_held_for_send") == 0
+    assert eager_prefill.metric("pdserve_engine_kv_held_for_send") == 0
 
 
 def _disagg(prefill: Proc, decode: Proc, prompt: list[int], tid: str) -> list[int]:
@@ -280,16 +288,16 @@ def test_transfer_params_without_connector_are_refused(procs: Procs):
     assert "--kv-connector" in resp.json()["error"]["message"]
 
 
-def test_a_second_prefill_leg_with_a_transfer_id_in_use_is_refused(prefill: Proc):
+def test_a_second_prefill_leg_with_a_transfer_id_in_use_is_refused(eager_prefill: Proc):
     """The proxy makes one transfer id per request and attempt; a client calling P with an
     id P still holds blocks for gets a 400 naming it, not a second prefill that is then
     computed for nothing (and an ERROR in P's log)."""
-    log_before = len(prefill.logs(10**7))
-    first = httpx.post(prefill.url + "/v1/completions", json=p_body([5, 6, 7], "dup-1"))
+    log_before = len(eager_prefill.logs(10**7))
+    first = httpx.post(eager_prefill.url + "/v1/completions", json=p_body([5, 6, 7], "dup-1"))
     assert first.status_code == 200  # P holds its blocks for a decode node
-    second = httpx.post(prefill.url + "/v1/completions", json=p_body([5, 6, 7], "dup-1"))
+    second = httpx.post(eager_prefill.url + "/v1/completions", json=p_body([5, 6, 7], "dup-1"))
     assert second.status_code == 400, second.text
     err = second.json()["error"]
     assert err["param"] == "kv_transfer_params" and "dup-1" in err["message"]
-    assert " ERROR " not in prefill.logs(10**7)[log_before:]
-    wait_for(lambda: pools_full(prefill), TIMEOUT_S + 5, "P to free the held blocks")
+    assert " ERROR " not in eager_prefill.logs(10**7)[log_before:]
+    wait_for(lambda: pools_full(eager_prefill), TIMEOUT_S + 5, "P to free the held blocks")

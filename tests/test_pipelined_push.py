@@ -307,7 +307,8 @@ def test_delay_admission_holds_only_prefill_legs_without_a_reservation_and_only_
     from kvconnector.nixl.scheduler import NixlConnectorScheduler
 
     cfg = EngineConfig(model=ModelConfig(model="tiny"), kv_transfer=KVTransferConfig(
-        kv_connector="nixl", kv_role="producer", kv_layer_group_size=1, kv_pipeline_wait_ms=50))  # fmt: skip
+        kv_connector="nixl", kv_role="producer", kv_layer_group_size=1, kv_pipeline_wait_ms=50,
+        kv_reserve_first=False))  # fmt: skip
     spec = KVCacheSpec(num_blocks=8, num_layers=4, num_kv_heads=2, block_size=16, head_dim=32,
                        dtype=torch.float32)  # fmt: skip
     conn = NixlConnectorScheduler(cfg, spec)

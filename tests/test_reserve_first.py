@@ -74,13 +74,18 @@ def test_a_delayed_request_lets_the_requests_behind_it_start_and_keeps_its_place
 def test_a_delayed_request_the_connector_gives_up_on_fails_with_its_reason(delaying):
     sch, conn = delaying
     sch.add_request(Request("a", [1, 2, 3], GREEDY))
-    conn.hold = {"a"}
+    sch.add_request(Request("b", [1, 2, 3], GREEDY))
+    conn.hold = {"a", "b"}
     sch.schedule()
-    conn.give_up = {"a": "no decode node reserved blocks"}
+    conn.give_up = {"a": "no decode node reserved blocks", "b": None}
     out = sch.schedule()
-    assert not out.seqs and not sch.waiting and "a" not in sch.requests
-    (final,) = [o for o in sch.take_outputs() if o.request_id == "a"]
-    assert final.finished and final.error == "no decode node reserved blocks"
+    assert not out.seqs and not sch.waiting and not sch.requests
+    finals = {o.request_id: o for o in sch.take_outputs()}
+    assert (
+        finals["a"].finish_reason is None or finals["a"].error == "no decode node reserved blocks"
+    )
+    assert finals["a"].error == "no decode node reserved blocks"
+    assert finals["b"].finish_reason == "abort" and finals["b"].error is None
 
 
 def _no_output(out):
@@ -129,6 +134,28 @@ def test_a_prefill_leg_waits_for_a_confirmed_reservation_then_fails_at_the_deadl
         assert conn.delay_admission(leg)
         (why,) = conn.take_events().failed_waiting.values()
         assert "no decode node reserved" in why and "--kv-transfer-timeout" in why
+    finally:
+        conn.shutdown()
+
+
+def test_a_decode_node_that_gives_up_first_ends_the_waiting_prefill_leg_at_once():
+    """D's handshake was refused (or its request aborted) before it reserved: its cancel
+    reaches P while the leg waits -- or before it arrives -- and the leg fails at once
+    instead of waiting out --kv-transfer-timeout (a sender P does not pair with may send
+    it: knowing the transfer id is the capability, as for a held prefill)."""
+    conn = _producer(kv_transfer_timeout=30.0)
+    try:
+        waiting, later = _leg("p1", "t1"), _leg("p2", "t2")
+        assert conn.delay_admission(waiting) and not conn.take_events().failed_waiting
+        for tid in ("t1", "t2"):
+            assert conn.producer.cancel(tid, "nonce", None).state == "cancelled"
+        assert conn.delay_admission(waiting) and conn.delay_admission(later)
+        failed = conn.take_events().failed_waiting
+        assert set(failed) == {"p1", "p2"} and all("ended before" in w for w in failed.values())
+        # Eager mode: a prefill that was running when the cancel came holds nothing.
+        conn.producer.cancel("t3", "nonce", None)
+        assert not conn.producer.prefill_finished("p3", "t3", [0, 1], 5)
+        assert not conn.producer.pending
     finally:
         conn.shutdown()
 

@@ -452,7 +452,11 @@ class Scheduler:
         events = self.connector.take_events()
         for rid, reason in events.failed_waiting.items():
             req = self.requests.get(rid)
-            if req is not None and req.status == RequestStatus.WAITING:
+            if req is None or req.status != RequestStatus.WAITING:
+                continue
+            if reason is None:  # its peer cancelled it
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+            else:
                 logger.warning("request %s: %s", rid, reason)
                 self._finish(req, RequestStatus.FINISHED_ERROR, reason)
         for rid, reason in events.failed_loads.items():

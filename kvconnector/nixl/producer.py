@@ -85,6 +85,9 @@ class Producer:
         # nonces D cancelled before P held their reservation -> expiry: a reservation that
         # arrives after its own cancel (the two raced) is refused, never written.
         self.cancelled: dict[str, float] = {}
+        # transfer id -> expiry: D gave up before P prefilled (nor holds anything of it):
+        # a prefill leg still waiting for its reservation ends at once (delay_admission).
+        self.cancelled_legs: dict[str, float] = {}
         self.outcome = ProducerOutcome()
         self.sends_started = 0
 
@@ -130,6 +133,9 @@ class Producer:
         if transfer_id in self.pending or in_flight:
             logger.error("transfer id %s is already in use; not pushing it twice", transfer_id)
             return False
+        if transfer_id not in self.early and self.cancelled_legs.pop(transfer_id, None):
+            logger.info("transfer %s: the decode node gave up during its prefill", transfer_id)
+            return False  # nothing will reserve it: hold nothing
         send = PendingSend(
             request_id, transfer_id, list(block_ids), first_token, now + self.timeout
         )
@@ -215,6 +221,9 @@ class Producer:
         for tid, stone in list(self.tombstones.items()):
             if now >= stone.expiry:
                 del self.tombstones[tid]
+        for tid, expiry in list(self.cancelled_legs.items()):
+            if expiry <= now:
+                del self.cancelled_legs[tid]
         for nonce, expiry in list(self.cancelled.items()):
             if now >= expiry:
                 del self.cancelled[nonce]
@@ -293,6 +302,12 @@ class Producer:
                 del self.pending[transfer_id]
                 self.outcome.free_blocks.add(send.request_id)
                 self._tombstone(transfer_id, "cancelled by decode", None)
+            elif held is None:
+                # ... before P prefilled: its leg, waiting for that reservation (or not
+                # here yet), need not wait any more. Bounded, as strangers may send it.
+                if len(self.cancelled_legs) >= MAX_CANCELLED:
+                    self.cancelled_legs.pop(next(iter(self.cancelled_legs)))  # the oldest
+                self.cancelled_legs[transfer_id] = time.monotonic() + 2 * self.timeout
             # A reservation P holds under another nonce stays as it is: a delayed cancel
             # of an older reservation must not drop a newer one.
             return CancelReply("cancelled")

@@ -121,7 +121,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.pipeline_wait = kvc.kv_pipeline_wait_ms / 1000 if self.pipeline else 0.0
         self._retry_at: float | None = None  # earliest end of a delayed admission
         self.reserve_first = kvc.kv_reserve_first
-        self._gave_up: dict[str, str] = {}  # delayed prefill legs whose deadline passed
+        self._gave_up: dict[str, str] = {}  # delayed prefill legs that fail now
         self.pipelined_sends = 0
         self.consumer = Consumer(self.timeout)
         self._lock = threading.RLock()
@@ -276,6 +276,18 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             res = self.producer.early.get(request.transfer_id)
             if res is not None and self.service.ready(res.peer_key):
                 return False  # a new peer: also until its address confirmed it
+            tid = request.transfer_id
+            if res is None and (
+                self.producer.cancelled_legs.pop(tid, None) or tid in self.producer.tombstones
+            ):
+                # D gave up first (a refused handshake, an abort), or the transfer ended
+                # otherwise: no reservation comes. An error, not an empty answer: a
+                # proxy that streams P's first token must not take "no token" for one.
+                self._gave_up[request.request_id] = (
+                    f"transfer {tid!r:.80} ended before a decode node reserved blocks "
+                    "for it (the decode node gave up or cancelled it)"
+                )
+                return True
             until = request.arrival_time + wait
             if time.monotonic() >= until:
                 if not reserve_first:
