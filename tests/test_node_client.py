@@ -335,3 +335,28 @@ def test_a_decode_answer_that_arrives_for_a_dropped_attempt_is_closed_not_leaked
             assert c.in_flight == 0
 
     run(main())
+
+
+def test_a_prefill_answer_without_a_token_is_an_upstream_error_not_a_first_token() -> None:
+    """A prefill leg that ended without sampling (aborted on P) answers 200 with no token:
+    streamed on as P's first chunk, the client would get an empty first token and D, told
+    to skip the first token, would drop the real one."""
+    from proxy.config import ProxyConfig
+    from proxy.legs import Legs, UpstreamError
+    from proxy.nodes import NodePool
+    from proxy.validation import COMPLETIONS, validate_request
+
+    aborted = {"choices": [{"index": 0, "text": "", "finish_reason": "abort", "token_ids": []}]}
+
+    async def prefill(req: SeenRequest) -> bytes:
+        return answer(200, aborted)
+
+    async def main() -> None:
+        async with StandIn(prefill) as p, NodeClient(timeout=10) as c:
+            cfg = ProxyConfig(prefill=(p.url,), decode=(p.url,))
+            node = NodePool(cfg.prefill, cfg.decode).nodes("prefill")[0]
+            req = validate_request(COMPLETIONS, b'{"prompt": "x", "max_tokens": 2}', ["m"], None)
+            with pytest.raises(UpstreamError, match="without a token"):
+                await Legs(c).prefill(req, node, "r", "t")
+
+    run(main())
