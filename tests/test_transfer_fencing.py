@@ -303,3 +303,46 @@ def test_a_send_no_rank_reports_is_given_up_after_twice_the_timeout(monkeypatch)
     assert not p.in_flight and out.free_blocks == {"P1"} and out.ended == ["P1"]
     assert [(res.nonce, why) for res, why in out.notify_unsafe] == [("n1", "push lost on prefill")]
     assert p.cancel("t1", "n1", "d:1").state == "in_flight"
+
+
+def test_a_rank_that_gets_to_a_send_after_its_deadline_posts_nothing_of_it():
+    """A P worker stalled (SIGSTOP, swap, a hung GPU) past the reservation's deadline while
+    D gave up, quarantined and freed the blocks -- which then took another request's KV.
+    Woken, it used to post the old WRITE into them: D's cache (and prefix cache) held
+    wrong KV and answered with HTTP 200. Now a rank posts nothing after ``post_by``,
+    whole sends and the remaining pieces of a pipelined one, and reports the send failed."""
+    from kvconnector.nixl.metadata import TOO_LATE, NixlConnectorMetadata, SendSpec
+
+    writes: list[tuple] = []
+
+    class Transport:
+        def write_blocks(self, sub, local, remote, notif, layers=None):
+            writes.append((sub, layers))
+            return object()
+
+    cfg = EngineConfig(kv_transfer=KVTransferConfig(kv_connector="nixl", kv_role="producer"))
+    w = NixlConnectorWorker(cfg, 0, 1)
+    w.transport = Transport()  # type: ignore[assignment]
+    w._targets = {"peer": [("sub", None, 1)]}  # type: ignore[dict-item]
+    now = time.monotonic()
+    notif = Notif(r="r", t="t", k="n1").pack()
+    late = SendSpec("late", "peer", [1], [2], notif, post_by=now - 1)
+    in_time = SendSpec("ok", "peer", [3], [4], notif, post_by=now + 60)
+    w.bind_connector_metadata(NixlConnectorMetadata(sends=[late, in_time]))
+    w.start_load_kv()
+    w.wait_for_save({})
+    w.clear_connector_metadata()
+    assert writes == [("sub", None)]  # only the send still in time
+    assert w.take_failures() == {"late": TOO_LATE}
+    # Pipelined: the deadline passes between the first piece and the last.
+    writes.clear()
+    w._groups = [(0, 2), (2, 4)]
+    piped = SendSpec("pipe", "peer", [1], [2], notif, pipelined=True, post_by=now + 60)
+    w.bind_connector_metadata(NixlConnectorMetadata(sends=[piped]))
+    w.start_load_kv()
+    w.save_kv_layer(1)
+    piped.post_by = time.monotonic() - 1
+    w.wait_for_save({"pipe": 5})
+    w.clear_connector_metadata()
+    assert writes == [("sub", (0, 2))]  # the last piece never went
+    assert w.take_failures() == {"pipe": TOO_LATE}

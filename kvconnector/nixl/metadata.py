@@ -9,6 +9,9 @@ from kvconnector.base import KVConnectorMetadata
 
 # Why a pipelined send failed when P's own step raised (no fault of the decode peer).
 STEP_FAILED = "the prefill step computing this KV failed"
+# Why a rank posted nothing (more) of a send: it got to it after ``SendSpec.post_by`` (a
+# stalled worker), when D may have given the blocks up. No fault of the decode peer.
+TOO_LATE = "this rank got to the send after its reservation's deadline"
 
 
 @dataclass
@@ -23,6 +26,11 @@ class SendSpec:
     # Pipelined: the prefill computing this KV runs in this very step; the workers post
     # it a layer group at a time as the forward writes it (``--kv-layer-group-size``).
     pipelined: bool = False
+    # ``time.monotonic()`` (one clock for the processes of a host) after which a rank
+    # posts nothing of it: the reservation's deadline. D gives up at its own deadline and
+    # frees the blocks after a quarantine of 2 x --kv-transfer-timeout, so a rank that
+    # stalled past this (SIGSTOP, swap, a hung GPU) must not write into them when it wakes.
+    post_by: float = float("inf")
 
 
 @dataclass

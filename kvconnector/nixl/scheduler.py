@@ -63,7 +63,7 @@ from kvconnector.nixl.messages import (
     model_fingerprint,
     ranks_digest,
 )
-from kvconnector.nixl.metadata import STEP_FAILED, NixlConnectorMetadata, SendSpec
+from kvconnector.nixl.metadata import STEP_FAILED, TOO_LATE, NixlConnectorMetadata, SendSpec
 from kvconnector.nixl.peers import PeerAllowlist
 from kvconnector.nixl.prefill_links import PrefillLinks
 from kvconnector.nixl.prefill_service import PrefillService
@@ -478,6 +478,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     r=res.d_request_id, t=send.transfer_id, k=res.nonce, n=1, ft=send.first_token
                 ).pack(),
                 pipelined=send.pipelined,
+                post_by=res.expires,
             )
         )
 
@@ -516,7 +517,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     why = output.kv_failed[rid]
                     # Part of an errored WRITE may still land: D quarantines (safe=False).
                     self._notify_failed(r, why, safe=False)
-                    if why != STEP_FAILED:  # the peer is fine when P's own step failed
+                    if why not in (STEP_FAILED, TOO_LATE):  # P's fault: the peer is fine
                         self.service.evict(r.peer_key, why)
             if isinstance(output.kv_stats, NixlWorkerStats):
                 self._worker_stats = output.kv_stats

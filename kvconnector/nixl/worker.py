@@ -37,7 +37,13 @@ from typing import TYPE_CHECKING, Any
 from kvconnector.base import KVConnectorWorker
 from kvconnector.nixl import checksum, tp_map
 from kvconnector.nixl.messages import MessageError, Notif
-from kvconnector.nixl.metadata import STEP_FAILED, NixlConnectorMetadata, PeerSpec, SendSpec
+from kvconnector.nixl.metadata import (
+    STEP_FAILED,
+    TOO_LATE,
+    NixlConnectorMetadata,
+    PeerSpec,
+    SendSpec,
+)
 from kvconnector.nixl.stats import NixlWorkerStats
 from kvconnector.nixl.transport import DONE, ERROR, NixlTransport, TransferHandle
 
@@ -196,6 +202,12 @@ class NixlConnectorWorker(KVConnectorWorker):
         for send in md.sends:
             if send.pipelined:
                 continue
+            if time.monotonic() > send.post_by:
+                logger.error("tp%d: send of %s not posted: %s", self.rank, send.request_id,
+                             TOO_LATE)  # fmt: skip
+                self._failures[send.request_id] = TOO_LATE
+                self._finished_sending.add(send.request_id)
+                continue
             handles: list[TransferHandle] = []
             try:
                 targets = self._targets[send.peer_key]
@@ -241,6 +253,9 @@ class NixlConnectorWorker(KVConnectorWorker):
         index = pipe.posted
         last = index == len(groups) - 1
         layers = groups[index] if self._groups else None
+        if time.monotonic() > send.post_by:
+            pipe.error = TOO_LATE  # what was posted runs to its end; nothing more goes
+            return
         try:
             for sub, write, senders in self._targets[send.peer_key]:
                 notif = self._notif_for(
