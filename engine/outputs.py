@@ -38,6 +38,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # Set with ``error`` when the HTTP answer is not a 500: ``KV_NOT_RESERVED`` (kvconnector.base).
+    error_code: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     # Set on the prefill side when the request finished with KV held for a decode node.
@@ -65,8 +67,8 @@ class RequestOutput:
                 self.new_logprobs = []
             self.new_logprobs.extend(later.new_logprobs)
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
-        self.finished, self.finish_reason, self.error = (
-            later.finished, later.finish_reason, later.error,
+        self.finished, self.finish_reason, self.error, self.error_code = (
+            later.finished, later.finish_reason, later.error, later.error_code,
         )  # fmt: skip
         self.num_prompt_tokens = later.num_prompt_tokens
         self.num_output_tokens = later.num_output_tokens

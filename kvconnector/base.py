@@ -127,6 +127,12 @@ class KVConnectorMetadata(ABC):  # noqa: B024 - abstract on purpose, see is_empt
         return ()
 
 
+# The error code of a prefill leg that ended because no decode node reserved blocks for
+# it (none within --kv-transfer-timeout, or the decode node gave up first): HTTP 409, as
+# the leg names a transfer no decode node holds; a proxy retries the request elsewhere.
+KV_NOT_RESERVED = "kv_transfer_not_reserved"
+
+
 @dataclass
 class ConnectorEvents:
     """Terminal outcomes the scheduler-side connector reached since the last step."""
@@ -136,8 +142,8 @@ class ConnectorEvents:
     # request ids whose held blocks may be freed now (sends done, cancelled, timed out).
     free_blocks: set[str] = field(default_factory=set)
     # request id -> reason: a request it delayed (delay_admission) that must not start;
-    # it fails with that reason, or ends as aborted when the reason is None (its peer
-    # cancelled it).
+    # it fails with that reason (``KV_NOT_RESERVED``), or ends as aborted when the reason
+    # is None.
     failed_waiting: dict[str, str | None] = field(default_factory=dict)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from engine.httpkit.admission import OVERLOADED_CODE
 from engine.httpkit.request_id import REQUEST_ID_HEADER
+from kvconnector.base import KV_NOT_RESERVED
 from kvconnector.params import KVTransferParams
 from proxy.node_client import NodeClient, NodeHTTPError, NodeResponse
 from proxy.nodes import Node
@@ -59,6 +60,13 @@ class UpstreamError(Exception):
             return True
         code = (self.body or {}).get("error", {}).get("code")
         return self.status == 503 and code == OVERLOADED_CODE
+
+    @property
+    def not_reserved(self) -> bool:
+        """P's leg ended because no decode node reserved its transfer (D gave up first):
+        the pair failed, neither P nor the request."""
+        code = (self.body or {}).get("error", {}).get("code")
+        return self.status == 409 and code == KV_NOT_RESERVED
 
     @property
     def node_fault(self) -> bool:

@@ -189,11 +189,14 @@ class Session:
             err.node.mark_overloaded()
             self._overloaded(err)
             return
-        if not err.node_fault:
+        if err.not_reserved:  # the pair failed, not P: try without P, P stays healthy
+            logger.info("request %s: %s", self.request_id, err)
+        elif not err.node_fault:
             logger.info("request %s refused by %s", self.request_id, err)
             raise PassThrough(err.status or 400, err.body or error_body(str(err)))
-        logger.warning("request %s: %s", self.request_id, err)
-        err.node.mark_failed(err.detail)
+        else:
+            logger.warning("request %s: %s", self.request_id, err)
+            err.node.mark_failed(err.detail)
         self.excluded.add(err.node.url)
         self.node_failures += 1
         if self.node_failures > self.cfg.max_retries:

@@ -178,7 +178,9 @@ def test_decode_abort_while_waiting_cancels_on_prefill(decode: Proc, prefill: Pr
         json=p_body(prompt, rid),
         timeout=30,
     )
-    assert p.status_code == 500 and "ended before a decode node reserved" in p.text
+    assert p.status_code == 409, p.text  # the client's (or proxy's) leg names a dead transfer
+    err = p.json()["error"]
+    assert err["code"] == "kv_transfer_not_reserved" and "ended before" in err["message"]
     wait_for(lambda: pools_full(prefill), TIMEOUT_S + 5, "P's pool to be whole")
 
 

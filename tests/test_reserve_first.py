@@ -85,6 +85,7 @@ def test_a_delayed_request_the_connector_gives_up_on_fails_with_its_reason(delay
         finals["a"].finish_reason is None or finals["a"].error == "no decode node reserved blocks"
     )
     assert finals["a"].error == "no decode node reserved blocks"
+    assert finals["a"].error_code == "kv_transfer_not_reserved"  # a 409, not a 500
     assert finals["b"].finish_reason == "abort" and finals["b"].error is None
 
 

@@ -83,6 +83,7 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.error: str | None = None
+        self.error_code: str | None = None  # machine-readable, for the HTTP answer
         # Log probabilities, when the sampling params ask for them: one entry per output
         # token, and per prompt token as they are computed (the first prompt token has
         # none; None also marks what a prefill node computed for a decode node).

@@ -41,7 +41,7 @@ from engine.core.scheduler_output import (
 from engine.core.scheduler_stats import RequestMetrics, SchedulerStats
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import InvalidRequestError
-from kvconnector.base import KVConnectorScheduler
+from kvconnector.base import KV_NOT_RESERVED, KVConnectorScheduler
 
 if TYPE_CHECKING:
     from kvconnector.params import KVTransferParams
@@ -400,11 +400,17 @@ class Scheduler:
             self._emit(req)
 
     # -- endings -------------------------------------------------------------------------
-    def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
+    def _finish(
+        self,
+        req: Request,
+        status: RequestStatus,
+        error: str | None = None,
+        error_code: str | None = None,
+    ) -> None:
         rid = req.request_id
         prev = req.status
         req.status = status
-        req.error = error
+        req.error, req.error_code = error, error_code
         if prev == RequestStatus.RUNNING:
             self.running.remove(req)
         elif prev in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -440,6 +446,7 @@ class Scheduler:
                 finished=req.status.finished,
                 finish_reason=req.status.finish_reason,
                 error=req.error,
+                error_code=req.error_code,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_output_tokens=req.num_output_tokens,
                 kv_transfer_params=kv_transfer_params,
@@ -458,7 +465,7 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
             else:
                 logger.warning("request %s: %s", rid, reason)
-                self._finish(req, RequestStatus.FINISHED_ERROR, reason)
+                self._finish(req, RequestStatus.FINISHED_ERROR, reason, KV_NOT_RESERVED)
         for rid, reason in events.failed_loads.items():
             req = self.remote_waiting.pop(rid, None)
             if req is None:

@@ -16,6 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.server.engine_client import EngineClient
 from engine.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from engine.server.protocol import APIError, BaseRequest, StopStringMatcher
+from kvconnector.base import KV_NOT_RESERVED
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class Step:
     finish_reason: str | None = None
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    error_code: str | None = None  # with error: RequestOutput.error_code
     # With logprobs: one entry per token id; the prompt's in the first step that has ids.
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
@@ -147,8 +149,9 @@ class Job:
         return body
 
 
-def engine_error(engine: EngineClient, message: str | None) -> APIError:
-    """503 when the engine is dead (with why), else a 500 carrying ``message``."""
+def engine_error(engine: EngineClient, message: str | None, code: str | None = None) -> APIError:
+    """503 when the engine is dead (with why), a 409 for a prefill leg no decode node
+    reserved (``KV_NOT_RESERVED``), else a 500 carrying ``message``."""
     if not engine.healthy:
         reason = engine.dead_reason or message or "engine is not running"
         return APIError(
@@ -157,6 +160,9 @@ def engine_error(engine: EngineClient, message: str | None) -> APIError:
             err_type="server_error",
             code="engine_dead",
         )
+    if code == KV_NOT_RESERVED:
+        return APIError(message or code, status_code=409, err_type="invalid_request_error",
+                        param="kv_transfer_params", code=code)  # fmt: skip
     return APIError(message or "internal engine error", status_code=500, err_type="server_error")
 
 
@@ -209,7 +215,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
             if out.finished:
                 finished = True
                 reason = out.finish_reason or "stop"
-                yield Step(text, ids, reason, out.error, kv_out, **extra)
+                yield Step(text, ids, reason, out.error, kv_out, out.error_code, **extra)
                 return
             if text or ids:
                 yield Step(text, ids, **extra)

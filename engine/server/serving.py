@@ -208,7 +208,9 @@ class OpenAIServing:
         if first is None or first.finish_reason == "error":
             await steps.aclose()  # type: ignore[attr-defined]
             self._finish(job, "error")
-            raise engine_error(self.engine, first.error if first else None)
+            raise engine_error(
+                self.engine, first.error if first else None, first.error_code if first else None
+            )
         return SSEResponse(
             self._stream(job, first, steps), headers={ENGINE_ID_HEADER: job.request_id}
         )
@@ -230,7 +232,7 @@ class OpenAIServing:
                     break
         self._finish(job, last.finish_reason or "error")
         if last.finish_reason == "error":
-            raise engine_error(self.engine, last.error)
+            raise engine_error(self.engine, last.error, last.error_code)
         return job.response("".join(texts), ids, last, entries, prompt)
 
     async def _stream(
@@ -244,7 +246,7 @@ class OpenAIServing:
             while step is not None:
                 if step.finish_reason == "error":
                     reason = "error"
-                    yield sse_event(engine_error(self.engine, step.error).body())
+                    yield sse_event(engine_error(self.engine, step.error, step.error_code).body())
                     break
                 yield sse_event(job.chunk(step))
                 if step.finish_reason is not None:
