@@ -209,9 +209,11 @@ class Router:
         exclude: Collection[str] = (),
         *,
         allow_decode_only: bool = True,
+        decode_alone: bool = False,
     ) -> Route:
         """The decode node, then a prefill node unless the decode node should prefill the
-        prompt itself (``--disagg-min-prompt-tokens``); raises ``NoHealthyNode``."""
+        prompt itself (``--disagg-min-prompt-tokens``, or ``decode_alone``: no prefill
+        node can serve it); raises ``NoHealthyNode``."""
         d = self.pick("decode", exclude, key)
         route = Route(None, d)
         if key is not None and self.estimator is not None:
@@ -225,7 +227,7 @@ class Router:
             and route.prompt_tokens - (route.decode_cached_tokens or 0.0) < n
         )
         mode = "decode_only"
-        if not (allow_decode_only and short):
+        if not (allow_decode_only and (short or decode_alone)):
             try:
                 route.prefill = self.pick("prefill", exclude, key)
                 mode = "disaggregated"

@@ -112,6 +112,7 @@ class Session:
         self.attempts = 0
         self.node_failures = 0
         self.excluded: set[str] = set()
+        self.decode_alone = False  # the next attempt without a prefill node
         self.current: Attempt | None = None
         self.route: Route | None = None
         # Streaming state.
@@ -141,7 +142,10 @@ class Session:
         healthy."""
         try:
             route = self.router.plan(
-                self.req.key, self.excluded, allow_decode_only=allow_decode_only
+                self.req.key,
+                self.excluded,
+                allow_decode_only=allow_decode_only,
+                decode_alone=self.decode_alone,
             )
         except NoHealthyNode as e:
             raise APIError(
@@ -191,6 +195,8 @@ class Session:
             return
         if err.not_reserved:  # the pair failed, not P: try without P, P stays healthy
             logger.info("request %s: %s", self.request_id, err)
+            # No other prefill node: D prefills by itself (as it did for this attempt).
+            self.decode_alone = not self.router.has_other("prefill", self.excluded | {err.node.url})
         elif not err.node_fault:
             logger.info("request %s refused by %s", self.request_id, err)
             raise PassThrough(err.status or 400, err.body or error_body(str(err)))

@@ -239,3 +239,41 @@ def test_a_full_prefill_node_and_a_full_decode_node_do_not_wait_on_each_other(re
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.slow
+def test_through_the_proxy_a_pair_that_cannot_pair_still_answers_and_p_stays_in_rotation(procs):
+    """P and D disagree on the block size: D's handshake is refused, D gives the transfer
+    up and cancels it at P, and P ends its waiting leg with 409 kv_transfer_not_reserved.
+    The proxy then serves the request on D alone -- the colocated node's tokens, streamed
+    or not -- and does not count P as failed (it used to see a 500 and take P out of
+    rotation, and before reserve-first P held the blocks for --kv-transfer-timeout)."""
+    import httpx
+    from harness import GREEDY as HTTP_GREEDY
+    from harness import NIXL
+
+    common = ("--num-blocks", "128", "--kv-transfer-timeout", "30")
+    p = procs.node(*NIXL, *common, "--block-size", "32", module="prefill_node", name="p",
+                   wait=False)  # fmt: skip
+    d = procs.node(*NIXL, *common, module="decode_node", name="d", wait=False)
+    colocated = procs.node(*common, name="colocated")
+    proxy = procs.proxy([p.url], [d.url])
+    body = {"prompt": random_prompt(40, 256, seed=3), "max_tokens": 6, **HTTP_GREEDY}
+    want = httpx.post(colocated.url + "/v1/completions", json=body, timeout=60).json()
+    want_ids = want["choices"][0]["token_ids"]
+    got = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == want_ids
+    ids: list[int] = []
+    with httpx.stream("POST", proxy.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                import json
+
+                ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    assert ids == want_ids
+    assert proxy.metric("pdproxy_node_requests_total", {"role": "prefill"}) >= 2  # routed there
+    assert proxy.metric("pdproxy_node_failures_total", {"role": "prefill"}) == 0
+    assert proxy.metric("pdproxy_node_healthy", {"role": "prefill"}) == 1
