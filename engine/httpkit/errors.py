@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.httpkit.disconnect import ClientDisconnected
 from engine.server.protocol import APIError, error_body
+
+logger = logging.getLogger(__name__)
 
 
 def json_error(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -15,11 +20,18 @@ def json_error(err: APIError, headers: dict[str, str] | None = None) -> JSONResp
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """``APIError`` -> its body and status; 404/405 and body validation -> OpenAI errors."""
+    """``APIError`` -> its body and status; 404/405 and body validation -> OpenAI errors;
+    a client gone before its body was in -> 499 and an INFO line."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return json_error(exc)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _disconnected(request: Request, _: ClientDisconnected) -> Response:
+        # Any route that reads a body (the utility paths too): an ordinary disconnect.
+        logger.info("%s %s: client disconnected", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
