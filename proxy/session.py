@@ -195,8 +195,6 @@ class Session:
             return
         if err.not_reserved:  # the pair failed, not P: try without P, P stays healthy
             logger.info("request %s: %s", self.request_id, err)
-            # No other prefill node: D prefills by itself (as it did for this attempt).
-            self.decode_alone = not self.router.has_other("prefill", self.excluded | {err.node.url})
         elif not err.node_fault:
             logger.info("request %s refused by %s", self.request_id, err)
             raise PassThrough(err.status or 400, err.body or error_body(str(err)))
@@ -204,6 +202,8 @@ class Session:
             logger.warning("request %s: %s", self.request_id, err)
             err.node.mark_failed(err.detail)
         self.excluded.add(err.node.url)
+        if err.not_reserved:  # no other prefill node: D prefills by itself, as it just did
+            self.decode_alone = not self.router.has_other("prefill", self.excluded)
         self.node_failures += 1
         if self.node_failures > self.cfg.max_retries:
             raise APIError(

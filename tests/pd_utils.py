@@ -112,3 +112,10 @@ def disagg_generate(
     # Let P finish its sends and free its blocks.
     run_until([p, d], lambda: not p.has_work() and not d.has_work(), lambda e, o: None, timeout)
     return {"tokens": [tokens[r] for r in tokens], "final": [final[r] for r in tokens]}
+
+
+def assert_pools_full(*engines: EngineCore) -> None:
+    """Every KV block of each engine is free again (nothing held, quarantined or leaked)."""
+    for eng in engines:
+        s = eng.stats()
+        assert s["kv_blocks_free"] == s["kv_blocks_total"], s

@@ -17,7 +17,7 @@ from kvconnector.params import KVTransferParams
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_models import hf_greedy, make_hf_model, random_prompt, save_hf_model  # noqa: E402
-from pd_utils import disagg_generate, nixl_config  # noqa: E402
+from pd_utils import assert_pools_full, disagg_generate, nixl_config  # noqa: E402
 
 pytest.importorskip("nixl._api")
 pytestmark = pytest.mark.slow  # engines with worker processes and NIXL agents
@@ -82,9 +82,7 @@ def test_disaggregated_output_matches_colocated_and_transformers(checkpoint, tp)
 
         seeded = disagg_generate(p, d, prompts, SEEDED, tag="s")
         assert seeded["tokens"] == checkpoint["seeded"]
-        for eng in (p, d):
-            s = eng.stats()
-            assert s["kv_blocks_free"] == s["kv_blocks_total"]
+        assert_pools_full(p, d)
     finally:
         p.shutdown()
         d.shutdown()
@@ -173,9 +171,7 @@ def test_incompatible_peer_is_refused(policy, mismatch):
             assert f"{mismatch} mismatch" in final.error
         assert d.stats()["kv_handshake_failures_total"] >= 1
         assert p.stats()["kv_handshake_failures_total"] >= 1
-        for eng in (p, d):
-            s = eng.stats()
-            assert s["kv_blocks_free"] == s["kv_blocks_total"]
+        assert_pools_full(p, d)
     finally:
         p.shutdown()
         d.shutdown()

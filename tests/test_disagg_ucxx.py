@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import GREEDY as HTTP_GREEDY  # noqa: E402
 from harness import PD, Proc, Procs, descendants, wait_for, wait_gone  # noqa: E402
 from hf_models import random_prompt  # noqa: E402
-from pd_utils import disagg_generate, nixl_config  # noqa: E402
+from pd_utils import assert_pools_full, disagg_generate, nixl_config  # noqa: E402
 
 pytestmark = pytest.mark.slow  # engines with worker processes, nodes
 
@@ -169,9 +169,7 @@ def test_a_nixl_node_and_a_ucxx_node_refuse_to_pair():
         assert "kv_transport mismatch" in final.error and "'nixl'" in final.error
         assert d.stats()["kv_handshake_failures_total"] >= 1
         assert p.stats()["kv_handshake_failures_total"] >= 1
-        for eng in (p, d):
-            s = eng.stats()
-            assert s["kv_blocks_free"] == s["kv_blocks_total"]
+        assert_pools_full(p, d)
     finally:
         p.shutdown()
         d.shutdown()

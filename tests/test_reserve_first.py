@@ -10,13 +10,17 @@ reserve A (B held blocks), P could not prefill B (A held blocks): both waited fo
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 
+import httpx
 import pytest
 import torch
+from harness import GREEDY as HTTP_GREEDY
+from harness import NIXL
 from hf_models import random_prompt
-from pd_utils import nixl_config, run_until
+from pd_utils import assert_pools_full, nixl_config, run_until
 
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine.core.request import Request
@@ -233,9 +237,7 @@ def test_a_full_prefill_node_and_a_full_decode_node_do_not_wait_on_each_other(re
         assert [done["A"], done["B"]] == want
         ds = d.stats()
         assert ds["kv_loads_failed_total"] == 0 and ds["prompt_tokens_total"] == 0  # pushed
-        for eng in (p, d):
-            s = eng.stats()
-            assert s["kv_blocks_free"] == s["kv_blocks_total"]
+        assert_pools_full(p, d)
     finally:
         p.shutdown()
         d.shutdown()
@@ -248,10 +250,6 @@ def test_through_the_proxy_a_pair_that_cannot_pair_still_answers_and_p_stays_in_
     The proxy then serves the request on D alone -- the colocated node's tokens, streamed
     or not -- and does not count P as failed (it used to see a 500 and take P out of
     rotation, and before reserve-first P held the blocks for --kv-transfer-timeout)."""
-    import httpx
-    from harness import GREEDY as HTTP_GREEDY
-    from harness import NIXL
-
     common = ("--num-blocks", "128", "--kv-transfer-timeout", "30")
     p = procs.node(*NIXL, *common, "--block-size", "32", module="prefill_node", name="p",
                    wait=False)  # fmt: skip
@@ -270,8 +268,6 @@ def test_through_the_proxy_a_pair_that_cannot_pair_still_answers_and_p_stays_in_
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data: {"):
-                import json
-
                 ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
     assert ids == want_ids
     assert proxy.metric("pdproxy_node_requests_total", {"role": "prefill"}) >= 2  # routed there

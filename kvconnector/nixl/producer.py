@@ -75,6 +75,16 @@ class Tombstone:
     nonce: str | None  # the reservation it was for, if any
 
 
+def _expire_in_order(expiries: dict[str, float], now: float) -> None:
+    """Drop the expired entries of ``expiries`` (key -> expiry), which is in expiry order
+    (one lifetime for all, a re-added key moved to the end): stop at the first live one."""
+    while expiries:
+        key = next(iter(expiries))
+        if expiries[key] > now:
+            return
+        del expiries[key]
+
+
 class Producer:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
@@ -221,12 +231,9 @@ class Producer:
         for tid, stone in list(self.tombstones.items()):
             if now >= stone.expiry:
                 del self.tombstones[tid]
-        for tid, expiry in list(self.cancelled_legs.items()):
-            if expiry <= now:
-                del self.cancelled_legs[tid]
-        for nonce, expiry in list(self.cancelled.items()):
-            if now >= expiry:
-                del self.cancelled[nonce]
+        # Up to MAX_CANCELLED each, a peer's to fill: read only what expired (every step).
+        _expire_in_order(self.cancelled_legs, now)
+        _expire_in_order(self.cancelled, now)
 
     def take_outcome(self) -> ProducerOutcome:
         out, self.outcome = self.outcome, ProducerOutcome()
@@ -295,6 +302,7 @@ class Producer:
             if peer_key is not None:  # only a paired peer's, so strangers cannot flush it
                 if len(self.cancelled) >= MAX_CANCELLED:
                     self.cancelled.pop(next(iter(self.cancelled)))  # the oldest
+                self.cancelled.pop(nonce, None)  # (re)added last: the dict stays in expiry order
                 self.cancelled[nonce] = time.monotonic() + 4 * self.timeout
             if held is None and send is not None:
                 # D gave up before its reservation got here (e.g. the handshake was
@@ -307,6 +315,7 @@ class Producer:
                 # here yet), need not wait any more. Bounded, as strangers may send it.
                 if len(self.cancelled_legs) >= MAX_CANCELLED:
                     self.cancelled_legs.pop(next(iter(self.cancelled_legs)))  # the oldest
+                self.cancelled_legs.pop(transfer_id, None)  # (re)added last, as above
                 self.cancelled_legs[transfer_id] = time.monotonic() + 2 * self.timeout
             # A reservation P holds under another nonce stays as it is: a delayed cancel
             # of an older reservation must not drop a newer one.
