@@ -209,21 +209,30 @@ class Attempt:
     def decode_only(self) -> bool:
         return self.p is None
 
-    async def wait_prefill(self) -> dict[str, Any]:
-        """P's answer. If D fails first, its error is raised instead (and P is dropped)."""
-        assert self.p_task is not None, "a decode-only attempt has no prefill leg"
-        while not self.p_task.done():
-            await asyncio.wait({self.p_task, self.d_task}, return_when=asyncio.FIRST_COMPLETED)
+    async def wait_prefill(self, poll_s: float | None = None) -> dict[str, Any]:
+        """P's answer. If D fails first, its error is raised instead (and P is dropped).
+        With ``poll_s``, P leaving the rotation (its health check failed) while this
+        waits raises too, checked every ``poll_s`` seconds: a hung P never answers."""
+        p_task = self.p_task
+        assert p_task is not None and self.p is not None, "a decode-only attempt has no P"
+        while not p_task.done():
+            # Only legs still running: a finished one would end every wait at once.
+            waits = {p_task} if self.d_task.done() else {p_task, self.d_task}
+            await asyncio.wait(waits, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
             if self.d_task.done() and self.d_task.exception() is not None:
                 raise self.d_task.exception()  # type: ignore[misc]
-        return self.p_task.result()
+            if poll_s is not None and not p_task.done() and not self.p.ready:
+                raise UpstreamError(self.p, "left the rotation while its answer was awaited")
+        return p_task.result()
 
     async def wait_decode(self) -> NodeResponse:
         """D's open response. If P fails first, P's error is raised."""
-        tasks = {self.d_task} if self.p_task is None else {self.p_task, self.d_task}
+        p_task = self.p_task
         while not self.d_task.done():
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            p_task = self.p_task
+            # Only legs still running: a finished one would end every wait at once.
+            running = p_task is not None and not p_task.done()
+            waits = {p_task, self.d_task} if running else {self.d_task}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[arg-type]
             if p_task is not None and p_task.done() and p_task.exception() is not None:
                 raise p_task.exception()  # type: ignore[misc]
         self.d_stream = self.d_task.result()

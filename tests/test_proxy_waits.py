@@ -1,0 +1,123 @@
+"""The proxy waiting on one leg of a pair while the other has already answered, against
+stand-in nodes on loopback: the wait sleeps (it does not spin the event loop at full CPU),
+and a leg failing still ends it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from proxy.config import ProxyConfig
+from proxy.legs import Attempt, Legs, UpstreamError
+from proxy.node_client import NodeClient
+from proxy.nodes import NodePool
+from proxy.validation import COMPLETIONS, validate_request
+from tests.standin_http import SeenRequest, StandIn, answer
+
+pytestmark = pytest.mark.timeout(60)
+
+PREFILL_ANSWER = {
+    "choices": [{"index": 0, "text": "a", "finish_reason": "length", "token_ids": [7]}],
+    "kv_transfer_params": {"first_token": 7},
+}
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+WAIT_S = 1.0
+
+
+def _pair(p: StandIn, d: StandIn) -> tuple[Any, Any, Any]:
+    cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,))
+    pool = NodePool(cfg.prefill, cfg.decode)
+    p_node, d_node = pool.nodes("prefill")[0], pool.nodes("decode")[0]
+    p_node.update_info({"side_channel": "tcp://127.0.0.1:1"}, None)
+    req = validate_request(COMPLETIONS, b'{"prompt": "x", "max_tokens": 2}', ["m"], None)
+    return p_node, d_node, req
+
+
+async def _timed(coro: Any) -> tuple[Any, float, float]:
+    """(result, wall seconds, this process's CPU seconds) of awaiting ``coro``."""
+    wall, cpu = time.monotonic(), time.process_time()
+    out = await coro
+    return out, time.monotonic() - wall, time.process_time() - cpu
+
+
+def test_waiting_for_the_decode_answer_after_the_prefill_answered_sleeps() -> None:
+    """A non-streaming P/D request: P answers at once, D after its whole decode. The wait
+    for D must not spin (it did: every loop turn re-awaited the finished prefill leg, a
+    core at 100% for the whole decode of every non-streaming request)."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        return answer(200, PREFILL_ANSWER)
+
+    async def decode(req: SeenRequest) -> bytes:
+        await asyncio.sleep(WAIT_S)
+        return answer(200, {"choices": []})
+
+    async def main() -> None:
+        async with StandIn(prefill) as p, StandIn(decode) as d, NodeClient(timeout=10) as c:
+            p_node, d_node, req = _pair(p, d)
+            attempt = Attempt(Legs(c), req, p_node, d_node, "r", skip_first=False)
+            resp, wall, cpu = await _timed(attempt.wait_decode())
+            assert resp.status_code == 200 and wall >= WAIT_S * 0.9
+            assert cpu < 0.25 * wall, f"{cpu:.2f} s of CPU in {wall:.2f} s waiting"
+            attempt.finished = True
+            attempt.release()
+
+    asyncio.run(main())
+
+
+def test_waiting_for_the_prefill_answer_after_the_decode_stream_opened_sleeps() -> None:
+    """A streamed P/D request: D's stream opens at once, P answers after its prefill."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        await asyncio.sleep(WAIT_S)
+        return answer(200, PREFILL_ANSWER)
+
+    async def decode_head(req: SeenRequest) -> Any:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        return STREAM_HEAD + b"5\r\ndata:\r\n"  # and nothing more for now
+
+    async def main() -> None:
+        async with StandIn(prefill) as p, StandIn(decode_head) as d, NodeClient(timeout=10) as c:
+            p_node, d_node, req = _pair(p, d)
+            legs = Legs(c)
+            attempt = Attempt(legs, req, p_node, d_node, "r", skip_first=False)
+            first, wall, cpu = await _timed(attempt.wait_prefill())
+            assert first["kv_transfer_params"]["first_token"] == 7 and wall >= WAIT_S * 0.9
+            assert attempt.d_task.done()  # D's stream was open all along
+            assert cpu < 0.25 * wall, f"{cpu:.2f} s of CPU in {wall:.2f} s waiting"
+            attempt.release()
+            await legs.drain()
+
+    asyncio.run(main())
+
+
+def test_a_decode_failure_still_ends_the_wait_for_the_prefill_answer() -> None:
+    async def prefill(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        await asyncio.sleep(30)
+        return answer(200, PREFILL_ANSWER)
+
+    async def decode(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        await asyncio.sleep(0.2)
+        return answer(500, {"error": {"message": "boom", "type": "server_error"}})
+
+    async def main() -> None:
+        async with StandIn(prefill) as p, StandIn(decode) as d, NodeClient(timeout=10) as c:
+            p_node, d_node, req = _pair(p, d)
+            legs = Legs(c)
+            attempt = Attempt(legs, req, p_node, d_node, "r", skip_first=False)
+            with pytest.raises(UpstreamError, match="HTTP 500"):
+                await asyncio.wait_for(attempt.wait_prefill(), 10)
+            attempt.release()
+            await legs.drain()
+
+    asyncio.run(main())
