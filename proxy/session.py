@@ -46,10 +46,10 @@ from typing import Any
 
 from engine.httpkit import openai
 from engine.httpkit.sse import SSE_DONE, sse_event
-from engine.httpkit.sse_reader import SSEReader
 from engine.server.logprobs import drop_first, fill_missing, has_missing, num_entries
 from engine.server.protocol import APIError, error_body
 from proxy.config import ProxyConfig
+from proxy.decode_events import DecodeEvents
 from proxy.legs import Attempt, Legs, UpstreamError
 from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeHTTPError, NodeResponse
@@ -122,6 +122,8 @@ class Session:
         self.sent_ids: list[int] | None = None  # P's first token, once sent to the client
         self.first_chunk: str | None = None
         self._skip = _Skipper()
+        self._d_events: DecodeEvents | None = None  # D's stream, read ahead or not
+        self._d_events_for: Attempt | None = None  # the attempt whose stream it is
         self.model: str | None = req.parsed.model
         self.role_sent = False
         self.ttft_seen = False
@@ -237,6 +239,9 @@ class Session:
         if self.current is not None:
             self.current.release()
             self.current = None
+        if self._d_events is not None:
+            self._d_events.close()
+            self._d_events = self._d_events_for = None
         if not self._closed:
             self._closed = True
             self.metrics.e2e.observe(time.monotonic() - self.arrival)
@@ -279,13 +284,71 @@ class Session:
             attempt = self._launch()
             try:
                 if attempt.prestream:
-                    first = await attempt.wait_prefill()
-                    self.first_chunk = self._first_chunk(first)
+                    first = await self._first_token(attempt)
+                    if first is not None:
+                        self.first_chunk = self._first_chunk(first)
                 else:
                     await attempt.wait_decode()
                 return
             except UpstreamError as e:
                 self._failed(attempt, e)
+
+    async def _first_token(self, attempt: Attempt) -> dict[str, Any] | None:
+        """P's answer, whose first token goes to the client before D's stream; or None:
+        D's stream is the client's whole answer, because D's first token came before P's
+        answer, or P left the rotation (a hung P never answers; D recomputes the prompt
+        when its KV does not come). With ``node_skip_first_token`` D's stream lacks the
+        first token, so P leaving the rotation fails the attempt instead (retried)."""
+        p_task, p = attempt.p_task, attempt.p
+        assert p_task is not None and p is not None
+        whole_from_d = not self.cfg.node_skip_first_token
+        peek: asyncio.Future[None] | None = None
+        try:
+            while not p_task.done():
+                waits: set[asyncio.Future[Any]] = {p_task}
+                d_open = attempt.d_task.done()
+                if not d_open:
+                    waits.add(attempt.d_task)
+                elif attempt.d_task.exception() is not None:
+                    raise attempt.d_task.exception()  # type: ignore[misc]
+                elif whole_from_d:
+                    if peek is None:
+                        peek = asyncio.ensure_future(self._events_of(attempt).until_token())
+                    waits.add(peek)
+                await asyncio.wait(
+                    waits, timeout=self.cfg.health_interval, return_when=asyncio.FIRST_COMPLETED
+                )
+                if p_task.done():
+                    break
+                if peek is not None and peek.done():
+                    logger.info(
+                        "request %s: decode node's first token came before the prefill "
+                        "answer; streaming the decode node's answer", self.request_id,
+                    )  # fmt: skip
+                    return None
+                if not p.ready:
+                    if not whole_from_d:
+                        raise UpstreamError(p, "left the rotation before its first token")
+                    if attempt.d_task.done() and attempt.d_task.exception() is None:
+                        logger.warning(
+                            "request %s: prefill node %s left the rotation before its first "
+                            "token; streaming the decode node's answer (it recomputes the "
+                            "prompt when the KV does not come)", self.request_id, p.url,
+                        )  # fmt: skip
+                        return None
+            return p_task.result()
+        finally:
+            if peek is not None and not peek.done():
+                peek.cancel()  # a read in flight stays with the stream (see DecodeEvents)
+
+    def _events_of(self, attempt: Attempt) -> DecodeEvents:
+        """D's event stream of ``attempt`` (whose D leg answered), made once per attempt."""
+        if self._d_events is None or self._d_events_for is not attempt:
+            if self._d_events is not None:
+                self._d_events.close()
+            attempt.d_stream = attempt.d_task.result()
+            self._d_events, self._d_events_for = DecodeEvents(attempt.d_stream), attempt
+        return self._d_events
 
     def _first_tokens(self, p_body: dict[str, Any]) -> tuple[list[int], str]:
         choice = p_body["choices"][0]
@@ -335,7 +398,7 @@ class Session:
         while True:
             attempt = self._launch(allow_decode_only=False)
             try:
-                first = await attempt.wait_prefill()
+                first = await attempt.wait_prefill(poll_s=self.cfg.health_interval)
                 ids, _ = self._first_tokens(first)
                 if ids != self.sent_ids:
                     attempt.release()
@@ -361,11 +424,12 @@ class Session:
                 self._skip = _Skipper()
             assert self.current is not None
             try:
-                resp = await self.current.wait_decode()
+                await self.current.wait_decode()
             except UpstreamError as e:
                 self._failed(self.current, e)
-                resp = await self._reopen_after_first_token()
-            events = SSEReader(resp.aiter_lines())
+                await self._reopen_after_first_token()
+            assert self.current is not None
+            events = self._events_of(self.current)
             self._lp_seen = 0
             async for obj in events:
                 if "error" in obj:
@@ -389,7 +453,7 @@ class Session:
                     last = now
                 yield sse_event(out)
             if events.done:
-                await resp.drain()  # the stream's last chunk: the connection stays reusable
+                await events.resp.drain()  # the last chunk: the connection stays reusable
                 assert self.current is not None
                 self.current.finished = True
                 self.current.d.mark_answered()

@@ -7,12 +7,19 @@ killed node is healthy and route to it, which exercises the retry on another pai
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
 import httpx
 import pytest
 from harness import (
     GREEDY,
     Proc,
     Procs,
+    kv_pool_full,
     metric,
     sse_data,
     sse_events,
@@ -114,3 +121,54 @@ def test_dead_decode_before_first_token_is_retried(setup: Setup) -> None:
         # Taken out at the first failure: nothing else went there.
         assert metric(proxy.url, "pdproxy_node_requests_total", {"url": victim.url}) == 1
         assert not _decode_health(proxy)[victim.url]["healthy"]
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_stream_whose_prefill_node_hangs_is_answered_by_the_decode_node(setup: Setup) -> None:
+    """P stops answering (SIGSTOP: its process hangs, its connections stay open). A
+    pre-streamed request waited for P's first token until the request timeout (600 s),
+    with the proxy at 100% CPU, although D recomputed the prompt within seconds and had
+    the whole answer. Now the proxy streams D's answer: ``slow_stream`` (P still healthy
+    to it) once D's first token comes before P's; ``fast`` once P left the rotation."""
+    ref = httpx.post(setup.fast.url + "/v1/completions", json=BODY, timeout=60).json()
+    ref_ids = ref["choices"][0]["token_ids"]
+    proxies = (setup.slow_stream, setup.fast)
+    results: dict[str, list] = {}
+
+    def stream(proxy: Proc) -> None:
+        body = {**BODY, "stream": True}
+        with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=90) as r:
+            results[proxy.name] = [r.status_code, sse_events(r)]
+
+    os.kill(setup.p.pid, signal.SIGSTOP)
+    try:
+        cpu = {p.name: _cpu_s(p.pid) for p in proxies}
+        wall = time.monotonic()
+        threads = [threading.Thread(target=stream, args=(p,)) for p in proxies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        wall = time.monotonic() - wall
+        used = {p.name: _cpu_s(p.pid) - cpu[p.name] for p in proxies}
+    finally:
+        os.kill(setup.p.pid, signal.SIGCONT)
+    for proxy in proxies:
+        status, events = results[proxy.name]
+        assert status == 200 and events[-1] == "DONE", (proxy.name, events[-3:])
+        assert all("error" not in e for e in events[:-1]), (proxy.name, events)
+        assert stream_ids(events[:-1]) == ref_ids, proxy.name
+        # Waiting is sleeping: a spinning proxy uses a whole core for the whole wait.
+        assert used[proxy.name] < 0.25 * wall, (proxy.name, used, wall)
+    assert "came before the prefill answer" in setup.slow_stream.logs(20000)
+    assert "left the rotation before its first token" in setup.fast.logs(20000)
+    for d in setup.d:
+        if d is not setup.killed:
+            wait_for(lambda d=d: kv_pool_full(d.url), 30, "decode pool free")
+    wait_healthy(setup.p, timeout=30)
+    wait_for(lambda: kv_pool_full(setup.p.url), 60, "prefill pool free")

@@ -1,0 +1,106 @@
+"""A decode node's event stream, readable ahead of its consumer.
+
+While the proxy waits for P's first token, it may look at D's stream for the first event
+that carries a token (``until_token``): when D's token comes first (P hung, or P's answer
+is slow to arrive while D recomputed the prompt or got the KV), D's stream is the
+client's whole answer. Events read ahead are kept and come first when the stream is then
+iterated; a read still in flight when the look-ahead is abandoned is kept too (never
+cancelled mid-line), so no event is lost or read twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.httpkit.sse_reader import SSEReader
+from proxy.node_client import NodeResponse
+
+_END = object()  # the stream ended (with or without [DONE]: see ``done``)
+
+
+def carries_token(obj: Any) -> bool:
+    """An event D would not send before its first token: one with tokens, an error, or a
+    finish."""
+    if not isinstance(obj, dict):
+        return True
+    if "error" in obj:
+        return True
+    for choice in obj.get("choices") or ():
+        if isinstance(choice, dict) and (choice.get("token_ids") or choice.get("finish_reason")):
+            return True
+    return False
+
+
+class DecodeEvents:
+    """``async for obj in DecodeEvents(resp)``: D's JSON events, look-ahead first."""
+
+    def __init__(self, resp: NodeResponse) -> None:
+        self.resp = resp
+        self._reader = SSEReader(resp.aiter_lines())
+        self._it = self._reader.__aiter__()
+        self._ahead: deque[Any] = deque()
+        self._pending: asyncio.Future[Any] | None = None  # a read in flight
+
+    @property
+    def done(self) -> bool:
+        """The stream ended with ``data: [DONE]``."""
+        return self._reader.done
+
+    async def _read(self) -> Any:
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(_next(self._it))
+            self._pending.add_done_callback(_consume)  # retrieved even if nobody awaits it
+        # Shielded: a caller cancelled here leaves the read running for the next caller.
+        obj = await asyncio.shield(self._pending)
+        self._pending = None
+        return obj
+
+    async def until_token(self) -> None:
+        """Read ahead until an event carries a token (or the stream ended or broke: the
+        error is raised when iterating)."""
+        if any(obj is _END or carries_token(obj) for obj in self._ahead):
+            return
+        while True:
+            try:
+                obj = await self._read()
+            except Exception as e:  # noqa: BLE001 - kept for the consumer
+                self._ahead.append(_Broken(e))
+                return
+            self._ahead.append(obj)
+            if obj is _END or carries_token(obj):
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        while True:
+            obj = self._ahead.popleft() if self._ahead else await self._read()
+            if obj is _END:
+                return
+            if isinstance(obj, _Broken):
+                raise obj.error
+            yield obj
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+        self.resp.close()
+
+
+class _Broken:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+async def _next(it: AsyncIterator[Any]) -> Any:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        fut.result()
