@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core.kv_cache_manager import cdiv
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
@@ -65,6 +65,39 @@ def decide_num_blocks(
     return max(2, min(by_memory, by_need))
 
 
+def fit_max_model_len(
+    explicit: int | None, derived: int, num_blocks: int, config: EngineConfig
+) -> int:
+    """The context length this node serves: one request of it must fit the KV cache.
+
+    A length the model's config gave is lowered to what the cache holds, with a warning
+    (a node that advertised more refused every chat request without ``max_tokens``); a
+    ``--max-model-len`` the cache cannot hold is a ``ConfigError`` (the node exits 2
+    naming the flag; vLLM refuses to start too)."""
+    capacity = num_blocks * config.cache.block_size
+    if derived <= capacity:
+        return derived
+    fix = (
+        "raise --num-blocks"
+        if config.cache.num_blocks is not None
+        else "raise --gpu-memory-utilization"
+        if config.parallel.device == "cuda"
+        else "raise --kv-memory-fraction"
+    )
+    if explicit is not None:
+        raise ConfigError(
+            f"--max-model-len {explicit} does not fit the KV cache: {num_blocks} blocks x "
+            f"{config.cache.block_size} tokens hold {capacity} tokens; lower --max-model-len "
+            f"to at most {capacity} or {fix}"
+        )
+    logger.warning(
+        "max_model_len lowered from %d (the model's) to %d: the KV cache holds %d blocks x "
+        "%d tokens; %s, or set --max-model-len",
+        derived, capacity, num_blocks, config.cache.block_size, fix,
+    )  # fmt: skip
+    return capacity
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
         # A repo-id --model becomes its local snapshot (a no-op when run_node already did).
@@ -89,6 +122,13 @@ class EngineCore:
             log_level,
         )
         self.num_blocks = self.executor.num_blocks
+        try:
+            self.max_model_len = fit_max_model_len(
+                config.model.max_model_len, self.max_model_len, self.num_blocks, config
+            )
+        except BaseException:
+            self.executor.shutdown()
+            raise
         logger.info(
             "engine: model=%s dtype=%s tp=%d blocks=%d x %d B per rank (%.2f GiB), "
             "max_model_len=%d",

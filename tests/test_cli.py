@@ -198,3 +198,10 @@ def test_bad_config_file_exits_2_naming_the_setting(tmp_path, text: str, needle:
 def test_missing_config_file_exits_2() -> None:
     proc = _run("--config", "/nonexistent/node.yaml")
     assert proc.returncode == 2 and "--config" in proc.stderr
+
+
+def test_a_max_model_len_the_kv_cache_cannot_hold_exits_2_naming_it() -> None:
+    proc = _run("--model", "tiny", "--max-model-len", "4096", "--num-blocks", "8", "--port", "0")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--max-model-len 4096 does not fit the KV cache" in proc.stderr
+    assert "hold 128 tokens" in proc.stderr and "Traceback" not in proc.stderr

@@ -541,3 +541,19 @@ def test_two_requests_with_one_x_request_id_both_complete(node: Proc, max_model_
     ids = {r.headers["x-pdserve-request-id"] for r in (first, second)}
     assert len(ids) == 2 and all(i.startswith("same-label-1-") for i in ids)
     assert {r.headers["x-request-id"] for r in (first, second)} == {"same-label-1"}
+
+
+def test_a_kv_cache_smaller_than_the_models_context_lowers_max_model_len(procs: Procs) -> None:
+    """8 blocks x 16 tokens hold 128 tokens; tiny's config says 4096. The node advertised
+    4096 and refused every chat request without max_tokens with a 400 naming max_tokens
+    (it asked for the rest of the context, more blocks than the node has)."""
+    small = procs.node("--model", MODEL, "--num-blocks", "8", name="small")
+    card = httpx.get(small.url + "/v1/models").json()["data"][0]
+    assert card["max_model_len"] == 128
+    assert "max_model_len lowered from 4096 (the model's) to 128" in small.logs(20000)
+    chat = {"messages": [{"role": "user", "content": "hello"}], **GREEDY}
+    resp = _post(small, "/v1/chat/completions", chat)
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 128
+    assert resp.json()["choices"][0]["finish_reason"] == "length"

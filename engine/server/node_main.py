@@ -161,7 +161,11 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             print(f"{role}-node: error: {e}", file=sys.stderr)
             return 2
         logger.info("starting %s engine: %s", role, config)
-        engine = AsyncLLMEngine.start(config, log_level=args.log_level)
+        try:
+            engine = AsyncLLMEngine.start(config, log_level=args.log_level)
+        except ConfigError as e:  # a flag only the loaded model or memory can judge
+            print(f"{role}-node: error: {e}", file=sys.stderr)
+            return 2
         banner = (
             f"pdserve {role} node listening on {listen_url(args.host, port)} "
             f"(model {engine.model_name}, tp {config.parallel.tp})"
