@@ -5,6 +5,7 @@ and a leg failing still ends it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -15,7 +16,7 @@ from proxy.legs import Attempt, Legs, UpstreamError
 from proxy.node_client import NodeClient
 from proxy.nodes import NodePool
 from proxy.validation import COMPLETIONS, validate_request
-from tests.standin_http import SeenRequest, StandIn, answer
+from tests.standin_http import SeenRequest, StandIn, answer, chunked
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -119,5 +120,115 @@ def test_a_decode_failure_still_ends_the_wait_for_the_prefill_answer() -> None:
                 await asyncio.wait_for(attempt.wait_prefill(), 10)
             attempt.release()
             await legs.drain()
+
+    asyncio.run(main())
+
+
+def _sse(*events: Any) -> list[bytes]:
+    return [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
+
+
+def _token(i: int, finish: str | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "text": f"t{i}", "token_ids": [i], "finish_reason": finish}
+    return {"choices": [choice], "model": "tiny"}
+
+
+async def _stream_through_session(cfg: ProxyConfig, pool: NodePool, setup: Any = None) -> Any:
+    """The client's token ids and events of one streamed request through a Session."""
+    from proxy.metrics import ProxyMetrics
+    from proxy.router import Router
+    from proxy.session import Session
+
+    body = {"prompt": "x", "max_tokens": 3, "stream": True}
+    req = validate_request(COMPLETIONS, json.dumps(body).encode(), ["tiny"], None)
+    async with NodeClient(timeout=10) as client:
+        legs = Legs(client)
+        session = Session(req, "r", cfg, Router(pool), legs, ProxyMetrics(pool))
+        try:
+            if setup is not None:
+                setup()
+            await asyncio.wait_for(session.start_stream(), 20)
+            chunks = [c async for c in session.events()]
+        finally:
+            session.close()
+            await legs.drain()
+    events = [json.loads(c[6:]) for c in chunks if c.startswith("data: {")]
+    ids = [t for e in events for ch in e.get("choices", []) for t in ch.get("token_ids") or []]
+    return ids, events
+
+
+def _ready_pool(cfg: ProxyConfig) -> NodePool:
+    pool = NodePool(cfg.prefill, cfg.decode)
+    for node in pool.all():
+        node.update_info({"side_channel": "tcp://127.0.0.1:1"}, {"data": [{"id": "tiny"}]})
+        node.set_healthy(True)
+    return pool
+
+
+def test_a_decode_stream_whose_first_token_comes_before_the_prefill_answer_is_sent_once() -> None:
+    """D's stream carries every token (it did not drop the first) and its first token
+    comes before P's answer: D's stream is the answer, each token once, P not waited for."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        await asyncio.sleep(5)
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def decode(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
+
+    async def main() -> None:
+        async with StandIn(prefill) as p, StandIn(decode) as d:
+            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
+            wall = time.monotonic()
+            ids, events = await _stream_through_session(cfg, _ready_pool(cfg))
+            assert ids == [7, 8, 9], events
+            assert time.monotonic() - wall < 4, "waited for P's answer"
+
+    asyncio.run(main())
+
+
+def test_with_node_skip_first_token_a_prefill_node_that_leaves_the_rotation_is_retried() -> None:
+    """D leaves the first token out (``--node-skip-first-token``), so only P can give it:
+    P1 hangs and leaves the rotation; the request moves to P2 and gets every token once."""
+
+    async def hung(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        await asyncio.sleep(30)
+        return answer(200, PREFILL_ANSWER)
+
+    async def prefill(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def decode(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        assert req.json()["kv_transfer_params"]["skip_first_token"] is True
+        return chunked(200, _sse(_token(8), _token(9, "length")))
+
+    async def main() -> None:
+        async with StandIn(hung) as p1, StandIn(prefill) as p2, StandIn(decode) as d:
+            cfg = ProxyConfig(
+                prefill=(p1.url, p2.url), decode=(d.url,), health_interval=0.1,
+                node_skip_first_token=True, routing="round_robin",
+            )  # fmt: skip
+            pool = _ready_pool(cfg)
+            hung_node = pool.nodes("prefill")[0]
+
+            def leave_soon() -> None:
+                asyncio.get_running_loop().call_later(0.5, hung_node.set_healthy, False, "hung")
+
+            wall = time.monotonic()
+            ids, events = await _stream_through_session(cfg, pool, leave_soon)
+            assert ids == [7, 8, 9], events
+            # Not held until the node client's timeout (10 s) ended P1's leg.
+            assert time.monotonic() - wall < 5
+            assert len([r for r in p1.seen if r.path == "/v1/completions"]) == 1
 
     asyncio.run(main())
