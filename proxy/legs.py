@@ -239,10 +239,13 @@ class Attempt:
         return self.d_stream
 
     def release(self) -> None:
-        """Drop both legs; unless D finished, abort the request on both nodes.
+        """Drop both legs; unless D finished, abort the request on both nodes (and on P
+        when D finished without P's answer: P's leg would wait for its reservation until
+        its own deadline).
 
         Never awaits, so it is safe in ``finally`` blocks of cancelled tasks.
         """
+        p_running = self.p_task is not None and not self.p_task.done()
         for task in (self.p_task, self.d_task):
             if task is None:
                 continue
@@ -255,9 +258,10 @@ class Attempt:
         if self._d_leased:
             self._d_leased = False
             self.d.outstanding -= 1
-        if not self.finished and not self._aborted:
+        if not self._aborted and (not self.finished or p_running):
             self._aborted = True
-            self.legs.spawn(self.legs.abort(self.d, self.transfer_id))
+            if not self.finished:
+                self.legs.spawn(self.legs.abort(self.d, self.transfer_id))
             if self.p is not None:
                 self.legs.spawn(self.legs.abort(self.p, self.transfer_id))
 

@@ -187,6 +187,12 @@ def test_a_decode_stream_whose_first_token_comes_before_the_prefill_answer_is_se
             ids, events = await _stream_through_session(cfg, _ready_pool(cfg))
             assert ids == [7, 8, 9], events
             assert time.monotonic() - wall < 4, "waited for P's answer"
+            # D finished; P's leg, still running, is aborted (it would wait for a
+            # reservation until its own deadline), D's is not.
+            assert [r.json() for r in p.seen if r.path == "/v1/abort"] == [
+                {"transfer_id": p.seen[0].json()["kv_transfer_params"]["transfer_id"]}
+            ]
+            assert not [r for r in d.seen if r.path == "/v1/abort"]
 
     asyncio.run(main())
 
