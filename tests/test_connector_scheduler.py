@@ -135,3 +135,25 @@ def test_a_cancel_after_a_failed_send_says_a_write_may_still_land(prefill, error
     assert reply == {"ok": True, "state": state}
     # Still so on a second ask (D retries the cancel until its quarantine ends).
     assert conn._handle(Cancel("t1", "n1", d_key).to_wire())["state"] == state
+
+
+def test_workers_stop_watching_once_only_quarantined_blocks_are_left(decode, monkeypatch):
+    """A reservation that failed unsafely holds its blocks in quarantine (up to 2 x the
+    timeout) in case a WRITE still lands. Nothing waits on that: the workers may stop
+    watching (a 2 kHz poll per rank: 5-7% of a core each for 60 s after every such
+    failure) and need no steps of their own; a late landing is seen at the next step,
+    and the quarantine's deadline frees the blocks anyway."""
+    sch, conn = decode
+    monkeypatch.setattr(prefill_links.PrefillLinks, "reserve_job", lambda s, r: None)
+    sch.add_request(remote("X", "tcp://127.0.0.1:1"))
+    out = sch.schedule()
+    assert out.kv_connector_metadata.watch is True  # KV expected: watch
+    sch.update_from_output(out, ModelRunnerOutput())
+    assert conn.needs_worker_poll()
+    sch.abort_request("X")  # the client left while the KV was expected
+    out = sch.schedule()
+    sch.update_from_output(out, ModelRunnerOutput())
+    assert "X" in conn.consumer.quarantine and sch.kv.pool.num_free < BLOCKS
+    assert out.kv_connector_metadata.watch is False
+    assert not conn.needs_worker_poll()
+    assert conn.has_pending_work()  # the engine still steps to expire the quarantine

@@ -432,7 +432,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         with self._lock:
             md.remove_peers = self.service.take_removed()
             md.ended_keys, self._ended = self._ended, []
-            watch = bool(self.consumer.recvs or self.consumer.quarantine)
+            # Workers watch (a fast poll between steps) only while KV is expected; blocks
+            # held in quarantine wait on a deadline, and a late landing in them is seen at
+            # the next step.
+            watch = bool(self.consumer.recvs)
             if watch != self._watching:
                 md.watch = self._watching = watch
             ready = self.service.ready
@@ -601,8 +604,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def needs_worker_poll(self) -> bool:
         with self._lock:
-            c = self.consumer
-            return bool(self.producer.in_flight or c.recvs or c.quarantine)
+            return bool(self.producer.in_flight or self.consumer.recvs)
 
     # -- metrics -------------------------------------------------------------------------
     def stats(self) -> StatsGroup:
