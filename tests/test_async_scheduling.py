@@ -75,7 +75,7 @@ class PagedToyModel:
 
 def _scheduler_config(async_scheduling: bool, budget: int, max_num_seqs: int = 6) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        model=ModelConfig(model="tiny", max_model_len=128, dtype="float32"),
         cache=CacheConfig(block_size=BLOCK),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
