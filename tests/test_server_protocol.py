@@ -7,6 +7,9 @@ from typing import Any
 import pytest
 
 from engine.server.protocol import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     APIError,
     StopStringMatcher,
     check_model,
@@ -352,3 +355,68 @@ def test_stop_final_flushes_held_text() -> None:
 def test_stop_earliest_of_several() -> None:
     assert _feed_all(["world", "lo"], ["hello world"]) == ("hel", True)
     assert _feed_all(["\n"], ["line1", "\nline2"]) == ("line1", True)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+# -- stop lists: bounded (one request set the pace of every request on its node) ----------
+
+
+def test_stop_token_ids_past_the_cap_is_a_400_naming_it() -> None:
+    ok = parse_completion_request(
+        {"prompt": "x", "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS))}
+    )
+    assert len(ok.stop_token_ids) == MAX_STOP_TOKEN_IDS
+    for fn, base in ((parse_completion_request, {"prompt": "x"}), (parse_chat_request, CHAT)):
+        e = _err(fn, {**base, "stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)})
+        assert e.status_code == 400 and e.param == "stop_token_ids"
+        assert str(MAX_STOP_TOKEN_IDS) in e.message
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [
+        ["s"] * (MAX_STOP_STRINGS + 1),
+        ["x" * (MAX_STOP_CHARS + 1)],
+        ["y" * (MAX_STOP_CHARS // 2)] * 2 + ["z"],
+    ],
+)
+def test_stop_strings_past_the_caps_are_a_400_naming_stop(stop: list[str]) -> None:
+    for fn, base in ((parse_completion_request, {"prompt": "x"}), (parse_chat_request, CHAT)):
+        e = _err(fn, {**base, "stop": stop})
+        assert e.status_code == 400 and e.param == "stop", e.message
+
+
+def test_stop_strings_at_the_caps_are_accepted() -> None:
+    stop = ["a" * (MAX_STOP_CHARS // MAX_STOP_STRINGS)] * MAX_STOP_STRINGS
+    assert parse_completion_request({"prompt": "x", "stop": stop}).stop == stop
+
+
+def _naive_hold(buf: str, stops: list[str]) -> int:
+    """The longest suffix of ``buf`` that begins some stop string (the definition)."""
+    longest = max(len(s) for s in stops) - 1
+    for k in range(min(longest, len(buf)), 0, -1):
+        if any(s.startswith(buf[-k:]) for s in stops):
+            return k
+    return 0
+
+
+def test_the_stop_matcher_holds_back_exactly_the_text_that_may_begin_a_stop() -> None:
+    import random
+
+    rng = random.Random(5)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+                 for _ in range(rng.randint(1, 4))]  # fmt: skip
+        pieces = ["".join(rng.choice("abc") for _ in range(rng.randint(0, 4))) for _ in range(6)]
+        m, text, out = StopStringMatcher(stops), "", ""
+        for piece in pieces:
+            text += piece
+            emitted, hit = m.feed(piece)
+            out += emitted
+            first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if first >= 0:
+                assert hit and out == text[:first], (stops, pieces)
+                break
+            assert not hit and out == text[: len(text) - _naive_hold(text, stops)], (stops, pieces)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import Collection
 
@@ -94,6 +95,16 @@ class Request:
         self.prompt_logprobs_sent = False
         # Output tokens not yet handed to the caller.
         self._num_emitted = 0
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set: each output token is looked up in it."""
+        return frozenset(self.sampling_params.stop_token_ids)
+
+    @functools.cached_property
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """The ids masked while ``min_tokens`` is not reached, built once (not per step)."""
+        return self.sampling_params.banned_token_ids(self.eos_token_ids)
 
     @property
     def transfer_id(self) -> str:

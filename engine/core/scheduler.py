@@ -300,7 +300,7 @@ class Scheduler:
         )
         # Outputs before this sample (placeholders included) below min_tokens: mask.
         if samples and end - req.num_prompt_tokens < sp.min_tokens:
-            seq.banned_token_ids = sp.banned_token_ids(req.eos_token_ids)
+            seq.banned_token_ids = req.banned_token_ids
         if req.needs_prompt_logprobs:
             # Row p predicts the token at p + 1; the prompt tokens not computed yet (the
             # first has none) are predicted by rows len(prompt_logprobs) - 1 ...
@@ -389,7 +389,7 @@ class Scheduler:
         self.request_metrics.token(req, time.monotonic())
         sp = req.sampling_params
         status = None
-        stop = (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
+        stop = (not sp.ignore_eos and token in req.eos_token_ids) or token in req.stop_token_set
         if stop and req.num_output_tokens >= sp.min_tokens:  # before it they are masked
             status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:

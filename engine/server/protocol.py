@@ -22,6 +22,12 @@ from engine.sampling_params import (
 from kvconnector.params import KVTransferParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Bounds of a request's stop lists (OpenAI allows 4 stop strings; vLLM has no bound).
+# Each output token is checked against them, and with min_tokens the stop ids are masked
+# in every step: unbounded, one request set the pace of every request on its node.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all stop strings together
+MAX_STOP_TOKEN_IDS = 1024
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -253,6 +259,13 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         req.stop = [s for s in stop if s]
     else:
         raise _bad_type("stop", "a string or an array of strings", stop)
+    # Every token of the request is checked against them on the node's event loop.
+    if len(req.stop) > MAX_STOP_STRINGS or sum(map(len, req.stop)) > MAX_STOP_CHARS:
+        raise APIError(
+            f"'stop' may hold at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} "
+            f"characters in all, got {len(req.stop)} of {sum(map(len, req.stop))}",
+            param="stop",
+        )
 
     ids = body.get("stop_token_ids")
     if ids is None:
@@ -261,6 +274,12 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         req.stop_token_ids = list(ids)
     else:
         raise _bad_type("stop_token_ids", "an array of non-negative integers", ids)
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # masked in every step (min_tokens)
+        raise APIError(
+            f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+            f"got {len(req.stop_token_ids)}",
+            param="stop_token_ids",
+        )
     req.ignore_eos = _get_bool(body, "ignore_eos", False)
 
     req.stream = _get_bool(body, "stream", False)
@@ -628,12 +647,21 @@ class StopStringMatcher:
         return buf[: len(buf) - hold], False
 
     def _partial_suffix_len(self, buf: str) -> int:
-        longest = max(len(s) for s in self._stops) - 1
-        for k in range(min(longest, len(buf)), 0, -1):
-            suffix = buf[-k:]
-            if any(s.startswith(suffix) for s in self._stops):
-                return k
-        return 0
+        """The longest suffix of ``buf`` that begins a stop string (no stop is in ``buf``).
+
+        Only suffixes starting with a stop's first character are tried, longest first:
+        one ``startswith`` per candidate (it was one slice and a pass over every stop per
+        suffix length, quadratic in a long held text, on the node's event loop)."""
+        n, best = len(buf), 0
+        for stop in self._stops:
+            # buf[i:] longer than ``best`` and shorter than ``stop``: i from the left.
+            i = buf.find(stop[0], max(0, n - len(stop) + 1), n - best)
+            while i >= 0:
+                if stop.startswith(buf[i:]):
+                    best = n - i
+                    break
+                i = buf.find(stop[0], i + 1, n - best)
+        return best
 
 
 MAX_JSON_DEPTH = 64
