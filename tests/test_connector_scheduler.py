@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import zmq
 from harness import free_port
 
 import kvconnector.nixl.prefill_links as prefill_links
@@ -61,6 +62,10 @@ def test_abort_after_an_unsafe_failure_keeps_blocks_quarantined(decode, monkeypa
     client aborts before the scheduler saw that failure: the blocks must stay held."""
     sch, conn = decode
     monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 0.2)
+    # P answered the handshake; its reservation call is what goes unanswered.
+    monkeypatch.setattr(
+        prefill_links.PrefillLinks, "ensure_handshake", lambda s, a, force=False: None
+    )
     sch.add_request(remote("X", dead_address()))
     step(sch)
     reserved = len(sch.kv.block_ids("X"))
@@ -157,3 +162,30 @@ def test_workers_stop_watching_once_only_quarantined_blocks_are_left(decode, mon
     assert out.kv_connector_metadata.watch is False
     assert not conn.needs_worker_poll()
     assert conn.has_pending_work()  # the engine still steps to expire the quarantine
+
+
+def test_a_prefill_address_that_never_answers_the_handshake_holds_no_blocks(decode, monkeypatch):
+    """The handshake got no reply, so no reservation was sent: nothing can write into the
+    blocks, and they are not quarantined. (A decode leg aimed at a port that takes the
+    connection and never answers held its blocks for 2 x the timeout: two such legs of
+    3,900 tokens left 24 of 512 blocks free for a minute.)"""
+    sch, conn = decode
+    monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 0.2)
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # takes every message, answers none
+    address = f"tcp://127.0.0.1:{free_port()}"
+    silent.bind(address)
+    try:
+        sch.add_request(remote("X", address))
+        step(sch)
+        assert sch.kv.block_ids("X")
+        deadline = time.monotonic() + 10
+        while "X" in conn.consumer.recvs:
+            assert time.monotonic() < deadline, "the handshake never failed"
+            time.sleep(0.05)
+        assert "X" not in conn.consumer.quarantine
+        assert conn.consumer.loads_failed == 1
+        assert conn.links.handshake_failures == 1
+    finally:
+        silent.close(linger=0)
+        ctx.term()

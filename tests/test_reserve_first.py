@@ -96,7 +96,7 @@ def test_a_delayed_request_the_connector_gives_up_on_fails_with_its_reason(delay
 def _no_output(out):
     from engine.core.scheduler_output import ModelRunnerOutput
 
-    return ModelRunnerOutput(sampled_token_ids={s.request_id: [7] for s in out.seqs if s.samples})
+    return ModelRunnerOutput(sampled_token_ids={s.request_id: 7 for s in out.seqs if s.samples})
 
 
 # -- the NIXL connector's rule -------------------------------------------------------------

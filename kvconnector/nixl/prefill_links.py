@@ -183,7 +183,14 @@ class PrefillLinks:
                 ranks=tuple(self.ranks),
                 address=self.address,
             ).to_wire()
-            raw = self._client.request(address, msg, RPC_TIMEOUT_S)
+            try:
+                raw = self._client.request(address, msg, RPC_TIMEOUT_S)
+            except SideChannelError as e:
+                # No reservation went out yet: nothing can write into the blocks, so the
+                # failure is safe (not a quarantine of 2 x the timeout).
+                with self._lock:
+                    self.handshake_failures += 1
+                raise HandshakeError(f"prefill {address} did not answer the handshake: {e}") from e
             reply, error = self._check_handshake_reply(address, raw)
             with self._lock:
                 self.handshakes += 1
