@@ -13,7 +13,9 @@ straight / via the baseline proxy / via this proxy in turn, so the box's load dr
 all three alike. Prints p50 latency of each, the per-request difference to straight, and
 each proxy's CPU per request (from /proc). ``--stream --output-len N``: streamed requests
 of N tokens (``ignore_eos``), read to their end; the CPU per token is the proxy's cost of
-relaying one event. Stops everything it started, by PID.
+relaying one event. ``--pd``: the node is a decode node paired with the prefill node, and
+the proxies route every request P/D (the difference to straight is then the proxy and
+the hand-off; compare the two proxies' lines). Stops everything it started, by PID.
 """
 
 from __future__ import annotations
@@ -72,11 +74,13 @@ def report(times: dict[str, list[float]], cpu: dict[str, float], args: argparse.
     med = statistics.median
     kind = "streamed" if args.stream else "plain"
     print(
-        f"n={args.requests} {kind} requests of {args.output_len} token(s); "
+        f"n={args.requests} {kind} {'P/D ' if args.pd else ''}requests of "
+        f"{args.output_len} token(s); "
         f"straight p50 {med(times['straight']):.2f} ms"
     )
     result: dict[str, object] = {
         "requests": args.requests, "output_len": args.output_len, "stream": args.stream,
+        "pd": args.pd,
         "straight_p50_ms": med(times["straight"]), "proxies": {},
     }  # fmt: skip
     for name in times:
@@ -107,6 +111,7 @@ def main() -> int:
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/proxy_ab_logs"))
     ap.add_argument("--stream", action="store_true", help="streamed requests")
     ap.add_argument("--output-len", type=int, default=1, help="tokens per request")
+    ap.add_argument("--pd", action="store_true", help="route through P and D (see above)")
     args = ap.parse_args()
     if args.node and args.proxy:
         if args.model is None:
@@ -123,7 +128,8 @@ def main() -> int:
     common = ["--model", "tiny", "--num-blocks", "1024", "--log-level", "WARNING"]
     procs: list[subprocess.Popen] = []
     try:
-        node, node_url = start(ROOT, args.log_dir / "node.log", "decode_node", *common)
+        pair = ["--kv-connector", "nixl"] if args.pd else []
+        node, node_url = start(ROOT, args.log_dir / "node.log", "decode_node", *common, *pair)
         pre, pre_url = start(
             ROOT, args.log_dir / "p.log", "prefill_node", *common, "--kv-connector", "nixl"
         )
@@ -135,7 +141,7 @@ def main() -> int:
             proxies[name] = start(
                 tree, args.log_dir / f"proxy_{name}.log", "proxy", "serve",
                 "--prefill", pre_url, "--decode", node_url,
-                "--disagg-min-prompt-tokens", "1000000000",
+                *([] if args.pd else ["--disagg-min-prompt-tokens", "1000000000"]),
             )  # fmt: skip
             procs.append(proxies[name][0])
         for proc, url in proxies.values():
