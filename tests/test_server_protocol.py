@@ -259,6 +259,15 @@ _MSG = [{"role": "user", "content": "hi"}]
         ({"messages": _MSG, "tools": [{"type": "function"}]}, "tools"),
         ({"messages": _MSG, "tool_choice": "auto"}, "tool_choice"),
         ({"messages": _MSG, "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}, *_MSG]},
+            "messages[0].tool_calls",
+        ),
+        # The older form of the same: it was dropped, the model saw an empty turn.
+        (
+            {"messages": [{"role": "assistant", "function_call": {"name": "f"}}, *_MSG]},
+            "messages[0].function_call",
+        ),
     ],
 )
 def test_chat_rejects(body: dict[str, Any], param: str) -> None:

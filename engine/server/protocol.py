@@ -520,8 +520,9 @@ def _parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
                 f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}, got {role!r:.40}",
                 param=f"messages[{i}].role",
             )
-        if msg.get("tool_calls"):
-            raise _unsupported(f"messages[{i}].tool_calls", "(tool calling)")
+        for field_name in ("tool_calls", "function_call"):  # the latter: the older form
+            if msg.get(field_name):
+                raise _unsupported(f"messages[{i}].{field_name}", "(tool calling)")
         content = msg.get("content")
         if content is None and role == "assistant":
             content = ""
