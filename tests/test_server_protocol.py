@@ -144,6 +144,8 @@ def test_stop_string_single() -> None:
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
         ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
         ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": 0}, "logit_bias"),  # was accepted (falsy)
+        ({"prompt": "x", "logit_bias": []}, "logit_bias"),
     ],
 )
 def test_completion_rejects(body: dict[str, Any], param: str) -> None:

@@ -416,7 +416,10 @@ def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
             raise _unsupported(name, f"other than {neutral}")
     if _get_float(body, "repetition_penalty", 1.0) != 1.0:
         raise _unsupported("repetition_penalty", "other than 1.0")
-    if body.get("logit_bias"):
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise _bad_type("logit_bias", "an object mapping token ids to biases", bias)
+    if bias:
         raise _unsupported("logit_bias", "")
     _reject_vllm_fields(body, _VLLM_FIELDS)
     if chat:
