@@ -187,5 +187,10 @@ class NodePool:
         return names
 
     def max_model_len(self) -> int | None:
-        lens = [n.max_model_len for n in self.all() if n.ready and n.max_model_len is not None]
+        """The context a client's prompt and answer share: the ready decode nodes' least.
+        A prefill node computes the prompt and one token, so its context bounds only the
+        prompt (it refuses a longer one itself)."""
+        lens = [
+            n.max_model_len for n in self.nodes("decode") if n.ready and n.max_model_len is not None
+        ]
         return min(lens) if lens else None

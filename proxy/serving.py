@@ -161,7 +161,11 @@ class ProxyServing:
     def models(self) -> JSONResponse:
         cards: list[dict[str, Any]] = []
         for name in self.pool.model_names():
-            lens = [n.max_model_len for n in self.pool.all() if n.model == name and n.max_model_len]
+            lens = [  # the decode nodes hold prompt and answer (a P only the prompt)
+                n.max_model_len
+                for n in self.pool.nodes("decode")
+                if n.model == name and n.max_model_len
+            ]
             cards.append(
                 {
                     "id": name,

@@ -18,6 +18,7 @@ import pytest
 from harness import (
     GREEDY,
     MODEL,
+    NIXL,
     PD,
     Proc,
     Procs,
@@ -425,3 +426,30 @@ def test_cli_complete_and_chat(cluster: Cluster) -> None:
         timeout=60,
     )
     assert bad.returncode == 1 and "error" in bad.stderr
+
+
+def test_a_prefill_node_with_a_small_cache_serves_prompts_whose_answers_it_cannot_hold(
+    procs: Procs,
+) -> None:
+    """P sized for prompts (8 blocks x 16 = 128 tokens), D for whole answers. A prefill
+    leg computes the prompt and one token, so P's context bounds the prompt only: the
+    answer's budget is D's. (Once a node's context was lowered to its cache, P refused
+    such a leg with a 400 on max_tokens, and the proxy's limit fell to P's 128.)"""
+    ref = procs.node("--model", MODEL, "--num-blocks", "64", name="ref")
+    p = procs.node(*NIXL, "--num-blocks", "8", module="prefill_node", name="p", wait=False)
+    d = procs.node(*NIXL, "--num-blocks", "64", module="decode_node", name="d", wait=False)
+    wait_healthy(p, d)
+    proxy = procs.proxy([p.url], [d.url])
+    assert httpx.get(proxy.url + "/v1/models").json()["data"][0]["max_model_len"] == 1024
+    body = {"prompt": "a prompt of a few tokens", "max_tokens": 200, **GREEDY}
+    want = httpx.post(ref.url + "/v1/completions", json=body, timeout=60).json()
+    got = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    assert len(want["choices"][0]["token_ids"]) == 200
+    assert p.metric("pdserve_engine_kv_transfers_started_total") >= 1  # it went through P
+    # A prompt longer than P's context is still P's to refuse.
+    long = httpx.post(
+        proxy.url + "/v1/completions", json={**body, "prompt": [5] * 200, "max_tokens": 4}
+    )
+    assert long.status_code == 400 and "128" in long.json()["error"]["message"], long.text

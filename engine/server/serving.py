@@ -148,7 +148,16 @@ class OpenAIServing:
 
     def _job(self, request: Request, chat: bool, req: BaseRequest, ids: list[int]) -> Job:
         param = "messages" if chat else "prompt"
-        max_tokens = resolve_max_tokens(req.max_tokens, len(ids), self.engine.max_model_len, param)
+        kv = req.kv_transfer_params
+        if kv is not None and kv.do_remote_decode:
+            # A prefill leg computes the prompt and one token: this node's context bounds
+            # the prompt; the answer's budget is the decode node's to check.
+            resolve_max_tokens(1, len(ids), self.engine.max_model_len, param)
+            max_tokens = req.max_tokens or 1
+        else:
+            max_tokens = resolve_max_tokens(
+                req.max_tokens, len(ids), self.engine.max_model_len, param
+            )
         label = request.state.request_id
         echo = req.echo and isinstance(req, CompletionRequest)
         return Job(
