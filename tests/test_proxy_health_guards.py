@@ -146,9 +146,11 @@ def test_a_nodes_context_length_must_be_a_real_one(bad):
     assert p.max_model_len is None
     p.update_info(None, {"data": [{"id": "m", "max_model_len": 8}]})
     d.update_info(None, {"data": [{"id": "m", "max_model_len": 4096}]})
+    assert pool.max_model_len() is None  # d is not ready: it sets no limit
     d.set_healthy(True)
-    assert pool.max_model_len() == 4096  # p is not ready: it sets no limit
     p.set_healthy(True)
+    assert pool.max_model_len() == 4096  # a prefill node's context bounds the prompt only
+    d.update_info(None, {"data": [{"id": "m", "max_model_len": 8}]})
     assert pool.max_model_len() == 8
 
 
