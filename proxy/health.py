@@ -43,14 +43,15 @@ class HealthChecker:
             async with asyncio.timeout(self.deadline):
                 await self._check(node)
         except TimeoutError:
-            node.set_healthy(False, f"health check took over {self.deadline:g} s")
+            node.mark_unreachable(f"health check took over {self.deadline:g} s")
 
     async def _check(self, node: Node) -> None:
         try:
             resp = await self.client.get(node.url + "/health")
         except NodeHTTPError as e:
-            node.set_healthy(False, f"health check failed: {type(e).__name__}: {e}")
+            node.mark_unreachable(f"health check failed: {type(e).__name__}: {e}")
             return
+        node.unreachable = False  # it answered, whatever it said
         if resp.status_code != 200:
             node.set_healthy(False, f"health check answered {resp.status_code}")
             return

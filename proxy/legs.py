@@ -211,8 +211,9 @@ class Attempt:
 
     async def wait_prefill(self, poll_s: float | None = None) -> dict[str, Any]:
         """P's answer. If D fails first, its error is raised instead (and P is dropped).
-        With ``poll_s``, P leaving the rotation (its health check failed) while this
-        waits raises too, checked every ``poll_s`` seconds: a hung P never answers."""
+        With ``poll_s``, P becoming unreachable (its health check got no answer) while
+        this waits raises too, checked every ``poll_s`` seconds: a hung P never answers.
+        A P that answers "not ready" (draining) finishes its legs: the wait goes on."""
         p_task = self.p_task
         assert p_task is not None and self.p is not None, "a decode-only attempt has no P"
         while not p_task.done():
@@ -221,8 +222,8 @@ class Attempt:
             await asyncio.wait(waits, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
             if self.d_task.done() and self.d_task.exception() is not None:
                 raise self.d_task.exception()  # type: ignore[misc]
-            if poll_s is not None and not p_task.done() and not self.p.ready:
-                raise UpstreamError(self.p, "left the rotation while its answer was awaited")
+            if poll_s is not None and not p_task.done() and self.p.unreachable:
+                raise UpstreamError(self.p, "unreachable while its answer was awaited")
         return p_task.result()
 
     async def wait_decode(self) -> NodeResponse:

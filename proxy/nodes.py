@@ -49,6 +49,10 @@ class Node:
     # Why it is in the pool: "static" (--prefill/--decode), "registered", "dns:NAME:PORT".
     sources: set[str] = field(default_factory=lambda: {"static"})
     removed: bool = False  # left the pool (never routable again; a new Node may join)
+    # Its last health check got no answer at all (refused, reset, timed out): requests
+    # waiting on it give up. A node that answers "not ready" (503: draining, starting)
+    # still finishes what it has, so waits on it go on.
+    unreachable: bool = False
 
     @property
     def ready(self) -> bool:
@@ -70,6 +74,11 @@ class Node:
             self.last_error = reason
             logger.warning("%s node %s taken out of rotation: %s", self.role, self.url, reason)
             self._reset()
+
+    def mark_unreachable(self, reason: str) -> None:
+        """A health check got no answer: out of rotation, and its in-flight legs given up."""
+        self.unreachable = True
+        self.set_healthy(False, reason)
 
     def mark_overloaded(self) -> None:
         self.overloaded_at = time.monotonic()

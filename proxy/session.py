@@ -296,9 +296,11 @@ class Session:
     async def _first_token(self, attempt: Attempt) -> dict[str, Any] | None:
         """P's answer, whose first token goes to the client before D's stream; or None:
         D's stream is the client's whole answer, because D's first token came before P's
-        answer, or P left the rotation (a hung P never answers; D recomputes the prompt
-        when its KV does not come). With ``node_skip_first_token`` D's stream lacks the
-        first token, so P leaving the rotation fails the attempt instead (retried)."""
+        answer, or P became unreachable (its health check got no answer: a hung P never
+        answers; D recomputes the prompt when its KV does not come). With
+        ``node_skip_first_token`` D's stream lacks the first token, so P becoming
+        unreachable fails the attempt instead (retried). A P that answers "not ready"
+        (draining) finishes its legs: it is waited for."""
         p_task, p = attempt.p_task, attempt.p
         assert p_task is not None and p is not None
         whole_from_d = not self.cfg.node_skip_first_token
@@ -326,12 +328,12 @@ class Session:
                         "answer; streaming the decode node's answer", self.request_id,
                     )  # fmt: skip
                     return None
-                if not p.ready:
+                if p.unreachable:
                     if not whole_from_d:
-                        raise UpstreamError(p, "left the rotation before its first token")
+                        raise UpstreamError(p, "unreachable before its first token")
                     if attempt.d_task.done() and attempt.d_task.exception() is None:
                         logger.warning(
-                            "request %s: prefill node %s left the rotation before its first "
+                            "request %s: prefill node %s unreachable before its first "
                             "token; streaming the decode node's answer (it recomputes the "
                             "prompt when the KV does not come)", self.request_id, p.url,
                         )  # fmt: skip

@@ -197,9 +197,9 @@ def test_a_decode_stream_whose_first_token_comes_before_the_prefill_answer_is_se
     asyncio.run(main())
 
 
-def test_with_node_skip_first_token_a_prefill_node_that_leaves_the_rotation_is_retried() -> None:
+def test_with_node_skip_first_token_an_unreachable_prefill_node_is_retried() -> None:
     """D leaves the first token out (``--node-skip-first-token``), so only P can give it:
-    P1 hangs and leaves the rotation; the request moves to P2 and gets every token once."""
+    P1 hangs (its health check gets no answer); the request moves to P2 and gets every token once."""
 
     async def hung(req: SeenRequest) -> bytes:
         if req.path == "/v1/abort":
@@ -228,7 +228,7 @@ def test_with_node_skip_first_token_a_prefill_node_that_leaves_the_rotation_is_r
             hung_node = pool.nodes("prefill")[0]
 
             def leave_soon() -> None:
-                asyncio.get_running_loop().call_later(0.5, hung_node.set_healthy, False, "hung")
+                asyncio.get_running_loop().call_later(0.5, hung_node.mark_unreachable, "hung")
 
             wall = time.monotonic()
             ids, events = await _stream_through_session(cfg, pool, leave_soon)
@@ -236,5 +236,46 @@ def test_with_node_skip_first_token_a_prefill_node_that_leaves_the_rotation_is_r
             # Not held until the node client's timeout (10 s) ended P1's leg.
             assert time.monotonic() - wall < 5
             assert len([r for r in p1.seen if r.path == "/v1/completions"]) == 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_prefill_node_that_starts_draining_mid_prefill_still_gives_the_first_token(
+    skip: bool,
+) -> None:
+    """P answers its health check 503 (draining) while it computes a prefill: it finishes
+    the legs it has, so the stream waits for it. (P out of rotation for any reason
+    failed the attempt with --node-skip-first-token: a 503 "no healthy pair" in a rolling
+    restart; found by review.)"""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        await asyncio.sleep(1.0)
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def decode(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        await asyncio.sleep(1.1)  # D waits for the KV, then streams
+        tokens = [_token(8), _token(9, "length")]
+        return chunked(200, _sse(*([] if skip else [_token(7)]), *tokens))
+
+    async def main() -> None:
+        async with StandIn(prefill) as p, StandIn(decode) as d:
+            cfg = ProxyConfig(
+                prefill=(p.url,), decode=(d.url,), health_interval=0.1,
+                node_skip_first_token=skip,
+            )  # fmt: skip
+            pool = _ready_pool(cfg)
+            p_node = pool.nodes("prefill")[0]
+
+            def drain_soon() -> None:
+                loop = asyncio.get_running_loop()
+                loop.call_later(0.3, p_node.set_healthy, False, "health check answered 503")
+
+            ids, events = await _stream_through_session(cfg, pool, drain_soon)
+            assert ids == [7, 8, 9], events
 
     asyncio.run(main())
