@@ -74,6 +74,17 @@ class DecodeEvents:
             if obj is _END or carries_token(obj):
                 return
 
+    def ahead_has_token(self) -> bool:
+        """An event read ahead carries a token or a finish (not only an error, an end or
+        a broken read): the stream is an answer, not a failure before its first token."""
+        return any(
+            obj is not _END
+            and not isinstance(obj, _Broken)
+            and carries_token(obj)
+            and "error" not in obj
+            for obj in self._ahead
+        )
+
     async def __aiter__(self) -> AsyncIterator[Any]:
         while True:
             obj = self._ahead.popleft() if self._ahead else await self._read()

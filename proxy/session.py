@@ -323,6 +323,9 @@ class Session:
                 if p_task.done():
                     break
                 if peek is not None and peek.done():
+                    if not self._events_of(attempt).ahead_has_token():
+                        # Nothing went to the client yet: another pair may serve it.
+                        raise UpstreamError(attempt.d, "the stream failed before its first token")
                     logger.info(
                         "request %s: decode node's first token came before the prefill "
                         "answer; streaming the decode node's answer", self.request_id,

@@ -279,3 +279,39 @@ def test_a_prefill_node_that_starts_draining_mid_prefill_still_gives_the_first_t
             assert ids == [7, 8, 9], events
 
     asyncio.run(main())
+
+
+def test_a_decode_stream_that_fails_before_any_token_while_p_hangs_is_retried() -> None:
+    """P hangs; D1's stream ends with an error event before any token: nothing reached the
+    client, so the request moves to another pair (D2's stream is the answer). It used to
+    end as a 200 stream holding only the error."""
+
+    async def hung(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        await asyncio.sleep(8)
+        return answer(200, PREFILL_ANSWER)
+
+    async def broken(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        return chunked(200, _sse({"error": {"message": "engine died", "type": "server_error"}}))
+
+    async def decode(req: SeenRequest) -> bytes:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
+
+    async def main() -> None:
+        async with StandIn(hung) as p, StandIn(broken) as d1, StandIn(decode) as d2:
+            cfg = ProxyConfig(
+                prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
+                routing="round_robin",
+            )  # fmt: skip
+            wall = time.monotonic()
+            ids, events = await _stream_through_session(cfg, _ready_pool(cfg))
+            assert ids == [7, 8, 9] and not any("error" in e for e in events), events
+            assert time.monotonic() - wall < 6
+            assert len([r for r in d1.seen if r.path == "/v1/completions"]) == 1
+
+    asyncio.run(main())
