@@ -495,7 +495,7 @@ class Session:
             return
         chat = self.req.chat
         start, self._lp_seen = self._lp_seen, self._lp_seen + num_entries(logprobs, chat)
-        if has_missing(logprobs, chat):
+        if has_missing(logprobs, chat, start, echo=bool(self.req.parsed.echo)):
             source = await self._prefill_logprobs()
             if source is not None:
                 fill_missing(logprobs, source, chat, start)

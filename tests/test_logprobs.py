@@ -527,3 +527,14 @@ def test_json_roundtrip_of_entries() -> None:
     """The worker output pickles and the shapes are JSON (no -inf, no tuples lost)."""
     body, _ = completion_logprobs([97], [E(97, -math.inf, (97,), (-math.inf,))], STRINGS)
     assert json.loads(json.dumps(body, allow_nan=False))["token_logprobs"] == [-9999.0]
+
+
+def test_an_echoed_prompts_first_entry_is_not_missing() -> None:
+    """With echo the first prompt token has no log probability on any node (nothing
+    predicts it): it is not an entry the proxy waits for P to fill. It was: with P hung,
+    every echo + logprobs request waited 30 s for P's answer."""
+    complete = completion_logprobs([97, 98], [None, E(98, -1.0, (98,), (-1.0,))], STRINGS)[0]
+    assert not has_missing(complete, False, start=0, echo=True)
+    assert has_missing(complete, False, start=0, echo=False)
+    # A later chunk's first entry is not the prompt's first.
+    assert has_missing(complete, False, start=3, echo=True)

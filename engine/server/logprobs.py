@@ -114,8 +114,10 @@ def num_entries(logprobs: Any, chat: bool) -> int:
     return len(items) if isinstance(items, list) else 0
 
 
-def has_missing(logprobs: Any, chat: bool) -> bool:
-    """Whether a decode node left entries for the prefill node's (a null log probability)."""
+def has_missing(logprobs: Any, chat: bool, start: int = 0, echo: bool = False) -> bool:
+    """Whether a decode node left entries for the prefill node's (a null log probability).
+    ``start``: the answer's index of the first entry; with ``echo`` the answer's entry 0
+    (the prompt's first token, which nothing predicts) is null everywhere, not missing."""
     if not isinstance(logprobs, dict):
         return False
     if chat:
@@ -124,7 +126,10 @@ def has_missing(logprobs: Any, chat: bool) -> bool:
             isinstance(i, dict) and i.get("logprob") is None for i in items
         )
     values = logprobs.get("token_logprobs")
-    return isinstance(values, list) and any(v is None for v in values)
+    if not isinstance(values, list):
+        return False
+    first = 1 if echo and start == 0 else 0
+    return any(v is None for v in values[first:])
 
 
 def fill_missing(target: Any, source: Any, chat: bool, start: int = 0) -> int:
