@@ -46,6 +46,14 @@ def decode():
         conn.shutdown()
 
 
+def _silent_peer() -> tuple[zmq.Socket, str]:
+    """A side channel that takes every message and answers none."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    sock.bind(address)
+    return sock, address
+
+
 def remote(rid: str, address: str, max_tokens: int = 4) -> Request:
     params = KVTransferParams(do_remote_prefill=True, transfer_id=rid, remote_side_channel=address)
     return Request(
@@ -57,16 +65,18 @@ def step(sch: Scheduler, out: ModelRunnerOutput | None = None):
     return sch.update_from_output(sch.schedule(), out or ModelRunnerOutput())
 
 
-def test_abort_after_an_unsafe_failure_keeps_blocks_quarantined(decode, monkeypatch):
+def test_abort_after_an_unsafe_failure_keeps_blocks_quarantined(decode, monkeypatch, request):
     """The reserve call times out on a pool thread (P may hold the reservation), then the
     client aborts before the scheduler saw that failure: the blocks must stay held."""
     sch, conn = decode
     monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 0.2)
-    # P answered the handshake; its reservation call is what goes unanswered.
+    # P answered the handshake; it takes the reservation and never answers it.
     monkeypatch.setattr(
         prefill_links.PrefillLinks, "ensure_handshake", lambda s, a, force=False: None
     )
-    sch.add_request(remote("X", dead_address()))
+    silent, address = _silent_peer()
+    request.addfinalizer(lambda: silent.close(linger=0))
+    sch.add_request(remote("X", address))
     step(sch)
     reserved = len(sch.kv.block_ids("X"))
     assert reserved > 0 and sch.kv.pool.num_free == BLOCKS - reserved
@@ -189,3 +199,50 @@ def test_a_prefill_address_that_never_answers_the_handshake_holds_no_blocks(deco
     finally:
         silent.close(linger=0)
         ctx.term()
+
+
+def _failed_loads(sch: Scheduler, conn, rids: list[str], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while any(r in conn.consumer.recvs for r in rids):
+        assert time.monotonic() < deadline, "the reservations never failed"
+        time.sleep(0.02)
+
+
+def test_a_reservation_that_never_left_is_a_safe_failure(decode, monkeypatch):
+    """Nothing listens at P's address (or P's process is stopped): the side channel never
+    connects, so the reservation was never sent and P cannot hold it. The blocks go back
+    at once instead of a 2 x timeout quarantine (a stopped P held every decode leg's
+    blocks for a minute after its restart)."""
+    sch, conn = decode
+    monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(
+        prefill_links.PrefillLinks, "ensure_handshake", lambda s, a, force=False: None
+    )
+    sch.add_request(remote("X", dead_address()))
+    step(sch)
+    _failed_loads(sch, conn, ["X"])
+    assert "X" not in conn.consumer.quarantine and conn.consumer.loads_failed == 1
+
+
+def test_reservations_queued_behind_an_unanswered_call_to_p_fail_at_once(decode, monkeypatch):
+    """P takes calls and answers none (hung). Its lane runs one call at a time, each
+    waiting out the timeout: the 4th reservation failed after 4 timeouts (a hung P made
+    in-flight requests wait 5, 10, 15 ... s). Calls queued behind an unanswered one now
+    fail at once, unsent (safe); only the one that was sent is quarantined."""
+    sch, conn = decode
+    monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(
+        prefill_links.PrefillLinks, "ensure_handshake", lambda s, a, force=False: None
+    )
+    silent, address = _silent_peer()
+    try:
+        rids = ["A", "B", "C", "D"]
+        for rid in rids:
+            sch.add_request(remote(rid, address))
+        step(sch)
+        assert all(r in conn.consumer.recvs for r in rids)  # all four queued on P's lane
+        _failed_loads(sch, conn, rids)
+        assert list(conn.consumer.quarantine) == ["A"]  # sent, unanswered: P may hold it
+        assert conn.consumer.loads_failed == 4
+    finally:
+        silent.close(linger=0)

@@ -19,6 +19,7 @@ import hmac
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +39,12 @@ from kvconnector.nixl.messages import (
     compat_mismatch,
     decode_reply,
 )
-from kvconnector.nixl.side_channel import SideChannelClient, SideChannelError
+from kvconnector.nixl.side_channel import (
+    SideChannelClient,
+    SideChannelError,
+    SideChannelNotSent,
+    SideChannelTimeout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +86,11 @@ class PrefillLinks:
         self._locks: dict[str, threading.Lock] = {}
         self.handshakes = 0
         self.handshake_failures = 0
+        # P address -> when a call to it last went unanswered (cleared by an answer).
+        # Calls queued behind that one on P's lane were not sent and are not: each would
+        # wait out its own timeout, one after another (lane threads only).
+        self._unanswered: dict[str, float] = {}
+        self.calls_skipped = 0  # calls not sent: queued behind an unanswered one
 
     def pairing_key(self, p_address: str) -> str:
         """The secret this node pairs with the prefill node at ``p_address`` under (128
@@ -101,7 +112,34 @@ class PrefillLinks:
         finally:
             self._wake()
 
+    def _behind_unanswered(self, address: str, queued_at: float) -> bool:
+        """A call queued at ``queued_at`` waited behind one to ``address`` that went
+        unanswered: it is not sent (P is hung or gone; its lane would hold every later
+        call for a whole timeout each)."""
+        at = self._unanswered.get(address)
+        if at is None or at < queued_at:
+            return False
+        with self._lock:
+            self.calls_skipped += 1
+        return True
+
+    def _answered(self, address: str, error: BaseException | None) -> None:
+        if isinstance(error, SideChannelTimeout):
+            if len(self._unanswered) >= MAX_P_LOCKS:
+                self._unanswered.clear()  # addresses come from clients: bounded
+            self._unanswered[address] = time.monotonic()
+        elif error is None:
+            self._unanswered.pop(address, None)
+
     def _reserve(self, recv: RemoteRecv) -> None:
+        if self._behind_unanswered(recv.p_address, recv.created):
+            with self._lock:
+                self.consumer.fail(
+                    recv.request_id,
+                    f"prefill unreachable: an earlier call to {recv.p_address} got no answer",
+                    safe=True,  # not sent: P cannot hold it
+                )
+            return
         msg = Reserve(
             transfer_id=recv.transfer_id,
             nonce=recv.nonce,
@@ -114,13 +152,18 @@ class PrefillLinks:
         try:
             for attempt in range(2):
                 peer = self.ensure_handshake(recv.p_address, force=attempt > 0)
-                raw = self._client.request(recv.p_address, msg, RPC_TIMEOUT_S)
+                try:
+                    raw = self._client.request(recv.p_address, msg, RPC_TIMEOUT_S)
+                except SideChannelError as e:
+                    self._answered(recv.p_address, e)
+                    raise
+                self._answered(recv.p_address, None)
                 reply = decode_reply(raw, Ack)
                 if isinstance(reply, Ack) or reply.code != Refusal.HANDSHAKE_REQUIRED:
                     break
-        except HandshakeError as e:
+        except (HandshakeError, SideChannelNotSent) as e:  # the reservation was not sent
             with self._lock:
-                self.consumer.fail(recv.request_id, str(e), safe=True)
+                self.consumer.fail(recv.request_id, f"prefill unreachable: {e}", safe=True)
             return
         except MessageError as e:  # P answered, but not a reply we know: not safe
             with self._lock:
@@ -136,10 +179,19 @@ class PrefillLinks:
             else:
                 self.consumer.fail(recv.request_id, reply.error, safe=True)
 
-    def cancel_job(self, address: str, transfer_id: str, nonce: str, request_id: str) -> None:
+    def cancel_job(
+        self, address: str, transfer_id: str, nonce: str, request_id: str, queued_at: float = 0.0
+    ) -> None:
+        if self._behind_unanswered(address, queued_at):
+            return  # the quarantine keeps the blocks to its deadline, as for a lost cancel
         msg = Cancel(transfer_id, nonce, self.pairing_key(address)).to_wire()
         try:
-            raw = self._client.request(address, msg, RPC_TIMEOUT_S)
+            try:
+                raw = self._client.request(address, msg, RPC_TIMEOUT_S)
+            except SideChannelError as e:
+                self._answered(address, e)
+                raise
+            self._answered(address, None)
             reply = decode_reply(raw, CancelReply)
         except MessageError as e:
             logger.info("cancel of %s: bad reply from %s: %s", transfer_id, address, e)
@@ -172,6 +224,7 @@ class PrefillLinks:
                 try:
                     self._client.request(address, Ping().to_wire(), RPC_TIMEOUT_S)
                 except SideChannelError as e:
+                    self._answered(address, e)
                     with self._lock:
                         self.handshake_failures += 1
                     raise HandshakeError(f"prefill {address} did not prove the secret: {e}") from e
@@ -188,9 +241,11 @@ class PrefillLinks:
             except SideChannelError as e:
                 # No reservation went out yet: nothing can write into the blocks, so the
                 # failure is safe (not a quarantine of 2 x the timeout).
+                self._answered(address, e)
                 with self._lock:
                     self.handshake_failures += 1
                 raise HandshakeError(f"prefill {address} did not answer the handshake: {e}") from e
+            self._answered(address, None)
             reply, error = self._check_handshake_reply(address, raw)
             with self._lock:
                 self.handshakes += 1

@@ -564,7 +564,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self._notify_failed(res, why, safe=False)
         for p_addr, tid, nonce, rid in c.cancels:
             # Not sent: the quarantine keeps the blocks until its deadline.
-            self._submit(p_addr, self.links.cancel_job, p_addr, tid, nonce, rid)
+            self._submit(p_addr, self.links.cancel_job, p_addr, tid, nonce, rid, time.monotonic())
         return ConnectorEvents(
             failed_loads=c.failed_loads,
             free_blocks=p.free_blocks | c.free_blocks,

@@ -58,6 +58,11 @@ class SideChannelTimeout(SideChannelError, TimeoutError):
     """No reply arrived within the request's timeout."""
 
 
+class SideChannelNotSent(SideChannelTimeout):
+    """No connection within the timeout: the request never left this process (the
+    socket queues nothing for a peer that never connected)."""
+
+
 def _pack(msg: dict[str, Any]) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
@@ -300,9 +305,11 @@ class SideChannelClient:
     def request(self, address: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send ``msg`` to ``address`` and return the reply map.
 
-        Raises ``SideChannelTimeout`` when no reply arrives within ``timeout`` seconds
-        (including when nothing listens at ``address``), ``SideChannelError`` on a reply
-        that is not a msgpack map. An ``{"ok": False, ...}`` reply is returned, not raised.
+        Raises ``SideChannelTimeout`` when no reply arrives within ``timeout`` seconds --
+        ``SideChannelNotSent`` when no connection was made (nothing listens at
+        ``address``, or its process is stopped): the request was not sent --, and
+        ``SideChannelError`` on a reply that is not a msgpack map. An ``{"ok": False,
+        ...}`` reply is returned, not raised.
         """
         nonce = os.urandom(16)
         payload_out = _pack(msg)
@@ -326,7 +333,7 @@ class SideChannelClient:
             deadline = time.monotonic() + timeout
             # The request may wait for the connection; one deadline bounds both waits.
             if not sock.poll(_remaining_ms(deadline), zmq.POLLOUT):
-                raise SideChannelTimeout(f"no connection to {address} within {timeout:.3f}s")
+                raise SideChannelNotSent(f"no connection to {address} within {timeout:.3f}s")
             sock.send(payload_out, zmq.NOBLOCK)
             if not sock.poll(_remaining_ms(deadline), zmq.POLLIN):
                 raise SideChannelTimeout(f"no reply from {address} within {timeout:.3f}s")
