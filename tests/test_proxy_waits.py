@@ -28,6 +28,17 @@ STREAM_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 WAIT_S = 1.0
 
 
+def _node(leg: Any) -> Any:
+    """A stand-in node's handler: ``/v1/abort`` answered 200, every other call by ``leg``."""
+
+    async def handler(req: SeenRequest) -> Any:
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        return await leg(req)
+
+    return handler
+
+
 def _pair(p: StandIn, d: StandIn) -> tuple[Any, Any, Any]:
     cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,))
     pool = NodePool(cfg.prefill, cfg.decode)
@@ -57,7 +68,11 @@ def test_waiting_for_the_decode_answer_after_the_prefill_answered_sleeps() -> No
         return answer(200, {"choices": []})
 
     async def main() -> None:
-        async with StandIn(prefill) as p, StandIn(decode) as d, NodeClient(timeout=10) as c:
+        async with (
+            StandIn(_node(prefill)) as p,
+            StandIn(_node(decode)) as d,
+            NodeClient(timeout=10) as c,
+        ):
             p_node, d_node, req = _pair(p, d)
             attempt = Attempt(Legs(c), req, p_node, d_node, "r", skip_first=False)
             resp, wall, cpu = await _timed(attempt.wait_decode())
@@ -73,18 +88,18 @@ def test_waiting_for_the_prefill_answer_after_the_decode_stream_opened_sleeps() 
     """A streamed P/D request: D's stream opens at once, P answers after its prefill."""
 
     async def prefill(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         await asyncio.sleep(WAIT_S)
         return answer(200, PREFILL_ANSWER)
 
     async def decode_head(req: SeenRequest) -> Any:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         return STREAM_HEAD + b"5\r\ndata:\r\n"  # and nothing more for now
 
     async def main() -> None:
-        async with StandIn(prefill) as p, StandIn(decode_head) as d, NodeClient(timeout=10) as c:
+        async with (
+            StandIn(_node(prefill)) as p,
+            StandIn(_node(decode_head)) as d,
+            NodeClient(timeout=10) as c,
+        ):
             p_node, d_node, req = _pair(p, d)
             legs = Legs(c)
             attempt = Attempt(legs, req, p_node, d_node, "r", skip_first=False)
@@ -100,19 +115,19 @@ def test_waiting_for_the_prefill_answer_after_the_decode_stream_opened_sleeps() 
 
 def test_a_decode_failure_still_ends_the_wait_for_the_prefill_answer() -> None:
     async def prefill(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         await asyncio.sleep(30)
         return answer(200, PREFILL_ANSWER)
 
     async def decode(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         await asyncio.sleep(0.2)
         return answer(500, {"error": {"message": "boom", "type": "server_error"}})
 
     async def main() -> None:
-        async with StandIn(prefill) as p, StandIn(decode) as d, NodeClient(timeout=10) as c:
+        async with (
+            StandIn(_node(prefill)) as p,
+            StandIn(_node(decode)) as d,
+            NodeClient(timeout=10) as c,
+        ):
             p_node, d_node, req = _pair(p, d)
             legs = Legs(c)
             attempt = Attempt(legs, req, p_node, d_node, "r", skip_first=False)
@@ -170,18 +185,14 @@ def test_a_decode_stream_whose_first_token_comes_before_the_prefill_answer_is_se
     comes before P's answer: D's stream is the answer, each token once, P not waited for."""
 
     async def prefill(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         await asyncio.sleep(5)
         return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
 
     async def decode(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
 
     async def main() -> None:
-        async with StandIn(prefill) as p, StandIn(decode) as d:
+        async with StandIn(_node(prefill)) as p, StandIn(_node(decode)) as d:
             cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
             wall = time.monotonic()
             ids, events = await _stream_through_session(cfg, _ready_pool(cfg))
@@ -202,24 +213,22 @@ def test_with_node_skip_first_token_an_unreachable_prefill_node_is_retried() -> 
     P1 hangs (its health check gets no answer); the request moves to P2 and gets every token once."""
 
     async def hung(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         await asyncio.sleep(30)
         return answer(200, PREFILL_ANSWER)
 
     async def prefill(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
 
     async def decode(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         assert req.json()["kv_transfer_params"]["skip_first_token"] is True
         return chunked(200, _sse(_token(8), _token(9, "length")))
 
     async def main() -> None:
-        async with StandIn(hung) as p1, StandIn(prefill) as p2, StandIn(decode) as d:
+        async with (
+            StandIn(_node(hung)) as p1,
+            StandIn(_node(prefill)) as p2,
+            StandIn(_node(decode)) as d,
+        ):
             cfg = ProxyConfig(
                 prefill=(p1.url, p2.url), decode=(d.url,), health_interval=0.1,
                 node_skip_first_token=True, routing="round_robin",
@@ -250,20 +259,16 @@ def test_a_prefill_node_that_starts_draining_mid_prefill_still_gives_the_first_t
     restart; found by review.)"""
 
     async def prefill(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         await asyncio.sleep(1.0)
         return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
 
     async def decode(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         await asyncio.sleep(1.1)  # D waits for the KV, then streams
         tokens = [_token(8), _token(9, "length")]
         return chunked(200, _sse(*([] if skip else [_token(7)]), *tokens))
 
     async def main() -> None:
-        async with StandIn(prefill) as p, StandIn(decode) as d:
+        async with StandIn(_node(prefill)) as p, StandIn(_node(decode)) as d:
             cfg = ProxyConfig(
                 prefill=(p.url,), decode=(d.url,), health_interval=0.1,
                 node_skip_first_token=skip,
@@ -287,23 +292,21 @@ def test_a_decode_stream_that_fails_before_any_token_while_p_hangs_is_retried() 
     end as a 200 stream holding only the error."""
 
     async def hung(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         await asyncio.sleep(8)
         return answer(200, PREFILL_ANSWER)
 
     async def broken(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         return chunked(200, _sse({"error": {"message": "engine died", "type": "server_error"}}))
 
     async def decode(req: SeenRequest) -> bytes:
-        if req.path == "/v1/abort":
-            return answer(200, {})
         return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
 
     async def main() -> None:
-        async with StandIn(hung) as p, StandIn(broken) as d1, StandIn(decode) as d2:
+        async with (
+            StandIn(_node(hung)) as p,
+            StandIn(_node(broken)) as d1,
+            StandIn(_node(decode)) as d2,
+        ):
             cfg = ProxyConfig(
                 prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
                 routing="round_robin",
