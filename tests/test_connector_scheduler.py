@@ -152,26 +152,25 @@ def test_a_cancel_after_a_failed_send_says_a_write_may_still_land(prefill, error
     assert conn._handle(Cancel("t1", "n1", d_key).to_wire())["state"] == state
 
 
-def test_workers_stop_watching_once_only_quarantined_blocks_are_left(decode, monkeypatch):
+def test_workers_keep_watching_while_quarantined_blocks_may_get_a_late_write(decode, monkeypatch):
     """A reservation that failed unsafely holds its blocks in quarantine (up to 2 x the
-    timeout) in case a WRITE still lands. Nothing waits on that: the workers may stop
-    watching (a 2 kHz poll per rank: 5-7% of a core each for 60 s after every such
-    failure) and need no steps of their own; a late landing is seen at the next step,
-    and the quarantine's deadline frees the blocks anyway."""
+    timeout) in case a WRITE still lands. D's workers must keep progressing their
+    transport meanwhile: a WRITE to D does not complete without D's progress (UCX on
+    CPU, no progress thread), so P's late push hung to its own timeout and D held the
+    blocks for the whole 2T (a fault round found it after 21ee9bc stopped the watch to
+    save the poll's CPU)."""
     sch, conn = decode
     monkeypatch.setattr(prefill_links.PrefillLinks, "reserve_job", lambda s, r: None)
     sch.add_request(remote("X", "tcp://127.0.0.1:1"))
     out = sch.schedule()
     assert out.kv_connector_metadata.watch is True  # KV expected: watch
     sch.update_from_output(out, ModelRunnerOutput())
-    assert conn.needs_worker_poll()
     sch.abort_request("X")  # the client left while the KV was expected
     out = sch.schedule()
     sch.update_from_output(out, ModelRunnerOutput())
     assert "X" in conn.consumer.quarantine and sch.kv.pool.num_free < BLOCKS
-    assert out.kv_connector_metadata.watch is False
-    assert not conn.needs_worker_poll()
-    assert conn.has_pending_work()  # the engine still steps to expire the quarantine
+    assert out.kv_connector_metadata.watch is None  # unchanged: still watching
+    assert conn.needs_worker_poll()
 
 
 def test_a_prefill_address_that_never_answers_the_handshake_holds_no_blocks(decode, monkeypatch):

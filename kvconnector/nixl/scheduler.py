@@ -432,10 +432,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         with self._lock:
             md.remove_peers = self.service.take_removed()
             md.ended_keys, self._ended = self._ended, []
-            # Workers watch (a fast poll between steps) only while KV is expected; blocks
-            # held in quarantine wait on a deadline, and a late landing in them is seen at
-            # the next step.
-            watch = bool(self.consumer.recvs)
+            # Workers watch (progress their transport between steps) while KV is expected
+            # and while quarantined blocks may still get a late WRITE: without D's
+            # progress a WRITE to it does not complete (UCX on CPU has no progress thread
+            # here), so P's push hung to its timeout and the blocks stayed held for 2T.
+            watch = bool(self.consumer.recvs or self.consumer.quarantine)
             if watch != self._watching:
                 md.watch = self._watching = watch
             ready = self.service.ready
@@ -604,7 +605,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def needs_worker_poll(self) -> bool:
         with self._lock:
-            return bool(self.producer.in_flight or self.consumer.recvs)
+            c = self.consumer
+            return bool(self.producer.in_flight or c.recvs or c.quarantine)
 
     # -- metrics -------------------------------------------------------------------------
     def stats(self) -> StatsGroup:
