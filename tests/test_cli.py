@@ -200,6 +200,7 @@ def test_missing_config_file_exits_2() -> None:
     assert proc.returncode == 2 and "--config" in proc.stderr
 
 
+@pytest.mark.slow  # starts an engine and its worker
 def test_a_max_model_len_the_kv_cache_cannot_hold_exits_2_naming_it() -> None:
     proc = _run("--model", "tiny", "--max-model-len", "4096", "--num-blocks", "8", "--port", "0")
     assert proc.returncode == 2, proc.stderr[-2000:]
