@@ -5,8 +5,10 @@ and a leg failing still ends it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -48,6 +50,19 @@ def _pair(p: StandIn, d: StandIn) -> tuple[Any, Any, Any]:
     return p_node, d_node, req
 
 
+@contextlib.asynccontextmanager
+async def _attempt(prefill: Any, decode: Any) -> AsyncIterator[tuple[Attempt, Legs]]:
+    """One P/D attempt against stand-in nodes answering with ``prefill`` and ``decode``."""
+    async with (
+        StandIn(_node(prefill)) as p,
+        StandIn(_node(decode)) as d,
+        NodeClient(timeout=10) as c,
+    ):
+        p_node, d_node, req = _pair(p, d)
+        legs = Legs(c)
+        yield Attempt(legs, req, p_node, d_node, "r", skip_first=False), legs
+
+
 async def _timed(coro: Any) -> tuple[Any, float, float]:
     """(result, wall seconds, this process's CPU seconds) of awaiting ``coro``."""
     wall, cpu = time.monotonic(), time.process_time()
@@ -68,13 +83,7 @@ def test_waiting_for_the_decode_answer_after_the_prefill_answered_sleeps() -> No
         return answer(200, {"choices": []})
 
     async def main() -> None:
-        async with (
-            StandIn(_node(prefill)) as p,
-            StandIn(_node(decode)) as d,
-            NodeClient(timeout=10) as c,
-        ):
-            p_node, d_node, req = _pair(p, d)
-            attempt = Attempt(Legs(c), req, p_node, d_node, "r", skip_first=False)
+        async with _attempt(prefill, decode) as (attempt, legs):
             resp, wall, cpu = await _timed(attempt.wait_decode())
             assert resp.status_code == 200 and wall >= WAIT_S * 0.9
             assert cpu < 0.25 * wall, f"{cpu:.2f} s of CPU in {wall:.2f} s waiting"
@@ -95,14 +104,7 @@ def test_waiting_for_the_prefill_answer_after_the_decode_stream_opened_sleeps() 
         return STREAM_HEAD + b"5\r\ndata:\r\n"  # and nothing more for now
 
     async def main() -> None:
-        async with (
-            StandIn(_node(prefill)) as p,
-            StandIn(_node(decode_head)) as d,
-            NodeClient(timeout=10) as c,
-        ):
-            p_node, d_node, req = _pair(p, d)
-            legs = Legs(c)
-            attempt = Attempt(legs, req, p_node, d_node, "r", skip_first=False)
+        async with _attempt(prefill, decode_head) as (attempt, legs):
             first, wall, cpu = await _timed(attempt.wait_prefill())
             assert first["kv_transfer_params"]["first_token"] == 7 and wall >= WAIT_S * 0.9
             assert attempt.d_task.done()  # D's stream was open all along
@@ -123,14 +125,7 @@ def test_a_decode_failure_still_ends_the_wait_for_the_prefill_answer() -> None:
         return answer(500, {"error": {"message": "boom", "type": "server_error"}})
 
     async def main() -> None:
-        async with (
-            StandIn(_node(prefill)) as p,
-            StandIn(_node(decode)) as d,
-            NodeClient(timeout=10) as c,
-        ):
-            p_node, d_node, req = _pair(p, d)
-            legs = Legs(c)
-            attempt = Attempt(legs, req, p_node, d_node, "r", skip_first=False)
+        async with _attempt(prefill, decode) as (attempt, legs):
             with pytest.raises(UpstreamError, match="HTTP 500"):
                 await asyncio.wait_for(attempt.wait_prefill(), 10)
             attempt.release()

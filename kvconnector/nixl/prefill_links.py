@@ -180,7 +180,7 @@ class PrefillLinks:
                 self.consumer.fail(recv.request_id, reply.error, safe=True)
 
     def cancel_job(
-        self, address: str, transfer_id: str, nonce: str, request_id: str, queued_at: float = 0.0
+        self, address: str, transfer_id: str, nonce: str, request_id: str, queued_at: float
     ) -> None:
         if self._behind_unanswered(address, queued_at):
             return  # the quarantine keeps the blocks to its deadline, as for a lost cancel
