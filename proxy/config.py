@@ -109,6 +109,15 @@ class ProxyConfig:
     health_timeout: float = field(
         default=2.0, metadata={"help": "timeout of one node health check, in seconds"}
     )
+    unreachable_checks: int = field(
+        default=3,
+        metadata={
+            "help": "health checks in a row without an answer (and no bytes from the node "
+            "since) after which requests give up on a decode node: a stream under way ends "
+            "with an error event, a request with nothing sent yet moves to another pair "
+            "(0: never)"
+        },
+    )
     connect_timeout: float = field(
         default=5.0, metadata={"help": "timeout to connect to a node, in seconds"}
     )
@@ -244,6 +253,7 @@ class ProxyConfig:
             "must be at least 2 tokens",
         )
         _require(0 <= self.max_retries <= 5, "max_retries", "must be in [0, 5]")
+        _require(self.unreachable_checks >= 0, "unreachable_checks", "must be >= 0 (0: never)")
         for name in ("health_interval", "health_timeout", "connect_timeout", "request_timeout"):
             _require(getattr(self, name) > 0, name, "must be > 0 seconds")
         for name in ("discovery_interval", "registration_ttl"):

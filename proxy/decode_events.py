@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.httpkit.sse_reader import SSEReader
@@ -38,8 +38,16 @@ def carries_token(obj: Any) -> bool:
 class DecodeEvents:
     """``async for obj in DecodeEvents(resp)``: D's JSON events, look-ahead first."""
 
-    def __init__(self, resp: NodeResponse) -> None:
+    def __init__(
+        self,
+        resp: NodeResponse,
+        watch: Callable[[], Exception | None] | None = None,
+        poll_s: float | None = None,
+    ) -> None:
+        """``watch``, called every ``poll_s`` seconds while a read waits, returns the error
+        to raise instead of waiting on (D hung), or None."""
         self.resp = resp
+        self.watch, self.poll_s = watch, poll_s
         self._reader = SSEReader(resp.aiter_lines())
         self._it = self._reader.__aiter__()
         self._ahead: deque[Any] = deque()
@@ -54,10 +62,16 @@ class DecodeEvents:
         if self._pending is None:
             self._pending = asyncio.ensure_future(_next(self._it))
             self._pending.add_done_callback(_consume)  # retrieved even if nobody awaits it
-        # Shielded: a caller cancelled here leaves the read running for the next caller.
-        obj = await asyncio.shield(self._pending)
+        pending = self._pending
+        # asyncio.wait never cancels what it waits on: a caller cancelled here (or given
+        # up by ``watch``) leaves the read running for the next caller.
+        while not pending.done():
+            await asyncio.wait({pending}, timeout=self.poll_s)
+            err = None if pending.done() or self.watch is None else self.watch()
+            if err is not None:
+                raise err
         self._pending = None
-        return obj
+        return pending.result()
 
     async def until_token(self) -> None:
         """Read ahead until an event carries a token (or the stream ended or broke: the
@@ -84,6 +98,16 @@ class DecodeEvents:
             and "error" not in obj
             for obj in self._ahead
         )
+
+    def ahead_error(self) -> str:
+        """What ended the look-ahead without a token: a broken read's error, D's error
+        event, or the stream's end."""
+        for obj in self._ahead:
+            if isinstance(obj, _Broken):
+                return str(obj.error)
+            if isinstance(obj, dict) and "error" in obj:
+                return f"error event {str(obj['error'])[:200]}"
+        return "the stream ended"
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         while True:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from proxy.node_client import NodeClient, NodeHTTPError
@@ -39,19 +40,20 @@ class HealthChecker:
         self._first_round = asyncio.Event()
 
     async def check_node(self, node: Node) -> None:
+        began = time.monotonic()
         try:
             async with asyncio.timeout(self.deadline):
-                await self._check(node)
+                await self._check(node, began)
         except TimeoutError:
-            node.mark_unreachable(f"health check took over {self.deadline:g} s")
+            node.mark_unreachable(f"health check took over {self.deadline:g} s", began)
 
-    async def _check(self, node: Node) -> None:
+    async def _check(self, node: Node, began: float) -> None:
         try:
             resp = await self.client.get(node.url + "/health")
         except NodeHTTPError as e:
-            node.mark_unreachable(f"health check failed: {type(e).__name__}: {e}")
+            node.mark_unreachable(f"health check failed: {type(e).__name__}: {e}", began)
             return
-        node.unreachable = False  # it answered, whatever it said
+        node.mark_reachable()  # it answered, whatever it said
         if resp.status_code != 200:
             node.set_healthy(False, f"health check answered {resp.status_code}")
             return

@@ -185,9 +185,20 @@ class Attempt:
     ``release`` cleans up whatever is left."""
 
     def __init__(
-        self, legs: Legs, req: ProxyRequest, p: Node | None, d: Node, rid: str, skip_first: bool
+        self,
+        legs: Legs,
+        req: ProxyRequest,
+        p: Node | None,
+        d: Node,
+        rid: str,
+        skip_first: bool,
+        *,
+        poll_s: float | None = None,
+        d_checks: int = 0,
     ) -> None:
-        """``rid``: the client's request id (the legs' label)."""
+        """``rid``: the client's request id (the legs' label). Waits for D's answer look at
+        D's health every ``poll_s`` seconds and give D up once ``d_checks`` health checks in
+        a row got no answer (0: never; see ``d_gone``)."""
         assert p is None or p.side_channel is not None
         self.legs, self.p, self.d, self.rid = legs, p, d, rid
         self.transfer_id = f"{rid}-{uuid.uuid4().hex[:12]}"  # this attempt's alone
@@ -203,11 +214,39 @@ class Attempt:
         self.d_stream: NodeResponse | None = None
         self.finished = False  # D's answer was read to its end
         self.prestream = False  # P's first token goes to the client before D's stream
+        self.poll_s, self.d_checks = poll_s, d_checks
         self._aborted = False
 
     @property
     def decode_only(self) -> bool:
         return self.p is None
+
+    def d_gone(self) -> UpstreamError | None:
+        """D is hung (a connection that stays open but never answers; a dead node's
+        connection fails by itself): its last ``d_checks`` health checks got no answer,
+        and no bytes of any answer came from it since the first of them began. One missed
+        check is not enough (a loaded node may answer one late), nor are missed checks
+        while D still sends tokens to anyone."""
+        d, n = self.d, self.d.unreachable_checks
+        if not self.d_checks or n < self.d_checks or d.unreachable_since is None:
+            return None
+        if self.legs.client.heard_since(d.url, d.unreachable_since):
+            return None
+        return UpstreamError(d, f"no answer to {n} health checks in a row, nor any bytes since")
+
+    async def watched(self, aw: Coroutine[Any, Any, Any]) -> Any:
+        """Await ``aw`` (a read of D's answer); raise ``d_gone``'s error if D hangs first."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=self.poll_s)
+                if not task.done() and (err := self.d_gone()) is not None:
+                    raise err
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(_consume)
 
     async def wait_prefill(self, poll_s: float | None = None) -> dict[str, Any]:
         """P's answer. If D fails first, its error is raised instead (and P is dropped).
@@ -222,20 +261,25 @@ class Attempt:
             await asyncio.wait(waits, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
             if self.d_task.done() and self.d_task.exception() is not None:
                 raise self.d_task.exception()  # type: ignore[misc]
+            if not self.d_task.done() and (err := self.d_gone()) is not None:
+                raise err  # P would wait for D's reservation until its KV timeout
             if poll_s is not None and not p_task.done() and self.p.unreachable:
                 raise UpstreamError(self.p, "unreachable while its answer was awaited")
         return p_task.result()
 
     async def wait_decode(self) -> NodeResponse:
-        """D's open response. If P fails first, P's error is raised."""
+        """D's open response. If P fails first, P's error is raised; if D hangs
+        (``d_gone``), D's."""
         p_task = self.p_task
         while not self.d_task.done():
             # Only legs still running: a finished one would end every wait at once.
             running = p_task is not None and not p_task.done()
             waits = {p_task, self.d_task} if running else {self.d_task}
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[arg-type]
+            await asyncio.wait(waits, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[arg-type]
             if p_task is not None and p_task.done() and p_task.exception() is not None:
                 raise p_task.exception()  # type: ignore[misc]
+            if not self.d_task.done() and (err := self.d_gone()) is not None:
+                raise err
         self.d_stream = self.d_task.result()
         return self.d_stream
 

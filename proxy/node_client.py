@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json as jsonlib
 import ssl
+import time
 from collections.abc import AsyncIterator, Mapping
 from functools import lru_cache
 from typing import Any
@@ -131,7 +132,7 @@ class NodeResponse:
     async def _read(self, coro: Any) -> Any:
         try:
             async with asyncio.timeout(self._timeout):
-                return await coro
+                out = await coro
         except TimeoutError as e:
             raise NodeTimeout(f"no data from the node within {self._timeout:g} s") from e
         except asyncio.IncompleteReadError as e:
@@ -140,6 +141,8 @@ class NodeResponse:
             raise NodeProtocolError("a chunk header line is too long") from e
         except (ConnectionError, OSError) as e:
             raise NodeProtocolError(f"reading the answer: {type(e).__name__}: {e}") from e
+        self._client.heard[self._conn.key] = time.monotonic()
+        return out
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body in pieces as they come (de-chunked)."""
@@ -305,6 +308,8 @@ class NodeClient:
         self._idle: dict[_Key, list[_Conn]] = {}
         self._closed = False
         self._ssl: ssl.SSLContext | None = None
+        # When bytes of an answer last came from each node (``heard_since``).
+        self.heard: dict[_Key, float] = {}
 
     async def __aenter__(self) -> NodeClient:
         return self
@@ -328,6 +333,15 @@ class NodeClient:
             return
         for conn in self._idle.pop(key, []):
             conn.close()
+        self.heard.pop(key, None)
+
+    def heard_since(self, url: str, since: float) -> bool:
+        """Bytes of some answer came from ``url``'s node at ``since`` (monotonic) or later."""
+        try:
+            key, _ = _split(url)
+        except ValueError:
+            return False
+        return self.heard.get(key, float("-inf")) >= since
 
     # -- the calls ---------------------------------------------------------------------
     async def get(self, url: str, *, timeout: float | None = None) -> NodeResponse:
@@ -450,6 +464,7 @@ class NodeClient:
             if conn.reused:
                 raise _StaleConnection from e
             raise NodeProtocolError(f"sending the request: {type(e).__name__}: {e}") from e
+        self.heard[conn.key] = time.monotonic()
         keep_alive = "close" not in headers.get("connection", "").lower()
         return NodeResponse(self, conn, status, headers, timeout, keep_alive)
 

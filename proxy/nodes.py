@@ -53,6 +53,11 @@ class Node:
     # waiting on it give up. A node that answers "not ready" (503: draining, starting)
     # still finishes what it has, so waits on it go on.
     unreachable: bool = False
+    # Health checks in a row that got no answer (0 once one is answered), and when the
+    # first of them began: requests reading a decode node's answer give up on it after
+    # ``--unreachable-checks`` of them with no bytes from it since (``Attempt.d_gone``).
+    unreachable_checks: int = 0
+    unreachable_since: float | None = None
 
     @property
     def ready(self) -> bool:
@@ -75,10 +80,21 @@ class Node:
             logger.warning("%s node %s taken out of rotation: %s", self.role, self.url, reason)
             self._reset()
 
-    def mark_unreachable(self, reason: str) -> None:
-        """A health check got no answer: out of rotation, and its in-flight legs given up."""
+    def mark_unreachable(self, reason: str, since: float | None = None) -> None:
+        """A health check (begun at ``since``, monotonic; default now) got no answer: out
+        of rotation; requests waiting for its first token give up on it (see
+        ``unreachable_checks`` for answers already flowing)."""
+        if self.unreachable_checks == 0:
+            self.unreachable_since = time.monotonic() if since is None else since
         self.unreachable = True
+        self.unreachable_checks += 1
         self.set_healthy(False, reason)
+
+    def mark_reachable(self) -> None:
+        """A health check got an answer, whatever it said."""
+        self.unreachable = False
+        self.unreachable_checks = 0
+        self.unreachable_since = None
 
     def mark_overloaded(self) -> None:
         self.overloaded_at = time.monotonic()

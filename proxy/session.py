@@ -165,7 +165,10 @@ class Session:
         # D drops the first token when the client has it (or will have it from P).
         skip = self.cfg.node_skip_first_token and p is not None
         skip = skip and (prestream or self.sent_ids is not None)
-        self.current = Attempt(self.legs, self.req, p, d, self.request_id, skip)
+        self.current = Attempt(
+            self.legs, self.req, p, d, self.request_id, skip,
+            poll_s=self.cfg.health_interval, d_checks=self.cfg.unreachable_checks,
+        )  # fmt: skip
         self.current.prestream = prestream
         if p is not None:
             logger.info(
@@ -253,7 +256,7 @@ class Session:
             attempt = self._launch()
             try:
                 resp = await attempt.wait_decode()
-                raw = await resp.aread()
+                raw = await attempt.watched(resp.aread())
                 attempt.finished = True
                 attempt.d.mark_answered()
                 body = json.loads(raw)
@@ -311,6 +314,8 @@ class Session:
                 d_open = attempt.d_task.done()
                 if not d_open:
                     waits.add(attempt.d_task)
+                    if (err := attempt.d_gone()) is not None:
+                        raise err  # P would wait for D's reservation until its KV timeout
                 elif attempt.d_task.exception() is not None:
                     raise attempt.d_task.exception()  # type: ignore[misc]
                 elif whole_from_d:
@@ -323,9 +328,13 @@ class Session:
                 if p_task.done():
                     break
                 if peek is not None and peek.done():
-                    if not self._events_of(attempt).ahead_has_token():
+                    events = self._events_of(attempt)
+                    if not events.ahead_has_token():
                         # Nothing went to the client yet: another pair may serve it.
-                        raise UpstreamError(attempt.d, "the stream failed before its first token")
+                        raise UpstreamError(
+                            attempt.d,
+                            f"the stream failed before its first token: {events.ahead_error()}",
+                        )
                     logger.info(
                         "request %s: decode node's first token came before the prefill "
                         "answer; streaming the decode node's answer", self.request_id,
@@ -352,7 +361,8 @@ class Session:
             if self._d_events is not None:
                 self._d_events.close()
             attempt.d_stream = attempt.d_task.result()
-            self._d_events, self._d_events_for = DecodeEvents(attempt.d_stream), attempt
+            events = DecodeEvents(attempt.d_stream, attempt.d_gone, attempt.poll_s)
+            self._d_events, self._d_events_for = events, attempt
         return self._d_events
 
     def _first_tokens(self, p_body: dict[str, Any]) -> tuple[list[int], str]:
@@ -458,7 +468,12 @@ class Session:
                     last = now
                 yield sse_event(out)
             if events.done:
-                await events.resp.drain()  # the last chunk: the connection stays reusable
+                # The last chunk: the connection stays reusable. Its wait is bounded (the
+                # answer is whole: a D hanging now only costs the connection).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.cfg.health_timeout):
+                        await events.resp.drain()
+                events.resp.close()
                 assert self.current is not None
                 self.current.finished = True
                 self.current.d.mark_answered()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +28,8 @@ class SeenRequest:
 
 
 # The raw answer; ``(raw, True)`` to close the connection after it; ``None`` to close
-# without answering.
-Reply = bytes | tuple[bytes, bool] | None
+# without answering; an async iterator of bytes: pieces written as they come.
+Reply = bytes | tuple[bytes, bool] | AsyncIterator[bytes] | None
 Handler = Callable[[SeenRequest], Awaitable[Reply]]
 
 
@@ -100,6 +100,11 @@ class StandIn:
                 out = await self.handler(req)
                 if out is None:
                     return
+                if hasattr(out, "__aiter__"):  # pieces written as they come (a paced stream)
+                    async for piece in out:
+                        writer.write(piece)
+                        await writer.drain()
+                    continue
                 close = False
                 if isinstance(out, tuple):
                     out, close = out

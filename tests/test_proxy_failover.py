@@ -173,3 +173,31 @@ def test_a_stream_whose_prefill_node_hangs_is_answered_by_the_decode_node(setup:
             wait_for(lambda d=d: kv_pool_full(d.url), 30, "decode pool free")
     wait_healthy(setup.p, timeout=30)
     wait_for(lambda: kv_pool_full(setup.p.url), 60, "prefill pool free")
+
+
+def test_a_decode_node_that_hangs_mid_stream_ends_the_stream_with_an_error(setup: Setup) -> None:
+    """D stops answering mid-stream (SIGSTOP: its connections stay open, no bytes come).
+    The stream used to wait for D's next bytes until the request timeout (600 s); now it
+    ends with an error event once D's health checks got no answer three times in a row,
+    and D, resumed, frees the request's blocks."""
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, **GREEDY}
+    with httpx.stream("POST", setup.fast.url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        first = [next(lines) for _ in range(6)]
+        serving = [u for u, n in _decode_health(setup.fast).items() if n["outstanding"] == 1]
+        assert len(serving) == 1, _decode_health(setup.fast)
+        victim = next(d for d in setup.d if d.url == serving[0])
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            rest = list(lines)  # a read timeout (60 s) fails the test
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+    events = sse_data(first + rest)
+    assert events.pop() == "DONE"
+    assert "health checks in a row" in events[-1]["error"]["message"], events[-3:]
+    assert all("error" not in e for e in events[:-1])
+    assert stream_ids(events[:-1]), "some tokens arrived before the hang"
+    wait_healthy(victim, timeout=30)
+    wait_for(lambda: kv_pool_full(victim.url), 60, "decode pool free")
+    wait_for(lambda: _decode_health(setup.fast)[victim.url]["healthy"], 30, "back in rotation")

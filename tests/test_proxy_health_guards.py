@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -194,3 +195,32 @@ def test_models_are_what_ready_nodes_serve():
     pool.decode[0].update_info(None, {"data": [{"id": "m"}]})
     pool.decode[0].set_healthy(True)
     assert pool.model_names() == ["m"]
+
+
+def test_checks_without_an_answer_are_counted_in_a_row_from_when_the_first_began():
+    """The proxy gives a hung decode node up after ``--unreachable-checks`` checks in a
+    row without an answer (``Attempt.d_gone``): each miss counts, any answer (even a
+    503) starts the count again."""
+    calls = []
+
+    async def node(req):
+        calls.append(req.path)
+        if len(calls) <= 2:
+            await asyncio.sleep(1.0)  # past the client's timeout: no answer
+        return answer(503, {"error": {"message": "draining"}})
+
+    async def main() -> None:
+        async with StandIn(node) as d, NodeClient(timeout=0.2) as client:
+            pool = NodePool((), (d.url,))
+            checker = HealthChecker(pool, client, interval=1.0)
+            n = pool.decode[0]
+            began = time.monotonic()
+            await checker.check_node(n)
+            await checker.check_node(n)
+            assert n.unreachable and n.unreachable_checks == 2
+            assert began <= n.unreachable_since < began + 0.2  # when the first check began
+            await checker.check_node(n)  # answered 503: reachable, not ready
+            assert not n.unreachable and n.unreachable_checks == 0
+            assert n.unreachable_since is None and not n.healthy
+
+    asyncio.run(main())

@@ -313,3 +313,249 @@ def test_a_decode_stream_that_fails_before_any_token_while_p_hangs_is_retried() 
             assert len([r for r in d1.seen if r.path == "/v1/completions"]) == 1
 
     asyncio.run(main())
+
+
+def _key(url: str) -> Any:
+    from proxy.node_client import _split
+
+    return _split(url)[0]
+
+
+def _miss_checks(node: Any, n: int, every_s: float = 0.2) -> None:
+    """``n`` health checks of ``node`` in a row get no answer, one every ``every_s``."""
+    loop = asyncio.get_running_loop()
+    for i in range(n):
+        loop.call_later(every_s * (i + 1), node.mark_unreachable, "health check timed out")
+
+
+def test_a_decode_node_is_given_up_only_after_its_checks_in_a_row_got_no_answer() -> None:
+    """One missed health check is not a hung node (a loaded node may answer one late);
+    ``unreachable_checks`` in a row are; any answer starts the count again."""
+
+    async def main() -> None:
+        async with _attempt(lambda r: answer(200, PREFILL_ANSWER), lambda r: None) as (a, _):
+            a.d_checks = 3
+            for _ in range(2):
+                a.d.mark_unreachable("timed out")
+            assert a.d_gone() is None
+            a.d.mark_reachable()
+            for _ in range(2):
+                a.d.mark_unreachable("timed out")
+            assert a.d_gone() is None
+            a.d.mark_unreachable("timed out")
+            assert "3 health checks in a row" in str(a.d_gone())
+            # Bytes of some answer came from D since the first missed check began: alive.
+            a.legs.client.heard[_key(a.d.url)] = a.d.unreachable_since + 0.001
+            assert a.d_gone() is None
+            a.legs.client.heard[_key(a.d.url)] = a.d.unreachable_since - 0.001
+            assert a.d_gone() is not None
+            a.d_checks = 0  # never
+            assert a.d_gone() is None
+
+    asyncio.run(main())
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def test_a_decode_node_that_misses_its_checks_but_still_streams_is_not_cut() -> None:
+    """D's health checks time out (a loaded node) while its stream goes on slowly, a
+    token every 0.3 s, longer than the proxy's poll: D is alive and the answer whole."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def decode(req: SeenRequest) -> AsyncIterator[bytes]:
+        async def pieces() -> AsyncIterator[bytes]:
+            events = _sse(*(_token(i) for i in range(7, 13)), _token(13, "length"))
+            yield STREAM_HEAD
+            for e in events:
+                yield _chunk(e)
+                await asyncio.sleep(0.3)
+            yield b"0\r\n\r\n"
+
+        return pieces()
+
+    async def main() -> None:
+        async with StandIn(_node(prefill)) as p, StandIn(_node(decode)) as d:
+            cfg = ProxyConfig(
+                prefill=(p.url,), decode=(d.url,), health_interval=0.05, unreachable_checks=3
+            )
+            pool = _ready_pool(cfg)
+            d_node = pool.nodes("decode")[0]
+            ids, events = await _stream_through_session(
+                cfg, pool, lambda: _miss_checks(d_node, 6, every_s=0.1)
+            )
+            assert d_node.unreachable_checks == 6  # the rule was in force
+            assert ids == list(range(7, 14)), events
+            assert not any("error" in e for e in events), events
+
+    asyncio.run(main())
+
+
+def test_a_decode_stream_that_hangs_mid_answer_ends_once_the_node_misses_its_checks() -> None:
+    """D streams two tokens, then hangs with its connection open. The stream used to
+    wait for D's next bytes until the request timeout (600 s by default); now it ends
+    with an error event once D's health checks got no answer ``unreachable_checks``
+    times in a row."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def decode(req: SeenRequest) -> bytes:
+        # No end: the node hangs mid-answer.
+        return STREAM_HEAD + b"".join(_chunk(e) for e in _sse(_token(7), _token(8))[:2])
+
+    async def main() -> None:
+        async with StandIn(_node(prefill)) as p, StandIn(_node(decode)) as d:
+            cfg = ProxyConfig(
+                prefill=(p.url,), decode=(d.url,), health_interval=0.1, unreachable_checks=3
+            )
+            pool = _ready_pool(cfg)
+            d_node = pool.nodes("decode")[0]
+            ids, events = await _stream_through_session(
+                cfg, pool, lambda: _miss_checks(d_node, 3, every_s=0.5)
+            )
+            assert ids == [7, 8], events
+            assert "error" in events[-1], events
+            assert "3 health checks in a row" in events[-1]["error"]["message"], events
+
+    asyncio.run(main())
+
+
+def test_a_non_streamed_request_whose_decode_node_hangs_moves_to_another_pair() -> None:
+    """D1 takes the request and never answers (hung, connection open): once D1 missed
+    its health checks the request is retried on D2 (it used to wait for the request
+    timeout, 600 s by default, before failing over)."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def hung(req: SeenRequest) -> bytes:
+        await asyncio.sleep(30)
+        return answer(500, {})
+
+    async def decode(req: SeenRequest) -> bytes:
+        return answer(200, {"choices": [{"index": 0, "text": "abc", "token_ids": [7, 8, 9]}]})
+
+    async def main() -> None:
+        from proxy.metrics import ProxyMetrics
+        from proxy.router import Router
+        from proxy.session import Session
+
+        async with (
+            StandIn(_node(prefill)) as p,
+            StandIn(_node(hung)) as d1,
+            StandIn(_node(decode)) as d2,
+            NodeClient(timeout=20) as client,
+        ):
+            cfg = ProxyConfig(
+                prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
+                routing="round_robin",
+            )  # fmt: skip
+            pool = _ready_pool(cfg)
+            hung_node = pool.nodes("decode")[0]
+            body = b'{"prompt": "x", "max_tokens": 3}'
+            req = validate_request(COMPLETIONS, body, ["tiny"], None)
+            legs = Legs(client)
+            session = Session(req, "r", cfg, Router(pool), legs, ProxyMetrics(pool))
+            try:
+                _miss_checks(hung_node, cfg.unreachable_checks)
+                out = await asyncio.wait_for(session.complete(), 15)
+            finally:
+                session.close()
+                await legs.drain()
+            assert out["choices"][0]["token_ids"] == [7, 8, 9]
+            assert len([r for r in d1.seen if r.path == "/v1/completions"]) == 1
+            assert "health checks in a row" in (hung_node.last_error or ""), hung_node
+
+    asyncio.run(main())
+
+
+def test_a_prestreamed_request_whose_decode_node_hangs_before_answering_moves_on() -> None:
+    """D1 takes the decode leg and never answers (hung before its headers); P waits for
+    D1's reservation, which never comes (it would end the leg at its KV timeout, 30 s by
+    default, and the proxy would blame P). Once D1 missed its checks the attempt is given
+    up on D1 and the request moves to D2."""
+    p_calls = []
+
+    async def prefill(req: SeenRequest) -> bytes:
+        p_calls.append(req)
+        if len(p_calls) == 1:
+            await asyncio.sleep(40)  # no reservation comes from the hung D1
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def hung(req: SeenRequest) -> bytes:
+        await asyncio.sleep(40)
+        return answer(500, {})
+
+    async def decode(req: SeenRequest) -> bytes:
+        return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
+
+    async def main() -> None:
+        async with (
+            StandIn(_node(prefill)) as p,
+            StandIn(_node(hung)) as d1,
+            StandIn(_node(decode)) as d2,
+        ):
+            cfg = ProxyConfig(
+                prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
+                routing="round_robin",
+            )  # fmt: skip
+            pool = _ready_pool(cfg)
+            hung_node, p_node = pool.nodes("decode")[0], pool.nodes("prefill")[0]
+            ids, events = await _stream_through_session(
+                cfg, pool, lambda: _miss_checks(hung_node, cfg.unreachable_checks)
+            )
+            assert ids == [7, 8, 9] and not any("error" in e for e in events), events
+            assert "health checks in a row" in (hung_node.last_error or ""), hung_node
+            assert p_node.healthy and p_node.failures_total == 0  # not blamed
+
+    asyncio.run(main())
+
+
+def test_a_non_streamed_answer_that_stops_midway_moves_to_another_pair() -> None:
+    """D1 sends its answer's headers and half its body, then hangs: the read of the
+    rest is given up once D1 missed its checks, and D2 answers."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def half(req: SeenRequest) -> bytes:
+        whole = answer(200, {"choices": [{"index": 0, "text": "abc", "token_ids": [1, 2, 3]}]})
+        return whole[: len(whole) - 10]  # Content-Length promises 10 bytes more
+
+    async def decode(req: SeenRequest) -> bytes:
+        return answer(200, {"choices": [{"index": 0, "text": "abc", "token_ids": [7, 8, 9]}]})
+
+    async def main() -> None:
+        from proxy.metrics import ProxyMetrics
+        from proxy.router import Router
+        from proxy.session import Session
+
+        async with (
+            StandIn(_node(prefill)) as p,
+            StandIn(_node(half)) as d1,
+            StandIn(_node(decode)) as d2,
+            NodeClient(timeout=20) as client,
+        ):
+            cfg = ProxyConfig(
+                prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
+                routing="round_robin",
+            )  # fmt: skip
+            pool = _ready_pool(cfg)
+            hung_node = pool.nodes("decode")[0]
+            req = validate_request(COMPLETIONS, b'{"prompt": "x", "max_tokens": 3}', ["tiny"], None)
+            legs = Legs(client)
+            session = Session(req, "r", cfg, Router(pool), legs, ProxyMetrics(pool))
+            try:
+                _miss_checks(hung_node, cfg.unreachable_checks)
+                out = await asyncio.wait_for(session.complete(), 15)
+            finally:
+                session.close()
+                await legs.drain()
+            assert out["choices"][0]["token_ids"] == [7, 8, 9]
+            assert "health checks in a row" in (hung_node.last_error or ""), hung_node
+
+    asyncio.run(main())
