@@ -26,9 +26,8 @@ from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.step_stats import StepStats
 from engine.executor.multiproc import MultiprocExecutor
 from engine.kv_cache_layout import KVCacheSpec
-from engine.model.config import resolve_dtype
+from engine.model.config import load_arch_config, resolve_dtype
 from engine.model.hub import resolve_model_config
-from engine.model.loader import load_arch_config
 from engine.outputs import RequestOutput
 from engine.stats import StatsGroup
 from kvconnector.factory import create_scheduler_connector

@@ -14,15 +14,26 @@ sliced out for heterogeneous TP.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.config import EngineConfig
     from engine.model.config import ModelArchConfig
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV cache dtypes, by name, and their sizes. Named, not torch objects: the engine
+# process plans the cache without importing torch (only its workers do).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` (one of ``DTYPE_BYTES``)."""
+    import torch
+
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"not a KV cache dtype: {name!r} (one of {sorted(DTYPE_BYTES)})")
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -32,7 +43,13 @@ class KVCacheSpec:
     num_kv_heads: int  # per rank: ModelArchConfig.kv_head_range (1 when heads are replicated)
     block_size: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: str  # a name in DTYPE_BYTES; a torch dtype given here is turned into its name
+
+    def __post_init__(self) -> None:
+        name = _dtype_name(self.dtype)
+        if name not in DTYPE_BYTES:
+            raise ValueError(f"not a KV cache dtype: {self.dtype!r} (one of {sorted(DTYPE_BYTES)})")
+        object.__setattr__(self, "dtype", name)
 
     @classmethod
     def for_model(
@@ -43,7 +60,7 @@ class KVCacheSpec:
         ``config.model.dtype`` must be resolved (``EngineCore`` resolves ``auto`` first).
         """
         dtype = config.model.dtype
-        if dtype not in TORCH_DTYPES:
+        if dtype not in DTYPE_BYTES:
             raise ValueError(f"KV cache dtype must be resolved first, got {dtype!r}")
         return cls(
             num_blocks=num_blocks,
@@ -51,7 +68,7 @@ class KVCacheSpec:
             num_kv_heads=arch.num_kv_heads_per_rank(config.parallel.tp),  # kv_head_range
             block_size=config.cache.block_size,
             head_dim=arch.head_dim,
-            dtype=TORCH_DTYPES[dtype],
+            dtype=dtype,
         )
 
     @property
@@ -66,9 +83,20 @@ class KVCacheSpec:
         )
 
     @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
     def block_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = DTYPE_BYTES[self.dtype]
         return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim * elem
 
     def allocate(self, device: str | torch.device = "cpu") -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=self.dtype, device=device)
+        import torch
+
+        return torch.zeros(self.shape, dtype=self.torch_dtype, device=device)
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``"float16"`` for ``"float16"`` and for ``torch.float16``."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")

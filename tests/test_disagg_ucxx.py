@@ -197,11 +197,11 @@ class UcxxDecodeTP2:
         self.d.workers = [NixlConnectorWorker(cfg, rank, 2) for rank in range(2)]
         self.p: list[Any] = []
         for rank, w in enumerate(self.d.workers):
-            w.register_kv_caches(torch.zeros(spec.shape, dtype=spec.dtype), spec)
+            w.register_kv_caches(torch.zeros(spec.shape, dtype=spec.torch_dtype), spec)
             kv = torch.randn(spec.shape, generator=torch.Generator().manual_seed(rank))
             p = UcxxTransport(
                 f"P-tp{rank}",
-                kv.to(spec.dtype),
+                kv.to(spec.torch_dtype),
                 spec.block_bytes,
                 num_layers=spec.num_layers,
                 num_heads=spec.num_kv_heads,

@@ -35,7 +35,7 @@ TIMEOUT = 10.0
 
 def _filled_cache(seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(SPEC.shape, generator=gen).to(SPEC.dtype)
+    return torch.randn(SPEC.shape, generator=gen).to(SPEC.torch_dtype)
 
 
 def _block_bytes(kv: torch.Tensor, ids: list[int] | None = None) -> list[bytes]:

@@ -54,7 +54,7 @@ TIMEOUT = 10.0
 
 def _filled_cache(seed: int, spec: KVCacheSpec = SPEC) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(spec.shape, generator=gen).to(spec.dtype)
+    return torch.randn(spec.shape, generator=gen).to(spec.torch_dtype)
 
 
 def _block_bytes(kv: torch.Tensor, ids: list[int] | None = None) -> list[bytes]:
@@ -298,7 +298,7 @@ def test_head_slices_move_exactly_those_heads() -> None:
 
 def _as_kv(blocks: list[bytes], heads: int) -> torch.Tensor:
     raw = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8)
-    return raw.view(SPEC.dtype).view(_spec(heads).shape)
+    return raw.view(SPEC.torch_dtype).view(_spec(heads).shape)
 
 
 def test_many_writes_in_flight_each_notify_after_their_data(prefill: UcxxTransport) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, WorkerOutput
 from engine.executor.aggregator import KVOutputAggregator
-from engine.worker.worker_proc import WAKE, WorkerError, worker_main
+from engine.worker.pipe import WAKE, WorkerError, worker_entry
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class MultiprocExecutor:
             task_r, task_w = ctx.Pipe(duplex=False)
             res_r, res_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=worker_main,
+                target=worker_entry,
                 args=(rank, self.world_size, config, port, task_r, res_w, log_level),
                 name=f"pdserve-tp{rank}",
                 daemon=True,
@@ -227,7 +227,7 @@ class MultiprocExecutor:
                 conn.send_bytes(b"shutdown")
         for proc in self.procs:
             proc.join(SHUTDOWN_GRACE_S)
-            if proc.is_alive():  # workers ignore SIGTERM (see worker_main): SIGKILL
+            if proc.is_alive():  # workers ignore SIGTERM (see worker_proc.worker_main): SIGKILL
                 proc.kill()
                 proc.join()
         for conn in self._task + self._result:

@@ -294,3 +294,16 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "qwen2": "Qwen2ForCausalLM",
         "mistral": "MistralForCausalLM",
     }.get(model_type or "", str(model_type))
+
+
+TINY_MODEL = "tiny"
+
+
+def load_arch_config(model: str, max_model_len: int | None = None) -> ModelArchConfig:
+    """Read just the architecture: ``ModelArchConfig.tiny()`` or ``<dir>/config.json``
+    (no torch needed: the engine process plans with it; workers load the weights)."""
+    if model == TINY_MODEL:
+        return ModelArchConfig.tiny()
+    if not os.path.isdir(model):
+        raise ModelConfigError(f"model {model!r} is neither 'tiny' nor a checkpoint directory")
+    return ModelArchConfig.from_dir(model, max_model_len=max_model_len)

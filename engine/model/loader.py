@@ -13,14 +13,15 @@ from contextlib import ExitStack
 
 import torch
 
-from engine.kv_cache_layout import TORCH_DTYPES
-from engine.model.config import ModelArchConfig, ModelConfigError
+from engine.kv_cache_layout import torch_dtype
+from engine.model.config import TINY_MODEL, ModelArchConfig, ModelConfigError, load_arch_config
 from engine.model.llama import LlamaForCausalLM
 from engine.model.parallel import ShardReader
 
 logger = logging.getLogger(__name__)
 
-TINY_MODEL = "tiny"
+__all__ = ["TINY_MODEL", "load_arch_config", "load_model", "tiny_state_dict"]
+
 TINY_INIT_STD = 0.02
 
 
@@ -28,18 +29,9 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return TORCH_DTYPES[dtype]
-    except KeyError:
+        return torch_dtype(dtype)
+    except ValueError:
         raise ValueError(f"unsupported dtype {dtype!r}") from None
-
-
-def load_arch_config(model: str, max_model_len: int | None = None) -> ModelArchConfig:
-    """Read just the architecture: ``ModelArchConfig.tiny()`` or ``<dir>/config.json``."""
-    if model == TINY_MODEL:
-        return ModelArchConfig.tiny()
-    if not os.path.isdir(model):
-        raise ModelConfigError(f"model {model!r} is neither 'tiny' nor a checkpoint directory")
-    return ModelArchConfig.from_dir(model, max_model_len=max_model_len)
 
 
 def _narrow_reader(full: torch.Tensor) -> ShardReader:

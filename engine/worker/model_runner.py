@@ -26,7 +26,7 @@ from engine.core.scheduler_output import (
     SchedulerOutput,
     WorkerOutput,
 )
-from engine.kv_cache_layout import TORCH_DTYPES, KVCacheSpec
+from engine.kv_cache_layout import KVCacheSpec, torch_dtype
 from engine.model.attention import pack_step
 from engine.model.attention.metadata import PackedStep
 from engine.model.loader import load_model
@@ -84,7 +84,7 @@ class ModelRunner:
         self._free_at_start = (
             torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         )
-        self.dtype = TORCH_DTYPES[config.model.dtype]  # resolved by the engine (never "auto")
+        self.dtype = torch_dtype(config.model.dtype)  # resolved by the engine (never "auto")
         self.model, self.arch = load_model(
             config.model.model,
             rank,

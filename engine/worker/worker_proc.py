@@ -15,6 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import WorkerOutput
+from engine.worker.pipe import WAKE, WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -26,21 +27,8 @@ WATCH_INTERVAL_S = 0.0005
 # Async scheduling: how often a worker holding an output looks for the next step while its
 # sampled ids are on their way (a spin of short polls; the wait ends with the ids).
 HOLD_POLL_S = 0.0001
-WAKE = b"wake"
 # Set to 1 to let the TP ranks of a node share its visible GPUs (``rank_placement``).
 SHARE_GPU_ENV = "PDSERVE_TP_SHARE_GPU"
-
-
-class WorkerError(Exception):
-    """A worker failed a step; carries the rank and the worker's traceback."""
-
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(f"worker rank {rank}: {message}")
-        self.rank = rank
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[int, str]]:  # pickled through the result pipe
-        return (WorkerError, (self.rank, self.message))
 
 
 def rank_placement(

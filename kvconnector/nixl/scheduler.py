@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.core.request import RequestStatus
-from engine.model.loader import load_arch_config
+from engine.model.config import load_arch_config
 from engine.sampling_params import InvalidRequestError
 from engine.stats import StatsGroup
 from kvconnector.base import ConnectorEvents, KVConnectorScheduler
