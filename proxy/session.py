@@ -122,6 +122,9 @@ class Session:
         self.sent_ids: list[int] | None = None  # P's first token, once sent to the client
         self.first_chunk: str | None = None
         self._skip = _Skipper()
+        self._first_skip = (0, "")  # what D's stream repeats of P's first token, to drop
+        self._d_sent = False  # some of D's stream reached the client
+        self._last = 0.0  # when the client last got tokens (inter-token latency)
         self._d_events: DecodeEvents | None = None  # D's stream, read ahead or not
         self._d_events_for: Attempt | None = None  # the attempt whose stream it is
         self.model: str | None = req.parsed.model
@@ -382,7 +385,8 @@ class Session:
         if "\ufffd" in text and not self.cfg.node_skip_first_token:
             text = ""  # an incomplete UTF-8 sequence: let D's text carry the character
         self.sent_ids = ids
-        self._skip = _Skipper(0, "") if self.cfg.node_skip_first_token else _Skipper(len(ids), text)
+        self._first_skip = (0, "") if self.cfg.node_skip_first_token else (len(ids), text)
+        self._skip = _Skipper(*self._first_skip)
         self._keep(ids, text)
         choice: dict[str, Any] = {"index": 0}
         if self.req.chat:
@@ -429,12 +433,15 @@ class Session:
                 self._failed(attempt, e)
 
     async def events(self) -> AsyncIterator[str]:
-        """The SSE body. Must run after ``start_stream``; always ends with [DONE]."""
-        last = time.monotonic()
+        """The SSE body. Must run after ``start_stream``; always ends with [DONE].
+
+        D's stream failing before any of it reached the client, after P's first token
+        was streamed, reruns the request on a pair that agrees on that token."""
+        self._last = time.monotonic()
         try:
             if self.first_chunk is not None:
                 yield self.first_chunk
-                last = time.monotonic()
+                self._last = time.monotonic()
             else:
                 self._skip = _Skipper()
             assert self.current is not None
@@ -443,30 +450,29 @@ class Session:
             except UpstreamError as e:
                 self._failed(self.current, e)
                 await self._reopen_after_first_token()
-            assert self.current is not None
-            events = self._events_of(self.current)
-            self._lp_seen = 0
-            async for obj in events:
-                if "error" in obj:
-                    self.metrics.errors.labels("stream_error").inc()
-                    logger.warning("request %s: decode reported %s", self.request_id, obj)
-                    self.outcome = "error"
-                    yield sse_event(obj)
+            while True:
+                assert self.current is not None
+                events = self._events_of(self.current)
+                self._lp_seen, self._d_sent = 0, False
+                try:
+                    async for chunk in self._relay(events):
+                        yield chunk
+                    if not events.done and self.outcome != "error":
+                        raise UpstreamError(
+                            self.current.d, "the decode stream ended without [DONE]"
+                        )
                     break
-                if isinstance(obj.get("usage"), dict):
-                    self.router.observe_usage(self.req.key, obj)
-                if self.req.parsed.logprobs is not None:
-                    await self._fill_logprobs(obj)
-                out = self._rewrite(obj)
-                if out is None:
-                    continue
-                n = len(out["choices"][0].get("token_ids") or []) if out["choices"] else 0
-                if n:
-                    self._saw_first_token()
-                    now = time.monotonic()
-                    self.metrics.itl.observe((now - last) / n)
-                    last = now
-                yield sse_event(out)
+                except (UpstreamError, NodeHTTPError) as e:
+                    if self._d_sent or self.sent_ids is None:
+                        raise
+                    if isinstance(e, NodeHTTPError):
+                        e = UpstreamError(self.current.d, f"decode stream broke: {e}")
+                    logger.info(
+                        "request %s: %s before its first token; rerunning", self.request_id, e
+                    )
+                    self._failed(self.current, e)
+                    self._skip = _Skipper(*self._first_skip)
+                    await self._reopen_after_first_token()
             if events.done:
                 # The last chunk: the connection stays reusable. Its wait is bounded (the
                 # answer is whole: a D hanging now only costs the connection).
@@ -474,16 +480,11 @@ class Session:
                     async with asyncio.timeout(self.cfg.health_timeout):
                         await events.resp.drain()
                 events.resp.close()
-                assert self.current is not None
                 self.current.finished = True
                 self.current.d.mark_answered()
                 self.outcome = "ok"
                 if self._keep_answer:
                     self._answered("".join(self._answer_text), self._answer_ids)
-            elif self.outcome == "error":
-                pass  # D's error event was forwarded
-            else:
-                raise UpstreamError(self.current.d, "the decode stream ended without [DONE]")
             yield SSE_DONE
         except (UpstreamError, APIError, PassThrough, NodeHTTPError, ValueError) as e:
             if isinstance(e, UpstreamError) and e.node_fault:
@@ -500,6 +501,33 @@ class Session:
             yield SSE_DONE
         finally:
             self.close()
+
+    async def _relay(self, events: DecodeEvents) -> AsyncIterator[str]:
+        """D's events, rewritten for the client (``_d_sent`` once one is yielded); D's
+        error event is forwarded and ends the relay (``outcome`` "error")."""
+        async for obj in events:
+            if "error" in obj:
+                self.metrics.errors.labels("stream_error").inc()
+                logger.warning("request %s: decode reported %s", self.request_id, obj)
+                self.outcome = "error"
+                self._d_sent = True
+                yield sse_event(obj)
+                return
+            if isinstance(obj.get("usage"), dict):
+                self.router.observe_usage(self.req.key, obj)
+            if self.req.parsed.logprobs is not None:
+                await self._fill_logprobs(obj)
+            out = self._rewrite(obj)
+            if out is None:
+                continue
+            n = len(out["choices"][0].get("token_ids") or []) if out["choices"] else 0
+            if n:
+                self._saw_first_token()
+                now = time.monotonic()
+                self.metrics.itl.observe((now - self._last) / n)
+                self._last = now
+            self._d_sent = True
+            yield sse_event(out)
 
     async def _fill_logprobs(self, body: dict[str, Any]) -> None:
         """Fill the log-prob entries D left null (what P computed) from P's answer; the

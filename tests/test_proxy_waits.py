@@ -559,3 +559,45 @@ def test_a_non_streamed_answer_that_stops_midway_moves_to_another_pair() -> None
             assert "health checks in a row" in (hung_node.last_error or ""), hung_node
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_decode_stream_that_breaks_before_its_first_token_after_p_streamed_is_rerun(
+    skip: bool,
+) -> None:
+    """P's first token went to the client; D1's stream then breaks before any of its own
+    tokens (its connection closes after the headers). Nothing of D1 reached the client,
+    so the request reruns on a pair that agrees on the first token (P again, D2) and the
+    client gets every token once. It used to end with an error event after P's token."""
+    p_calls = []
+
+    async def prefill(req: SeenRequest) -> bytes:
+        p_calls.append(req)
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def broken(req: SeenRequest) -> tuple[bytes, bool]:
+        await asyncio.sleep(0.3)  # P's token is streamed first
+        return STREAM_HEAD, True  # headers, then the connection closes
+
+    async def decode(req: SeenRequest) -> bytes:
+        tokens = [_token(8), _token(9, "length")]
+        if not req.json()["kv_transfer_params"].get("skip_first_token"):
+            tokens.insert(0, _token(7))
+        return chunked(200, _sse(*tokens))
+
+    async def main() -> None:
+        async with (
+            StandIn(_node(prefill)) as p,
+            StandIn(_node(broken)) as d1,
+            StandIn(_node(decode)) as d2,
+        ):
+            cfg = ProxyConfig(
+                prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
+                routing="round_robin", node_skip_first_token=skip,
+            )  # fmt: skip
+            ids, events = await _stream_through_session(cfg, _ready_pool(cfg))
+            assert ids == [7, 8, 9] and not any("error" in e for e in events), events
+            assert len(p_calls) == 2  # the rerun asked P again (its first token checked)
+            assert len([r for r in d1.seen if r.path == "/v1/completions"]) == 1
+
+    asyncio.run(main())
