@@ -431,3 +431,23 @@ def test_the_stop_matcher_holds_back_exactly_the_text_that_may_begin_a_stop() ->
                 assert hit and out == text[:first], (stops, pieces)
                 break
             assert not hit and out == text[: len(text) - _naive_hold(text, stops)], (stops, pieces)
+
+
+def test_the_json_check_still_names_a_bad_item_among_plain_ones() -> None:
+    """Lists of plain values (token ids) skip the per-item walk; anything else in them is
+    still checked and named."""
+    raw = b'{"prompt": [1, 2.5, true, null, "\\ud800"]}'
+    e = _err(parse_json_body, raw)
+    assert (e.status_code, e.param, e.code) == (400, "prompt[4]", "invalid_unicode")
+    assert parse_json_body(b'{"prompt": [1, 2, 3]}') == {"prompt": [1, 2, 3]}
+
+
+def test_the_json_depth_limit_counts_the_items_of_a_list_of_plain_values() -> None:
+    from engine.server.protocol import MAX_JSON_DEPTH
+
+    def nested(levels: int) -> bytes:  # the object is level 0, its list level 1, ...
+        return b'{"prompt": ' + b"[" * levels + b"1" + b"]" * levels + b"}"
+
+    assert parse_json_body(nested(MAX_JSON_DEPTH - 1))
+    e = _err(parse_json_body, nested(MAX_JSON_DEPTH))
+    assert (e.status_code, e.code) == (400, "invalid_json") and "nested" in e.message

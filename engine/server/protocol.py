@@ -736,7 +736,17 @@ def _check_json(value: Any, path: str, depth: int) -> None:
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_json(key, path or "body", depth + 1)
-            _check_json(item, f"{path}.{key}" if path else str(key), depth + 1)
+            if item.__class__ not in _PLAIN:
+                _check_json(item, f"{path}.{key}" if path else str(key), depth + 1)
     elif isinstance(value, list):
+        if value and depth >= MAX_JSON_DEPTH:
+            raise _too_deep()  # its items would be one level too deep
+        if _PLAIN.issuperset(map(type, value)):  # e.g. a prompt of token ids: nothing to check
+            return
         for i, item in enumerate(value):
-            _check_json(item, f"{path}[{i}]", depth + 1)
+            if item.__class__ not in _PLAIN:
+                _check_json(item, f"{path}[{i}]", depth + 1)
+
+
+# What json.loads makes that needs no check (the too-long-int marker is its own class).
+_PLAIN = frozenset({int, float, bool, type(None)})
