@@ -97,11 +97,18 @@ elif [[ $status == 2 ]]; then
 fi
 
 SIDE="$("$PYTHON" - "$URL/v1/kv_transfer_info" <<'PY' 2>/dev/null || true
-import json, sys, urllib.request
-print(json.load(urllib.request.urlopen(sys.argv[1], timeout=5)).get("side_channel", "?"))
+import json, os, sys, urllib.request
+req = urllib.request.Request(sys.argv[1])
+if os.environ.get("PDSERVE_API_KEY"):  # the endpoint needs the nodes' key when one is set
+    req.add_header("Authorization", "Bearer " + os.environ["PDSERVE_API_KEY"])
+print(json.load(urllib.request.urlopen(req, timeout=5)).get("side_channel", "?"))
 PY
 )"
 echo "$ROLE node listening on http://$HOST:$PORT (pid $PID, model $MODEL, tp $TP, device $DEVICE)"
 echo "  KV side channel: ${SIDE:-unknown}   UCX_TLS=${UCX_TLS:-<unset>} UCX_NET_DEVICES=${UCX_NET_DEVICES:-<unset>}"
 echo "  log: $LOG   pid file: $PIDFILE"
 echo "  stop: kill $PID    (or: kill \$(cat $PIDFILE))"
+# The node's start-up warnings about its side channel (e.g. an address its own
+# --kv-allowed-peers refuses: every request would be recomputed on the decode node).
+grep -E "WARNING .*(is outside --kv-allowed-peers|side channel unsigned)" "$LOG" 2>/dev/null \
+  | sed 's/^.*WARNING [0-9]* [a-z_.]*: /  warning: /' >&2 || true

@@ -70,5 +70,9 @@ echo "proxy listening on http://$HOST:$PORT (pid $PID; ready: $([[ $ready == 1 ]
 echo "  prefill: ${PREFILL[*]}"
 echo "  decode:  ${DECODE[*]}"
 echo "  log: $LOG   pid file: $PIDFILE"
-echo "  try: pd-proxy complete \"Hello\" --url http://$CHECK_HOST:$PORT --stream"
+if [[ -n "${PDPROXY_API_KEY:-}" ]]; then
+  echo "  try: PDPROXY_API_KEY=... pd-proxy complete \"Hello\" --url http://$CHECK_HOST:$PORT --stream"
+else
+  echo "  try: pd-proxy complete \"Hello\" --url http://$CHECK_HOST:$PORT --stream"
+fi
 echo "  stop: kill $PID    (or: kill \$(cat $PIDFILE))"

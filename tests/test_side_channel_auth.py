@@ -288,3 +288,28 @@ def test_a_message_over_the_size_limit_is_dropped_and_the_server_serves_on(monke
         assert sc.SideChannelClient().request(srv.address, {"x": 1}, timeout=5) == {"ok": True}
     finally:
         srv.close()
+
+
+def test_a_node_whose_own_side_channel_is_outside_its_allowlist_says_so_at_start():
+    """Bound to 0.0.0.0 (the launch scripts advertise the host's address) with the default
+    allowlist, every handshake was refused and every request recomputed on D, answers
+    right and nothing said (found by a new-user audit of docs/deploy.md)."""
+    from kvconnector.nixl.peers import own_address_refused
+
+    default = PeerAllowlist.parse("loopback")
+    msg = own_address_refused("tcp://192.0.2.2:5600", default, "loopback")
+    assert msg is not None and "--kv-allowed-peers" in msg and "192.0.2.2" in msg
+    assert own_address_refused("tcp://127.0.0.1:5600", default, "loopback") is None
+    wide = PeerAllowlist.parse("192.0.2.0/24")
+    assert own_address_refused("tcp://192.0.2.2:5600", wide, "192.0.2.0/24") is None
+
+
+def test_the_connector_logs_the_own_address_warning(caplog):
+    with caplog.at_level("WARNING"):
+        conn = connector("consumer", kv_allowed_peers="10.9.9.9")  # not loopback
+        conn.shutdown()
+    assert any("is outside --kv-allowed-peers" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        connector("consumer").shutdown()
+    assert not any("is outside --kv-allowed-peers" in r.getMessage() for r in caplog.records)

@@ -149,7 +149,9 @@ def _get_str(body: dict[str, Any], name: str) -> str | None:
 
 
 def _unsupported(name: str, detail: str) -> APIError:
-    return APIError(f"'{name}' {detail} is not supported", param=name, code="unsupported_parameter")
+    """``'logit_bias' is not supported``; with ``detail``, ``'n' = 2 (only n = 1) is ...``."""
+    what = f"'{name}' {detail}" if detail else f"'{name}'"
+    return APIError(f"{what} is not supported", param=name, code="unsupported_parameter")
 
 
 # ---------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ from kvconnector.nixl.messages import (
     ranks_digest,
 )
 from kvconnector.nixl.metadata import STEP_FAILED, TOO_LATE, NixlConnectorMetadata, SendSpec
-from kvconnector.nixl.peers import PeerAllowlist
+from kvconnector.nixl.peers import PeerAllowlist, own_address_refused
 from kvconnector.nixl.prefill_links import PrefillLinks
 from kvconnector.nixl.prefill_service import PrefillService
 from kvconnector.nixl.producer import PendingSend, Producer, Reservation
@@ -211,6 +211,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 "unless all peers are on one trusted box"
             )
         self.address = self.service.address = self.links.address = self._server.address
+        warning = own_address_refused(self.address, self.allowed_peers, kvc.kv_allowed_peers)
+        if warning is not None:
+            logger.warning("%s", warning)
         logger.info("NIXL connector %s listening on %s", self.name, self.address)
 
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:
