@@ -139,6 +139,8 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
     args, config = parse_config(parser, argv)
     registration = registration_flags(parser, args)
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT, stream=sys.stderr)
+    if args.log_level != "DEBUG":  # one line per registration renewal (--register-with)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
