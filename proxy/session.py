@@ -258,7 +258,12 @@ class Session:
         while True:
             attempt = self._launch()
             try:
-                resp = await attempt.wait_decode()
+                try:
+                    resp = await attempt.wait_decode()
+                except UpstreamError as e:
+                    if e.node is not attempt.p or not self._d_may_answer_alone(attempt, e):
+                        raise
+                    resp = await self._decode_despite_prefill(attempt, e)
                 raw = await attempt.watched(resp.aread())
                 attempt.finished = True
                 attempt.d.mark_answered()
@@ -353,10 +358,41 @@ class Session:
                             "prompt when the KV does not come)", self.request_id, p.url,
                         )  # fmt: skip
                         return None
+            err = None if p_task.cancelled() else p_task.exception()
+            if whole_from_d and self._d_may_answer_alone(attempt, err):
+                assert isinstance(err, UpstreamError)
+                await self._decode_despite_prefill(attempt, err)
+                return None
             return p_task.result()
         finally:
             if peek is not None and not peek.done():
                 peek.cancel()  # a read in flight stays with the stream (see DecodeEvents)
+
+    def _d_may_answer_alone(self, attempt: Attempt, err: BaseException | None) -> bool:
+        """P's leg failed as a node (connection broken, 5xx: a dead P), D's leg is still
+        going, and no other P is ready to retry on: D recomputes the prompt when its KV
+        does not come, as for a hung P, so its stream can be the whole answer."""
+        if not isinstance(err, UpstreamError) or not err.node_fault or err.not_reserved:
+            return False
+        if attempt.d_task.done() and attempt.d_task.exception() is not None:
+            return False
+        assert attempt.p is not None
+        return not self.router.has_other("prefill", self.excluded | {attempt.p.url})
+
+    async def _decode_despite_prefill(self, attempt: Attempt, err: UpstreamError) -> NodeResponse:
+        """P failed (``_d_may_answer_alone``): P leaves the rotation, and D's answer (its
+        headers come with its first token) is awaited, watched for a hung D."""
+        err.node.mark_failed(err.detail)
+        logger.warning(
+            "request %s: %s, and no other prefill node is ready; the decode node answers "
+            "alone (it recomputes the prompt when its KV does not come)", self.request_id, err,
+        )  # fmt: skip
+        while not attempt.d_task.done():
+            await asyncio.wait({attempt.d_task}, timeout=self.cfg.health_interval)
+            if not attempt.d_task.done() and (gone := attempt.d_gone()) is not None:
+                raise gone
+        attempt.d_stream = attempt.d_task.result()  # raises D's error, if any
+        return attempt.d_stream
 
     def _events_of(self, attempt: Attempt) -> DecodeEvents:
         """D's event stream of ``attempt`` (whose D leg answered), made once per attempt."""

@@ -201,3 +201,44 @@ def test_a_decode_node_that_hangs_mid_stream_ends_the_stream_with_an_error(setup
     wait_healthy(victim, timeout=30)
     wait_for(lambda: kv_pool_full(victim.url), 60, "decode pool free")
     wait_for(lambda: _decode_health(setup.fast)[victim.url]["healthy"], 30, "back in rotation")
+
+
+def test_requests_whose_only_prefill_node_dies_are_answered_by_the_decode_node(
+    setup: Setup,
+) -> None:
+    """P dies (SIGKILL) while requests wait for its answer, and no other P is ready. They
+    used to get 503 (no pair left to retry on), while a hung P's requests were answered
+    by D's recompute; now a dead P's are answered the same way, streamed or not. Last in
+    the module: P stays dead."""
+    ref = httpx.post(setup.slow_plain.url + "/v1/completions", json=BODY, timeout=60).json()
+    ref_ids = ref["choices"][0]["token_ids"]
+    results: dict[str, object] = {}
+
+    def stream() -> None:
+        body = {**BODY, "stream": True}
+        with httpx.stream(
+            "POST", setup.slow_stream.url + "/v1/completions", json=body, timeout=90
+        ) as r:  # fmt: skip
+            results["stream"] = (r.status_code, sse_events(r))
+
+    def plain() -> None:
+        r = httpx.post(setup.slow_plain.url + "/v1/completions", json=BODY, timeout=90)
+        results["plain"] = (r.status_code, r.json())
+
+    os.kill(setup.p.pid, signal.SIGSTOP)  # the legs reach P and wait there ...
+    threads = [threading.Thread(target=f) for f in (stream, plain)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    setup.p.kill9()  # ... until it dies
+    for t in threads:
+        t.join(120)
+    status, events = results["stream"]  # type: ignore[misc]
+    assert status == 200 and events[-1] == "DONE", events[-3:]
+    assert all("error" not in e for e in events[:-1]), events
+    assert stream_ids(events[:-1]) == ref_ids
+    status, body = results["plain"]  # type: ignore[misc]
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == ref_ids
+    for proxy in (setup.slow_stream, setup.slow_plain):
+        assert "no other prefill node is ready" in proxy.logs(20000), proxy.name

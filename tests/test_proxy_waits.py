@@ -601,3 +601,98 @@ def test_a_decode_stream_that_breaks_before_its_first_token_after_p_streamed_is_
             assert len([r for r in d1.seen if r.path == "/v1/completions"]) == 1
 
     asyncio.run(main())
+
+
+def test_a_prestreamed_request_whose_only_prefill_node_dies_is_answered_by_the_decode_node() -> (
+    None
+):
+    """P's connection breaks before its first token (SIGKILL) and no other P is ready. D's
+    leg is open and D recomputes the prompt when its KV does not come -- as for a P that
+    hangs -- so D's stream is the client's whole answer. It used to be a 503 (no other
+    pair to retry on), while a hung P's requests were answered."""
+
+    async def dead(req: SeenRequest) -> None:
+        await asyncio.sleep(0.2)
+        return None  # the connection closes without an answer
+
+    async def decode(req: SeenRequest) -> bytes:
+        await asyncio.sleep(0.8)  # D's first token comes once it recomputed the prompt
+        return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
+
+    async def main() -> None:
+        async with StandIn(_node(dead)) as p, StandIn(_node(decode)) as d:
+            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            ids, events = await _stream_through_session(cfg, pool)
+            assert ids == [7, 8, 9] and not any("error" in e for e in events), events
+            assert not pool.nodes("prefill")[0].healthy  # P is out of rotation all the same
+
+    asyncio.run(main())
+
+
+def test_with_another_prefill_node_ready_a_dead_one_is_retried_on_a_pair() -> None:
+    """With another P ready the request is retried on a pair (D need not prefill)."""
+
+    async def dead(req: SeenRequest) -> None:
+        return None
+
+    async def prefill(req: SeenRequest) -> bytes:
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def decode(req: SeenRequest) -> bytes:
+        return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
+
+    async def main() -> None:
+        async with (
+            StandIn(_node(dead)) as p1,
+            StandIn(_node(prefill)) as p2,
+            StandIn(_node(decode)) as d,
+        ):
+            cfg = ProxyConfig(
+                prefill=(p1.url, p2.url), decode=(d.url,), health_interval=0.1,
+                routing="round_robin",
+            )  # fmt: skip
+            ids, events = await _stream_through_session(cfg, _ready_pool(cfg))
+            assert ids == [7, 8, 9] and not any("error" in e for e in events), events
+            assert len([r for r in p2.seen if r.path == "/v1/completions"]) == 1
+
+    asyncio.run(main())
+
+
+def test_a_non_streamed_request_whose_only_prefill_node_dies_is_answered_by_the_decode_node() -> (
+    None
+):
+    """As for streams: P dead, no other P, D's leg open -- D's answer is the client's."""
+
+    async def dead(req: SeenRequest) -> None:
+        await asyncio.sleep(0.2)
+        return None
+
+    async def decode(req: SeenRequest) -> bytes:
+        await asyncio.sleep(0.8)
+        return answer(200, {"choices": [{"index": 0, "text": "abc", "token_ids": [7, 8, 9]}]})
+
+    async def main() -> None:
+        from proxy.metrics import ProxyMetrics
+        from proxy.router import Router
+        from proxy.session import Session
+
+        async with (
+            StandIn(_node(dead)) as p,
+            StandIn(_node(decode)) as d,
+            NodeClient(timeout=20) as client,
+        ):
+            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            req = validate_request(COMPLETIONS, b'{"prompt": "x", "max_tokens": 3}', ["tiny"], None)
+            legs = Legs(client)
+            session = Session(req, "r", cfg, Router(pool), legs, ProxyMetrics(pool))
+            try:
+                out = await asyncio.wait_for(session.complete(), 15)
+            finally:
+                session.close()
+                await legs.drain()
+            assert out["choices"][0]["token_ids"] == [7, 8, 9]
+            assert not pool.nodes("prefill")[0].healthy
+
+    asyncio.run(main())
