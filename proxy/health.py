@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from typing import Any
@@ -25,6 +26,9 @@ from proxy.nodes import Node, NodePool
 logger = logging.getLogger(__name__)
 
 MAX_HEALTH_BODY_BYTES = 1 << 20  # /health, /v1/models, /v1/kv_transfer_info answers
+# How long a /health call may go on after its check gave up on it (a late answer still
+# counts as proof of life; one call per node in flight).
+LATE_ANSWER_S = 30.0
 
 
 class HealthChecker:
@@ -38,6 +42,7 @@ class HealthChecker:
         self.deadline = 3 * client.timeout if deadline is None else deadline
         self._task: asyncio.Task[None] | None = None
         self._first_round = asyncio.Event()
+        self._calls: dict[str, asyncio.Future[Any]] = {}  # each node's /health call in flight
 
     async def check_node(self, node: Node) -> None:
         began = time.monotonic()
@@ -48,9 +53,28 @@ class HealthChecker:
             node.mark_unreachable(f"health check took over {self.deadline:g} s", began)
 
     async def _check(self, node: Node, began: float) -> None:
+        # One /health call per node in flight: it may answer after the check gave up on
+        # it, and a late answer is still proof of life (``_late``): a hung node never
+        # answers, a loaded one answers late (found by a load round: two missed 0.05 s
+        # checks took healthy decode nodes for hung ones).
+        call = self._calls.get(node.url)
+        if call is not None and not call.done():
+            node.mark_unreachable("the previous health check is still unanswered", began)
+            return
+        call = asyncio.ensure_future(
+            asyncio.wait_for(
+                self.client.get(node.url + "/health", timeout=LATE_ANSWER_S), LATE_ANSWER_S
+            )
+        )
+        self._calls[node.url] = call
+        call.add_done_callback(functools.partial(self._late, node))
+        await asyncio.wait({call}, timeout=self.client.timeout)
+        if not call.done():
+            node.mark_unreachable(f"no health answer within {self.client.timeout:g} s", began)
+            return
         try:
-            resp = await self.client.get(node.url + "/health")
-        except NodeHTTPError as e:
+            resp = call.result()
+        except (NodeHTTPError, TimeoutError) as e:
             node.mark_unreachable(f"health check failed: {type(e).__name__}: {e}", began)
             return
         node.mark_reachable()  # it answered, whatever it said
@@ -68,6 +92,17 @@ class HealthChecker:
                 node.set_healthy(False, "prefill node advertises no KV side channel")
                 return
         node.set_healthy(True)
+
+    def _late(self, node: Node, call: asyncio.Future[Any]) -> None:
+        """A /health call ended: an answer that came after its check gave up still shows
+        the node alive (``Node.unreachable_checks`` starts again)."""
+        if self._calls.get(node.url) is call:
+            del self._calls[node.url]
+        if call.cancelled() or call.exception() is not None:
+            return
+        if node.unreachable:
+            logger.info("%s node %s answered a health check late", node.role, node.url)
+            node.mark_reachable()
 
     async def _get_json(self, node: Node, path: str) -> dict[str, Any] | None:
         resp = await self.client.get(node.url + path)
@@ -105,3 +140,5 @@ class HealthChecker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for call in list(self._calls.values()):
+            call.cancel()

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Coroutine
 from typing import Any
@@ -34,6 +35,12 @@ from proxy.nodes import Node
 from proxy.validation import ProxyRequest
 
 logger = logging.getLogger(__name__)
+
+# A decode node is never judged hung (``Attempt.d_gone``) sooner than this after the first
+# of its unanswered health checks began, whatever --health-timeout says: a loaded node's
+# step (or its answer to a check) may take a second or two (a load round saw 0.05 s
+# checks, two in a row, take healthy nodes for hung ones).
+MIN_HUNG_S = 5.0
 
 
 class UpstreamError(Exception):
@@ -230,6 +237,8 @@ class Attempt:
         d, n = self.d, self.d.unreachable_checks
         if not self.d_checks or n < self.d_checks or d.unreachable_since is None:
             return None
+        if time.monotonic() - d.unreachable_since < MIN_HUNG_S:
+            return None  # however short the checks' timeout: a step may take a while
         if self.legs.client.heard_since(d.url, d.unreachable_since):
             return None
         return UpstreamError(d, f"no answer to {n} health checks in a row, nor any bytes since")

@@ -64,7 +64,7 @@ def test_a_node_that_trickles_its_health_answer_cannot_hold_up_a_round():
             checker = HealthChecker(pool, client, interval=1.0)
             await asyncio.wait_for(checker.check_all(), 10)  # hung before
             node = pool.prefill[0]
-            assert not node.healthy and "took over 1.5 s" in (node.last_error or "")
+            assert not node.healthy and "no health answer within 0.5 s" in (node.last_error or "")
 
     asyncio.run(main())
 
@@ -197,16 +197,18 @@ def test_models_are_what_ready_nodes_serve():
     assert pool.model_names() == ["m"]
 
 
-def test_checks_without_an_answer_are_counted_in_a_row_from_when_the_first_began():
+def test_checks_without_an_answer_are_counted_in_a_row_and_a_late_answer_ends_the_row():
     """The proxy gives a hung decode node up after ``--unreachable-checks`` checks in a
-    row without an answer (``Attempt.d_gone``): each miss counts, any answer (even a
-    503) starts the count again."""
+    row without an answer (``Attempt.d_gone``). Each miss counts (a check whose call is
+    still unanswered sends no second one); an answer that comes after its check gave up
+    still shows the node alive and ends the row (a load round saw two missed 0.05 s
+    checks take healthy nodes for hung ones); any answer, even a 503, does."""
     calls = []
 
     async def node(req):
         calls.append(req.path)
-        if len(calls) <= 2:
-            await asyncio.sleep(1.0)  # past the client's timeout: no answer
+        if len(calls) == 1:
+            await asyncio.sleep(0.6)  # past the check's 0.2 s: a late answer
         return answer(503, {"error": {"message": "draining"}})
 
     async def main() -> None:
@@ -216,11 +218,31 @@ def test_checks_without_an_answer_are_counted_in_a_row_from_when_the_first_began
             n = pool.decode[0]
             began = time.monotonic()
             await checker.check_node(n)
-            await checker.check_node(n)
-            assert n.unreachable and n.unreachable_checks == 2
+            await checker.check_node(n)  # the first call is still unanswered: no second
+            assert n.unreachable and n.unreachable_checks == 2 and calls == ["/health"]
             assert began <= n.unreachable_since < began + 0.2  # when the first check began
-            await checker.check_node(n)  # answered 503: reachable, not ready
+            await asyncio.sleep(0.8)  # the late answer comes
             assert not n.unreachable and n.unreachable_checks == 0
-            assert n.unreachable_since is None and not n.healthy
+            assert n.unreachable_since is None
+            await checker.check_node(n)  # answered 503: reachable, not ready
+            assert not n.unreachable and n.unreachable_checks == 0 and not n.healthy
+            await checker.stop()
+
+    asyncio.run(main())
+
+
+def test_a_node_that_never_answers_is_counted_missing_check_after_check():
+    async def node(req):
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        async with StandIn(node) as d, NodeClient(timeout=0.1) as client:
+            pool = NodePool((), (d.url,))
+            checker = HealthChecker(pool, client, interval=1.0)
+            n = pool.decode[0]
+            for _ in range(3):
+                await checker.check_node(n)
+            assert n.unreachable_checks == 3 and len(d.seen) == 1
+            await checker.stop()
 
     asyncio.run(main())

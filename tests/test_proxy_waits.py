@@ -22,6 +22,16 @@ from tests.standin_http import SeenRequest, StandIn, answer, chunked
 
 pytestmark = pytest.mark.timeout(60)
 
+
+@pytest.fixture(autouse=True)
+def _hung_after_half_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode node may be judged hung 0.5 s after its first missed check (5 s in use):
+    these tests miss checks on purpose and should not wait."""
+    import proxy.legs
+
+    monkeypatch.setattr(proxy.legs, "MIN_HUNG_S", 0.5)
+
+
 PREFILL_ANSWER = {
     "choices": [{"index": 0, "text": "a", "finish_reason": "length", "token_ids": [7]}],
     "kv_transfer_params": {"first_token": 7},
@@ -330,7 +340,9 @@ def _miss_checks(node: Any, n: int, every_s: float = 0.2) -> None:
 
 def test_a_decode_node_is_given_up_only_after_its_checks_in_a_row_got_no_answer() -> None:
     """One missed health check is not a hung node (a loaded node may answer one late);
-    ``unreachable_checks`` in a row are; any answer starts the count again."""
+    ``unreachable_checks`` in a row are, once ``MIN_HUNG_S`` passed since the first began;
+    any answer starts the count again."""
+    import proxy.legs
 
     async def main() -> None:
         async with _attempt(lambda r: answer(200, PREFILL_ANSWER), lambda r: None) as (a, _):
@@ -343,6 +355,8 @@ def test_a_decode_node_is_given_up_only_after_its_checks_in_a_row_got_no_answer(
                 a.d.mark_unreachable("timed out")
             assert a.d_gone() is None
             a.d.mark_unreachable("timed out")
+            assert a.d_gone() is None  # not for MIN_HUNG_S after the first miss began
+            a.d.unreachable_since -= proxy.legs.MIN_HUNG_S
             assert "3 health checks in a row" in str(a.d_gone())
             # Bytes of some answer came from D since the first missed check began: alive.
             a.legs.client.heard[_key(a.d.url)] = a.d.unreachable_since + 0.001
