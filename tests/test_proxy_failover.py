@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -59,9 +60,12 @@ def _decode_health(proxy: Proc) -> dict[str, dict]:
     return {n["url"]: n for n in httpx.get(proxy.url + "/health", timeout=5).json()["decode"]}
 
 
-def test_decode_killed_mid_stream_gets_error_event(setup: Setup) -> None:
-    ref = httpx.post(setup.fast.url + "/v1/completions", json=BODY, timeout=60)
-    assert ref.status_code == 200, ref.text
+def _stream_broken_by(
+    setup: Setup, fault: Callable[[Proc], None], after: Callable[[Proc], None] = lambda d: None
+) -> tuple[Proc, list]:
+    """A long stream through ``fast``: ``fault`` hits its decode node once tokens flow
+    (``after`` runs once the stream ended); the stream must end with one error event and
+    [DONE] after some tokens. Returns the node and the events before [DONE]."""
     body = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, **GREEDY}
     with httpx.stream("POST", setup.fast.url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
@@ -70,14 +74,24 @@ def test_decode_killed_mid_stream_gets_error_event(setup: Setup) -> None:
         serving = [u for u, n in _decode_health(setup.fast).items() if n["outstanding"] == 1]
         assert len(serving) == 1, _decode_health(setup.fast)
         victim = next(d for d in setup.d if d.url == serving[0])
-        victim.kill9()
-        setup.killed = victim
-        rest = list(lines)
+        fault(victim)
+        try:
+            rest = list(lines)  # a read timeout (60 s) fails the test
+        finally:
+            after(victim)
     events = sse_data(first + rest)
     assert events.pop() == "DONE"
     assert "error" in events[-1], events[-3:]
     assert all("error" not in e for e in events[:-1])
     assert stream_ids(events[:-1]), "some tokens arrived before the failure"
+    return victim, events
+
+
+def test_decode_killed_mid_stream_gets_error_event(setup: Setup) -> None:
+    ref = httpx.post(setup.fast.url + "/v1/completions", json=BODY, timeout=60)
+    assert ref.status_code == 200, ref.text
+    victim, events = _stream_broken_by(setup, lambda d: d.kill9())
+    setup.killed = victim
     assert not any(e.get("choices", [{}])[0].get("finish_reason") for e in events[:-1])
     # The dead node leaves the rotation once its health check fails ...
     wait_for(lambda: not _decode_health(setup.fast)[victim.url]["healthy"], 10, "health check")
@@ -180,24 +194,12 @@ def test_a_decode_node_that_hangs_mid_stream_ends_the_stream_with_an_error(setup
     The stream used to wait for D's next bytes until the request timeout (600 s); now it
     ends with an error event once D's health checks got no answer three times in a row,
     and D, resumed, frees the request's blocks."""
-    body = {"prompt": "Once upon a time", "max_tokens": 3000, "stream": True, **GREEDY}
-    with httpx.stream("POST", setup.fast.url + "/v1/completions", json=body, timeout=60) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        first = [next(lines) for _ in range(6)]
-        serving = [u for u, n in _decode_health(setup.fast).items() if n["outstanding"] == 1]
-        assert len(serving) == 1, _decode_health(setup.fast)
-        victim = next(d for d in setup.d if d.url == serving[0])
-        os.kill(victim.pid, signal.SIGSTOP)
-        try:
-            rest = list(lines)  # a read timeout (60 s) fails the test
-        finally:
-            os.kill(victim.pid, signal.SIGCONT)
-    events = sse_data(first + rest)
-    assert events.pop() == "DONE"
+    victim, events = _stream_broken_by(
+        setup,
+        lambda d: os.kill(d.pid, signal.SIGSTOP),
+        after=lambda d: os.kill(d.pid, signal.SIGCONT),
+    )
     assert "health checks in a row" in events[-1]["error"]["message"], events[-3:]
-    assert all("error" not in e for e in events[:-1])
-    assert stream_ids(events[:-1]), "some tokens arrived before the hang"
     wait_healthy(victim, timeout=30)
     wait_for(lambda: kv_pool_full(victim.url), 60, "decode pool free")
     wait_for(lambda: _decode_health(setup.fast)[victim.url]["healthy"], 30, "back in rotation")

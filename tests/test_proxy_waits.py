@@ -153,25 +153,40 @@ def _token(i: int, finish: str | None = None) -> dict[str, Any]:
     return {"choices": [choice], "model": "tiny"}
 
 
-async def _stream_through_session(cfg: ProxyConfig, pool: NodePool, setup: Any = None) -> Any:
-    """The client's token ids and events of one streamed request through a Session."""
+@contextlib.asynccontextmanager
+async def _session(cfg: ProxyConfig, pool: NodePool, stream: bool) -> AsyncIterator[Any]:
+    """A Session for one request (``{"prompt": "x", "max_tokens": 3}``), closed after."""
     from proxy.metrics import ProxyMetrics
     from proxy.router import Router
     from proxy.session import Session
 
-    body = {"prompt": "x", "max_tokens": 3, "stream": True}
+    body = {"prompt": "x", "max_tokens": 3, "stream": stream}
     req = validate_request(COMPLETIONS, json.dumps(body).encode(), ["tiny"], None)
-    async with NodeClient(timeout=10) as client:
+    async with NodeClient(timeout=20) as client:
         legs = Legs(client)
         session = Session(req, "r", cfg, Router(pool), legs, ProxyMetrics(pool))
         try:
-            if setup is not None:
-                setup()
-            await asyncio.wait_for(session.start_stream(), 20)
-            chunks = [c async for c in session.events()]
+            yield session
         finally:
             session.close()
             await legs.drain()
+
+
+async def _complete_through_session(cfg: ProxyConfig, pool: NodePool, setup: Any = None) -> Any:
+    """The answer to one non-streamed request through a Session."""
+    async with _session(cfg, pool, stream=False) as session:
+        if setup is not None:
+            setup()
+        return await asyncio.wait_for(session.complete(), 15)
+
+
+async def _stream_through_session(cfg: ProxyConfig, pool: NodePool, setup: Any = None) -> Any:
+    """The client's token ids and events of one streamed request through a Session."""
+    async with _session(cfg, pool, stream=True) as session:
+        if setup is not None:
+            setup()
+        await asyncio.wait_for(session.start_stream(), 20)
+        chunks = [c async for c in session.events()]
     events = [json.loads(c[6:]) for c in chunks if c.startswith("data: {")]
     ids = [t for e in events for ch in e.get("choices", []) for t in ch.get("token_ids") or []]
     return ids, events
@@ -454,15 +469,10 @@ def test_a_non_streamed_request_whose_decode_node_hangs_moves_to_another_pair() 
         return answer(200, {"choices": [{"index": 0, "text": "abc", "token_ids": [7, 8, 9]}]})
 
     async def main() -> None:
-        from proxy.metrics import ProxyMetrics
-        from proxy.router import Router
-        from proxy.session import Session
-
         async with (
             StandIn(_node(prefill)) as p,
             StandIn(_node(hung)) as d1,
             StandIn(_node(decode)) as d2,
-            NodeClient(timeout=20) as client,
         ):
             cfg = ProxyConfig(
                 prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
@@ -470,16 +480,9 @@ def test_a_non_streamed_request_whose_decode_node_hangs_moves_to_another_pair() 
             )  # fmt: skip
             pool = _ready_pool(cfg)
             hung_node = pool.nodes("decode")[0]
-            body = b'{"prompt": "x", "max_tokens": 3}'
-            req = validate_request(COMPLETIONS, body, ["tiny"], None)
-            legs = Legs(client)
-            session = Session(req, "r", cfg, Router(pool), legs, ProxyMetrics(pool))
-            try:
-                _miss_checks(hung_node, cfg.unreachable_checks)
-                out = await asyncio.wait_for(session.complete(), 15)
-            finally:
-                session.close()
-                await legs.drain()
+            out = await _complete_through_session(
+                cfg, pool, lambda: _miss_checks(hung_node, cfg.unreachable_checks)
+            )
             assert out["choices"][0]["token_ids"] == [7, 8, 9]
             assert len([r for r in d1.seen if r.path == "/v1/completions"]) == 1
             assert "health checks in a row" in (hung_node.last_error or ""), hung_node
@@ -544,15 +547,10 @@ def test_a_non_streamed_answer_that_stops_midway_moves_to_another_pair() -> None
         return answer(200, {"choices": [{"index": 0, "text": "abc", "token_ids": [7, 8, 9]}]})
 
     async def main() -> None:
-        from proxy.metrics import ProxyMetrics
-        from proxy.router import Router
-        from proxy.session import Session
-
         async with (
             StandIn(_node(prefill)) as p,
             StandIn(_node(half)) as d1,
             StandIn(_node(decode)) as d2,
-            NodeClient(timeout=20) as client,
         ):
             cfg = ProxyConfig(
                 prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
@@ -560,15 +558,9 @@ def test_a_non_streamed_answer_that_stops_midway_moves_to_another_pair() -> None
             )  # fmt: skip
             pool = _ready_pool(cfg)
             hung_node = pool.nodes("decode")[0]
-            req = validate_request(COMPLETIONS, b'{"prompt": "x", "max_tokens": 3}', ["tiny"], None)
-            legs = Legs(client)
-            session = Session(req, "r", cfg, Router(pool), legs, ProxyMetrics(pool))
-            try:
-                _miss_checks(hung_node, cfg.unreachable_checks)
-                out = await asyncio.wait_for(session.complete(), 15)
-            finally:
-                session.close()
-                await legs.drain()
+            out = await _complete_through_session(
+                cfg, pool, lambda: _miss_checks(hung_node, cfg.unreachable_checks)
+            )
             assert out["choices"][0]["token_ids"] == [7, 8, 9]
             assert "health checks in a row" in (hung_node.last_error or ""), hung_node
 
@@ -687,25 +679,10 @@ def test_a_non_streamed_request_whose_only_prefill_node_dies_is_answered_by_the_
         return answer(200, {"choices": [{"index": 0, "text": "abc", "token_ids": [7, 8, 9]}]})
 
     async def main() -> None:
-        from proxy.metrics import ProxyMetrics
-        from proxy.router import Router
-        from proxy.session import Session
-
-        async with (
-            StandIn(_node(dead)) as p,
-            StandIn(_node(decode)) as d,
-            NodeClient(timeout=20) as client,
-        ):
+        async with StandIn(_node(dead)) as p, StandIn(_node(decode)) as d:
             cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
             pool = _ready_pool(cfg)
-            req = validate_request(COMPLETIONS, b'{"prompt": "x", "max_tokens": 3}', ["tiny"], None)
-            legs = Legs(client)
-            session = Session(req, "r", cfg, Router(pool), legs, ProxyMetrics(pool))
-            try:
-                out = await asyncio.wait_for(session.complete(), 15)
-            finally:
-                session.close()
-                await legs.drain()
+            out = await _complete_through_session(cfg, pool)
             assert out["choices"][0]["token_ids"] == [7, 8, 9]
             assert not pool.nodes("prefill")[0].healthy
 
