@@ -43,6 +43,7 @@ class HealthChecker:
         self._task: asyncio.Task[None] | None = None
         self._first_round = asyncio.Event()
         self._calls: dict[str, asyncio.Future[Any]] = {}  # each node's /health call in flight
+        self._given_up: set[asyncio.Future[Any]] = set()  # calls their check stopped waiting for
 
     async def check_node(self, node: Node) -> None:
         began = time.monotonic()
@@ -61,15 +62,17 @@ class HealthChecker:
         if call is not None and not call.done():
             node.mark_unreachable("the previous health check is still unanswered", began)
             return
+        # The call's own limit is per read: LATE_ANSWER_S bounds a trickled answer too.
         call = asyncio.ensure_future(
             asyncio.wait_for(
                 self.client.get(node.url + "/health", timeout=LATE_ANSWER_S), LATE_ANSWER_S
             )
         )
         self._calls[node.url] = call
-        call.add_done_callback(functools.partial(self._late, node))
+        call.add_done_callback(functools.partial(self._ended, node))
         await asyncio.wait({call}, timeout=self.client.timeout)
         if not call.done():
+            self._given_up.add(call)
             node.mark_unreachable(f"no health answer within {self.client.timeout:g} s", began)
             return
         try:
@@ -93,14 +96,14 @@ class HealthChecker:
                 return
         node.set_healthy(True)
 
-    def _late(self, node: Node, call: asyncio.Future[Any]) -> None:
-        """A /health call ended: an answer that came after its check gave up still shows
-        the node alive (``Node.unreachable_checks`` starts again)."""
+    def _ended(self, node: Node, call: asyncio.Future[Any]) -> None:
+        """A /health call ended. One its check gave up on that got an answer all the
+        same shows the node alive (``Node.unreachable_checks`` starts again)."""
         if self._calls.get(node.url) is call:
             del self._calls[node.url]
-        if call.cancelled() or call.exception() is not None:
-            return
-        if node.unreachable:
+        late = call in self._given_up
+        self._given_up.discard(call)
+        if late and not call.cancelled() and call.exception() is None and node.unreachable:
             logger.info("%s node %s answered a health check late", node.role, node.url)
             node.mark_reachable()
 
@@ -140,5 +143,7 @@ class HealthChecker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for call in list(self._calls.values()):
+        calls = list(self._calls.values())
+        for call in calls:
             call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)

@@ -108,7 +108,10 @@ echo "$ROLE node listening on http://$HOST:$PORT (pid $PID, model $MODEL, tp $TP
 echo "  KV side channel: ${SIDE:-unknown}   UCX_TLS=${UCX_TLS:-<unset>} UCX_NET_DEVICES=${UCX_NET_DEVICES:-<unset>}"
 echo "  log: $LOG   pid file: $PIDFILE"
 echo "  stop: kill $PID    (or: kill \$(cat $PIDFILE))"
-# The node's start-up warnings about its side channel (e.g. an address its own
-# --kv-allowed-peers refuses: every request would be recomputed on the decode node).
-grep -E "WARNING .*(is outside --kv-allowed-peers|side channel unsigned)" "$LOG" 2>/dev/null \
+# The node's start-up warnings about its side channel: an address its own
+# --kv-allowed-peers refuses (every request would be recomputed on the decode node), and,
+# when it listens beyond loopback, an unsigned side channel.
+WARN="is outside --kv-allowed-peers"
+[[ "$HOST" == 127.* || "$HOST" == "localhost" || "$HOST" == "::1" ]] || WARN="$WARN|side channel unsigned"
+grep -E "WARNING .*($WARN)" "$LOG" 2>/dev/null \
   | sed 's/^.*WARNING [0-9]* [a-z_.]*: /  warning: /' >&2 || true

@@ -20,8 +20,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.core.kv_cache_manager import cdiv
 from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
-from engine.model.config import resolve_dtype
-from engine.model.loader import load_arch_config
+from engine.model.config import load_arch_config, resolve_dtype
 from engine.sampling_params import SamplingParams
 from engine.worker.model_runner import ModelRunner
 

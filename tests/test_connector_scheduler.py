@@ -16,7 +16,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput
 from engine.kv_cache_layout import KVCacheSpec
-from engine.model.loader import load_arch_config
+from engine.model.config import load_arch_config
 from engine.sampling_params import SamplingParams
 from kvconnector.nixl.decode_peers import DecodePeer
 from kvconnector.nixl.messages import Cancel, Reserve, ranks_digest

@@ -33,7 +33,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.engine_core import EngineCore
 from engine.kv_cache_layout import KVCacheSpec
 from engine.llm import LLM
-from engine.model.loader import load_arch_config
+from engine.model.config import load_arch_config
 from engine.sampling_params import SamplingParams
 from kvconnector.nixl.messages import Notif, TransferFailed
 from kvconnector.nixl.transport_ucxx import ucxx_available

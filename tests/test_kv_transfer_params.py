@@ -113,7 +113,7 @@ def test_the_module_does_not_import_torch():
 def test_connector_policy_is_applied_once_at_admission():
     from engine.config import EngineConfig, ModelConfig
     from engine.kv_cache_layout import KVCacheSpec
-    from engine.model.loader import load_arch_config
+    from engine.model.config import load_arch_config
     from kvconnector.base import transfer_seed
     from kvconnector.noop import NoopConnectorScheduler
 

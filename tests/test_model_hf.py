@@ -9,8 +9,8 @@ import torch
 from hf_models import hf_greedy, hf_logits, make_hf_model, random_prompt, save_hf_model
 from paged_runner import PagedRunner
 
-from engine.model.config import ModelArchConfig, ModelConfigError
-from engine.model.loader import load_arch_config, load_model
+from engine.model.config import ModelArchConfig, ModelConfigError, load_arch_config
+from engine.model.loader import load_model
 
 pytest.importorskip("transformers")
 

@@ -31,7 +31,7 @@ import kvconnector.nixl.producer as producer_module
 import kvconnector.nixl.side_channel as sc
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine.kv_cache_layout import KVCacheSpec
-from engine.model.loader import load_arch_config
+from engine.model.config import load_arch_config
 from kvconnector.nixl.messages import Handshake, Ping, PingReply, Reserve, decode_reply
 from kvconnector.nixl.scheduler import NixlConnectorScheduler
 

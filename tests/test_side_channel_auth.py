@@ -21,7 +21,7 @@ from engine.config import (
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.kv_cache_layout import KVCacheSpec
-from engine.model.loader import load_arch_config
+from engine.model.config import load_arch_config
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from kvconnector.nixl.messages import Handshake, HandshakeReply, Refusal, decode_reply
 from kvconnector.nixl.peers import PeerAllowlist

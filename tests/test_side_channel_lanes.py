@@ -16,7 +16,7 @@ from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConf
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.kv_cache_layout import KVCacheSpec
-from engine.model.loader import load_arch_config
+from engine.model.config import load_arch_config
 from engine.sampling_params import SamplingParams
 from kvconnector.nixl.lanes import LaneFull, PeerLanes
 from kvconnector.nixl.messages import Ack, HandshakeReply, decode_request

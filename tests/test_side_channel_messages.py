@@ -8,7 +8,7 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine.kv_cache_layout import KVCacheSpec
-from engine.model.loader import load_arch_config
+from engine.model.config import load_arch_config
 from kvconnector.nixl import messages as m
 from kvconnector.nixl.scheduler import NixlConnectorScheduler
 from kvconnector.nixl.side_channel import SideChannelClient

@@ -24,7 +24,7 @@ import kvconnector.nixl.prefill_links as prefill_links
 import kvconnector.nixl.prefill_service as prefill_service
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine.kv_cache_layout import KVCacheSpec
-from engine.model.loader import load_arch_config
+from engine.model.config import load_arch_config
 from kvconnector.nixl.messages import (
     Ack,
     Cancel,

@@ -25,7 +25,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import WorkerOutput
 from engine.executor.aggregator import KVOutputAggregator
 from engine.kv_cache_layout import KVCacheSpec
-from engine.model.loader import load_arch_config
+from engine.model.config import load_arch_config
 from engine.sampling_params import SamplingParams
 from kvconnector.nixl.messages import Ack, Cancel, Notif, Refusal, Reserve, TransferFailed
 from kvconnector.nixl.prefill_links import PrefillLinks

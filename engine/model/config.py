@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from engine.config import TINY_MODEL
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -294,9 +296,6 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "qwen2": "Qwen2ForCausalLM",
         "mistral": "MistralForCausalLM",
     }.get(model_type or "", str(model_type))
-
-
-TINY_MODEL = "tiny"
 
 
 def load_arch_config(model: str, max_model_len: int | None = None) -> ModelArchConfig:

@@ -13,8 +13,9 @@ from contextlib import ExitStack
 
 import torch
 
+from engine.config import TINY_MODEL
 from engine.kv_cache_layout import torch_dtype
-from engine.model.config import TINY_MODEL, ModelArchConfig, ModelConfigError, load_arch_config
+from engine.model.config import ModelArchConfig, ModelConfigError, load_arch_config
 from engine.model.llama import LlamaForCausalLM
 from engine.model.parallel import ShardReader
 
