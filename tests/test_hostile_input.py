@@ -97,10 +97,16 @@ def test_health_answers_while_a_huge_prompt_is_checked(node):
     """Parsing and checking a big body run off the event loop: /health keeps answering."""
     ids = list(range(3, 200)) * 10_000  # ~2M token ids, ~8 MB of JSON
     body = json.dumps({"prompt": ids, "max_tokens": 2}).encode()
+    start = time.perf_counter()
+    json.loads(body)
+    loads_s = time.perf_counter() - start
     resp, worst = _post_watching_health(node, body)
     _error(resp, 400)  # longer than the context
     # Holding the event loop for the whole check would block /health for about as long.
-    assert worst < 0.4 * resp.elapsed.total_seconds()
+    # json.loads holds the GIL for its whole parse wherever it runs (about loads_s), and
+    # since the body check got fast (af79a54) it is a large part of the request: /health
+    # may wait for it, not for the Python checks around it.
+    assert worst < max(0.4 * resp.elapsed.total_seconds(), 2 * loads_s), (worst, loads_s)
 
 
 # -- the connection and the log: what a client can do to them -----------------------------
