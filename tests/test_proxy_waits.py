@@ -192,6 +192,24 @@ async def _stream_through_session(cfg: ProxyConfig, pool: NodePool, setup: Any =
     return ids, events
 
 
+@contextlib.asynccontextmanager
+async def _p_and_two_d(
+    prefill: Any, d1: Any, d2: Any, **cfg_kw: Any
+) -> AsyncIterator[tuple[ProxyConfig, NodePool, StandIn]]:
+    """One P and two D's (round robin: the first attempt goes to D1) answering with the
+    given legs; yields the config, a ready pool and D1's stand-in."""
+    async with (
+        StandIn(_node(prefill)) as p,
+        StandIn(_node(d1)) as s1,
+        StandIn(_node(d2)) as s2,
+    ):
+        cfg = ProxyConfig(
+            prefill=(p.url,), decode=(s1.url, s2.url), health_interval=0.1,
+            routing="round_robin", **cfg_kw,
+        )  # fmt: skip
+        yield cfg, _ready_pool(cfg), s1
+
+
 def _ready_pool(cfg: ProxyConfig) -> NodePool:
     pool = NodePool(cfg.prefill, cfg.decode)
     for node in pool.all():
@@ -469,16 +487,7 @@ def test_a_non_streamed_request_whose_decode_node_hangs_moves_to_another_pair() 
         return answer(200, {"choices": [{"index": 0, "text": "abc", "token_ids": [7, 8, 9]}]})
 
     async def main() -> None:
-        async with (
-            StandIn(_node(prefill)) as p,
-            StandIn(_node(hung)) as d1,
-            StandIn(_node(decode)) as d2,
-        ):
-            cfg = ProxyConfig(
-                prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
-                routing="round_robin",
-            )  # fmt: skip
-            pool = _ready_pool(cfg)
+        async with _p_and_two_d(prefill, hung, decode) as (cfg, pool, d1):
             hung_node = pool.nodes("decode")[0]
             out = await _complete_through_session(
                 cfg, pool, lambda: _miss_checks(hung_node, cfg.unreachable_checks)
@@ -511,16 +520,7 @@ def test_a_prestreamed_request_whose_decode_node_hangs_before_answering_moves_on
         return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
 
     async def main() -> None:
-        async with (
-            StandIn(_node(prefill)) as p,
-            StandIn(_node(hung)) as d1,
-            StandIn(_node(decode)) as d2,
-        ):
-            cfg = ProxyConfig(
-                prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
-                routing="round_robin",
-            )  # fmt: skip
-            pool = _ready_pool(cfg)
+        async with _p_and_two_d(prefill, hung, decode) as (cfg, pool, _):
             hung_node, p_node = pool.nodes("decode")[0], pool.nodes("prefill")[0]
             ids, events = await _stream_through_session(
                 cfg, pool, lambda: _miss_checks(hung_node, cfg.unreachable_checks)
@@ -547,16 +547,7 @@ def test_a_non_streamed_answer_that_stops_midway_moves_to_another_pair() -> None
         return answer(200, {"choices": [{"index": 0, "text": "abc", "token_ids": [7, 8, 9]}]})
 
     async def main() -> None:
-        async with (
-            StandIn(_node(prefill)) as p,
-            StandIn(_node(half)) as d1,
-            StandIn(_node(decode)) as d2,
-        ):
-            cfg = ProxyConfig(
-                prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
-                routing="round_robin",
-            )  # fmt: skip
-            pool = _ready_pool(cfg)
+        async with _p_and_two_d(prefill, half, decode) as (cfg, pool, _):
             hung_node = pool.nodes("decode")[0]
             out = await _complete_through_session(
                 cfg, pool, lambda: _miss_checks(hung_node, cfg.unreachable_checks)
@@ -592,16 +583,10 @@ def test_a_decode_stream_that_breaks_before_its_first_token_after_p_streamed_is_
         return chunked(200, _sse(*tokens))
 
     async def main() -> None:
-        async with (
-            StandIn(_node(prefill)) as p,
-            StandIn(_node(broken)) as d1,
-            StandIn(_node(decode)) as d2,
-        ):
-            cfg = ProxyConfig(
-                prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
-                routing="round_robin", node_skip_first_token=skip,
-            )  # fmt: skip
-            ids, events = await _stream_through_session(cfg, _ready_pool(cfg))
+        async with _p_and_two_d(prefill, broken, decode, node_skip_first_token=skip) as (
+            cfg, pool, d1,
+        ):  # fmt: skip
+            ids, events = await _stream_through_session(cfg, pool)
             assert ids == [7, 8, 9] and not any("error" in e for e in events), events
             assert len(p_calls) == 2  # the rerun asked P again (its first token checked)
             assert len([r for r in d1.seen if r.path == "/v1/completions"]) == 1
