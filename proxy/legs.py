@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 from engine.httpkit.admission import OVERLOADED_CODE
@@ -243,7 +243,7 @@ class Attempt:
             return None
         return UpstreamError(d, f"no answer to {n} health checks in a row, nor any bytes since")
 
-    async def watched(self, aw: Coroutine[Any, Any, Any]) -> Any:
+    async def watched(self, aw: Awaitable[Any]) -> Any:
         """Await ``aw`` (a read of D's answer); raise ``d_gone``'s error if D hangs first."""
         task = asyncio.ensure_future(aw)
         try:

@@ -387,11 +387,8 @@ class Session:
             "request %s: %s, and no other prefill node is ready; the decode node answers "
             "alone (it recomputes the prompt when its KV does not come)", self.request_id, err,
         )  # fmt: skip
-        while not attempt.d_task.done():
-            await asyncio.wait({attempt.d_task}, timeout=self.cfg.health_interval)
-            if not attempt.d_task.done() and (gone := attempt.d_gone()) is not None:
-                raise gone
-        attempt.d_stream = attempt.d_task.result()  # raises D's error, if any
+        # Shielded: giving D up must not cancel its leg here (``release`` does that).
+        attempt.d_stream = await attempt.watched(asyncio.shield(attempt.d_task))
         return attempt.d_stream
 
     def _events_of(self, attempt: Attempt) -> DecodeEvents:
