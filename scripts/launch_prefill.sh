@@ -96,11 +96,20 @@ elif [[ $status == 2 ]]; then
   exit 1
 fi
 
-SIDE="$("$PYTHON" - "$URL/v1/kv_transfer_info" <<'PY' 2>/dev/null || true
+# The endpoint needs the node's key when it has one: $PDSERVE_API_KEY, or --api-key given
+# after -- (the last one wins, as for the node).
+KEY="${PDSERVE_API_KEY:-}"
+for ((i = 0; i < ${#EXTRA[@]}; i++)); do
+  case "${EXTRA[i]}" in
+    --api-key) KEY="${EXTRA[i + 1]:-}" ;;
+    --api-key=*) KEY="${EXTRA[i]#--api-key=}" ;;
+  esac
+done
+SIDE="$(PDS_INFO_KEY="$KEY" "$PYTHON" - "$URL/v1/kv_transfer_info" <<'PY' 2>/dev/null || true
 import json, os, sys, urllib.request
 req = urllib.request.Request(sys.argv[1])
-if os.environ.get("PDSERVE_API_KEY"):  # the endpoint needs the nodes' key when one is set
-    req.add_header("Authorization", "Bearer " + os.environ["PDSERVE_API_KEY"])
+if os.environ.get("PDS_INFO_KEY"):
+    req.add_header("Authorization", "Bearer " + os.environ["PDS_INFO_KEY"])
 print(json.load(urllib.request.urlopen(req, timeout=5)).get("side_channel", "?"))
 PY
 )"

@@ -44,23 +44,28 @@ def test_launch_scripts_bring_up_a_deployment(tmp_path: Path):
     kids: list[int] = []
     try:
         p_port, d_port, x_port = free_port(), free_port(), free_port()
+        # The nodes' key given after -- (not in the environment): the script still reads
+        # the side channel it prints from the keyed /v1/kv_transfer_info.
+        key = ("--", "--api-key", "node-secret")
         out, pid = launch(
-            "launch_prefill.sh", tmp_path, "--host", "127.0.0.1", "--port", str(p_port)
+            "launch_prefill.sh", tmp_path, "--host", "127.0.0.1", "--port", str(p_port), *key
         )
         pids.append(pid)
         assert f"prefill node listening on http://127.0.0.1:{p_port}" in out
         assert "KV side channel: tcp://127.0.0.1:" in out
         out, pid = launch(
-            "launch_decode.sh", tmp_path, "--host", "127.0.0.1", "--port", str(d_port)
+            "launch_decode.sh", tmp_path, "--host", "127.0.0.1", "--port", str(d_port), *key
         )
         pids.append(pid)
         assert f"decode node listening on http://127.0.0.1:{d_port}" in out
+        assert "KV side channel: tcp://127.0.0.1:" in out
         out, pid = launch(
             "launch_proxy.sh",
             tmp_path,
             "--host", "127.0.0.1", "--port", str(x_port),
             "--prefill", f"http://127.0.0.1:{p_port}",
             "--decode", f"http://127.0.0.1:{d_port}",
+            "--", "--node-api-key", "node-secret",
         )  # fmt: skip
         pids.append(pid)
         assert "ready: yes" in out
