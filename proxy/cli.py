@@ -31,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pd-proxy", description="pdserve proxy: pairs prefill and decode nodes per request"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible proxy")
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible proxy",
+        usage="%(prog)s [options]   (every option: %(prog)s --help)",
+    )
     add_proxy_args(serve)
 
     def client_args(p: argparse.ArgumentParser) -> None:

@@ -38,6 +38,9 @@ def test_bad_flag_exits_2_naming_it(argv: list[str], flag: str) -> None:
     proc = _run(*argv)
     assert proc.returncode == 2, proc.stderr
     assert flag in proc.stderr
+    # The error is not buried under the usage of every flag: one usage line, then it.
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and "--help" in lines[0] and flag in lines[1], proc.stderr
 
 
 def test_prefill_node_bad_flag() -> None:

@@ -45,6 +45,8 @@ class _Terminated(BaseException):
 def build_parser(role: Role) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{role}-node",
+        # An error shows two lines, not the usage of every flag (``--help`` has them).
+        usage="%(prog)s [MODEL] [options]   (every option: %(prog)s --help)",
         description=f"pdserve {role} node: an OpenAI-compatible server over one engine",
     )
     parser.add_argument(
