@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.httpkit.sse_reader import SSEReader
 from proxy.node_client import NodeResponse
+from proxy.waiting import never, wait_watched
 
 _END = object()  # the stream ended (with or without [DONE]: see ``done``)
 
@@ -65,11 +66,7 @@ class DecodeEvents:
         pending = self._pending
         # asyncio.wait never cancels what it waits on: a caller cancelled here (or given
         # up by ``watch``) leaves the read running for the next caller.
-        while not pending.done():
-            await asyncio.wait({pending}, timeout=self.poll_s)
-            err = None if pending.done() or self.watch is None else self.watch()
-            if err is not None:
-                raise err
+        await wait_watched(pending, self.watch or never, self.poll_s)
         self._pending = None
         return pending.result()
 

@@ -33,6 +33,7 @@ from kvconnector.params import KVTransferParams
 from proxy.node_client import NodeClient, NodeHTTPError, NodeResponse
 from proxy.nodes import Node
 from proxy.validation import ProxyRequest
+from proxy.waiting import wait_watched
 
 logger = logging.getLogger(__name__)
 
@@ -247,10 +248,7 @@ class Attempt:
         """Await ``aw`` (a read of D's answer); raise ``d_gone``'s error if D hangs first."""
         task = asyncio.ensure_future(aw)
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=self.poll_s)
-                if not task.done() and (err := self.d_gone()) is not None:
-                    raise err
+            await wait_watched(task, self.d_gone, self.poll_s)
             return task.result()
         finally:
             if not task.done():
@@ -262,33 +260,32 @@ class Attempt:
         With ``poll_s``, P becoming unreachable (its health check got no answer) while
         this waits raises too, checked every ``poll_s`` seconds: a hung P never answers.
         A P that answers "not ready" (draining) finishes its legs: the wait goes on."""
-        p_task = self.p_task
-        assert p_task is not None and self.p is not None, "a decode-only attempt has no P"
-        while not p_task.done():
-            # Only legs still running: a finished one would end every wait at once.
-            waits = {p_task} if self.d_task.done() else {p_task, self.d_task}
-            await asyncio.wait(waits, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
-            if self.d_task.done() and self.d_task.exception() is not None:
-                raise self.d_task.exception()  # type: ignore[misc]
-            if not self.d_task.done() and (err := self.d_gone()) is not None:
-                raise err  # P would wait for D's reservation until its KV timeout
-            if poll_s is not None and not p_task.done() and self.p.unreachable:
-                raise UpstreamError(self.p, "unreachable while its answer was awaited")
+        p_task, p, d_task = self.p_task, self.p, self.d_task
+        assert p_task is not None and p is not None, "a decode-only attempt has no P"
+
+        def stop() -> BaseException | None:
+            if d_task.done():
+                return d_task.exception()
+            if (err := self.d_gone()) is not None:
+                return err  # P would wait for D's reservation until its KV timeout
+            if poll_s is not None and p.unreachable:
+                return UpstreamError(p, "unreachable while its answer was awaited")
+            return None
+
+        await wait_watched(p_task, stop, poll_s, others=(d_task,))
         return p_task.result()
 
     async def wait_decode(self) -> NodeResponse:
         """D's open response. If P fails first, P's error is raised; if D hangs
         (``d_gone``), D's."""
         p_task = self.p_task
-        while not self.d_task.done():
-            # Only legs still running: a finished one would end every wait at once.
-            running = p_task is not None and not p_task.done()
-            waits = {p_task, self.d_task} if running else {self.d_task}
-            await asyncio.wait(waits, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[arg-type]
+
+        def stop() -> BaseException | None:
             if p_task is not None and p_task.done() and p_task.exception() is not None:
-                raise p_task.exception()  # type: ignore[misc]
-            if not self.d_task.done() and (err := self.d_gone()) is not None:
-                raise err
+                return p_task.exception()
+            return self.d_gone()
+
+        await wait_watched(self.d_task, stop, self.poll_s, others=(p_task,))
         self.d_stream = self.d_task.result()
         return self.d_stream
 
