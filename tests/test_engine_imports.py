@@ -38,3 +38,17 @@ def test_the_engine_process_modules_import_without_torch() -> None:
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_a_node_starts_its_workers_before_importing_the_http_stack() -> None:
+    """``run_node`` imports FastAPI and uvicorn in a thread while the workers load torch and
+    the model: the entry points and the flag parsing must not import them first."""
+    code = (
+        "import sys, decode_node.cli, prefill_node.cli, engine.server.cli_args\n"
+        "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"

@@ -10,7 +10,6 @@ from starlette.requests import ClientDisconnect
 from engine.httpkit.disconnect import ClientDisconnected
 from engine.server.protocol import APIError
 
-DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 # Longest wait for the next piece of a body (nginx's client_body_timeout is 60 s): a
 # client that stops sending mid-body is answered 408, not waited for (slowloris).
 BODY_READ_TIMEOUT_S = 30.0

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.httpkit.listen import DEFAULT_SHUTDOWN_TIMEOUT_S
 from engine.httpkit.sse import SSE_DONE, sse_event
 from engine.server.protocol import error_body
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 RETRY_AFTER_S = "1"
 
 

@@ -11,27 +11,9 @@ from typing import Any
 
 from engine.httpkit.drain import Drainer
 from engine.httpkit.http_protocol import uvicorn_http_options
+from engine.httpkit.listen import bind_socket, listen_url
 
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound TCP socket (IPv4 or IPv6 by the host's form) for uvicorn to serve on.
-
-    Created with ``IPPROTO_TCP`` explicitly: asyncio turns Nagle off (TCP_NODELAY) only on
-    connections accepted from such a socket, and streamed tokens are small writes.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def listen_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+__all__ = ["bind_socket", "listen_url", "make_server"]
 
 
 def make_server(

@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.httpkit.admission import Admission, AdmissionMiddleware
 from engine.httpkit.auth import ApiKeyMiddleware
-from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.direct import FrontedApp
 from engine.httpkit.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers
+from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.request_id import RequestIdMiddleware
 from engine.server.engine_client import EngineClient
 from engine.server.metrics import ServerMetrics

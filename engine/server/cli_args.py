@@ -17,8 +17,7 @@ import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
 from engine.config import ConfigError, EngineConfig, flag_name
-from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES
-from engine.httpkit.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
+from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

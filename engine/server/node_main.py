@@ -15,12 +15,13 @@ import asyncio
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
-from engine.httpkit.serve import bind_socket, listen_url, make_server
+from engine.httpkit.listen import bind_socket, listen_url
 from engine.server.cli_args import (
     add_config_args,
     add_server_args,
@@ -135,6 +136,11 @@ def registration_flags(
     return proxies, advertise
 
 
+def _import_http_stack() -> None:
+    import engine.httpkit.serve  # noqa: F401
+    import engine.server.app  # noqa: F401
+
+
 def run_node(role: Role, argv: list[str] | None = None) -> int:
     """Run a node until SIGTERM/SIGINT; returns the process exit status."""
     parser = build_parser(role)
@@ -157,7 +163,6 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
         from engine.async_engine import AsyncLLMEngine
         from engine.config import ConfigError
         from engine.model.hub import resolve_model_config
-        from engine.server.app import build_app
 
         try:  # a repo-id --model: its local snapshot, downloaded once, before anything loads
             config = resolve_model_config(config)
@@ -165,11 +170,19 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             print(f"{role}-node: error: {e}", file=sys.stderr)
             return 2
         logger.info("starting %s engine: %s", role, config)
+        # The HTTP stack (FastAPI, uvicorn: ~0.5 s of imports) loads while the workers
+        # start (torch, the model: seconds); the engine start mostly waits on their pipes.
+        http_stack = threading.Thread(target=_import_http_stack, name="import-http", daemon=True)
+        http_stack.start()
         try:
             engine = AsyncLLMEngine.start(config, log_level=args.log_level)
         except ConfigError as e:  # a flag only the loaded model or memory can judge
             print(f"{role}-node: error: {e}", file=sys.stderr)
             return 2
+        http_stack.join()
+        from engine.httpkit.serve import make_server
+        from engine.server.app import build_app
+
         banner = (
             f"pdserve {role} node listening on {listen_url(args.host, port)} "
             f"(model {engine.model_name}, tp {config.parallel.tp})"

@@ -13,9 +13,10 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES, read_body
+from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.errors import json_error
+from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.sse import SSE_DONE, SSEResponse, sse_event
 from engine.outputs import Logprobs
 from engine.sampling_params import InvalidRequestError

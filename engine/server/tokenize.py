@@ -18,7 +18,8 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.httpkit.body import DEFAULT_MAX_REQUEST_BYTES, read_body
+from engine.httpkit.body import read_body
+from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES
 from engine.server.engine_client import EngineClient
 from engine.server.protocol import (
     APIError,
