@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.httpkit.sse_reader import SSEReader
+from proxy.answers import MalformedAnswer, check_answer
 from proxy.node_client import NodeResponse
 from proxy.waiting import never, wait_watched
 
@@ -68,7 +69,11 @@ class DecodeEvents:
         # up by ``watch``) leaves the read running for the next caller.
         await wait_watched(pending, self.watch or never, self.poll_s)
         self._pending = None
-        return pending.result()
+        try:
+            obj = pending.result()
+        except (ValueError, RecursionError) as e:  # the event's JSON (SSEReader)
+            raise MalformedAnswer(f"an event is not JSON: {str(e)[:120]}") from None
+        return obj if obj is _END else check_answer(obj)
 
     async def until_token(self) -> None:
         """Read ahead until an event carries a token (or the stream ended or broke: the

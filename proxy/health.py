@@ -42,7 +42,9 @@ class HealthChecker:
         self.deadline = 3 * client.timeout if deadline is None else deadline
         self._task: asyncio.Task[None] | None = None
         self._first_round = asyncio.Event()
-        self._calls: dict[str, asyncio.Future[Any]] = {}  # each node's /health call in flight
+        # Each node's /health call in flight, by node (one that left the pool and one that
+        # joined again at its address are two nodes: ``NodePool.watched``).
+        self._calls: dict[int, asyncio.Future[Any]] = {}
         self._given_up: set[asyncio.Future[Any]] = set()  # calls their check stopped waiting for
 
     async def check_node(self, node: Node) -> None:
@@ -58,7 +60,7 @@ class HealthChecker:
         # it, and a late answer is still proof of life (``_late``): a hung node never
         # answers, a loaded one answers late (found by a load round: two missed 0.05 s
         # checks took healthy decode nodes for hung ones).
-        call = self._calls.get(node.url)
+        call = self._calls.get(id(node))
         if call is not None and not call.done():
             node.mark_unreachable("the previous health check is still unanswered", began)
             return
@@ -68,7 +70,7 @@ class HealthChecker:
                 self.client.get(node.url + "/health", timeout=LATE_ANSWER_S), LATE_ANSWER_S
             )
         )
-        self._calls[node.url] = call
+        self._calls[id(node)] = call
         call.add_done_callback(functools.partial(self._ended, node))
         await asyncio.wait({call}, timeout=self.client.timeout)
         if not call.done():
@@ -80,7 +82,12 @@ class HealthChecker:
         except (NodeHTTPError, TimeoutError) as e:
             node.mark_unreachable(f"health check failed: {type(e).__name__}: {e}", began)
             return
+        except Exception as e:  # noqa: BLE001 - whatever a node sends fails its check only
+            node.set_healthy(False, f"health check failed: {type(e).__name__}: {e}")
+            return
         node.mark_reachable()  # it answered, whatever it said
+        if node.removed:
+            return  # it left the pool: only whether it answers matters (its last requests)
         if resp.status_code != 200:
             node.set_healthy(False, f"health check answered {resp.status_code}")
             return
@@ -88,8 +95,8 @@ class HealthChecker:
             try:
                 node.update_info(await self._get_json(node, "/v1/kv_transfer_info"), None)
                 node.update_info(None, await self._get_json(node, "/v1/models"))
-            except (NodeHTTPError, ValueError) as e:
-                node.set_healthy(False, f"node facts unavailable: {e}")
+            except Exception as e:  # noqa: BLE001 - a node's answer, however malformed
+                node.set_healthy(False, f"node facts unavailable: {type(e).__name__}: {e}")
                 return
             if node.role == "prefill" and node.side_channel is None:
                 node.set_healthy(False, "prefill node advertises no KV side channel")
@@ -99,8 +106,8 @@ class HealthChecker:
     def _ended(self, node: Node, call: asyncio.Future[Any]) -> None:
         """A /health call ended. One its check gave up on that got an answer all the
         same shows the node alive (``Node.unreachable_checks`` starts again)."""
-        if self._calls.get(node.url) is call:
-            del self._calls[node.url]
+        if self._calls.get(id(node)) is call:
+            del self._calls[id(node)]
         late = call in self._given_up
         self._given_up.discard(call)
         if late and not call.cancelled() and call.exception() is None and node.unreachable:
@@ -118,7 +125,14 @@ class HealthChecker:
         return data
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check_node(n) for n in self.pool.all()))
+        """Check every node at once; one node's check failing in any way ends no other's
+        (the round lasts until each is done)."""
+        nodes = self.pool.watched()
+        results = await asyncio.gather(*(self.check_node(n) for n in nodes), return_exceptions=True)
+        for node, result in zip(nodes, results, strict=True):
+            if isinstance(result, Exception):
+                logger.error("health check of %s failed: %r", node.url, result)
+                node.set_healthy(False, f"health check failed: {type(result).__name__}")
 
     async def _run(self) -> None:
         while True:

@@ -30,6 +30,7 @@ from engine.httpkit.admission import OVERLOADED_CODE
 from engine.httpkit.request_id import REQUEST_ID_HEADER
 from kvconnector.base import KV_NOT_RESERVED
 from kvconnector.params import KVTransferParams
+from proxy.answers import MalformedAnswer, parse_answer
 from proxy.node_client import NodeClient, NodeHTTPError, NodeResponse
 from proxy.nodes import Node
 from proxy.validation import ProxyRequest
@@ -78,7 +79,11 @@ class UpstreamError(Exception):
 
     @property
     def node_fault(self) -> bool:
-        return self.status is None or (self.status >= 500 and not self.overloaded)
+        """The node failed (no answer, 5xx, or a status a node never gives a request:
+        1xx/2xx/3xx); only a 4xx refuses the request itself (passed to the client)."""
+        if self.status is None or self.status < 400:
+            return True
+        return self.status >= 500 and not self.overloaded
 
 
 async def _error_from_response(node: Node, resp: NodeResponse) -> UpstreamError:
@@ -141,12 +146,14 @@ class Legs:
             if resp.status_code != 200:
                 raise await _error_from_response(node, resp)
             try:
-                data = resp.json()
-                choice = data["choices"][0]
-                first = (data.get("kv_transfer_params") or {}).get("first_token")
-                ids, reason = choice.get("token_ids"), choice.get("finish_reason")
-            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+                data = parse_answer(resp.content)
+                if not data.get("choices") or "error" in data:
+                    raise MalformedAnswer("an answer of status 200 without choices")
+            except MalformedAnswer as e:
                 raise UpstreamError(node, f"malformed prefill response: {e}", status=502) from e
+            choice = data["choices"][0]
+            first = (data.get("kv_transfer_params") or {}).get("first_token")
+            ids, reason = choice.get("token_ids"), choice.get("finish_reason")
             if first is None and not ids:
                 # E.g. a leg aborted on P: streamed on, its "first token" would be none,
                 # and D (told to skip the first token) would drop the real one.

@@ -25,7 +25,9 @@ The contract, close to httpx's where the proxy used it:
   client's) for each write and each read, so a stream may last longer as long as the
   node keeps sending.
 - Limits on what a node may send: a status line plus headers of at most 64 KiB, a body of
-  at most ``max_body_bytes`` when read whole (streams are read piece by piece).
+  at most ``max_body_bytes`` when read whole, and lines of at most ``max_body_bytes``
+  when read by lines (streams are read piece by piece). A final status is 101 nowhere (the
+  proxy asks no upgrade) and always within 200-599.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ class NodeResponse:
         self._length: int | None = None
         if not self._chunked and "content-length" in headers:
             text = headers["content-length"].strip()
-            if not text.isdigit():
+            # str.isdigit alone takes "²" and other non-ASCII digits, which int() refuses.
+            if not (text.isascii() and text.isdigit() and len(text) <= 18):
                 raise NodeProtocolError(f"bad Content-Length {text!r:.40}")
             self._length = int(text)
         elif not self._chunked:
@@ -226,20 +229,29 @@ class NodeResponse:
         return size, whole
 
     async def aiter_lines(self) -> AsyncIterator[str]:
-        """The body's lines (UTF-8, without their ``\\n`` or ``\\r\\n``)."""
-        pending = b""
+        """The body's lines (UTF-8, without their ``\\n`` or ``\\r\\n``). A line longer
+        than the client's ``max_body_bytes`` is a ``NodeProtocolError`` (a node sending
+        without newlines must not grow the proxy's memory without end)."""
+        pending = bytearray()
+        limit = self._client.max_body_bytes
         if self._body is None and not self._done:
             self._body = self._read_body()
         pieces = self._body if self._body is not None else self.aiter_bytes()
         async for piece in pieces:  # straight from the wire's reader: one generator less
-            pending += piece
             if b"\n" not in piece:
+                pending += piece  # amortised: no copy of what is pending per piece
+                if len(pending) > limit:
+                    self.close()
+                    raise NodeProtocolError(f"a line of the answer exceeds {limit} bytes")
                 continue
-            *lines, pending = pending.split(b"\n")
+            first, *lines, rest = piece.split(b"\n")
+            pending += first
+            yield bytes(pending).removesuffix(b"\r").decode("utf-8", "replace")
             for line in lines:
                 yield line.removesuffix(b"\r").decode("utf-8", "replace")
+            pending = bytearray(rest)
         if pending:
-            yield pending.removesuffix(b"\r").decode("utf-8", "replace")
+            yield bytes(pending).removesuffix(b"\r").decode("utf-8", "replace")
 
     async def aread(self) -> bytes:
         if self._content is None:
@@ -450,7 +462,9 @@ class NodeClient:
                 while True:
                     head = await reader.readuntil(b"\r\n\r\n")
                     status, headers = _parse_head(head)
-                    if status >= 200 or status == 101:
+                    if status == 101:  # the proxy never asks to switch protocols
+                        raise NodeProtocolError("the node answered 101 Switching Protocols")
+                    if status >= 200:
                         break  # 1xx (100 Continue, 103 Early Hints): informational, skipped
         except TimeoutError as e:
             raise NodeTimeout(f"no answer from the node within {timeout:g} s") from e
@@ -493,7 +507,7 @@ def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
         raise NodeProtocolError(f"bad status line {lines[0][:80]!r}")
     status = int(parts[1])
-    if not 100 <= status <= 999:
+    if not 100 <= status <= 599:
         raise NodeProtocolError(f"bad status {status}")
     headers: dict[str, str] = {}
     for line in lines[1:]:

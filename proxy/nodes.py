@@ -115,6 +115,8 @@ class Node:
         self.set_healthy(False, reason)
 
     def update_info(self, kv_info: dict[str, Any] | None, models: dict[str, Any] | None) -> None:
+        """Learn the node's facts from its ``/v1/kv_transfer_info`` and ``/v1/models``
+        answers (either may be None); ``ValueError`` when ``/v1/models`` lists no model."""
         if kv_info is not None:
             incarnation = kv_info.get("incarnation")
             if self.incarnation is not None and incarnation != self.incarnation:
@@ -128,12 +130,13 @@ class Node:
             side = kv_info.get("side_channel")
             self.side_channel = side if isinstance(side, str) and side else None
         if models is not None:
-            cards = models.get("data") or []
-            if cards and isinstance(cards[0], dict):
-                self.model = str(cards[0].get("id"))
-                mml = cards[0].get("max_model_len")
-                ok = isinstance(mml, int) and not isinstance(mml, bool) and mml >= 2
-                self.max_model_len = mml if ok else None
+            cards = models.get("data")
+            if not (isinstance(cards, list) and cards and isinstance(cards[0], dict)):
+                raise ValueError("/v1/models lists no model")
+            self.model = str(cards[0].get("id"))
+            mml = cards[0].get("max_model_len")
+            ok = isinstance(mml, int) and not isinstance(mml, bool) and mml >= 2
+            self.max_model_len = mml if ok else None
 
     def _reset(self) -> None:
         if self.on_reset is not None:
@@ -158,6 +161,7 @@ class NodePool:
         self.decode = [Node(url.rstrip("/"), "decode") for url in decode]
         self.prefill_fallback = prefill_fallback  # decode nodes alone when no P is ready
         self._on_reset: Callable[[Node], None] | None = None
+        self._departed: list[Node] = []  # removed, maybe still serving requests (``watched``)
 
     def set_on_reset(self, callback: Callable[[Node], None]) -> None:
         """``Node.on_reset`` of every node, present and future."""
@@ -183,6 +187,14 @@ class NodePool:
         node.healthy = False
         logger.info("%s node %s left: %s", node.role, node.url, reason)
         node._reset()
+        self._departed.append(node)
+
+    def watched(self) -> list[Node]:
+        """The nodes to health-check: the pool's, and those that left it while requests
+        were still on them (a node that hangs after leaving must still be found hung:
+        ``Attempt.d_gone`` reads its checks), until their last request ends."""
+        self._departed = [n for n in self._departed if n.outstanding > 0]
+        return [*self.all(), *self._departed]
 
     def all(self) -> list[Node]:
         return [*self.prefill, *self.decode]

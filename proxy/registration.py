@@ -79,7 +79,9 @@ def normalize_node_url(text: str) -> str:
                 f"{text!r:.80}: an address must be written a.b.c.d (or [v6]), not {host!r:.40}"
             ) from None
         return f"{parts.scheme}://{host}:{port}"
-    if addr.is_unspecified or addr.is_multicast:
+    # ::ffff:0.0.0.0 is 0.0.0.0 written as IPv6 (Python 3.11 does not call it unspecified).
+    mapped = getattr(addr, "ipv4_mapped", None)
+    if any(a is not None and (a.is_unspecified or a.is_multicast) for a in (addr, mapped)):
         raise ValueError(
             f"{text!r:.80}: {host} is not an address others can reach; advertise the "
             "node's own address"

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -48,6 +47,7 @@ from engine.httpkit import openai
 from engine.httpkit.sse import SSE_DONE, sse_event
 from engine.server.logprobs import drop_first, fill_missing, has_missing, num_entries
 from engine.server.protocol import APIError, error_body
+from proxy.answers import MalformedAnswer, parse_answer
 from proxy.config import ProxyConfig
 from proxy.decode_events import DecodeEvents
 from proxy.legs import Attempt, Legs, UpstreamError
@@ -267,7 +267,9 @@ class Session:
                 raw = await attempt.watched(resp.aread())
                 attempt.finished = True
                 attempt.d.mark_answered()
-                body = json.loads(raw)
+                body = parse_answer(raw)
+                if "error" in body or not body.get("choices"):
+                    raise MalformedAnswer("an answer of status 200 without choices")
             except UpstreamError as e:
                 self._failed(attempt, e)
                 continue
@@ -531,6 +533,12 @@ class Session:
             if isinstance(e, PassThrough):
                 msg = f"the request was refused after the first token: {e}"
             yield sse_event(error_body(msg, "server_error", None, "upstream_error"))
+            yield SSE_DONE
+        except Exception:  # a fault of the proxy's own: the client still gets an end
+            logger.exception("request %s: the stream failed", self.request_id)
+            self.metrics.errors.labels("stream_error").inc()
+            self.outcome = "error"
+            yield sse_event(error_body("internal error in the proxy", "server_error", None))
             yield SSE_DONE
         finally:
             self.close()

@@ -91,6 +91,7 @@ def test_registration_body_is_checked_field_by_field() -> None:
         ({"role": "decode", "url": "http://bad host:8200"}, "url"),
         ({"role": "decode", "url": "http://0.0.0.0:8200"}, "url"),  # not reachable
         ({"role": "decode", "url": "http://[::]:8200"}, "url"),
+        ({"role": "decode", "url": "http://[::ffff:0.0.0.0]:8200"}, "url"),  # 0.0.0.0 as v6
         # the resolver reads these as addresses (0.0.0.0 and loopback in disguise)
         ({"role": "decode", "url": "http://0:8200"}, "url"),
         ({"role": "decode", "url": "http://0.0.0.0.:8200"}, "url"),

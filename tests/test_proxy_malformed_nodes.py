@@ -1,0 +1,297 @@
+"""Nodes that answer what no node sends, against stand-in nodes on loopback: the proxy
+treats the node as failed (the request moves on, or its stream ends with an error event
+and [DONE]), never answers the client 500 or passes a node's odd status through, never
+blames the other node of the pair, and one node's odd answers change no other node's
+health. Found by a fault round against the proxy (each case crashed it before)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from proxy.health import HealthChecker
+from proxy.node_client import NodeClient, NodeProtocolError
+from proxy.nodes import NodePool
+from tests.standin_http import SeenRequest, StandIn, answer, chunked
+from tests.test_proxy_waits import (
+    PREFILL_ANSWER,
+    _complete_through_session,
+    _node,
+    _p_and_two_d,
+    _ready_pool,
+    _sse,
+    _stream_through_session,
+    _token,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+DEEP = b"[" * 200_000 + b"]" * 200_000  # json.loads: RecursionError, not ValueError
+D_ANSWER = {
+    "choices": [{"index": 0, "text": "xyz", "finish_reason": "length", "token_ids": [7, 8, 9]}],
+    "model": "tiny",
+}
+
+
+def _raw_event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+async def _prefill(req: SeenRequest) -> bytes:
+    return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+
+async def _good_decode(req: SeenRequest) -> bytes:
+    if req.json().get("stream"):
+        return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
+    return answer(200, D_ANSWER)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"[1]",
+        b"5",
+        json.dumps({"choices": 5}).encode(),
+        json.dumps({"choices": [5]}).encode(),
+        json.dumps({"choices": [{"index": 0, "token_ids": 5}]}).encode(),
+        json.dumps({"choices": [{"index": 0, "text": 5, "token_ids": [9]}]}).encode(),
+        DEEP,
+    ],
+    ids=["list", "int", "choices-int", "choice-int", "token-ids-int", "text-int", "deep"],
+)
+def test_a_malformed_event_mid_stream_ends_it_with_an_error_event(garbage: bytes) -> None:
+    """D streams a token, then an event no node sends: the client has P's and D's
+    tokens, then an error event and [DONE] (not a cut connection); D leaves the rotation."""
+
+    async def decode(req: SeenRequest) -> bytes:
+        pieces = _sse(_token(7), _token(8))[:-1] + [_raw_event(garbage)] + [b"data: [DONE]\n\n"]
+        return chunked(200, pieces)
+
+    async def main() -> None:
+        async with StandIn(_node(_prefill)) as p, StandIn(_node(decode)) as d:
+            from proxy.config import ProxyConfig
+
+            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            ids, events = await _stream_through_session(cfg, pool)
+            assert ids == [7, 8], events
+            assert "error" in events[-1], events
+            d_node = pool.nodes("decode")[0]
+            assert not d_node.healthy and pool.nodes("prefill")[0].healthy
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"[1, 2]", DEEP, json.dumps({"choices": [{"index": 0, "message": 5}]}).encode(), b"{}"],
+    ids=["list", "deep", "message-int", "no-choices"],
+)
+def test_a_malformed_decode_answer_moves_the_request_to_another_decode_node(raw: bytes) -> None:
+    """A non-streamed answer of D1 that is no completion: the request is answered by D2
+    (it was a 500 from the proxy, D1 still in rotation)."""
+
+    async def bad(req: SeenRequest) -> bytes:
+        return answer(200, raw=raw)
+
+    async def main() -> None:
+        async with _p_and_two_d(_prefill, bad, _good_decode) as (cfg, pool, _d1):
+            body = await _complete_through_session(cfg, pool)
+            assert body["choices"][0]["token_ids"] == [7, 8, 9]
+            d1, d2 = pool.nodes("decode")
+            assert not d1.healthy and d2.healthy
+
+    asyncio.run(main())
+
+
+def _status_answer(status: int) -> bytes:
+    if status == 204:
+        return b"HTTP/1.1 204 X\r\n\r\n"
+    return answer(status, {"error": {"message": "odd"}}, {"Location": "http://elsewhere/"})
+
+
+@pytest.mark.parametrize("status", [101, 204, 206, 302])
+def test_a_decode_node_answering_an_odd_status_is_a_failed_node_not_the_clients_answer(
+    status: int,
+) -> None:
+    """D1 answers 101/204/206/302: not passed to the client (it got 206 or 302 before,
+    or a broken connection for 101); the request moves to D2 and D1 leaves the rotation."""
+
+    async def odd(req: SeenRequest) -> bytes:
+        return _status_answer(status)
+
+    async def main() -> None:
+        async with _p_and_two_d(_prefill, odd, _good_decode) as (cfg, pool, _d1):
+            body = await _complete_through_session(cfg, pool)
+            assert body["choices"][0]["token_ids"] == [7, 8, 9]
+            assert [n.healthy for n in pool.nodes("decode")] == [False, True]
+
+    asyncio.run(main())
+
+
+PREFILL_FAULTS = {
+    "text-int": lambda: answer(200, {**PREFILL_ANSWER, "choices": [{"index": 0, "text": 5}]}),
+    "message-int": lambda: answer(200, {**PREFILL_ANSWER, "choices": [{"message": 5}]}),
+    "first-token-str": lambda: answer(
+        200, {**PREFILL_ANSWER, "kv_transfer_params": {"first_token": "7"}}
+    ),
+    "deep": lambda: answer(200, raw=DEEP),
+    # "²" passes str.isdigit() and fails int(): a ValueError, not the client's fault
+    "content-length-superscript": lambda: (
+        "HTTP/1.1 200 X\r\nContent-Length: \u00b2\r\n\r\n{}".encode("latin-1")
+    ),
+    "status-302": lambda: _status_answer(302),
+    "status-204": lambda: _status_answer(204),
+}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+@pytest.mark.parametrize("fault", sorted(PREFILL_FAULTS))
+def test_a_malformed_prefill_answer_fails_the_prefill_node_and_decode_answers(
+    fault: str, stream: bool
+) -> None:
+    """P's answer is malformed and no other P is ready: D's answer (it recomputes the
+    prompt when no KV comes) is the client's; P leaves the rotation, D stays (a 500 or
+    302 reached the client before, and one fault blamed the healthy D)."""
+
+    p_answered = asyncio.Event()
+
+    async def prefill(req: SeenRequest) -> bytes:
+        p_answered.set()
+        return PREFILL_FAULTS[fault]()
+
+    async def decode(req: SeenRequest) -> bytes:
+        await p_answered.wait()  # as with real nodes: D's answer comes after P's
+        await asyncio.sleep(0.1)
+        return await _good_decode(req)
+
+    async def main() -> None:
+        async with StandIn(_node(prefill)) as p, StandIn(_node(decode)) as d:
+            from proxy.config import ProxyConfig
+
+            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            if stream:
+                ids, events = await _stream_through_session(cfg, pool)
+                assert ids == [7, 8, 9] and "error" not in events[-1], events
+            else:
+                body = await _complete_through_session(cfg, pool)
+                assert body["choices"][0]["token_ids"] == [7, 8, 9]
+            assert not pool.nodes("prefill")[0].healthy
+            assert pool.nodes("decode")[0].healthy
+
+    asyncio.run(main())
+
+
+async def _endless_line(req: SeenRequest) -> AsyncIterator[bytes]:
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        while True:
+            piece = b"x" * 65536
+            yield f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+            await asyncio.sleep(0)
+
+    return pieces()
+
+
+def test_a_stream_without_newlines_fails_at_the_line_limit() -> None:
+    """A node sending bytes without a newline: the read fails once a line passes the
+    client's limit (it grew the proxy's memory, quadratically in CPU, without end)."""
+
+    async def main() -> None:
+        async with (
+            StandIn(_endless_line) as node,
+            NodeClient(timeout=5, max_body_bytes=1 << 20) as client,
+        ):
+            resp = await client.send_stream("POST", node.url + "/v1/completions", json={})
+            with pytest.raises(NodeProtocolError, match="line"):
+                async with asyncio.timeout(20):
+                    async for _line in resp.aiter_lines():
+                        pass
+            assert client.in_flight == 0  # the connection was given up
+
+    asyncio.run(main())
+
+
+KV_INFO = {"side_channel": "tcp://127.0.0.1:1", "incarnation": "i1"}
+
+
+def _facts(models: Any, health_delay: float = 0.0) -> Any:
+    async def handler(req: SeenRequest) -> bytes:
+        if req.path == "/health":
+            await asyncio.sleep(health_delay)
+            return answer(200, {})
+        if req.path == "/v1/kv_transfer_info":
+            return answer(200, KV_INFO)
+        return answer(200, raw=models) if isinstance(models, bytes) else answer(200, models)
+
+    return handler
+
+
+async def _bad_health(req: SeenRequest) -> bytes:
+    return "HTTP/1.1 200 X\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        _facts({"data": {"x": 1}}),
+        _facts({"data": 5}),
+        _facts(DEEP),
+        _bad_health,
+    ],
+    ids=["models-dict", "models-int", "models-deep", "health-content-length"],
+)
+def test_a_node_with_malformed_health_answers_is_unhealthy_and_others_are_checked(bad: Any) -> None:
+    """One node's malformed /health or /v1/models: that node is out of the rotation, and
+    the round still decides a slower healthy node (the first exception ended the round,
+    the bad node stayed routable and the others' checks ran on unattended)."""
+
+    good_models = {"data": [{"id": "tiny", "max_model_len": 64}]}
+
+    async def main() -> None:
+        async with (
+            StandIn(bad) as b,
+            StandIn(_facts(good_models, health_delay=0.3)) as g,
+            NodeClient(timeout=5) as client,
+        ):
+            pool = NodePool((), (b.url, g.url))
+            bad_node, good_node = pool.nodes("decode")
+            bad_node.set_healthy(True)  # it was healthy; now it answers garbage
+            await HealthChecker(pool, client, interval=1.0).check_all()
+            assert not bad_node.healthy
+            assert good_node.healthy and good_node.model == "tiny"
+
+    asyncio.run(main())
+
+
+def test_a_node_that_left_the_pool_with_requests_on_it_is_still_checked() -> None:
+    """D leaves the pool (deregistered, or gone from DNS) while a request is on it: its
+    health is still checked until that request ends, so a D that hangs after leaving is
+    still found hung (``Attempt.d_gone`` reads its missed checks); the request waited
+    for --request-timeout before."""
+
+    async def hung(req: SeenRequest) -> bytes:
+        await asyncio.sleep(30)
+        return answer(200, {})
+
+    async def main() -> None:
+        async with StandIn(hung) as d, NodeClient(timeout=0.2) as client:
+            pool = NodePool((), (d.url,))
+            node = pool.nodes("decode")[0]
+            node.outstanding = 1  # a request's leg holds it
+            pool.remove(node, "deregistered")
+            checker = HealthChecker(pool, client, interval=1.0)
+            for _ in range(3):
+                await checker.check_all()
+            assert node.unreachable_checks == 3 and node.unreachable
+            node.outstanding = 0  # its last request ended: no longer checked
+            assert node not in pool.watched()
+            await checker.stop()
+
+    asyncio.run(main())
