@@ -11,7 +11,9 @@ What is checked is what the proxy reads: the body is an object; ``choices`` a li
 objects; in a choice ``token_ids`` a list of integers, ``text`` a string, ``delta`` and
 ``message`` objects whose ``content`` is a string, ``finish_reason`` a string;
 ``kv_transfer_params`` an object whose ``first_token`` is an integer; ``usage`` an
-object. Each may be absent or null. An error event (``{"error": ...}``) is passed on as
+object. Each may be absent or null, but for ``delta`` and ``message`` (absent, or an
+object). ``NaN`` and ``Infinity`` are not JSON (a node's own encoder refuses them; the
+proxy's would fail on them later). An error event (``{"error": ...}``) is passed on as
 it is. Log probabilities are read defensively where they are used
 (``engine/server/logprobs.py``).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.httpkit.sse_reader import refuse_constant
 from proxy.node_client import NodeProtocolError
 
 
@@ -31,7 +34,7 @@ class MalformedAnswer(NodeProtocolError):
 def parse_answer(raw: bytes | str) -> dict[str, Any]:
     """A node's JSON answer, checked (``check_answer``)."""
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, parse_constant=refuse_constant)
     except (ValueError, RecursionError) as e:
         raise MalformedAnswer(f"the answer is not JSON: {str(e)[:120]}") from None
     return check_answer(obj)
@@ -70,7 +73,8 @@ def check_answer(obj: Any) -> dict[str, Any]:
         _optional(choice, "text", str, where)
         _optional(choice, "finish_reason", str, where)
         for key in ("delta", "message"):
-            part = _optional(choice, key, dict, where)
-            if part is not None:
-                _optional(part, "content", str, f"{where}{key}.")
+            if key in choice and not isinstance(choice[key], dict):  # null too: never sent
+                raise MalformedAnswer(f"{where}{key} is a {type(choice[key]).__name__}")
+            if key in choice:
+                _optional(choice[key], "content", str, f"{where}{key}.")
     return obj

@@ -272,9 +272,11 @@ class Attempt:
 
         def stop() -> BaseException | None:
             if d_task.done():
-                return d_task.exception()
-            if (err := self.d_gone()) is not None:
+                if (err := d_task.exception()) is not None:
+                    return err
+            elif (err := self.d_gone()) is not None:
                 return err  # P would wait for D's reservation until its KV timeout
+            # Whatever D's state (its stream may be open): a hung P never answers.
             if poll_s is not None and p.unreachable:
                 return UpstreamError(p, "unreachable while its answer was awaited")
             return None

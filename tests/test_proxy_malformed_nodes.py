@@ -295,3 +295,115 @@ def test_a_node_that_left_the_pool_with_requests_on_it_is_still_checked() -> Non
             await checker.stop()
 
     asyncio.run(main())
+
+
+async def _chat_stream(cfg: Any, pool: NodePool) -> tuple[list[int], list[dict[str, Any]]]:
+    """The token ids and events of one streamed chat request through a Session."""
+    from proxy.legs import Legs
+    from proxy.metrics import ProxyMetrics
+    from proxy.router import Router
+    from proxy.session import Session
+    from proxy.validation import CHAT, validate_request
+
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}
+    req = validate_request(CHAT, json.dumps(body).encode(), ["tiny"], None)
+    async with NodeClient(timeout=20) as client:
+        legs = Legs(client)
+        session = Session(req, "r", cfg, Router(pool), legs, ProxyMetrics(pool))
+        try:
+            await asyncio.wait_for(session.start_stream(), 20)
+            chunks = [c async for c in session.events()]
+        finally:
+            session.close()
+            await legs.drain()
+    events = [json.loads(c[6:]) for c in chunks if c.startswith("data: {")]
+    ids = [t for e in events for ch in e.get("choices", []) for t in ch.get("token_ids") or []]
+    return ids, events
+
+
+def _chat_token(i: int, finish: str | None = None, **delta: Any) -> dict[str, Any]:
+    choice = {"index": 0, "delta": {"content": f"t{i}", **delta}, "token_ids": [i]}
+    return {"choices": [{**choice, "finish_reason": finish}], "model": "tiny"}
+
+
+CHAT_PREFILL = {
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "t7"},
+                 "finish_reason": "length", "token_ids": [7]}],
+    "kv_transfer_params": {"first_token": 7}, "model": "tiny",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", ["delta-null", "message-null"])
+def test_a_null_delta_or_message_fails_its_node_not_the_proxy(fault: str) -> None:
+    """Chat: D1's first event has ``"delta": null`` (or P's answer ``"message": null``):
+    that node failed, the request moves on (D2) or D answers alone; before, the proxy's
+    rewrite raised (an internal-error event, or a 500) and every node stayed healthy."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        if fault == "message-null":
+            return answer(200, {**CHAT_PREFILL, "choices": [{"index": 0, "message": None}]})
+        return answer(200, CHAT_PREFILL)
+
+    async def bad_decode(req: SeenRequest) -> bytes:
+        first = {"choices": [{"index": 0, "delta": None, "token_ids": [], "finish_reason": None}]}
+        return chunked(200, _sse(first, _chat_token(8), _chat_token(9, "length")))
+
+    async def good_decode(req: SeenRequest) -> bytes:
+        events = [_chat_token(7, role="assistant"), _chat_token(8), _chat_token(9, "length")]
+        return chunked(200, _sse(*events))
+
+    d1 = bad_decode if fault == "delta-null" else good_decode
+
+    async def main() -> None:
+        async with _p_and_two_d(prefill, d1, good_decode) as (cfg, pool, _s1):
+            ids, events = await _chat_stream(cfg, pool)
+            assert ids == [7, 8, 9] and "error" not in events[-1], events
+            p, (n1, n2) = pool.nodes("prefill")[0], pool.nodes("decode")
+            if fault == "delta-null":
+                assert p.healthy and not n1.healthy and n2.healthy
+            else:
+                assert not p.healthy and n1.healthy
+
+    asyncio.run(main())
+
+
+NAN_CHUNK = b'{"choices": [{"index": 0, "text": "b", "token_ids": [8], "logprobs": {"token_logprobs": [NaN]}}]}'
+
+
+def test_nan_in_a_decode_stream_is_not_passed_to_the_client() -> None:
+    """``NaN`` is not JSON (a node's encoder refuses it): a stream event holding one fails
+    D (error event) instead of reaching the client as an event no JSON parser reads."""
+
+    async def decode(req: SeenRequest) -> bytes:
+        pieces = _sse(_token(7))[:-1] + [_raw_event(NAN_CHUNK), b"data: [DONE]\n\n"]
+        return chunked(200, pieces)
+
+    async def main() -> None:
+        async with StandIn(_node(_prefill)) as p, StandIn(_node(decode)) as d:
+            from proxy.config import ProxyConfig
+
+            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            ids, events = await _stream_through_session(cfg, pool)
+            assert ids == [7] and "error" in events[-1], events
+            assert not pool.nodes("decode")[0].healthy
+
+    asyncio.run(main())
+
+
+def test_nan_in_a_decode_answer_moves_the_request_to_another_decode_node() -> None:
+    """A non-streamed answer holding ``Infinity``: D1 failed, D2 answers (the proxy's
+    JSON encoder refused it: a 500)."""
+
+    async def bad(req: SeenRequest) -> bytes:
+        return answer(
+            200, raw=json.dumps(D_ANSWER).replace("[7, 8, 9]", '[7, 8, 9], "x": Infinity').encode()
+        )
+
+    async def main() -> None:
+        async with _p_and_two_d(_prefill, bad, _good_decode) as (cfg, pool, _d1):
+            body = await _complete_through_session(cfg, pool)
+            assert body["choices"][0]["token_ids"] == [7, 8, 9]
+            assert [n.healthy for n in pool.nodes("decode")] == [False, True]
+
+    asyncio.run(main())

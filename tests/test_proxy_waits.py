@@ -672,3 +672,32 @@ def test_a_non_streamed_request_whose_only_prefill_node_dies_is_answered_by_the_
             assert not pool.nodes("prefill")[0].healthy
 
     asyncio.run(main())
+
+
+def test_an_unreachable_prefill_node_ends_the_wait_after_the_decode_stream_opened() -> None:
+    """D's stream is open (a rerun after P's token was streamed) and P hangs: the wait for
+    P's answer still ends once P is unreachable (a refactor once checked it only while D's
+    leg was running: the client waited for --request-timeout)."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        await asyncio.sleep(30)
+        return answer(200, PREFILL_ANSWER)
+
+    async def decode(req: SeenRequest) -> Any:
+        async def stream() -> AsyncIterator[bytes]:
+            yield STREAM_HEAD
+            await asyncio.sleep(30)
+
+        return stream()
+
+    async def main() -> None:
+        async with _attempt(prefill, decode) as (attempt, legs):
+            await asyncio.wait_for(asyncio.shield(attempt.d_task), 10)  # D's head came
+            assert attempt.p is not None
+            attempt.p.mark_unreachable("no answer", time.monotonic())
+            with pytest.raises(UpstreamError, match="unreachable"):
+                await asyncio.wait_for(attempt.wait_prefill(poll_s=0.1), 10)
+            attempt.release()
+            await legs.drain()
+
+    asyncio.run(main())

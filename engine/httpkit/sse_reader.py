@@ -8,6 +8,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 
+def refuse_constant(name: str) -> Any:
+    """``json.loads``' hook for ``NaN``/``Infinity``/``-Infinity``: not JSON (RFC 8259),
+    never sent by a node, and a re-encoder with ``allow_nan=False`` fails on them later."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 class SSEReader:
     """``async for obj in SSEReader(resp.aiter_lines())`` yields each event's JSON; the loop
     ends at ``data: [DONE]`` (then ``done`` is True) or when the stream ends without it."""
@@ -24,4 +30,4 @@ class SSEReader:
             if data == "[DONE]":
                 self.done = True
                 return
-            yield json.loads(data)
+            yield json.loads(data, parse_constant=refuse_constant)

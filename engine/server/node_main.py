@@ -179,7 +179,8 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
         except ConfigError as e:  # a flag only the loaded model or memory can judge
             print(f"{role}-node: error: {e}", file=sys.stderr)
             return 2
-        http_stack.join()
+        finally:
+            http_stack.join()  # never left importing while the interpreter exits
         from engine.httpkit.serve import make_server
         from engine.server.app import build_app
 
