@@ -7,12 +7,14 @@ health. Found by a fault round against the proxy (each case crashed it before)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from proxy.config import ProxyConfig
 from proxy.health import HealthChecker
 from proxy.node_client import NodeClient, NodeProtocolError
 from proxy.nodes import NodePool
@@ -30,6 +32,7 @@ from tests.test_proxy_waits import (
 
 pytestmark = pytest.mark.timeout(60)
 
+NAN_CHUNK = b'{"choices": [{"index": 0, "text": "b", "token_ids": [8], "logprobs": {"token_logprobs": [NaN]}}]}'
 DEEP = b"[" * 200_000 + b"]" * 200_000  # json.loads: RecursionError, not ValueError
 D_ANSWER = {
     "choices": [{"index": 0, "text": "xyz", "finish_reason": "length", "token_ids": [7, 8, 9]}],
@@ -39,6 +42,14 @@ D_ANSWER = {
 
 def _raw_event(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
+
+
+@contextlib.asynccontextmanager
+async def _one_pair(prefill: Any, decode: Any) -> AsyncIterator[tuple[ProxyConfig, NodePool]]:
+    """One P and one D answering with ``prefill`` and ``decode``: the config, a ready pool."""
+    async with StandIn(_node(prefill)) as p, StandIn(_node(decode)) as d:
+        cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
+        yield cfg, _ready_pool(cfg)
 
 
 async def _prefill(req: SeenRequest) -> bytes:
@@ -61,8 +72,9 @@ async def _good_decode(req: SeenRequest) -> bytes:
         json.dumps({"choices": [{"index": 0, "token_ids": 5}]}).encode(),
         json.dumps({"choices": [{"index": 0, "text": 5, "token_ids": [9]}]}).encode(),
         DEEP,
+        NAN_CHUNK,  # not JSON: a node's encoder refuses it; it reached clients unparseable
     ],
-    ids=["list", "int", "choices-int", "choice-int", "token-ids-int", "text-int", "deep"],
+    ids=["list", "int", "choices-int", "choice-int", "token-ids-int", "text-int", "deep", "nan"],
 )
 def test_a_malformed_event_mid_stream_ends_it_with_an_error_event(garbage: bytes) -> None:
     """D streams a token, then an event no node sends: the client has P's and D's
@@ -73,11 +85,7 @@ def test_a_malformed_event_mid_stream_ends_it_with_an_error_event(garbage: bytes
         return chunked(200, pieces)
 
     async def main() -> None:
-        async with StandIn(_node(_prefill)) as p, StandIn(_node(decode)) as d:
-            from proxy.config import ProxyConfig
-
-            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
-            pool = _ready_pool(cfg)
+        async with _one_pair(_prefill, decode) as (cfg, pool):
             ids, events = await _stream_through_session(cfg, pool)
             assert ids == [7, 8], events
             assert "error" in events[-1], events
@@ -171,11 +179,7 @@ def test_a_malformed_prefill_answer_fails_the_prefill_node_and_decode_answers(
         return await _good_decode(req)
 
     async def main() -> None:
-        async with StandIn(_node(prefill)) as p, StandIn(_node(decode)) as d:
-            from proxy.config import ProxyConfig
-
-            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
-            pool = _ready_pool(cfg)
+        async with _one_pair(prefill, decode) as (cfg, pool):
             if stream:
                 ids, events = await _stream_through_session(cfg, pool)
                 assert ids == [7, 8, 9] and "error" not in events[-1], events
@@ -363,30 +367,6 @@ def test_a_null_delta_or_message_fails_its_node_not_the_proxy(fault: str) -> Non
                 assert p.healthy and not n1.healthy and n2.healthy
             else:
                 assert not p.healthy and n1.healthy
-
-    asyncio.run(main())
-
-
-NAN_CHUNK = b'{"choices": [{"index": 0, "text": "b", "token_ids": [8], "logprobs": {"token_logprobs": [NaN]}}]}'
-
-
-def test_nan_in_a_decode_stream_is_not_passed_to_the_client() -> None:
-    """``NaN`` is not JSON (a node's encoder refuses it): a stream event holding one fails
-    D (error event) instead of reaching the client as an event no JSON parser reads."""
-
-    async def decode(req: SeenRequest) -> bytes:
-        pieces = _sse(_token(7))[:-1] + [_raw_event(NAN_CHUNK), b"data: [DONE]\n\n"]
-        return chunked(200, pieces)
-
-    async def main() -> None:
-        async with StandIn(_node(_prefill)) as p, StandIn(_node(decode)) as d:
-            from proxy.config import ProxyConfig
-
-            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
-            pool = _ready_pool(cfg)
-            ids, events = await _stream_through_session(cfg, pool)
-            assert ids == [7] and "error" in events[-1], events
-            assert not pool.nodes("decode")[0].healthy
 
     asyncio.run(main())
 
