@@ -34,11 +34,33 @@ import isolated
 import pytest
 from harness import PD, Procs, procs_in
 
+from engine.bench.cluster import PORT_RANGE_ENV, port_range
+
 PROCESS_FIXTURES = {"procs", "module_procs", "pd_pair"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(isolated, "pdserve-isolated")  # @pytest.mark.isolated
+    _own_port_slice()
+
+
+def _own_port_slice() -> None:
+    """Under pytest-xdist (``-n N``) each worker picks ports from its own slice of
+    ``free_port``'s range: two workers' nodes never get one port (a node binds its port
+    seconds after it was picked)."""
+    worker, count = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+    )
+    if not worker or not count or os.environ.get(PORT_RANGE_ENV):
+        return
+    span = port_range()
+    if span is None:
+        return
+    index, n = int(worker.removeprefix("gw")), int(count)
+    width = (span[1] - span[0]) // n
+    low = span[0] + index * width
+    os.environ[PORT_RANGE_ENV] = f"{low}-{low + width}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

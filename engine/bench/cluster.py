@@ -39,6 +39,22 @@ def _ephemeral_low() -> int:
         return 0
 
 
+PORT_RANGE_ENV = "PDSERVE_PORT_RANGE"  # "LOW-HIGH": free_port() picks from [LOW, HIGH) only
+
+
+def port_range() -> tuple[int, int] | None:
+    """Where ``free_port`` picks: ``$PDSERVE_PORT_RANGE`` (several test processes at once,
+    each its own slice), else the ports just below the kernel's ephemeral range."""
+    text = os.environ.get(PORT_RANGE_ENV, "")
+    if text:
+        low, _, high = text.partition("-")
+        return int(low), int(high)
+    low = _ephemeral_low()
+    if low > _PORTS_BELOW_EPHEMERAL + 1024:
+        return low - _PORTS_BELOW_EPHEMERAL, low
+    return None
+
+
 def free_port() -> int:
     """A loopback TCP port nobody listens on now, for a process started next.
 
@@ -48,13 +64,14 @@ def free_port() -> int:
     port, the loser exiting after the winner answered its health check (a decode node's
     URL served by the colocated node once made a whole test module fail). So ports come
     from just below the kernel's ephemeral range, where it never hands out ports by
-    itself, at random, never twice in this process, and checked free by a bind.
+    itself, at random, never twice in this process, and checked free by a bind
+    (``port_range``: test processes running side by side take disjoint slices).
     """
-    low = _ephemeral_low()
-    if low > _PORTS_BELOW_EPHEMERAL + 1024:
+    span = port_range()
+    if span is not None:
         rng = random.Random(os.getpid() ^ time.monotonic_ns())
         for _ in range(200):
-            port = rng.randrange(low - _PORTS_BELOW_EPHEMERAL, low)
+            port = rng.randrange(*span)
             if port in _HANDED_OUT:
                 continue
             with socket.socket() as s:
