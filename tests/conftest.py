@@ -63,10 +63,16 @@ def _own_port_slice() -> None:
     os.environ[PORT_RANGE_ENV] = f"{low}-{low + width}"
 
 
+# The longest test files (minutes each) go first: with ``-n 2 --dist loadfile`` a long
+# file handed out last leaves one worker running it alone at the end.
+LONGEST_FILES = ("test_gpu_check_script.py", "test_chaos.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.path.name not in LONGEST_FILES)  # stable: files stay whole
 
 
 # -- hardware markers ---------------------------------------------------------------------------
