@@ -56,8 +56,12 @@ from proxy.node_client import NodeHTTPError, NodeResponse
 from proxy.prefix import answer_suffix
 from proxy.router import NoHealthyNode, Route, Router
 from proxy.validation import ProxyRequest
+from proxy.waiting import wait_watched
 
 logger = logging.getLogger(__name__)
+
+# How long D's stream may wait for P's answer to fill the log probabilities D left null.
+LOGPROBS_WAIT_S = 30.0
 
 
 class PassThrough(Exception):
@@ -595,8 +599,16 @@ class Session:
         task = getattr(attempt, "p_task", None)
         source = None
         if task is not None:
-            # P answered before D could have its first token; wait a little all the same.
-            await asyncio.wait({task}, timeout=30)
+            # P's answer usually came before D's first token; else wait for it, up to
+            # LOGPROBS_WAIT_S, and no longer once P is unreachable (a hung P never answers).
+            p = attempt.p
+
+            def stop() -> BaseException | None:
+                return TimeoutError() if p is not None and p.unreachable else None
+
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LOGPROBS_WAIT_S):
+                    await wait_watched(task, stop, self.cfg.health_interval)
             if task.done() and not task.cancelled() and task.exception() is None:
                 with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
                     source = task.result()["choices"][0].get("logprobs")

@@ -154,13 +154,16 @@ def _token(i: int, finish: str | None = None) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def _session(cfg: ProxyConfig, pool: NodePool, stream: bool) -> AsyncIterator[Any]:
-    """A Session for one request (``{"prompt": "x", "max_tokens": 3}``), closed after."""
+async def _session(
+    cfg: ProxyConfig, pool: NodePool, stream: bool, **fields: Any
+) -> AsyncIterator[Any]:
+    """A Session for one request (``{"prompt": "x", "max_tokens": 3}`` and ``fields``),
+    closed after."""
     from proxy.metrics import ProxyMetrics
     from proxy.router import Router
     from proxy.session import Session
 
-    body = {"prompt": "x", "max_tokens": 3, "stream": stream}
+    body = {"prompt": "x", "max_tokens": 3, "stream": stream, **fields}
     req = validate_request(COMPLETIONS, json.dumps(body).encode(), ["tiny"], None)
     async with NodeClient(timeout=20) as client:
         legs = Legs(client)
@@ -180,9 +183,11 @@ async def _complete_through_session(cfg: ProxyConfig, pool: NodePool, setup: Any
         return await asyncio.wait_for(session.complete(), 15)
 
 
-async def _stream_through_session(cfg: ProxyConfig, pool: NodePool, setup: Any = None) -> Any:
+async def _stream_through_session(
+    cfg: ProxyConfig, pool: NodePool, setup: Any = None, **fields: Any
+) -> Any:
     """The client's token ids and events of one streamed request through a Session."""
-    async with _session(cfg, pool, stream=True) as session:
+    async with _session(cfg, pool, stream=True, **fields) as session:
         if setup is not None:
             setup()
         await asyncio.wait_for(session.start_stream(), 20)
@@ -699,5 +704,49 @@ def test_an_unreachable_prefill_node_ends_the_wait_after_the_decode_stream_opene
                 await asyncio.wait_for(attempt.wait_prefill(poll_s=0.1), 10)
             attempt.release()
             await legs.drain()
+
+    asyncio.run(main())
+
+
+def test_log_probabilities_are_not_waited_for_from_an_unreachable_prefill_node() -> None:
+    """P hangs (unreachable); D's stream is the answer, its first entry's log probability
+    null (P's to fill): the stream goes on once P is unreachable, that entry left null
+    (it waited 30 s for P's answer before)."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        await asyncio.sleep(40)
+        return answer(200, PREFILL_ANSWER)
+
+    def lp_token(i: int, value: float | None, finish: str | None = None) -> dict[str, Any]:
+        event = _token(i, finish)
+        event["choices"][0]["logprobs"] = {
+            "tokens": [f"t{i}"], "token_logprobs": [value], "top_logprobs": [None],
+            "text_offset": [0],
+        }  # fmt: skip
+        return event
+
+    async def decode(req: SeenRequest) -> bytes:
+        return chunked(200, _sse(lp_token(7, None), lp_token(8, -0.5), lp_token(9, -1.0, "length")))
+
+    async def main() -> None:
+        async with StandIn(_node(prefill)) as p, StandIn(_node(decode)) as d:
+            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            p_node = pool.nodes("prefill")[0]
+
+            def hung() -> None:  # once the request is on its way
+                asyncio.get_running_loop().call_later(
+                    0.3, p_node.mark_unreachable, "no answer", time.monotonic()
+                )
+
+            ids, events = await asyncio.wait_for(
+                _stream_through_session(cfg, pool, hung, logprobs=1), 15
+            )
+            assert ids == [7, 8, 9], events
+            values = [
+                v for e in events for c in e.get("choices", [])
+                for v in (c.get("logprobs") or {}).get("token_logprobs") or []
+            ]  # fmt: skip
+            assert values == [None, -0.5, -1.0], events
 
     asyncio.run(main())
