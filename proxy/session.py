@@ -32,6 +32,9 @@ it prefills the prompt itself and its answer (or stream) is the client's, as wit
 strings. A retry after P's first token was streamed always takes a P/D pair, so that
 the first token can be checked. Answers teach the router (prompt token counts; what the
 decode node now caches).
+
+How a streamed answer is written for the client (ids, role, the first token dropped
+from D's stream) is ``proxy/client_stream.py``; this module runs the pairs.
 """
 
 from __future__ import annotations
@@ -43,11 +46,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.httpkit import openai
 from engine.httpkit.sse import SSE_DONE, sse_event
-from engine.server.logprobs import drop_first, fill_missing, has_missing, num_entries
+from engine.server.logprobs import fill_missing, has_missing, num_entries
 from engine.server.protocol import APIError, error_body
 from proxy.answers import MalformedAnswer, parse_answer
+from proxy.client_stream import ClientStream, first_tokens
 from proxy.config import ProxyConfig
 from proxy.decode_events import DecodeEvents
 from proxy.legs import Attempt, Legs, UpstreamError
@@ -77,28 +80,6 @@ class PassThrough(Exception):
         self.headers = headers or {}
 
 
-class _Skipper:
-    """Drops what the client already got (P's first token) from the start of D's stream."""
-
-    def __init__(self, ids: int = 0, text: str = "") -> None:
-        self.ids = ids
-        self.text = text
-
-    def apply(self, ids: list[int], text: str) -> tuple[list[int], str]:
-        if self.ids:
-            n = min(self.ids, len(ids))
-            ids, self.ids = ids[n:], self.ids - n
-        if self.text and text:
-            if text.startswith(self.text):
-                text, self.text = text[len(self.text) :], ""
-            elif self.text.startswith(text):
-                text, self.text = "", self.text[len(text) :]
-            else:
-                logger.warning("decode text does not continue the first token's text")
-                self.text = ""
-        return ids, text
-
-
 class Session:
     def __init__(
         self,
@@ -123,28 +104,24 @@ class Session:
         self.prestream = req.stream and not req.parsed.stop and not req.parsed.echo
         self._lp_seen = 0  # log-prob entries of D's stream seen so far
         self._p_logprobs: tuple[Attempt, Any] | None = None  # P's, per attempt
-        self.sent_ids: list[int] | None = None  # P's first token, once sent to the client
         self.first_chunk: str | None = None
-        self._skip = _Skipper()
-        self._first_skip = (0, "")  # what D's stream repeats of P's first token, to drop
         self._d_sent = False  # some of D's stream reached the client
         self._last = 0.0  # when the client last got tokens (inter-token latency)
         self._d_events: DecodeEvents | None = None  # D's stream, read ahead or not
         self._d_events_for: Attempt | None = None  # the attempt whose stream it is
-        self.model: str | None = req.parsed.model
-        self.role_sent = False
         self.ttft_seen = False
         self.outcome = "pending"  # "ok", "error" (reported to the client) or still pending
         self._closed = False
-        # The answer streamed so far, kept when the router remembers what nodes cache.
+        # The answer streamed so far is kept when the router remembers what nodes cache.
         self._keep_answer = router.index is not None and req.key is not None
-        self._answer_text: list[str] = []
-        self._answer_ids: list[int] = []
+        self.out = ClientStream(
+            req, request_id, self.created, cfg.node_skip_first_token, self._keep_answer
+        )
 
     # -- shared ----------------------------------------------------------------------------
     @property
     def response_id(self) -> str:
-        return openai.response_id(self.request_id, self.req.chat)
+        return self.out.response_id
 
     def _launch(self, allow_decode_only: bool = True) -> Attempt:
         """Start the next pair (or decode node alone); raises APIError 503 when no pair is
@@ -171,7 +148,7 @@ class Session:
         prestream = self.prestream and p is not None and not d.shedding()
         # D drops the first token when the client has it (or will have it from P).
         skip = self.cfg.node_skip_first_token and p is not None
-        skip = skip and (prestream or self.sent_ids is not None)
+        skip = skip and (prestream or self.out.sent_ids is not None)
         self.current = Attempt(
             self.legs, self.req, p, d, self.request_id, skip,
             poll_s=self.cfg.health_interval, d_checks=self.cfg.unreachable_checks,
@@ -407,49 +384,10 @@ class Session:
             self._d_events, self._d_events_for = events, attempt
         return self._d_events
 
-    def _first_tokens(self, p_body: dict[str, Any]) -> tuple[list[int], str]:
-        choice = p_body["choices"][0]
-        ids = choice.get("token_ids")
-        if ids is None:
-            first = (p_body.get("kv_transfer_params") or {}).get("first_token")
-            ids = [] if first is None else [first]
-        text = choice.get("message", {}).get("content") if self.req.chat else choice.get("text")
-        return list(ids), text or ""
-
     def _first_chunk(self, p_body: dict[str, Any]) -> str:
-        ids, text = self._first_tokens(p_body)
         self.router.observe_usage(self.req.key, p_body)
         self._saw_first_token()
-        self.model = p_body.get("model") or self.model
-        if "\ufffd" in text and not self.cfg.node_skip_first_token:
-            text = ""  # an incomplete UTF-8 sequence: let D's text carry the character
-        self.sent_ids = ids
-        self._first_skip = (0, "") if self.cfg.node_skip_first_token else (len(ids), text)
-        self._skip = _Skipper(*self._first_skip)
-        self._keep(ids, text)
-        choice: dict[str, Any] = {"index": 0}
-        if self.req.chat:
-            choice["delta"] = {"role": "assistant", "content": text}
-            self.role_sent = True
-        else:
-            choice["text"] = text
-        logprobs = p_body["choices"][0].get("logprobs")  # P sampled the first token
-        choice.update(logprobs=logprobs, finish_reason=None, token_ids=ids)
-        return sse_event(self._envelope([choice], usage=True))
-
-    def _keep(self, ids: list[int], text: str) -> None:
-        if self._keep_answer:
-            self._answer_ids.extend(ids)
-            if text:
-                self._answer_text.append(text)
-
-    def _envelope(self, choices: list[dict[str, Any]], usage: bool) -> dict[str, Any]:
-        body = openai.envelope(
-            self.request_id, self.req.chat, True, self.created, self.model, choices
-        )
-        if usage and self.req.parsed.include_usage:
-            body["usage"] = None
-        return body
+        return self.out.first_chunk(p_body)
 
     async def _reopen_after_first_token(self) -> NodeResponse:
         """D failed after P's token was streamed: rerun a pair that agrees on that token."""
@@ -457,8 +395,8 @@ class Session:
             attempt = self._launch(allow_decode_only=False)
             try:
                 first = await attempt.wait_prefill(poll_s=self.cfg.health_interval)
-                ids, _ = self._first_tokens(first)
-                if ids != self.sent_ids:
+                ids, _ = first_tokens(first, self.req.chat)
+                if ids != self.out.sent_ids:
                     attempt.release()
                     raise APIError(
                         "the retried request produced a different first token than the one "
@@ -481,8 +419,7 @@ class Session:
             if self.first_chunk is not None:
                 yield self.first_chunk
                 self._last = time.monotonic()
-            else:
-                self._skip = _Skipper()
+            self.out.decode_starts()
             assert self.current is not None
             try:
                 await self.current.wait_decode()
@@ -502,7 +439,7 @@ class Session:
                         )
                     break
                 except (UpstreamError, NodeHTTPError) as e:
-                    if self._d_sent or self.sent_ids is None:
+                    if self._d_sent or self.out.sent_ids is None:
                         raise
                     if isinstance(e, NodeHTTPError):
                         e = UpstreamError(self.current.d, f"decode stream broke: {e}")
@@ -510,7 +447,7 @@ class Session:
                         "request %s: %s before its first token; rerunning", self.request_id, e
                     )
                     self._failed(self.current, e)
-                    self._skip = _Skipper(*self._first_skip)
+                    self.out.decode_starts()
                     await self._reopen_after_first_token()
             if events.done:
                 # The last chunk: the connection stays reusable. Its wait is bounded (the
@@ -523,7 +460,7 @@ class Session:
                 self.current.d.mark_answered()
                 self.outcome = "ok"
                 if self._keep_answer:
-                    self._answered("".join(self._answer_text), self._answer_ids)
+                    self._answered(*self.out.answer())
             yield SSE_DONE
         except (UpstreamError, APIError, PassThrough, NodeHTTPError, ValueError) as e:
             if isinstance(e, UpstreamError) and e.node_fault:
@@ -562,7 +499,7 @@ class Session:
                 self.router.observe_usage(self.req.key, obj)
             if self.req.parsed.logprobs is not None:
                 await self._fill_logprobs(obj)
-            out = self._rewrite(obj)
+            out = self.out.rewrite(obj)
             if out is None:
                 continue
             n = len(out["choices"][0].get("token_ids") or []) if out["choices"] else 0
@@ -616,37 +553,3 @@ class Session:
                 logger.warning("request %s: no prefill answer for logprobs", self.request_id)
         self._p_logprobs = (attempt, source)
         return source
-
-    def _rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        obj.pop("kv_transfer_params", None)
-        obj["id"] = self.response_id
-        obj["created"] = self.created
-        choices = obj.get("choices") or []
-        if not choices:
-            return obj  # the usage chunk
-        c = choices[0]
-        ids = list(c.get("token_ids") or [])
-        if self.req.chat:
-            delta = c.setdefault("delta", {})
-            text = delta.get("content") or ""
-        else:
-            text = c.get("text") or ""
-        n = len(ids)
-        ids, text = self._skip.apply(ids, text)
-        if n > len(ids) and self.req.parsed.logprobs is not None:
-            drop_first(c.get("logprobs"), self.req.chat, n - len(ids))  # with their tokens
-        c["token_ids"] = ids
-        self._keep(ids, text)
-        role_added = False
-        if self.req.chat:
-            if self.role_sent:
-                delta.pop("role", None)
-            else:
-                delta["role"] = "assistant"
-                self.role_sent = role_added = True
-            delta["content"] = text
-        else:
-            c["text"] = text
-        if not ids and not text and c.get("finish_reason") is None and not role_added:
-            return None
-        return obj

@@ -12,10 +12,10 @@ import pytest
 
 from engine.server.protocol import APIError
 from proxy.cli import build_parser
+from proxy.client_stream import Skipper
 from proxy.config import ProxyConfig, ProxyConfigError, add_proxy_args, config_from_sources
 from proxy.nodes import NodePool
 from proxy.router import LeastOutstanding, NoHealthyNode, Router
-from proxy.session import _Skipper
 from proxy.validation import CHAT, COMPLETIONS, validate_request
 
 P, D = "http://10.0.0.1:8100", "http://10.0.0.2:8200"
@@ -148,7 +148,7 @@ def test_validation_reuses_node_rules() -> None:
 
 
 def test_skipper_drops_what_was_already_sent() -> None:
-    s = _Skipper(1, "He")
+    s = Skipper(1, "He")
     assert s.apply([7], "H") == ([], "")
     assert s.apply([8], "ello") == ([8], "llo")
     assert s.apply([9], "!") == ([9], "!")

@@ -1,0 +1,153 @@
+"""What a streamed client answer is made of: P's first chunk, then D's events rewritten.
+
+``ClientStream`` is the formatting half of a streamed ``Session`` (the other half runs the
+pairs, waits and retries): the proxy's id and ``created`` on every event, the assistant
+role once (chat), D's repeat of P's first token dropped (``Skipper``: unless D dropped it
+itself, ``--node-skip-first-token``) with its log-probability entry, and the answer kept
+for the router when it remembers what nodes cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine.httpkit import openai
+from engine.httpkit.sse import sse_event
+from engine.server.logprobs import drop_first
+from proxy.validation import ProxyRequest
+
+logger = logging.getLogger(__name__)
+
+
+class Skipper:
+    """Drops what the client already got (P's first token) from the start of D's stream."""
+
+    def __init__(self, ids: int = 0, text: str = "") -> None:
+        self.ids = ids
+        self.text = text
+
+    def apply(self, ids: list[int], text: str) -> tuple[list[int], str]:
+        if self.ids:
+            n = min(self.ids, len(ids))
+            ids, self.ids = ids[n:], self.ids - n
+        if self.text and text:
+            if text.startswith(self.text):
+                text, self.text = text[len(self.text) :], ""
+            elif self.text.startswith(text):
+                text, self.text = "", self.text[len(text) :]
+            else:
+                logger.warning("decode text does not continue the first token's text")
+                self.text = ""
+        return ids, text
+
+
+def first_tokens(p_body: dict[str, Any], chat: bool) -> tuple[list[int], str]:
+    """The token ids and text of P's answer (its first token)."""
+    choice = p_body["choices"][0]
+    ids = choice.get("token_ids")
+    if ids is None:
+        first = (p_body.get("kv_transfer_params") or {}).get("first_token")
+        ids = [] if first is None else [first]
+    text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+    return list(ids), text or ""
+
+
+class ClientStream:
+    def __init__(
+        self, req: ProxyRequest, request_id: str, created: int, node_skips_first: bool, keep: bool
+    ) -> None:
+        """``node_skips_first``: D leaves P's first token out of its stream itself;
+        ``keep``: remember the answer's text and ids (``answer``)."""
+        self.req, self.request_id, self.created = req, request_id, created
+        self.node_skips_first = node_skips_first
+        self.model: str | None = req.parsed.model
+        self.role_sent = False
+        self.sent_ids: list[int] | None = None  # P's first token, once sent to the client
+        self._first_skip = (0, "")  # what D's stream repeats of P's first token, to drop
+        self._skip = Skipper()
+        self._keep_answer = keep
+        self._answer_text: list[str] = []
+        self._answer_ids: list[int] = []
+
+    @property
+    def response_id(self) -> str:
+        return openai.response_id(self.request_id, self.req.chat)
+
+    def first_chunk(self, p_body: dict[str, Any]) -> str:
+        """The client's first event, from P's answer; D's stream then repeats it (dropped)."""
+        ids, text = first_tokens(p_body, self.req.chat)
+        self.model = p_body.get("model") or self.model
+        if "\ufffd" in text and not self.node_skips_first:
+            text = ""  # an incomplete UTF-8 sequence: let D's text carry the character
+        self.sent_ids = ids
+        self._first_skip = (0, "") if self.node_skips_first else (len(ids), text)
+        self._skip = Skipper(*self._first_skip)
+        self._keep(ids, text)
+        choice: dict[str, Any] = {"index": 0}
+        if self.req.chat:
+            choice["delta"] = {"role": "assistant", "content": text}
+            self.role_sent = True
+        else:
+            choice["text"] = text
+        logprobs = p_body["choices"][0].get("logprobs")  # P sampled the first token
+        choice.update(logprobs=logprobs, finish_reason=None, token_ids=ids)
+        return sse_event(self.envelope([choice], usage=True))
+
+    def decode_starts(self) -> None:
+        """A decode stream (the first, or a rerun's) starts: drop what it repeats of what
+        the client has (P's first token, if it was sent)."""
+        self._skip = Skipper(*self._first_skip)
+
+    def envelope(self, choices: list[dict[str, Any]], usage: bool) -> dict[str, Any]:
+        body = openai.envelope(
+            self.request_id, self.req.chat, True, self.created, self.model, choices
+        )
+        if usage and self.req.parsed.include_usage:
+            body["usage"] = None
+        return body
+
+    def rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """D's event for the client (None: nothing left of it to send)."""
+        obj.pop("kv_transfer_params", None)
+        obj["id"] = self.response_id
+        obj["created"] = self.created
+        choices = obj.get("choices") or []
+        if not choices:
+            return obj  # the usage chunk
+        c = choices[0]
+        ids = list(c.get("token_ids") or [])
+        if self.req.chat:
+            delta = c.setdefault("delta", {})
+            text = delta.get("content") or ""
+        else:
+            text = c.get("text") or ""
+        n = len(ids)
+        ids, text = self._skip.apply(ids, text)
+        if n > len(ids) and self.req.parsed.logprobs is not None:
+            drop_first(c.get("logprobs"), self.req.chat, n - len(ids))  # with their tokens
+        c["token_ids"] = ids
+        self._keep(ids, text)
+        role_added = False
+        if self.req.chat:
+            if self.role_sent:
+                delta.pop("role", None)
+            else:
+                delta["role"] = "assistant"
+                self.role_sent = role_added = True
+            delta["content"] = text
+        else:
+            c["text"] = text
+        if not ids and not text and c.get("finish_reason") is None and not role_added:
+            return None
+        return obj
+
+    def _keep(self, ids: list[int], text: str) -> None:
+        if self._keep_answer:
+            self._answer_ids.extend(ids)
+            if text:
+                self._answer_text.append(text)
+
+    def answer(self) -> tuple[str, list[int]]:
+        """The answer sent so far (kept only with ``keep``)."""
+        return "".join(self._answer_text), self._answer_ids
