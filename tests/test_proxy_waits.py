@@ -345,17 +345,9 @@ def test_a_decode_stream_that_fails_before_any_token_while_p_hangs_is_retried() 
         return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
 
     async def main() -> None:
-        async with (
-            StandIn(_node(hung)) as p,
-            StandIn(_node(broken)) as d1,
-            StandIn(_node(decode)) as d2,
-        ):
-            cfg = ProxyConfig(
-                prefill=(p.url,), decode=(d1.url, d2.url), health_interval=0.1,
-                routing="round_robin",
-            )  # fmt: skip
+        async with _p_and_two_d(hung, broken, decode) as (cfg, pool, d1):
             wall = time.monotonic()
-            ids, events = await _stream_through_session(cfg, _ready_pool(cfg))
+            ids, events = await _stream_through_session(cfg, pool)
             assert ids == [7, 8, 9] and not any("error" in e for e in events), events
             assert time.monotonic() - wall < 6
             assert len([r for r in d1.seen if r.path == "/v1/completions"]) == 1
