@@ -95,6 +95,22 @@ def test_a_malformed_event_mid_stream_ends_it_with_an_error_event(garbage: bytes
     asyncio.run(main())
 
 
+def _d2_answers_after_d1_sends(reply: bytes) -> None:
+    """D1 answers a non-streamed request with ``reply``: the request is answered by D2,
+    and D1 leaves the rotation."""
+
+    async def bad(req: SeenRequest) -> bytes:
+        return reply
+
+    async def main() -> None:
+        async with _p_and_two_d(_prefill, bad, _good_decode) as (cfg, pool, _d1):
+            body = await _complete_through_session(cfg, pool)
+            assert body["choices"][0]["token_ids"] == [7, 8, 9]
+            assert [n.healthy for n in pool.nodes("decode")] == [False, True]
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(
     "raw",
     [b"[1, 2]", DEEP, json.dumps({"choices": [{"index": 0, "message": 5}]}).encode(), b"{}"],
@@ -103,18 +119,7 @@ def test_a_malformed_event_mid_stream_ends_it_with_an_error_event(garbage: bytes
 def test_a_malformed_decode_answer_moves_the_request_to_another_decode_node(raw: bytes) -> None:
     """A non-streamed answer of D1 that is no completion: the request is answered by D2
     (it was a 500 from the proxy, D1 still in rotation)."""
-
-    async def bad(req: SeenRequest) -> bytes:
-        return answer(200, raw=raw)
-
-    async def main() -> None:
-        async with _p_and_two_d(_prefill, bad, _good_decode) as (cfg, pool, _d1):
-            body = await _complete_through_session(cfg, pool)
-            assert body["choices"][0]["token_ids"] == [7, 8, 9]
-            d1, d2 = pool.nodes("decode")
-            assert not d1.healthy and d2.healthy
-
-    asyncio.run(main())
+    _d2_answers_after_d1_sends(answer(200, raw=raw))
 
 
 def _status_answer(status: int) -> bytes:
@@ -129,17 +134,7 @@ def test_a_decode_node_answering_an_odd_status_is_a_failed_node_not_the_clients_
 ) -> None:
     """D1 answers 101/204/206/302: not passed to the client (it got 206 or 302 before,
     or a broken connection for 101); the request moves to D2 and D1 leaves the rotation."""
-
-    async def odd(req: SeenRequest) -> bytes:
-        return _status_answer(status)
-
-    async def main() -> None:
-        async with _p_and_two_d(_prefill, odd, _good_decode) as (cfg, pool, _d1):
-            body = await _complete_through_session(cfg, pool)
-            assert body["choices"][0]["token_ids"] == [7, 8, 9]
-            assert [n.healthy for n in pool.nodes("decode")] == [False, True]
-
-    asyncio.run(main())
+    _d2_answers_after_d1_sends(_status_answer(status))
 
 
 PREFILL_FAULTS = {
@@ -374,16 +369,5 @@ def test_a_null_delta_or_message_fails_its_node_not_the_proxy(fault: str) -> Non
 def test_nan_in_a_decode_answer_moves_the_request_to_another_decode_node() -> None:
     """A non-streamed answer holding ``Infinity``: D1 failed, D2 answers (the proxy's
     JSON encoder refused it: a 500)."""
-
-    async def bad(req: SeenRequest) -> bytes:
-        return answer(
-            200, raw=json.dumps(D_ANSWER).replace("[7, 8, 9]", '[7, 8, 9], "x": Infinity').encode()
-        )
-
-    async def main() -> None:
-        async with _p_and_two_d(_prefill, bad, _good_decode) as (cfg, pool, _d1):
-            body = await _complete_through_session(cfg, pool)
-            assert body["choices"][0]["token_ids"] == [7, 8, 9]
-            assert [n.healthy for n in pool.nodes("decode")] == [False, True]
-
-    asyncio.run(main())
+    raw = json.dumps(D_ANSWER).replace("[7, 8, 9]", '[7, 8, 9], "x": Infinity')
+    _d2_answers_after_d1_sends(answer(200, raw=raw.encode()))
