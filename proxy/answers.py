@@ -40,6 +40,14 @@ def parse_answer(raw: bytes | str) -> dict[str, Any]:
     return check_answer(obj)
 
 
+def parse_completion(raw: bytes | str) -> dict[str, Any]:
+    """A node's whole (non-streamed) answer of status 200: checked, and with choices."""
+    obj = parse_answer(raw)
+    if "error" in obj or not obj.get("choices"):
+        raise MalformedAnswer("an answer of status 200 without choices")
+    return obj
+
+
 def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

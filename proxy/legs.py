@@ -30,7 +30,7 @@ from engine.httpkit.admission import OVERLOADED_CODE
 from engine.httpkit.request_id import REQUEST_ID_HEADER
 from kvconnector.base import KV_NOT_RESERVED
 from kvconnector.params import KVTransferParams
-from proxy.answers import MalformedAnswer, parse_answer
+from proxy.answers import MalformedAnswer, parse_completion
 from proxy.node_client import NodeClient, NodeHTTPError, NodeResponse
 from proxy.nodes import Node
 from proxy.validation import ProxyRequest
@@ -146,9 +146,7 @@ class Legs:
             if resp.status_code != 200:
                 raise await _error_from_response(node, resp)
             try:
-                data = parse_answer(resp.content)
-                if not data.get("choices") or "error" in data:
-                    raise MalformedAnswer("an answer of status 200 without choices")
+                data = parse_completion(resp.content)
             except MalformedAnswer as e:
                 raise UpstreamError(node, f"malformed prefill response: {e}", status=502) from e
             choice = data["choices"][0]

@@ -49,7 +49,7 @@ from typing import Any
 from engine.httpkit.sse import SSE_DONE, sse_event
 from engine.server.logprobs import fill_missing, has_missing, num_entries
 from engine.server.protocol import APIError, error_body
-from proxy.answers import MalformedAnswer, parse_answer
+from proxy.answers import parse_completion
 from proxy.client_stream import ClientStream, first_tokens
 from proxy.config import ProxyConfig
 from proxy.decode_events import DecodeEvents
@@ -248,9 +248,7 @@ class Session:
                 raw = await attempt.watched(resp.aread())
                 attempt.finished = True
                 attempt.d.mark_answered()
-                body = parse_answer(raw)
-                if "error" in body or not body.get("choices"):
-                    raise MalformedAnswer("an answer of status 200 without choices")
+                body = parse_completion(raw)
             except UpstreamError as e:
                 self._failed(attempt, e)
                 continue
