@@ -7,8 +7,8 @@ The pytest process does not run an isolated test itself: it starts
 its environment plus ``PDSERVE_TEST_ISOLATED_CHILD``), and reports what the child
 reported -- setup, call and teardown, each with its outcome, traceback and captured
 output, as if the test had run here. A child that dies (a signal, an exit status other
-than pytest's own) or outlives the test's timeout by ``STARTUP_ALLOWANCE_S`` (or
-``$PDSERVE_TEST_ISOLATED_ALLOWANCE_S``) fails the phase it was in, with its exit status
+than pytest's own) or outlives the test's timeout by ``STARTUP_ALLOWANCE_S`` (or the
+marker's ``allowance_s``: ``@pytest.mark.isolated(allowance_s=4)``) fails the phase it was in, with its exit status
 or signal and the tail of its output; its process group (the test's own child
 processes) is killed. The run goes on with the next test.
 
@@ -40,6 +40,7 @@ NO_TIMEOUT_S = 1800.0  # the child's limit when the test has no timeout
 OUTPUT_TAIL = 6000
 
 _LIMIT = pytest.StashKey[float]()
+_ALLOWANCE = pytest.StashKey[float]()
 
 
 def in_child() -> bool:
@@ -91,6 +92,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker(MARKER) is None:
             continue
         item.stash[_LIMIT] = _timeout_s(item)
+        mark = item.get_closest_marker(MARKER)
+        item.stash[_ALLOWANCE] = float(mark.kwargs.get("allowance_s", STARTUP_ALLOWANCE_S))
         if timeouts:
             item.add_marker(pytest.mark.timeout(0), append=False)
 
@@ -164,7 +167,7 @@ def _run_child(item: pytest.Item) -> list[pytest.TestReport]:
     """The child's reports for ``item``; a failed report for the phase it died in, if it
     died or hung; a failed teardown report if it died after the test."""
     timeout = item.stash.get(_LIMIT, 0.0)
-    allowance = float(os.environ.get("PDSERVE_TEST_ISOLATED_ALLOWANCE_S", STARTUP_ALLOWANCE_S))
+    allowance = item.stash.get(_ALLOWANCE, STARTUP_ALLOWANCE_S)
     limit = timeout + allowance if timeout > 0 else NO_TIMEOUT_S
     cmd = _child_command(item)
     with tempfile.TemporaryDirectory(prefix="pdserve-isolated-") as tmp:

@@ -6,7 +6,6 @@ with toy tests (no torch), in a temporary directory."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -85,7 +84,7 @@ def test_aborts_at_exit():
     atexit.register(os.abort)
 
 
-@pytest.mark.isolated
+@pytest.mark.isolated(allowance_s=4)  # killed 6 s after it started, however slow that is
 def test_hangs_at_exit():
     atexit.register(time.sleep, 120)
 
@@ -120,7 +119,8 @@ def test_crashes_fail_one_test_and_the_run_goes_on(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=240,
-        env={**os.environ, "PDSERVE_TEST_ISOLATED_ALLOWANCE_S": "4"},
+        # The others get the default allowance: a child slow to start under load still
+        # passes (4 s was too short for test_passes on CI's loaded cores).
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out  # tests failed; the run itself completed
