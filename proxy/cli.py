@@ -28,11 +28,14 @@ DEFAULT_URL = os.environ.get("PDPROXY_URL", "http://127.0.0.1:8000")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pd-proxy", description="pdserve proxy: pairs prefill and decode nodes per request"
+        prog="pd-proxy",
+        description="pdserve proxy: pairs prefill and decode nodes per request",
+        allow_abbrev=False,  # a flag is spelled whole: '--api-k' is an error, not --api-key
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
         "serve",
+        allow_abbrev=False,
         help="run the OpenAI-compatible proxy",
         usage="%(prog)s [options]   (every option: %(prog)s --help)",
     )
@@ -50,11 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
             help="the proxy's key (default: $PDPROXY_API_KEY or $OPENAI_API_KEY)",
         )
 
-    complete = sub.add_parser("complete", help="send one completion request and print it")
+    complete = sub.add_parser(
+        "complete", allow_abbrev=False, help="send one completion request and print it"
+    )
     complete.add_argument("prompt", help="the prompt text")
     client_args(complete)
     complete.add_argument("--stream", action="store_true", help="print tokens as they arrive")
-    chat = sub.add_parser("chat", help="interactive chat (reads lines until EOF or /exit)")
+    chat = sub.add_parser(
+        "chat", allow_abbrev=False, help="interactive chat (reads lines until EOF or /exit)"
+    )
     client_args(chat)
     chat.add_argument("--system", default=None, help="an optional system message")
     return parser

@@ -209,3 +209,22 @@ def test_a_max_model_len_the_kv_cache_cannot_hold_exits_2_naming_it() -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--max-model-len 4096 does not fit the KV cache" in proc.stderr
     assert "hold 128 tokens" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--api-k", "--max-model", "--gpu-memory=0.5"])
+def test_an_abbreviated_flag_is_refused_not_taken_for_the_long_one(flag: str) -> None:
+    # argparse takes '--api-k' for '--api-key' by default; the launch scripts (which look
+    # for --api-key to probe the node's health) and a reader of the command would not.
+    with pytest.raises(SystemExit) as exc:
+        build_parser("decode").parse_args([flag, "1"] if "=" not in flag else [flag])
+    assert exc.value.code == 2
+
+
+def test_an_abbreviated_proxy_flag_is_refused() -> None:
+    from proxy.cli import build_parser as proxy_parser
+
+    with pytest.raises(SystemExit) as exc:
+        proxy_parser().parse_args(["serve", "--api-k", "secret"])
+    assert exc.value.code == 2
+    args = proxy_parser().parse_args(["serve", "--api-key", "secret"])
+    assert args.api_key == "secret"

@@ -22,31 +22,41 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.bench.serve import add_serve_args
     from engine.bench.transfer import add_transfer_args
 
-    parser = argparse.ArgumentParser(prog="pd-bench", description="pdserve benchmarks")
+    parser = argparse.ArgumentParser(
+        prog="pd-bench", description="pdserve benchmarks", allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     offline = sub.add_parser(
-        "offline", help="engine throughput/latency without HTTP (engine.llm.LLM)"
+        "offline",
+        allow_abbrev=False,
+        help="engine throughput/latency without HTTP (engine.llm.LLM)",
     )
     add_offline_args(offline)
     offline.set_defaults(_parser=offline)
     serve = sub.add_parser(
-        "serve", help="load an OpenAI endpoint (node or pd-proxy), like `vllm bench serve`"
+        "serve",
+        allow_abbrev=False,
+        help="load an OpenAI endpoint (node or pd-proxy), like `vllm bench serve`",
     )
     add_serve_args(serve)
     serve.set_defaults(_parser=serve)
     make = sub.add_parser(
-        "make-model", help="write a random HF Llama/Qwen2 checkpoint for benchmarks"
+        "make-model",
+        allow_abbrev=False,
+        help="write a random HF Llama/Qwen2 checkpoint for benchmarks",
     )
     add_make_model_args(make)
     make.set_defaults(_parser=make)
     transfer = sub.add_parser(
         "transfer",
+        allow_abbrev=False,
         help="KV push P->D: the NIXL connector path vs raw NIXL vs a local copy, same bytes",
     )
     add_transfer_args(transfer)
     transfer.set_defaults(_parser=transfer)
     interference = sub.add_parser(
         "interference",
+        allow_abbrev=False,
         help="1 P + 1 D vs 2 colocated nodes behind pd-proxy, long prompts arriving over "
         "ongoing decodes: ITL, TTFT, goodput and their ratios (DistServe's experiment)",
     )

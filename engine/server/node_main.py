@@ -46,6 +46,7 @@ class _Terminated(BaseException):
 def build_parser(role: Role) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{role}-node",
+        allow_abbrev=False,  # '--api-k' is an error, not --api-key (as the launch scripts read)
         # An error shows two lines, not the usage of every flag (``--help`` has them).
         usage="%(prog)s [MODEL] [options]   (every option: %(prog)s --help)",
         description=f"pdserve {role} node: an OpenAI-compatible server over one engine",
