@@ -23,6 +23,7 @@ from engine.httpkit.direct import FrontedApp
 from engine.httpkit.drain import Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers
 from engine.httpkit.request_id import RequestIdMiddleware
+from kvconnector.nixl.peers import PeerAllowlist
 from proxy.config import ProxyConfig
 from proxy.discovery import DiscoveryLoop, Membership
 from proxy.dns import DnsDiscovery, Resolver, parse_dns_name, system_resolver
@@ -49,7 +50,11 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI
     jobs = []
     if cfg.registration_key:
         registry = Registry(
-            members, cfg.registration_key, cfg.registration_ttl, cfg.max_registered_nodes
+            members,
+            cfg.registration_key,
+            cfg.registration_ttl,
+            cfg.max_registered_nodes,
+            allowed=PeerAllowlist.parse(cfg.registration_allowed_nodes),
         )
         jobs.append((registry.run_expiry, min(1.0, cfg.registration_ttl / 4)))
     by_role: dict[Role, tuple[str, ...]] = {"prefill": cfg.prefill_dns, "decode": cfg.decode_dns}

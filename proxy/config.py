@@ -24,6 +24,7 @@ except ModuleNotFoundError:  # Python 3.10: JSON config files only
     tomllib = None  # type: ignore[assignment]
 
 from engine.config import ConfigError, flag_name, require
+from kvconnector.nixl.peers import PeerAllowlist
 from proxy.dns import parse_dns_name
 
 ENV_PREFIX = "PDPROXY_"
@@ -90,6 +91,14 @@ class ProxyConfig:
     )
     max_registered_nodes: int = field(
         default=256, metadata={"help": "most nodes registered at once; more get 429"}
+    )
+    registration_allowed_nodes: str = field(
+        default="*",
+        metadata={
+            "help": "node URLs a registration may name (others get 403): comma-separated "
+            "HOST, HOST:PORT, CIDR, 'loopback' or '*' (any, the default), as a node's "
+            "--kv-allowed-peers; e.g. the nodes' subnet 10.0.0.0/8"
+        },
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=8000, metadata={"help": "HTTP port (0 = any free port)"})
@@ -259,6 +268,10 @@ class ProxyConfig:
         for name in ("discovery_interval", "registration_ttl"):
             _require(getattr(self, name) > 0, name, "must be > 0 seconds")
         _require(self.max_registered_nodes >= 1, "max_registered_nodes", "must be >= 1")
+        try:
+            PeerAllowlist.parse(self.registration_allowed_nodes)
+        except ValueError as e:
+            _require(False, "registration_allowed_nodes", str(e))
         _require(self.max_connections >= 1, "max_connections", "must be >= 1")
         _require(self.max_request_bytes >= 1, "max_request_bytes", "must be >= 1")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0 seconds")

@@ -10,7 +10,9 @@ when the proxy has no key, i.e. registration is off). A body is at most 4 KiB of
 whose ``role`` and ``url`` are checked (400 naming the field; unknown fields are
 ignored): an http(s) URL with a host (a name or an IP address that is not the unspecified
 address) and an explicit port, nothing else. A URL is one role (409), and at most
-``--max-registered-nodes`` nodes are registered at once (429). A registration not renewed
+``--max-registered-nodes`` nodes are registered at once (429); a URL whose host (and port)
+``--registration-allowed-nodes`` does not list is refused (403: the key's holder can
+otherwise point the proxy's client traffic at any address). A registration not renewed
 within ``--registration-ttl`` seconds expires: the node leaves the pool. A refused
 request never changes the pool.
 """
@@ -33,6 +35,7 @@ from engine.httpkit.auth import key_matches
 from engine.httpkit.body import read_body
 from engine.httpkit.errors import json_error
 from engine.server.protocol import APIError
+from kvconnector.nixl.peers import PeerAllowlist
 from proxy.discovery import Membership, RoleConflict
 from proxy.dns import HOST_NAME
 from proxy.nodes import Role
@@ -44,6 +47,7 @@ DEREGISTER_PATH = "/v1/nodes/deregister"
 MAX_BODY_BYTES = 4096
 SOURCE = "registered"
 ROLES: tuple[Role, ...] = ("prefill", "decode")
+ANY_NODE = PeerAllowlist(any_peer=True)
 
 
 NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*", re.IGNORECASE)
@@ -118,8 +122,10 @@ class Registry:
         ttl: float,
         max_nodes: int,
         clock: Callable[[], float] = time.monotonic,
+        allowed: PeerAllowlist = ANY_NODE,
     ) -> None:
         self.members = members
+        self.allowed = allowed
         self.key = key
         self.ttl = ttl
         self.max_nodes = max_nodes
@@ -137,6 +143,15 @@ class Registry:
             )
 
     def register(self, role: Role, url: str) -> dict[str, Any]:
+        parts = urlsplit(url)  # normalized: scheme://host:port
+        if not self.allowed.allows(f"tcp://{parts.netloc}"):
+            raise APIError(
+                f"{url} is not a node this proxy lets register (its --registration-allowed-nodes)",
+                param="url",
+                status_code=403,
+                err_type="permission_error",
+                code="node_not_allowed",
+            )
         renewed = url in self.deadlines
         if not renewed and len(self.deadlines) >= self.max_nodes:
             raise APIError(

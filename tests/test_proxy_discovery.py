@@ -43,6 +43,7 @@ from harness import (
 )
 
 from engine.server.protocol import APIError
+from kvconnector.nixl.peers import PeerAllowlist
 from proxy.config import ProxyConfig, ProxyConfigError, add_proxy_args, config_from_sources
 from proxy.discovery import Membership, RoleConflict
 from proxy.dns import DnsDiscovery, NameNotFound, parse_dns_name
@@ -176,6 +177,35 @@ def test_registrations_renew_expire_and_are_capped() -> None:
     reg.authorize("Bearer " + KEY)
 
 
+@pytest.mark.parametrize(
+    "allowed, url, ok",
+    [
+        ("10.0.0.0/8", "http://10.1.2.3:8200", True),
+        ("10.0.0.0/8", "http://192.168.0.5:8200", False),
+        ("10.0.0.0/8", "http://node-7.internal:8200", False),  # a name is not in a network
+        ("loopback", "http://[::1]:8200", True),
+        ("loopback", "http://127.0.0.1:8200", True),
+        ("loopback", "http://169.254.169.254:80", False),  # cloud metadata
+        ("node-7.internal", "http://node-7.internal:8200", True),
+        ("10.0.0.3:8200", "http://10.0.0.3:8201", False),
+        ("*", "http://169.254.169.254:80", True),  # the default: any (the key is trusted)
+    ],
+)
+def test_registration_names_only_the_nodes_the_proxy_allows(allowed: str, url: str, ok: bool):
+    pool = NodePool((), ())
+    members = Membership(pool)
+    reg = Registry(members, key=KEY, ttl=10.0, max_nodes=4, allowed=PeerAllowlist.parse(allowed))
+    url = normalize_node_url(url)
+    if ok:
+        assert reg.register("decode", url)["status"] == "registered"
+        assert [n.url for n in pool.all()] == [url]
+        return
+    with pytest.raises(APIError) as e:
+        reg.register("decode", url)
+    assert e.value.status_code == 403 and "--registration-allowed-nodes" in e.value.message
+    assert pool.all() == [] and reg.deadlines == {}
+
+
 # -- DNS ---------------------------------------------------------------------------------------------
 
 
@@ -257,6 +287,8 @@ def test_proxy_flags_say_which_source_to_configure() -> None:
         (("--discovery-interval", "0"), "--discovery-interval"),
         (("--registration-ttl", "0"), "--registration-ttl"),
         (("--max-registered-nodes", "0"), "--max-registered-nodes"),
+        (("--registration-allowed-nodes", "10.0.0.0/33"), "--registration-allowed-nodes"),
+        (("--registration-allowed-nodes", " , "), "--registration-allowed-nodes"),
     ):
         with pytest.raises(ProxyConfigError, match=f"^{name}: "):
             _proxy_cfg("--registration-key", KEY, *flags)
@@ -359,7 +391,10 @@ class Setup:
             *NIXL, "--num-blocks", "256", module="prefill_node", name="p", wait=False
         )
         # a: the node registers with it; b: registrations expire after 2 s.
-        self.a = bare_proxy(procs, "proxy-a", "--prefill", self.p.url, "--registration-key", KEY)
+        self.a = bare_proxy(
+            procs, "proxy-a", "--prefill", self.p.url, "--registration-key", KEY,
+            "--registration-allowed-nodes", "loopback",
+        )  # fmt: skip
         self.b = bare_proxy(
             procs, "proxy-b", "--prefill", self.p.url, "--registration-key", KEY,
             "--registration-ttl", "2",
@@ -428,6 +463,7 @@ def test_bad_registrations_get_4xx_and_change_nothing(setup: Setup) -> None:
         (reg, {"role": "decode", "url": setup.p.url}, auth(), 409),  # p is a prefill node
         (dereg, {"role": "prefill", "url": d.url}, auth(), 409),
         (dereg, {"role": "decode"}, auth(), 400),
+        (reg, {"role": "decode", "url": "http://10.9.9.9:8200"}, auth(), 403),  # not loopback
     ]
     for url, body, headers, status in cases:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
