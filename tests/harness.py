@@ -230,9 +230,12 @@ def spawn_proxy(
     tmp: Path, prefill: list[str], decode: list[str], *args: str, name: str | None = None
 ) -> Proc:
     """Start ``python -m proxy serve`` in front of the given nodes (health checked every
-    0.5 s unless ``args`` say otherwise)."""
+    0.5 s, a check answered within 10 s, unless ``args`` say otherwise: a loaded box's
+    node may answer one check later than the default 2 s, which takes it out of rotation
+    until the next; tests of hang detection pass ``--health-timeout`` themselves)."""
     port = free_port()
     cmd = [sys.executable, "-m", "proxy", "serve", "--port", str(port), "--health-interval", "0.5"]
+    cmd += ["--health-timeout", "10"]
     cmd += ["--prefill", *prefill, "--decode", *decode, *args]
     return spawn(name or "proxy", cmd, f"http://127.0.0.1:{port}", tmp)
 

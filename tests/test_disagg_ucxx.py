@@ -292,7 +292,7 @@ def test_ucxx_a_notification_without_the_reservations_nonce_completes_nothing(uc
 
 # ------------------------------------------------------------------ nodes, over HTTP
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 6.0  # outlives the tests' own steps on a loaded box (tests/test_disagg_faults.py)
 UCXX_ARGS = ("--kv-transport", "ucxx", "--kv-transfer-timeout", str(TIMEOUT_S))
 NODE_ARGS = (*UCXX_ARGS, "--num-blocks", "128")
 
@@ -366,15 +366,26 @@ def test_ucxx_nodes_report_the_transport_and_match_colocated(pd_pair: PD):
     assert tokens == _colocated(d, prompt)
 
 
-def test_ucxx_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(pd_pair: PD, procs: Procs):
+def test_ucxx_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(procs: Procs):
     """D reserved, then died before P's push: the write errors (no hang), P frees its
     blocks, counts the failure and forgets the dead peer. The push is 25 blocks (800 KiB):
     over same-host shared memory a push under UCX's rendezvous threshold goes out eagerly
     and completes into a dead peer's memory as if sent (harmless: D is gone), so only a
     larger one shows the failure path (here by the deadline: shared memory does not report
-    a dead peer)."""
-    prefill = pd_pair.p
-    dead = procs.node("--kv-connector", "nixl", *NODE_ARGS, module="decode_node")
+    a dead peer). Its own pair with a longer transfer timeout: D's early reservation must
+    outlive killing D on a loaded box (the module's 3 s is not enough; the NIXL twin in
+    tests/test_disagg_faults.py saw it expire first once), and the push fails by it."""
+    timeout_s = 15
+    slow = (
+        "--kv-transport",
+        "ucxx",
+        "--kv-transfer-timeout",
+        str(timeout_s),
+        "--num-blocks",
+        "128",
+    )
+    prefill = procs.node("--kv-connector", "nixl", *slow, module="prefill_node")
+    dead = procs.node("--kv-connector", "nixl", *slow, module="decode_node")
     _disagg(prefill, dead, list(range(5, 30)), "ucxx-dead-0")  # the peer is known to P
     peers = prefill.metric("pdserve_engine_kv_decode_peers")
     failures = prefill.metric("pdserve_engine_kv_transfer_failures_total")
@@ -398,7 +409,7 @@ def test_ucxx_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(pd_pair: PD
         fut.cancel()
     resp = httpx.post(prefill.url + "/v1/completions", json=_p_body(prompt, tid), timeout=30)
     assert resp.status_code == 200
-    wait_for(lambda: _pools_full(prefill), 15, "P to free the failed push's blocks")
+    wait_for(lambda: _pools_full(prefill), 2 * timeout_s + 10, "P to free the failed push's blocks")
     assert prefill.metric("pdserve_engine_kv_transfer_failures_total") == failures + 1
     assert prefill.metric("pdserve_engine_kv_decode_peers") == peers - 1
     assert prefill.metric("pdserve_engine_kv_transfers_in_flight") == 0

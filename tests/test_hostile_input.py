@@ -48,11 +48,12 @@ def _post_watching_health(
     t = threading.Thread(target=big)
     t.start()
     worst = 0.0
-    while t.is_alive():
-        start = time.monotonic()
-        assert httpx.get(node.url + "/health", timeout=30).status_code == 200
-        worst = max(worst, time.monotonic() - start)
-        time.sleep(0.01)
+    with httpx.Client(timeout=30) as client:  # one client: no per-check set-up in the times
+        while t.is_alive():
+            start = time.monotonic()
+            assert client.get(node.url + "/health").status_code == 200
+            worst = max(worst, time.monotonic() - start)
+            time.sleep(0.01)
     t.join()
     return result["r"], worst
 
@@ -104,7 +105,8 @@ def test_health_answers_while_a_huge_prompt_is_checked(node):
     body = json.dumps({"messages": messages, "max_tokens": 2}).encode()
     resp, worst = _post_watching_health(node, body, "/v1/chat/completions")
     _error(resp, 400)  # longer than the context
-    assert worst < 0.5 * resp.elapsed.total_seconds(), (worst, resp.elapsed)
+    # Measured: ~0.14 of the request off the loop, ~0.99 on it.
+    assert worst < 0.6 * resp.elapsed.total_seconds(), (worst, resp.elapsed)
 
 
 # -- the connection and the log: what a client can do to them -----------------------------
@@ -201,4 +203,4 @@ def test_tokenizing_a_huge_prompt_does_not_stall_other_clients(node):
     body = json.dumps({"prompt": "hello world " * 800_000}).encode()
     resp, worst = _post_watching_health(node, body, "/tokenize")
     assert resp.status_code == 200 and resp.json()["count"] > 1_000_000
-    assert worst < 0.4 * resp.elapsed.total_seconds()
+    assert worst < 0.4 * resp.elapsed.total_seconds(), (worst, resp.elapsed)  # ~0.06 measured

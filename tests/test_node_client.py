@@ -306,15 +306,19 @@ def test_a_decode_answer_that_arrives_for_a_dropped_attempt_is_closed_not_leaked
     from proxy.nodes import NodePool
     from proxy.validation import COMPLETIONS, validate_request
 
+    d_answered = asyncio.Event()
+
     async def prefill(req: SeenRequest) -> bytes:
         if req.path == "/v1/abort":
             return answer(200, {})
+        await asyncio.wait_for(d_answered.wait(), 10)  # D's head is on its way
         await asyncio.sleep(0.2)
         return answer(400, {"error": {"message": "no", "type": "invalid_request_error"}})
 
     async def decode(req: SeenRequest) -> bytes:
         if req.path == "/v1/abort":
             return answer(200, {})
+        d_answered.set()
         return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\ndata:\r\n"  # and waits
 
     async def main() -> None:

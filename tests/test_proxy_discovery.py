@@ -384,20 +384,25 @@ def auth(key: str = KEY) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+# Proxy b's registrations expire after this: the node must join and serve a request
+# within it on a loaded box (2 s was tight).
+TTL_B = 8.0
+
+
 class Setup:
     def __init__(self, procs: Procs) -> None:
         self.procs = procs
         self.p = procs.node(
             *NIXL, "--num-blocks", "256", module="prefill_node", name="p", wait=False
         )
-        # a: the node registers with it; b: registrations expire after 2 s.
+        # a: the node registers with it; b: registrations expire after TTL_B s.
         self.a = bare_proxy(
             procs, "proxy-a", "--prefill", self.p.url, "--registration-key", KEY,
             "--registration-allowed-nodes", "loopback",
         )  # fmt: skip
         self.b = bare_proxy(
             procs, "proxy-b", "--prefill", self.p.url, "--registration-key", KEY,
-            "--registration-ttl", "2",
+            "--registration-ttl", str(TTL_B),
         )  # fmt: skip
         wait_healthy(self.p)
         wait_up(self.a, self.b)
@@ -484,11 +489,14 @@ def test_a_flood_of_refused_registrations_does_not_flood_the_log(setup: Setup) -
     b = setup.b
     log = b.stderr_path.read_text()
     before = metric(b.url, "pdproxy_discovery_events_total", {"event": "refused"})
-    for _ in range(40):
-        resp = httpx.post(b.url + "/v1/nodes/register", json={"role": "decode"}, timeout=10)
-        assert resp.status_code == 401
+    start = time.monotonic()
+    with httpx.Client(timeout=10) as client:
+        for _ in range(40):
+            resp = client.post(b.url + "/v1/nodes/register", json={"role": "decode"})
+            assert resp.status_code == 401
+    took = time.monotonic() - start
     new_lines = b.stderr_path.read_text()[len(log) :].count("/v1/nodes/register from")
-    assert 1 <= new_lines <= 5, new_lines
+    assert 1 <= new_lines <= 2 + took, (new_lines, took)  # one line a second at most
     after = metric(b.url, "pdproxy_discovery_events_total", {"event": "refused"})
     assert after == before + 40
 
@@ -515,15 +523,15 @@ def test_a_dns_name_adds_its_addresses(setup: Setup) -> None:
 @pytest.mark.slow
 def test_a_registration_that_stops_heartbeating_expires(setup: Setup) -> None:
     b, d = setup.b, setup.decode()
+    registered = time.monotonic()  # before the proxy starts the registration's clock
     resp = httpx.post(
         b.url + "/v1/nodes/register", json={"role": "decode", "url": d.url}, headers=auth()
     )  # one registration, no heartbeat
-    registered = time.monotonic()
-    assert resp.status_code == 200 and resp.json()["expires_in"] == 2.0, resp.text
+    assert resp.status_code == 200 and resp.json()["expires_in"] == TTL_B, resp.text
     wait_for(lambda: httpx.get(b.url + "/health").status_code == 200, 10, "the node to join")
     assert complete(b.url).status_code == 200
-    wait_for(lambda: nodes(b) == [], 10, "the registration to expire")
-    assert time.monotonic() - registered >= 2.0
+    wait_for(lambda: nodes(b) == [], TTL_B + 10, "the registration to expire")
+    assert time.monotonic() - registered >= TTL_B
     assert complete(b.url).status_code == 503
     assert metric(b.url, "pdproxy_discovery_events_total", {"event": "expired"}) == 1
     assert httpx.get(d.url + "/health").status_code == 200  # the node itself is fine

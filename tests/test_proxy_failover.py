@@ -38,14 +38,18 @@ class Setup:
         pd = procs.pd(1, 2, "--num-blocks", "256")
         self.p, self.d = pd.p, pd.decode
         self.fast = self.proxy("fast")
-        self.slow_stream = self.proxy("slow-stream", "--health-interval", "60")
-        self.slow_plain = self.proxy("slow-plain", "--health-interval", "60")
+        # The slow proxies check their nodes once, at start (a round later in the module
+        # would see the nodes these tests kill or stop: an hour never comes here).
+        self.slow_stream = self.proxy("slow-stream", "--health-interval", "3600")
+        self.slow_plain = self.proxy("slow-plain", "--health-interval", "3600")
         wait_healthy(self.fast, self.slow_stream, self.slow_plain, timeout=60)
         self.killed: Proc | None = None
 
     def proxy(self, name: str, *extra: str) -> Proc:
         urls = [d.url for d in self.d]
-        return self.procs.proxy([self.p.url], urls, *extra, name=name, wait=False)
+        # The default --health-timeout: these tests time hang detection by it.
+        args = ("--health-timeout", "2", *extra)
+        return self.procs.proxy([self.p.url], urls, *args, name=name, wait=False)
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ def test_timeout_closed_port() -> None:
     t0 = time.monotonic()
     with pytest.raises(SideChannelTimeout):
         client.request(f"tcp://127.0.0.1:{_free_port()}", {"op": "x"}, timeout=0.5)
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 5  # ends by its timeout, not hanging (slack for load)
 
 
 def test_timeout_unresponsive_handler_then_late_reply_ignored() -> None:
@@ -111,7 +111,7 @@ def test_timeout_unresponsive_handler_then_late_reply_ignored() -> None:
         t0 = time.monotonic()
         with pytest.raises(SideChannelTimeout):
             client.request(srv.address, {"slow": True, "seq": 1}, timeout=0.5)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 5  # by its timeout (slack for load)
         release.set()  # the late reply to seq 1 goes to a closed socket
         assert client.request(srv.address, {"seq": 2}, timeout=5.0) == {"ok": True, "seq": 2}
     finally:

@@ -14,6 +14,7 @@ unguessable (docs/reliability.md, "Access").
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -21,7 +22,6 @@ from harness import free_port, wait_for
 
 import kvconnector.nixl.decode_peers as decode_peers
 import kvconnector.nixl.prefill_links as prefill_links
-import kvconnector.nixl.prefill_service as prefill_service
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import load_arch_config
@@ -41,7 +41,12 @@ from kvconnector.nixl.messages import (
 from kvconnector.nixl.prefill_links import RPC_TIMEOUT_S
 from kvconnector.nixl.producer import Producer, Reservation
 from kvconnector.nixl.scheduler import NixlConnectorScheduler
-from kvconnector.nixl.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+from kvconnector.nixl.side_channel import (
+    SideChannelClient,
+    SideChannelError,
+    SideChannelNotSent,
+    SideChannelServer,
+)
 
 SECRET_MD = b"nixl-agent-metadata: remote keys of this node's KV memory"
 
@@ -484,20 +489,62 @@ def test_a_reservation_is_bounded_by_one_prompt_and_their_number_by_the_nodes_qu
     assert isinstance(reply, Refusal) and "wait here for their prefill" in reply.error
 
 
-def test_a_flood_of_unconfirmable_claims_is_capped_and_takes_no_lane(conns, monkeypatch):
+class HeldChecks:
+    """P's checks of the addresses in ``dead`` (its pings of a claimed address) wait until
+    ``release()``, then fail as unanswered: the test, not a timer, decides when they end
+    (a 0.3 s ping timeout made the counts below depend on the box's speed)."""
+
+    def __init__(self, p: NixlConnectorScheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.dead: set[str] = set()
+        self._released = threading.Event()
+        real = p.service._client.request
+
+        def request(address: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+            if address in self.dead:
+                self._released.wait(60)
+                raise SideChannelNotSent(f"no connection to {address} (held by the test)")
+            return real(address, msg, timeout)
+
+        monkeypatch.setattr(p.service._client, "request", request)
+
+    def new_address(self) -> str:
+        address = f"tcp://127.0.0.1:{free_port()}"
+        self.dead.add(address)
+        return address
+
+    def release(self) -> None:
+        self._released.set()
+
+
+@pytest.fixture
+def hold_checks(monkeypatch):
+    """``hold_checks(p)``: a ``HeldChecks`` of P's, released at the latest when the test
+    ends (before ``conns`` closes P; list this fixture after it)."""
+    made: list[HeldChecks] = []
+
+    def make(p: NixlConnectorScheduler) -> HeldChecks:
+        made.append(HeldChecks(p, monkeypatch))
+        return made[-1]
+
+    yield make
+    for held in made:
+        held.release()
+
+
+def test_a_flood_of_unconfirmable_claims_is_capped_and_takes_no_lane(conns, hold_checks):
     """Each claim's check ran on a lane of P's (256 in all, each kept 30 s): 256 claims of
     closed ports left P unable to call any new decode node."""
-    monkeypatch.setattr(prefill_service, "VERIFY_TIMEOUT_S", 0.3)
     p, d = conns("producer"), conns("consumer")
+    checks = hold_checks(p)
     refused = 0
     for i in range(decode_peers.MAX_UNCONFIRMED + 8):
-        dead = f"tcp://127.0.0.1:{free_port()}"
+        dead = checks.new_address()
         flood = handshake_of(d, p, peer_key=f"flood-{i}", engine_id=f"flood-{i}", address=dead)
         reply = decode_reply(ask(p.address, flood), HandshakeReply)
         refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
-    assert refused >= 8 and p._lanes.num_lanes() == 0
+    assert refused == 8 and p._lanes.num_lanes() == 0
+    checks.release()
     wait_for(lambda: len(p.service.peers) == 0, 30, "the claims to be dropped")
-    monkeypatch.setattr(prefill_service, "VERIFY_TIMEOUT_S", 5.0)  # a loaded box may be slow
     paired(p, d)
 
 
@@ -509,17 +556,19 @@ def test_a_repeated_claim_queues_one_check(monkeypatch):
     assert table.offer("k", again, in_use=())[0] is False  # a flood of it queues nothing
 
 
-def test_claims_replacing_claims_under_one_key_queue_a_bounded_number_of_checks(conns):
+def test_claims_replacing_claims_under_one_key_queue_a_bounded_number_of_checks(conns, hold_checks):
     """Each new claim under a key whose entry was still unconfirmed replaced it and queued
     one more ping: the verifier's queue had no bound."""
     p, d = conns("producer"), conns("consumer")
+    checks = hold_checks(p)
     refused = 0
     for i in range(decode_peers.MAX_UNCONFIRMED + 16):
-        dead = f"tcp://127.0.0.1:{free_port()}"
+        dead = checks.new_address()
         claim = handshake_of(d, p, peer_key="one-key", engine_id=f"e{i}", address=dead)
         reply = decode_reply(ask(p.address, claim), HandshakeReply)
         refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
-    assert refused >= 16 and p.service.peers.checking <= decode_peers.MAX_UNCONFIRMED
+    assert refused == 16 and p.service.peers.checking == decode_peers.MAX_UNCONFIRMED
+    checks.release()
 
 
 @pytest.mark.parametrize(
@@ -556,13 +605,14 @@ def test_one_peer_cannot_fill_the_reservations_waiting_for_their_prefill(conns):
     assert isinstance(decode_reply(ask(p.address, reserve_of(d, p, [2], tid="d2")), Ack), Refusal)
 
 
-def test_reservations_of_a_claim_its_address_does_not_confirm_are_dropped(conns, monkeypatch):
-    monkeypatch.setattr(prefill_service, "VERIFY_TIMEOUT_S", 0.3)
+def test_reservations_of_a_claim_its_address_does_not_confirm_are_dropped(conns, hold_checks):
     p, d = conns("producer"), conns("consumer")
-    dead = f"tcp://127.0.0.1:{free_port()}"
+    checks = hold_checks(p)
+    dead = checks.new_address()
     assert ask(p.address, handshake_of(d, p, address=dead))["ok"] is True
     assert decode_reply(ask(p.address, reserve_of(d, p, [1, 2])), Ack) == Ack()
     assert p.producer.early
+    checks.release()  # the check fails: no answer from the address the claim gave
     wait_for(lambda: not p.producer.early, 15, "the claim's reservations to go")
     assert d.links.pairing_key(p.address) not in p.service.peers
 
