@@ -161,7 +161,9 @@ def test_stream_with_stop_string_matches_colocated(cluster: Cluster) -> None:
     full = httpx.post(cluster.colo.url + "/v1/completions", json=body, timeout=60).json()
     text = full["choices"][0]["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 2] or "zz"
-    ref = httpx.post(cluster.colo.url + "/v1/completions", json={**body, "stop": stop}).json()
+    ref = httpx.post(
+        cluster.colo.url + "/v1/completions", json={**body, "stop": stop}, timeout=60
+    ).json()
     with httpx.stream(
         "POST", cluster.proxy.url + "/v1/completions",
         json={**body, "stop": stop, "stream": True}, timeout=60,
@@ -368,7 +370,9 @@ def test_429_at_max_inflight_and_503_without_a_pair(cluster: Cluster) -> None:
     wait_for(health_answers, 30, "the proxy to answer /health", 0.2)
     health = answers[0]
     assert health.status_code == 503 and "prefill" in health.json()["reason"]
-    resp = httpx.post(spawn_only.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    resp = httpx.post(
+        spawn_only.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60
+    )
     assert resp.status_code == 503, resp.text
     assert resp.json()["error"]["code"] == "no_healthy_nodes"
 
@@ -450,6 +454,8 @@ def test_a_prefill_node_with_a_small_cache_serves_prompts_whose_answers_it_canno
     assert p.metric("pdserve_engine_kv_transfers_started_total") >= 1  # it went through P
     # A prompt longer than P's context is still P's to refuse.
     long = httpx.post(
-        proxy.url + "/v1/completions", json={**body, "prompt": [5] * 200, "max_tokens": 4}
+        proxy.url + "/v1/completions",
+        json={**body, "prompt": [5] * 200, "max_tokens": 4},
+        timeout=60,
     )
     assert long.status_code == 400 and "128" in long.json()["error"]["message"], long.text
