@@ -375,7 +375,7 @@ def test_ucxx_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(procs: Proc
     a dead peer). Its own pair with a longer transfer timeout: D's early reservation must
     outlive killing D on a loaded box (the module's 3 s is not enough; the NIXL twin in
     tests/test_disagg_faults.py saw it expire first once), and the push fails by it."""
-    timeout_s = 15
+    timeout_s = 8
     slow = (
         "--kv-transport",
         "ucxx",
