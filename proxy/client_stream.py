@@ -4,7 +4,10 @@
 pairs, waits and retries): the proxy's id and ``created`` on every event, the assistant
 role once (chat), D's repeat of P's first token dropped (``Skipper``: unless D dropped it
 itself, ``--node-skip-first-token``) with its log-probability entry, and the answer kept
-for the router when it remembers what nodes cache.
+for the router when it remembers what nodes cache. A stream moved to another pair after
+its decode node failed mid-answer (``--migration-limit``) replays the answer: what the
+client already has is checked token by token and dropped (``Skipper`` with ``expect``);
+a replay that differs ends the stream (``Diverged``).
 """
 
 from __future__ import annotations
@@ -15,21 +18,43 @@ from typing import Any
 from engine.httpkit import openai
 from engine.httpkit.sse import sse_event
 from engine.server.logprobs import drop_first
+from engine.server.protocol import APIError
 from proxy.validation import ProxyRequest
 
 logger = logging.getLogger(__name__)
 
 
-class Skipper:
-    """Drops what the client already got (P's first token) from the start of D's stream."""
+class Diverged(APIError):
+    """A rerun's tokens differ from those the client already has."""
 
-    def __init__(self, ids: int = 0, text: str = "") -> None:
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"the retried request produced different tokens than those already streamed ({detail})",
+            status_code=502,
+            err_type="server_error",
+            code="retry_diverged",
+        )
+
+
+class Skipper:
+    """Drops what the client already got (P's first token; after a migration, the whole
+    answer so far) from the start of D's stream. With ``expect`` (the ids to drop) the
+    dropped ids must be those (``Diverged`` otherwise)."""
+
+    def __init__(self, ids: int = 0, text: str = "", expect: list[int] | None = None) -> None:
         self.ids = ids
         self.text = text
+        self.expect = expect
+        self._checked = 0  # of ``expect``
 
     def apply(self, ids: list[int], text: str) -> tuple[list[int], str]:
         if self.ids:
             n = min(self.ids, len(ids))
+            if self.expect is not None:
+                want = self.expect[self._checked : self._checked + n]
+                if ids[:n] != want:
+                    raise Diverged(f"token {self._checked}: {ids[:n]!r:.60} for {want!r:.60}")
+                self._checked += n
             ids, self.ids = ids[n:], self.ids - n
         if self.text and text:
             if text.startswith(self.text):
@@ -66,6 +91,10 @@ class ClientStream:
         self.sent_ids: list[int] | None = None  # P's first token, once sent to the client
         self._first_skip = (0, "")  # what D's stream repeats of P's first token, to drop
         self._skip = Skipper()
+        # What the client got from D's streams (after the first chunk): a migrated
+        # stream's replay repeats it.
+        self.decode_ids: list[int] = []
+        self._decode_text: list[str] = []
         self._keep_answer = keep
         self._answer_text: list[str] = []
         self._answer_ids: list[int] = []
@@ -96,8 +125,18 @@ class ClientStream:
 
     def decode_starts(self) -> None:
         """A decode stream (the first, or a rerun's) starts: drop what it repeats of what
-        the client has (P's first token, if it was sent)."""
-        self._skip = Skipper(*self._first_skip)
+        the client has (P's first token, if it was sent, and what earlier decode streams
+        sent: those ids must come again)."""
+        n, text = self._first_skip
+        if not self.decode_ids and not self._decode_text:
+            self._skip = Skipper(n, text)
+            return
+        first = list(self.sent_ids or []) if n else []
+        self._skip = Skipper(
+            n + len(self.decode_ids),
+            text + "".join(self._decode_text),
+            expect=first + self.decode_ids,
+        )
 
     def envelope(self, choices: list[dict[str, Any]], usage: bool) -> dict[str, Any]:
         body = openai.envelope(
@@ -127,6 +166,9 @@ class ClientStream:
         if n > len(ids) and self.req.parsed.logprobs is not None:
             drop_first(c.get("logprobs"), self.req.chat, n - len(ids))  # with their tokens
         c["token_ids"] = ids
+        self.decode_ids.extend(ids)
+        if text:
+            self._decode_text.append(text)
         self._keep(ids, text)
         role_added = False
         if self.req.chat:

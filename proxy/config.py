@@ -112,6 +112,15 @@ class ProxyConfig:
     max_retries: int = field(
         default=1, metadata={"help": "retries on another P/D pair before any token was sent"}
     )
+    migration_limit: int = field(
+        default=0,
+        metadata={
+            "help": "times a stream whose decode node fails after sending tokens moves to "
+            "another pair, which replays the answer so far (checked token by token, not sent "
+            "again) and goes on; 0: the stream ends with an error event (Dynamo's "
+            "--migration-limit)"
+        },
+    )
     health_interval: float = field(
         default=1.0, metadata={"help": "seconds between node health checks"}
     )
@@ -262,6 +271,7 @@ class ProxyConfig:
             "must be at least 2 tokens",
         )
         _require(0 <= self.max_retries <= 5, "max_retries", "must be in [0, 5]")
+        _require(0 <= self.migration_limit <= 10, "migration_limit", "must be in [0, 10]")
         _require(self.unreachable_checks >= 0, "unreachable_checks", "must be >= 0 (0: never)")
         for name in ("health_interval", "health_timeout", "connect_timeout", "request_timeout"):
             _require(getattr(self, name) > 0, name, "must be > 0 seconds")

@@ -134,6 +134,12 @@ class ProxyMetrics(MetricsRegistry):
             "Requests retried on another prefill/decode pair, by the role that failed",
             ["role"],
         )
+        self.migrations = self.counter(
+            "stream_migrations",
+            "Streams moved to another pair after their decode node failed mid-answer "
+            "(--migration-limit), by outcome (resumed, diverged)",
+            ["outcome"],
+        )
         self.inflight = self.gauge("requests_inflight", "Requests in flight")
         self.ttft = self.histogram(
             "time_to_first_token_seconds",

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -49,6 +50,7 @@ from typing import Any
 from engine.httpkit.sse import SSE_DONE, sse_event
 from engine.server.logprobs import fill_missing, has_missing, num_entries
 from engine.server.protocol import APIError, error_body
+from kvconnector.base import transfer_seed
 from proxy.answers import parse_completion
 from proxy.client_stream import ClientStream, first_tokens
 from proxy.config import ProxyConfig
@@ -96,6 +98,7 @@ class Session:
         self.created = int(time.time())
         self.attempts = 0
         self.node_failures = 0
+        self.migrations = 0  # streams moved on after D failed mid-answer
         self.excluded: set[str] = set()
         self.decode_alone = False  # the next attempt without a prefill node
         self.current: Attempt | None = None
@@ -105,6 +108,7 @@ class Session:
         self._lp_seen = 0  # log-prob entries of D's stream seen so far
         self._p_logprobs: tuple[Attempt, Any] | None = None  # P's, per attempt
         self.first_chunk: str | None = None
+        self._first_tid: str | None = None  # the transfer whose P sampled the first chunk
         self._d_sent = False  # some of D's stream reached the client
         self._last = 0.0  # when the client last got tokens (inter-token latency)
         self._d_events: DecodeEvents | None = None  # D's stream, read ahead or not
@@ -175,8 +179,9 @@ class Session:
             suffix = answer_suffix(self.req.key, text, ids)
             self.router.answered(self.route, self.req.key, suffix)
 
-    def _failed(self, attempt: Attempt, err: UpstreamError) -> None:
-        """Clean up a failed pair; raise unless another attempt is allowed."""
+    def _failed(self, attempt: Attempt, err: UpstreamError, migrating: bool = False) -> None:
+        """Clean up a failed pair; raise unless another attempt is allowed (``migrating``:
+        the stream moves on under ``--migration-limit``, not ``--max-retries``)."""
         attempt.release()
         if err.overloaded:
             err.node.mark_overloaded()
@@ -193,7 +198,8 @@ class Session:
         self.excluded.add(err.node.url)
         if err.not_reserved:  # no other prefill node: D prefills by itself, as it just did
             self.decode_alone = not self.router.has_other("prefill", self.excluded)
-        self.node_failures += 1
+        if not migrating:
+            self.node_failures += 1
         if self.node_failures > self.cfg.max_retries:
             raise APIError(
                 f"the request failed on {self.attempts} prefill/decode pair(s); last error: {err}",
@@ -279,6 +285,7 @@ class Session:
                     first = await self._first_token(attempt)
                     if first is not None:
                         self.first_chunk = self._first_chunk(first)
+                        self._first_tid = attempt.transfer_id
                 else:
                     await attempt.wait_decode()
                 return
@@ -388,7 +395,13 @@ class Session:
         return self.out.first_chunk(p_body)
 
     async def _reopen_after_first_token(self) -> NodeResponse:
-        """D failed after P's token was streamed: rerun a pair that agrees on that token."""
+        """D failed after P's token was streamed: rerun a pair that agrees on that token.
+        An unseeded sampled request is rerun with the seed its first pair drew from (the
+        transfer id's, ``kvconnector.base.transfer_seed``), so that the rerun samples the
+        same tokens."""
+        if self.req.body.get("seed") is None and self._first_tid is not None:
+            seed = transfer_seed(self._first_tid)
+            self.req = dataclasses.replace(self.req, body={**self.req.body, "seed": seed})
         while True:
             attempt = self._launch(allow_decode_only=False)
             try:
@@ -437,14 +450,27 @@ class Session:
                         )
                     break
                 except (UpstreamError, NodeHTTPError) as e:
-                    if self._d_sent or self.out.sent_ids is None:
+                    if self.out.sent_ids is None:
+                        raise  # D's stream is the whole answer: no pair to agree with
+                    migrating = self._d_sent
+                    if migrating and self.migrations >= self.cfg.migration_limit:
                         raise
                     if isinstance(e, NodeHTTPError):
                         e = UpstreamError(self.current.d, f"decode stream broke: {e}")
-                    logger.info(
-                        "request %s: %s before its first token; rerunning", self.request_id, e
-                    )
-                    self._failed(self.current, e)
+                    if migrating:
+                        self.migrations += 1
+                        logger.warning(
+                            "request %s: %s after %d tokens; moving the stream to another "
+                            "pair (migration %d of %d)", self.request_id, e,
+                            len(self.out.decode_ids) + len(self.out.sent_ids),
+                            self.migrations, self.cfg.migration_limit,
+                        )  # fmt: skip
+                    else:
+                        logger.info(
+                            "request %s: %s before its first token; rerunning",
+                            self.request_id, e,
+                        )  # fmt: skip
+                    self._failed(self.current, e, migrating=migrating)
                     self.out.decode_starts()
                     await self._reopen_after_first_token()
             if events.done:
@@ -457,6 +483,8 @@ class Session:
                 self.current.finished = True
                 self.current.d.mark_answered()
                 self.outcome = "ok"
+                if self.migrations:
+                    self.metrics.migrations.labels("resumed").inc()
                 if self._keep_answer:
                     self._answered(*self.out.answer())
             yield SSE_DONE
@@ -467,11 +495,14 @@ class Session:
                 self.current.d.mark_failed(f"decode stream broke: {e}")
             logger.warning("request %s failed mid-stream: %s", self.request_id, e)
             self.metrics.errors.labels("stream_error").inc()
+            if self.migrations and isinstance(e, APIError) and e.code == "retry_diverged":
+                self.metrics.migrations.labels("diverged").inc()
             self.outcome = "error"
             msg = e.message if isinstance(e, APIError) else f"upstream failure: {e}"
             if isinstance(e, PassThrough):
                 msg = f"the request was refused after the first token: {e}"
-            yield sse_event(error_body(msg, "server_error", None, "upstream_error"))
+            code = e.code if isinstance(e, APIError) and e.code else "upstream_error"
+            yield sse_event(error_body(msg, "server_error", None, code))
             yield SSE_DONE
         except Exception:  # a fault of the proxy's own: the client still gets an end
             logger.exception("request %s: the stream failed", self.request_id)

@@ -248,3 +248,32 @@ def test_requests_whose_only_prefill_node_dies_are_answered_by_the_decode_node(
     assert body["choices"][0]["token_ids"] == ref_ids
     for proxy in (setup.slow_stream, setup.slow_plain):
         assert "no other prefill node is ready" in proxy.logs(20000), proxy.name
+
+
+def test_with_a_migration_limit_a_decode_node_killed_mid_stream_is_not_seen(procs: Procs):
+    """``--migration-limit 1``: D is SIGKILLed after streaming some tokens; the stream
+    moves to the other pair, which replays the answer (checked, not sent again), and the
+    client gets every token once, equal to an answer nobody interrupted (seeded sampling;
+    an unseeded request replays with its first pair's seed: tests/test_proxy_migration.py)."""
+    pd = procs.pd(1, 2, "--num-blocks", "256")
+    urls = [d.url for d in pd.decode]
+    proxy = procs.proxy([pd.p.url], urls, "--migration-limit", "1", name="migrating")
+    body = {"prompt": "Once upon a time", "max_tokens": 160, "stream": True}
+    body |= {"temperature": 0.9, "seed": 1234, "ignore_eos": True}
+    ref = httpx.post(proxy.url + "/v1/completions", json={**body, "stream": False}, timeout=120)
+    assert ref.status_code == 200, ref.text
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        first = [next(lines) for _ in range(6)]
+        serving = [u for u, n in _decode_health(proxy).items() if n["outstanding"] == 1]
+        assert len(serving) == 1, _decode_health(proxy)
+        victim = next(d for d in pd.decode if d.url == serving[0])
+        victim.kill9()
+        rest = list(lines)
+    events = sse_data(first + rest)
+    assert events.pop() == "DONE"
+    assert all("error" not in e for e in events), events[-3:]
+    assert stream_ids(events) == ref.json()["choices"][0]["token_ids"]
+    assert len(stream_ids(first_events := sse_data(first))) < 160, first_events  # cut mid-way
+    assert metric(proxy.url, "pdproxy_stream_migrations_total", {"outcome": "resumed"}) == 1

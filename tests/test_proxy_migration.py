@@ -1,0 +1,101 @@
+"""A stream whose decode node fails after sending tokens moves to another pair
+(``--migration-limit``): the new pair replays the answer, the proxy checks the replayed
+tokens against those the client has and drops them, and the stream goes on; a replay that
+differs ends the stream with an error event. Stand-in nodes (``tests/standin_http.py``)
+through a real ``Session``; the real-process form is in ``tests/test_proxy_failover.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvconnector.base import transfer_seed
+from proxy.client_stream import Skipper
+from tests.standin_http import SeenRequest, answer, chunked
+from tests.test_proxy_waits import (
+    PREFILL_ANSWER,
+    STREAM_HEAD,
+    _chunk,
+    _p_and_two_d,
+    _sse,
+    _stream_through_session,
+    _token,
+)
+
+
+async def _prefill(req: SeenRequest) -> bytes:
+    return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+
+D1_BODIES: list[dict[str, Any]] = []
+
+
+async def _d1_breaks_after_three(req: SeenRequest) -> Any:
+    """P's first token (7) repeated, then 8 and 9; then the connection closes (a dead D)."""
+    D1_BODIES.append(req.json())
+    events = _sse(_token(7), _token(8), _token(9))[:3]
+    return STREAM_HEAD + b"".join(_chunk(e) for e in events), True
+
+
+def _d2_streams(*ids: int) -> Any:
+    seen: list[dict[str, Any]] = []
+
+    async def decode(req: SeenRequest) -> bytes:
+        seen.append(req.json())
+        *most, last = ids
+        return chunked(200, _sse(*(_token(i) for i in most), _token(last, "length")))
+
+    decode.seen = seen  # type: ignore[attr-defined]
+    return decode
+
+
+def _run(d2: Any, **cfg: Any) -> tuple[list[int], list[dict[str, Any]], Any]:
+    async def main() -> tuple[list[int], list[dict[str, Any]], Any]:
+        async with _p_and_two_d(_prefill, _d1_breaks_after_three, d2, **cfg) as (c, pool, _):
+            ids, events = await _stream_through_session(c, pool, max_tokens=5, temperature=0.8)
+            return ids, events, pool
+
+    return asyncio.run(main())
+
+
+def test_a_stream_whose_decode_node_dies_mid_answer_goes_on_on_another_pair() -> None:
+    d2 = _d2_streams(7, 8, 9, 10, 11)
+    D1_BODIES.clear()
+    ids, events, pool = _run(d2, migration_limit=1)
+    assert ids == [7, 8, 9, 10, 11], events  # each token once, in order
+    assert not any("error" in e for e in events), events
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert [n.healthy for n in pool.nodes("decode")] == [False, True]  # D1 left the rotation
+    # The replay samples what the first pair did: the unseeded request got the seed its
+    # first transfer drew from (P and D seed an unseeded request by the transfer id).
+    (first,) = D1_BODIES
+    (body,) = d2.seen
+    assert "seed" not in first
+    assert body["seed"] == transfer_seed(first["kv_transfer_params"]["transfer_id"])
+    assert body["kv_transfer_params"]["transfer_id"] != first["kv_transfer_params"]["transfer_id"]
+
+
+def test_a_replay_that_differs_from_what_the_client_has_ends_the_stream() -> None:
+    ids, events, _ = _run(_d2_streams(7, 8, 5, 10, 11), migration_limit=1)
+    assert ids == [7, 8, 9], events  # nothing of the differing replay reached the client
+    assert events[-1]["error"]["code"] == "retry_diverged", events[-1]
+
+
+def test_without_a_migration_limit_a_stream_broken_mid_answer_ends_with_an_error() -> None:
+    d2 = _d2_streams(7, 8, 9, 10, 11)
+    ids, events, _ = _run(d2)  # --migration-limit 0, the default
+    assert ids == [7, 8, 9] and "error" in events[-1], events
+    assert d2.seen == []
+
+
+def test_migrations_are_bounded_by_the_limit() -> None:
+    """Both decode nodes break mid-answer: one migration, then the error event."""
+    ids, events, _ = _run(_d1_breaks_after_three, migration_limit=1)
+    assert ids == [7, 8, 9] and "error" in events[-1], events
+
+
+def test_the_replay_check_drops_across_chunks_and_text() -> None:
+    skip = Skipper(4, "t7t8t9t10", expect=[7, 8, 9, 10])
+    assert skip.apply([7, 8], "t7t8") == ([], "")
+    assert skip.apply([9, 10, 11], "t9t10t11") == ([11], "t11")
+    assert skip.apply([12], "t12") == ([12], "t12")
