@@ -337,6 +337,8 @@ def _coerce(name: str, value: Any) -> Any:
         raise ProxyConfigError(f"{flag_name(name)}: must be true or false, got {value!r}")
     if name == "log_level":
         return str(value).upper()
+    if tp is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # a list of entries (--registration-allowed-nodes)
     try:
         if tp is int and isinstance(value, float) and not value.is_integer():
             raise ValueError

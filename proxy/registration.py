@@ -90,6 +90,8 @@ def normalize_node_url(text: str) -> str:
             f"{text!r:.80}: {host} is not an address others can reach; advertise the "
             "node's own address"
         )
+    if mapped is not None:
+        addr = mapped  # an IPv4 address written as IPv6: named (and allowed) as itself
     shown = f"[{addr.compressed}]" if addr.version == 6 else addr.compressed
     return f"{parts.scheme}://{shown}:{port}"
 

@@ -189,6 +189,8 @@ def test_registrations_renew_expire_and_are_capped() -> None:
         ("node-7.internal", "http://node-7.internal:8200", True),
         ("10.0.0.3:8200", "http://10.0.0.3:8201", False),
         ("*", "http://169.254.169.254:80", True),  # the default: any (the key is trusted)
+        ("::/0", "http://[::ffff:169.254.169.254]:80", False),  # IPv4, written as IPv6
+        ("10.0.0.0/8", "http://[::ffff:10.0.0.1]:8200", True),
     ],
 )
 def test_registration_names_only_the_nodes_the_proxy_allows(allowed: str, url: str, ok: bool):
@@ -196,6 +198,7 @@ def test_registration_names_only_the_nodes_the_proxy_allows(allowed: str, url: s
     members = Membership(pool)
     reg = Registry(members, key=KEY, ttl=10.0, max_nodes=4, allowed=PeerAllowlist.parse(allowed))
     url = normalize_node_url(url)
+    assert "::ffff:" not in url  # a mapped IPv4 address is written as the IPv4 address
     if ok:
         assert reg.register("decode", url)["status"] == "registered"
         assert [n.url for n in pool.all()] == [url]

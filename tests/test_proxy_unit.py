@@ -42,6 +42,13 @@ def test_flags_env_and_file_precedence(tmp_path: Path) -> None:
     js = tmp_path / "proxy.json"
     js.write_text(json.dumps({"prefill": [P], "decode": [D], "max_model_len": 512}))
     assert _cfg(["--config", str(js)]).max_model_len == 512
+    # A list of entries in a file is the comma-separated flag's value.
+    toml.write_text(
+        f'prefill = ["{P}"]\ndecode = ["{D}"]\n'
+        'registration-allowed-nodes = ["10.0.0.0/8", "loopback"]\n'
+    )
+    cfg = _cfg(["--config", str(toml)])
+    assert cfg.registration_allowed_nodes == "10.0.0.0/8,loopback"
 
 
 @pytest.mark.parametrize(

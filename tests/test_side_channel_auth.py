@@ -210,6 +210,12 @@ def test_a_prefill_node_refuses_handshakes_from_peers_outside_its_allowlist():
             ["tcp://p1.internal:5601", "tcp://[fd00::1]:8"],
         ),
         ("*", ["tcp://203.0.113.9:1"], []),
+        (  # an IPv4 address written as IPv6 (::ffff:a.b.c.d) is that IPv4 address
+            "::/0, 10.0.0.0/8",
+            ["tcp://[fd00::1]:1", "tcp://10.0.0.1:1", "tcp://[::ffff:10.0.0.1]:1"],
+            ["tcp://[::ffff:169.254.169.254]:80", "tcp://[::ffff:a9fe:a9fe]:80"],
+        ),
+        ("loopback, ::ffff:10.0.0.7", ["tcp://[::ffff:127.0.0.1]:1", "tcp://10.0.0.7:2"], []),
         (
             "loopback",
             [],

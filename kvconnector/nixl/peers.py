@@ -67,7 +67,7 @@ class PeerAllowlist:
                 except ValueError as e:
                     raise ValueError(f"{raw.strip()!r} is not a network: {e}") from None
             elif _is_ip(entry.strip("[]")):
-                hosts.add(str(ipaddress.ip_address(entry.strip("[]"))))
+                hosts.add(_canonical(entry.strip("[]")))
             elif entry.count(":") == 1 or entry.startswith("["):
                 try:
                     host, port = split_address(f"tcp://{entry}")
@@ -109,7 +109,13 @@ def _is_ip(text: str) -> bool:
 
 
 def _canonical(host: str) -> str:
-    return str(ipaddress.ip_address(host)) if _is_ip(host) else host
+    """An IP address in its one spelling -- an IPv4 address written as IPv6
+    (``::ffff:a.b.c.d``, which connects to that IPv4 address) as the IPv4 address, so
+    that IPv4 rules, and not a broad IPv6 one, decide on it; a name as it is."""
+    if not _is_ip(host):
+        return host
+    addr = ipaddress.ip_address(host)
+    return str(getattr(addr, "ipv4_mapped", None) or addr)
 
 
 def _is_hostname(text: str) -> bool:
