@@ -61,10 +61,17 @@ class Skipper:
                 text, self.text = text[len(self.text) :], ""
             elif self.text.startswith(text):
                 text, self.text = "", self.text[len(text) :]
+            elif self.expect is not None:
+                raise Diverged(f"text {text!r:.40} for {self.text!r:.40}")
             else:
                 logger.warning("decode text does not continue the first token's text")
                 self.text = ""
         return ids, text
+
+    @property
+    def pending(self) -> bool:
+        """Ids still to drop (a replay that ends here is shorter than the first answer)."""
+        return self.ids > 0
 
 
 def first_tokens(p_body: dict[str, Any], chat: bool) -> tuple[list[int], str]:
@@ -91,10 +98,14 @@ class ClientStream:
         self.sent_ids: list[int] | None = None  # P's first token, once sent to the client
         self._first_skip = (0, "")  # what D's stream repeats of P's first token, to drop
         self._skip = Skipper()
-        # What the client got from D's streams (after the first chunk): a migrated
-        # stream's replay repeats it.
+        # What the client got from D's streams (after the first chunk), and the most any
+        # one D stream sent (its raw ids and text, before ``_skip``): a migrated stream's
+        # replay repeats that, and all of it is dropped.
         self.decode_ids: list[int] = []
-        self._decode_text: list[str] = []
+        self._raw_ids: list[int] = []  # the current D stream's
+        self._raw_text: list[str] = []
+        self._replay: tuple[list[int], str] = ([], "")
+        self.finished = False  # a finish_reason reached the client
         self._keep_answer = keep
         self._answer_text: list[str] = []
         self._answer_ids: list[int] = []
@@ -127,16 +138,20 @@ class ClientStream:
         """A decode stream (the first, or a rerun's) starts: drop what it repeats of what
         the client has (P's first token, if it was sent, and what earlier decode streams
         sent: those ids must come again)."""
-        n, text = self._first_skip
-        if not self.decode_ids and not self._decode_text:
-            self._skip = Skipper(n, text)
+        if len(self._raw_ids) > len(self._replay[0]):
+            self._replay = (self._raw_ids, "".join(self._raw_text))
+        self._raw_ids, self._raw_text = [], []
+        replay_ids, replay_text = self._replay
+        if not replay_ids:
+            self._skip = Skipper(*self._first_skip)
             return
-        first = list(self.sent_ids or []) if n else []
-        self._skip = Skipper(
-            n + len(self.decode_ids),
-            text + "".join(self._decode_text),
-            expect=first + self.decode_ids,
-        )
+        # D's streams are replays of one another: the next repeats what the longest sent.
+        self._skip = Skipper(len(replay_ids), replay_text, expect=list(replay_ids))
+
+    @property
+    def has_decode_part(self) -> bool:
+        """Some of D's tokens reached the client (a rerun is then a migration)."""
+        return bool(self.decode_ids)
 
     def envelope(self, choices: list[dict[str, Any]], usage: bool) -> dict[str, Any]:
         body = openai.envelope(
@@ -162,13 +177,18 @@ class ClientStream:
         else:
             text = c.get("text") or ""
         n = len(ids)
+        self._raw_ids.extend(ids)
+        if text:
+            self._raw_text.append(text)
         ids, text = self._skip.apply(ids, text)
+        if c.get("finish_reason") is not None:
+            if self._skip.pending:
+                raise Diverged("the rerun's answer ended before the one already streamed")
+            self.finished = True
         if n > len(ids) and self.req.parsed.logprobs is not None:
             drop_first(c.get("logprobs"), self.req.chat, n - len(ids))  # with their tokens
         c["token_ids"] = ids
         self.decode_ids.extend(ids)
-        if text:
-            self._decode_text.append(text)
         self._keep(ids, text)
         role_added = False
         if self.req.chat:

@@ -137,7 +137,7 @@ class ProxyMetrics(MetricsRegistry):
         self.migrations = self.counter(
             "stream_migrations",
             "Streams moved to another pair after their decode node failed mid-answer "
-            "(--migration-limit), by outcome (resumed, diverged)",
+            "(--migration-limit), by how the stream ended (resumed, diverged, failed)",
             ["outcome"],
         )
         self.inflight = self.gauge("requests_inflight", "Requests in flight")

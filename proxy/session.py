@@ -452,9 +452,11 @@ class Session:
                 except (UpstreamError, NodeHTTPError) as e:
                     if self.out.sent_ids is None:
                         raise  # D's stream is the whole answer: no pair to agree with
-                    migrating = self._d_sent
-                    if migrating and self.migrations >= self.cfg.migration_limit:
-                        raise
+                    migrating = self._d_sent or self.out.has_decode_part
+                    if migrating and (
+                        self.out.finished or self.migrations >= self.cfg.migration_limit
+                    ):
+                        raise  # the answer was whole but for [DONE], or no move is left
                     if isinstance(e, NodeHTTPError):
                         e = UpstreamError(self.current.d, f"decode stream broke: {e}")
                     if migrating:
@@ -495,8 +497,9 @@ class Session:
                 self.current.d.mark_failed(f"decode stream broke: {e}")
             logger.warning("request %s failed mid-stream: %s", self.request_id, e)
             self.metrics.errors.labels("stream_error").inc()
-            if self.migrations and isinstance(e, APIError) and e.code == "retry_diverged":
-                self.metrics.migrations.labels("diverged").inc()
+            if self.migrations:
+                diverged = isinstance(e, APIError) and e.code == "retry_diverged"
+                self.metrics.migrations.labels("diverged" if diverged else "failed").inc()
             self.outcome = "error"
             msg = e.message if isinstance(e, APIError) else f"upstream failure: {e}"
             if isinstance(e, PassThrough):

@@ -24,7 +24,12 @@ from tests.test_proxy_waits import (
 
 
 async def _prefill(req: SeenRequest) -> bytes:
-    return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+    choice = {**PREFILL_ANSWER["choices"][0], "text": "t7"}  # D's text of token 7, as a node
+    return answer(200, {**PREFILL_ANSWER, "choices": [choice], "model": "tiny"})
+
+
+def _text(events: list[dict[str, Any]]) -> str:
+    return "".join(c.get("text") or "" for e in events for c in e.get("choices", []))
 
 
 D1_BODIES: list[dict[str, Any]] = []
@@ -49,9 +54,9 @@ def _d2_streams(*ids: int) -> Any:
     return decode
 
 
-def _run(d2: Any, **cfg: Any) -> tuple[list[int], list[dict[str, Any]], Any]:
+def _run(d2: Any, d1: Any = _d1_breaks_after_three, **cfg: Any) -> tuple[list[int], list, Any]:
     async def main() -> tuple[list[int], list[dict[str, Any]], Any]:
-        async with _p_and_two_d(_prefill, _d1_breaks_after_three, d2, **cfg) as (c, pool, _):
+        async with _p_and_two_d(_prefill, d1, d2, **cfg) as (c, pool, _):
             ids, events = await _stream_through_session(c, pool, max_tokens=5, temperature=0.8)
             return ids, events, pool
 
@@ -63,6 +68,7 @@ def test_a_stream_whose_decode_node_dies_mid_answer_goes_on_on_another_pair() ->
     D1_BODIES.clear()
     ids, events, pool = _run(d2, migration_limit=1)
     assert ids == [7, 8, 9, 10, 11], events  # each token once, in order
+    assert _text(events) == "t7t8t9t10t11", events
     assert not any("error" in e for e in events), events
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert [n.healthy for n in pool.nodes("decode")] == [False, True]  # D1 left the rotation
@@ -88,10 +94,62 @@ def test_without_a_migration_limit_a_stream_broken_mid_answer_ends_with_an_error
     assert d2.seen == []
 
 
-def test_migrations_are_bounded_by_the_limit() -> None:
-    """Both decode nodes break mid-answer: one migration, then the error event."""
-    ids, events, _ = _run(_d1_breaks_after_three, migration_limit=1)
+def test_a_move_that_fails_during_the_replay_counts_as_a_move_and_moves_are_bounded() -> None:
+    """D1 and D2 break mid-answer, D2 within the replay of what the client has: that is
+    the second move (not a retry before the first token), so with --migration-limit 2 a
+    third decode node finishes the stream, and with 1 the stream ends with an error."""
+    from proxy.config import ProxyConfig
+    from tests.standin_http import StandIn
+    from tests.test_proxy_waits import _node, _ready_pool
+
+    pools: list[Any] = []
+
+    async def d2_breaks_in_replay(req: SeenRequest) -> Any:
+        pools[0].nodes("decode")[2].set_healthy(True)  # D3 joins now: it is the third pair
+        events = _sse(_token(7), _token(8))[:2]  # the client has 7, 8, 9
+        return STREAM_HEAD + b"".join(_chunk(e) for e in events), True
+
+    async def main(limit: int) -> tuple[list[int], list[dict[str, Any]]]:
+        d3 = _d2_streams(7, 8, 9, 10, 11)
+        async with (
+            StandIn(_node(_prefill)) as p,
+            StandIn(_node(_d1_breaks_after_three)) as s1,
+            StandIn(_node(d2_breaks_in_replay)) as s2,
+            StandIn(_node(d3)) as s3,
+        ):
+            cfg = ProxyConfig(
+                prefill=(p.url,), decode=(s1.url, s2.url, s3.url), health_interval=0.1,
+                routing="round_robin", migration_limit=limit, max_retries=0,
+            )  # fmt: skip
+            pools[:] = [_ready_pool(cfg)]
+            pools[0].nodes("decode")[2].set_healthy(False)  # D1, then D2, then D3
+            return await _stream_through_session(cfg, pools[0], max_tokens=5)
+
+    ids, events = asyncio.run(main(2))
+    assert ids == [7, 8, 9, 10, 11] and _text(events) == "t7t8t9t10t11", events
+    ids, events = asyncio.run(main(1))
     assert ids == [7, 8, 9] and "error" in events[-1], events
+    assert "request failed on" not in events[-1]["error"]["message"]  # not --max-retries
+
+
+def test_a_stream_broken_after_its_last_token_is_not_replayed() -> None:
+    """D sent the answer's end (finish_reason) and broke before [DONE]: a replay would
+    send the end again; the stream ends with the error event as without migration."""
+
+    async def d1_ends_then_breaks(req: SeenRequest) -> Any:
+        events = _sse(_token(7), _token(8), _token(9, "length"))[:3]
+        return STREAM_HEAD + b"".join(_chunk(e) for e in events), True
+
+    d2 = _d2_streams(7, 8, 9)
+    ids, events, _ = _run(d2, d1=d1_ends_then_breaks, migration_limit=1)
+    assert ids == [7, 8, 9] and "error" in events[-1], events
+    finishes = [c for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    assert len(finishes) == 1 and d2.seen == []
+
+
+def test_a_replay_shorter_than_what_the_client_has_ends_the_stream() -> None:
+    ids, events, _ = _run(_d2_streams(7, 8), migration_limit=1)
+    assert ids == [7, 8, 9] and events[-1]["error"]["code"] == "retry_diverged", events
 
 
 def test_the_replay_check_drops_across_chunks_and_text() -> None:
