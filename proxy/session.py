@@ -52,7 +52,7 @@ from engine.server.logprobs import fill_missing, has_missing, num_entries
 from engine.server.protocol import APIError, error_body
 from kvconnector.base import transfer_seed
 from proxy.answers import parse_completion
-from proxy.client_stream import ClientStream, first_tokens
+from proxy.client_stream import ClientStream, Diverged, first_tokens
 from proxy.config import ProxyConfig
 from proxy.decode_events import DecodeEvents
 from proxy.legs import Attempt, Legs, UpstreamError
@@ -409,13 +409,7 @@ class Session:
                 ids, _ = first_tokens(first, self.req.chat)
                 if ids != self.out.sent_ids:
                     attempt.release()
-                    raise APIError(
-                        "the retried request produced a different first token than the one "
-                        "already streamed",
-                        status_code=502,
-                        err_type="server_error",
-                        code="retry_diverged",
-                    )
+                    raise Diverged(f"first token {ids!r:.40} for {self.out.sent_ids!r:.40}")
                 return await attempt.wait_decode()
             except UpstreamError as e:
                 self._failed(attempt, e)
