@@ -282,6 +282,12 @@ class ProxyConfig:
             PeerAllowlist.parse(self.registration_allowed_nodes)
         except ValueError as e:
             _require(False, "registration_allowed_nodes", str(e))
+        _require(
+            self.registration_allowed_nodes.strip() == "*" or bool(self.registration_key),
+            "registration_allowed_nodes",
+            "has no effect without --registration-key (registration is off): set the key, "
+            "or leave this out",
+        )
         _require(self.max_connections >= 1, "max_connections", "must be >= 1")
         _require(self.max_request_bytes >= 1, "max_request_bytes", "must be >= 1")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0 seconds")

@@ -283,6 +283,10 @@ def test_proxy_flags_say_which_source_to_configure() -> None:
         "pdserve-decode.default.svc.cluster.local",
         8200,
     )
+    with pytest.raises(
+        ProxyConfigError, match="^--registration-allowed-nodes: .*--registration-key"
+    ):
+        _proxy_cfg("--prefill", P, "--decode", D1, "--registration-allowed-nodes", "10.0.0.0/8")
     for bad in ("svc", "svc:0", "svc:x", ":8200", "http://svc:8200", "a b:1"):
         with pytest.raises(ProxyConfigError, match="^--decode-dns: "):
             _proxy_cfg("--prefill", P, "--decode-dns", bad)

@@ -45,7 +45,7 @@ def test_flags_env_and_file_precedence(tmp_path: Path) -> None:
     # A list of entries in a file is the comma-separated flag's value.
     toml.write_text(
         f'prefill = ["{P}"]\ndecode = ["{D}"]\n'
-        'registration-allowed-nodes = ["10.0.0.0/8", "loopback"]\n'
+        'registration-key = "k"\nregistration-allowed-nodes = ["10.0.0.0/8", "loopback"]\n'
     )
     cfg = _cfg(["--config", str(toml)])
     assert cfg.registration_allowed_nodes == "10.0.0.0/8,loopback"
