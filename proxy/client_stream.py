@@ -101,7 +101,7 @@ class ClientStream:
         # What the client got from D's streams (after the first chunk), and the most any
         # one D stream sent (its raw ids and text, before ``_skip``): a migrated stream's
         # replay repeats that, and all of it is dropped.
-        self.decode_ids: list[int] = []
+        self.decode_tokens = 0  # of D's, sent to the client
         self._raw_ids: list[int] = []  # the current D stream's
         self._raw_text: list[str] = []
         self._replay: tuple[list[int], str] = ([], "")
@@ -146,12 +146,12 @@ class ClientStream:
             self._skip = Skipper(*self._first_skip)
             return
         # D's streams are replays of one another: the next repeats what the longest sent.
-        self._skip = Skipper(len(replay_ids), replay_text, expect=list(replay_ids))
+        self._skip = Skipper(len(replay_ids), replay_text, expect=replay_ids)
 
     @property
     def has_decode_part(self) -> bool:
         """Some of D's tokens reached the client (a rerun is then a migration)."""
-        return bool(self.decode_ids)
+        return self.decode_tokens > 0
 
     def envelope(self, choices: list[dict[str, Any]], usage: bool) -> dict[str, Any]:
         body = openai.envelope(
@@ -188,7 +188,7 @@ class ClientStream:
         if n > len(ids) and self.req.parsed.logprobs is not None:
             drop_first(c.get("logprobs"), self.req.chat, n - len(ids))  # with their tokens
         c["token_ids"] = ids
-        self.decode_ids.extend(ids)
+        self.decode_tokens += len(ids)
         self._keep(ids, text)
         role_added = False
         if self.req.chat:

@@ -458,7 +458,7 @@ class Session:
                         logger.warning(
                             "request %s: %s after %d tokens; moving the stream to another "
                             "pair (migration %d of %d)", self.request_id, e,
-                            len(self.out.decode_ids) + len(self.out.sent_ids),
+                            self.out.decode_tokens + len(self.out.sent_ids),
                             self.migrations, self.cfg.migration_limit,
                         )  # fmt: skip
                     else:
@@ -492,8 +492,8 @@ class Session:
             logger.warning("request %s failed mid-stream: %s", self.request_id, e)
             self.metrics.errors.labels("stream_error").inc()
             if self.migrations:
-                diverged = isinstance(e, APIError) and e.code == "retry_diverged"
-                self.metrics.migrations.labels("diverged" if diverged else "failed").inc()
+                outcome = "diverged" if isinstance(e, Diverged) else "failed"
+                self.metrics.migrations.labels(outcome).inc()
             self.outcome = "error"
             msg = e.message if isinstance(e, APIError) else f"upstream failure: {e}"
             if isinstance(e, PassThrough):

@@ -16,6 +16,7 @@ from tests.test_proxy_waits import (
     PREFILL_ANSWER,
     STREAM_HEAD,
     _chunk,
+    _p_and_ds,
     _p_and_two_d,
     _sse,
     _stream_through_session,
@@ -32,14 +33,18 @@ def _text(events: list[dict[str, Any]]) -> str:
     return "".join(c.get("text") or "" for e in events for c in e.get("choices", []))
 
 
+def _breaks_after(*tokens: dict[str, Any]) -> bytes:
+    """A stream of ``tokens`` (no [DONE]); then the connection closes (a dead D)."""
+    return STREAM_HEAD + b"".join(_chunk(e) for e in _sse(*tokens)[:-1])
+
+
 D1_BODIES: list[dict[str, Any]] = []
 
 
 async def _d1_breaks_after_three(req: SeenRequest) -> Any:
     """P's first token (7) repeated, then 8 and 9; then the connection closes (a dead D)."""
     D1_BODIES.append(req.json())
-    events = _sse(_token(7), _token(8), _token(9))[:3]
-    return STREAM_HEAD + b"".join(_chunk(e) for e in events), True
+    return _breaks_after(_token(7), _token(8), _token(9)), True
 
 
 def _d2_streams(*ids: int) -> Any:
@@ -98,32 +103,21 @@ def test_a_move_that_fails_during_the_replay_counts_as_a_move_and_moves_are_boun
     """D1 and D2 break mid-answer, D2 within the replay of what the client has: that is
     the second move (not a retry before the first token), so with --migration-limit 2 a
     third decode node finishes the stream, and with 1 the stream ends with an error."""
-    from proxy.config import ProxyConfig
-    from tests.standin_http import StandIn
-    from tests.test_proxy_waits import _node, _ready_pool
-
     pools: list[Any] = []
 
     async def d2_breaks_in_replay(req: SeenRequest) -> Any:
         pools[0].nodes("decode")[2].set_healthy(True)  # D3 joins now: it is the third pair
-        events = _sse(_token(7), _token(8))[:2]  # the client has 7, 8, 9
-        return STREAM_HEAD + b"".join(_chunk(e) for e in events), True
+        return _breaks_after(_token(7), _token(8)), True  # the client has 7, 8, 9
 
     async def main(limit: int) -> tuple[list[int], list[dict[str, Any]]]:
         d3 = _d2_streams(7, 8, 9, 10, 11)
-        async with (
-            StandIn(_node(_prefill)) as p,
-            StandIn(_node(_d1_breaks_after_three)) as s1,
-            StandIn(_node(d2_breaks_in_replay)) as s2,
-            StandIn(_node(d3)) as s3,
-        ):
-            cfg = ProxyConfig(
-                prefill=(p.url,), decode=(s1.url, s2.url, s3.url), health_interval=0.1,
-                routing="round_robin", migration_limit=limit, max_retries=0,
-            )  # fmt: skip
-            pools[:] = [_ready_pool(cfg)]
-            pools[0].nodes("decode")[2].set_healthy(False)  # D1, then D2, then D3
-            return await _stream_through_session(cfg, pools[0], max_tokens=5)
+        legs = (_d1_breaks_after_three, d2_breaks_in_replay, d3)
+        async with _p_and_ds(_prefill, *legs, migration_limit=limit, max_retries=0) as (
+            cfg, pool, _ds,
+        ):  # fmt: skip
+            pools[:] = [pool]
+            pool.nodes("decode")[2].set_healthy(False)  # D1, then D2, then D3
+            return await _stream_through_session(cfg, pool, max_tokens=5)
 
     ids, events = asyncio.run(main(2))
     assert ids == [7, 8, 9, 10, 11] and _text(events) == "t7t8t9t10t11", events
@@ -137,8 +131,7 @@ def test_a_stream_broken_after_its_last_token_is_not_replayed() -> None:
     send the end again; the stream ends with the error event as without migration."""
 
     async def d1_ends_then_breaks(req: SeenRequest) -> Any:
-        events = _sse(_token(7), _token(8), _token(9, "length"))[:3]
-        return STREAM_HEAD + b"".join(_chunk(e) for e in events), True
+        return _breaks_after(_token(7), _token(8), _token(9, "length")), True
 
     d2 = _d2_streams(7, 8, 9)
     ids, events, _ = _run(d2, d1=d1_ends_then_breaks, migration_limit=1)

@@ -200,21 +200,29 @@ async def _stream_through_session(
 
 
 @contextlib.asynccontextmanager
+async def _p_and_ds(
+    prefill: Any, *decodes: Any, **cfg_kw: Any
+) -> AsyncIterator[tuple[ProxyConfig, NodePool, list[StandIn]]]:
+    """One P and a D per leg in ``decodes`` (round robin: the first attempt goes to the
+    first) answering with the given legs; yields the config, a ready pool and the D's
+    stand-ins."""
+    async with contextlib.AsyncExitStack() as stack:
+        p = await stack.enter_async_context(StandIn(_node(prefill)))
+        ds = [await stack.enter_async_context(StandIn(_node(d))) for d in decodes]
+        cfg = ProxyConfig(
+            prefill=(p.url,), decode=tuple(d.url for d in ds), health_interval=0.1,
+            routing="round_robin", **cfg_kw,
+        )  # fmt: skip
+        yield cfg, _ready_pool(cfg), ds
+
+
+@contextlib.asynccontextmanager
 async def _p_and_two_d(
     prefill: Any, d1: Any, d2: Any, **cfg_kw: Any
 ) -> AsyncIterator[tuple[ProxyConfig, NodePool, StandIn]]:
-    """One P and two D's (round robin: the first attempt goes to D1) answering with the
-    given legs; yields the config, a ready pool and D1's stand-in."""
-    async with (
-        StandIn(_node(prefill)) as p,
-        StandIn(_node(d1)) as s1,
-        StandIn(_node(d2)) as s2,
-    ):
-        cfg = ProxyConfig(
-            prefill=(p.url,), decode=(s1.url, s2.url), health_interval=0.1,
-            routing="round_robin", **cfg_kw,
-        )  # fmt: skip
-        yield cfg, _ready_pool(cfg), s1
+    """``_p_and_ds`` with two D's; yields D1's stand-in."""
+    async with _p_and_ds(prefill, d1, d2, **cfg_kw) as (cfg, pool, ds):
+        yield cfg, pool, ds[0]
 
 
 def _ready_pool(cfg: ProxyConfig) -> NodePool:
