@@ -18,8 +18,9 @@ Scheduler side, called by ``engine.core.scheduler.Scheduler``:
    peers it may connect to, are ``check_transfer_params``) and applies the P/D request
    policy: the
    prefill leg samples only the first token (``max_tokens=1``); an unseeded sampled
-   request is seeded from its transfer id (``transfer_seed``), so that P, and a D that
-   recomputes after a failed load, draw the same first token. The parameters themselves
+   request with transfer parameters (a P/D leg, or a decode node's leg alone) is seeded
+   from its transfer id (``transfer_seed``), so that P, a D that recomputes after a
+   failed load, and a rerun the proxy moved a stream to draw the same tokens. The parameters themselves
    (``kvconnector.params.KVTransferParams``) were parsed and shape-checked where the
    request entered the node; ``Request.transfer_id`` is the transfer id.
 1. ``get_num_new_matched_tokens(request, num_computed_tokens) -> (n, load_async)`` when a
@@ -167,18 +168,21 @@ class KVConnectorScheduler(ABC):
         not override it.
         """
         params = request.kv_transfer_params
-        if params is None or not params.disaggregated:
+        if params is None:
             return
-        if not self.moves_kv:
-            raise InvalidRequestError(
-                "kv_transfer_params need a KV connector; start the node with --kv-connector nixl",
-                "kv_transfer_params",
-            )
-        self.check_transfer_params(params)
+        if params.disaggregated:
+            if not self.moves_kv:
+                raise InvalidRequestError(
+                    "kv_transfer_params need a KV connector; start the node with "
+                    "--kv-connector nixl",
+                    "kv_transfer_params",
+                )
+            self.check_transfer_params(params)
         sp = request.sampling_params
         if params.do_remote_decode:
             sp = dataclasses.replace(sp, max_tokens=1)  # P samples only the first token
-        if sp.seed is None and not sp.greedy:
+        named = params.disaggregated or params.transfer_id is not None
+        if sp.seed is None and not sp.greedy and named:
             sp = dataclasses.replace(sp, seed=transfer_seed(request.transfer_id))
         request.sampling_params = sp
 

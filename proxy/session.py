@@ -10,7 +10,10 @@ client is retried on another pair (``max_retries``). If P's first token was alre
 streamed, the retried pair must produce the same first token (always so for greedy or
 seeded sampling), else the client gets an error event. Once D's tokens flow, a failure
 ends the stream with ``data: {"error": ...}`` and ``data: [DONE]``: never a silently
-truncated answer. Requests with stop strings are not pre-streamed (a stop string may
+truncated answer; unless ``--migration-limit`` allows moving the stream: another pair (or
+D alone) reruns the request with the seed the failed one drew from, the proxy checks the
+replayed tokens against what the client has and drops them, and the stream goes on
+(not for ``echo``, nor after the answer's ``finish_reason`` was sent). Requests with stop strings are not pre-streamed (a stop string may
 start inside the first token), nor with ``echo`` (the prompt comes first): they stream
 from D alone.
 
@@ -399,9 +402,7 @@ class Session:
         An unseeded sampled request is rerun with the seed its first pair drew from (the
         transfer id's, ``kvconnector.base.transfer_seed``), so that the rerun samples the
         same tokens."""
-        if self.req.body.get("seed") is None and self._first_tid is not None:
-            seed = transfer_seed(self._first_tid)
-            self.req = dataclasses.replace(self.req, body={**self.req.body, "seed": seed})
+        self._seed_from(self._first_tid)
         while True:
             attempt = self._launch(allow_decode_only=False)
             try:
@@ -414,11 +415,33 @@ class Session:
             except UpstreamError as e:
                 self._failed(attempt, e)
 
+    async def _reopen_whole(self, tid: str) -> NodeResponse:
+        """D failed while its stream was the client's whole answer (not pre-streamed):
+        rerun the request on any route, D's stream again the whole answer (what the client
+        has is checked and dropped, ``ClientStream``). An unseeded sampled request reruns
+        with the seed of the transfer ``tid`` whose D it was (``transfer_seed``: a node
+        seeds a leg by its transfer id)."""
+        self._seed_from(tid)
+        self.prestream = False
+        while True:
+            attempt = self._launch()
+            try:
+                return await attempt.wait_decode()
+            except UpstreamError as e:
+                self._failed(attempt, e)
+
+    def _seed_from(self, tid: str | None) -> None:
+        """Reruns of an unseeded request sample with the seed transfer ``tid`` drew from."""
+        if self.req.body.get("seed") is None and tid is not None:
+            seed = transfer_seed(tid)
+            self.req = dataclasses.replace(self.req, body={**self.req.body, "seed": seed})
+
     async def events(self) -> AsyncIterator[str]:
         """The SSE body. Must run after ``start_stream``; always ends with [DONE].
 
-        D's stream failing before any of it reached the client, after P's first token
-        was streamed, reruns the request on a pair that agrees on that token."""
+        D's stream failing before any of it reached the client reruns the request: on a
+        pair that agrees on P's first token when that was streamed, else on any route.
+        Failing after some of it did, the stream moves (``--migration-limit``)."""
         self._last = time.monotonic()
         try:
             if self.first_chunk is not None:
@@ -429,8 +452,12 @@ class Session:
             try:
                 await self.current.wait_decode()
             except UpstreamError as e:
+                tid = self.current.transfer_id
                 self._failed(self.current, e)
-                await self._reopen_after_first_token()
+                if self.out.sent_ids is None:
+                    await self._reopen_whole(tid)
+                else:
+                    await self._reopen_after_first_token()
             while True:
                 assert self.current is not None
                 events = self._events_of(self.current)
@@ -444,21 +471,23 @@ class Session:
                         )
                     break
                 except (UpstreamError, NodeHTTPError) as e:
-                    if self.out.sent_ids is None:
-                        raise  # D's stream is the whole answer: no pair to agree with
+                    whole = self.out.sent_ids is None  # D's stream is the whole answer
                     migrating = self._d_sent or self.out.has_decode_part
                     if migrating and (
-                        self.out.finished or self.migrations >= self.cfg.migration_limit
+                        self.out.finished
+                        or self.migrations >= self.cfg.migration_limit
+                        or self.req.parsed.echo  # the replay would start with the prompt
                     ):
                         raise  # the answer was whole but for [DONE], or no move is left
                     if isinstance(e, NodeHTTPError):
                         e = UpstreamError(self.current.d, f"decode stream broke: {e}")
+                    tid = self.current.transfer_id
                     if migrating:
                         self.migrations += 1
                         logger.warning(
                             "request %s: %s after %d tokens; moving the stream to another "
                             "pair (migration %d of %d)", self.request_id, e,
-                            self.out.decode_tokens + len(self.out.sent_ids),
+                            self.out.decode_tokens + len(self.out.sent_ids or ()),
                             self.migrations, self.cfg.migration_limit,
                         )  # fmt: skip
                     else:
@@ -468,7 +497,10 @@ class Session:
                         )  # fmt: skip
                     self._failed(self.current, e, migrating=migrating)
                     self.out.decode_starts()
-                    await self._reopen_after_first_token()
+                    if whole:
+                        await self._reopen_whole(tid)
+                    else:
+                        await self._reopen_after_first_token()
             if events.done:
                 # The last chunk: the connection stays reusable. Its wait is bounded (the
                 # answer is whole: a D hanging now only costs the connection).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -137,6 +138,11 @@ def test_connector_policy_is_applied_once_at_admission():
 
     with pytest.raises(InvalidRequestError, match="--kv-connector nixl"):
         NoopConnectorScheduler(config, spec).prepare_request(p)
+    # A decode node's leg alone (no KV to move) is seeded by its transfer id too: a stream
+    # the proxy moves to another node replays it with that seed.
     local = Request("l", [1], sampled, kv_transfer_params=KVTransferParams(transfer_id="x"))
     NoopConnectorScheduler(config, spec).prepare_request(local)  # nothing to move: fine
-    assert local.sampling_params == sampled
+    assert local.sampling_params == dataclasses.replace(sampled, seed=transfer_seed("x"))
+    plain = Request("n", [1], sampled)  # no transfer parameters: a client's own request
+    NoopConnectorScheduler(config, spec).prepare_request(plain)
+    assert plain.sampling_params == sampled

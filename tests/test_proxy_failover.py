@@ -250,18 +250,27 @@ def test_requests_whose_only_prefill_node_dies_are_answered_by_the_decode_node(
         assert "no other prefill node is ready" in proxy.logs(20000), proxy.name
 
 
-def test_with_a_migration_limit_a_decode_node_killed_mid_stream_is_not_seen(procs: Procs):
+@pytest.mark.parametrize("route", ["pair", "decode-alone"])
+def test_with_a_migration_limit_a_decode_node_killed_mid_stream_is_not_seen(
+    procs: Procs, route: str
+) -> None:
     """``--migration-limit 1``: D is SIGKILLed after streaming some tokens; the stream
     moves to the other pair, which replays the answer (checked, not sent again), and the
-    client gets every token once, equal to an answer nobody interrupted (seeded sampling;
-    an unseeded request replays with its first pair's seed: tests/test_proxy_migration.py)."""
+    client gets every token once, equal to an answer nobody interrupted (seeded sampling).
+    ``decode-alone``: the short prompt goes to a decode node alone
+    (``--disagg-min-prompt-tokens``), D's stream is the whole answer; the request is
+    unseeded, so the replay only agrees if the rerun samples with the failed transfer's
+    seed (the node's ``transfer_seed``; else ``retry_diverged``)."""
     pd = procs.pd(1, 2, "--num-blocks", "256")
     urls = [d.url for d in pd.decode]
-    proxy = procs.proxy([pd.p.url], urls, "--migration-limit", "1", name="migrating")
+    alone = ("--disagg-min-prompt-tokens", "100000") if route == "decode-alone" else ()
+    proxy = procs.proxy([pd.p.url], urls, "--migration-limit", "1", *alone, name="migrating")
     body = {"prompt": "Once upon a time", "max_tokens": 160, "stream": True}
-    body |= {"temperature": 0.9, "seed": 1234, "ignore_eos": True}
-    ref = httpx.post(proxy.url + "/v1/completions", json={**body, "stream": False}, timeout=120)
-    assert ref.status_code == 200, ref.text
+    body |= {"temperature": 0.9, "ignore_eos": True}
+    if not alone:
+        body["seed"] = 1234
+        ref = httpx.post(proxy.url + "/v1/completions", json={**body, "stream": False}, timeout=120)
+        assert ref.status_code == 200, ref.text
     with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
@@ -274,6 +283,10 @@ def test_with_a_migration_limit_a_decode_node_killed_mid_stream_is_not_seen(proc
     events = sse_data(first + rest)
     assert events.pop() == "DONE"
     assert all("error" not in e for e in events), events[-3:]
-    assert stream_ids(events) == ref.json()["choices"][0]["token_ids"]
+    assert len(stream_ids(events)) == 160
+    if not alone:
+        assert stream_ids(events) == ref.json()["choices"][0]["token_ids"]
+    else:
+        assert metric(pd.p.url, "pdserve_engine_kv_transfers_started_total") == 0  # D alone
     assert len(stream_ids(first_events := sse_data(first))) < 160, first_events  # cut mid-way
     assert metric(proxy.url, "pdproxy_stream_migrations_total", {"outcome": "resumed"}) == 1

@@ -59,10 +59,14 @@ def _d2_streams(*ids: int) -> Any:
     return decode
 
 
-def _run(d2: Any, d1: Any = _d1_breaks_after_three, **cfg: Any) -> tuple[list[int], list, Any]:
+def _run(
+    d2: Any, d1: Any = _d1_breaks_after_three, fields: dict[str, Any] | None = None, **cfg: Any
+) -> tuple[list[int], list, Any]:
+    fields = {"max_tokens": 5, "temperature": 0.8, **(fields or {})}
+
     async def main() -> tuple[list[int], list[dict[str, Any]], Any]:
         async with _p_and_two_d(_prefill, d1, d2, **cfg) as (c, pool, _):
-            ids, events = await _stream_through_session(c, pool, max_tokens=5, temperature=0.8)
+            ids, events = await _stream_through_session(c, pool, **fields)
             return ids, events, pool
 
     return asyncio.run(main())
@@ -150,3 +154,44 @@ def test_the_replay_check_drops_across_chunks_and_text() -> None:
     assert skip.apply([7, 8], "t7t8") == ([], "")
     assert skip.apply([9, 10, 11], "t9t10t11") == ([11], "t11")
     assert skip.apply([12], "t12") == ([12], "t12")
+
+
+# -- streams that are D's whole answer (not pre-streamed: stop strings, D alone, ...) -----
+
+NO_PRESTREAM = {"stop": ["@@"]}  # a stop string: D's stream is the whole answer
+
+
+def test_a_stream_that_is_the_decode_nodes_whole_answer_moves_with_its_transfers_seed() -> None:
+    """Not pre-streamed (a stop string): D1's stream carries every token, 7 included, and
+    breaks after 9; the stream moves, D2 replays 7-9 (dropped) and goes on. The unseeded
+    request reruns with the seed D1 drew from (its transfer id's)."""
+    d2 = _d2_streams(7, 8, 9, 10, 11)
+    D1_BODIES.clear()
+    ids, events, _ = _run(d2, fields=NO_PRESTREAM, migration_limit=1)
+    assert ids == [7, 8, 9, 10, 11] and _text(events) == "t7t8t9t10t11", events
+    assert not any("error" in e for e in events), events
+    (first,) = D1_BODIES
+    (body,) = d2.seen
+    assert "seed" not in first
+    assert body["seed"] == transfer_seed(first["kv_transfer_params"]["transfer_id"])
+
+
+def test_a_whole_decode_stream_broken_before_any_token_is_rerun_without_a_migration() -> None:
+    """D1's stream breaks before any token reached the client: nothing to replay, the
+    request reruns on another pair (``--max-retries``, the default), moves or not."""
+
+    async def d1_breaks_at_once(req: SeenRequest) -> Any:
+        return STREAM_HEAD, True
+
+    d2 = _d2_streams(7, 8, 9)
+    ids, events, _ = _run(d2, d1=d1_breaks_at_once, fields=NO_PRESTREAM)
+    assert ids == [7, 8, 9] and not any("error" in e for e in events), events
+
+
+def test_an_echoed_stream_broken_mid_answer_is_not_moved() -> None:
+    """With ``echo`` the stream starts with the prompt: it is not replayed (an error event
+    ends it, as without --migration-limit)."""
+    d2 = _d2_streams(7, 8, 9, 10, 11)
+    ids, events, _ = _run(d2, fields={"echo": True}, migration_limit=1)
+    assert ids == [7, 8, 9] and "error" in events[-1], events
+    assert d2.seen == []
