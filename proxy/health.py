@@ -98,6 +98,9 @@ class HealthChecker:
             except Exception as e:  # noqa: BLE001 - a node's answer, however malformed
                 node.set_healthy(False, f"node facts unavailable: {type(e).__name__}: {e}")
                 return
+            if (mismatch := node.role_mismatch()) is not None:
+                node.set_healthy(False, mismatch)
+                return
             if node.role == "prefill" and node.side_channel is None:
                 node.set_healthy(False, "prefill node advertises no KV side channel")
                 return

@@ -78,6 +78,23 @@ class UpstreamError(Exception):
         return self.status == 409 and code == KV_NOT_RESERVED
 
     @property
+    def params_refused(self) -> str | None:
+        """The ``kv_transfer_params`` field a node refused (a 4xx naming it), else None.
+        The proxy built those parameters (a client may not send them through it), so
+        this is a fault of the nodes' configuration, never the client's: a decode node
+        whose ``--kv-allowed-peers`` does not cover P's side channel
+        (``kv_transfer_params.remote_side_channel``), a node serving the other role."""
+        if self.status is None or not 400 <= self.status < 500:
+            return None
+        param = (self.body or {}).get("error", {}).get("param")
+        return param if isinstance(param, str) and param.startswith("kv_transfer_params") else None
+
+    @property
+    def peer_refused(self) -> bool:
+        """D refused to connect to P's side channel (not in its ``--kv-allowed-peers``)."""
+        return self.params_refused == "kv_transfer_params.remote_side_channel"
+
+    @property
     def node_fault(self) -> bool:
         """The node failed (no answer, 5xx, or a status a node never gives a request:
         1xx/2xx/3xx); only a 4xx refuses the request itself (passed to the client)."""

@@ -82,11 +82,12 @@ class _NodeCollector(Collector):
         modes = CounterMetricFamily(
             f"{PREFIX}_route_mode",
             "Attempts routed, by mode: disaggregated (prefill + decode node), decode_only "
-            "(--disagg-min-prompt-tokens) or prefill_fallback (no prefill node ready, "
-            "--prefill-fallback)",
+            "(--disagg-min-prompt-tokens), prefill_fallback (no prefill node ready, "
+            "--prefill-fallback) or peer_refused (the decode node refuses every ready "
+            "prefill node's side channel, --kv-allowed-peers: it prefills by itself)",
             labels=["mode"],
         )
-        for mode in ("disaggregated", "decode_only", "prefill_fallback"):
+        for mode in ("disaggregated", "decode_only", "prefill_fallback", "peer_refused"):
             modes.add_metric([mode], float(router.modes[mode]))
         yield from (decisions, modes)
         index = router.index

@@ -24,6 +24,12 @@ Role = Literal["prefill", "decode"]
 # How long a load answer (429) is remembered when no answer from the node clears it.
 OVERLOAD_MEMORY_S = 30.0
 
+# The KV roles (``/v1/kv_transfer_info`` "role", ``--kv-role``) that can serve each role.
+KV_ROLES: dict[str, tuple[str, ...]] = {
+    "prefill": ("producer", "both"),
+    "decode": ("consumer", "both"),
+}
+
 
 @dataclass
 class Node:
@@ -39,6 +45,7 @@ class Node:
     engine_id: str | None = None
     incarnation: str | None = None
     side_channel: str | None = None
+    kv_role: str | None = None  # "producer", "consumer", "both"; None: not advertised
     model: str | None = None
     max_model_len: int | None = None
     # When the node last answered a request with load (429 / 503 overloaded); cleared by
@@ -73,7 +80,8 @@ class Node:
         self.healthy = healthy
         self.changed_at = time.monotonic()
         if healthy:
-            logger.info("%s node %s is healthy again", self.role, self.url)
+            again = " again" if self.last_error is not None else ""
+            logger.info("%s node %s is healthy%s", self.role, self.url, again)
             self.last_error = None
         else:
             self.last_error = reason
@@ -129,6 +137,8 @@ class Node:
             self.incarnation = incarnation
             side = kv_info.get("side_channel")
             self.side_channel = side if isinstance(side, str) and side else None
+            kv_role = kv_info.get("role")
+            self.kv_role = kv_role if isinstance(kv_role, str) else None
         if models is not None:
             cards = models.get("data")
             if not (isinstance(cards, list) and cards and isinstance(cards[0], dict)):
@@ -137,6 +147,17 @@ class Node:
             mml = cards[0].get("max_model_len")
             ok = isinstance(mml, int) and not isinstance(mml, bool) and mml >= 2
             self.max_model_len = mml if ok else None
+
+    def role_mismatch(self) -> str | None:
+        """Why the node cannot serve the role it is listed in (its advertised KV role is
+        the other one: a decode node given as ``--prefill``, or registered so), or None."""
+        if self.kv_role is None or self.kv_role in KV_ROLES[self.role]:
+            return None
+        other = "decode" if self.role == "prefill" else "prefill"
+        return (
+            f"it is a {other} node (KV role {self.kv_role!r:.20}) listed as a {self.role} "
+            f"node: give it as --{other}, or register it with role {other!r}"
+        )
 
     def _reset(self) -> None:
         if self.on_reset is not None:

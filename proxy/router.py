@@ -18,12 +18,16 @@ request's ``PromptKey``), return one. ``--routing``:
 disaggregation): when the prompt minus the prefix that decode node already holds is
 shorter than ``--disagg-min-prompt-tokens`` (estimated, ``proxy/prefix.py``), the decode
 node serves the request alone, no prefill leg; else a prefill node is picked too.
-Every routed prompt is recorded in the index under the nodes that got it.
+Every routed prompt is recorded in the index under the nodes that got it. A prefill node
+whose side channel the decode node refused (``refuse_pair``: not in D's
+``--kv-allowed-peers``) is not paired with it; when D refuses every ready prefill node, D
+serves the request alone (mode ``peer_refused``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -42,6 +46,18 @@ class NoHealthyNode(Exception):
     def __init__(self, role: Role) -> None:
         super().__init__(f"no healthy {role} node is available")
         self.role = role
+
+
+class PairRefused(NoHealthyNode):
+    """Prefill nodes are ready, but the decode node refuses every one's side channel."""
+
+    def __init__(self) -> None:
+        super().__init__("prefill")
+
+
+# How long a decode node's refusal of a prefill node's side channel is remembered (also
+# forgotten when either node restarts: the key holds their incarnations).
+REFUSAL_MEMORY_S = 600.0
 
 
 class RoutingPolicy(Protocol):
@@ -150,9 +166,12 @@ class Router:
         self.estimator = estimator
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self.decisions: Counter[tuple[str, str]] = Counter()  # (role, reason) -> count
-        # "disaggregated" / "decode_only" / "prefill_fallback" -> count
+        # "disaggregated" / "decode_only" / "prefill_fallback" / "peer_refused" -> count
         self.modes: Counter[str] = Counter()
         self._falling_back = False  # the last route was a --prefill-fallback one
+        # (P url, P incarnation, P side channel, D url, D incarnation) -> when D refused
+        # P's side channel (``refuse_pair``): such a pair is not routed to.
+        self._refused: dict[tuple[Any, ...], float] = {}
         if index is not None:
             pool.set_on_reset(self._node_reset)
 
@@ -186,10 +205,47 @@ class Router:
             logger.info("%s node %s: forgetting its cached prefixes", node.role, node.url)
             self.index.drop(node.url)
 
-    def pick(self, role: Role, exclude: Collection[str] = (), key: PromptKey | None = None) -> Node:
+    @staticmethod
+    def _pair_key(p: Node, d: Node) -> tuple[Any, ...]:
+        return (p.url, p.incarnation, p.side_channel, d.url, d.incarnation)
+
+    def refuse_pair(self, p: Node, d: Node, why: str) -> bool:
+        """D refused P's side channel: stop pairing them (until either restarts, or for
+        ``REFUSAL_MEMORY_S``); False when that was known already."""
+        now = time.monotonic()
+        self._refused = {k: t for k, t in self._refused.items() if now - t < REFUSAL_MEMORY_S}
+        key = self._pair_key(p, d)
+        known = key in self._refused
+        self._refused[key] = now
+        if not known:
+            logger.warning(
+                "decode node %s refuses prefill node %s (side channel %s): %s; requests "
+                "routed to that decode node go to another prefill node, or the decode "
+                "node prefills them by itself", d.url, p.url, p.side_channel, why,
+            )  # fmt: skip
+        return not known
+
+    def refuses(self, d: Node, p: Node) -> bool:
+        at = self._refused.get(self._pair_key(p, d))
+        return at is not None and time.monotonic() - at < REFUSAL_MEMORY_S
+
+    def pick(
+        self,
+        role: Role,
+        exclude: Collection[str] = (),
+        key: PromptKey | None = None,
+        paired_with: Node | None = None,
+    ) -> Node:
+        """A routable node of ``role``; excluded URLs are avoided unless nothing else is
+        left; with ``paired_with`` (a decode node) only prefill nodes it accepts
+        (``PairRefused`` when it refuses every ready one)."""
         ready = self.pool.ready(role)
         if not ready:
             raise NoHealthyNode(role)
+        if paired_with is not None:
+            ready = [n for n in ready if not self.refuses(paired_with, n)]
+            if not ready:
+                raise PairRefused()
         candidates = [n for n in ready if n.url not in exclude] or ready
         node = self.policy.choose(role, candidates, key)
         self.decisions[(role, getattr(self.policy, "last_reason", "least_load"))] += 1
@@ -229,13 +285,20 @@ class Router:
         mode = "decode_only"
         if not (allow_decode_only and (short or decode_alone)):
             try:
-                route.prefill = self.pick("prefill", exclude, key)
+                route.prefill = self.pick("prefill", exclude, key, paired_with=d)
                 mode = "disaggregated"
+            except PairRefused:
+                if not allow_decode_only:
+                    raise
+                mode = "peer_refused"  # D refuses every ready P: it prefills by itself
             except NoHealthyNode:
                 if not (allow_decode_only and self.pool.prefill_fallback):
                     raise
                 mode = "prefill_fallback"  # no prefill node ready: D prefills by itself
-        if mode != "decode_only" and (mode == "prefill_fallback") != self._falling_back:
+        if (
+            mode in ("disaggregated", "prefill_fallback")
+            and (mode == "prefill_fallback") != self._falling_back
+        ):
             self._falling_back = not self._falling_back
             if self._falling_back:
                 logger.warning("no prefill node is ready: decode nodes prefill by themselves")

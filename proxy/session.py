@@ -190,8 +190,17 @@ class Session:
             err.node.mark_overloaded()
             self._overloaded(err)
             return
+        if err.peer_refused and attempt.p is not None and err.node is attempt.d:
+            # D does not accept P's side channel (its --kv-allowed-peers): both nodes are
+            # fine, the router stops pairing them, and the request goes to another pair or
+            # to D alone. Not a retry: each refusal takes a pair out of the routes.
+            self.router.refuse_pair(attempt.p, attempt.d, err.detail)
+            return
         if err.not_reserved:  # the pair failed, not P: try without P, P stays healthy
             logger.info("request %s: %s", self.request_id, err)
+        elif err.params_refused is not None:  # the proxy's parameters: never the client's
+            logger.warning("request %s: %s", self.request_id, err)
+            err.node.mark_failed(err.detail)
         elif not err.node_fault:
             logger.info("request %s refused by %s", self.request_id, err)
             raise PassThrough(err.status or 400, err.body or error_body(str(err)))

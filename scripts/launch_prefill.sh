@@ -118,7 +118,7 @@ echo "  KV side channel: ${SIDE:-unknown}   UCX_TLS=${UCX_TLS:-<unset>} UCX_NET_
 echo "  log: $LOG   pid file: $PIDFILE"
 echo "  stop: kill $PID    (or: kill \$(cat $PIDFILE))"
 # The node's start-up warnings about its side channel: an address its own
-# --kv-allowed-peers refuses (every request would be recomputed on the decode node), and,
+# --kv-allowed-peers refuses (every prompt would be prefilled on the decode node), and,
 # when it listens beyond loopback, an unsigned side channel.
 WARN="is outside --kv-allowed-peers"
 [[ "$HOST" == 127.* || "$HOST" == "localhost" || "$HOST" == "::1" ]] || WARN="$WARN|side channel unsigned"

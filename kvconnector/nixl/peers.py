@@ -128,13 +128,14 @@ def _is_hostname(text: str) -> bool:
 def own_address_refused(own: str, allowlist: PeerAllowlist, spec: str) -> str | None:
     """A start-up warning when this node's own side channel ``own`` is outside its
     allowlist (``spec``, as given): its peers advertise addresses like it (another host,
-    or this host's non-loopback address when bound to ``0.0.0.0``), so every handshake
-    would be refused and every request recomputed on D -- silently, answers stay right."""
+    or this host's non-loopback address when bound to ``0.0.0.0``), so every pairing
+    would be refused and every prompt prefilled on D (through the proxy: answers stay
+    right, without disaggregation)."""
     if allowlist.allows(own):
         return None
     return (
         f"this node's side channel {own} is outside --kv-allowed-peers {spec!r}: peers "
         "advertising addresses like it (other hosts, or this host's own non-loopback "
-        "address) are refused, and every request is recomputed on the decode node; list "
+        "address) are refused, and every prompt is prefilled on the decode node; list "
         "the peers' hosts or networks in --kv-allowed-peers (e.g. 10.0.0.0/8) on every node"
     )

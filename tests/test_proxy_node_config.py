@@ -1,0 +1,221 @@
+"""Nodes configured so that they cannot work together, behind the proxy: a node listed in
+the other role, and a decode node whose ``--kv-allowed-peers`` does not cover a prefill
+node's side channel (a node bound to ``0.0.0.0`` advertises its non-loopback address). The
+client never gets a 400 about parameters the proxy built: the misfit node is out of
+rotation with a reason naming the mix-up, or the pair is not routed to and the decode node
+prefills by itself. Found by a new-user walkthrough (every request was a 400 blaming the
+client, and ``/health`` said ok)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+from harness import GREEDY as HTTP_GREEDY
+from harness import NIXL, Procs, metric, stream_ids
+from hf_models import random_prompt
+
+from proxy.config import ProxyConfig
+from proxy.health import HealthChecker
+from proxy.legs import Legs
+from proxy.metrics import ProxyMetrics
+from proxy.node_client import NodeClient
+from proxy.nodes import NodePool
+from proxy.router import Router
+from proxy.session import Session
+from proxy.validation import validate_request
+from tests.standin_http import SeenRequest, StandIn, answer, chunked
+from tests.test_proxy_waits import PREFILL_ANSWER, _node, _ready_pool, _sse, _token
+
+COMPLETIONS = "/v1/completions"
+D_ANSWER = {
+    "choices": [{"index": 0, "text": "xyz", "finish_reason": "length", "token_ids": [7, 8, 9]}],
+    "model": "tiny",
+}
+
+
+def _facts(kv_role: str) -> Any:
+    async def handler(req: SeenRequest) -> bytes:
+        if req.path == "/v1/kv_transfer_info":
+            info = {"side_channel": "tcp://127.0.0.1:1", "incarnation": "i1", "role": kv_role}
+            return answer(200, info)
+        if req.path == "/v1/models":
+            return answer(200, {"data": [{"id": "tiny", "max_model_len": 64}]})
+        return answer(200, {"status": "ok"})
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("listed", "kv_role", "fits"),
+    [("prefill", "consumer", False), ("decode", "producer", False),
+     ("prefill", "producer", True), ("decode", "consumer", True), ("prefill", "both", True)],
+)  # fmt: skip
+def test_a_node_listed_in_the_other_role_is_out_of_rotation_naming_the_mix_up(
+    listed: str, kv_role: str, fits: bool
+) -> None:
+    async def main() -> None:
+        async with StandIn(_facts(kv_role)) as n, NodeClient(timeout=5) as client:
+            pool = NodePool((n.url,), ()) if listed == "prefill" else NodePool((), (n.url,))
+            (node,) = pool.nodes(listed)  # type: ignore[arg-type]
+            await HealthChecker(pool, client, interval=1.0).check_all()
+            assert node.ready is fits, node.last_error
+            if not fits:
+                other = "decode" if listed == "prefill" else "prefill"
+                assert f"it is a {other} node" in (node.last_error or "")
+                assert f"--{other}" in (node.last_error or "")
+
+    asyncio.run(main())
+
+
+REFUSAL = {
+    "error": {
+        "message": "kv_transfer_params.remote_side_channel 'tcp://192.0.2.2:5600' is not an "
+        "allowed prefill peer; start the decode node with --kv-allowed-peers naming it",
+        "type": "invalid_request_error",
+        "param": "kv_transfer_params.remote_side_channel",
+        "code": None,
+    }
+}
+
+
+class RefusingDecode:
+    """A decode node that refuses any leg naming a prefill node's side channel and serves
+    legs without one (it prefills by itself)."""
+
+    def __init__(self) -> None:
+        self.legs: list[dict[str, Any]] = []
+
+    async def __call__(self, req: SeenRequest) -> Any:
+        body = req.json()
+        kv = body.get("kv_transfer_params") or {}
+        self.legs.append(kv)
+        if kv.get("remote_side_channel"):
+            return answer(400, REFUSAL)
+        if body.get("stream"):
+            return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
+        return answer(200, D_ANSWER)
+
+
+async def _request(cfg: ProxyConfig, pool: NodePool, router: Router, stream: bool) -> Any:
+    raw = json.dumps({"prompt": "x", "max_tokens": 3, "stream": stream}).encode()
+    req = validate_request(COMPLETIONS, raw, ["tiny"], None)
+    async with NodeClient(timeout=20) as client:
+        legs = Legs(client)
+        session = Session(req, "r", cfg, router, legs, ProxyMetrics(pool))
+        try:
+            if not stream:
+                return await asyncio.wait_for(session.complete(), 15)
+            await asyncio.wait_for(session.start_stream(), 15)
+            chunks = [c async for c in session.events()]
+            return [json.loads(c[6:]) for c in chunks if c.startswith("data: {")]
+        finally:
+            session.close()
+            await legs.drain()
+
+
+def test_a_decode_node_refusing_the_prefill_nodes_side_channel_prefills_by_itself() -> None:
+    """D refuses P's side channel: the request is served by D alone (no 400 for the
+    client, no retry counted, neither node failed), and the router does not pair them
+    again: the next requests go straight to D alone (mode ``peer_refused``)."""
+    seen_p: list[str] = []
+
+    async def prefill(req: SeenRequest) -> bytes:
+        seen_p.append(req.path)
+        await asyncio.sleep(5)  # waits for a reservation that never comes (aborted)
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def main() -> None:
+        d = RefusingDecode()
+        async with StandIn(_node(prefill)) as p_stand, StandIn(_node(d)) as d_stand:
+            cfg = ProxyConfig(prefill=(p_stand.url,), decode=(d_stand.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            router = Router(pool)
+            body = await _request(cfg, pool, router, stream=False)
+            assert body["choices"][0]["token_ids"] == [7, 8, 9], body
+            events = await _request(cfg, pool, router, stream=True)
+            assert not any("error" in e for e in events), events
+            assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == [7, 8, 9]
+            # The first request tried the pair once; then only D alone, no side channel.
+            assert [bool(kv.get("remote_side_channel")) for kv in d.legs] == [
+                True, False, False
+            ]  # fmt: skip
+            assert seen_p == ["/v1/completions"]
+            assert router.modes["peer_refused"] == 2 and router.modes["disaggregated"] == 1
+            assert all(n.healthy for n in pool.all())
+
+    asyncio.run(main())
+
+
+def test_a_decode_node_refusing_one_prefill_node_is_paired_with_another() -> None:
+    """Two P's; D refuses P1's side channel only: the request goes to the pair with P2."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    d_legs: list[dict[str, Any]] = []
+
+    async def decode(req: SeenRequest) -> bytes:
+        kv = req.json().get("kv_transfer_params") or {}
+        d_legs.append(kv)
+        if kv.get("remote_side_channel") == "tcp://192.0.2.2:1":
+            return answer(400, REFUSAL)
+        return answer(200, D_ANSWER)
+
+    async def main() -> None:
+        async with (
+            StandIn(_node(prefill)) as p1, StandIn(_node(prefill)) as p2,
+            StandIn(_node(decode)) as d,
+        ):  # fmt: skip
+            cfg = ProxyConfig(
+                prefill=(p1.url, p2.url), decode=(d.url,), health_interval=0.1,
+                routing="round_robin",
+            )  # fmt: skip
+            pool = _ready_pool(cfg)
+            pool.nodes("prefill")[0].update_info({"side_channel": "tcp://192.0.2.2:1"}, None)
+            router = Router(pool)
+            for _ in range(3):
+                body = await _request(cfg, pool, router, stream=False)
+                assert body["choices"][0]["token_ids"] == [7, 8, 9], body
+            sides = [kv.get("remote_side_channel") for kv in d_legs]
+            assert sides[0] == "tcp://192.0.2.2:1"  # round robin tried P1 first, once
+            assert sides[1:] == ["tcp://127.0.0.1:1"] * 3, sides
+            assert router.modes["peer_refused"] == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_through_the_proxy_a_decode_node_that_refuses_the_prefill_node_answers_alone(
+    procs: Procs,
+) -> None:
+    """Real nodes: D's --kv-allowed-peers (10.0.0.0/8) does not cover P's loopback side
+    channel. Through the proxy, streamed and not, the answers are the colocated node's,
+    D computed the prompts itself, P pushed nothing and stays in rotation."""
+    common = ("--num-blocks", "128")
+    p = procs.node(*NIXL, *common, module="prefill_node", name="p", wait=False)
+    d = procs.node(*NIXL, *common, "--kv-allowed-peers", "10.0.0.0/8", module="decode_node",
+                   name="d", wait=False)  # fmt: skip
+    colocated = procs.node(*common, name="colocated")
+    proxy = procs.proxy([p.url], [d.url])
+    body = {"prompt": random_prompt(40, 256, seed=3), "max_tokens": 6, **HTTP_GREEDY}
+    want = httpx.post(colocated.url + "/v1/completions", json=body, timeout=60).json()
+    want_ids = want["choices"][0]["token_ids"]
+    got = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == want_ids
+    with httpx.stream(
+        "POST", proxy.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as resp:
+        assert resp.status_code == 200
+        lines = list(resp.iter_lines())
+    events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+    assert stream_ids(events) == want_ids
+    assert metric(proxy.url, "pdproxy_route_mode_total", {"mode": "peer_refused"}) >= 1
+    assert proxy.metric("pdproxy_node_failures_total", {"role": "prefill"}) == 0
+    assert proxy.metric("pdproxy_node_failures_total", {"role": "decode"}) == 0
+    assert p.metric("pdserve_engine_kv_transfers_started_total") == 0
+    assert d.metric("pdserve_prompt_tokens_total") >= 40  # the prompt computed on D (then cached)
