@@ -1,7 +1,7 @@
 """Frozen, validated proxy configuration, from flags, environment and a config file.
 
 Precedence (highest first): command-line flags, environment (``PDPROXY_<FIELD>``, e.g.
-``PDPROXY_PREFILL``, ``PDPROXY_MAX_INFLIGHT``), a ``--config`` file (JSON or TOML, keys are
+``PDPROXY_PREFILL``, ``PDPROXY_MAX_INFLIGHT``), a ``--config`` file (JSON, TOML or YAML, keys are
 field names with ``_`` or ``-``), then the defaults below. Every error names the flag.
 """
 
@@ -357,7 +357,7 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def load_config_file(path: str) -> dict[str, Any]:
-    """Read a JSON or TOML (by extension; else JSON then TOML) file of settings."""
+    """Read a JSON, TOML or YAML (by extension; else JSON, then TOML) file of settings."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -366,7 +366,14 @@ def load_config_file(path: str) -> dict[str, Any]:
     if tomllib is None and path.endswith(".toml"):
         raise ProxyConfigError("--config: TOML files need Python >= 3.11; use JSON")
     try:
-        if path.endswith(".toml"):
+        if path.endswith((".yaml", ".yml")):  # as the nodes' --config
+            import yaml
+
+            try:
+                data = yaml.safe_load(raw)
+            except yaml.YAMLError as e:
+                raise ProxyConfigError(f"--config: {path} is not valid YAML: {e}") from e
+        elif path.endswith(".toml"):
             data: Any = tomllib.loads(raw.decode())
         else:
             try:
@@ -402,7 +409,9 @@ def env_settings(environ: Mapping[str, str]) -> dict[str, Any]:
 def add_proxy_args(parser: argparse.ArgumentParser) -> None:
     """One flag per field; values not given stay absent (so file/env/defaults apply)."""
     parser.add_argument(
-        "--config", metavar="FILE", help="JSON or TOML file of settings (keys = flag names)"
+        "--config",
+        metavar="FILE",
+        help="JSON, TOML or YAML (.yaml/.yml) file of settings (keys = flag names)",
     )
     for name, f in _FIELDS.items():
         tp = _base_type(name)

@@ -49,6 +49,14 @@ def test_flags_env_and_file_precedence(tmp_path: Path) -> None:
     )
     cfg = _cfg(["--config", str(toml)])
     assert cfg.registration_allowed_nodes == "10.0.0.0/8,loopback"
+    # YAML, as the nodes' --config takes (a [proxy]-like top-level key is allowed too).
+    yml = tmp_path / "proxy.yaml"
+    yml.write_text(f"proxy:\n  prefill: [{P}]\n  decode:\n    - {D}\n  max_inflight: 9\n")
+    cfg = _cfg(["--config", str(yml)])
+    assert (cfg.prefill, cfg.decode, cfg.max_inflight) == ((P,), (D,), 9)
+    yml.write_text("prefill: [unclosed\n")
+    with pytest.raises(ProxyConfigError, match="not valid YAML"):
+        _cfg(["--config", str(yml)])
 
 
 @pytest.mark.parametrize(
