@@ -141,6 +141,14 @@ class ProxyMetrics(MetricsRegistry):
             "(--migration-limit), by how the stream ended (resumed, diverged, failed)",
             ["outcome"],
         )
+        # Exported at 0 from the start, so that alerts on them see a series, not "no data".
+        for role in ("prefill", "decode"):
+            self.retries.labels(role)
+        for outcome in ("resumed", "diverged", "failed"):
+            self.migrations.labels(outcome)
+        for kind in ("bad_request", "overloaded", "unavailable", "upstream", "stream_error",
+                     "client_disconnect"):  # fmt: skip
+            self.errors.labels(kind)
         self.inflight = self.gauge("requests_inflight", "Requests in flight")
         self.ttft = self.histogram(
             "time_to_first_token_seconds",

@@ -167,3 +167,26 @@ def test_skipper_drops_what_was_already_sent() -> None:
     assert s.apply([7], "H") == ([], "")
     assert s.apply([8], "ello") == ([8], "llo")
     assert s.apply([9], "!") == ([9], "!")
+
+
+def test_counters_alerts_read_are_exported_at_zero_from_the_start() -> None:
+    """Retries, stream migrations and errors by kind are series from the first scrape (an
+    alert on ``rate(...)`` saw "no data" until the first one happened)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from proxy.metrics import ProxyMetrics
+    from proxy.nodes import NodePool
+
+    text = ProxyMetrics(NodePool((P,), (D,))).render().decode()
+    series = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    for name, label, values in [
+        ("pdproxy_request_retries_total", "role", ("prefill", "decode")),
+        ("pdproxy_stream_migrations_total", "outcome", ("resumed", "diverged", "failed")),
+        ("pdproxy_request_errors_total", "kind", ("upstream", "stream_error")),
+    ]:
+        for value in values:
+            assert series.get((name, ((label, value),))) == 0, (name, value)
