@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -322,3 +323,79 @@ def test_bench_host_step_runs_and_reports_each_part():
     assert r["seqs"] == 4 and r["message_bytes"] > 0
     parts = ("schedule_ms", "pickle_ms", "worker_prep_ms", "update_ms")
     assert abs(sum(r[k] for k in parts) - r["total_ms"]) < 1e-3
+
+
+# ---------------------------------------------------------------------------------------
+# serve: API keys and base URLs
+# ---------------------------------------------------------------------------------------
+
+_KEY = "bench-test-key-5e1f"  # distinctive: a check that it is never printed means something
+
+
+def test_serve_base_url_accepts_a_trailing_v1():
+    from engine.bench.cli import build_parser
+    from engine.bench.serve import normalize_base_url
+
+    for given in (
+        "http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/",
+        "http://h:8000//v1//",
+    ):  # fmt: skip
+        assert normalize_base_url(given) == "http://h:8000", given
+    assert normalize_base_url("http://h:8000/api/v1") == "http://h:8000/api"
+    assert normalize_base_url("http://h:8000/v10") == "http://h:8000/v10"
+    args = build_parser().parse_args(["serve", "--base-url", "http://h:8000/v1"])
+    assert args.base_url == "http://h:8000"
+
+
+@pytest.fixture(scope="module")
+def keyed_node(module_procs: Procs) -> Proc:
+    return module_procs.node("--model", "tiny", "--max-num-seqs", "4", "--api-key", _KEY)
+
+
+def _serve_keyed(
+    node: Proc, tmp_path: Path, *flags: str, env_key: str | None = None
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``pd-bench serve`` (2 prompts, 8 -> 2 tokens) against ``node``; OPENAI_API_KEY is
+    ``env_key`` (unset if None). Returns the process and the --json file's text ('')."""
+    out = tmp_path / "keyed.json"
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    if env_key is not None:
+        env["OPENAI_API_KEY"] = env_key
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "serve", "--num-prompts", "2",
+         "--input-len", "8", "--output-len", "2", "--num-warmup", "0", "--no-progress",
+         "--json", str(out), *flags],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    return proc, out.read_text() if out.exists() else ""
+
+
+@pytest.mark.slow
+def test_serve_sends_the_api_key_from_the_flag_or_the_environment(keyed_node, tmp_path: Path):
+    # --api-key, and an OpenAI-style base URL ending in /v1/
+    proc, report = _serve_keyed(keyed_node, tmp_path, "--base-url", keyed_node.url + "/v1/",
+                                "--api-key", _KEY)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr + keyed_node.logs()
+    assert json.loads(report)["summary"]["completed"] == 2
+    assert _KEY not in proc.stdout + proc.stderr + report
+    # OPENAI_API_KEY, as `vllm bench serve` reads it
+    proc, report = _serve_keyed(keyed_node, tmp_path, "--base-url", keyed_node.url,
+                                env_key=_KEY)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr + keyed_node.logs()
+    assert json.loads(report)["summary"]["completed"] == 2
+    assert _KEY not in proc.stdout + proc.stderr + report
+
+
+@pytest.mark.slow
+def test_serve_without_the_api_key_names_the_flag(keyed_node, tmp_path: Path):
+    proc, _ = _serve_keyed(keyed_node, tmp_path, "--base-url", keyed_node.url)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "401" in proc.stderr
+    assert "--api-key" in proc.stderr and "OPENAI_API_KEY" in proc.stderr
+    # a wrong key (--model given: no /v1/models probe) fails every request with the hint
+    proc, report = _serve_keyed(keyed_node, tmp_path, "--base-url", keyed_node.url,
+                                "--model", "tiny", "--api-key", "wrong")  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = json.loads(report)["summary"]["errors"]
+    assert sum(errors.values()) == 2
+    assert all("HTTP 401" in e and "--api-key" in e for e in errors), errors

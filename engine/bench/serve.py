@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -28,14 +29,44 @@ from engine.bench.stats import RequestResult, ServeSummary
 from engine.bench.words import WORDS
 from engine.httpkit.sse_reader import SSEReader
 
+API_KEY_ENV = "OPENAI_API_KEY"  # what `vllm bench serve` and the OpenAI client read
+AUTH_HINT = f"pass the endpoint's key with --api-key KEY or ${API_KEY_ENV}"
+
+
+def normalize_base_url(url: str) -> str:
+    """``http://host:port/v1/`` -> ``http://host:port``: the bench appends ``/v1/...``
+    paths itself, so an OpenAI-client style base URL loses its ``/v1`` (and trailing
+    slashes)."""
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url.removesuffix("/v1").rstrip("/")
+    return url
+
+
+def add_api_key_arg(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"sent as 'Authorization: Bearer KEY' on every request (default: ${API_KEY_ENV}; "
+        "unset: none); never printed",
+    )
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("endpoint")
     g.add_argument(
         "--base-url",
+        type=normalize_base_url,
         default="http://127.0.0.1:8000",
-        help="node or pd-proxy URL (default: http://127.0.0.1:8000)",
+        help="node or pd-proxy URL; a trailing /v1 (OpenAI-client style) is dropped, the "
+        "bench adds /v1/... itself (default: http://127.0.0.1:8000)",
     )
+    add_api_key_arg(g)
     g.add_argument(
         "--endpoint",
         default="/v1/completions",
@@ -218,6 +249,8 @@ async def _stream(client: Any, url: str, body: dict[str, Any], r: RequestResult)
         if resp.status_code != 200:
             raw = (await resp.aread()).decode("utf-8", "replace")
             r.error = f"HTTP {resp.status_code}: {_error_message(raw)}"
+            if resp.status_code == 401:
+                r.error += f" ({AUTH_HINT})"
             return
         events = SSEReader(resp.aiter_lines())
         async for chunk in events:
@@ -291,6 +324,9 @@ class Progress:
 
 async def get_model(client: Any, base_url: str) -> str:
     resp = await client.get(base_url + "/v1/models")
+    if resp.status_code == 401:
+        sent = "the key sent was refused" if "authorization" in client.headers else "no key sent"
+        raise RuntimeError(f"401 Unauthorized from {base_url}/v1/models ({sent}): {AUTH_HINT}")
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
 
@@ -309,7 +345,8 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[ServeSummary, list[Re
         args.num_prompts, args.input_len, kind, tuple(args.token_id_range), args.seed, *shared
     )
     delays = arrival_delays(args.num_prompts, args.request_rate, args.seed)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    headers = auth_headers(args.api_key)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         model = args.model or await get_model(client, base)
         args.model = model
         warm = make_prompts(  # other prefixes: the warm-up warms no prefix cache
@@ -394,6 +431,15 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--extra-body must be a JSON object")
 
 
+def _report_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as the --json report records them: inf as null, the API key hidden."""
+    out = {
+        k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()
+    }
+    out["api_key"] = "<hidden>" if args.api_key else None
+    return out
+
+
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     validate(args, parser)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
@@ -412,10 +458,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.json:
         report = {
             "command": "serve",
-            "args": {
-                k: (None if isinstance(v, float) and math.isinf(v) else v)
-                for k, v in vars(args).items()
-            },  # fmt: skip
+            "args": _report_args(args),
             "summary": summary.to_dict(),
             "requests": [r.to_dict() for r in results],
         }
