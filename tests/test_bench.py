@@ -399,3 +399,30 @@ def test_serve_without_the_api_key_names_the_flag(keyed_node, tmp_path: Path):
     errors = json.loads(report)["summary"]["errors"]
     assert sum(errors.values()) == 2
     assert all("HTTP 401" in e and "--api-key" in e for e in errors), errors
+
+
+@pytest.mark.slow
+def test_interference_workload_sends_the_api_key(keyed_node, monkeypatch):
+    """``pd-bench interference`` drives its proxy with serve's client: the same key (here
+    straight at the keyed node, at the smallest sizes; no layouts started)."""
+    import asyncio
+
+    from engine.bench.cli import build_parser
+    from engine.bench.cluster import BenchError
+    from engine.bench.interference import drive, resolve
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+
+    def args(*flags: str):
+        a = build_parser().parse_args(
+            ["interference", "--smoke", "--num-long", "1", "--long-len", "8",
+             "--long-output-len", "2", "--decode-streams", "1", "--decode-output-len", "2",
+             "--lead-s", "0", *flags]
+        )  # fmt: skip
+        resolve(a)
+        return a
+
+    run = asyncio.run(drive(keyed_node.url, args("--api-key", _KEY)))
+    assert [r.ok for r in run.long] == [True] and run.decode and all(r.ok for r in run.decode)
+    with pytest.raises(BenchError, match="401.*--api-key"):
+        asyncio.run(drive(keyed_node.url, args()))

@@ -70,6 +70,7 @@ from engine.bench.interference_report import (
     plot_interference,
     ratios,
 )
+from engine.bench.serve import add_api_key_arg, auth_headers
 from engine.bench.stats import RequestResult, _json_float
 
 NEVER_DISAGGREGATE = 1_000_000_000  # --disagg-min-prompt-tokens: every prompt is "short"
@@ -194,8 +195,12 @@ async def drive(base_url: str, args: argparse.Namespace) -> LayoutRun:
     conns = args.decode_streams + len(delays) + 4
     limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
     timeout = httpx.Timeout(args.timeout, connect=min(30.0, args.timeout))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        model = await get_model(client, base_url.rstrip("/"))
+    headers = auth_headers(args.api_key)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+        try:
+            model = await get_model(client, base_url.rstrip("/"))
+        except (httpx.HTTPError, RuntimeError) as e:  # a 401 says which flag to pass
+            raise BenchError(f"GET /v1/models: {e}") from e
         # warm-up, not counted: one long and one decode request, other prompts
         for body_args, length, seed in (
             (long_body, args.long_len, args.seed + 50_021),
@@ -390,6 +395,7 @@ def add_interference_args(p: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="extra flag for both layouts' pd-proxy (repeat)",
     )
+    add_api_key_arg(g)  # for a proxy given a key (--proxy-arg=--api-key=KEY, $PDPROXY_API_KEY)
     g.add_argument(
         "--gpu-per-node",
         action="store_true",
@@ -613,7 +619,8 @@ def run_interference(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         "tp": args.tp,
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "workload": {k: getattr(args, k) for k in WORKLOAD_KEYS},
-        "args": {k: v for k, v in vars(args).items() if k not in ("command",)},
+        "args": {k: v for k, v in vars(args).items() if k not in ("command",)}
+        | {"api_key": "<hidden>" if args.api_key else None},
         "note": "on CPU every process shares the same cores: numbers are for shape only",
         "layouts": layouts,
     }
