@@ -261,7 +261,11 @@ def test_layout_commands_same_budget_and_colocated_through_the_proxy_alone():
     assert int(c[c.index("--disagg-min-prompt-tokens") + 1]) >= 10**9
     assert "--registration-key" in c and p[-1] == c[-1] == "--max-retries=0"
     shown = ib._shown_cmd(["/usr/bin/python3", "-m", "proxy", *c])
-    assert shown[0] == "python3" and shown[shown.index("--registration-key") + 1] == "<random>"
+    assert shown[0] == "python3" and shown[shown.index("--registration-key") + 1] == "<hidden>"
+    # Keys a user passes through --proxy-arg are hidden too (they reached the JSON report).
+    shown = ib._shown_cmd(["python", "--api-key", "k1", "--node-api-key=k2", "--kv-secret", "k3"])
+    assert not {"k1", "k2", "k3"} & {part for a in shown for part in a.split("=")}, shown
+    assert "--node-api-key=<hidden>" in shown
 
     gpu = _args("--device", "cuda", "--tp", "2", "--gpu-per-node")
     assert ib._gpu_env(0, gpu) == {"CUDA_VISIBLE_DEVICES": "0,1"}

@@ -300,12 +300,26 @@ def kv_hop_means(node_url: str) -> dict[str, Any]:
     return out
 
 
-def _shown_cmd(cmd: list[str]) -> list[str]:
-    """The command as recorded: the interpreter's base name, the registration key hidden."""
-    out = [os.path.basename(cmd[0])]
-    for i, a in enumerate(cmd[1:], 1):
-        out.append("<random>" if cmd[i - 1] == "--registration-key" else a)
+# Flags whose values are secrets: never written to the report or printed.
+SECRET_FLAGS = ("--registration-key", "--api-key", "--node-api-key", "--kv-secret")
+
+
+def _hidden_args(argv: list[str]) -> list[str]:
+    """``argv`` with the values of ``SECRET_FLAGS`` (``--flag V`` or ``--flag=V``) hidden."""
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        if i > 0 and argv[i - 1] in SECRET_FLAGS:
+            out.append("<hidden>")
+        elif a.split("=", 1)[0] in SECRET_FLAGS and "=" in a:
+            out.append(a.split("=", 1)[0] + "=<hidden>")
+        else:
+            out.append(a)
     return out
+
+
+def _shown_cmd(cmd: list[str]) -> list[str]:
+    """The command as recorded: the interpreter's base name, secret values hidden."""
+    return [os.path.basename(cmd[0]), *_hidden_args(cmd[1:])]
 
 
 def run_layout(layout: str, args: argparse.Namespace, log_dir: Path, log: Any = print) -> LayoutRun:
@@ -620,7 +634,8 @@ def run_interference(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "workload": {k: getattr(args, k) for k in WORKLOAD_KEYS},
         "args": {k: v for k, v in vars(args).items() if k not in ("command",)}
-        | {"api_key": "<hidden>" if args.api_key else None},
+        | {"api_key": "<hidden>" if args.api_key else None}
+        | {"proxy_arg": _hidden_args(list(args.proxy_arg))},
         "note": "on CPU every process shares the same cores: numbers are for shape only",
         "layouts": layouts,
     }
