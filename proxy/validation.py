@@ -76,8 +76,7 @@ def validate_request(
             name = "max_completion_tokens"
         raise APIError(
             f"'{name}' is {parsed.max_tokens}, but this model's maximum context length "
-            f"is {limit} tokens (prompt included); use at most "
-            f"{limit - 1}",
+            f"is {limit} tokens: the prompt's tokens plus '{name}' must fit in it",
             param=name,
             code="context_length_exceeded",
         )
