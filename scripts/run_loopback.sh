@@ -46,12 +46,14 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# Three distinct ports (P, D, proxy) below the kernel's ephemeral range, or in
+# $PDSERVE_PORT_RANGE ("LOW-HIGH") when set (engine/bench/cluster.py: free_port).
+free_ports() { "$PY" -c 'from engine.bench.cluster import free_port as f; print(f(), f(), f())'; }
 wait_healthy() {  # url pid name
   pds_wait_healthy "$1" "$2" 300 || { echo "run_loopback.sh: $3 did not become healthy" >&2; return 1; }
 }
 
-P_PORT=$(free_port); D_PORT=$(free_port)
+read -r P_PORT D_PORT X_PORT < <(free_ports)
 common=(--model "$MODEL" --tp "$TP" --num-blocks 512 --kv-connector nixl --log-level WARNING)
 "$PY" -m prefill_node "${common[@]}" --port "$P_PORT" >"$workdir/prefill.log" 2>&1 &
 pids+=($!)
@@ -63,7 +65,6 @@ wait_healthy "$D_URL" "${pids[1]}" "decode node"
 echo "prefill node: $P_URL (tp=$TP)   decode node: $D_URL (tp=$TP)"
 
 if [ "$USE_PROXY" = 1 ] && "$PY" -c 'import proxy.app' 2>/dev/null; then
-  X_PORT=$(free_port)
   "$PY" -m proxy serve --prefill "$P_URL" --decode "$D_URL" --port "$X_PORT" >"$workdir/proxy.log" 2>&1 &
   pids+=($!)
   X_URL=http://127.0.0.1:$X_PORT
