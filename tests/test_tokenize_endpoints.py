@@ -73,9 +73,11 @@ def test_tokenize_prompt_and_detokenize_round_trip(client: TestClient) -> None:
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["tokens"] == list("héllo".encode()) and body["count"] == 6
-    assert body["max_model_len"] == MAX_LEN
+    assert body["max_model_len"] == MAX_LEN and body["token_strs"] is None
     r = client.post("/detokenize", json={"model": "m", "tokens": body["tokens"]})
     assert r.status_code == 200 and r.json() == {"prompt": "héllo"}
+    r = client.post("/tokenize", json={"prompt": "hi", "return_token_strs": True})
+    assert r.status_code == 200 and r.json()["token_strs"] == ["h", "i"], r.text
 
 
 def test_tokenize_chat_uses_the_template(client: TestClient) -> None:

@@ -3,7 +3,8 @@
 Shapes follow vLLM: ``/tokenize`` takes ``{"prompt": str}`` (``add_special_tokens``
 default true) or a chat ``{"messages": [...]}`` (rendered with the model's chat template,
 ``add_special_tokens`` default false, optional ``chat_template_kwargs``) and answers
-``{"count", "max_model_len", "tokens", "token_strs": null}``; ``/detokenize`` takes
+``{"count", "max_model_len", "tokens", "token_strs"}`` (each token's text with
+``return_token_strs: true``, else null); ``/detokenize`` takes
 ``{"tokens": [ids]}`` and answers ``{"prompt": str}``; ``/version`` answers
 ``{"version": <pdserve version>}``. Errors are OpenAI-shaped 400s naming the field.
 """
@@ -142,11 +143,14 @@ class TokenizeServing:
                 raise APIError("'prompt' must be a string", param="prompt", code="invalid_type")
             special = _bool(body, "add_special_tokens", True)
         tokens = list(tok.encode(text, add_special_tokens=special))
+        strs = (
+            [tok.token_text(t) for t in tokens] if _bool(body, "return_token_strs", False) else None
+        )
         return {
             "count": len(tokens),
             "max_model_len": self.engine.max_model_len,
             "tokens": tokens,
-            "token_strs": None,
+            "token_strs": strs,
         }
 
     def _detokenize(self, raw: bytes) -> dict[str, Any]:
