@@ -131,7 +131,7 @@ class ClientStream:
         else:
             choice["text"] = text
         logprobs = p_body["choices"][0].get("logprobs")  # P sampled the first token
-        choice.update(logprobs=logprobs, finish_reason=None, token_ids=ids)
+        choice.update(logprobs=logprobs, finish_reason=None, stop_reason=None, token_ids=ids)
         return sse_event(self.envelope([choice], usage=True))
 
     def decode_starts(self) -> None:
