@@ -173,6 +173,37 @@ def test_stream_with_stop_string_matches_colocated(cluster: Cluster) -> None:
     got = "".join(c["choices"][0]["text"] for c in events[:-1] if c["choices"])
     assert got == ref["choices"][0]["text"]
     assert events[-2]["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
+    assert events[-2]["choices"][0]["stop_reason"] == ref["choices"][0]["stop_reason"]
+
+
+@pytest.mark.parametrize("skip", ["proxy-skip", "node-skip"])
+def test_stop_token_ids_match_colocated(cluster: Cluster, skip: str) -> None:
+    """A stop token's text is left out and ``stop_reason`` is its id, through the proxy as on
+    a colocated node: the first token (P's, pre-streamed) stopping, and a later one."""
+    url = cluster.colo.url + "/v1/completions"
+    for prompt in ("The capital of France is", "Once upon a time", "abc", "Hello world", "1 2 3"):
+        body = {"prompt": prompt, "max_tokens": 16, **GREEDY}
+        ids = httpx.post(url, json=body, timeout=60).json()["choices"][0]["token_ids"]
+        later = next((i for i in range(1, len(ids)) if ids[i] not in ids[:i]), None)
+        if later is not None:
+            break
+    else:
+        pytest.fail("the tiny model repeated one token for every prompt")
+    for k in (0, later):
+        for extra in ({}, {"include_stop_str_in_output": True}):
+            req = {**body, "stop_token_ids": [ids[k]], **extra}
+            ref = httpx.post(url, json=req, timeout=60).json()["choices"][0]
+            assert (ref["token_ids"], ref["stop_reason"]) == (ids[: k + 1], ids[k])
+            proxy = _proxy_url(cluster, skip) + "/v1/completions"
+            out = httpx.post(proxy, json=req, timeout=60).json()["choices"][0]
+            assert {key: out[key] for key in ref} == ref
+            with httpx.stream("POST", proxy, json={**req, "stream": True}, timeout=60) as resp:
+                events = sse_events(resp)
+            choices = [e["choices"][0] for e in events[:-1] if e["choices"]]
+            assert "".join(c["text"] for c in choices) == ref["text"]
+            assert [t for c in choices for t in c["token_ids"]] == ref["token_ids"]
+            assert [c["stop_reason"] for c in choices] == [None] * (len(choices) - 1) + [ids[k]]
+            assert choices[-1]["finish_reason"] == "stop"
 
 
 # -- xPyD under load ---------------------------------------------------------------------------

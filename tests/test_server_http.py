@@ -203,12 +203,55 @@ def test_stop_string(node: Proc) -> None:
     stop = text[k : k + 2]
     expected = text[: text.find(stop)]
     out = _post(node, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]
-    assert out["finish_reason"] == "stop"
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == stop
     assert out["text"] == expected
     resp, events = _stream(node, "/v1/completions", {**body, "stop": stop, "stream": True})
     chunks = events[:-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"][0]["stop_reason"] == stop
+    _wait_idle(node)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stop_token_is_in_token_ids_not_in_the_text(node: Proc, chat: bool) -> None:
+    """vLLM's rule: the token that stopped the answer stays in ``token_ids``, its text is left
+    out (unless ``include_stop_str_in_output``); ``stop_reason`` is its id."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+
+    def answer(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        c = _post(node, path, {**base, **body}).json()["choices"][0]
+        return (c["message"]["content"] if chat else c["text"]), c
+
+    # A prompt whose greedy answer has a token that did not come before (tiny repeats).
+    for prompt in ("The capital of France is", "Once upon a time", "abc", "Hello world", "1 2 3"):
+        base: dict[str, Any] = {"max_tokens": 16, **GREEDY}
+        if chat:
+            base["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            base["prompt"] = prompt
+        _, full = answer({})
+        ids = full["token_ids"]
+        assert full["stop_reason"] is None  # a length
+        later = next((i for i in range(1, len(ids)) if ids[i] not in ids[:i]), None)
+        if later is not None:
+            break
+    else:
+        pytest.fail("the tiny model repeated one token for every prompt")
+    for k in (0, later):  # 0: the audit's case, the first token stops
+        text, c = answer({"stop_token_ids": [ids[k]]})
+        before = answer({"max_tokens": k})[0] if k else ""
+        assert (text, c["token_ids"]) == (before, ids[: k + 1])
+        assert (c["finish_reason"], c["stop_reason"]) == ("stop", ids[k])
+        kept, c = answer({"stop_token_ids": [ids[k]], "include_stop_str_in_output": True})
+        assert kept == answer({"max_tokens": k + 1})[0] and c["stop_reason"] == ids[k]
+        resp, events = _stream(node, path, {**base, "stop_token_ids": [ids[k]], "stream": True})
+        choices = [e["choices"][0] for e in events[:-1]]
+        key = "delta" if chat else None
+        got = "".join((ch[key].get("content") or "") if key else ch["text"] for ch in choices)
+        assert got == before
+        assert [t for ch in choices for t in ch["token_ids"]] == ids[: k + 1]
+        assert [ch["stop_reason"] for ch in choices] == [None] * (len(choices) - 1) + [ids[k]]
     _wait_idle(node)
 
 

@@ -34,6 +34,9 @@ class Step:
     # With logprobs: one entry per token id; the prompt's in the first step that has ids.
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    # With finish_reason "stop" (vLLM's ``stop_reason``): the stop string that was hit, or
+    # the stop token id; None for EOS (the tokenizer's own), a length or an error.
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Job:
         stream: bool,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
+        stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
         c: dict[str, Any] = {"index": 0}
         if not self.chat:
@@ -84,7 +88,7 @@ class Job:
             c["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
             c["message"] = {"role": "assistant", "content": text}
-        c.update(logprobs=logprobs, finish_reason=finish, token_ids=ids)
+        c.update(logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason, token_ids=ids)
         return c
 
     def _echo(self, text: str, ids: list[int], entries: Logprobs, prompt: Logprobs | None) -> Any:
@@ -116,8 +120,9 @@ class Job:
             lp = self._logprobs(lp_ids, entries, self._streamed_chars)
         self._streamed_chars += len(text)
         choice = self.choice(
-            text, step.token_ids, step.finish_reason, stream=True, first=first, logprobs=lp
-        )
+            text, step.token_ids, step.finish_reason, stream=True, first=first, logprobs=lp,
+            stop_reason=step.stop_reason,
+        )  # fmt: skip
         body = self.envelope([choice], stream=True)
         if self.req.include_usage:
             body["usage"] = None
@@ -141,7 +146,9 @@ class Job:
         entries = entries if entries is not None else [None] * len(ids)
         text, lp_ids, entries = self._echo(text, ids, entries, prompt)
         lp = self._logprobs(lp_ids, entries)
-        choice = self.choice(text, ids, last.finish_reason, stream=False, logprobs=lp)
+        choice = self.choice(
+            text, ids, last.finish_reason, stream=False, logprobs=lp, stop_reason=last.stop_reason
+        )
         body = self.envelope([choice], stream=False)
         body["usage"] = self.usage()
         if last.kv_transfer_params is not None:
@@ -174,9 +181,24 @@ async def abort_quietly(engine: EngineClient, request_id: str) -> None:
         logger.warning("abort of request %s failed", request_id, exc_info=True)
 
 
+def _stop_token_reason(token: int, params: SamplingParams, eos_token_id: int | None) -> int | None:
+    """``stop_reason`` of an answer a token stopped (vLLM's rule): None for the tokenizer's
+    EOS (unless ``ignore_eos``), else the id (a ``stop_token_ids`` entry, or another EOS id
+    of the model's generation config: vLLM counts those as stop token ids)."""
+    return None if token == eos_token_id and not params.ignore_eos else token
+
+
 async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIterator[Step]:
-    """Engine outputs -> Steps; aborts the engine request unless it finished by itself."""
-    matcher = StopStringMatcher(job.req.stop)
+    """Engine outputs -> Steps; aborts the engine request unless it finished by itself.
+
+    A token that stopped the answer (a ``stop_token_ids`` entry, or EOS: the engine's
+    finish reason "stop") stays in the token ids but its text is left out, unless
+    ``include_stop_str_in_output`` (vLLM's detokenizer does the same); stop strings are
+    checked on the text without it."""
+    keep_stop = job.req.include_stop_str_in_output
+    matcher = StopStringMatcher(job.req.stop, include=keep_stop)
+    eos_token_id = getattr(detok.tokenizer, "eos_token_id", None)
+    last_id: int | None = None
     finished = False
     # The proxy already streamed the first token it got from the prefill node.
     kv = job.req.kv_transfer_params
@@ -195,12 +217,16 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
             if ids and job.first_token_at is None:
                 job.first_token_at = time.monotonic()
             job.completion_tokens += len(ids)
+            last_id = ids[-1] if ids else last_id
+            # The engine stopped on a token (stop strings are found below, in the text).
+            stop_token = out.finished and out.finish_reason == "stop"
             if skip_first and ids:
                 skip_first = False
                 detok.add(ids[:1])  # context for the text of later tokens only
                 ids = ids[1:]
                 lps = None if lps is None else lps[1:]
-            text = detok.add(ids) if ids else ""
+            shown = ids[:-1] if stop_token and ids and not keep_stop else ids
+            text = detok.add(shown) if shown else ""
             if out.finished:
                 text += detok.flush()  # text held back for an incomplete UTF-8 sequence
             # Stop strings count once the answer has more than min_tokens tokens (vLLM).
@@ -210,12 +236,20 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
             extra = {"logprobs": lps, "prompt_logprobs": out.prompt_logprobs}
             if hit:
                 finished = out.finished
-                yield Step(text, ids, "stop", kv_transfer_params=kv_out, **extra)
+                yield Step(
+                    text, ids, "stop", kv_transfer_params=kv_out, stop_reason=matcher.matched,
+                    **extra,
+                )  # fmt: skip
                 return
             if out.finished:
                 finished = True
                 reason = out.finish_reason or "stop"
-                yield Step(text, ids, reason, out.error, kv_out, out.error_code, **extra)
+                why = None
+                if stop_token and last_id is not None:
+                    why = _stop_token_reason(last_id, job.params, eos_token_id)
+                yield Step(
+                    text, ids, reason, out.error, kv_out, out.error_code, **extra, stop_reason=why
+                )
                 return
             if text or ids:
                 yield Step(text, ids, **extra)

@@ -180,6 +180,8 @@ class BaseRequest:
     # completions' ``logprobs``, chat's ``top_logprobs`` (0 with ``logprobs: true`` alone).
     logprobs: int | None = None
     echo: bool = False  # completions: the prompt comes first in the answer
+    # vLLM's: the text of what stopped the answer (a stop string, a stop token) is kept.
+    include_stop_str_in_output: bool = False
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -283,6 +285,7 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
             param="stop_token_ids",
         )
     req.ignore_eos = _get_bool(body, "ignore_eos", False)
+    req.include_stop_str_in_output = _get_bool(body, "include_stop_str_in_output", False)
 
     req.stream = _get_bool(body, "stream", False)
     opts = body.get("stream_options")
@@ -356,7 +359,6 @@ _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "prompt_logprobs": (_neutral_none, "(use 'echo' with 'logprobs' on completions)"),
     "use_beam_search": (lambda v: v in (None, False), "= true (no beam search)"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "other than 1"),
-    "include_stop_str_in_output": (lambda v: v in (None, False), "= true"),
     "skip_special_tokens": (lambda v: v in (None, True), "= false"),
     "spaces_between_special_tokens": (lambda v: v in (None, True), "= false"),
     "return_tokens_as_token_ids": (lambda v: v in (None, False), "= true"),
@@ -389,7 +391,7 @@ COMMON_FIELDS = frozenset(
         "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
         "stop_token_ids", "ignore_eos", "stream", "stream_options", "kv_transfer_params",
         "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
-        "logit_bias", "min_tokens", "logprobs", *_VLLM_FIELDS,
+        "logit_bias", "min_tokens", "logprobs", "include_stop_str_in_output", *_VLLM_FIELDS,
     }
 )  # fmt: skip
 # Every field each endpoint knows: supported, or refused at a value that would matter.
@@ -626,12 +628,16 @@ class StopStringMatcher:
     """Finds stop strings in streamed text and holds back text that may begin one.
 
     ``feed`` returns the text that is safe to emit and whether a stop string was hit; on a
-    hit the returned text ends right before the stop string.
+    hit the returned text ends right before the stop string (after it with ``include``),
+    and ``matched`` is that stop string.
     """
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
+        """``include`` (``include_stop_str_in_output``): the text ends after the stop string."""
         self._stops = [s for s in stops if s]
+        self._include = include
         self._held = ""
+        self.matched: str | None = None  # the stop string that was hit (``stop_reason``)
 
     def feed(self, new_text: str, final: bool = False, check: bool = True) -> tuple[str, bool]:
         """``check=False``: not yet (``min_tokens``): the text passes, nothing is held."""
@@ -641,10 +647,11 @@ class StopStringMatcher:
         if not check:
             self._held = ""
             return buf, False
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
         if hits:
             self._held = ""
-            return buf[: min(hits)], True
+            at, self.matched = min(hits, key=lambda h: h[0])  # the first in the text
+            return buf[: at + len(self.matched) if self._include else at], True
         if final:
             self._held = ""
             return buf, False

@@ -1,0 +1,190 @@
+"""What stopped an answer, in its text and its ``stop_reason`` (vLLM's rules), without a node.
+
+A token that stopped the answer (a ``stop_token_ids`` entry, or EOS) stays in ``token_ids``
+but its text is left out, unless ``include_stop_str_in_output``; ``stop_reason`` is the stop
+string, the stop token id, or null (EOS, length). ``generate_steps`` runs against a fake
+engine that hands back scripted outputs; the byte tokenizer makes ids readable (72 = "H").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.server.jobs import Job, Step, generate_steps
+from engine.server.logprobs import TokenStrings
+from engine.server.protocol import parse_chat_request, parse_completion_request
+from engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from kvconnector.params import KVTransferParams
+from proxy.client_stream import ClientStream
+from proxy.validation import validate_request
+
+EOS = ByteTokenizer.EOS
+PROMPT = list(b"The capital of France is")
+
+
+class FakeEngine:
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        self.outputs = outputs
+        self.aborted: list[str] = []
+
+    async def generate(self, request_id: str, *args: Any, **kw: Any) -> AsyncIterator[Any]:
+        for out in self.outputs:
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _out(ids: list[int], finish: str | None = None, logprobs: bool = False) -> RequestOutput:
+    lps = [TokenLogprob(t, -1.0) for t in ids] if logprobs else None
+    return RequestOutput("r", list(ids), finish is not None, finish, new_logprobs=lps)  # type: ignore[arg-type]
+
+
+def _job(body: dict[str, Any], chat: bool = False) -> Job:
+    body = {"max_tokens": 8, **body}
+    if chat:
+        req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **body})
+    else:
+        req = parse_completion_request({"prompt": "The capital of France is", **body})
+    strings = TokenStrings(ByteTokenizer()) if req.logprobs is not None else None
+    return Job(chat, "r", "r", "tiny", PROMPT, req.sampling_params(8), req, strings=strings)
+
+
+def _steps(job: Job, outputs: list[RequestOutput]) -> list[Step]:
+    detok = IncrementalDetokenizer(ByteTokenizer(), prompt_ids=job.prompt_ids)
+
+    async def run() -> list[Step]:
+        return [s async for s in generate_steps(FakeEngine(outputs), job, detok)]  # type: ignore[arg-type]
+
+    return asyncio.run(run())
+
+
+def _text(steps: list[Step]) -> str:
+    return "".join(s.text for s in steps)
+
+
+def _ids(steps: list[Step]) -> list[int]:
+    return [t for s in steps for t in s.token_ids]
+
+
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        [_out([72, 105]), _out([91], "stop")],  # the stop token alone in the last output
+        [_out([72, 105, 91], "stop")],  # with others
+    ],
+)
+def test_a_stop_token_id_is_in_the_ids_not_in_the_text(outputs: list[RequestOutput]) -> None:
+    steps = _steps(_job({"stop_token_ids": [91]}), outputs)
+    assert _text(steps) == "Hi"
+    assert _ids(steps) == [72, 105, 91]
+    assert steps[-1].finish_reason == "stop" and steps[-1].stop_reason == 91
+
+
+def test_the_audit_case_a_first_token_that_stops_leaves_no_text() -> None:
+    steps = _steps(_job({"stop_token_ids": [91]}), [_out([91], "stop")])
+    assert _text(steps) == "" and _ids(steps) == [91] and steps[-1].stop_reason == 91
+
+
+def test_include_stop_str_in_output_keeps_the_stop_tokens_text() -> None:
+    job = _job({"stop_token_ids": [91], "include_stop_str_in_output": True})
+    steps = _steps(job, [_out([72, 105]), _out([91], "stop")])
+    assert _text(steps) == "Hi[" and steps[-1].stop_reason == 91
+
+
+def test_eos_has_no_text_and_no_stop_reason() -> None:
+    steps = _steps(_job({}), [_out([72, 105, EOS], "stop")])
+    assert _text(steps) == "Hi" and _ids(steps) == [72, 105, EOS]
+    assert steps[-1].finish_reason == "stop" and steps[-1].stop_reason is None
+
+
+def test_eos_named_in_stop_token_ids_with_ignore_eos_is_the_stop_reason() -> None:
+    job = _job({"stop_token_ids": [EOS], "ignore_eos": True})
+    assert _steps(job, [_out([72, EOS], "stop")])[-1].stop_reason == EOS
+
+
+def test_length_has_all_the_text_and_no_stop_reason() -> None:
+    steps = _steps(_job({"stop_token_ids": [1]}), [_out([72, 105, 91], "length")])
+    assert _text(steps) == "Hi[" and steps[-1].stop_reason is None
+
+
+def test_a_stop_string_is_the_stop_reason() -> None:
+    steps = _steps(_job({"stop": ["zz", "i["]}), [_out([72, 105]), _out([91, 33])])
+    assert _text(steps) == "H" and steps[-1].finish_reason == "stop"
+    assert steps[-1].stop_reason == "i["
+    job = _job({"stop": ["zz", "i["], "include_stop_str_in_output": True})
+    steps = _steps(job, [_out([72, 105]), _out([91, 33])])
+    assert _text(steps) == "Hi[" and steps[-1].stop_reason == "i["
+
+
+def test_the_earliest_stop_string_in_the_text_is_the_stop_reason() -> None:
+    steps = _steps(_job({"stop": ["[", "i"]}), [_out([72, 105, 91])])
+    assert _text(steps) == "H" and steps[-1].stop_reason == "i"
+
+
+def test_a_stop_string_is_looked_for_without_the_stop_tokens_text() -> None:
+    # "i[" would match with the stop token's text; vLLM checks the text without it.
+    job = _job({"stop": ["i["], "stop_token_ids": [91]})
+    steps = _steps(job, [_out([72, 105]), _out([91], "stop")])
+    assert _text(steps) == "Hi" and steps[-1].stop_reason == 91
+
+
+def test_a_decode_leg_that_skips_a_first_token_which_stops_sends_nothing() -> None:
+    job = _job({"stop_token_ids": [91]})
+    job.req.kv_transfer_params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_side_channel="tcp://127.0.0.1:1",
+        transfer_id="t",
+        skip_first_token=True,
+    )
+    steps = _steps(job, [_out([91], "stop")])
+    assert _text(steps) == "" and _ids(steps) == [] and steps[-1].stop_reason == 91
+
+
+def test_logprobs_keep_the_stop_tokens_entry() -> None:
+    job = _job({"stop_token_ids": [91], "logprobs": 0})
+    steps = _steps(job, [_out([72, 105, 91], "stop", logprobs=True)])
+    body = job.response(_text(steps), _ids(steps), steps[-1], steps[-1].logprobs)
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["H", "i", "["] and len(lp["token_logprobs"]) == 3
+    assert body["choices"][0]["text"] == "Hi"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_choice_carries_stop_reason(chat: bool) -> None:
+    job = _job({"stop_token_ids": [91]}, chat=chat)
+    steps = _steps(job, [_out([72]), _out([105, 91], "stop")])
+    chunks = [job.chunk(Step("", []), first=True)] if chat else []
+    chunks += [job.chunk(s) for s in steps]
+    assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [91]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    body = job.response(_text(steps), _ids(steps), steps[-1])
+    choice = body["choices"][0]
+    assert choice["stop_reason"] == 91 and choice["token_ids"] == [72, 105, 91]
+    assert (choice["message"]["content"] if chat else choice["text"]) == "Hi"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_proxy_passes_stop_reason_through(chat: bool) -> None:
+    body: dict[str, Any] = {"model": "tiny", "stream": True, "stop_token_ids": [91]}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    req = validate_request("chat" if chat else "completions", json.dumps(body).encode(), [], None)
+    stream = ClientStream(req, "r", 0, node_skips_first=False, keep=False)
+    job = _job({"stop_token_ids": [91]}, chat=chat)
+    p_answer = job.response("H", [72], Step("H", [72], "length"))
+    first = json.loads(stream.first_chunk(p_answer)[len("data: ") :])
+    assert first["choices"][0]["stop_reason"] is None
+    stream.decode_starts()
+    last = job.chunk(Step("i", [72, 105, 91], "stop", stop_reason=91))
+    out = stream.rewrite(last)
+    assert out is not None and out["choices"][0]["stop_reason"] == 91
+    assert out["choices"][0]["token_ids"] == [105, 91]
