@@ -443,8 +443,12 @@ def _report_args(args: argparse.Namespace) -> dict[str, Any]:
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     validate(args, parser)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
+    text = args.prompt_type == "text" or args.endpoint.rstrip("/").endswith("chat/completions")
+    # Text prompts are --input-len words: their token count is the server's (the summary's
+    # "Total input tokens" is from the answers' usage).
+    inputs = f"{args.input_len} words" if text else f"{args.input_len} tokens"
     print(
-        f"pd-bench serve: {args.num_prompts} requests, {args.input_len} -> {args.output_len} "
+        f"pd-bench serve: {args.num_prompts} requests, {inputs} -> {args.output_len} "
         f"tokens, concurrency {args.max_concurrency or 'unlimited'}, rate {rate}, "
         f"{args.base_url}{args.endpoint}",
         flush=True,
