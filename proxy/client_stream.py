@@ -106,6 +106,11 @@ class ClientStream:
         self._raw_text: list[str] = []
         self._replay: tuple[list[int], str] = ([], "")
         self.finished = False  # a finish_reason reached the client
+        # All the client has (ids and text, the first chunk's included), and whether the
+        # next decode stream repeats all of it (``whole_answer_next``).
+        self._client_ids: list[int] = []
+        self._client_text: list[str] = []
+        self._whole_next = False
         self._keep_answer = keep
         self._answer_text: list[str] = []
         self._answer_ids: list[int] = []
@@ -124,6 +129,8 @@ class ClientStream:
         self._first_skip = (0, "") if self.node_skips_first else (len(ids), text)
         self._skip = Skipper(*self._first_skip)
         self._keep(ids, text)
+        self._client_ids.extend(ids)
+        self._client_text.append(text)
         choice: dict[str, Any] = {"index": 0}
         if self.req.chat:
             choice["delta"] = {"role": "assistant", "content": text}
@@ -141,12 +148,22 @@ class ClientStream:
         if len(self._raw_ids) > len(self._replay[0]):
             self._replay = (self._raw_ids, "".join(self._raw_text))
         self._raw_ids, self._raw_text = [], []
+        if self._whole_next:  # a decode node alone: it repeats everything, P's token too
+            self._whole_next = False
+            ids = list(self._client_ids)
+            self._skip = Skipper(len(ids), "".join(self._client_text), expect=ids)
+            return
         replay_ids, replay_text = self._replay
         if not replay_ids:
             self._skip = Skipper(*self._first_skip)
             return
         # D's streams are replays of one another: the next repeats what the longest sent.
         self._skip = Skipper(len(replay_ids), replay_text, expect=replay_ids)
+
+    def whole_answer_next(self) -> None:
+        """The next decode stream is a decode node's alone after P's token was streamed:
+        it repeats all the client has (checked, ``Diverged`` if it differs, and dropped)."""
+        self._whole_next = True
 
     @property
     def has_decode_part(self) -> bool:
@@ -190,6 +207,9 @@ class ClientStream:
         c["token_ids"] = ids
         self.decode_tokens += len(ids)
         self._keep(ids, text)
+        self._client_ids.extend(ids)
+        if text:
+            self._client_text.append(text)
         role_added = False
         if self.req.chat:
             if self.role_sent:

@@ -90,11 +90,6 @@ class UpstreamError(Exception):
         return param if isinstance(param, str) and param.startswith("kv_transfer_params") else None
 
     @property
-    def peer_refused(self) -> bool:
-        """D refused to connect to P's side channel (not in its ``--kv-allowed-peers``)."""
-        return self.params_refused == "kv_transfer_params.remote_side_channel"
-
-    @property
     def node_fault(self) -> bool:
         """The node failed (no answer, 5xx, or a status a node never gives a request:
         1xx/2xx/3xx); only a 4xx refuses the request itself (passed to the client)."""

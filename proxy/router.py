@@ -49,10 +49,13 @@ class NoHealthyNode(Exception):
 
 
 class PairRefused(NoHealthyNode):
-    """Prefill nodes are ready, but the decode node refuses every one's side channel."""
+    """Prefill nodes are ready, but the decode node(s) refuse every one of them."""
 
-    def __init__(self) -> None:
-        super().__init__("prefill")
+    def __init__(self, what: str = "the decode node refuses") -> None:
+        Exception.__init__(
+            self, f"{what} every ready prefill node (--kv-allowed-peers, or no KV connector)"
+        )
+        self.role = "prefill"
 
 
 # How long a decode node's refusal of a prefill node's side channel is remembered (also
@@ -219,9 +222,9 @@ class Router:
         self._refused[key] = now
         if not known:
             logger.warning(
-                "decode node %s refuses prefill node %s (side channel %s): %s; requests "
-                "routed to that decode node go to another prefill node, or the decode "
-                "node prefills them by itself", d.url, p.url, p.side_channel, why,
+                "decode node %s cannot pair with prefill node %s (side channel %s): %s; "
+                "requests routed to that decode node go to another prefill node, or the "
+                "decode node prefills them by itself", d.url, p.url, p.side_channel, why,
             )  # fmt: skip
         return not known
 
@@ -235,10 +238,12 @@ class Router:
         exclude: Collection[str] = (),
         key: PromptKey | None = None,
         paired_with: Node | None = None,
+        needs_prefill: bool = False,
     ) -> Node:
         """A routable node of ``role``; excluded URLs are avoided unless nothing else is
         left; with ``paired_with`` (a decode node) only prefill nodes it accepts
-        (``PairRefused`` when it refuses every ready one)."""
+        (``PairRefused`` when it refuses every ready one); a decode node ``needs_prefill``
+        only among those accepting a ready prefill node (``PairRefused`` when none does)."""
         ready = self.pool.ready(role)
         if not ready:
             raise NoHealthyNode(role)
@@ -246,6 +251,13 @@ class Router:
             ready = [n for n in ready if not self.refuses(paired_with, n)]
             if not ready:
                 raise PairRefused()
+        elif role == "decode" and needs_prefill and self._refused:
+            # Only decode nodes that accept some ready prefill node (when there is one).
+            ps = self.pool.ready("prefill")
+            pairable = [d for d in ready if any(not self.refuses(d, p) for p in ps)]
+            if ps and not pairable:
+                raise PairRefused("every decode node refuses")
+            ready = pairable or ready
         candidates = [n for n in ready if n.url not in exclude] or ready
         node = self.policy.choose(role, candidates, key)
         self.decisions[(role, getattr(self.policy, "last_reason", "least_load"))] += 1
@@ -270,7 +282,8 @@ class Router:
         """The decode node, then a prefill node unless the decode node should prefill the
         prompt itself (``--disagg-min-prompt-tokens``, or ``decode_alone``: no prefill
         node can serve it); raises ``NoHealthyNode``."""
-        d = self.pick("decode", exclude, key)
+        # A route that must have a prefill node takes a decode node that accepts one.
+        d = self.pick("decode", exclude, key, needs_prefill=not allow_decode_only)
         route = Route(None, d)
         if key is not None and self.estimator is not None:
             route.prompt_tokens = self.estimator.tokens(key)

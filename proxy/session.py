@@ -62,7 +62,7 @@ from proxy.legs import Attempt, Legs, UpstreamError
 from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeHTTPError, NodeResponse
 from proxy.prefix import answer_suffix
-from proxy.router import NoHealthyNode, Route, Router
+from proxy.router import NoHealthyNode, PairRefused, Route, Router
 from proxy.validation import ProxyRequest
 from proxy.waiting import wait_watched
 
@@ -190,10 +190,11 @@ class Session:
             err.node.mark_overloaded()
             self._overloaded(err)
             return
-        if err.peer_refused and attempt.p is not None and err.node is attempt.d:
-            # D does not accept P's side channel (its --kv-allowed-peers): both nodes are
-            # fine, the router stops pairing them, and the request goes to another pair or
-            # to D alone. Not a retry: each refusal takes a pair out of the routes.
+        if err.params_refused and attempt.p is not None and err.node is attempt.d:
+            # D cannot pair with P (P's side channel is not in its --kv-allowed-peers, it
+            # has no KV connector): both nodes are fine, the router stops pairing them, and
+            # the request goes to another pair or to D alone. Not a retry: each refusal
+            # takes a pair out of the routes.
             self.router.refuse_pair(attempt.p, attempt.d, err.detail)
             return
         if err.not_reserved:  # the pair failed, not P: try without P, P stays healthy
@@ -410,10 +411,26 @@ class Session:
         """D failed after P's token was streamed: rerun a pair that agrees on that token.
         An unseeded sampled request is rerun with the seed its first pair drew from (the
         transfer id's, ``kvconnector.base.transfer_seed``), so that the rerun samples the
-        same tokens."""
+        same tokens. When no decode node accepts a prefill node (``PairRefused``), D alone
+        reruns it: its stream repeats the whole answer, P's token included, and all the
+        client has is checked and dropped (``ClientStream.whole_answer_next``)."""
         self._seed_from(self._first_tid)
         while True:
-            attempt = self._launch(allow_decode_only=False)
+            try:
+                attempt = self._launch(allow_decode_only=self.decode_alone)
+            except APIError as e:
+                if not isinstance(e.__cause__, PairRefused):
+                    raise
+                self.decode_alone = True  # every later rerun too: no pair will be found
+                continue
+            if attempt.decode_only:
+                self.out.whole_answer_next()
+                self.out.decode_starts()
+                try:
+                    return await attempt.wait_decode()
+                except UpstreamError as e:
+                    self._failed(attempt, e)
+                    continue
             try:
                 first = await attempt.wait_prefill(poll_s=self.cfg.health_interval)
                 ids, _ = first_tokens(first, self.req.chat)

@@ -86,14 +86,16 @@ class RefusingDecode:
     """A decode node that refuses any leg naming a prefill node's side channel and serves
     legs without one (it prefills by itself)."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay: float = 0.0) -> None:
         self.legs: list[dict[str, Any]] = []
+        self.delay = delay  # before a refusal
 
     async def __call__(self, req: SeenRequest) -> Any:
         body = req.json()
         kv = body.get("kv_transfer_params") or {}
         self.legs.append(kv)
         if kv.get("remote_side_channel"):
+            await asyncio.sleep(self.delay)
             return answer(400, REFUSAL)
         if body.get("stream"):
             return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
@@ -219,3 +221,99 @@ def test_through_the_proxy_a_decode_node_that_refuses_the_prefill_node_answers_a
     assert proxy.metric("pdproxy_node_failures_total", {"role": "decode"}) == 0
     assert p.metric("pdserve_engine_kv_transfers_started_total") == 0
     assert d.metric("pdserve_prompt_tokens_total") >= 40  # the prompt computed on D (then cached)
+
+
+async def _stream(cfg: ProxyConfig, pool: NodePool, router: Router) -> tuple[list[int], list]:
+    events = await _request(cfg, pool, router, stream=True)
+    return [t for e in events for c in e.get("choices", []) for t in c["token_ids"]], events
+
+
+async def _prefill(req: SeenRequest) -> bytes:
+    choice = {**PREFILL_ANSWER["choices"][0], "text": "t7"}  # D's text of token 7, as a node
+    return answer(200, {**PREFILL_ANSWER, "choices": [choice], "model": "tiny"})
+
+
+async def _good_decode(req: SeenRequest) -> bytes:
+    return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
+
+
+def test_a_rerun_that_needs_a_pair_takes_a_decode_node_that_accepts_the_prefill_node() -> None:
+    """P's first token was streamed, then D1's stream broke before its own tokens: the
+    rerun must be a pair (to check that token). D3 is known to refuse P, D2 is not: the
+    rerun takes P + D2 (the router picked D3 and gave up with an error event; found by a
+    review)."""
+
+    async def d1_broken(req: SeenRequest) -> Any:
+        await asyncio.sleep(0.3)  # P's first token is streamed first
+        return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", True
+
+    async def main() -> tuple[list[int], list]:
+        async with (
+            StandIn(_node(_prefill)) as p, StandIn(_node(d1_broken)) as d1,
+            StandIn(_node(_good_decode)) as d2, StandIn(_node(RefusingDecode())) as d3,
+        ):  # fmt: skip
+            cfg = ProxyConfig(
+                prefill=(p.url,), decode=(d1.url, d2.url, d3.url), health_interval=0.1,
+                routing="round_robin",
+            )  # fmt: skip
+            pool = _ready_pool(cfg)
+            router = Router(pool)
+            (pn,) = pool.nodes("prefill")
+            router.refuse_pair(pn, pool.nodes("decode")[2], "learned from an earlier request")
+            return await _stream(cfg, pool, router)
+
+    ids, events = asyncio.run(main())
+    assert ids == [7, 8, 9] and not any("error" in e for e in events), events
+
+
+def test_a_decode_node_without_a_kv_connector_prefills_alone_and_stays_in_rotation() -> None:
+    """D has no KV connector (its kv_transfer_info is empty: no role to check), so it
+    refuses every P/D leg with a 400 naming kv_transfer_params: like a refused side
+    channel, the pair is not routed to again and D serves alone; D stays healthy (it was
+    marked failed by each paired request, out of rotation for everyone until its next
+    health check; found by a review)."""
+    no_connector = {
+        "error": {
+            "message": "kv_transfer_params need a KV connector; start the node with "
+            "--kv-connector nixl",
+            "type": "invalid_request_error",
+            "param": "kv_transfer_params",
+            "code": None,
+        }
+    }
+
+    async def decode(req: SeenRequest) -> bytes:
+        if (req.json().get("kv_transfer_params") or {}).get("do_remote_prefill"):
+            return answer(400, no_connector)
+        return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
+
+    async def main() -> tuple[list[int], list, list[bool]]:
+        async with StandIn(_node(_prefill)) as p, StandIn(_node(decode)) as d:
+            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            ids, events = await _stream(cfg, pool, Router(pool))
+            return ids, events, [n.healthy for n in pool.nodes("decode")]
+
+    ids, events, healthy = asyncio.run(main())
+    assert ids == [7, 8, 9] and not any("error" in e for e in events), events
+    assert healthy == [True]
+
+
+def test_a_refusal_after_the_first_token_was_streamed_reruns_on_the_decode_node_alone() -> None:
+    """P answers before D's refusal (without --kv-reserve-first a prefill leg does not
+    wait for the reservation): P's token reached the client, and no decode node accepts
+    P, so no pair can check that token. D alone reruns the request (with the seed P drew
+    from); its stream repeats P's token, which is checked and dropped (found by a
+    review: the stream ended with an error event)."""
+    d = RefusingDecode(delay=0.3)
+
+    async def main() -> tuple[list[int], list]:
+        async with StandIn(_node(_prefill)) as p, StandIn(_node(d)) as ds:
+            cfg = ProxyConfig(prefill=(p.url,), decode=(ds.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            return await _stream(cfg, pool, Router(pool))
+
+    ids, events = asyncio.run(main())
+    assert ids == [7, 8, 9] and not any("error" in e for e in events), events
+    assert "".join(c.get("text") or "" for e in events for c in e["choices"]) == "t7t8t9"
+    assert [bool(kv.get("remote_side_channel")) for kv in d.legs] == [True, False]
