@@ -123,8 +123,10 @@ class ClientStream:
         """The client's first event, from P's answer; D's stream then repeats it (dropped)."""
         ids, text = first_tokens(p_body, self.req.chat)
         self.model = p_body.get("model") or self.model
-        if "\ufffd" in text and not self.node_skips_first:
-            text = ""  # an incomplete UTF-8 sequence: let D's text carry the character
+        if "\ufffd" in text:
+            # An incomplete UTF-8 sequence: D's text carries the character -- all of this
+            # text when D repeats the token, else (D took the token as context) its end.
+            text = text.rstrip("\ufffd") if self.node_skips_first else ""
         self.sent_ids = ids
         self._first_skip = (0, "") if self.node_skips_first else (len(ids), text)
         self._skip = Skipper(*self._first_skip)

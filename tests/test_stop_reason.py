@@ -188,3 +188,51 @@ def test_the_proxy_passes_stop_reason_through(chat: bool) -> None:
     out = stream.rewrite(last)
     assert out is not None and out["choices"][0]["stop_reason"] == 91
     assert out["choices"][0]["token_ids"] == [105, 91]
+
+
+# -- found by a review ---------------------------------------------------------------------
+
+
+def _skip_first(job: Job) -> Job:
+    job.req.kv_transfer_params = KVTransferParams(
+        do_remote_prefill=True, remote_side_channel="tcp://127.0.0.1:1", transfer_id="t",
+        skip_first_token=True,
+    )  # fmt: skip
+    return job
+
+
+def test_min_tokens_counts_stop_strings_token_by_token_whatever_the_outputs_carry() -> None:
+    """``min_tokens`` 2, stop "H", tokens H i ! H H: the first H is within min_tokens, the
+    fourth token stops the answer -- "Hi!" whether the engine's outputs carry one id each
+    or all five (merged for a slow reader: the whole output's text was searched, "")."""
+    body = {"stop": ["H"], "min_tokens": 2}
+    ids = list(b"Hi!HH")
+    one = _steps(_job(body), [_out(ids, "length")])
+    each = _steps(_job(body), [_out([t]) for t in ids[:-1]] + [_out(ids[-1:], "length")])
+    assert _text(one) == _text(each) == "Hi!", (_text(one), _text(each))
+    assert one[-1].stop_reason == each[-1].stop_reason == "H"
+
+
+def test_a_decode_leg_whose_skipped_first_token_is_the_stop_token_shows_nothing() -> None:
+    """D drops P's first token (``skip_first_token``) and that token, an incomplete UTF-8
+    byte listed in stop_token_ids, stopped the answer: no text (its byte was flushed as
+    U+FFFD)."""
+    job = _skip_first(_job({"stop_token_ids": [0xE2]}))
+    steps = _steps(job, [_out([0xE2], "stop")])
+    assert _text(steps) == "" and steps[-1].stop_reason == 0xE2, steps
+
+
+def test_with_node_skip_first_token_a_first_token_inside_a_character_is_not_doubled() -> None:
+    """P's first token is the first byte of "é" (its text U+FFFD); D took it as context and
+    sends the whole "é" with the next token: the client gets "é!" (it got U+FFFD + "é!")."""
+    p = _job({})
+    p_steps = _steps(p, [_out([0xC3], "length")])
+    p_answer = p.response(_text(p_steps), _ids(p_steps), p_steps[-1])
+    d = _skip_first(_job({}))
+    d_steps = _steps(d, [_out([0xC3]), _out([0xA9]), _out([33], "length")])
+    body = json.dumps({"prompt": "x", "stream": True}).encode()
+    cs = ClientStream(validate_request("/v1/completions", body, [], None), "r", 0, True, False)
+    first = json.loads(cs.first_chunk(p_answer)[6:])["choices"][0]["text"]
+    cs.decode_starts()
+    rest = [cs.rewrite(d.chunk(s)) for s in d_steps]
+    assert first + "".join(r["choices"][0]["text"] for r in rest if r) == "\u00e9!"

@@ -222,16 +222,25 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
             stop_token = out.finished and out.finish_reason == "stop"
             if skip_first and ids:
                 skip_first = False
-                detok.add(ids[:1])  # context for the text of later tokens only
+                if not (stop_token and len(ids) == 1 and not keep_stop):
+                    detok.add(ids[:1])  # context for the text of later tokens only
                 ids = ids[1:]
                 lps = None if lps is None else lps[1:]
             shown = ids[:-1] if stop_token and ids and not keep_stop else ids
-            text = detok.add(shown) if shown else ""
+            # Stop strings count once the answer has more than min_tokens tokens (vLLM),
+            # token by token: the first ``k`` shown here are within min_tokens (an output
+            # may carry several ids, merged for a slow reader: the text must not depend on
+            # that).
+            k = min(len(shown), max(0, job.params.min_tokens - (job.completion_tokens - len(ids))))
+            text = ""
+            if k:
+                text, _ = matcher.feed(detok.add(shown[:k]), check=False)
+            rest = detok.add(shown[k:]) if k < len(shown) else ""
             if out.finished:
-                text += detok.flush()  # text held back for an incomplete UTF-8 sequence
-            # Stop strings count once the answer has more than min_tokens tokens (vLLM).
-            check = job.completion_tokens > job.params.min_tokens
-            text, hit = matcher.feed(text, final=out.finished, check=check)
+                rest += detok.flush()  # text held back for an incomplete UTF-8 sequence
+            check = k < len(shown) or job.completion_tokens > job.params.min_tokens
+            rest, hit = matcher.feed(rest, final=out.finished, check=check)
+            text += rest
             kv_out = out.kv_transfer_params.to_dict() if out.kv_transfer_params else None
             extra = {"logprobs": lps, "prompt_logprobs": out.prompt_logprobs}
             if hit:
