@@ -239,6 +239,7 @@ class Attempt:
         self.d_stream: NodeResponse | None = None
         self.finished = False  # D's answer was read to its end
         self.prestream = False  # P's first token goes to the client before D's stream
+        self.pair_key: tuple[Any, ...] | None = None  # ``Router.pair_key`` at the start
         self.poll_s, self.d_checks = poll_s, d_checks
         self._aborted = False
 

@@ -209,15 +209,18 @@ class Router:
             self.index.drop(node.url)
 
     @staticmethod
-    def _pair_key(p: Node, d: Node) -> tuple[Any, ...]:
+    def pair_key(p: Node, d: Node) -> tuple[Any, ...]:
+        """What a refusal is remembered under: both nodes as they are now (a restart
+        changes an incarnation, so a restarted node is paired again)."""
         return (p.url, p.incarnation, p.side_channel, d.url, d.incarnation)
 
-    def refuse_pair(self, p: Node, d: Node, why: str) -> bool:
+    def refuse_pair(self, p: Node, d: Node, why: str, key: tuple[Any, ...] | None = None) -> bool:
         """D refused P's side channel: stop pairing them (until either restarts, or for
-        ``REFUSAL_MEMORY_S``); False when that was known already."""
+        ``REFUSAL_MEMORY_S``); ``key``: the nodes as the refused attempt saw them
+        (``pair_key`` when it started; default now). False when that was known already."""
         now = time.monotonic()
         self._refused = {k: t for k, t in self._refused.items() if now - t < REFUSAL_MEMORY_S}
-        key = self._pair_key(p, d)
+        key = key or self.pair_key(p, d)
         known = key in self._refused
         self._refused[key] = now
         if not known:
@@ -229,7 +232,7 @@ class Router:
         return not known
 
     def refuses(self, d: Node, p: Node) -> bool:
-        at = self._refused.get(self._pair_key(p, d))
+        at = self._refused.get(self.pair_key(p, d))
         return at is not None and time.monotonic() - at < REFUSAL_MEMORY_S
 
     def pick(

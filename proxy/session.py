@@ -161,6 +161,9 @@ class Session:
             poll_s=self.cfg.health_interval, d_checks=self.cfg.unreachable_checks,
         )  # fmt: skip
         self.current.prestream = prestream
+        # The pair as it was now: a refusal is remembered for these nodes, not for a
+        # restart of one that the health checks saw meanwhile.
+        self.current.pair_key = self.router.pair_key(p, d) if p is not None else None
         if p is not None:
             logger.info(
                 "request %s: %s via prefill %s + decode %s (attempt %d, transfer %s)",
@@ -195,7 +198,7 @@ class Session:
             # has no KV connector): both nodes are fine, the router stops pairing them, and
             # the request goes to another pair or to D alone. Not a retry: each refusal
             # takes a pair out of the routes.
-            self.router.refuse_pair(attempt.p, attempt.d, err.detail)
+            self.router.refuse_pair(attempt.p, attempt.d, err.detail, attempt.pair_key)
             return
         if err.not_reserved:  # the pair failed, not P: try without P, P stays healthy
             logger.info("request %s: %s", self.request_id, err)

@@ -317,3 +317,38 @@ def test_a_refusal_after_the_first_token_was_streamed_reruns_on_the_decode_node_
     assert ids == [7, 8, 9] and not any("error" in e for e in events), events
     assert "".join(c.get("text") or "" for e in events for c in e["choices"]) == "t7t8t9"
     assert [bool(kv.get("remote_side_channel")) for kv in d.legs] == [True, False]
+
+
+def test_a_refusal_is_remembered_for_the_nodes_the_attempt_paired_not_a_restart() -> None:
+    """P restarts (a new incarnation, seen by a health check) while D's refusal of its
+    old side channel is on the way: the restarted P is paired with D again (the refusal
+    was stored under P's new incarnation, blocking it for 10 minutes; found by a
+    review)."""
+    d = RefusingDecode(delay=0.5)
+
+    async def slow_prefill(req: SeenRequest) -> bytes:
+        await asyncio.sleep(5)  # waits for a reservation that never comes (aborted)
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    async def main() -> bool:
+        async with StandIn(_node(slow_prefill)) as p_stand, StandIn(_node(d)) as d_stand:
+            cfg = ProxyConfig(prefill=(p_stand.url,), decode=(d_stand.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            router = Router(pool)
+            (pn,), (dn,) = pool.nodes("prefill"), pool.nodes("decode")
+            pn.update_info({"side_channel": "tcp://127.0.0.1:1", "incarnation": "old"}, None)
+
+            async def restart() -> None:
+                await asyncio.sleep(0.2)
+                pn.update_info({"side_channel": "tcp://127.0.0.1:1", "incarnation": "new"}, None)
+
+            task = asyncio.ensure_future(restart())
+            body = await _request(cfg, pool, router, stream=False)
+            await task
+            assert body["choices"][0]["token_ids"] == [7, 8, 9], body
+            return (pn.url, "old", pn.side_channel, dn.url, dn.incarnation) in router._refused
+
+    assert asyncio.run(main())  # the refusal is P's old incarnation's
+    # The restarted P was paired again (and refused again: this D refuses every P), then
+    # D served alone.
+    assert [bool(kv.get("remote_side_channel")) for kv in d.legs] == [True, True, False]
