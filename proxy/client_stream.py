@@ -3,11 +3,11 @@
 ``ClientStream`` is the formatting half of a streamed ``Session`` (the other half runs the
 pairs, waits and retries): the proxy's id and ``created`` on every event, the assistant
 role once (chat), D's repeat of P's first token dropped (``Skipper``: unless D dropped it
-itself, ``--node-skip-first-token``) with its log-probability entry, and the answer kept
-for the router when it remembers what nodes cache. A stream moved to another pair after
-its decode node failed mid-answer (``--migration-limit``) replays the answer: what the
-client already has is checked token by token and dropped (``Skipper`` with ``expect``);
-a replay that differs ends the stream (``Diverged``).
+itself, ``--node-skip-first-token``) with its log-probability entry, and what the client
+has (for replays, and for the router when it remembers what nodes cache). A stream moved
+to another pair after its decode node failed mid-answer (``--migration-limit``) replays
+the answer: what the client already has is checked token by token and dropped
+(``Skipper`` with ``expect``); a replay that differs ends the stream (``Diverged``).
 """
 
 from __future__ import annotations
@@ -87,10 +87,9 @@ def first_tokens(p_body: dict[str, Any], chat: bool) -> tuple[list[int], str]:
 
 class ClientStream:
     def __init__(
-        self, req: ProxyRequest, request_id: str, created: int, node_skips_first: bool, keep: bool
+        self, req: ProxyRequest, request_id: str, created: int, node_skips_first: bool
     ) -> None:
-        """``node_skips_first``: D leaves P's first token out of its stream itself;
-        ``keep``: remember the answer's text and ids (``answer``)."""
+        """``node_skips_first``: D leaves P's first token out of its stream itself."""
         self.req, self.request_id, self.created = req, request_id, created
         self.node_skips_first = node_skips_first
         self.model: str | None = req.parsed.model
@@ -106,14 +105,11 @@ class ClientStream:
         self._raw_text: list[str] = []
         self._replay: tuple[list[int], str] = ([], "")
         self.finished = False  # a finish_reason reached the client
-        # All the client has (ids and text, the first chunk's included), and whether the
-        # next decode stream repeats all of it (``whole_answer_next``).
+        # All the client has (ids and text, the first chunk's included: ``answer``), and
+        # whether the next decode stream repeats all of it (``whole_answer_next``).
         self._client_ids: list[int] = []
         self._client_text: list[str] = []
         self._whole_next = False
-        self._keep_answer = keep
-        self._answer_text: list[str] = []
-        self._answer_ids: list[int] = []
 
     @property
     def response_id(self) -> str:
@@ -130,7 +126,6 @@ class ClientStream:
         self.sent_ids = ids
         self._first_skip = (0, "") if self.node_skips_first else (len(ids), text)
         self._skip = Skipper(*self._first_skip)
-        self._keep(ids, text)
         self._client_ids.extend(ids)
         self._client_text.append(text)
         choice: dict[str, Any] = {"index": 0}
@@ -208,7 +203,6 @@ class ClientStream:
             drop_first(c.get("logprobs"), self.req.chat, n - len(ids))  # with their tokens
         c["token_ids"] = ids
         self.decode_tokens += len(ids)
-        self._keep(ids, text)
         self._client_ids.extend(ids)
         if text:
             self._client_text.append(text)
@@ -226,12 +220,6 @@ class ClientStream:
             return None
         return obj
 
-    def _keep(self, ids: list[int], text: str) -> None:
-        if self._keep_answer:
-            self._answer_ids.extend(ids)
-            if text:
-                self._answer_text.append(text)
-
     def answer(self) -> tuple[str, list[int]]:
-        """The answer sent so far (kept only with ``keep``)."""
-        return "".join(self._answer_text), self._answer_ids
+        """The answer sent so far: its text and ids."""
+        return "".join(self._client_text), self._client_ids

@@ -13,9 +13,9 @@ ends the stream with ``data: {"error": ...}`` and ``data: [DONE]``: never a sile
 truncated answer; unless ``--migration-limit`` allows moving the stream: another pair (or
 D alone) reruns the request with the seed the failed one drew from, the proxy checks the
 replayed tokens against what the client has and drops them, and the stream goes on
-(not for ``echo``, nor after the answer's ``finish_reason`` was sent). Requests with stop strings are not pre-streamed (a stop string may
-start inside the first token), nor with ``echo`` (the prompt comes first): they stream
-from D alone.
+(not for ``echo``, nor after the answer's ``finish_reason`` was sent). Requests with
+stop strings are not pre-streamed (a stop string may start inside the first token), nor
+with ``echo`` (the prompt comes first): they stream from D alone.
 
 Log probabilities: D does not compute what P did -- the first token (it arrives with the
 KV) and, with ``echo``, the prompt's entries -- and answers them with a null log
@@ -119,11 +119,9 @@ class Session:
         self.ttft_seen = False
         self.outcome = "pending"  # "ok", "error" (reported to the client) or still pending
         self._closed = False
-        # The answer streamed so far is kept when the router remembers what nodes cache.
+        # The router learns the answer when it remembers what nodes cache.
         self._keep_answer = router.index is not None and req.key is not None
-        self.out = ClientStream(
-            req, request_id, self.created, cfg.node_skip_first_token, self._keep_answer
-        )
+        self.out = ClientStream(req, request_id, self.created, cfg.node_skip_first_token)
 
     # -- shared ----------------------------------------------------------------------------
     @property

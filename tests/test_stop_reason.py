@@ -178,7 +178,7 @@ def test_the_proxy_passes_stop_reason_through(chat: bool) -> None:
     else:
         body["prompt"] = "hi"
     req = validate_request("chat" if chat else "completions", json.dumps(body).encode(), [], None)
-    stream = ClientStream(req, "r", 0, node_skips_first=False, keep=False)
+    stream = ClientStream(req, "r", 0, node_skips_first=False)
     job = _job({"stop_token_ids": [91]}, chat=chat)
     p_answer = job.response("H", [72], Step("H", [72], "length"))
     first = json.loads(stream.first_chunk(p_answer)[len("data: ") :])
@@ -231,7 +231,7 @@ def test_with_node_skip_first_token_a_first_token_inside_a_character_is_not_doub
     d = _skip_first(_job({}))
     d_steps = _steps(d, [_out([0xC3]), _out([0xA9]), _out([33], "length")])
     body = json.dumps({"prompt": "x", "stream": True}).encode()
-    cs = ClientStream(validate_request("/v1/completions", body, [], None), "r", 0, True, False)
+    cs = ClientStream(validate_request("/v1/completions", body, [], None), "r", 0, True)
     first = json.loads(cs.first_chunk(p_answer)[6:])["choices"][0]["text"]
     cs.decode_starts()
     rest = [cs.rewrite(d.chunk(s)) for s in d_steps]
