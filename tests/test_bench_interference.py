@@ -330,3 +330,16 @@ def test_smoke_runs_both_layouts_and_writes_json_and_png(tmp_path):
     assert set(report["ratios"]) == {key for key, _, _ in rep.ROWS}
     if HAVE_MPL:
         assert png.read_bytes().startswith(PNG)
+
+
+def test_the_clusters_processes_do_not_inherit_the_users_keys(tmp_path, monkeypatch):
+    """A user's PDSERVE_API_KEY made the private cluster's nodes refuse its proxy (which was
+    not given the key): every request failed. Keys for a run go in its flags."""
+    from engine.bench.cluster import Cluster
+
+    monkeypatch.setenv("PDSERVE_API_KEY", "node-key")
+    monkeypatch.setenv("PDPROXY_API_KEY", "proxy-key")
+    monkeypatch.setenv("PDSERVE_PORT_RANGE_KEEP", "1")
+    env = Cluster(tmp_path, env={"A": "1"}).child_env({"B": "2"})
+    assert "PDSERVE_API_KEY" not in env and "PDPROXY_API_KEY" not in env
+    assert env["PDSERVE_PORT_RANGE_KEEP"] == "1" and env["A"] == "1" and env["B"] == "2"

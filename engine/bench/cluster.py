@@ -156,6 +156,14 @@ class Proc:
                     os.kill(k, signal.SIGKILL)
 
 
+# Keys in the user's environment that would make a private cluster's nodes or proxy
+# refuse one another (a node with PDSERVE_API_KEY refuses a proxy not given it) or the
+# benchmark's client: not passed on. Keys meant for the run go in its flags.
+PRIVATE_ENV_DROPPED = (
+    "PDSERVE_API_KEY", "PDPROXY_API_KEY", "PDPROXY_NODE_API_KEY", "PDPROXY_REGISTRATION_KEY",
+)  # fmt: skip
+
+
 class Cluster:
     """The processes of one layout; ``stop_all`` stops each by its PID."""
 
@@ -177,11 +185,17 @@ class Cluster:
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
-                env={**os.environ, **(self.env or {}), **(env or {})},
+                env=self.child_env(env),
             )
         proc = Proc(name, popen, url, log, cmd)
         self.procs.append(proc)
         return proc
+
+    def child_env(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        """A started process's environment: this one's without ``PRIVATE_ENV_DROPPED``,
+        then the cluster's and the process's own variables."""
+        inherited = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV_DROPPED}
+        return {**inherited, **(self.env or {}), **(env or {})}
 
     def wait_healthy(self, procs: list[Proc], timeout: float) -> None:
         """Every node's ``/health`` answers 200."""
