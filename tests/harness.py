@@ -144,6 +144,19 @@ def stream_ids(events: list[Any]) -> list[int]:
     return [t for e in events if isinstance(e, dict) for c in e.get("choices", []) for t in c.get("token_ids", [])]  # fmt: skip
 
 
+def assert_completes_with(url: str, body: dict[str, Any], want_ids: list[int]) -> None:
+    """``POST /v1/completions`` of ``body`` at ``url``, not streamed and streamed, answers
+    with ``want_ids``."""
+    got = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == want_ids
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as resp:
+        assert resp.status_code == 200
+        assert stream_ids(sse_events(resp)) == want_ids
+
+
 # -- node and proxy processes ----------------------------------------------------------------
 
 

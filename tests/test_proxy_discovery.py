@@ -32,11 +32,11 @@ from harness import (
     REPO_ROOT,
     Proc,
     Procs,
+    assert_completes_with,
     free_port,
     metric,
     spawn,
     sse_data,
-    sse_events,
     stream_ids,
     wait_for,
     wait_healthy,
@@ -443,15 +443,7 @@ def test_a_node_registering_is_routed_to(setup: Setup) -> None:
     wait_for(lambda: httpx.get(a.url + "/health").status_code == 200, 30, "the node to join")
     (entry,) = nodes(a)
     assert (entry["url"], entry["healthy"], entry["sources"]) == (d.url, True, ["registered"])
-    direct = complete(d.url).json()["choices"][0]["token_ids"]
-    via = complete(a.url)
-    assert via.status_code == 200, via.text
-    assert via.json()["choices"][0]["token_ids"] == direct
-    with httpx.stream(
-        "POST", a.url + "/v1/completions", json={**BODY, "stream": True}, timeout=60
-    ) as resp:
-        assert resp.status_code == 200
-        assert stream_ids(sse_events(resp)[:-1]) == direct
+    assert_completes_with(a.url, BODY, complete(d.url).json()["choices"][0]["token_ids"])
     assert metric(a.url, "pdproxy_node_requests_total", {"url": d.url}) == 2
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from harness import GREEDY as HTTP_GREEDY
-from harness import NIXL, Procs, metric, stream_ids
+from harness import NIXL, Procs, assert_completes_with, metric
 from hf_models import random_prompt
 
 from proxy.config import ProxyConfig
@@ -205,17 +205,7 @@ def test_through_the_proxy_a_decode_node_that_refuses_the_prefill_node_answers_a
     proxy = procs.proxy([p.url], [d.url])
     body = {"prompt": random_prompt(40, 256, seed=3), "max_tokens": 6, **HTTP_GREEDY}
     want = httpx.post(colocated.url + "/v1/completions", json=body, timeout=60).json()
-    want_ids = want["choices"][0]["token_ids"]
-    got = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
-    assert got.status_code == 200, got.text
-    assert got.json()["choices"][0]["token_ids"] == want_ids
-    with httpx.stream(
-        "POST", proxy.url + "/v1/completions", json={**body, "stream": True}, timeout=60
-    ) as resp:
-        assert resp.status_code == 200
-        lines = list(resp.iter_lines())
-    events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
-    assert stream_ids(events) == want_ids
+    assert_completes_with(proxy.url, body, want["choices"][0]["token_ids"])
     assert metric(proxy.url, "pdproxy_route_mode_total", {"mode": "peer_refused"}) >= 1
     assert proxy.metric("pdproxy_node_failures_total", {"role": "prefill"}) == 0
     assert proxy.metric("pdproxy_node_failures_total", {"role": "decode"}) == 0

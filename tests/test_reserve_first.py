@@ -10,7 +10,6 @@ reserve A (B held blocks), P could not prefill B (A held blocks): both waited fo
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 
@@ -18,7 +17,7 @@ import httpx
 import pytest
 import torch
 from harness import GREEDY as HTTP_GREEDY
-from harness import NIXL
+from harness import NIXL, assert_completes_with
 from hf_models import random_prompt
 from pd_utils import assert_pools_full, nixl_config, run_until
 
@@ -258,18 +257,7 @@ def test_through_the_proxy_a_pair_that_cannot_pair_still_answers_and_p_stays_in_
     proxy = procs.proxy([p.url], [d.url])
     body = {"prompt": random_prompt(40, 256, seed=3), "max_tokens": 6, **HTTP_GREEDY}
     want = httpx.post(colocated.url + "/v1/completions", json=body, timeout=60).json()
-    want_ids = want["choices"][0]["token_ids"]
-    got = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
-    assert got.status_code == 200, got.text
-    assert got.json()["choices"][0]["token_ids"] == want_ids
-    ids: list[int] = []
-    with httpx.stream("POST", proxy.url + "/v1/completions", json={**body, "stream": True},
-                      timeout=60) as resp:  # fmt: skip
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
-    assert ids == want_ids
+    assert_completes_with(proxy.url, body, want["choices"][0]["token_ids"])
     assert proxy.metric("pdproxy_node_requests_total", {"role": "prefill"}) >= 2  # routed there
     assert proxy.metric("pdproxy_node_failures_total", {"role": "prefill"}) == 0
     assert proxy.metric("pdproxy_node_healthy", {"role": "prefill"}) == 1
