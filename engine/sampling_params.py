@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -49,6 +50,12 @@ class SamplingParams:
     logprobs: int | None = None
     # The same for each prompt token (the first has none): echo with logprobs.
     prompt_logprobs: int | None = None
+    # Added to the logits before anything else (OpenAI's ``logit_bias``: token id -> bias;
+    # the HTTP layer checks the ids against the vocabulary and clamps to [-100, 100]).
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's ``min_p``: after the temperature, tokens less likely than ``min_p`` times the
+    # most likely one are not drawn (0: off).
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         check_max_tokens(self.max_tokens)
@@ -64,6 +71,12 @@ class SamplingParams:
             raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
         if self.top_k == 0 or self.top_k < -1:
             raise InvalidRequestError("top_k must be -1 (disabled) or >= 1", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p must be in [0, 1]", "min_p")
+        if not all(t >= 0 and math.isfinite(b) for t, b in self.logit_bias.items()):
+            raise InvalidRequestError(
+                "logit_bias must map non-negative token ids to finite numbers", "logit_bias"
+            )
 
     def banned_token_ids(self, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
         """The ids that may not be sampled while ``min_tokens`` is not reached: the stop

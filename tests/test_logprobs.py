@@ -1,5 +1,5 @@
-"""Log probabilities, echo and min_tokens: from the sampler to the OpenAI shapes, and
-through a P/D pair.
+"""Log probabilities, echo, min_tokens, logit_bias and min_p: from the sampler to the
+OpenAI shapes, and through a P/D pair.
 
 In-process tests drive the real scheduler and the real model runner (rank 0 of TP 1, no
 worker process) on a random Qwen2 checkpoint, and compare every log probability with
@@ -334,7 +334,7 @@ def test_unknown_fields_are_named_and_vllm_fields_that_matter_are_refused() -> N
     assert req.ignored_fields == ("foo", "bar")
     assert parse_completion_request({"prompt": "x", "min_p": 0.0}).ignored_fields == ()
     for path, body, param in [
-        ("c", {"prompt": "x", "min_p": 0.1}, "min_p"),
+        ("c", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
         ("c", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
         ("c", {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
         ("c", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
@@ -473,6 +473,26 @@ def test_node_min_tokens_and_unknown_fields(node: Proc) -> None:
     assert "ignored: 'not_a_field_xyz'" in node.logs(200_000)
 
 
+@pytest.mark.slow
+def test_node_logit_bias_steers_every_token_and_refuses_ids_past_the_vocabulary(
+    node: Proc,
+) -> None:
+    plain = _post(node.url, "/v1/completions", COMPLETION)["choices"][0]["token_ids"]
+    forced = {**COMPLETION, "logit_bias": {"101": 100}}
+    assert _post(node.url, "/v1/completions", forced)["choices"][0]["token_ids"] == [101] * 5
+    banned = {**COMPLETION, "logit_bias": {str(plain[0]): -100}}
+    assert _post(node.url, "/v1/completions", banned)["choices"][0]["token_ids"][0] != plain[0]
+    chat = {**CHAT_IGNORE, "logit_bias": {"101": 100}}
+    assert _post(node.url, "/v1/chat/completions", chat)["choices"][0]["token_ids"] == [101] * 5
+    vocab = 512  # tiny's
+    bad = httpx.post(
+        node.url + "/v1/completions",
+        json={"model": MODEL, **COMPLETION, "logit_bias": {str(vocab): 1}},
+        timeout=60,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
+
+
 # -- live: P/D behind the proxy answers what a colocated node answers --------------------------------
 
 
@@ -494,7 +514,13 @@ CASES = [
     ("/v1/completions", {**COMPLETION, "logprobs": 2, "stop": ["zzz"]}),  # D streams alone
     ("/v1/completions", {**COMPLETION, "logprobs": 1, "echo": True}),
     ("/v1/chat/completions", {**CHAT_IGNORE, "logprobs": True, "top_logprobs": 3}),
-]
+    # Sampled with logit_bias and min_p: P's first token and D's rest are colocated's. (The
+    # bias keeps to ASCII: a stream's offsets count the text streamed, which differs from
+    # the tokens' names where a byte starts a character; vLLM's rule.)
+    ("/v1/completions", {**COMPLETION, "temperature": 1.0, "seed": 11, "min_p": 0.1,
+                         "logit_bias": {"101": 6, "116": 6, "32": 6, "262": -100},
+                         "max_tokens": 8, "logprobs": 1}),
+]  # fmt: skip
 
 
 @pytest.mark.slow

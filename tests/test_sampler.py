@@ -103,3 +103,70 @@ def test_a_worker_error_survives_the_pipe():
 
     err = pickle.loads(pickle.dumps(WorkerError(1, "Traceback: boom")))
     assert isinstance(err, WorkerError) and err.rank == 1 and "boom" in str(err)
+
+
+def test_logit_bias_moves_the_greedy_pick_and_only_its_own_row():
+    logits = _logits(3)
+    top = [int(r.argmax()) for r in logits]
+    low = [int(r.argmin()) for r in logits]
+    params = [
+        SamplingParams(temperature=0, logit_bias={low[0]: 100.0}),  # the least likely wins
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logit_bias={top[2]: -100.0}),  # the argmax is banned
+    ]
+    out = Sampler().sample(logits, params, [0, 0, 0])
+    assert out[0] == low[0] and out[1] == top[1]
+    second = int(logits[2].topk(2).indices[1])
+    assert out[2] == second
+
+
+def test_logit_bias_shifts_the_sampled_law_and_stays_seeded():
+    # A bias of log(4) on one token multiplies its odds by 4 (the law of softmax(x + b)).
+    torch.manual_seed(2)
+    row = torch.randn(VOCAB)
+    n = 20_000
+    bias = {7: math.log(4.0)}
+    params = [SamplingParams(temperature=1.0, seed=s, logit_bias=bias) for s in range(n)]
+    tokens = Sampler().sample(row.expand(n, VOCAB), params, [5] * n)
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double()
+    biased = row.double().clone()
+    biased[7] += math.log(4.0)
+    p = torch.softmax(biased, dim=-1)
+    sigma = torch.sqrt(n * p * (1 - p))
+    assert torch.all((counts - n * p).abs() <= 5 * sigma + 1), (counts, n * p)
+    assert tokens == Sampler().sample(row.expand(n, VOCAB), params, [5] * n)  # (seed, position)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (8, 0.9)])
+def test_min_p_never_draws_a_token_below_its_share_of_the_top_probability(top_k, top_p):
+    torch.manual_seed(3)
+    row = torch.randn(VOCAB) * 2
+    n = 4000
+    min_p, temp = 0.1, 0.7
+    params = [
+        SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=s)
+        for s in range(n)
+    ]
+    tokens = set(Sampler().sample(row.expand(n, VOCAB), params, [1] * n))
+    probs = torch.softmax(row / temp, dim=-1)  # min_p applies after the temperature (vLLM)
+    kept = {t for t in range(VOCAB) if probs[t] >= min_p * probs.max()}
+    assert tokens <= kept
+    if top_k == -1:
+        assert tokens == kept  # every token min_p keeps shows up in 4000 draws
+    # A row without min_p in the same batch still draws outside that set.
+    free = Sampler().sample(
+        row.expand(n, VOCAB), [SamplingParams(temperature=temp, seed=s) for s in range(n)], [1] * n
+    )
+    assert set(free) - kept
+
+
+def test_sampling_params_refuse_a_min_p_outside_0_1_and_a_non_finite_bias():
+    from engine.sampling_params import InvalidRequestError
+
+    for bad in (-0.1, 1.5):
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(min_p=bad)
+        assert e.value.param == "min_p"
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(logit_bias={3: float("nan")})
+    assert e.value.param == "logit_bias"

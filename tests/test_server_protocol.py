@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from engine.server.protocol import (
+    MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -143,9 +144,19 @@ def test_stop_string_single() -> None:
         ({"prompt": "x", "suffix": "s"}, "suffix"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
         ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
-        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": 0}, "logit_bias"),  # was accepted (falsy)
         ({"prompt": "x", "logit_bias": []}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"a": 5}}, "logit_bias"),  # keys are token ids
+        ({"prompt": "x", "logit_bias": {"-1": 5}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"1.5": 5}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"1": "5"}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"1": None}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"1": 10**400}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"9" * 30: 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+        ({"prompt": "x", "min_p": 1.5}, "min_p"),
+        ({"prompt": "x", "min_p": -0.1}, "min_p"),
+        ({"prompt": "x", "min_p": "0.1"}, "min_p"),
     ],
 )
 def test_completion_rejects(body: dict[str, Any], param: str) -> None:
@@ -451,3 +462,16 @@ def test_the_json_depth_limit_counts_the_items_of_a_list_of_plain_values() -> No
     assert parse_json_body(nested(MAX_JSON_DEPTH - 1))
     e = _err(parse_json_body, nested(MAX_JSON_DEPTH))
     assert (e.status_code, e.code) == (400, "invalid_json") and "nested" in e.message
+
+
+def test_logit_bias_and_min_p_reach_the_sampling_params() -> None:
+    # OpenAI's logit_bias: token ids as JSON keys, biases clamped to [-100, 100] (vLLM).
+    body = {"prompt": "x", "logit_bias": {"5": 2.5, "7": -1000, "9": 300}, "min_p": 0.05}
+    sp = parse_completion_request(body).sampling_params(16)
+    assert sp.logit_bias == {5: 2.5, 7: -100.0, 9: 100.0} and sp.min_p == 0.05
+    chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}],
+                               "logit_bias": {"3": 1}, "min_p": 0})  # fmt: skip
+    assert chat.sampling_params(4).logit_bias == {3: 1.0} and chat.ignored_fields == ()
+    plain = parse_completion_request({"prompt": "x", "logit_bias": {}, "min_p": None})
+    assert plain.sampling_params(16).logit_bias == {} and plain.sampling_params(16).min_p == 0.0
+    assert MAX_LOGIT_BIAS == 1024

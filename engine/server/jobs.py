@@ -57,7 +57,9 @@ class Job:
     # Completions with echo: the prompt's text, put before the answer's (once).
     echo_text: str | None = None
     _echoed: bool = False
-    _streamed_chars: int = 0  # completions text streamed so far (text_offset's base)
+    # Completions text the client was streamed so far (text_offset's base, vLLM's rule),
+    # a first token the proxy streamed from the prefill node (skip_first_token) included.
+    streamed_chars: int = 0
 
     @property
     def endpoint(self) -> str:
@@ -117,8 +119,8 @@ class Job:
         if step.token_ids or (self.echo_text is not None and not self._echoed):
             entries = step.logprobs or [None] * len(step.token_ids)
             text, lp_ids, entries = self._echo(text, step.token_ids, entries, step.prompt_logprobs)
-            lp = self._logprobs(lp_ids, entries, self._streamed_chars)
-        self._streamed_chars += len(text)
+            lp = self._logprobs(lp_ids, entries, self.streamed_chars)
+        self.streamed_chars += len(text)
         choice = self.choice(
             text, step.token_ids, step.finish_reason, stream=True, first=first, logprobs=lp,
             stop_reason=step.stop_reason,
@@ -223,7 +225,8 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
             if skip_first and ids:
                 skip_first = False
                 if not (stop_token and len(ids) == 1 and not keep_stop):
-                    detok.add(ids[:1])  # context for the text of later tokens only
+                    # Context for the text of later tokens; the client has its text.
+                    job.streamed_chars += len(detok.add(ids[:1]))
                 ids = ids[1:]
                 lps = None if lps is None else lps[1:]
             shown = ids[:-1] if stop_token and ids and not keep_stop else ids

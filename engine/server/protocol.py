@@ -28,6 +28,9 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096  # all stop strings together
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias entries: added to every step's logits of the request (OpenAI's bound is lower).
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_CLAMP = 100.0  # each bias is clamped to [-100, 100] (vLLM, OpenAI's range)
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -182,6 +185,8 @@ class BaseRequest:
     echo: bool = False  # completions: the prompt comes first in the answer
     # vLLM's: the text of what stopped the answer (a stop string, a stop token) is kept.
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
+    min_p: float = 0.0
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -205,6 +210,8 @@ class BaseRequest:
                 min_tokens=self.min_tokens,
                 logprobs=self.logprobs,
                 prompt_logprobs=self.logprobs if self.echo else None,
+                logit_bias=dict(self.logit_bias),
+                min_p=self.min_p,
             )
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.param) from e
@@ -311,6 +318,11 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
         raise _bad_type("user", "a string", body["user"])
 
+    req.logit_bias = _parse_logit_bias(body.get("logit_bias"))
+    req.min_p = _get_float(body, "min_p", 0.0)
+    if not 0.0 <= req.min_p <= 1.0:
+        raise APIError(f"'min_p' must be in [0, 1], got {req.min_p}", param="min_p")
+
     req.min_tokens = _get_int(body, "min_tokens", 0)
     if req.min_tokens < 0:
         raise APIError(f"'min_tokens' must be >= 0, got {req.min_tokens}", param="min_tokens")
@@ -331,6 +343,38 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     req.ignored_fields = tuple(
         k for k in body if k not in (CHAT_FIELDS if chat else COMPLETION_FIELDS)
     )
+
+
+def _parse_logit_bias(bias: Any) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: ``{"<token id>": bias}``, biases clamped to [-100, 100].
+    (Whether the ids are in the vocabulary is checked by the node, which knows it.)"""
+    if bias is None:
+        return {}
+    what = "an object mapping token ids to numbers"
+    if not isinstance(bias, dict):
+        raise _bad_type("logit_bias", what, bias)
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(
+            f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
+            param="logit_bias",
+        )
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        # Keys are decimal token ids ("50256"); 19 digits at most keeps them 64-bit.
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19):
+            raise APIError(
+                f"'logit_bias' keys must be token ids (non-negative integers), got {key!r:.40}",
+                param="logit_bias",
+            )
+        if not _is_number(value):
+            raise APIError(
+                f"'logit_bias' values must be numbers, got {_type_name(value)} {value!r:.40} "
+                f"for token {key}",
+                param="logit_bias",
+                code="invalid_type",
+            )
+        out[int(key)] = max(-LOGIT_BIAS_CLAMP, min(LOGIT_BIAS_CLAMP, float(value)))
+    return out
 
 
 def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
@@ -355,7 +399,6 @@ def _neutral_none(v: Any) -> bool:
 
 
 _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
-    "min_p": (lambda v: v in (None, 0, 0.0), "other than 0"),
     "prompt_logprobs": (_neutral_none, "(use 'echo' with 'logprobs' on completions)"),
     "use_beam_search": (lambda v: v in (None, False), "= true (no beam search)"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "other than 1"),
@@ -391,7 +434,8 @@ COMMON_FIELDS = frozenset(
         "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
         "stop_token_ids", "ignore_eos", "stream", "stream_options", "kv_transfer_params",
         "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
-        "logit_bias", "min_tokens", "logprobs", "include_stop_str_in_output", *_VLLM_FIELDS,
+        "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
+        *_VLLM_FIELDS,
     }
 )  # fmt: skip
 # Every field each endpoint knows: supported, or refused at a value that would matter.
@@ -420,11 +464,6 @@ def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
             raise _unsupported(name, f"other than {neutral}")
     if _get_float(body, "repetition_penalty", 1.0) != 1.0:
         raise _unsupported("repetition_penalty", "other than 1.0")
-    bias = body.get("logit_bias")
-    if bias is not None and not isinstance(bias, dict):
-        raise _bad_type("logit_bias", "an object mapping token ids to biases", bias)
-    if bias:
-        raise _unsupported("logit_bias", "")
     _reject_vllm_fields(body, _VLLM_FIELDS)
     if chat:
         _reject_vllm_fields(body, _VLLM_CHAT_FIELDS)

@@ -144,6 +144,7 @@ class OpenAIServing:
     # -- one job ------------------------------------------------------------------------------
     def _check_serving(self, req: BaseRequest) -> None:
         check_model(req.model, self.engine.model_name)
+        check_token_ids(list(req.logit_bias), self.engine.vocab_size, "logit_bias")
         if not self.engine.healthy:
             raise engine_error(self.engine, None)
 

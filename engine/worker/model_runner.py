@@ -142,8 +142,10 @@ class ModelRunner:
         step = packed.to_device(self.device)
         hidden = self.model(step.input_ids, step.positions, step.attn, scratch)
         rows = min(sched.max_num_seqs, tokens)
-        # The sampler's [S, V] temporaries at their largest (top-k and top-p: the sort).
-        worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)
+        # The sampler's [S, V] temporaries at their largest (a bias copy, min-p, the sort).
+        worst = SamplingParams(
+            temperature=1.0, top_k=50, top_p=0.9, seed=0, min_p=0.01, logit_bias={0: 1.0}
+        )
         self.sampler.sample(
             self.model.compute_logits(hidden[:rows]), [worst] * rows, list(range(rows))
         )

@@ -1,5 +1,5 @@
 """Token sampling for the whole batch on the logits' device: greedy, temperature, top-k,
-top-p, per-request seeds.
+top-p, min-p, logit bias, per-request seeds.
 
 Sampling is an exponential race: the token is ``argmax(p_j / E_j)`` over the (top-k/top-p
 filtered) probabilities ``p`` with ``E_j = -log(u_j)``, which draws ``j`` with probability
@@ -13,8 +13,9 @@ leaves them on the device, for async scheduling). The per-row parameters go over
 copy (through pinned staging when given one). Greedy-only batches skip the noise, and
 batches without top-k/top-p skip the sort.
 
-``min_tokens``: rows given ``banned`` ids cannot sample them (their logits are masked in a
-copy). ``compute_logprobs`` -- only called for rows that asked for log probabilities, so the
+The order (vLLM's): ``logit_bias`` is added to the logits, ``min_tokens``'s ``banned`` ids
+are masked (both in a copy, greedy rows too), the temperature divides, ``min_p`` drops the
+tokens less likely than ``min_p`` times the most likely one, then top-k and top-p. ``compute_logprobs`` -- only called for rows that asked for log probabilities, so the
 rest pay nothing -- is ``log_softmax`` of the same logits, before the masking, temperature
 and top-k/top-p (vLLM's default ``raw_logprobs``), read back in one more host read.
 """
@@ -71,6 +72,7 @@ class Sampler:
         cuda = device is not None and device.type == "cuda"
         self._staging = HostStaging(device, slots=2) if cuda else None
         self._mask_staging = HostStaging(device, slots=2) if cuda else None
+        self._bias_staging = HostStaging(device, slots=2) if cuda else None
 
     def sample(
         self,
@@ -92,6 +94,8 @@ class Sampler:
         banned: list[tuple[int, ...]] | None = None,
     ) -> torch.Tensor:
         """``sample`` without the host read: the ids ``[S]`` int64 on the logits' device."""
+        if any(sp.logit_bias for sp in params):
+            logits = _add_bias(logits, params, lambda h, d: _copy(h, d, self._bias_staging))
         if banned is not None and any(banned):
             logits = _mask(logits, banned, lambda h, d: _copy(h, d, self._mask_staging))
         if all(sp.greedy for sp in params):
@@ -105,17 +109,22 @@ class Sampler:
         ]
         top_k = [sp.top_k if 0 < sp.top_k < vocab else vocab for sp in params]
         top_p = [sp.top_p for sp in params]
+        min_p = [sp.min_p for sp in params]
         greedy = [sp.greedy for sp in params]
-        # One host->device copy for the per-row parameters: [temps | top_p | keys | top_k |
-        # greedy], the float rows as their bits in int64 (temps and top_p as float64).
-        rows = torch.tensor([temps, top_p], dtype=torch.float64).view(torch.int64)
+        # One host->device copy for the per-row parameters: [temps | top_p | min_p | keys |
+        # top_k | greedy], the float rows as their bits in int64 (as float64).
+        rows = torch.tensor([temps, top_p, min_p], dtype=torch.float64).view(torch.int64)
         ints = torch.tensor([keys, top_k, greedy], dtype=torch.int64)
-        host = torch.cat([rows, ints]).reshape(-1)  # [5 * S]
-        packed = _copy(host, dev, self._staging).view(5, num)
-        temp_t, top_p_t = packed[:2].view(torch.float64).float()
-        keys_t, top_k_t, greedy_t = packed[2], packed[3], packed[4].bool()
+        host = torch.cat([rows, ints]).reshape(-1)  # [6 * S]
+        packed = _copy(host, dev, self._staging).view(6, num)
+        temp_t, top_p_t, min_p_t = packed[:3].view(torch.float64).float()
+        keys_t, top_k_t, greedy_t = packed[3], packed[4], packed[5].bool()
 
         x = logits.float() / temp_t[:, None]  # [S, V]
+        if any(m > 0.0 for m in min_p):
+            probs = torch.softmax(x, dim=-1)
+            floor = min_p_t[:, None] * probs.amax(dim=-1, keepdim=True)  # [S, 1]
+            x = x.masked_fill(probs < floor, float("-inf"))
         noise = -torch.log(hashed_uniform(keys_t, vocab))  # [S, V] Exp(1)
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
             sorted_x, idx = torch.sort(x, dim=-1, descending=True)  # [S, V]
@@ -139,6 +148,31 @@ def _copy(host: torch.Tensor, dev: torch.device, staging: HostStaging | None) ->
     if staging is not None and dev.type == "cuda":
         return staging.to_device(host)
     return host.to(dev, non_blocking=True)
+
+
+def _add_bias(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    to_device: Callable[[torch.Tensor, torch.device], torch.Tensor],
+) -> torch.Tensor:
+    """``logits`` plus each row's ``logit_bias`` (in a copy): one host->device copy of the
+    [rows | ids | biases as float64 bits] triples."""
+    vocab = logits.shape[1]
+    entries = [
+        (i, t, b) for i, sp in enumerate(params) for t, b in sp.logit_bias.items() if t < vocab
+    ]
+    if not entries:
+        return logits
+    rows, cols, vals = zip(*entries, strict=True)
+    bits = torch.tensor(vals, dtype=torch.float64).view(torch.int64)
+    host = torch.cat([torch.tensor([*rows, *cols], dtype=torch.int64), bits])
+    dev = to_device(host, logits.device)
+    n = len(rows)
+    biased = logits.to(torch.float32, copy=True)  # [S, V]
+    biased.index_put_(
+        (dev[:n], dev[n : 2 * n]), dev[2 * n :].view(torch.float64).float(), accumulate=True
+    )
+    return biased
 
 
 def _mask(
