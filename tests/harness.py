@@ -23,6 +23,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.bench.cluster import alive, descendants, free_port  # noqa: F401 - re-exported
+from engine.worker.pipe import WORKER_NAME_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -47,16 +48,18 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def worker_pids(pid: int) -> list[int]:
-    """The TP worker processes (multiprocessing spawn children) under ``pid``."""
+    """The TP worker processes under ``pid`` (named ``pdserve-tp<rank>``: under the fork
+    server they are its children, not the engine process's), by rank."""
     out = []
     for kid in descendants(pid):
         try:
-            with open(f"/proc/{kid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    out.append(kid)
+            with open(f"/proc/{kid}/comm", "rb") as f:
+                name = f.read().strip()
         except OSError:
-            pass
-    return out
+            continue
+        if name.startswith(WORKER_NAME_PREFIX.encode()):
+            out.append((int(name[len(WORKER_NAME_PREFIX) :] or -1), kid))
+    return [kid for _, kid in sorted(out)]
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> float:

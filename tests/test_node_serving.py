@@ -57,6 +57,15 @@ def test_the_engine_process_never_loads_torch_only_its_workers_do(tp2_node):
     assert _maps_torch(tp2_node.pid) is False
     workers = worker_pids(tp2_node.pid)
     assert len(workers) == 2 and all(_maps_torch(w) for w in workers)
+    # Both forked from one fork server, which imported torch once for the node.
+    parents = {_ppid(w) for w in workers}
+    assert len(parents) == 1 and tp2_node.pid not in parents
+    assert _ppid(server := parents.pop()) == tp2_node.pid and _maps_torch(server)
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _maps_torch(pid: int) -> bool:

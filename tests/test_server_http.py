@@ -339,7 +339,7 @@ _CHAT_MSG = [{"role": "user", "content": "hi"}]
         ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
         ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
-        ("/v1/completions", {"prompt": "x", "min_p": 0.5}, "min_p"),
+        ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
         ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
         ("/v1/completions", ["not", "an", "object"], None),
         ("/v1/chat/completions", {"model": MODEL}, "messages"),

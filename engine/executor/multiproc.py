@@ -13,6 +13,7 @@ import collections
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import socket
 import threading
@@ -25,7 +26,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, WorkerOutput
 from engine.executor.aggregator import KVOutputAggregator
-from engine.worker.pipe import WAKE, WorkerError, worker_entry
+from engine.worker.pipe import WAKE, WorkerError, worker_context, worker_entry
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ class MultiprocExecutor:
         self._pending: list[collections.deque[Future[WorkerOutput]]] = [
             collections.deque() for _ in range(self.world_size)
         ]
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
+        env = dict(os.environ)
         port = free_port()
         self.procs: list[mp.process.BaseProcess] = []
         self._task: list[Connection] = []
@@ -75,7 +77,7 @@ class MultiprocExecutor:
             res_r, res_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=worker_entry,
-                args=(rank, self.world_size, config, port, task_r, res_w, log_level),
+                args=(env, rank, self.world_size, config, port, task_r, res_w, log_level),
                 name=f"pdserve-tp{rank}",
                 daemon=True,
             )

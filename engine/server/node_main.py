@@ -28,6 +28,7 @@ from engine.server.cli_args import (
     parse_config,
     set_flag_default,
 )
+from engine.worker.pipe import stop_fork_server
 
 if TYPE_CHECKING:
     from proxy.announcer import Announcer
@@ -235,6 +236,8 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
                 engine.shutdown()
             except Exception:
                 logger.exception("engine shutdown failed")
+            else:
+                stop_fork_server()
         logger.info("%s node stopped", role)
 
 
