@@ -56,6 +56,13 @@ class SamplingParams:
     # vLLM's ``min_p``: after the temperature, tokens less likely than ``min_p`` times the
     # most likely one are not drawn (0: off).
     min_p: float = 0.0
+    # OpenAI's penalties on the output so far (each in [-2, 2]): ``presence`` once per token
+    # that occurred, ``frequency`` per occurrence; vLLM's ``repetition`` (> 0; 1: off)
+    # divides a positive logit (multiplies a negative one) of every token in the prompt or
+    # the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         check_max_tokens(self.max_tokens)
@@ -73,6 +80,13 @@ class SamplingParams:
             raise InvalidRequestError("top_k must be -1 (disabled) or >= 1", "top_k")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p must be in [0, 1]", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2]", name)
+        if not (0.0 < self.repetition_penalty <= 1e6):
+            raise InvalidRequestError(
+                "repetition_penalty must be in (0, 1e6]", "repetition_penalty"
+            )
         if not all(t >= 0 and math.isfinite(b) for t, b in self.logit_bias.items()):
             raise InvalidRequestError(
                 "logit_bias must map non-negative token ids to finite numbers", "logit_bias"
@@ -85,6 +99,13 @@ class SamplingParams:
         if not self.ignore_eos:
             ids.update(eos_token_ids)
         return tuple(sorted(ids))
+
+    @property
+    def has_penalties(self) -> bool:
+        """The sample depends on the tokens so far (the workers keep them for it)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -520,6 +520,10 @@ CASES = [
     ("/v1/completions", {**COMPLETION, "temperature": 1.0, "seed": 11, "min_p": 0.1,
                          "logit_bias": {"101": 6, "116": 6, "32": 6, "262": -100},
                          "max_tokens": 8, "logprobs": 1}),
+    # Penalties: D counts P's first token as output (chat: no text offsets to differ).
+    ("/v1/chat/completions", {**CHAT_IGNORE, "max_tokens": 8, "logprobs": True,
+                              "presence_penalty": 1.0, "frequency_penalty": 0.5,
+                              "repetition_penalty": 1.3}),
 ]  # fmt: skip
 
 

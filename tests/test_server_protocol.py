@@ -142,8 +142,11 @@ def test_stop_string_single() -> None:
         ({"prompt": "x", "logprobs": True}, "logprobs"),
         ({"prompt": "x", "min_tokens": 17}, "min_tokens"),  # > the default max_tokens 16
         ({"prompt": "x", "suffix": "s"}, "suffix"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "repetition_penalty": 1e7}, "repetition_penalty"),
         ({"prompt": "x", "logit_bias": 0}, "logit_bias"),  # was accepted (falsy)
         ({"prompt": "x", "logit_bias": []}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"a": 5}}, "logit_bias"),  # keys are token ids
@@ -475,3 +478,13 @@ def test_logit_bias_and_min_p_reach_the_sampling_params() -> None:
     plain = parse_completion_request({"prompt": "x", "logit_bias": {}, "min_p": None})
     assert plain.sampling_params(16).logit_bias == {} and plain.sampling_params(16).min_p == 0.0
     assert MAX_LOGIT_BIAS == 1024
+
+
+def test_penalties_reach_the_sampling_params() -> None:
+    body = {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.2}  # fmt: skip
+    sp = parse_completion_request(body).sampling_params(16)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert sp.has_penalties
+    plain = parse_completion_request({"prompt": "x", "presence_penalty": 0}).sampling_params(16)
+    assert not plain.has_penalties

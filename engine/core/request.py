@@ -77,6 +77,8 @@ class Request:
         # Async scheduling: tokens sampled by steps in flight, not known yet.
         self.num_output_placeholders = 0
         self.num_preemptions = 0
+        # Penalties: how many of ``all_token_ids`` the workers were sent (0: a new table).
+        self.penalty_tokens_sent = 0
         self.block_hashes: list[int] = []  # hashes of this request's full blocks
         self.arrival_time = time.monotonic()
         # Request-level metrics (``scheduler_stats.RequestMetrics``), monotonic seconds.

@@ -298,6 +298,12 @@ class Scheduler:
             new_table=new_table,
             samples=samples,
         )
+        if sp.has_penalties:
+            if new_table:
+                req.penalty_tokens_sent = 0
+            seq.penalty_token_ids = req.all_token_ids[req.penalty_tokens_sent :]
+            seq.num_prompt_tokens = req.num_prompt_tokens
+            req.penalty_tokens_sent = req.num_tokens
         # Outputs before this sample (placeholders included) below min_tokens: mask.
         if samples and end - req.num_prompt_tokens < sp.min_tokens:
             seq.banned_token_ids = req.banned_token_ids

@@ -38,6 +38,11 @@ class ScheduledSeq:
     prompt_targets: list[int] = field(default_factory=list)
     prompt_row: int = 0
     prompt_logprobs: int = 0
+    # Penalties (``SamplingParams.has_penalties``): the request's tokens the workers were
+    # not sent yet (all of them with a new table: prompt first), and how many of all of
+    # them are the prompt's. Placeholders are not among them (the workers add those).
+    penalty_token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
     num_blocks: int = -1  # -1: len(new_block_ids) (a new table)
     new_table: bool = True
     # This step computes the request's last known token: sample the next one.

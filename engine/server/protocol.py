@@ -187,6 +187,9 @@ class BaseRequest:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -212,6 +215,9 @@ class BaseRequest:
                 prompt_logprobs=self.logprobs if self.echo else None,
                 logit_bias=dict(self.logit_bias),
                 min_p=self.min_p,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
             )
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.param) from e
@@ -322,6 +328,17 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     req.min_p = _get_float(body, "min_p", 0.0)
     if not 0.0 <= req.min_p <= 1.0:
         raise APIError(f"'min_p' must be in [0, 1], got {req.min_p}", param="min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _get_float(body, name, 0.0)
+        if not -2.0 <= value <= 2.0:
+            raise APIError(f"'{name}' must be in [-2, 2], got {value}", param=name)
+        setattr(req, name, value)
+    req.repetition_penalty = _get_float(body, "repetition_penalty", 1.0)
+    if not 0.0 < req.repetition_penalty <= 1e6:
+        raise APIError(
+            f"'repetition_penalty' must be in (0, 1e6], got {req.repetition_penalty}",
+            param="repetition_penalty",
+        )
 
     req.min_tokens = _get_int(body, "min_tokens", 0)
     if req.min_tokens < 0:
@@ -459,11 +476,6 @@ def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
     best_of = _get_int(body, "best_of", 1)
     if best_of != 1:
         raise _unsupported("best_of", f"= {best_of} (only best_of = 1)")
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-        if _get_float(body, name, neutral) != neutral:
-            raise _unsupported(name, f"other than {neutral}")
-    if _get_float(body, "repetition_penalty", 1.0) != 1.0:
-        raise _unsupported("repetition_penalty", "other than 1.0")
     _reject_vllm_fields(body, _VLLM_FIELDS)
     if chat:
         _reject_vllm_fields(body, _VLLM_CHAT_FIELDS)

@@ -35,6 +35,7 @@ from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.gpu_memory import kv_cache_budget
+from engine.worker.penalties import PenaltyHistory
 from engine.worker.request_states import RequestStates
 from engine.worker.sampler import Sampler, compute_logprobs
 from engine.worker.staging import HostStaging, Readback
@@ -142,12 +143,17 @@ class ModelRunner:
         step = packed.to_device(self.device)
         hidden = self.model(step.input_ids, step.positions, step.attn, scratch)
         rows = min(sched.max_num_seqs, tokens)
-        # The sampler's [S, V] temporaries at their largest (a bias copy, min-p, the sort).
+        # The sampler's [S, V] temporaries at their largest (a bias copy, penalties, min-p,
+        # the sort).
         worst = SamplingParams(
-            temperature=1.0, top_k=50, top_p=0.9, seed=0, min_p=0.01, logit_bias={0: 1.0}
-        )
+            temperature=1.0, top_k=50, top_p=0.9, seed=0, min_p=0.01, logit_bias={0: 1.0},
+            repetition_penalty=1.1, frequency_penalty=0.1,
+        )  # fmt: skip
         self.sampler.sample(
-            self.model.compute_logits(hidden[:rows]), [worst] * rows, list(range(rows))
+            self.model.compute_logits(hidden[:rows]),
+            [worst] * rows,
+            list(range(rows)),
+            penalties=[PenaltyHistory(0)] * rows,
         )
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - spec.block_bytes * spec.num_blocks
@@ -280,6 +286,7 @@ class ModelRunner:
                 params,
                 [s.start_pos + s.num_tokens for s in sampled],
                 [s.banned_token_ids for s in sampled],
+                *self._penalty_args(sampled, params),
             )
             want = [i for i, sp in enumerate(params) if sp.logprobs is not None]  # type: ignore[union-attr]
             if self.async_scheduling:
@@ -311,6 +318,29 @@ class ModelRunner:
             )
             out.logprobs = {sampled[i].request_id: lp for i, lp in zip(want, lps, strict=True)}
         return out
+
+    def _penalty_args(
+        self, sampled: list[ScheduledSeq], params: list[SamplingParams]
+    ) -> tuple[list[PenaltyHistory | None] | None, tuple[list[int], torch.Tensor] | None]:
+        """The sampler's ``penalties`` and ``pending`` (the placeholders' samples, on the
+        device: the previous step's, async scheduling) for this step's sampled rows."""
+        if not any(sp.has_penalties for sp in params):
+            return None, None
+        histories = [
+            self.requests.penalty(s.request_id) if sp.has_penalties else None
+            for s, sp in zip(sampled, params, strict=True)
+        ]
+        rows = [
+            i
+            for i, (s, h) in enumerate(zip(sampled, histories, strict=True))
+            if h is not None and s.token_ids and s.token_ids[-1] == PLACEHOLDER_TOKEN_ID
+        ]
+        if not rows:
+            return histories, None
+        assert self._prev_ids is not None
+        src = [self._prev_rows[sampled[i].request_id] for i in rows]
+        idx = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
+        return histories, (rows, self._prev_ids.index_select(0, idx))
 
     def _keep_samples(self, sampled: list[ScheduledSeq], ids: torch.Tensor) -> None:
         """Async scheduling: this step's samples fill the next step's placeholders."""

@@ -20,6 +20,7 @@ import numpy as np
 
 from engine.core.scheduler_output import SchedulerOutput
 from engine.sampling_params import SamplingParams
+from engine.worker.penalties import PenaltyHistory
 
 
 class RequestStateError(RuntimeError):
@@ -56,6 +57,7 @@ class BlockTable:
 class RequestState:
     table: BlockTable
     sampling_params: SamplingParams | None
+    penalty: PenaltyHistory | None = None  # with penalties: the tokens so far
 
 
 class RequestStates:
@@ -71,6 +73,9 @@ class RequestStates:
     def block_ids(self, request_id: str) -> np.ndarray:
         """The request's block table (a view: valid until its next change)."""
         return self._states[request_id].table.array()
+
+    def penalty(self, request_id: str) -> PenaltyHistory | None:
+        return self._states[request_id].penalty
 
     def sampling_params(self, request_id: str) -> SamplingParams:
         params = self._states[request_id].sampling_params
@@ -94,6 +99,12 @@ class RequestStates:
                     raise RequestStateError(f"a change to the block table of {rid}, unknown here")
                 state = found
                 state.table.extend(seq.new_block_ids)
+            if seq.penalty_token_ids is not None:
+                if seq.new_table:
+                    state.penalty = PenaltyHistory(seq.num_prompt_tokens)
+                elif state.penalty is None:
+                    raise RequestStateError(f"tokens of {rid} for penalties, but not its first")
+                state.penalty.add(seq.penalty_token_ids)
             have = len(state.table)
             if seq.num_blocks >= 0 and have != seq.num_blocks:
                 raise RequestStateError(

@@ -14,7 +14,8 @@ copy (through pinned staging when given one). Greedy-only batches skip the noise
 batches without top-k/top-p skip the sort.
 
 The order (vLLM's): ``logit_bias`` is added to the logits, ``min_tokens``'s ``banned`` ids
-are masked (both in a copy, greedy rows too), the temperature divides, ``min_p`` drops the
+are masked, the penalties apply (``engine/worker/penalties.py``; all in a copy, greedy rows
+too), the temperature divides, ``min_p`` drops the
 tokens less likely than ``min_p`` times the most likely one, then top-k and top-p. ``compute_logprobs`` -- only called for rows that asked for log probabilities, so the
 rest pay nothing -- is ``log_softmax`` of the same logits, before the masking, temperature
 and top-k/top-p (vLLM's default ``raw_logprobs``), read back in one more host read.
@@ -22,6 +23,7 @@ and top-k/top-p (vLLM's default ``raw_logprobs``), read back in one more host re
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 
@@ -29,6 +31,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.worker.penalties import PenaltyHistory, apply_penalties
 from engine.worker.staging import HostStaging
 
 _MASK64 = (1 << 63) - 1
@@ -73,6 +76,7 @@ class Sampler:
         self._staging = HostStaging(device, slots=2) if cuda else None
         self._mask_staging = HostStaging(device, slots=2) if cuda else None
         self._bias_staging = HostStaging(device, slots=2) if cuda else None
+        self._penalty_staging = HostStaging(device, slots=2) if cuda else None
 
     def sample(
         self,
@@ -80,11 +84,15 @@ class Sampler:
         params: list[SamplingParams],
         positions: list[int],
         banned: list[tuple[int, ...]] | None = None,
+        penalties: list[PenaltyHistory | None] | None = None,
+        pending: tuple[list[int], torch.Tensor] | None = None,
     ) -> list[int]:
         """``logits``: [S, vocab] float32 (any device); ``positions``: where each token will
-        sit; ``banned``: per row, ids that may not be sampled (``min_tokens``). Returns the
-        S sampled token ids."""
-        return self.sample_on_device(logits, params, positions, banned).tolist()
+        sit; ``banned``: per row, ids that may not be sampled (``min_tokens``);
+        ``penalties``: per row, its tokens so far (None: no penalties), and ``pending``
+        its output tokens not in them yet (``apply_penalties``). Returns the S sampled
+        token ids."""
+        return self.sample_on_device(logits, params, positions, banned, penalties, pending).tolist()
 
     def sample_on_device(
         self,
@@ -92,12 +100,17 @@ class Sampler:
         params: list[SamplingParams],
         positions: list[int],
         banned: list[tuple[int, ...]] | None = None,
+        penalties: list[PenaltyHistory | None] | None = None,
+        pending: tuple[list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``sample`` without the host read: the ids ``[S]`` int64 on the logits' device."""
         if any(sp.logit_bias for sp in params):
             logits = _add_bias(logits, params, lambda h, d: _copy(h, d, self._bias_staging))
         if banned is not None and any(banned):
             logits = _mask(logits, banned, lambda h, d: _copy(h, d, self._mask_staging))
+        if penalties is not None and any(h is not None for h in penalties):
+            copy = functools.partial(_copy, staging=self._penalty_staging)
+            logits = apply_penalties(logits, params, penalties, pending, copy)
         if all(sp.greedy for sp in params):
             return logits.argmax(dim=-1)
         dev = logits.device
