@@ -321,7 +321,9 @@ class ModelRunner:
 
     def _penalty_args(
         self, sampled: list[ScheduledSeq], params: list[SamplingParams]
-    ) -> tuple[list[PenaltyHistory | None] | None, tuple[list[int], torch.Tensor] | None]:
+    ) -> tuple[
+        list[PenaltyHistory | None] | None, tuple[list[int], list[int], torch.Tensor] | None
+    ]:
         """The sampler's ``penalties`` and ``pending`` (the placeholders' samples, on the
         device: the previous step's, async scheduling) for this step's sampled rows."""
         if not any(sp.has_penalties for sp in params):
@@ -339,8 +341,7 @@ class ModelRunner:
             return histories, None
         assert self._prev_ids is not None
         src = [self._prev_rows[sampled[i].request_id] for i in rows]
-        idx = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
-        return histories, (rows, self._prev_ids.index_select(0, idx))
+        return histories, (rows, src, self._prev_ids)
 
     def _keep_samples(self, sampled: list[ScheduledSeq], ids: torch.Tensor) -> None:
         """Async scheduling: this step's samples fill the next step's placeholders."""

@@ -46,12 +46,13 @@ def apply_penalties(
     logits: torch.Tensor,
     params: list[SamplingParams],
     histories: list[PenaltyHistory | None],
-    pending: tuple[list[int], torch.Tensor] | None,
+    pending: tuple[list[int], list[int], torch.Tensor] | None,
     to_device: Callable[[torch.Tensor, torch.device], torch.Tensor],
 ) -> torch.Tensor:
     """``logits`` [S, V] with each row's penalties applied (in a copy). ``histories[i]``:
-    row ``i``'s tokens (None: no penalties); ``pending``: (rows, their ids on the device)
-    -- output tokens sampled but not in the histories yet (async scheduling)."""
+    row ``i``'s tokens (None: no penalties); ``pending``: output tokens sampled but not in
+    the histories yet (async scheduling): ``(rows, src, samples)``, row ``rows[j]``'s is
+    ``samples[src[j]]`` (``samples``: the previous step's ids, on the device)."""
     num, vocab = logits.shape
     out_rows: list[int] = []
     out_ids: list[int] = []
@@ -77,9 +78,9 @@ def apply_penalties(
         [sp.presence_penalty if o else 0.0 for sp, o in zip(params, on, strict=True)],
     ]
     n_out, n_seen = len(out_ids), len(seen_ids)
-    pending_rows = pending[0] if pending is not None else []
+    pending_rows, pending_src = (pending[0], pending[1]) if pending is not None else ([], [])
     # One host->device copy: [rep | freq | pres] as float64 bits, then the index lists.
-    lists = out_rows + out_ids + out_counts + seen_rows + seen_ids + pending_rows
+    lists = out_rows + out_ids + out_counts + seen_rows + seen_ids + pending_rows + pending_src
     host = torch.cat(
         [
             torch.tensor(factors, dtype=torch.float64).view(torch.int64).reshape(-1),
@@ -95,8 +96,9 @@ def apply_penalties(
     )
     s0 = 3 * n_out
     if pending is not None and pending_rows:  # sampled ids: in the vocabulary
-        rows = idx[s0 + 2 * n_seen :]
-        ids = pending[1].to(torch.int64)
+        p0, n_pending = s0 + 2 * n_seen, len(pending_rows)
+        rows = idx[p0 : p0 + n_pending]
+        ids = pending[2].index_select(0, idx[p0 + n_pending :]).to(torch.int64)
         counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
     seen = counts > 0  # [S, V]
     seen[idx[s0 : s0 + n_seen], idx[s0 + n_seen : s0 + 2 * n_seen]] = True

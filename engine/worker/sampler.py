@@ -85,7 +85,7 @@ class Sampler:
         positions: list[int],
         banned: list[tuple[int, ...]] | None = None,
         penalties: list[PenaltyHistory | None] | None = None,
-        pending: tuple[list[int], torch.Tensor] | None = None,
+        pending: tuple[list[int], list[int], torch.Tensor] | None = None,
     ) -> list[int]:
         """``logits``: [S, vocab] float32 (any device); ``positions``: where each token will
         sit; ``banned``: per row, ids that may not be sampled (``min_tokens``);
@@ -101,7 +101,7 @@ class Sampler:
         positions: list[int],
         banned: list[tuple[int, ...]] | None = None,
         penalties: list[PenaltyHistory | None] | None = None,
-        pending: tuple[list[int], torch.Tensor] | None = None,
+        pending: tuple[list[int], list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``sample`` without the host read: the ids ``[S]`` int64 on the logits' device."""
         if any(sp.logit_bias for sp in params):
