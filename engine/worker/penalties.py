@@ -26,20 +26,41 @@ from engine.sampling_params import SamplingParams
 
 
 class PenaltyHistory:
-    """One request's tokens, as its penalties need them."""
+    """One request's tokens, as its penalties need them. The index tensors a step reads
+    are cached between changes (a long prompt's ids are gathered once, not per step)."""
 
     def __init__(self, num_prompt_tokens: int) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_seen = 0
         self.prompt: set[int] = set()
         self.output: Counter[int] = Counter()
+        self._prompt_ids: torch.Tensor | None = None
+        self._output: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add(self, token_ids: list[int]) -> None:
         """The request's next tokens (prompt first, then output)."""
         split = max(0, min(len(token_ids), self.num_prompt_tokens - self.num_seen))
-        self.prompt.update(token_ids[:split])
-        self.output.update(token_ids[split:])
+        if split:
+            self.prompt.update(token_ids[:split])
+            self._prompt_ids = None
+        if split < len(token_ids):
+            self.output.update(token_ids[split:])
+            self._output = None
         self.num_seen += len(token_ids)
+
+    def prompt_ids(self) -> torch.Tensor:
+        """The prompt's distinct ids, int64 (host)."""
+        if self._prompt_ids is None:
+            self._prompt_ids = torch.tensor(sorted(self.prompt), dtype=torch.int64)
+        return self._prompt_ids
+
+    def output_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output's distinct ids and their counts, int64 (host)."""
+        if self._output is None:
+            ids = torch.tensor(list(self.output), dtype=torch.int64)
+            counts = torch.tensor(list(self.output.values()), dtype=torch.int64)
+            self._output = (ids, counts)
+        return self._output
 
 
 def apply_penalties(
@@ -54,39 +75,42 @@ def apply_penalties(
     the histories yet (async scheduling): ``(rows, src, samples)``, row ``rows[j]``'s is
     ``samples[src[j]]`` (``samples``: the previous step's ids, on the device)."""
     num, vocab = logits.shape
-    out_rows: list[int] = []
-    out_ids: list[int] = []
-    out_counts: list[int] = []
-    seen_rows: list[int] = []
-    seen_ids: list[int] = []
+    empty = torch.empty(0, dtype=torch.int64)
+    out_rows, out_ids, out_counts, seen_rows, seen_ids = [], [], [], [], []
     for i, h in enumerate(histories):
         if h is None:
             continue
-        for t, c in h.output.items():
-            if 0 <= t < vocab:
-                out_rows.append(i)
-                out_ids.append(t)
-                out_counts.append(c)
-        for t in h.prompt:
-            if 0 <= t < vocab:
-                seen_rows.append(i)
-                seen_ids.append(t)
+        ids, counts = h.output_counts()
+        out_rows.append(torch.full_like(ids, i))
+        out_ids.append(ids)
+        out_counts.append(counts)
+        prompt = h.prompt_ids()
+        seen_rows.append(torch.full_like(prompt, i))
+        seen_ids.append(prompt)
+    o_rows, o_ids, o_counts = (
+        torch.cat(x) if x else empty for x in (out_rows, out_ids, out_counts)
+    )
+    s_rows, s_ids = (torch.cat(x) if x else empty for x in (seen_rows, seen_ids))
+    keep = (o_ids >= 0) & (o_ids < vocab)  # an offline caller's prompt may hold any id
+    o_rows, o_ids, o_counts = o_rows[keep], o_ids[keep], o_counts[keep]
+    keep = (s_ids >= 0) & (s_ids < vocab)
+    s_rows, s_ids = s_rows[keep], s_ids[keep]
     on = [h is not None for h in histories]
     factors = [
         [sp.repetition_penalty if o else 1.0 for sp, o in zip(params, on, strict=True)],
         [sp.frequency_penalty if o else 0.0 for sp, o in zip(params, on, strict=True)],
         [sp.presence_penalty if o else 0.0 for sp, o in zip(params, on, strict=True)],
     ]
-    n_out, n_seen = len(out_ids), len(seen_ids)
+    n_out, n_seen = len(o_ids), len(s_ids)
     pending_rows, pending_src = (pending[0], pending[1]) if pending is not None else ([], [])
     # One host->device copy: [rep | freq | pres] as float64 bits, then the index lists.
-    lists = out_rows + out_ids + out_counts + seen_rows + seen_ids + pending_rows + pending_src
     host = torch.cat(
         [
             torch.tensor(factors, dtype=torch.float64).view(torch.int64).reshape(-1),
-            torch.tensor(lists, dtype=torch.int64),
+            o_rows, o_ids, o_counts, s_rows, s_ids,
+            torch.tensor(pending_rows + pending_src, dtype=torch.int64),
         ]
-    )
+    )  # fmt: skip
     dev = to_device(host, logits.device)
     rep, freq, pres = dev[: 3 * num].view(torch.float64).float().view(3, num)
     idx = dev[3 * num :]
