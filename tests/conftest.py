@@ -68,10 +68,11 @@ def _own_port_slice() -> None:
 # handed out last leaves one worker running it alone at the end. The rest follow in
 # their usual order; a stale entry only costs some balance.
 LONGEST_FILES = (
-    "test_gpu_check_script.py", "test_chaos.py", "test_disagg.py", "test_disagg_ucxx.py",
-    "test_pipelined_push.py", "test_hetero_tp.py", "test_proxy.py", "test_disagg_faults.py",
-    "test_readme_demo.py", "test_overload.py", "test_bench_transfer.py",
-    "test_reserve_first.py", "test_model_tp.py", "test_engine.py", "test_drain.py",
+    "test_gpu_check_script.py", "test_chaos.py", "test_disagg_ucxx.py", "test_pipelined_push.py",
+    "test_disagg.py", "test_disagg_faults.py", "test_proxy_failover.py", "test_proxy.py",
+    "test_ucxx_transport.py", "test_overload.py", "test_proxy_prefix.py", "test_bench.py",
+    "test_drain.py", "test_reserve_first.py", "test_api_key.py", "test_readme_demo.py",
+    "test_bench_transfer.py", "test_model_tp.py", "test_hetero_tp.py", "test_engine.py",
 )  # fmt: skip
 _FIRST = {name: i for i, name in enumerate(LONGEST_FILES)}
 

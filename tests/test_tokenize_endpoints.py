@@ -174,7 +174,7 @@ def test_chat_completions_refuse_what_they_cannot_honour(client: TestClient) -> 
     _err(client.post("/v1/chat/completions", json=body), 400, "chat_template_kwargs")
     body = {"messages": MSGS, "max_tokens": 1, "min_tokens": 2}
     _err(client.post("/v1/chat/completions", json=body), 400, "min_tokens")
-    _err(client.post("/v1/completions", json={"prompt": "x", "min_p": 0.5}), 400, "min_p")
+    _err(client.post("/v1/completions", json={"prompt": "x", "min_p": 1.5}), 400, "min_p")
 
 
 def test_chat_template_kwargs_parsed() -> None:
