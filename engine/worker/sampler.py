@@ -14,16 +14,16 @@ copy (through pinned staging when given one). Greedy-only batches skip the noise
 batches without top-k/top-p skip the sort.
 
 The order (vLLM's): ``logit_bias`` is added to the logits, ``min_tokens``'s ``banned`` ids
-are masked, the penalties apply (``engine/worker/penalties.py``; all in a copy, greedy rows
-too), the temperature divides, ``min_p`` drops the
-tokens less likely than ``min_p`` times the most likely one, then top-k and top-p. ``compute_logprobs`` -- only called for rows that asked for log probabilities, so the
-rest pay nothing -- is ``log_softmax`` of the same logits, before the masking, temperature
-and top-k/top-p (vLLM's default ``raw_logprobs``), read back in one more host read.
+are masked, the penalties apply (``engine/worker/penalties.py``; all three in a copy,
+greedy rows too), the temperature divides, ``min_p`` drops the tokens less likely than
+``min_p`` times the most likely one, then top-k and top-p. ``compute_logprobs`` -- only
+called for rows that asked for log probabilities, so the rest pay nothing -- is
+``log_softmax`` of the model's logits, before all of that (vLLM's default
+``raw_logprobs``), read back in one more host read.
 """
 
 from __future__ import annotations
 
-import functools
 import random
 from collections.abc import Callable
 
@@ -109,8 +109,9 @@ class Sampler:
         if banned is not None and any(banned):
             logits = _mask(logits, banned, lambda h, d: _copy(h, d, self._mask_staging))
         if penalties is not None and any(h is not None for h in penalties):
-            copy = functools.partial(_copy, staging=self._penalty_staging)
-            logits = apply_penalties(logits, params, penalties, pending, copy)
+            logits = apply_penalties(
+                logits, params, penalties, pending, lambda h, d: _copy(h, d, self._penalty_staging)
+            )
         if all(sp.greedy for sp in params):
             return logits.argmax(dim=-1)
         dev = logits.device
