@@ -83,9 +83,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2]", name)
-        if not (0.0 < self.repetition_penalty <= 1e6):
+        if not (1e-6 <= self.repetition_penalty <= 1e6):  # a logit / less may overflow
             raise InvalidRequestError(
-                "repetition_penalty must be in (0, 1e6]", "repetition_penalty"
+                "repetition_penalty must be in [1e-6, 1e6]", "repetition_penalty"
             )
         if not all(t >= 0 and math.isfinite(b) for t, b in self.logit_bias.items()):
             raise InvalidRequestError(

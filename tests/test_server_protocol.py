@@ -147,6 +147,8 @@ def test_stop_string_single() -> None:
         ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "x", "repetition_penalty": 1e7}, "repetition_penalty"),
+        # A positive logit divided by it would overflow to inf (NaN probabilities).
+        ({"prompt": "x", "repetition_penalty": 1e-300}, "repetition_penalty"),
         ({"prompt": "x", "logit_bias": 0}, "logit_bias"),  # was accepted (falsy)
         ({"prompt": "x", "logit_bias": []}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"a": 5}}, "logit_bias"),  # keys are token ids

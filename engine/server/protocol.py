@@ -30,7 +30,12 @@ MAX_STOP_CHARS = 4096  # all stop strings together
 MAX_STOP_TOKEN_IDS = 1024
 # logit_bias entries: added to every step's logits of the request (OpenAI's bound is lower).
 MAX_LOGIT_BIAS = 1024
-LOGIT_BIAS_CLAMP = 100.0  # each bias is clamped to [-100, 100] (vLLM, OpenAI's range)
+LOGIT_BIAS_CLAMP = 100.0
+# repetition_penalty's range (vLLM: > 0): a logit divided by less could overflow to inf.
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = (
+    1e-6,
+    1e6,
+)  # each bias is clamped to [-100, 100] (vLLM, OpenAI's range)
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -334,9 +339,10 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
             raise APIError(f"'{name}' must be in [-2, 2], got {value}", param=name)
         setattr(req, name, value)
     req.repetition_penalty = _get_float(body, "repetition_penalty", 1.0)
-    if not 0.0 < req.repetition_penalty <= 1e6:
+    if not REPETITION_PENALTY_MIN <= req.repetition_penalty <= REPETITION_PENALTY_MAX:
         raise APIError(
-            f"'repetition_penalty' must be in (0, 1e6], got {req.repetition_penalty}",
+            f"'repetition_penalty' must be in [{REPETITION_PENALTY_MIN:g}, "
+            f"{REPETITION_PENALTY_MAX:g}], got {req.repetition_penalty}",
             param="repetition_penalty",
         )
 
