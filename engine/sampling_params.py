@@ -10,6 +10,10 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # Most alternatives a request may ask log probabilities of per token (vLLM's default
 # --max-logprobs).
 MAX_LOGPROBS = 20
+# The ranges of the penalties (OpenAI's for presence and frequency; vLLM takes any
+# positive repetition penalty, but a logit divided by less than 1e-6 may overflow to inf).
+PENALTY_RANGE = (-2.0, 2.0)
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 class InvalidRequestError(ValueError):
@@ -80,12 +84,14 @@ class SamplingParams:
             raise InvalidRequestError("top_k must be -1 (disabled) or >= 1", "top_k")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p must be in [0, 1]", "min_p")
+        lo, hi = PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise InvalidRequestError(f"{name} must be in [-2, 2]", name)
-        if not (1e-6 <= self.repetition_penalty <= 1e6):  # a logit / less may overflow
+            if not lo <= getattr(self, name) <= hi:
+                raise InvalidRequestError(f"{name} must be in [{lo:g}, {hi:g}]", name)
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
             raise InvalidRequestError(
-                "repetition_penalty must be in [1e-6, 1e6]", "repetition_penalty"
+                f"repetition_penalty must be in [{lo:g}, {hi:g}]", "repetition_penalty"
             )
         if not all(t >= 0 and math.isfinite(b) for t, b in self.logit_bias.items()):
             raise InvalidRequestError(

@@ -15,6 +15,8 @@ from typing import Any
 
 from engine.sampling_params import (
     MAX_LOGPROBS,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_RANGE,
     InvalidRequestError,
     SamplingParams,
     check_max_tokens,
@@ -30,12 +32,7 @@ MAX_STOP_CHARS = 4096  # all stop strings together
 MAX_STOP_TOKEN_IDS = 1024
 # logit_bias entries: added to every step's logits of the request (OpenAI's bound is lower).
 MAX_LOGIT_BIAS = 1024
-LOGIT_BIAS_CLAMP = 100.0
-# repetition_penalty's range (vLLM: > 0): a logit divided by less could overflow to inf.
-REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = (
-    1e-6,
-    1e6,
-)  # each bias is clamped to [-100, 100] (vLLM, OpenAI's range)
+LOGIT_BIAS_CLAMP = 100.0  # each bias is clamped to [-100, 100] (vLLM, OpenAI's range)
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -333,18 +330,15 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     req.min_p = _get_float(body, "min_p", 0.0)
     if not 0.0 <= req.min_p <= 1.0:
         raise APIError(f"'min_p' must be in [0, 1], got {req.min_p}", param="min_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _get_float(body, name, 0.0)
-        if not -2.0 <= value <= 2.0:
-            raise APIError(f"'{name}' must be in [-2, 2], got {value}", param=name)
+    for name, (lo, hi), neutral in (
+        ("presence_penalty", PENALTY_RANGE, 0.0),
+        ("frequency_penalty", PENALTY_RANGE, 0.0),
+        ("repetition_penalty", REPETITION_PENALTY_RANGE, 1.0),
+    ):
+        value = _get_float(body, name, neutral)
+        if not lo <= value <= hi:
+            raise APIError(f"'{name}' must be in [{lo:g}, {hi:g}], got {value}", param=name)
         setattr(req, name, value)
-    req.repetition_penalty = _get_float(body, "repetition_penalty", 1.0)
-    if not REPETITION_PENALTY_MIN <= req.repetition_penalty <= REPETITION_PENALTY_MAX:
-        raise APIError(
-            f"'repetition_penalty' must be in [{REPETITION_PENALTY_MIN:g}, "
-            f"{REPETITION_PENALTY_MAX:g}], got {req.repetition_penalty}",
-            param="repetition_penalty",
-        )
 
     req.min_tokens = _get_int(body, "min_tokens", 0)
     if req.min_tokens < 0:

@@ -332,15 +332,13 @@ class ModelRunner:
             self.requests.penalty(s.request_id) if sp.has_penalties else None
             for s, sp in zip(sampled, params, strict=True)
         ]
-        rows = [
-            i
-            for i, (s, h) in enumerate(zip(sampled, histories, strict=True))
-            if h is not None and s.token_ids and s.token_ids[-1] == PLACEHOLDER_TOKEN_ID
-        ]
-        if not rows:
+        if self._prev_ids is None:
             return histories, None
-        assert self._prev_ids is not None
-        src = [self._prev_rows[sampled[i].request_id] for i in rows]
+        seq_idx, src = placeholder_sources(sampled, self._prev_rows)
+        picked = [(i, r) for i, r in zip(seq_idx, src, strict=True) if histories[i] is not None]
+        if not picked:
+            return histories, None
+        rows, src = (list(x) for x in zip(*picked, strict=True))
         return histories, (rows, src, self._prev_ids)
 
     def _keep_samples(self, sampled: list[ScheduledSeq], ids: torch.Tensor) -> None:
