@@ -87,10 +87,17 @@ def first_tokens(p_body: dict[str, Any], chat: bool) -> tuple[list[int], str]:
 
 class ClientStream:
     def __init__(
-        self, req: ProxyRequest, request_id: str, created: int, node_skips_first: bool
+        self,
+        req: ProxyRequest,
+        request_id: str,
+        created: int,
+        node_skips_first: bool,
+        index: int = 0,
     ) -> None:
-        """``node_skips_first``: D leaves P's first token out of its stream itself."""
+        """``node_skips_first``: D leaves P's first token out of its stream itself;
+        ``index``: the choice this stream is (``n`` > 1, a batch of prompts)."""
         self.req, self.request_id, self.created = req, request_id, created
+        self.index = index
         self.node_skips_first = node_skips_first
         self.model: str | None = req.parsed.model
         self.role_sent = False
@@ -128,7 +135,7 @@ class ClientStream:
         self._skip = Skipper(*self._first_skip)
         self._client_ids.extend(ids)
         self._client_text.append(text)
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.req.chat:
             choice["delta"] = {"role": "assistant", "content": text}
             self.role_sent = True
@@ -184,6 +191,7 @@ class ClientStream:
         if not choices:
             return obj  # the usage chunk
         c = choices[0]
+        c["index"] = self.index
         ids = list(c.get("token_ids") or [])
         if self.req.chat:
             delta = c.setdefault("delta", {})

@@ -3,6 +3,7 @@ utility endpoints go to one healthy node; models and health come from the node p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from engine.httpkit.drain import Drainer
 from engine.httpkit.errors import json_error
 from engine.httpkit.sse import SSEResponse
 from engine.server.protocol import APIError
+from proxy import choices
 from proxy.config import ProxyConfig
 from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
@@ -91,21 +93,46 @@ class ProxyServing:
         finally:
             self.reading -= 1
         assert self.legs is not None, "the app's lifespan has not started"
-        session = Session(req, rid, cfg, self.router, self.legs, metrics)
-        self.inflight += 1
-        metrics.inflight.inc()
+        # Several choices (n > 1, a batch of prompts): a session each, counted in flight.
+        k, n = max(1, len(req.children)), req.parsed.n
+        if k > cfg.max_inflight:
+            err = APIError(
+                f"the request asks for {k} choices; this proxy serves at most "
+                f"{cfg.max_inflight} at once (--max-inflight)",
+                param="n",
+            )
+            return answer(json_error(err), "bad_request")
+        if k > 1 and self.inflight + k > cfg.max_inflight:
+            err = APIError(
+                f"the request's {k} choices would pass the proxy's limit of "
+                f"{cfg.max_inflight} requests in flight ({self.inflight} now); retry later",
+                status_code=429,
+                err_type="rate_limit_error",
+                code="too_many_requests",
+            )
+            return answer(json_error(err, {"Retry-After": "1"}), "overloaded")
+        sessions = [
+            Session(c, rid, cfg, self.router, self.legs, metrics, index=i if k > 1 else None)
+            for i, c in enumerate(req.children or [req])
+        ]
+        session = sessions[0]
+        self.inflight += k
+        metrics.inflight.inc(k)
         streaming = False
 
         def done() -> None:
-            self.inflight -= 1
-            metrics.inflight.dec()
-            session.close()
+            self.inflight -= k
+            metrics.inflight.dec(k)
+            for s in sessions:
+                s.close()
 
         try:
             if not req.stream:
-                body = await race_disconnect(request, session.complete())
+                work = session.complete() if k == 1 else choices.complete_all(sessions, n)
+                body = await race_disconnect(request, work)
                 return answer(JSONResponse(body))
-            await race_disconnect(request, session.start_stream())
+            start = session.start_stream() if k == 1 else choices.start_all(sessions, n)
+            await race_disconnect(request, start)
             streaming = True
         except ClientDisconnected:
             logger.info("request %s: client disconnected; aborted on both nodes", rid)
@@ -121,11 +148,15 @@ class ProxyServing:
                 done()
 
         async def body_iter() -> AsyncIterator[str]:
+            events = session.events() if k == 1 else choices.events_all(sessions, n)
             try:
-                async for chunk in session.events():
-                    yield chunk
+                # Closed first: a merged stream's choices stop before their sessions close
+                # (else a choice would see its stream break and rerun it).
+                async with contextlib.aclosing(events):
+                    async for chunk in events:
+                        yield chunk
             finally:
-                if session.outcome == "pending":
+                if any(s.outcome == "pending" for s in sessions):
                     metrics.errors.labels("client_disconnect").inc()
                     logger.info("request %s: client disconnected mid-stream; aborted", rid)
                 done()

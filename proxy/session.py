@@ -94,8 +94,13 @@ class Session:
         router: Router,
         legs: Legs,
         metrics: ProxyMetrics,
+        index: int | None = None,
     ) -> None:
+        """``index``: this session is that choice of a request with several
+        (``proxy/choices.py``): its stream's usage chunk is kept in ``usage``, not sent."""
         self.req, self.request_id, self.cfg = req, request_id, cfg
+        self.index = index
+        self.usage: dict[str, Any] | None = None
         self.router, self.legs, self.metrics = router, legs, metrics
         self.arrival = time.monotonic()
         self.created = int(time.time())
@@ -121,7 +126,9 @@ class Session:
         self._closed = False
         # The router learns the answer when it remembers what nodes cache.
         self._keep_answer = router.index is not None and req.key is not None
-        self.out = ClientStream(req, request_id, self.created, cfg.node_skip_first_token)
+        self.out = ClientStream(
+            req, request_id, self.created, cfg.node_skip_first_token, index or 0
+        )
 
     # -- shared ----------------------------------------------------------------------------
     @property
@@ -582,6 +589,9 @@ class Session:
                 return
             if isinstance(obj.get("usage"), dict):
                 self.router.observe_usage(self.req.key, obj)
+                if self.index is not None and not obj.get("choices"):
+                    self.usage = obj["usage"]  # the request's is the sum of its choices'
+                    continue
             if self.req.parsed.logprobs is not None:
                 await self._fill_logprobs(obj)
             out = self.out.rewrite(obj)

@@ -34,6 +34,9 @@ class ProxyRequest:
     body: dict[str, Any]
     parsed: BaseRequest
     key: PromptKey | None = field(default=None, repr=False)  # for prefix-aware routing
+    # With several choices (n > 1, a batch of prompts): one single-choice request each,
+    # prompt-major (``BaseRequest.children``), each served on its own pair.
+    children: list[ProxyRequest] = field(default_factory=list, repr=False)
 
     @property
     def chat(self) -> bool:
@@ -81,4 +84,20 @@ def validate_request(
             code="context_length_exceeded",
         )
     # Hashed here, off the event loop (a prompt may be megabytes).
-    return ProxyRequest(endpoint, body, parsed, prompt_key(parsed))
+    if parsed.num_choices == 1:
+        return ProxyRequest(endpoint, body, parsed, prompt_key(parsed))
+    return ProxyRequest(endpoint, body, parsed, None, _children(endpoint, body, parsed))
+
+
+def _children(endpoint: str, body: dict[str, Any], parsed: BaseRequest) -> list[ProxyRequest]:
+    """Each choice as the request a node answers: ``n`` = 1, its own prompt and seed."""
+    out = []
+    for child in parsed.children():
+        one = {k: v for k, v in body.items() if k not in ("n", "best_of")}
+        if child.seed is not None:
+            one["seed"] = child.seed
+        if endpoint == COMPLETIONS:
+            text = child.prompt_text  # type: ignore[attr-defined]
+            one["prompt"] = text if text is not None else child.prompt_token_ids  # type: ignore[attr-defined]
+        out.append(ProxyRequest(endpoint, one, child, prompt_key(child)))
+    return out

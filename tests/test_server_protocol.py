@@ -102,7 +102,7 @@ def test_stop_string_single() -> None:
         ({"prompt": []}, "prompt"),
         ({"prompt": 5}, "prompt"),
         ({"prompt": [1, "a"]}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt[1]"),  # each prompt of a batch is checked
         ({"prompt": [1.5]}, "prompt"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
@@ -134,7 +134,8 @@ def test_stop_string_single() -> None:
         ({"prompt": "x", "top_p": -(10**400)}, "top_p"),
         ({"prompt": "x", "kv_transfer_params": "x"}, "kv_transfer_params"),
         ({"prompt": "x", "model": 3}, "model"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 129}, "n"),  # MAX_CHOICES (tests/test_choices.py: the rest)
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "echo": "yes"}, "echo"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
@@ -270,7 +271,7 @@ _MSG = [{"role": "user", "content": "hi"}]
         ({"messages": _MSG, "max_tokens": 0}, "max_tokens"),
         ({"messages": _MSG, "max_completion_tokens": -3}, "max_completion_tokens"),
         ({"messages": _MSG, "temperature": "hot"}, "temperature"),
-        ({"messages": _MSG, "n": 3}, "n"),
+        ({"messages": _MSG, "n": -1}, "n"),
         ({"messages": _MSG, "logprobs": "yes"}, "logprobs"),
         ({"messages": _MSG, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"messages": _MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -60,6 +60,11 @@ class Job:
     # Completions text the client was streamed so far (text_offset's base, vLLM's rule),
     # a first token the proxy streamed from the prefill node (skip_first_token) included.
     streamed_chars: int = 0
+    # Its place among the request's choices (``n`` > 1, a batch of prompts).
+    index: int = 0
+    # How it ended (a finish reason, "error", "abort"), once reported (``reported``).
+    outcome: str | None = None
+    reported: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -83,7 +88,7 @@ class Job:
         logprobs: dict[str, Any] | None = None,
         stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0}
+        c: dict[str, Any] = {"index": self.index}
         if not self.chat:
             c["text"] = text
         elif stream:

@@ -7,6 +7,7 @@ names the offending field.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -34,6 +35,10 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
 LOGIT_BIAS_CLAMP = 100.0  # each bias is clamped to [-100, 100] (vLLM, OpenAI's range)
 CHAT_ROLES = ("system", "user", "assistant", "developer")
+# Choices of one request: ``n`` times the prompts of a batch (OpenAI's bound on ``n``).
+# Each is its own engine request (a P/D pair through the proxy).
+MAX_CHOICES = 128
+INT64_MAX = 2**63 - 1
 
 
 class APIError(Exception):
@@ -192,6 +197,7 @@ class BaseRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    n: int = 1  # choices per prompt (each its own engine request: ``children``)
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -224,12 +230,42 @@ class BaseRequest:
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.param) from e
 
+    @property
+    def num_choices(self) -> int:
+        return self.n
+
+    def children(self) -> list[BaseRequest]:
+        """One request per choice, each with ``n`` = 1, in the answer's order (``index``).
+        Choice ``j`` of a prompt samples with ``seed + j`` (vLLM's parallel sampling), so
+        each is what a single request with that seed answers."""
+        return [
+            dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+            for j in range(self.n)
+        ]
+
 
 @dataclass
 class CompletionRequest(BaseRequest):
-    # Either a text prompt or pre-tokenized ids (exactly one is set).
+    # Either a text prompt or pre-tokenized ids (exactly one is set)...
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
+    # ...or, for a batch of more than one prompt, neither: each a string or token ids.
+    batch: list[str | list[int]] | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * (len(self.batch) if self.batch else 1)
+
+    def children(self) -> list[BaseRequest]:
+        """Prompt-major: choice ``i * n + j`` is prompt ``i``'s ``j``-th (vLLM's order)."""
+        if not self.batch:
+            return super().children()
+        out: list[BaseRequest] = []
+        for prompt in self.batch:
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+            one = dataclasses.replace(self, batch=None, prompt_text=text, prompt_token_ids=ids)
+            out.extend(one.children())
+        return out
 
 
 @dataclass
@@ -268,6 +304,7 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         raise APIError(f"'top_k' must be -1 (disabled) or >= 1, got {top_k}", param="top_k")
     req.top_k = top_k
     req.seed = _get_int(body, "seed", None)
+    _parse_n(body, req)
 
     stop = body.get("stop")
     if stop is None:
@@ -357,6 +394,11 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         req.echo = _get_bool(body, "echo", False)
 
     _reject_unsupported(body, chat=chat)
+    if req.kv_transfer_params is not None and req.num_choices > 1:
+        raise APIError(
+            "a request with 'kv_transfer_params' (a P/D leg) has one choice: n = 1 and one prompt",
+            param="kv_transfer_params",
+        )
     req.ignored_fields = tuple(
         k for k in body if k not in (CHAT_FIELDS if chat else COMPLETION_FIELDS)
     )
@@ -469,13 +511,33 @@ def _reject_vllm_fields(body: dict[str, Any], fields: dict[str, tuple[Any, str]]
             raise _unsupported(name, what)
 
 
-def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
+def _parse_n(body: dict[str, Any], req: BaseRequest) -> None:
+    """``n`` choices per prompt, at most ``MAX_CHOICES`` choices in all; ``best_of`` only
+    as ``n`` (all the choices drawn are returned)."""
     n = _get_int(body, "n", 1)
-    if n != 1:
-        raise _unsupported("n", f"= {n} (only n = 1)")
-    best_of = _get_int(body, "best_of", 1)
-    if best_of != 1:
-        raise _unsupported("best_of", f"= {best_of} (only best_of = 1)")
+    if n < 1:
+        raise APIError(f"'n' must be at least 1, got {n}", param="n")
+    req.n = n
+    best_of = _get_int(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise _unsupported("best_of", f"= {best_of} (only best_of = n, here {n})")
+    choices = req.num_choices
+    if choices > MAX_CHOICES:
+        batch = getattr(req, "batch", None)
+        what = f"{len(batch)} prompts x n = {n}" if batch else f"n = {n}"
+        raise APIError(
+            f"a request may ask for at most {MAX_CHOICES} choices, got {choices} ({what})",
+            param="n" if n > 1 or not batch else "prompt",
+        )
+    if req.seed is not None and req.seed + n - 1 > INT64_MAX:
+        raise APIError(
+            f"'seed' + n - 1 must fit in a signed 64-bit integer (choice j samples with "
+            f"seed + j), got seed {req.seed} with n = {n}",
+            param="seed",
+        )
+
+
+def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
     _reject_vllm_fields(body, _VLLM_FIELDS)
     if chat:
         _reject_vllm_fields(body, _VLLM_CHAT_FIELDS)
@@ -508,25 +570,34 @@ def _parse_prompt(body: dict[str, Any], req: CompletionRequest) -> None:
     if "prompt" not in body or body["prompt"] is None:
         raise APIError("'prompt' is required", param="prompt", code="missing_required_parameter")
     prompt = body["prompt"]
-    # A batch of one is accepted; larger batches are not.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+    # A batch: an array of strings or of token-id arrays (each its own choices).
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        if len(prompt) > MAX_CHOICES:  # before each is checked (n is checked later)
+            raise APIError(
+                f"a request may ask for at most {MAX_CHOICES} choices, got a batch of "
+                f"{len(prompt)} prompts",
+                param="prompt",
+            )
+        if len(prompt) > 1:
+            req.batch = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            return
         prompt = prompt[0]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise APIError(
-            "batched prompts are not supported; send one prompt per request", param="prompt"
-        )
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError("'prompt' must not be empty", param="prompt")
-        req.prompt_text = prompt
-    elif isinstance(prompt, list):
-        if not prompt:
-            raise APIError("'prompt' must not be empty", param="prompt")
-        if not all(_is_int(t) for t in prompt):
-            raise _bad_type("prompt", "a string or an array of token ids", prompt)
-        req.prompt_token_ids = list(prompt)
+    one = _one_prompt(prompt, "prompt")
+    if isinstance(one, str):
+        req.prompt_text = one
     else:
-        raise _bad_type("prompt", "a string or an array of token ids", prompt)
+        req.prompt_token_ids = one
+
+
+def _one_prompt(prompt: Any, where: str) -> str | list[int]:
+    """A prompt: a non-empty string or a non-empty array of token ids."""
+    if isinstance(prompt, str | list) and not prompt:
+        raise APIError(f"'{where}' must not be empty", param=where)
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        return list(prompt)
+    raise _bad_type(where, "a string or an array of token ids", prompt)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:

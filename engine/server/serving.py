@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.errors import json_error
+from engine.httpkit.fanout import gather_or_cancel, merge_bodies, merge_streams, sum_usage
 from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.sse import SSE_DONE, SSEResponse, sse_event
 from engine.outputs import Logprobs
@@ -61,6 +62,11 @@ def engine_request_id(label: str) -> str:
     return f"{label}-{uuid.uuid4().hex[:12]}"
 
 
+# A request's ``n`` and its choices: one (request, prompt ids) each, prompt-major
+# (``BaseRequest.children``); a prompt is tokenized once for its ``n`` choices.
+Choices = tuple[int, list[tuple[BaseRequest, list[int]]]]
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -88,16 +94,16 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         async def handle() -> Response:
             raw = await self._body(request)
-            req, ids = await anyio.to_thread.run_sync(self._prepare_completion, raw)
-            return await self._run(request, self._job(request, False, req, ids))
+            n, choices = await anyio.to_thread.run_sync(self._prepare_completion, raw)
+            return await self._run(request, self._jobs(request, False, choices), n)
 
         return await self._guarded(request, handle)
 
     async def chat_completions(self, request: Request) -> Response:
         async def handle() -> Response:
             raw = await self._body(request)
-            req, ids = await anyio.to_thread.run_sync(self._prepare_chat, raw)
-            return await self._run(request, self._job(request, True, req, ids))
+            n, choices = await anyio.to_thread.run_sync(self._prepare_chat, raw)
+            return await self._run(request, self._jobs(request, True, choices), n)
 
         return await self._guarded(request, handle)
 
@@ -121,25 +127,37 @@ class OpenAIServing:
 
         return await self._guarded(request, handle)
 
-    def _prepare_completion(self, raw: bytes) -> tuple[BaseRequest, list[int]]:
+    def _prepare_completion(self, raw: bytes) -> Choices:
         req = parse_completion_request(parse_json_body(raw))
         self._check_serving(req)
-        if req.prompt_token_ids is not None:
-            check_token_ids(req.prompt_token_ids, self.engine.vocab_size)
-            if req.echo:  # the text echoed before the answer
-                req.prompt_text = self.engine.tokenizer.decode(req.prompt_token_ids)
-            return req, req.prompt_token_ids
-        return req, list(self.engine.tokenizer.encode(req.prompt_text or ""))
+        children = req.children()
+        out: list[tuple[BaseRequest, list[int]]] = []
+        for k in range(0, len(children), req.n):
+            one: Any = children[k]
+            text = one.prompt_text
+            if one.prompt_token_ids is not None:
+                ids = one.prompt_token_ids
+                where = "prompt" if len(children) == req.n else f"prompt[{k // req.n}]"
+                check_token_ids(ids, self.engine.vocab_size, where)
+                if req.echo:  # the text echoed before the answer
+                    text = self.engine.tokenizer.decode(ids)
+            else:
+                ids = list(self.engine.tokenizer.encode(text or ""))
+            for child in children[k : k + req.n]:
+                child.prompt_text = text  # type: ignore[attr-defined]
+                out.append((child, ids))
+        return req.n, out
 
-    def _prepare_chat(self, raw: bytes) -> tuple[BaseRequest, list[int]]:
+    def _prepare_chat(self, raw: bytes) -> Choices:
         req = parse_chat_request(parse_json_body(raw))
         self._check_serving(req)
         tok = self.engine.tokenizer
-        return req, list(
+        ids = list(
             tok.encode(
                 render_chat(tok, req.messages, req.chat_template_kwargs), add_special_tokens=False
             )
         )
+        return req.n, [(child, ids) for child in req.children()]
 
     # -- one job ------------------------------------------------------------------------------
     def _check_serving(self, req: BaseRequest) -> None:
@@ -148,7 +166,17 @@ class OpenAIServing:
         if not self.engine.healthy:
             raise engine_error(self.engine, None)
 
-    def _job(self, request: Request, chat: bool, req: BaseRequest, ids: list[int]) -> Job:
+    def _jobs(
+        self, request: Request, chat: bool, choices: list[tuple[BaseRequest, list[int]]]
+    ) -> list[Job]:
+        """Every choice's job, all checked before any starts (one too long: a 400, no work)."""
+        return [
+            self._job(request, chat, req, ids, index) for index, (req, ids) in enumerate(choices)
+        ]
+
+    def _job(
+        self, request: Request, chat: bool, req: BaseRequest, ids: list[int], index: int = 0
+    ) -> Job:
         param = "messages" if chat else "prompt"
         kv = req.kv_transfer_params
         if kv is not None and kv.do_remote_decode:
@@ -172,9 +200,13 @@ class OpenAIServing:
             req=req,
             strings=self.strings if req.logprobs is not None else None,
             echo_text=(req.prompt_text or "") if echo else None,  # type: ignore[attr-defined]
+            index=index,
         )
 
     def _finish(self, job: Job, reason: str) -> None:
+        if job.reported:  # once per job, whichever path saw it end first
+            return
+        job.reported, job.outcome = True, reason
         now = time.monotonic()
         ttft = None if job.first_token_at is None else job.first_token_at - job.arrival
         self.metrics.observe_finished(
@@ -190,9 +222,7 @@ class OpenAIServing:
             job.request_id, reason, len(job.prompt_ids), job.completion_tokens, now - job.arrival,
         )  # fmt: skip
 
-    async def _run(self, request: Request, job: Job) -> Response:
-        from engine.tokenizer import IncrementalDetokenizer
-
+    def _log_start(self, job: Job) -> None:
         kv = job.req.kv_transfer_params  # a P/D leg: its transfer id joins it to the proxy's log
         leg = f", transfer {kv.transfer_id}" if kv is not None and kv.transfer_id else ""
         logger.info(
@@ -200,13 +230,24 @@ class OpenAIServing:
             job.request_id, job.label, leg, job.endpoint, len(job.prompt_ids),
             job.params.max_tokens, job.req.stream,
         )  # fmt: skip
-        if job.req.ignored_fields:  # accepted and ignored, as vLLM does
+        if job.req.ignored_fields and job.index == 0:  # accepted and ignored, as vLLM does
             logger.warning(
                 "request %s: the following fields were present in the request but ignored: %s",
                 job.request_id, _field_names(job.req.ignored_fields),
             )  # fmt: skip
+
+    def _steps(self, job: Job) -> AsyncIterator[Step]:
+        from engine.tokenizer import IncrementalDetokenizer
+
         detok = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids=job.prompt_ids)
-        steps = generate_steps(self.engine, job, detok)
+        return generate_steps(self.engine, job, detok)
+
+    async def _run(self, request: Request, jobs: list[Job], n: int = 1) -> Response:
+        if len(jobs) > 1:
+            return await self._run_many(request, jobs, n)
+        job = jobs[0]
+        self._log_start(job)
+        steps = self._steps(job)
         try:
             if not job.req.stream:
                 body = await race_disconnect(request, self._collect(job, steps))
@@ -276,6 +317,92 @@ class OpenAIServing:
             with anyio.CancelScope(shield=True):
                 await steps.aclose()  # type: ignore[attr-defined]
             self._finish(job, reason)
+
+    # -- several choices (n > 1, a batch of prompts) ------------------------------------------
+    async def _run_many(self, request: Request, jobs: list[Job], n: int) -> Response:
+        """Every choice is its own engine request, run together; one body (choices merged,
+        usage summed) or one stream (each chunk naming its choice's ``index``). A choice
+        failing fails the request and aborts the others."""
+        for job in jobs:
+            self._log_start(job)
+        steps = [self._steps(job) for job in jobs]
+        headers = {ENGINE_ID_HEADER: ",".join(job.request_id for job in jobs)}
+        streaming = False
+        try:
+            if not jobs[0].req.stream:
+                work = [self._collect(job, s) for job, s in zip(jobs, steps, strict=True)]
+                bodies = await race_disconnect(request, gather_or_cancel(work))
+                return JSONResponse(merge_bodies(bodies, n), headers=headers)
+            firsts = await race_disconnect(request, gather_or_cancel([anext(s, None) for s in steps]))  # fmt: skip
+            bad = next((f for f in firsts if f is None or f.finish_reason == "error"), False)
+            if bad is not False:
+                for job in jobs:
+                    self._finish(job, "error")
+                raise engine_error(
+                    self.engine, bad.error if bad else None, bad.error_code if bad else None
+                )
+            streaming = True
+            return SSEResponse(self._stream_many(jobs, firsts, steps, n), headers=headers)
+        except ClientDisconnected:
+            logger.info("request %s: client disconnected, aborted", jobs[0].label)
+            return Response(status_code=499)
+        finally:
+            if not streaming:  # whatever did not end by itself is aborted
+                with anyio.CancelScope(shield=True):
+                    for s in steps:
+                        await s.aclose()  # type: ignore[attr-defined]
+                for job in jobs:
+                    self._finish(job, "abort")
+
+    async def _chunks(
+        self, job: Job, first: Step, steps: AsyncIterator[Step]
+    ) -> AsyncIterator[Any]:
+        """One choice's stream chunks; an ``APIError`` as its last item if it failed."""
+        if job.chat:
+            yield job.chunk(Step("", []), first=True)
+        step: Step | None = first
+        while step is not None:
+            if step.finish_reason == "error":
+                self._finish(job, "error")
+                yield engine_error(self.engine, step.error, step.error_code)
+                return
+            yield job.chunk(step)
+            if step.finish_reason is not None:
+                self._finish(job, step.finish_reason)
+                return
+            step = await anext(steps, None)
+
+    async def _stream_many(
+        self, jobs: list[Job], firsts: list[Step | None], steps: list[AsyncIterator[Step]], n: int
+    ) -> AsyncIterator[str]:
+        chunks = [
+            self._chunks(job, first, s)  # type: ignore[arg-type]
+            for job, first, s in zip(jobs, firsts, steps, strict=True)
+        ]
+        try:
+            failed = False
+            async with contextlib.aclosing(merge_streams(chunks)) as merged:
+                async for _, chunk in merged:
+                    if isinstance(chunk, APIError):
+                        failed = True
+                        yield sse_event(chunk.body())
+                        break
+                    yield sse_event(chunk)
+            if not failed and jobs[0].req.include_usage:
+                body = jobs[0].envelope([], stream=True)
+                body["usage"] = sum_usage([job.usage() for job in jobs], n)
+                yield sse_event(body)
+            yield SSE_DONE
+        except Exception as e:
+            logger.exception("request %s failed while streaming", jobs[0].request_id)
+            yield sse_event(error_body(f"internal error: {e}", "server_error"))
+            yield SSE_DONE
+        finally:
+            with anyio.CancelScope(shield=True):
+                for s in steps:
+                    await s.aclose()  # type: ignore[attr-defined]
+            for job in jobs:
+                self._finish(job, "abort")  # the client went away, or another choice failed
 
     async def _guarded(
         self, request: Request, handler: Callable[[], Awaitable[Response]]

@@ -1,0 +1,280 @@
+"""Several choices in one request: ``n`` > 1 and a batch of prompts (vLLM's parallel
+sampling): each choice is its own request, answered as one body or one stream.
+
+Unit tests check the parsing (limits, children and their seeds) and the merging helpers;
+the live tests (slow) check that every choice a node or the proxy (P/D) answers is what a
+single request for it answers on a colocated node, in one body and streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from harness import MODEL, PD, Proc, Procs, node_idle, sse_data, sse_events
+
+from engine.httpkit.fanout import gather_or_cancel, merge_bodies, merge_streams, sum_usage
+from engine.server.protocol import (
+    MAX_CHOICES,
+    APIError,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+# -- parsing ---------------------------------------------------------------------------------------
+
+
+def test_n_and_a_batch_make_one_child_per_choice_prompt_major_with_seed_plus_j() -> None:
+    req = parse_completion_request({"prompt": ["ab", [5, 6]], "n": 3, "seed": 10})
+    kids: list[Any] = req.children()
+    assert req.num_choices == 6 and len(kids) == 6
+    assert [(k.prompt_text, k.prompt_token_ids) for k in kids] == [("ab", None)] * 3 + [
+        (None, [5, 6])
+    ] * 3
+    assert [k.seed for k in kids] == [10, 11, 12, 10, 11, 12]  # choice j of a prompt: seed + j
+    assert all(k.n == 1 and k.batch is None for k in kids)
+    chat = parse_chat_request({"messages": [{"role": "user", "content": "x"}], "n": 2})
+    assert [k.seed for k in chat.children()] == [None, None]
+    one = parse_completion_request({"prompt": ["ab"], "best_of": 1})  # a batch of one
+    assert one.prompt_text == "ab" and one.batch is None and one.children() == [one]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "a", "n": 0}, "n"),
+        ({"prompt": "a", "n": MAX_CHOICES + 1}, "n"),
+        ({"prompt": ["a"] * (MAX_CHOICES // 2 + 1), "n": 2}, "n"),
+        ({"prompt": ["a"] * (MAX_CHOICES + 1)}, "prompt"),
+        ({"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
+        ({"prompt": "a", "n": 2, "seed": 2**63 - 1}, "seed"),
+        ({"prompt": ["a", ""]}, "prompt[1]"),
+        ({"prompt": ["a", [1, "x"]]}, "prompt[1]"),
+        ({"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+    ],
+)  # fmt: skip
+def test_choices_are_bounded_where_the_request_enters(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as e:
+        parse_completion_request(body)
+    assert e.value.status_code == 400 and e.value.param == param, e.value.message
+
+
+# -- merging -----------------------------------------------------------------------------------------
+
+
+def test_usage_counts_each_prompt_once_and_every_choices_tokens() -> None:
+    usages = [{"prompt_tokens": p, "completion_tokens": c} for p, c in [(4, 1), (4, 2), (7, 3), (7, 5)]]  # fmt: skip
+    assert sum_usage(usages, 2) == {
+        "prompt_tokens": 11,
+        "completion_tokens": 11,
+        "total_tokens": 22,
+    }
+    bodies = [{"id": "x", "choices": [{"index": 0, "text": t}], "usage": u} for t, u in zip("abcd", usages, strict=True)]  # fmt: skip
+    merged = merge_bodies(bodies, 2)
+    assert [(c["index"], c["text"]) for c in merged["choices"]] == list(enumerate("abcd"))
+    assert merged["usage"]["prompt_tokens"] == 11 and merged["id"] == "x"
+
+
+def test_merged_streams_keep_each_childs_order_and_leaving_early_ends_the_others() -> None:
+    ended: list[int] = []
+
+    async def child(i: int, n: int, wait: bool) -> AsyncIterator[int]:
+        try:
+            for k in range(n):
+                if wait:
+                    await asyncio.sleep(0.001 * (i + 1))
+                yield k
+            await asyncio.sleep(3600)  # a choice still running
+            yield -1
+        finally:
+            ended.append(i)
+
+    async def read(streams: list[AsyncIterator[int]], stop_after: int) -> list[tuple[int, int]]:
+        ended.clear()
+        got: list[tuple[int, int]] = []
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for item in merged:
+                got.append(item)
+                if len(got) == stop_after:
+                    break
+        assert sorted(ended) == list(range(len(streams)))  # every child's cleanup ran
+        return got
+
+    async def main() -> None:
+        got = await read([child(0, 5, True), child(1, 3, True)], 8)
+        assert [k for i, k in got if i == 0] == [0, 1, 2, 3, 4]
+        assert [k for i, k in got if i == 1] == [0, 1, 2]
+        # Children that are not waiting but held at a yield (the reader is slow) too.
+        await read([child(0, 50, False), child(1, 50, False)], 2)
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_gather_or_cancel_raises_the_failure_and_cancels_the_rest() -> None:
+    cleaned: list[str] = []
+
+    async def slow() -> int:
+        try:
+            await asyncio.sleep(3600)
+            return 1
+        finally:
+            cleaned.append("slow")
+
+    async def bad() -> int:
+        await asyncio.sleep(0.01)
+        raise APIError("no", status_code=409)
+
+    async def main() -> None:
+        assert await gather_or_cancel([asyncio.sleep(0, 1), asyncio.sleep(0.01, 2)]) == [1, 2]
+        with pytest.raises(APIError) as e:
+            await gather_or_cancel([slow(), bad()])
+        assert e.value.status_code == 409
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert cleaned == ["slow"]
+
+
+# -- live: a node, and P/D behind the proxy --------------------------------------------------------
+
+SAMPLED = {"temperature": 1.0, "ignore_eos": True, "max_tokens": 6}
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    resp = httpx.post(url + path, json={"model": MODEL, **body}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _stream(url: str, path: str, body: dict[str, Any]) -> list[Any]:
+    body = {"model": MODEL, **body, "stream": True}
+    with httpx.stream("POST", url + path, json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        return sse_events(resp)
+
+
+def _by_index(events: list[Any], chat: bool) -> dict[int, tuple[str, list[int], Any]]:
+    """Each choice's streamed text, ids and finish reason; every choice's role comes first."""
+    out: dict[int, tuple[str, list[int], Any]] = {}
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        for c in e.get("choices") or []:
+            text, ids, _ = out.get(c["index"], ("", [], None))
+            if chat and c["index"] not in out:
+                assert c["delta"].get("role") == "assistant", e
+            piece = (c["delta"].get("content") or "") if chat else c["text"]
+            out[c["index"]] = (text + piece, ids + (c.get("token_ids") or []), c["finish_reason"])
+    return out
+
+
+def _answer(choice: dict[str, Any], chat: bool) -> tuple[str, list[int], Any]:
+    text = choice["message"]["content"] if chat else choice["text"]
+    return text, choice["token_ids"], choice["finish_reason"]
+
+
+def _wait_idle(urls: list[str]) -> None:
+    """Every node at ``urls`` has no request left (aborts land within seconds)."""
+    for url in urls:
+        deadline = time.monotonic() + 20
+        while not node_idle(url) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert node_idle(url), url
+
+
+@pytest.fixture(scope="module")
+def pd(module_procs: Procs) -> tuple[PD, Proc]:
+    """A P/D pair behind a proxy, and a colocated node."""
+    pair = module_procs.pd(1, 1, "--num-blocks", "256", colocated=True)
+    return pair, module_procs.proxy([pair.p.url], [pair.d.url])
+
+
+def _singles(url: str, path: str, body: dict[str, Any], prompts: list[Any], n: int) -> list[Any]:
+    """What a single request answers for each choice: prompt ``i``, ``seed + j``."""
+    chat = path.endswith("chat/completions")
+    out = []
+    for p in prompts:
+        for j in range(n):
+            one = {**body, "n": 1, "seed": body["seed"] + j}
+            if not chat:
+                one["prompt"] = p
+            out.append(_answer(_post(url, path, one)["choices"][0], chat))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_every_choice_is_the_single_request_for_it(pd: tuple[PD, Proc], through: str) -> None:
+    pair, proxy = pd
+    assert pair.colocated is not None
+    ref_url = pair.colocated.url
+    url = ref_url if through == "node" else proxy.url
+    prompts: list[Any] = ["hello there", [104, 105, 33, 32]]
+    body = {**SAMPLED, "prompt": prompts, "n": 2, "seed": 7, "stream_options": None}
+    want = _singles(ref_url, "/v1/completions", body, prompts, 2)
+    assert len({w[0] for w in want}) > 1  # the seeds differ: so do the choices
+
+    got = _post(url, "/v1/completions", body)
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    assert [_answer(c, False) for c in got["choices"]] == want
+    prompt_tokens = len("hello there") + 4  # tiny: a byte a token; each prompt once
+    assert got["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 24,
+                            "total_tokens": prompt_tokens + 24}  # fmt: skip
+
+    events = _stream(url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "DONE" and events.count("DONE") == 1
+    assert events[-2]["usage"] == got["usage"] and events[-2]["choices"] == []
+    assert len({e["id"] for e in events[:-1]}) == 1
+    streamed = _by_index(events, chat=False)
+    assert [streamed[i] for i in range(4)] == want
+
+    chat = {**SAMPLED, "messages": [{"role": "user", "content": "hi"}], "n": 3, "seed": 3}
+    want = _singles(ref_url, "/v1/chat/completions", chat, [None], 3)
+    got = _post(url, "/v1/chat/completions", chat)
+    assert [_answer(c, True) for c in got["choices"]] == want
+    streamed = _by_index(_stream(url, "/v1/chat/completions", chat), chat=True)
+    assert [streamed[i] for i in range(3)] == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_a_choice_that_cannot_run_refuses_the_request_and_leaves_nothing_running(
+    pd: tuple[PD, Proc], through: str
+) -> None:
+    pair, proxy = pd
+    assert pair.colocated is not None
+    url = pair.colocated.url if through == "node" else proxy.url
+    body = {"model": MODEL, "prompt": ["fine", [1, 2, 100_000]], "max_tokens": 2}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "prompt[1]", resp.text
+    _wait_idle([pair.colocated.url, pair.p.url, pair.d.url])
+
+
+@pytest.mark.slow
+def test_a_client_leaving_a_stream_of_choices_aborts_all_of_them(pd: tuple[PD, Proc]) -> None:
+    pair, proxy = pd
+    assert pair.colocated is not None
+    # Through a node (the node aborts its choices) and the proxy (D's legs are aborted).
+    for url, node in ((pair.colocated.url, pair.colocated), (proxy.url, pair.d)):
+        limit = httpx.get(node.url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+        body = {"model": MODEL, "prompt": "go", "n": 3, "max_tokens": limit - 8,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        before = node.logs(10**8).count("finished: abort")
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            seen: set[int] = set()
+            for line in resp.iter_lines():  # read lazily: the stream is left half-read
+                for event in sse_data([line]):
+                    seen.update(c["index"] for c in event["choices"])
+                if seen == {0, 1, 2}:
+                    break  # every choice is running: leave
+        deadline = time.monotonic() + 20
+        while node.logs(10**8).count("finished: abort") - before < 3:
+            assert time.monotonic() < deadline, node.logs(3000)
+            time.sleep(0.05)
+        _wait_idle([node.url])
