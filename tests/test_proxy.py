@@ -328,7 +328,7 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**7}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, "no-such-model"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "'n'"),
+    ("/v1/completions", {"prompt": "x", "n": 129}, "choices"),  # past MAX_CHOICES
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),

@@ -336,7 +336,7 @@ _CHAT_MSG = [{"role": "user", "content": "hi"}]
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/completions", {"prompt": [10**9]}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 129}, "n"),  # past MAX_CHOICES
         ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
