@@ -83,6 +83,11 @@ def validate_request(
             param=name,
             code="context_length_exceeded",
         )
+    if parsed.truncate_prompt_tokens == -1 and limit is not None:
+        # "The context length" made explicit: P and D keep the same tokens (a P with a
+        # longer context than the decode nodes' would keep more than D does).
+        body = {**body, "truncate_prompt_tokens": limit}
+        parsed.truncate_prompt_tokens = limit
     # Hashed here, off the event loop (a prompt may be megabytes).
     if parsed.num_choices == 1:
         return ProxyRequest(endpoint, body, parsed, prompt_key(parsed))

@@ -1,5 +1,6 @@
 """Several choices in one request: ``n`` > 1 and a batch of prompts (vLLM's parallel
-sampling): each choice is its own request, answered as one body or one stream.
+sampling): each choice is its own request, answered as one body or one stream. And the
+prompt cut to its last tokens (vLLM's ``truncate_prompt_tokens``).
 
 Unit tests check the parsing (limits, children and their seeds) and the merging helpers;
 the live tests (slow) check that every choice a node or the proxy (P/D) answers is what a
@@ -25,6 +26,7 @@ from engine.server.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from proxy.validation import validate_request
 
 # -- parsing ---------------------------------------------------------------------------------------
 
@@ -62,6 +64,22 @@ def test_choices_are_bounded_where_the_request_enters(body: dict[str, Any], para
     with pytest.raises(APIError) as e:
         parse_completion_request(body)
     assert e.value.status_code == 400 and e.value.param == param, e.value.message
+
+
+@pytest.mark.parametrize("value", [0, -2, "5", 1.5])
+def test_truncate_prompt_tokens_is_minus_one_or_positive(value: Any) -> None:
+    with pytest.raises(APIError) as e:
+        parse_completion_request({"prompt": "a", "truncate_prompt_tokens": value})
+    assert e.value.param == "truncate_prompt_tokens"
+    ok = parse_chat_request({"messages": [{"role": "user", "content": "x"}], "truncate_prompt_tokens": 3})  # fmt: skip
+    assert ok.truncate_prompt_tokens == 3
+
+
+def test_the_proxy_makes_minus_one_the_decode_nodes_context_so_p_and_d_keep_the_same() -> None:
+    body = b'{"prompt": "x", "truncate_prompt_tokens": -1, "n": 2}'
+    req = validate_request("completions", body, ["m"], 100)
+    assert req.body["truncate_prompt_tokens"] == 100
+    assert [c.body["truncate_prompt_tokens"] for c in req.children] == [100, 100]
 
 
 # -- merging -----------------------------------------------------------------------------------------
@@ -278,3 +296,33 @@ def test_a_client_leaving_a_stream_of_choices_aborts_all_of_them(pd: tuple[PD, P
             assert time.monotonic() < deadline, node.logs(3000)
             time.sleep(0.05)
         _wait_idle([node.url])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+    pd: tuple[PD, Proc], through: str
+) -> None:
+    pair, proxy = pd
+    assert pair.colocated is not None
+    ref = pair.colocated.url
+    url = ref if through == "node" else proxy.url
+    ids = list(range(97, 117))  # tiny: a byte a token, "abcdefghijklmnopqrst"
+    body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    want = _post(ref, "/v1/completions", {**body, "prompt": ids[-5:]})["choices"][0]
+    got = _post(url, "/v1/completions", {**body, "truncate_prompt_tokens": 5})
+    assert got["choices"][0]["token_ids"] == want["token_ids"]
+    assert got["usage"]["prompt_tokens"] == 5
+    text = {**body, "prompt": "abcdefghijklmnopqrst", "truncate_prompt_tokens": 5, "echo": True}
+    assert _post(url, "/v1/completions", text)["choices"][0]["text"] == "pqrst" + want["text"]
+    chat = {"messages": [{"role": "user", "content": "hi " * 20}], "max_tokens": 2,
+            "truncate_prompt_tokens": 7}  # fmt: skip
+    assert _post(url, "/v1/chat/completions", chat)["usage"]["prompt_tokens"] == 7
+    # -1: the context's length (this prompt is shorter: kept whole); past it, a 400.
+    whole = _post(url, "/v1/completions", {**body, "truncate_prompt_tokens": -1})
+    assert whole["usage"]["prompt_tokens"] == 20
+    limit = httpx.get(ref + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    resp = httpx.post(
+        url + "/v1/completions", json={"model": MODEL, **body, "truncate_prompt_tokens": limit + 1}
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens"

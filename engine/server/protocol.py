@@ -198,6 +198,8 @@ class BaseRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     n: int = 1  # choices per prompt (each its own engine request: ``children``)
+    # vLLM's: keep only the prompt's last k tokens (-1: the model's context length).
+    truncate_prompt_tokens: int | None = None
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -305,6 +307,14 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     req.top_k = top_k
     req.seed = _get_int(body, "seed", None)
     _parse_n(body, req)
+    req.truncate_prompt_tokens = _get_int(body, "truncate_prompt_tokens", None)
+    keep = req.truncate_prompt_tokens
+    if keep is not None and keep < 1 and keep != -1:
+        raise APIError(
+            f"'truncate_prompt_tokens' must be -1 (the model's context length) or at least 1, "
+            f"got {keep}",
+            param="truncate_prompt_tokens",
+        )
 
     stop = body.get("stop")
     if stop is None:
@@ -466,7 +476,6 @@ _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "return_tokens_as_token_ids": (lambda v: v in (None, False), "= true"),
     "allowed_token_ids": (_neutral_none, ""),
     "bad_words": (_neutral_none, ""),
-    "truncate_prompt_tokens": (_neutral_none, ""),
     "guided_json": (_neutral_none, "(structured output)"),
     "guided_regex": (_neutral_none, "(structured output)"),
     "guided_choice": (_neutral_none, "(structured output)"),
@@ -494,6 +503,7 @@ COMMON_FIELDS = frozenset(
         "stop_token_ids", "ignore_eos", "stream", "stream_options", "kv_transfer_params",
         "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
+        "truncate_prompt_tokens",
         *_VLLM_FIELDS,
     }
 )  # fmt: skip
@@ -705,6 +715,21 @@ def check_model(requested: str | None, served: str) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context
+    length; None: all). More than the context is a 400, as vLLM answers."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    if keep > max_model_len:
+        raise APIError(
+            f"'truncate_prompt_tokens' ({keep}) is greater than this model's context length "
+            f"({max_model_len})",
+            param="truncate_prompt_tokens",
+        )
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:

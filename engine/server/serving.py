@@ -36,6 +36,7 @@ from engine.server.protocol import (
     parse_completion_request,
     parse_json_body,
     resolve_max_tokens,
+    truncate_prompt,
 )
 from engine.server.tokenize import render_chat
 
@@ -143,6 +144,11 @@ class OpenAIServing:
                     text = self.engine.tokenizer.decode(ids)
             else:
                 ids = list(self.engine.tokenizer.encode(text or ""))
+            kept = truncate_prompt(ids, req.truncate_prompt_tokens, self.engine.max_model_len)
+            if len(kept) < len(ids):
+                ids = kept
+                if req.echo:  # the prompt the model saw
+                    text = self.engine.tokenizer.decode(ids)
             for child in children[k : k + req.n]:
                 child.prompt_text = text  # type: ignore[attr-defined]
                 out.append((child, ids))
@@ -157,6 +163,7 @@ class OpenAIServing:
                 render_chat(tok, req.messages, req.chat_template_kwargs), add_special_tokens=False
             )
         )
+        ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.engine.max_model_len)
         return req.n, [(child, ids) for child in req.children()]
 
     # -- one job ------------------------------------------------------------------------------
