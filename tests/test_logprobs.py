@@ -27,6 +27,7 @@ from engine.core.scheduler_output import ModelRunnerOutput
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.logprobs import (
+    TokenIdStrings,
     TokenStrings,
     chat_logprobs,
     completion_logprobs,
@@ -269,6 +270,22 @@ def test_completion_shape() -> None:
     assert clamped["token_logprobs"] == [-9999.0] and clamped["top_logprobs"] == [{"a": -9999.0}]
 
 
+def test_tokens_as_token_ids_name_every_token_by_id_and_offsets_stay_the_texts() -> None:
+    """vLLM's ``return_tokens_as_token_ids``: ``token_id:<id>`` names, bytes of the name."""
+    by_id = TokenIdStrings(ByteTokenizer())
+    entries = [E(97, -0.1, (97, 120), (-0.1, -3.0)), E(0xE2, -2.0, (120,), (-0.5,))]
+    body, end = completion_logprobs([97, 0xE2], entries, by_id, text_offset=5)
+    assert body["tokens"] == ["token_id:97", "token_id:226"]
+    assert body["top_logprobs"] == [
+        {"token_id:97": -0.1, "token_id:120": -3.0},
+        {"token_id:120": -0.5, "token_id:226": -2.0},
+    ]
+    assert body["text_offset"] == [5, 6] and end == 5 + len(STRINGS.text(97) + STRINGS.text(0xE2))
+    chat = chat_logprobs([98], [E(98, -1.0, (98,), (-1.0,))], by_id)["content"][0]
+    assert chat["token"] == "token_id:98" and chat["bytes"] == list(b"token_id:98")
+    assert chat["top_logprobs"][0]["token"] == "token_id:98"
+
+
 def test_chat_shape() -> None:
     body = chat_logprobs([0xE2], [E(0xE2, -1.0, (0xE2, 97), (-1.0, -2.0))], STRINGS)
     item = body["content"][0]
@@ -443,6 +460,19 @@ def test_node_echo_with_and_without_logprobs(node: Proc) -> None:
 
 
 @pytest.mark.slow
+def test_node_names_tokens_by_id_when_asked(node: Proc) -> None:
+    body = {**COMPLETION, "logprobs": 1, "return_tokens_as_token_ids": True}
+    full = _post(node.url, "/v1/completions", body)["choices"][0]
+    assert full["logprobs"]["tokens"] == [f"token_id:{t}" for t in full["token_ids"]]
+    assert all(k.startswith("token_id:") for top in full["logprobs"]["top_logprobs"] for k in top)
+    chat = {**CHAT_IGNORE, "logprobs": True, "return_tokens_as_token_ids": True}
+    got = _post(node.url, "/v1/chat/completions", chat)["choices"][0]
+    assert [c["token"] for c in got["logprobs"]["content"]] == [
+        f"token_id:{t}" for t in got["token_ids"]
+    ]
+
+
+@pytest.mark.slow
 def test_node_chat_logprobs(node: Proc) -> None:
     body = {**CHAT_IGNORE, "logprobs": True, "top_logprobs": 2}
     full = _post(node.url, "/v1/chat/completions", body)["choices"][0]
@@ -520,6 +550,8 @@ CASES = [
     ("/v1/completions", {**COMPLETION, "temperature": 1.0, "seed": 11, "min_p": 0.1,
                          "logit_bias": {"101": 6, "116": 6, "32": 6, "262": -100},
                          "max_tokens": 8, "logprobs": 1}),
+    # Tokens named by id: P's first token's entry and D's alike.
+    ("/v1/completions", {**COMPLETION, "logprobs": 2, "return_tokens_as_token_ids": True}),
     # Penalties: D counts P's first token as output (chat: no text offsets to differ).
     ("/v1/chat/completions", {**CHAT_IGNORE, "max_tokens": 8, "logprobs": True,
                               "presence_penalty": 1.0, "frequency_penalty": 0.5,

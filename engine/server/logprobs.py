@@ -40,14 +40,33 @@ def _clamp(value: float) -> float:
 
 
 class TokenStrings:
-    """A tokenizer's per-token text and bytes, cached (alternatives repeat a lot)."""
+    """A tokenizer's per-token text and bytes, cached (alternatives repeat a lot).
+    ``name`` is how log probabilities name a token: its text."""
 
     def __init__(self, tokenizer: Any, cache_size: int = 1 << 16) -> None:
         self.text = functools.lru_cache(maxsize=cache_size)(tokenizer.token_text)
+        self.name = self.text
         self._bytes = functools.lru_cache(maxsize=cache_size)(tokenizer.token_bytes)
 
     def bytes(self, token_id: int) -> list[int]:
         return list(self._bytes(token_id))
+
+
+class TokenIdStrings(TokenStrings):
+    """vLLM's ``return_tokens_as_token_ids``: tokens named ``token_id:<id>`` (a token that
+    is not text of its own, e.g. a byte of a character, stays identifiable), ``bytes``
+    those of the name (as vLLM); ``text`` -- and so ``text_offset`` -- stays the text."""
+
+    def __init__(self, tokenizer: Any, cache_size: int = 1 << 16) -> None:
+        super().__init__(tokenizer, cache_size)
+        self.name = _token_id_name
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(_token_id_name(token_id).encode())
+
+
+def _token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def completion_logprobs(
@@ -63,19 +82,19 @@ def completion_logprobs(
     top: list[dict[str, float] | None] = []
     offsets: list[int] = []
     for tid, e in zip(ids, entries, strict=True):
-        text = strings.text(tid)
-        tokens.append(text)
+        name = strings.name(tid)
+        tokens.append(name)
         offsets.append(text_offset)
-        text_offset += len(text)
+        text_offset += len(strings.text(tid))
         if e is None:
             token_logprobs.append(None)
             top.append(None)
             continue
         token_logprobs.append(_clamp(e.logprob))
         alternatives = {
-            strings.text(t): _clamp(lp) for t, lp in zip(e.top_ids, e.top_logprobs, strict=True)
+            strings.name(t): _clamp(lp) for t, lp in zip(e.top_ids, e.top_logprobs, strict=True)
         }
-        alternatives.setdefault(text, _clamp(e.logprob))
+        alternatives.setdefault(name, _clamp(e.logprob))
         top.append(alternatives)
     body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}
     body["text_offset"] = offsets
@@ -89,14 +108,14 @@ def chat_logprobs(
     content = []
     for tid, e in zip(ids, entries, strict=True):
         item: dict[str, Any] = {
-            "token": strings.text(tid),
+            "token": strings.name(tid),
             "logprob": None if e is None else _clamp(e.logprob),
             "bytes": strings.bytes(tid),
             "top_logprobs": [],
         }
         if e is not None:
             item["top_logprobs"] = [
-                {"token": strings.text(t), "logprob": _clamp(lp), "bytes": strings.bytes(t)}
+                {"token": strings.name(t), "logprob": _clamp(lp), "bytes": strings.bytes(t)}
                 for t, lp in zip(e.top_ids, e.top_logprobs, strict=True)
             ]
         content.append(item)

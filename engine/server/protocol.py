@@ -200,6 +200,8 @@ class BaseRequest:
     n: int = 1  # choices per prompt (each its own engine request: ``children``)
     # vLLM's: keep only the prompt's last k tokens (-1: the model's context length).
     truncate_prompt_tokens: int | None = None
+    # vLLM's: log probabilities name tokens ``token_id:<id>`` instead of their text.
+    return_tokens_as_token_ids: bool = False
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -308,6 +310,7 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     req.seed = _get_int(body, "seed", None)
     _parse_n(body, req)
     req.truncate_prompt_tokens = _get_int(body, "truncate_prompt_tokens", None)
+    req.return_tokens_as_token_ids = _get_bool(body, "return_tokens_as_token_ids", False)
     keep = req.truncate_prompt_tokens
     if keep is not None and keep < 1 and keep != -1:
         raise APIError(
@@ -473,7 +476,6 @@ _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "length_penalty": (lambda v: v in (None, 1, 1.0), "other than 1"),
     "skip_special_tokens": (lambda v: v in (None, True), "= false"),
     "spaces_between_special_tokens": (lambda v: v in (None, True), "= false"),
-    "return_tokens_as_token_ids": (lambda v: v in (None, False), "= true"),
     "allowed_token_ids": (_neutral_none, ""),
     "bad_words": (_neutral_none, ""),
     "guided_json": (_neutral_none, "(structured output)"),
@@ -503,7 +505,7 @@ COMMON_FIELDS = frozenset(
         "stop_token_ids", "ignore_eos", "stream", "stream_options", "kv_transfer_params",
         "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
-        "truncate_prompt_tokens",
+        "truncate_prompt_tokens", "return_tokens_as_token_ids",
         *_VLLM_FIELDS,
     }
 )  # fmt: skip

@@ -23,7 +23,7 @@ from engine.outputs import Logprobs
 from engine.sampling_params import InvalidRequestError
 from engine.server.engine_client import EngineClient
 from engine.server.jobs import Job, Step, engine_error, generate_steps
-from engine.server.logprobs import TokenStrings
+from engine.server.logprobs import TokenIdStrings, TokenStrings
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import (
     APIError,
@@ -79,12 +79,22 @@ class OpenAIServing:
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
         self._strings: TokenStrings | None = None  # token names for logprobs, made once
+        self._id_strings: TokenStrings | None = None  # ... with return_tokens_as_token_ids
 
     @property
     def strings(self) -> TokenStrings:
         if self._strings is None:
             self._strings = TokenStrings(self.engine.tokenizer)
         return self._strings
+
+    def _strings_for(self, req: BaseRequest) -> TokenStrings | None:
+        if req.logprobs is None:
+            return None
+        if not req.return_tokens_as_token_ids:
+            return self.strings
+        if self._id_strings is None:
+            self._id_strings = TokenIdStrings(self.engine.tokenizer)
+        return self._id_strings
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.max_request_bytes)
@@ -205,7 +215,7 @@ class OpenAIServing:
             prompt_ids=ids,
             params=req.sampling_params(max_tokens),
             req=req,
-            strings=self.strings if req.logprobs is not None else None,
+            strings=self._strings_for(req),
             echo_text=(req.prompt_text or "") if echo else None,  # type: ignore[attr-defined]
             index=index,
         )
