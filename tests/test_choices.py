@@ -1,6 +1,8 @@
 """Several choices in one request: ``n`` > 1 and a batch of prompts (vLLM's parallel
 sampling): each choice is its own request, answered as one body or one stream. And the
-prompt cut to its last tokens (vLLM's ``truncate_prompt_tokens``).
+prompt cut to its last tokens (vLLM's ``truncate_prompt_tokens``), and special tokens'
+text kept (``skip_special_tokens: false``): how prompts and answers map to text and
+requests, on a node and through the proxy alike.
 
 Unit tests check the parsing (limits, children and their seeds) and the merging helpers;
 the live tests (slow) check that every choice a node or the proxy (P/D) answers is what a
@@ -326,3 +328,22 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
         url + "/v1/completions", json={"model": MODEL, **body, "truncate_prompt_tokens": limit + 1}
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_skip_special_tokens_false_keeps_their_text(pd: tuple[PD, Proc], through: str) -> None:
+    """tiny's BOS (256) is special: its text is left out unless asked (vLLM's default)."""
+    pair, proxy = pd
+    assert pair.colocated is not None
+    url = pair.colocated.url if through == "node" else proxy.url
+    body = {"prompt": [256, 104, 105], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"256": 100}}  # fmt: skip
+    plain = _post(url, "/v1/completions", body)["choices"][0]
+    assert plain["token_ids"] == [256] * 3 and plain["text"] == ""
+    kept = {**body, "skip_special_tokens": False}
+    assert _post(url, "/v1/completions", kept)["choices"][0]["text"] == "<|bos|>" * 3
+    streamed = _by_index(_stream(url, "/v1/completions", kept), chat=False)
+    assert streamed[0][0] == "<|bos|>" * 3
+    echo = _post(url, "/v1/completions", {**kept, "echo": True})["choices"][0]["text"]
+    assert echo == "<|bos|>hi" + "<|bos|>" * 3

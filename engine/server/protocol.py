@@ -202,6 +202,8 @@ class BaseRequest:
     truncate_prompt_tokens: int | None = None
     # vLLM's: log probabilities name tokens ``token_id:<id>`` instead of their text.
     return_tokens_as_token_ids: bool = False
+    # vLLM's: special tokens (BOS, EOS, a chat template's markers) left out of the text.
+    skip_special_tokens: bool = True
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -311,6 +313,7 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     _parse_n(body, req)
     req.truncate_prompt_tokens = _get_int(body, "truncate_prompt_tokens", None)
     req.return_tokens_as_token_ids = _get_bool(body, "return_tokens_as_token_ids", False)
+    req.skip_special_tokens = _get_bool(body, "skip_special_tokens", True)
     keep = req.truncate_prompt_tokens
     if keep is not None and keep < 1 and keep != -1:
         raise APIError(
@@ -474,7 +477,6 @@ _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "prompt_logprobs": (_neutral_none, "(use 'echo' with 'logprobs' on completions)"),
     "use_beam_search": (lambda v: v in (None, False), "= true (no beam search)"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "other than 1"),
-    "skip_special_tokens": (lambda v: v in (None, True), "= false"),
     "spaces_between_special_tokens": (lambda v: v in (None, True), "= false"),
     "allowed_token_ids": (_neutral_none, ""),
     "bad_words": (_neutral_none, ""),
@@ -505,7 +507,7 @@ COMMON_FIELDS = frozenset(
         "stop_token_ids", "ignore_eos", "stream", "stream_options", "kv_transfer_params",
         "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
-        "truncate_prompt_tokens", "return_tokens_as_token_ids",
+        "truncate_prompt_tokens", "return_tokens_as_token_ids", "skip_special_tokens",
         *_VLLM_FIELDS,
     }
 )  # fmt: skip

@@ -151,14 +151,14 @@ class OpenAIServing:
                 where = "prompt" if len(children) == req.n else f"prompt[{k // req.n}]"
                 check_token_ids(ids, self.engine.vocab_size, where)
                 if req.echo:  # the text echoed before the answer
-                    text = self.engine.tokenizer.decode(ids)
+                    text = self.engine.tokenizer.decode(ids, req.skip_special_tokens)
             else:
                 ids = list(self.engine.tokenizer.encode(text or ""))
             kept = truncate_prompt(ids, req.truncate_prompt_tokens, self.engine.max_model_len)
             if len(kept) < len(ids):
                 ids = kept
                 if req.echo:  # the prompt the model saw
-                    text = self.engine.tokenizer.decode(ids)
+                    text = self.engine.tokenizer.decode(ids, req.skip_special_tokens)
             for child in children[k : k + req.n]:
                 child.prompt_text = text  # type: ignore[attr-defined]
                 out.append((child, ids))
@@ -256,7 +256,9 @@ class OpenAIServing:
     def _steps(self, job: Job) -> AsyncIterator[Step]:
         from engine.tokenizer import IncrementalDetokenizer
 
-        detok = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids=job.prompt_ids)
+        detok = IncrementalDetokenizer(
+            self.engine.tokenizer, job.prompt_ids, job.req.skip_special_tokens
+        )
         return generate_steps(self.engine, job, detok)
 
     async def _run(self, request: Request, jobs: list[Job], n: int = 1) -> Response:
