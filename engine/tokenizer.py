@@ -30,11 +30,24 @@ def _message_text(content: Any) -> str:
     return str(content)
 
 
-def simple_chat_template(messages: list[dict[str, Any]]) -> str:
+def simple_chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
     """``<|role|>\\ncontent\\n`` per message, then the assistant prompt ``<|assistant|>\\n``."""
     parts = [f"<|{m.get('role', 'user')}|>\n{_message_text(m.get('content'))}\n" for m in messages]
-    parts.append("<|assistant|>\n")
+    if add_generation_prompt:
+        parts.append("<|assistant|>\n")
     return "".join(parts)
+
+
+def continue_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered chat cut right after the final message's text (its end-of-turn markers
+    dropped), so the model continues that message (transformers' and vLLM's
+    ``continue_final_message``; a template that strips messages is matched stripped)."""
+    final = _message_text(messages[-1].get("content")) if messages else ""
+    for text in (final, final.strip()):
+        at = rendered.rfind(text)
+        if at >= 0:
+            return rendered[: at + len(text)]
+    raise ValueError("the chat template does not render the final message's text")
 
 
 class Tokenizer(ABC):
@@ -49,11 +62,15 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
-        """The rendered prompt string, ending with the assistant generation prompt.
-        ``template_kwargs`` (a request's ``chat_template_kwargs``) are extra variables of a
-        Jinja chat template; only ``supports_template_kwargs`` tokenizers take them."""
+        """The rendered prompt string, ending with the assistant generation prompt (unless
+        ``add_generation_prompt`` is false). ``template_kwargs`` (a request's
+        ``chat_template_kwargs``) are extra variables of a Jinja chat template; only
+        ``supports_template_kwargs`` tokenizers take them."""
 
     @property
     def supports_template_kwargs(self) -> bool:
@@ -106,10 +123,13 @@ class ByteTokenizer(Tokenizer):
         return out.decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
         _refuse_template_kwargs(template_kwargs)
-        return simple_chat_template(messages)
+        return simple_chat_template(messages, add_generation_prompt)
 
     def token_bytes(self, token_id: int) -> bytes:
         if 0 <= token_id < 256:
@@ -247,16 +267,19 @@ class HFTokenizer(Tokenizer):
         return self._compiled
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
         template = self._template()
         if template is None:
             if self._chat_template is None:
                 logger.warning("checkpoint has no chat_template; using the simple built-in one")
             _refuse_template_kwargs(template_kwargs)
-            return simple_chat_template(messages)
+            return simple_chat_template(messages, add_generation_prompt)
         variables: dict[str, Any] = {
-            "add_generation_prompt": True,
+            "add_generation_prompt": add_generation_prompt,
             "tools": None,
             "documents": None,
             "bos_token": self.bos_token or "",

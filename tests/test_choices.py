@@ -347,3 +347,29 @@ def test_skip_special_tokens_false_keeps_their_text(pd: tuple[PD, Proc], through
     assert streamed[0][0] == "<|bos|>" * 3
     echo = _post(url, "/v1/completions", {**kept, "echo": True})["choices"][0]["text"]
     assert echo == "<|bos|>hi" + "<|bos|>" * 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_continue_final_message_goes_on_with_the_prefilled_answer(
+    pd: tuple[PD, Proc], through: str
+) -> None:
+    """vLLM's ``continue_final_message``: the prompt ends inside the assistant's message
+    (tiny's built-in template), as a completion of that text answers."""
+    pair, proxy = pd
+    assert pair.colocated is not None
+    url = pair.colocated.url if through == "node" else proxy.url
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    chat = {"messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "continue_final_message": True}  # fmt: skip
+    text = "<|user|>\nhi\n<|assistant|>\nHel"
+    want = _post(pair.colocated.url, "/v1/completions", {**chat, "prompt": text, "messages": None})
+    got = _post(url, "/v1/chat/completions", chat)
+    assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    assert got["usage"]["prompt_tokens"] == len(text)
+    closed = {**chat, "continue_final_message": False, "add_generation_prompt": False}
+    assert _post(url, "/v1/chat/completions", closed)["usage"]["prompt_tokens"] == len(text) + 1
+    count = httpx.post(
+        url + "/tokenize", json={"messages": messages, "continue_final_message": True}
+    )
+    assert count.json()["count"] == len(text), count.text

@@ -356,7 +356,11 @@ def test_unknown_fields_are_named_and_vllm_fields_that_matter_are_refused() -> N
         ("c", {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
         ("c", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
         ("chat", {"messages": _MSG, "echo": True}, "echo"),
-        ("chat", {"messages": _MSG, "add_generation_prompt": False}, "add_generation_prompt"),
+        (
+            "chat",
+            {"messages": _MSG, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+        ),  # fmt: skip
         ("c", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ("c", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ]:

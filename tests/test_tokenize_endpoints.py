@@ -96,7 +96,12 @@ def test_tokenize_chat_uses_the_template(client: TestClient) -> None:
         ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
         ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
         ("/tokenize", {"messages": "hi"}, "messages"),
-        ("/tokenize", {"messages": MSGS, "add_generation_prompt": False}, "add_generation_prompt"),
+        ("/tokenize", {"messages": MSGS, "add_generation_prompt": "no"}, "add_generation_prompt"),
+        (
+            "/tokenize",
+            {"messages": MSGS, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+        ),  # fmt: skip
         ("/tokenize", {"messages": MSGS, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
         ("/detokenize", {}, "tokens"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),

@@ -13,6 +13,7 @@ from engine.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     IncrementalDetokenizer,
+    continue_final_message,
     load_tokenizer,
 )
 
@@ -139,6 +140,26 @@ def test_hf_chat_template(hf_tokenizer_dir: Path) -> None:
     ids = tok.encode(prompt, add_special_tokens=False)
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
     assert tok.eos_token_id in ids
+
+
+def test_a_chat_without_the_generation_prompt_or_continuing_its_final_message(
+    hf_tokenizer_dir: Path,
+) -> None:
+    """vLLM's ``add_generation_prompt: false`` and ``continue_final_message``, on a Jinja
+    template and the built-in one."""
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": " Hi th"}]
+    tok = load_tokenizer(str(hf_tokenizer_dir))
+    closed = tok.apply_chat_template(chat, add_generation_prompt=False)
+    assert closed == "<s><|user|>hello</s><|assistant|> Hi th</s>"
+    assert continue_final_message(closed, chat) == "<s><|user|>hello</s><|assistant|> Hi th"
+    byte = ByteTokenizer()
+    closed = byte.apply_chat_template(chat, add_generation_prompt=False)
+    assert closed == "<|user|>\nhello\n<|assistant|>\n Hi th\n"
+    assert continue_final_message(closed, chat) == "<|user|>\nhello\n<|assistant|>\n Hi th"
+    # A template that strips the messages: matched stripped.
+    assert continue_final_message("<a>Hi th</a>", chat) == "<a>Hi th"
+    with pytest.raises(ValueError):
+        continue_final_message("<a>nothing</a>", chat)
 
 
 def test_hf_chat_template_without_jinja2_falls_back(

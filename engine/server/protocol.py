@@ -280,6 +280,10 @@ class ChatCompletionRequest(BaseRequest):
     messages: list[dict[str, str]] = field(default_factory=list)
     # Extra variables of the model's Jinja chat template (e.g. {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # vLLM's: the template's assistant header after the messages; or (continue) the final
+    # message left open for the model to go on with (a "prefilled" answer).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -489,8 +493,6 @@ _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
 }
 _VLLM_CHAT_FIELDS: dict[str, tuple[Any, str]] = {
     "echo": (lambda v: v in (None, False), "= true on chat completions"),
-    "add_generation_prompt": (lambda v: v in (None, True), "= false"),
-    "continue_final_message": (lambda v: v in (None, False), "= true"),
     "chat_template": (_neutral_none, "(the model's own template is used)"),
     "documents": (_neutral_none, ""),
 }
@@ -515,6 +517,7 @@ COMMON_FIELDS = frozenset(
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", *_VLLM_COMPLETION_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs", "tools",
+    "add_generation_prompt", "continue_final_message",
     "functions", "tool_choice", "function_call", "response_format", *_VLLM_CHAT_FIELDS,
 }  # fmt: skip
 
@@ -694,12 +697,28 @@ def parse_chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def parse_generation_prompt(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``(add_generation_prompt, continue_final_message)``: vLLM's fields. Continuing the
+    final message means no new assistant header (the default then); asking for both is
+    a 400, as vLLM answers."""
+    cont = _get_bool(body, "continue_final_message", False)
+    add = _get_bool(body, "add_generation_prompt", not cont)
+    if add and cont:
+        raise APIError(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true: the "
+            "first continues the final message, the second starts a new assistant message",
+            param="continue_final_message",
+        )
+    return add, cont
+
+
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
     """Validate a ``/v1/chat/completions`` JSON body. ``max_tokens`` stays None if absent."""
     body = _require_object(body)
     req = ChatCompletionRequest()
     req.messages = _parse_messages(body)
     req.chat_template_kwargs = parse_chat_template_kwargs(body)
+    req.add_generation_prompt, req.continue_final_message = parse_generation_prompt(body)
     mct = _parse_max_tokens(body, "max_completion_tokens", None)
     mt = _parse_max_tokens(body, "max_tokens", None)
     req.max_tokens = mct if mct is not None else mt

@@ -170,7 +170,14 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         ids = list(
             tok.encode(
-                render_chat(tok, req.messages, req.chat_template_kwargs), add_special_tokens=False
+                render_chat(
+                    tok,
+                    req.messages,
+                    req.chat_template_kwargs,
+                    req.add_generation_prompt,
+                    req.continue_final_message,
+                ),
+                add_special_tokens=False,
             )
         )
         ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.engine.max_model_len)

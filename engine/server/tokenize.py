@@ -2,7 +2,8 @@
 
 Shapes follow vLLM: ``/tokenize`` takes ``{"prompt": str}`` (``add_special_tokens``
 default true) or a chat ``{"messages": [...]}`` (rendered with the model's chat template,
-``add_special_tokens`` default false, optional ``chat_template_kwargs``) and answers
+``add_special_tokens`` default false, optional ``chat_template_kwargs``,
+``add_generation_prompt`` and ``continue_final_message`` as on chat) and answers
 ``{"count", "max_model_len", "tokens", "token_strs"}`` (each token's text with
 ``return_token_strs: true``, else null); ``/detokenize`` takes
 ``{"tokens": [ids]}`` and answers ``{"prompt": str}``; ``/version`` answers
@@ -27,9 +28,11 @@ from engine.server.protocol import (
     check_model,
     check_token_ids,
     parse_chat_template_kwargs,
+    parse_generation_prompt,
     parse_json_body,
     parse_messages,
 )
+from engine.tokenizer import continue_final_message
 
 # Token ids rendered per piece of a /tokenize answer (~2 ms of json.dumps here).
 IDS_PER_PIECE = 1 << 15
@@ -70,8 +73,15 @@ def _object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> str:
-    """The chat prompt; ``chat_template_kwargs`` the template cannot take are a 400."""
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    kwargs: dict[str, Any],
+    add_generation_prompt: bool = True,
+    continue_final: bool = False,
+) -> str:
+    """The chat prompt; ``chat_template_kwargs`` the template cannot take are a 400.
+    ``continue_final``: cut after the final message's text (``continue_final_message``)."""
     if kwargs and not tokenizer.supports_template_kwargs:
         raise APIError(
             "'chat_template_kwargs' is not supported: this model has no Jinja chat template",
@@ -79,7 +89,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], kwargs: dict[str
             code="unsupported_parameter",
         )
     try:
-        return str(tokenizer.apply_chat_template(messages, kwargs or None))
+        text = str(tokenizer.apply_chat_template(messages, kwargs or None, add_generation_prompt))
+        return continue_final_message(text, messages) if continue_final else text
     except Exception as e:  # a template's raise_exception, a kwarg it cannot render
         raise APIError(f"the chat template failed: {e}", param="messages") from e
 
@@ -123,13 +134,10 @@ class TokenizeServing:
         if body.get("messages") is not None:
             if body.get("prompt") is not None:
                 raise APIError("give either 'prompt' or 'messages', not both", param="prompt")
-            if not _bool(body, "add_generation_prompt", True):
-                raise APIError(
-                    "'add_generation_prompt' = false is not supported",
-                    param="add_generation_prompt",
-                    code="unsupported_parameter",
-                )
-            text = render_chat(tok, parse_messages(body), parse_chat_template_kwargs(body))
+            add, cont = parse_generation_prompt(body)
+            text = render_chat(
+                tok, parse_messages(body), parse_chat_template_kwargs(body), add, cont
+            )
             special = _bool(body, "add_special_tokens", False)
         else:
             text = body.get("prompt")
