@@ -373,3 +373,16 @@ def test_continue_final_message_goes_on_with_the_prefilled_answer(
         url + "/tokenize", json={"messages": messages, "continue_final_message": True}
     )
     assert count.json()["count"] == len(text), count.text
+
+
+@pytest.mark.slow
+def test_the_proxy_counts_every_choice_against_max_inflight(
+    module_procs: Procs, pd: tuple[PD, Proc]
+) -> None:
+    pair, _ = pd
+    proxy = module_procs.proxy([pair.p.url], [pair.d.url], "--max-inflight", "2")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2}
+    assert httpx.post(proxy.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    resp = httpx.post(proxy.url + "/v1/completions", json={**body, "n": 3}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", resp.text
+    assert "--max-inflight" in resp.json()["error"]["message"]
