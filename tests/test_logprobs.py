@@ -217,6 +217,58 @@ def test_min_tokens_holds_back_eos_and_stop_ids(qwen: Any) -> None:
     assert stop not in _tokens_and_logprobs(eos)[0][:2]
 
 
+def test_allowed_token_ids_confine_every_token_and_logprobs_stay_raw(qwen: Any) -> None:
+    """Through the scheduler and the model runner: greedy and sampled requests draw only
+    allowed ids in every step, and their log probabilities are the model's (raw: not
+    renormalised over the allowed ids); a request without it, run alongside, is unchanged."""
+    hf, path = qwen
+    eng = InProcessEngine(path)
+    prompt = random_prompt(12, VOCAB, seed=15)
+    free = eng.run(Request("f", prompt, SamplingParams(max_tokens=6, temperature=0.0)))["f"]
+    free_ids = _tokens_and_logprobs(free)[0]
+    allowed = [t for t in (7, 19, 88, 140, 201) if t not in free_ids][:4]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, allowed_token_ids=allowed)
+    sampled = SamplingParams(
+        max_tokens=6, temperature=1.0, seed=9, logprobs=2, allowed_token_ids=allowed
+    )
+    outs = eng.run(
+        Request("g", prompt, greedy),
+        Request("s", prompt, sampled),
+        Request("p", prompt, SamplingParams(max_tokens=6, temperature=0.0)),
+    )
+    assert _tokens_and_logprobs(outs["p"])[0] == free_ids
+    for rid in ("g", "s"):
+        ids, lps, _ = _tokens_and_logprobs(outs[rid])
+        assert len(ids) == 6 and set(ids) <= set(allowed), (rid, ids)
+        ref = torch.log_softmax(hf_logits(hf, prompt + ids[:-1]), dim=-1)
+        for i, (tid, e) in enumerate(zip(ids, lps, strict=True)):
+            row = ref[len(prompt) - 1 + i]
+            _check_against_reference(e, row, tid, 2)  # the top 2 of all ids, not the allowed
+            if rid == "g":  # the most likely allowed id
+                assert tid == max(allowed, key=lambda t: float(row[t]))
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 21)])
+def test_allowed_token_ids_that_min_tokens_bans_are_drawn_and_the_answer_still_waits(
+    qwen: Any, temperature: float, seed: int | None
+) -> None:
+    """Every allowed id a stop id, min_tokens 3: the ban would leave no id (NaN, or vLLM's
+    token 0), so it is lifted for the row: the answer is allowed ids alone, and as it cannot
+    stop before min_tokens it stops at the third."""
+    hf, path = qwen
+    eng = InProcessEngine(path)
+    prompt = random_prompt(10, VOCAB, seed=16)
+    sp = SamplingParams(max_tokens=8, temperature=temperature, seed=seed, logprobs=0,
+                        allowed_token_ids=[42, 77], stop_token_ids=[42, 77], min_tokens=3)  # fmt: skip
+    outs = eng.run(Request("b", prompt, sp))["b"]
+    ids, lps, _ = _tokens_and_logprobs(outs)
+    assert len(ids) == 3 and set(ids) <= {42, 77} and outs[-1].finish_reason == "stop", ids
+    ref = torch.log_softmax(hf_logits(hf, prompt + ids[:-1]), dim=-1)
+    for i, (tid, e) in enumerate(zip(ids, lps, strict=True)):
+        assert math.isfinite(e.logprob)
+        assert abs(e.logprob - float(ref[len(prompt) - 1 + i, tid])) <= TOL
+
+
 def test_a_decode_node_leaves_what_the_prefill_node_computed_empty() -> None:
     """On a P/D decode node the first token arrives with the KV: its entry (and, with
     echo, the prompt's) is None -- the proxy fills them from the prefill node's answer --
@@ -527,6 +579,43 @@ def test_node_logit_bias_steers_every_token_and_refuses_ids_past_the_vocabulary(
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
 
 
+@pytest.mark.slow
+def test_node_allowed_token_ids_confine_every_token_and_refuse_ids_past_the_vocabulary(
+    node: Proc,
+) -> None:
+    plain = _post(node.url, "/v1/completions", {**COMPLETION, "logprobs": 0})["choices"][0]
+    ids = plain["token_ids"]
+    allowed = [101, 116, 32, 104]  # "e", "t", " ", "h"
+    body = {**COMPLETION, "allowed_token_ids": allowed, "logprobs": 0}
+    for extra in ({}, {"temperature": 1.0, "seed": 3, "max_tokens": 12}):
+        got = _post(node.url, "/v1/completions", {**body, **extra})["choices"][0]
+        assert got["token_ids"] and set(got["token_ids"]) <= set(allowed), got["token_ids"]
+    chat = _post(node.url, "/v1/chat/completions", {**CHAT_IGNORE, "allowed_token_ids": [101]})
+    assert chat["choices"][0]["token_ids"] == [101] * 5
+    # Log probabilities are the model's: the greedy first token (allowed along with one
+    # other id) has the log probability it has without the field, not one renormalised
+    # over the two ids.
+    pair = {**COMPLETION, "allowed_token_ids": [ids[0], 101 if ids[0] != 101 else 116],
+            "logprobs": 0, "max_tokens": 1}  # fmt: skip
+    first = _post(node.url, "/v1/completions", pair)["choices"][0]
+    assert first["token_ids"] == ids[:1]
+    _close(first["logprobs"]["token_logprobs"][0], plain["logprobs"]["token_logprobs"][0])
+    assert plain["logprobs"]["token_logprobs"][0] < math.log(0.5)  # (a renormalised one is not)
+    # null or empty: every token.
+    for off in (None, []):
+        again = _post(node.url, "/v1/completions", {**COMPLETION, "allowed_token_ids": off})
+        assert again["choices"][0]["token_ids"] == ids
+    vocab = 512  # tiny's
+    for bad in ([vocab], [1, vocab + 7], [-1]):
+        resp = httpx.post(
+            node.url + "/v1/completions",
+            json={"model": MODEL, **COMPLETION, "allowed_token_ids": bad},
+            timeout=60,
+        )
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == "allowed_token_ids", resp.text
+
+
 # -- live: P/D behind the proxy answers what a colocated node answers --------------------------------
 
 
@@ -556,6 +645,10 @@ CASES = [
                          "max_tokens": 8, "logprobs": 1}),
     # Tokens named by id: P's first token's entry and D's alike.
     ("/v1/completions", {**COMPLETION, "logprobs": 2, "return_tokens_as_token_ids": True}),
+    # allowed_token_ids: P and D mask the same ids (sampled, with the min_tokens ban).
+    ("/v1/completions", {**COMPLETION, "temperature": 1.0, "seed": 13, "max_tokens": 8,
+                         "allowed_token_ids": [101, 116, 32, 104, 115], "logprobs": 2,
+                         "min_tokens": 3, "stop_token_ids": [32]}),
     # Penalties: D counts P's first token as output (chat: no text offsets to differ).
     ("/v1/chat/completions", {**CHAT_IGNORE, "max_tokens": 8, "logprobs": True,
                               "presence_penalty": 1.0, "frequency_penalty": 0.5,

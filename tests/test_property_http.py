@@ -173,7 +173,7 @@ COMMON_FIELDS = [
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
     "ignore_eos", "stream", "stream_options", "kv_transfer_params", "user", "n", "best_of",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-    "logprobs", "min_p",
+    "logprobs", "min_p", "allowed_token_ids",
 ]  # fmt: skip
 COMPLETION_FIELDS = [*COMMON_FIELDS, "prompt", "echo", "suffix"]
 CHAT_FIELDS = [

@@ -170,3 +170,126 @@ def test_sampling_params_refuse_a_min_p_outside_0_1_and_a_non_finite_bias():
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(logit_bias={3: float("nan")})
     assert e.value.param == "logit_bias"
+
+
+# -- allowed_token_ids -------------------------------------------------------------------------
+
+
+def test_allowed_token_ids_confine_greedy_and_sampled_rows_and_only_their_own():
+    torch.manual_seed(4)
+    row = torch.randn(VOCAB) * 2
+    order = torch.argsort(row, descending=True).tolist()
+    allowed = order[-3:]  # the three least likely: never drawn without the mask
+    n = 3000
+    logits = row.expand(n, VOCAB).clone()
+    params = [
+        SamplingParams(temperature=1.0, seed=s, allowed_token_ids=allowed)
+        if s % 3 == 0
+        else SamplingParams(temperature=0)
+        if s % 3 == 1
+        else SamplingParams(temperature=1.0, seed=s, top_k=5)
+        for s in range(n)
+    ]
+    params[1] = SamplingParams(temperature=0, allowed_token_ids=allowed)  # a greedy row
+    out = Sampler().sample(logits, params, [2] * n)
+    assert torch.equal(logits, row.expand(n, VOCAB))  # masked in a copy: logprobs stay raw
+    confined = [t for s, t in enumerate(out) if s % 3 == 0]
+    assert set(confined) == set(allowed)  # each allowed id shows up, nothing else
+    assert out[1] == max(allowed, key=lambda t: float(row[t]))  # greedy: the best allowed
+    # The rows without it are what a batch without any mask draws.
+    free = [i for i in range(n) if i % 3 and i != 1]
+    alone = Sampler().sample(logits[free], [params[i] for i in free], [2] * len(free))
+    assert [out[i] for i in free] == alone
+    assert out[4] == order[0]
+
+
+def test_allowed_token_ids_draw_the_softmax_law_over_the_allowed_ids():
+    torch.manual_seed(5)
+    row = torch.randn(VOCAB)
+    allowed = [3, 9, 17, 40]
+    n = 20_000
+    params = [SamplingParams(temperature=0.9, seed=s, allowed_token_ids=allowed) for s in range(n)]
+    tokens = Sampler().sample(row.expand(n, VOCAB), params, [7] * n)
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double()
+    p = torch.zeros(VOCAB, dtype=torch.float64)
+    p[allowed] = torch.softmax(row[allowed].double() / 0.9, dim=-1)
+    sigma = torch.sqrt(n * p * (1 - p))
+    assert torch.all((counts - n * p).abs() <= 5 * sigma + 1), (counts, n * p)
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 8)])
+def test_allowed_token_ids_with_the_min_tokens_ban(temperature, seed):
+    """The ban applies within the allowed ids; when it would leave none (every allowed id
+    is an EOS or stop id), the allowed ids win: the row draws from them, no NaN, no id
+    outside them (vLLM draws from an all -inf row: token 0)."""
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 5.0
+    logits[:, 6] = 3.0
+    logits[:, 2] = 1.0
+    params = [
+        SamplingParams(temperature=temperature, seed=seed, allowed_token_ids=[4, 6]),
+        SamplingParams(temperature=temperature, seed=seed, allowed_token_ids=[4, 6]),
+        SamplingParams(temperature=temperature, seed=seed, allowed_token_ids=[6, 6]),
+    ]
+    banned = [(4,), (4, 6, 9), (6,)]
+    for pos in range(20):
+        out = Sampler().sample(logits, params, [pos] * 3, banned)
+        assert out[0] == 6  # 4 banned, 6 the only id left
+        assert out[1] in (4, 6) and out[2] == 6  # all banned: the allowed ids still
+    greedy = SamplingParams(temperature=0, allowed_token_ids=[4, 6])
+    assert Sampler().sample(logits[:1], [greedy], [0], [(4, 6)]) == [4]  # the best of them
+
+
+def test_allowed_token_ids_stay_right_as_the_batch_changes_and_ids_past_the_vocabulary_go():
+    """A request's ids go to the device once and are kept: rows move, requests come and
+    go, a step without any leaves none kept, and the answers stay each row's own."""
+    logits = _logits(3, seed=6)
+    a = SamplingParams(temperature=0, allowed_token_ids=[1, 2])
+    b = SamplingParams(temperature=0, allowed_token_ids=[30, 49, 10**6])  # 10**6: ignored
+    plain = SamplingParams(temperature=0)
+
+    def best(r: int, ids: list[int]) -> int:
+        return max(ids, key=lambda t: float(logits[r, t]))
+
+    sampler = Sampler()
+    assert sampler.sample(logits, [a, plain, plain], [0] * 3)[0] == best(0, [1, 2])
+    assert sampler.sample(logits, [plain, a, b], [0] * 3) == [
+        int(logits[0].argmax()), best(1, [1, 2]), best(2, [30, 49])
+    ]  # fmt: skip
+    assert sampler.sample(logits, [plain] * 3, [0] * 3) == logits.argmax(-1).tolist()
+    assert sampler.sample(logits, [b, b, a], [0] * 3) == [best(0, [30, 49]), best(1, [30, 49]), best(2, [1, 2])]  # fmt: skip
+
+
+def test_allowed_token_ids_cost_one_host_to_device_copy_per_step_and_none_without(monkeypatch):
+    import engine.worker.sampler as sampler_module
+
+    copies: list[int] = []
+    real = sampler_module._copy
+
+    def counting(host, dev, staging):
+        copies.append(host.numel())
+        return real(host, dev, staging)
+
+    monkeypatch.setattr(sampler_module, "_copy", counting)
+    logits = _logits(4)
+    plain = [SamplingParams(temperature=0)] * 4
+    sampler = Sampler()
+    sampler.sample(logits, plain, [0] * 4)
+    assert copies == []  # greedy rows and nothing else: no copy at all
+    rows = [
+        SamplingParams(temperature=0, allowed_token_ids=list(range(t, 50, 7))) for t in range(3)
+    ]
+    sampler.sample(logits, [*rows, plain[0]], [0] * 4)
+    assert len(copies) == 1  # three requests' ids (new) in one copy
+    sampler.sample(logits, [plain[0], *rows], [0] * 4)
+    assert len(copies) == 2 and copies[1] < copies[0]  # kept: only where they go this step
+
+
+def test_sampling_params_check_allowed_token_ids():
+    from engine.sampling_params import MAX_ALLOWED_TOKEN_IDS, InvalidRequestError
+
+    assert SamplingParams(allowed_token_ids=[0, 5]).allowed_token_ids == [0, 5]
+    for bad in ([], [-1], [1, -2], [0] * (MAX_ALLOWED_TOKEN_IDS + 1)):
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(allowed_token_ids=bad)
+        assert e.value.param == "allowed_token_ids"

@@ -163,6 +163,13 @@ def test_stop_string_single() -> None:
         ({"prompt": "x", "min_p": 1.5}, "min_p"),
         ({"prompt": "x", "min_p": -0.1}, "min_p"),
         ({"prompt": "x", "min_p": "0.1"}, "min_p"),
+        ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"prompt": "x", "allowed_token_ids": [1, "2"]}, "allowed_token_ids"),
+        ({"prompt": "x", "allowed_token_ids": [1.5]}, "allowed_token_ids"),
+        ({"prompt": "x", "allowed_token_ids": [True]}, "allowed_token_ids"),
+        ({"prompt": "x", "allowed_token_ids": 5}, "allowed_token_ids"),
+        ({"prompt": "x", "allowed_token_ids": {"5": 1}}, "allowed_token_ids"),
+        ({"prompt": "x", "allowed_token_ids": [0] * 16_385}, "allowed_token_ids"),
     ],
 )
 def test_completion_rejects(body: dict[str, Any], param: str) -> None:
@@ -491,3 +498,22 @@ def test_penalties_reach_the_sampling_params() -> None:
     assert sp.has_penalties
     plain = parse_completion_request({"prompt": "x", "presence_penalty": 0}).sampling_params(16)
     assert not plain.has_penalties
+
+
+def test_allowed_token_ids_reach_the_sampling_params_up_to_the_bound() -> None:
+    body = {"prompt": "x", "allowed_token_ids": [5, 3, 5, 0]}
+    assert parse_completion_request(body).sampling_params(16).allowed_token_ids == [5, 3, 5, 0]
+    chat = parse_chat_request({**CHAT, "allowed_token_ids": [7]})
+    assert chat.sampling_params(4).allowed_token_ids == [7] and chat.ignored_fields == ()
+    for off in (None, []):  # null or empty: every token (today's neutral value)
+        plain = parse_completion_request({"prompt": "x", "allowed_token_ids": off})
+        assert plain.sampling_params(16).allowed_token_ids is None
+    for bad in ([-1], [1, "2"], [True], {"5": 1}):  # a type error, no longer "not supported"
+        e = _err(parse_completion_request, {"prompt": "x", "allowed_token_ids": bad})
+        assert (e.param, e.code) == ("allowed_token_ids", "invalid_type"), e.message
+    full = list(range(16_384))  # the bound
+    sp = parse_completion_request({"prompt": "x", "allowed_token_ids": full}).sampling_params(16)
+    assert sp.allowed_token_ids == full
+    for fn, base in ((parse_completion_request, {"prompt": "x"}), (parse_chat_request, CHAT)):
+        e = _err(fn, {**base, "allowed_token_ids": [*full, 0]})
+        assert e.status_code == 400 and e.param == "allowed_token_ids" and "16384" in e.message

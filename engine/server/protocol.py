@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGPROBS,
     PENALTY_RANGE,
     REPETITION_PENALTY_RANGE,
@@ -197,6 +198,7 @@ class BaseRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     n: int = 1  # choices per prompt (each its own engine request: ``children``)
     # vLLM's: keep only the prompt's last k tokens (-1: the model's context length).
     truncate_prompt_tokens: int | None = None
@@ -232,6 +234,9 @@ class BaseRequest:
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
+                allowed_token_ids=None
+                if self.allowed_token_ids is None
+                else list(self.allowed_token_ids),
             )
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.param) from e
@@ -384,6 +389,7 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         raise _bad_type("user", "a string", body["user"])
 
     req.logit_bias = _parse_logit_bias(body.get("logit_bias"))
+    req.allowed_token_ids = _parse_allowed_token_ids(body.get("allowed_token_ids"))
     req.min_p = _get_float(body, "min_p", 0.0)
     if not 0.0 <= req.min_p <= 1.0:
         raise APIError(f"'min_p' must be in [0, 1], got {req.min_p}", param="min_p")
@@ -456,6 +462,24 @@ def _parse_logit_bias(bias: Any) -> dict[int, float]:
     return out
 
 
+def _parse_allowed_token_ids(ids: Any) -> list[int] | None:
+    """vLLM's ``allowed_token_ids``: a list of token ids; null or empty is every id (the
+    field's neutral value before it was supported; vLLM refuses an empty list). (Whether
+    the ids are in the vocabulary is checked by the node, which knows it.)"""
+    if ids is None or ids == []:
+        return None
+    if not isinstance(ids, list):
+        raise _bad_type("allowed_token_ids", "an array of non-negative integers", ids)
+    if len(ids) > MAX_ALLOWED_TOKEN_IDS:  # before the items: a long list is refused at once
+        raise APIError(
+            f"'allowed_token_ids' may hold at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}",
+            param="allowed_token_ids",
+        )
+    if not all(_is_int(t) and t >= 0 for t in ids):
+        raise _bad_type("allowed_token_ids", "an array of non-negative integers", ids)
+    return list(ids)
+
+
 def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
     value = _get_int(body, name, None)
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -482,7 +506,6 @@ _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "use_beam_search": (lambda v: v in (None, False), "= true (no beam search)"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "other than 1"),
     "spaces_between_special_tokens": (lambda v: v in (None, True), "= false"),
-    "allowed_token_ids": (_neutral_none, ""),
     "bad_words": (_neutral_none, ""),
     "guided_json": (_neutral_none, "(structured output)"),
     "guided_regex": (_neutral_none, "(structured output)"),
@@ -510,7 +533,7 @@ COMMON_FIELDS = frozenset(
         "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
         "truncate_prompt_tokens", "return_tokens_as_token_ids", "skip_special_tokens",
-        *_VLLM_FIELDS,
+        "allowed_token_ids", *_VLLM_FIELDS,
     }
 )  # fmt: skip
 # Every field each endpoint knows: supported, or refused at a value that would matter.

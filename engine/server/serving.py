@@ -187,6 +187,8 @@ class OpenAIServing:
     def _check_serving(self, req: BaseRequest) -> None:
         check_model(req.model, self.engine.model_name)
         check_token_ids(list(req.logit_bias), self.engine.vocab_size, "logit_bias")
+        if req.allowed_token_ids:
+            check_token_ids(req.allowed_token_ids, self.engine.vocab_size, "allowed_token_ids")
         if not self.engine.healthy:
             raise engine_error(self.engine, None)
 

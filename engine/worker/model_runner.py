@@ -11,6 +11,7 @@ in the forward reads a device value back; the only host read is the sampled toke
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -144,14 +145,15 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, step.attn, scratch)
         rows = min(sched.max_num_seqs, tokens)
         # The sampler's [S, V] temporaries at their largest (a bias copy, penalties, min-p,
-        # the sort).
+        # the sort, the allowed_token_ids masks: a [V] row kept per request, so each row
+        # its own request, on a sampler of its own that takes them along when it goes).
         worst = SamplingParams(
             temperature=1.0, top_k=50, top_p=0.9, seed=0, min_p=0.01, logit_bias={0: 1.0},
-            repetition_penalty=1.1, frequency_penalty=0.1,
+            repetition_penalty=1.1, frequency_penalty=0.1, allowed_token_ids=[0],
         )  # fmt: skip
-        self.sampler.sample(
+        Sampler(self.device).sample(
             self.model.compute_logits(hidden[:rows]),
-            [worst] * rows,
+            [dataclasses.replace(worst) for _ in range(rows)],
             list(range(rows)),
             penalties=[PenaltyHistory(0)] * rows,
         )

@@ -1,5 +1,5 @@
 """Token sampling for the whole batch on the logits' device: greedy, temperature, top-k,
-top-p, min-p, logit bias, per-request seeds.
+top-p, min-p, logit bias, allowed token ids, per-request seeds.
 
 Sampling is an exponential race: the token is ``argmax(p_j / E_j)`` over the (top-k/top-p
 filtered) probabilities ``p`` with ``E_j = -log(u_j)``, which draws ``j`` with probability
@@ -13,13 +13,21 @@ leaves them on the device, for async scheduling). The per-row parameters go over
 copy (through pinned staging when given one). Greedy-only batches skip the noise, and
 batches without top-k/top-p skip the sort.
 
-The order (vLLM's): ``logit_bias`` is added to the logits, ``min_tokens``'s ``banned`` ids
-are masked, the penalties apply (``engine/worker/penalties.py``; all three in a copy,
-greedy rows too), the temperature divides, ``min_p`` drops the tokens less likely than
-``min_p`` times the most likely one, then top-k and top-p. ``compute_logprobs`` -- only
-called for rows that asked for log probabilities, so the rest pay nothing -- is
-``log_softmax`` of the model's logits, before all of that (vLLM's default
-``raw_logprobs``), read back in one more host read.
+The order (vLLM's): every id outside a row's ``allowed_token_ids`` is masked (-inf),
+``logit_bias`` is added to the logits (a masked id stays masked), ``min_tokens``'s
+``banned`` ids are masked, the penalties apply (``engine/worker/penalties.py``; all four in
+a copy, greedy rows too), the temperature divides, ``min_p`` drops the tokens less likely
+than ``min_p`` times the most likely one, then top-k and top-p. A row whose allowed ids
+are all banned (every one an EOS or stop id before ``min_tokens``) keeps them: the ban is
+lifted for that row, so it still draws an allowed id (vLLM draws from a row of -inf
+alone: token 0). ``compute_logprobs`` -- only called for rows that asked for log
+probabilities, so the rest pay nothing -- is ``log_softmax`` of the model's logits, before
+all of that (vLLM's default ``raw_logprobs``), read back in one more host read.
+
+``allowed_token_ids`` costs nothing in a step without it. A request's ids become a
+[vocab] mask row on the device in its first step and are kept while it samples in every
+step (the ids go over once); a step's one host->device copy carries which rows have one
+and the ids of the requests new to it.
 """
 
 from __future__ import annotations
@@ -77,6 +85,11 @@ class Sampler:
         self._mask_staging = HostStaging(device, slots=2) if cuda else None
         self._bias_staging = HostStaging(device, slots=2) if cuda else None
         self._penalty_staging = HostStaging(device, slots=2) if cuda else None
+        self._allowed_staging = HostStaging(device, slots=2) if cuda else None
+        # The allowed_token_ids masks of the last step with any, by request: id() of its
+        # parameters -> (them, kept to check the id; a [vocab] bool row on the device, True
+        # outside the allowed ids, or None: none of them is in the vocabulary, every id).
+        self._allowed: dict[int, tuple[SamplingParams, torch.Tensor | None]] = {}
 
     def sample(
         self,
@@ -104,10 +117,21 @@ class Sampler:
         pending: tuple[list[int], list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``sample`` without the host read: the ids ``[S]`` int64 on the logits' device."""
+        allowed = any(sp.allowed_token_ids for sp in params)
+        if allowed:
+            logits = self._allow_only(logits, params)
+        elif self._allowed:
+            self._allowed = {}
         if any(sp.logit_bias for sp in params):
             logits = _add_bias(logits, params, lambda h, d: _copy(h, d, self._bias_staging))
         if banned is not None and any(banned):
-            logits = _mask(logits, banned, lambda h, d: _copy(h, d, self._mask_staging))
+            masked = _mask(logits, banned, lambda h, d: _copy(h, d, self._mask_staging))
+            if allowed and masked is not logits:
+                # A row the ban left without a finite logit (its allowed ids all banned)
+                # keeps them: min_tokens yields to allowed_token_ids (no NaN, no other id).
+                emptied = torch.isneginf(masked).all(dim=-1, keepdim=True)  # [S, 1]
+                masked = torch.where(emptied, logits, masked)
+            logits = masked
         if penalties is not None and any(h is not None for h in penalties):
             logits = apply_penalties(
                 logits, params, penalties, pending, lambda h, d: _copy(h, d, self._penalty_staging)
@@ -155,6 +179,58 @@ class Sampler:
             probs = torch.softmax(x, dim=-1)
             sampled = torch.argmax(probs / noise, dim=-1)
         return torch.where(greedy_t, logits.argmax(dim=-1), sampled)
+
+    def _allow_only(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """``logits`` with every id outside each row's ``allowed_token_ids`` at -inf (in a
+        copy; ids past the vocabulary are ignored, and a list of only such ids is every
+        id). Mask rows are made for the requests new here and kept (``self._allowed``
+        then holds this step's); one host->device copy of ``[rows | the new requests' id
+        counts | their ids]``."""
+        num, vocab = logits.shape
+        kept: dict[int, tuple[SamplingParams, torch.Tensor | None]] = {}
+        new: list[tuple[SamplingParams, list[int]]] = []
+        for sp in params:
+            key = id(sp)
+            if not sp.allowed_token_ids or key in kept:
+                continue
+            entry = self._allowed.get(key)
+            if entry is not None and entry[0] is sp:
+                mask = entry[1]
+                if mask is None or mask.shape[0] == vocab:
+                    kept[key] = entry
+                    continue
+            ids = [t for t in sp.allowed_token_ids if 0 <= t < vocab]
+            kept[key] = (sp, None)
+            if ids:
+                new.append((sp, ids))
+        fresh_keys = {id(sp) for sp, _ in new}
+        rows = [
+            i
+            for i, sp in enumerate(params)
+            if sp.allowed_token_ids and (id(sp) in fresh_keys or kept[id(sp)][1] is not None)
+        ]
+        if not rows:
+            self._allowed = kept
+            return logits
+        counts = [len(ids) for _, ids in new]
+        host = torch.tensor(
+            [*rows, *counts, *(t for _, ids in new for t in ids)], dtype=torch.int64
+        )
+        dev = _copy(host, logits.device, self._allowed_staging)
+        r, k = len(rows), len(new)
+        if new:
+            ids_t = dev[r + k :]
+            owner = torch.repeat_interleave(
+                torch.arange(k, device=logits.device), dev[r : r + k], output_size=len(ids_t)
+            )
+            outside = torch.ones(k, vocab, dtype=torch.bool, device=logits.device)
+            outside[owner, ids_t] = False
+            for j, (sp, _) in enumerate(new):  # a row each: no view keeps the others alive
+                kept[id(sp)] = (sp, outside[j].clone())
+        self._allowed = kept
+        drop = torch.zeros(num, vocab, dtype=torch.bool, device=logits.device)
+        drop[dev[:r]] = torch.stack([kept[id(params[i])][1] for i in rows])  # type: ignore[misc]
+        return logits.masked_fill(drop, float("-inf"))
 
 
 def _copy(host: torch.Tensor, dev: torch.device, staging: HostStaging | None) -> torch.Tensor:
