@@ -70,9 +70,11 @@ def _own_port_slice() -> None:
 LONGEST_FILES = (
     "test_gpu_check_script.py", "test_chaos.py", "test_disagg_ucxx.py", "test_pipelined_push.py",
     "test_disagg.py", "test_disagg_faults.py", "test_proxy_failover.py", "test_proxy.py",
-    "test_ucxx_transport.py", "test_overload.py", "test_proxy_prefix.py", "test_bench.py",
-    "test_drain.py", "test_reserve_first.py", "test_api_key.py", "test_readme_demo.py",
-    "test_bench_transfer.py", "test_model_tp.py", "test_hetero_tp.py", "test_engine.py",
+    "test_ucxx_transport.py", "test_overload.py", "test_launch_scripts.py", "test_model_tp.py",
+    "test_proxy_prefix.py", "test_bench.py", "test_fast_path_cpu.py", "test_drain.py",
+    "test_reserve_first.py", "test_bench_interference.py", "test_api_key.py",
+    "test_readme_demo.py", "test_bench_transfer.py", "test_netns.py", "test_hetero_tp.py",
+    "test_engine.py",
 )  # fmt: skip
 _FIRST = {name: i for i, name in enumerate(LONGEST_FILES)}
 
