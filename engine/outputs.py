@@ -23,6 +23,9 @@ class TokenLogprob:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    # The token's place among all by log probability (1: the most likely; ties share the
+    # better place), vLLM's ``rank``; None where not computed.
+    rank: int | None = None
 
 
 # One entry per token; None where this engine did not compute it: the first prompt token

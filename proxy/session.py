@@ -114,7 +114,7 @@ class Session:
         # Streaming state.
         self.prestream = req.stream and not req.parsed.stop and not req.parsed.echo
         self._lp_seen = 0  # log-prob entries of D's stream seen so far
-        self._p_logprobs: tuple[Attempt, Any] | None = None  # P's, per attempt
+        self._p_answer: tuple[Attempt, Any] | None = None  # P's answer, per attempt
         self.first_chunk: str | None = None
         self._first_tid: str | None = None  # the transfer whose P sampled the first chunk
         self._d_sent = False  # some of D's stream reached the client
@@ -287,6 +287,8 @@ class Session:
             body["id"] = self.response_id
             self._lp_seen = 0
             await self._fill_logprobs(body)
+            if self.req.parsed.prompt_logprobs is not None:
+                await self._fill_prompt_logprobs(body)
             self.outcome = "ok"
             self.router.observe_usage(self.req.key, body)
             if self._keep_answer:
@@ -623,11 +625,31 @@ class Session:
     async def _prefill_logprobs(self) -> Any:
         """P's ``logprobs`` of the current attempt (None if it has no P leg or P's answer
         did not come: D's entries then stay null)."""
+        with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
+            return (await self._prefill_answer())["choices"][0].get("logprobs")
+        return None
+
+    async def _fill_prompt_logprobs(self, body: dict[str, Any]) -> None:
+        """vLLM's ``prompt_logprobs`` (not streamed): D did not compute the prompt (its
+        entries are null); P's answer has them, for the same prompt tokens."""
+        where: Any = body if self.req.chat else (body.get("choices") or [{}])[0]
+        mine = where.get("prompt_logprobs") if isinstance(where, dict) else None
+        if not isinstance(mine, list) or any(e is not None for e in mine[1:]):
+            return  # D computed them itself (it prefilled the prompt)
+        with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
+            p_body = await self._prefill_answer()
+            theirs = (p_body if self.req.chat else p_body["choices"][0])["prompt_logprobs"]
+            if isinstance(theirs, list) and len(theirs) == len(mine):
+                where["prompt_logprobs"] = theirs
+
+    async def _prefill_answer(self) -> Any:
+        """P's answer of the current attempt (None if it has no P leg or the answer did not
+        come)."""
         attempt = self.current
         if attempt is None:
             return None
-        if self._p_logprobs is not None and self._p_logprobs[0] is attempt:
-            return self._p_logprobs[1]
+        if self._p_answer is not None and self._p_answer[0] is attempt:
+            return self._p_answer[1]
         task = getattr(attempt, "p_task", None)
         source = None
         if task is not None:
@@ -642,9 +664,8 @@ class Session:
                 async with asyncio.timeout(LOGPROBS_WAIT_S):
                     await wait_watched(task, stop, self.cfg.health_interval)
             if task.done() and not task.cancelled() and task.exception() is None:
-                with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
-                    source = task.result()["choices"][0].get("logprobs")
+                source = task.result()
             else:
                 logger.warning("request %s: no prefill answer for logprobs", self.request_id)
-        self._p_logprobs = (attempt, source)
+        self._p_answer = (attempt, source)
         return source

@@ -386,3 +386,36 @@ def test_the_proxy_counts_every_choice_against_max_inflight(
     resp = httpx.post(proxy.url + "/v1/completions", json={**body, "n": 3}, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", resp.text
     assert "--max-inflight" in resp.json()["error"]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_prompt_logprobs_are_vllms_shape_and_p_d_answers_them_as_colocated(
+    pd: tuple[PD, Proc], through: str
+) -> None:
+    """vLLM's ``prompt_logprobs``: per prompt token null (the first) or the token's and the
+    ``k`` most likely ones' log probability, rank and text; through the proxy P's (D did
+    not compute the prompt); with ``echo`` + ``logprobs`` each keeps its own count."""
+    pair, proxy = pd
+    assert pair.colocated is not None
+    url = pair.colocated.url if through == "node" else proxy.url
+    body = {"prompt": "hello there", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "prompt_logprobs": 2}  # fmt: skip
+    got = _post(url, "/v1/completions", body)["choices"][0]["prompt_logprobs"]
+    ref = _post(pair.colocated.url, "/v1/completions", body)["choices"][0]["prompt_logprobs"]
+    assert len(got) == len("hello there") and got[0] is None
+    for i, (entry, want) in enumerate(zip(got[1:], ref[1:], strict=True), 1):
+        token = str(ord("hello there"[i]))
+        assert next(iter(entry)) == token and entry[token]["decoded_token"] == "hello there"[i]
+        ranks = sorted(v["rank"] for k, v in entry.items() if k != token)
+        assert ranks[:2] == [1, 2] and entry[token]["rank"] >= 1
+        assert entry.keys() == want.keys()
+        assert all(abs(entry[k]["logprob"] - want[k]["logprob"]) < 1e-4 for k in entry)
+    both = _post(url, "/v1/completions", {**body, "echo": True, "logprobs": 1})["choices"][0]
+    assert all(len(t) <= 2 for t in both["logprobs"]["top_logprobs"][1:])  # logprobs: 1
+    assert len(both["prompt_logprobs"][1]) >= 2
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    answer = _post(url, "/v1/chat/completions", chat)
+    assert answer["prompt_logprobs"][0] is None and all(len(e) == 1 for e in answer["prompt_logprobs"][1:])  # fmt: skip
+    resp = httpx.post(url + "/v1/completions", json={"model": MODEL, **body, "stream": True})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"

@@ -34,6 +34,8 @@ from engine.server.logprobs import (
     drop_first,
     fill_missing,
     has_missing,
+    prompt_logprobs_entries,
+    trim,
 )
 from engine.server.protocol import APIError, parse_chat_request, parse_completion_request
 from engine.tokenizer import ByteTokenizer
@@ -61,6 +63,20 @@ def test_compute_logprobs_is_log_softmax_of_the_logits() -> None:
             math.isclose(a, b, abs_tol=1e-6) for a, b in zip(e.top_logprobs, values, strict=True)
         )
         assert list(e.top_logprobs) == sorted(e.top_logprobs, reverse=True)
+        assert e.rank == int((ref[row] > ref[row, tid]).sum()) + 1  # vLLM's rank, 1: best
+
+
+def test_prompt_logprobs_entries_are_vllms_shape() -> None:
+    entries = [None, E(98, -0.5, (120, 98, 99), (-0.1, -0.5, -3.0), rank=2)]
+    out = prompt_logprobs_entries([97, 98], entries, STRINGS, 1)
+    assert out == [
+        None,
+        {"98": {"logprob": -0.5, "rank": 2, "decoded_token": "b"},
+         "120": {"logprob": -0.1, "rank": 1, "decoded_token": "x"}},
+    ]  # fmt: skip
+    assert list(out[1]) == ["98", "120"]  # the prompt's token first
+    trimmed = trim(entries, 1)[1]
+    assert trimmed is not None and trimmed.top_ids == (120,) and trimmed.rank == 2
 
 
 @pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.9, 3)])
@@ -404,7 +420,7 @@ def test_unknown_fields_are_named_and_vllm_fields_that_matter_are_refused() -> N
     assert parse_completion_request({"prompt": "x", "min_p": 0.0}).ignored_fields == ()
     for path, body, param in [
         ("c", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
-        ("c", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("c", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ("c", {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
         ("c", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
         ("chat", {"messages": _MSG, "echo": True}, "echo"),

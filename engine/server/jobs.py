@@ -14,7 +14,13 @@ from engine.httpkit import openai
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 from engine.server.engine_client import EngineClient
-from engine.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
+from engine.server.logprobs import (
+    TokenStrings,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_entries,
+    trim,
+)
 from engine.server.protocol import APIError, BaseRequest, StopStringMatcher
 from kvconnector.base import KV_NOT_RESERVED
 
@@ -106,12 +112,14 @@ class Job:
         self._echoed = True
         if prompt is None or len(prompt) != len(self.prompt_ids):
             prompt = [None] * len(self.prompt_ids)
+        elif self.req.logprobs is not None:  # computed for prompt_logprobs' count too
+            prompt = trim(prompt, self.req.logprobs)
         return self.echo_text + text, [*self.prompt_ids, *ids], [*prompt, *entries]
 
     def _logprobs(
         self, ids: list[int], entries: Logprobs | None, offset: int = 0
     ) -> dict[str, Any] | None:
-        if self.strings is None:
+        if self.strings is None or self.req.logprobs is None:
             return None
         if entries is None or len(entries) != len(ids):
             entries = [None] * len(ids)
@@ -157,6 +165,12 @@ class Job:
             text, ids, last.finish_reason, stream=False, logprobs=lp, stop_reason=last.stop_reason
         )
         body = self.envelope([choice], stream=False)
+        k = self.req.prompt_logprobs
+        if k is not None and self.strings is not None:  # vLLM's: on the choice; chat: the body
+            if prompt is None or len(prompt) != len(self.prompt_ids):
+                prompt = [None] * len(self.prompt_ids)
+            entries_p = prompt_logprobs_entries(self.prompt_ids, prompt, self.strings, k)
+            (body if self.chat else choice)["prompt_logprobs"] = entries_p
         body["usage"] = self.usage()
         if last.kv_transfer_params is not None:
             body["kv_transfer_params"] = last.kv_transfer_params

@@ -122,6 +122,37 @@ def chat_logprobs(
     return {"content": content}
 
 
+def prompt_logprobs_entries(
+    ids: list[int], entries: list[TokenLogprob | None], strings: TokenStrings, k: int
+) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, null (the first token, which nothing
+    predicts) or ``{"<id>": {"logprob", "rank", "decoded_token"}}`` for the token itself
+    (first) and the ``k`` most likely ones (ranks 1..k)."""
+    out: list[dict[str, Any] | None] = []
+    for tid, e in zip(ids, entries, strict=True):
+        if e is None:
+            out.append(None)
+            continue
+        item = {str(tid): {"logprob": _clamp(e.logprob), "rank": e.rank,
+                           "decoded_token": strings.name(tid)}}  # fmt: skip
+        for rank, (t, lp) in enumerate(zip(e.top_ids[:k], e.top_logprobs[:k], strict=True), 1):
+            item.setdefault(
+                str(t), {"logprob": _clamp(lp), "rank": rank, "decoded_token": strings.name(t)}
+            )
+        out.append(item)
+    return out
+
+
+def trim(entries: list[TokenLogprob | None], k: int) -> list[TokenLogprob | None]:
+    """``entries`` with at most ``k`` alternatives each (computed for a larger ``k``)."""
+    return [
+        e
+        if e is None or len(e.top_ids) <= k
+        else TokenLogprob(e.token_id, e.logprob, e.top_ids[:k], e.top_logprobs[:k], e.rank)
+        for e in entries
+    ]
+
+
 # -- the proxy's side ---------------------------------------------------------------------------
 
 

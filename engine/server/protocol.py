@@ -206,6 +206,8 @@ class BaseRequest:
     return_tokens_as_token_ids: bool = False
     # vLLM's: special tokens (BOS, EOS, a chat template's markers) left out of the text.
     skip_special_tokens: bool = True
+    # vLLM's: each prompt token's log probability, rank and ``k`` alternatives (None: off).
+    prompt_logprobs: int | None = None
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -228,7 +230,7 @@ class BaseRequest:
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 logprobs=self.logprobs,
-                prompt_logprobs=self.logprobs if self.echo else None,
+                prompt_logprobs=self._prompt_logprobs(),
                 logit_bias=dict(self.logit_bias),
                 min_p=self.min_p,
                 presence_penalty=self.presence_penalty,
@@ -240,6 +242,13 @@ class BaseRequest:
             )
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.param) from e
+
+    def _prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine computes: for ``prompt_logprobs`` and
+        for ``echo`` with ``logprobs`` (each trims to its own count)."""
+        echo = self.logprobs if self.echo else None
+        wanted = [k for k in (self.prompt_logprobs, echo) if k is not None]
+        return max(wanted) if wanted else None
 
     @property
     def num_choices(self) -> int:
@@ -323,6 +332,7 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     req.truncate_prompt_tokens = _get_int(body, "truncate_prompt_tokens", None)
     req.return_tokens_as_token_ids = _get_bool(body, "return_tokens_as_token_ids", False)
     req.skip_special_tokens = _get_bool(body, "skip_special_tokens", True)
+    req.prompt_logprobs = _logprobs_count(body, "prompt_logprobs")
     keep = req.truncate_prompt_tokens
     if keep is not None and keep < 1 and keep != -1:
         raise APIError(
@@ -420,6 +430,10 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         req.echo = _get_bool(body, "echo", False)
 
     _reject_unsupported(body, chat=chat)
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(  # as vLLM answers
+            "'prompt_logprobs' is not available with 'stream': true", param="prompt_logprobs"
+        )
     if req.kv_transfer_params is not None and req.num_choices > 1:
         raise APIError(
             "a request with 'kv_transfer_params' (a P/D leg) has one choice: n = 1 and one prompt",
@@ -502,7 +516,6 @@ def _neutral_none(v: Any) -> bool:
 
 
 _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
-    "prompt_logprobs": (_neutral_none, "(use 'echo' with 'logprobs' on completions)"),
     "use_beam_search": (lambda v: v in (None, False), "= true (no beam search)"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "other than 1"),
     "spaces_between_special_tokens": (lambda v: v in (None, True), "= false"),
@@ -533,6 +546,7 @@ COMMON_FIELDS = frozenset(
         "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
         "truncate_prompt_tokens", "return_tokens_as_token_ids", "skip_special_tokens",
+        "prompt_logprobs",
         "allowed_token_ids", *_VLLM_FIELDS,
     }
 )  # fmt: skip

@@ -88,7 +88,7 @@ class OpenAIServing:
         return self._strings
 
     def _strings_for(self, req: BaseRequest) -> TokenStrings | None:
-        if req.logprobs is None:
+        if req.logprobs is None and req.prompt_logprobs is None:
             return None
         if not req.return_tokens_as_token_ids:
             return self.strings

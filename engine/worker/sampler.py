@@ -285,11 +285,14 @@ def _mask(
 def compute_logprobs(
     logits: torch.Tensor, token_ids: list[int], top_k: list[int]
 ) -> list[TokenLogprob]:
-    """Per row of ``logits`` [S, vocab]: the log probability of ``token_ids[i]`` and of the
-    ``top_k[i]`` most likely tokens (most likely first), from ``log_softmax(logits)``."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    """Per row of ``logits`` [S, vocab]: the log probability of ``token_ids[i]``, its rank,
+    and those of the ``top_k[i]`` most likely tokens (most likely first), from
+    ``log_softmax(logits)``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
     ids = torch.tensor(token_ids, dtype=torch.int64).to(logits.device, non_blocking=True)
-    parts = [logprobs.gather(1, ids[:, None]).double()]
+    chosen = logprobs.gather(1, ids[:, None])  # [S, 1]
+    rank = (logprobs > chosen).sum(dim=1, keepdim=True) + 1  # [S, 1]
+    parts = [chosen.double(), rank.double()]
     k = max(top_k, default=0)
     if k:
         values, indices = logprobs.topk(k, dim=-1)
@@ -299,8 +302,9 @@ def compute_logprobs(
         TokenLogprob(
             token_id=t,
             logprob=row[0],
-            top_ids=tuple(int(x) for x in row[1 + k : 1 + k + n]),
-            top_logprobs=tuple(row[1 : 1 + n]),
+            top_ids=tuple(int(x) for x in row[2 + k : 2 + k + n]),
+            top_logprobs=tuple(row[2 : 2 + n]),
+            rank=int(row[1]),
         )
         for t, n, row in zip(token_ids, top_k, rows, strict=True)
     ]
