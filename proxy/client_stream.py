@@ -143,7 +143,12 @@ class ClientStream:
             choice["text"] = text
         logprobs = p_body["choices"][0].get("logprobs")  # P sampled the first token
         choice.update(logprobs=logprobs, finish_reason=None, stop_reason=None, token_ids=ids)
-        return sse_event(self.envelope([choice], usage=True))
+        body = self.envelope([choice], usage=True)
+        if self.req.parsed.continuous_usage:  # the usage so far: the prompt and this token
+            prompt = (p_body.get("usage") or {}).get("prompt_tokens") or 0
+            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": len(ids),
+                             "total_tokens": prompt + len(ids)}  # fmt: skip
+        return sse_event(body)
 
     def decode_starts(self) -> None:
         """A decode stream (the first, or a rerun's) starts: drop what it repeats of what

@@ -589,9 +589,9 @@ class Session:
                 self._d_sent = True
                 yield sse_event(obj)
                 return
-            if isinstance(obj.get("usage"), dict):
+            if isinstance(obj.get("usage"), dict) and not obj.get("choices"):  # the last
                 self.router.observe_usage(self.req.key, obj)
-                if self.index is not None and not obj.get("choices"):
+                if self.index is not None:
                     self.usage = obj["usage"]  # the request's is the sum of its choices'
                     continue
             if self.req.parsed.logprobs is not None:

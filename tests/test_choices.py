@@ -419,3 +419,26 @@ def test_prompt_logprobs_are_vllms_shape_and_p_d_answers_them_as_colocated(
     assert answer["prompt_logprobs"][0] is None and all(len(e) == 1 for e in answer["prompt_logprobs"][1:])  # fmt: skip
     resp = httpx.post(url + "/v1/completions", json={"model": MODEL, **body, "stream": True})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(
+    pd: tuple[PD, Proc], through: str
+) -> None:
+    pair, proxy = pd
+    assert pair.colocated is not None
+    url = pair.colocated.url if through == "node" else proxy.url
+    body = {"prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    events = [e for e in _stream(url, "/v1/completions", body) if isinstance(e, dict)]
+    final = events[-1]["usage"]
+    assert final == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    seen = 0
+    for e in events[:-1]:
+        usage = e["usage"]
+        seen += sum(len(c.get("token_ids") or []) for c in e["choices"])
+        assert usage == {"prompt_tokens": 5, "completion_tokens": seen, "total_tokens": 5 + seen}
+    assert seen == 6
+    plain = {**body, "stream_options": {"include_usage": True}}
+    assert all(e["usage"] is None for e in _stream(url, "/v1/completions", plain)[:-2])

@@ -140,7 +140,7 @@ class Job:
         )  # fmt: skip
         body = self.envelope([choice], stream=True)
         if self.req.include_usage:
-            body["usage"] = None
+            body["usage"] = self.usage() if self.req.continuous_usage else None
         if step.kv_transfer_params is not None:
             body["kv_transfer_params"] = step.kv_transfer_params
         return body

@@ -185,6 +185,7 @@ class BaseRequest:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's)
     kv_transfer_params: KVTransferParams | None = None
     min_tokens: int = 0
     # Alternatives per token whose log probabilities to return (None: no logprobs):
@@ -387,6 +388,11 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         if usage is not None and not isinstance(usage, bool):  # named 'include_usage' before
             raise _bad_type("stream_options.include_usage", "a boolean", usage)
         req.include_usage = bool(usage)
+        every = opts.get("continuous_usage_stats")
+        if every is not None and not isinstance(every, bool):
+            raise _bad_type("stream_options.continuous_usage_stats", "a boolean", every)
+        # vLLM's: with include_usage, every chunk carries the usage so far.
+        req.continuous_usage = req.include_usage and bool(every)
 
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
