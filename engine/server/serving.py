@@ -364,8 +364,7 @@ class OpenAIServing:
             firsts = await race_disconnect(request, gather_or_cancel([anext(s, None) for s in steps]))  # fmt: skip
             bad = next((f for f in firsts if f is None or f.finish_reason == "error"), False)
             if bad is not False:
-                for job in jobs:
-                    self._finish(job, "error")
+                self._finish(jobs[firsts.index(bad)], "error")  # the others: aborted below
                 raise engine_error(
                     self.engine, bad.error if bad else None, bad.error_code if bad else None
                 )
