@@ -442,3 +442,32 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(
     assert seen == 6
     plain = {**body, "stream_options": {"include_usage": True}}
     assert all(e["usage"] is None for e in _stream(url, "/v1/completions", plain)[:-2])
+
+
+@pytest.mark.slow
+def test_each_choice_counts_against_the_nodes_bound_on_requests_held(module_procs: Procs) -> None:
+    """``--max-num-seqs`` + ``--max-queued-requests`` (3 here) bounds engine requests:
+    a request with more choices than that is a 400, one whose choices do not fit beside
+    what runs a 429, and a finished request gives its places back."""
+    node = module_procs.node(
+        "--model", MODEL, "--num-blocks", "256", "--max-num-seqs", "2", "--max-queued-requests", "1"
+    )
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    url = node.url + "/v1/completions"
+    resp = httpx.post(url, json={**body, "n": 4}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", resp.text
+    assert len(httpx.post(url, json={**body, "n": 3}, timeout=60).json()["choices"]) == 3
+    limit = httpx.get(node.url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    long = {**body, "max_tokens": limit - 8, "stream": True}
+    with httpx.stream("POST", url, json=long, timeout=60) as running:  # holds one place
+        assert running.status_code == 200
+        lines = running.iter_lines()  # kept: a dropped iterator closes the response
+        next(lines)
+        busy = httpx.post(url, json={**body, "n": 3}, timeout=60)
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1", busy.text
+        assert len(httpx.post(url, json={**body, "n": 2}, timeout=60).json()["choices"]) == 2
+    _wait_idle([node.url])
+    for stream in (False, True):  # every place came back: three choices fit again
+        resp = httpx.post(url, json={**body, "n": 3, "stream": stream}, timeout=60)
+        assert resp.status_code == 200, resp.text
+    assert node.metric("pdserve_num_requests_admitted") == 0

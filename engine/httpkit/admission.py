@@ -57,10 +57,11 @@ class Admission:
         self._unlogged = 0
         self._logged_at = float("-inf")
 
-    def try_enter(self) -> bool:
-        """Admit one request (True) or count a refusal (False)."""
-        if self.limit is None or self.in_flight < self.limit:
-            self.in_flight += 1
+    def try_enter(self, count: int = 1) -> bool:
+        """Admit ``count`` requests (True) or count a refusal (False): a request with
+        several choices (``n``, a batch) holds one more per choice past its first."""
+        if self.limit is None or self.in_flight + count <= self.limit:
+            self.in_flight += count
             return True
         self.refused_total += 1
         self._unlogged += 1
@@ -74,8 +75,8 @@ class Admission:
             self._logged_at, self._unlogged = now, 0
         return False
 
-    def leave(self) -> None:
-        self.in_flight -= 1
+    def leave(self, count: int = 1) -> None:
+        self.in_flight -= count
 
 
 class AdmissionMiddleware:

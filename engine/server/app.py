@@ -59,6 +59,7 @@ def build_app(
     tokenize_serving = TokenizeServing(engine, max_request_bytes)
     drainer = Drainer(WORK_PATHS, shutdown_timeout)
     admission = Admission(WORK_PATHS, max_admitted)
+    serving.admission = admission  # a request with several choices holds one per choice
     metrics.track_admission(admission)
     app.state.engine = engine
     app.state.admission = admission

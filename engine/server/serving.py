@@ -13,6 +13,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.httpkit.admission import Admission, overloaded_body
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.errors import json_error
@@ -79,6 +80,9 @@ class OpenAIServing:
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
         self._strings: TokenStrings | None = None  # token names for logprobs, made once
+        # The node's bound on requests held (the app's middleware admits each HTTP
+        # request); a request with several choices takes one more per extra choice.
+        self.admission: Admission | None = None
         self._id_strings: TokenStrings | None = None  # ... with return_tokens_as_token_ids
 
     @property
@@ -350,13 +354,20 @@ class OpenAIServing:
     async def _run_many(self, request: Request, jobs: list[Job], n: int) -> Response:
         """Every choice is its own engine request, run together; one body (choices merged,
         usage summed) or one stream (each chunk naming its choice's ``index``). A choice
-        failing fails the request and aborts the others."""
-        for job in jobs:
-            self._log_start(job)
-        steps = [self._steps(job) for job in jobs]
+        failing fails the request and aborts the others. Each choice past the first is
+        admitted like a request of its own (``--max-num-seqs`` + ``--max-queued-requests``:
+        429 past it)."""
+        refused = self._admit_more(len(jobs) - 1)
+        if refused is not None:
+            return refused
+        extra = len(jobs) - 1
+        steps: list[AsyncIterator[Step]] = []
         headers = {ENGINE_ID_HEADER: ",".join(job.request_id for job in jobs)}
         streaming = False
         try:
+            for job in jobs:
+                self._log_start(job)
+            steps = [self._steps(job) for job in jobs]
             if not jobs[0].req.stream:
                 work = [self._collect(job, s) for job, s in zip(jobs, steps, strict=True)]
                 bodies = await race_disconnect(request, gather_or_cancel(work))
@@ -369,7 +380,8 @@ class OpenAIServing:
                     self.engine, bad.error if bad else None, bad.error_code if bad else None
                 )
             streaming = True
-            return SSEResponse(self._stream_many(jobs, firsts, steps, n), headers=headers)
+            stream = self._stream_many(jobs, firsts, steps, n, extra)
+            return SSEResponse(stream, headers=headers)
         except ClientDisconnected:
             logger.info("request %s: client disconnected, aborted", jobs[0].label)
             return Response(status_code=499)
@@ -380,6 +392,27 @@ class OpenAIServing:
                         await s.aclose()  # type: ignore[attr-defined]
                 for job in jobs:
                     self._finish(job, "abort")
+                self._leave(extra)
+
+    def _admit_more(self, extra: int) -> Response | None:
+        """None when ``extra`` more requests fit the node's bound, else the answer: 429
+        (retry later), or 400 when the request could never fit."""
+        a = self.admission
+        if a is None or a.limit is None or a.try_enter(extra):
+            return None
+        if extra + 1 > a.limit:
+            err = APIError(
+                f"the request has {extra + 1} choices; this node holds at most {a.limit} "
+                "requests at once (--max-num-seqs + --max-queued-requests)",
+                param="n",
+            )
+            return json_error(err)
+        headers = {"Retry-After": str(a.retry_after_s)}
+        return JSONResponse(overloaded_body(a.limit), status_code=429, headers=headers)
+
+    def _leave(self, extra: int) -> None:
+        if self.admission is not None and self.admission.limit is not None:
+            self.admission.leave(extra)
 
     async def _chunks(
         self, job: Job, first: Step, steps: AsyncIterator[Step]
@@ -400,7 +433,12 @@ class OpenAIServing:
             step = await anext(steps, None)
 
     async def _stream_many(
-        self, jobs: list[Job], firsts: list[Step | None], steps: list[AsyncIterator[Step]], n: int
+        self,
+        jobs: list[Job],
+        firsts: list[Step | None],
+        steps: list[AsyncIterator[Step]],
+        n: int,
+        extra: int,
     ) -> AsyncIterator[str]:
         chunks = [
             self._chunks(job, first, s)  # type: ignore[arg-type]
@@ -430,6 +468,7 @@ class OpenAIServing:
                     await s.aclose()  # type: ignore[attr-defined]
             for job in jobs:
                 self._finish(job, "abort")  # the client went away, or another choice failed
+            self._leave(extra)
 
     async def _guarded(
         self, request: Request, handler: Callable[[], Awaitable[Response]]
