@@ -145,8 +145,9 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, step.attn, scratch)
         rows = min(sched.max_num_seqs, tokens)
         # The sampler's [S, V] temporaries at their largest (a bias copy, penalties, min-p,
-        # the sort, the allowed_token_ids masks: a [V] row kept per request, so each row
-        # its own request, on a sampler of its own that takes them along when it goes).
+        # the sort, the allowed_token_ids masks and the penalties' state: [V] rows kept per
+        # request, so each row its own request, on a sampler and histories of its own that
+        # take them along when they go).
         worst = SamplingParams(
             temperature=1.0, top_k=50, top_p=0.9, seed=0, min_p=0.01, logit_bias={0: 1.0},
             repetition_penalty=1.1, frequency_penalty=0.1, allowed_token_ids=[0],
@@ -155,7 +156,7 @@ class ModelRunner:
             self.model.compute_logits(hidden[:rows]),
             [dataclasses.replace(worst) for _ in range(rows)],
             list(range(rows)),
-            penalties=[PenaltyHistory(0)] * rows,
+            penalties=[PenaltyHistory(0) for _ in range(rows)],
         )
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - spec.block_bytes * spec.num_blocks
