@@ -51,10 +51,11 @@ async def start_all(sessions: list[Session], n: int) -> None:
 
 async def _events(session: Session) -> AsyncIterator[tuple[str, bool]]:
     """A choice's events but its [DONE]; each with whether it is the choice's error."""
-    async for event in session.events():
-        if event == SSE_DONE:
-            return
-        yield event, session.outcome == "error"
+    async with contextlib.aclosing(session.events()) as events:
+        async for event in events:
+            if event == SSE_DONE:
+                return
+            yield event, session.outcome == "error"
 
 
 async def events_all(sessions: list[Session], n: int) -> AsyncIterator[str]:

@@ -120,11 +120,20 @@ class ProxyServing:
         metrics.inflight.inc(k)
         streaming = False
 
-        def done() -> None:
+        released = False
+
+        def done() -> None:  # once: the stream's end and its response's close both call it
+            nonlocal released
+            if released:
+                return
+            released = True
             self.inflight -= k
             metrics.inflight.dec(k)
             for s in sessions:
                 s.close()
+
+        async def on_close() -> None:  # also when the client left before the first byte
+            done()
 
         try:
             if not req.stream:
@@ -156,12 +165,13 @@ class ProxyServing:
                     async for chunk in events:
                         yield chunk
             finally:
-                if any(s.outcome == "pending" for s in sessions):
+                failed = any(s.outcome == "error" for s in sessions)  # the others: aborted
+                if not failed and any(s.outcome == "pending" for s in sessions):
                     metrics.errors.labels("client_disconnect").inc()
                     logger.info("request %s: client disconnected mid-stream; aborted", rid)
                 done()
 
-        return answer(SSEResponse(body_iter()))
+        return answer(SSEResponse(body_iter(), on_close=on_close))
 
     async def forward(self, request: Request, path: str) -> Response:
         """A node utility endpoint (``/tokenize``, ``/detokenize``): the body as it came, to

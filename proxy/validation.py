@@ -97,12 +97,16 @@ def validate_request(
 def _children(endpoint: str, body: dict[str, Any], parsed: BaseRequest) -> list[ProxyRequest]:
     """Each choice as the request a node answers: ``n`` = 1, its own prompt and seed."""
     out = []
-    for child in parsed.children():
+    keys: dict[int, PromptKey | None] = {}  # a prompt's key, hashed once for its n choices
+    for j, child in enumerate(parsed.children()):
         one = {k: v for k, v in body.items() if k not in ("n", "best_of")}
         if child.seed is not None:
             one["seed"] = child.seed
         if endpoint == COMPLETIONS:
             text = child.prompt_text  # type: ignore[attr-defined]
             one["prompt"] = text if text is not None else child.prompt_token_ids  # type: ignore[attr-defined]
-        out.append(ProxyRequest(endpoint, one, child, prompt_key(child)))
+        key = keys.get(j // parsed.n)
+        if key is None:
+            key = keys[j // parsed.n] = prompt_key(child)
+        out.append(ProxyRequest(endpoint, one, child, key))
     return out

@@ -22,6 +22,7 @@ import pytest
 from harness import MODEL, PD, Proc, Procs, node_idle, sse_data, sse_events
 
 from engine.httpkit.fanout import gather_or_cancel, merge_bodies, merge_streams, sum_usage
+from engine.httpkit.sse import SSEResponse
 from engine.server.protocol import (
     MAX_CHOICES,
     APIError,
@@ -471,3 +472,50 @@ def test_each_choice_counts_against_the_nodes_bound_on_requests_held(module_proc
         resp = httpx.post(url, json={**body, "n": 3, "stream": stream}, timeout=60)
         assert resp.status_code == 200, resp.text
     assert node.metric("pdserve_num_requests_admitted") == 0
+
+
+def test_an_exception_a_child_yields_is_an_item_and_one_it_raises_ends_the_merge() -> None:
+    """A choice reports its failure as its last item (an ``APIError``, sent as its error
+    event); only an exception the child raises ends the merge."""
+
+    async def yields() -> AsyncIterator[Any]:
+        yield APIError("engine unavailable", status_code=503)
+
+    async def raises() -> AsyncIterator[Any]:
+        yield 1
+        raise ValueError("broken")
+
+    async def main() -> None:
+        got = [item async for item in merge_streams([yields()])]
+        assert len(got) == 1 and isinstance(got[0][1], APIError)
+        assert got[0][1].status_code == 503
+        with pytest.raises(ValueError):
+            async for _ in merge_streams([raises()]):
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_stream_whose_client_left_before_its_first_byte_still_runs_its_cleanup() -> None:
+    """The response's ``on_close`` runs when the body never started (the generator's own
+    ``finally`` does not): the node's admission places and aborts hang on it."""
+    started: list[bool] = []
+    closed: list[bool] = []
+
+    async def body() -> AsyncIterator[str]:
+        started.append(True)
+        yield "data: x\n\n"
+
+    async def on_close() -> None:
+        closed.append(True)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        await asyncio.sleep(0.05)
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST"}
+    response = SSEResponse(body(), on_close=on_close)
+    asyncio.run(asyncio.wait_for(response(scope, receive, send), 10))
+    assert closed == [True] and started == []

@@ -45,6 +45,14 @@ async def _cancel_and_wait(tasks: list[asyncio.Future[Any]]) -> None:
 _END = object()
 
 
+class _Failed:
+    """A child's exception, as the merge hands it to the reader (an item that is itself
+    an exception passes as an item)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """``(child index, item)`` as each child yields it (a child's own order kept); ends when
     all have ended. A child raising ends the merge with that exception. Leaving early
@@ -58,7 +66,7 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
                 async for item in stream:
                     await queue.put((i, item))
         except Exception as e:  # noqa: BLE001 -- handed to the reader
-            await queue.put((i, e))
+            await queue.put((i, _Failed(e)))
             return
         await queue.put((i, _END))
 
@@ -69,8 +77,8 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
             i, item = await queue.get()
             if item is _END:
                 running -= 1
-            elif isinstance(item, Exception):
-                raise item
+            elif isinstance(item, _Failed):
+                raise item.error
             else:
                 yield i, item
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -20,20 +21,30 @@ def sse_event(obj: Any) -> str:
 
 class SSEResponse(StreamingResponse):
     """An event stream that closes its generator at the end, also when the client left
-    mid-stream (so the generator's ``finally`` — aborts, metrics — always runs)."""
+    mid-stream (so the generator's ``finally`` — aborts, metrics — always runs), then runs
+    ``on_close``: the cleanup of a stream that may never start (a client gone before its
+    first byte was sent: the generator's ``finally`` never runs then)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: Any, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        content: Any,
+        headers: dict[str, str] | None = None,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         super().__init__(
             content, media_type=self.media_type, headers={**SSE_HEADERS, **(headers or {})}
         )
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):
+                if aclose is not None:
                     await aclose()
+                if self.on_close is not None:
+                    await self.on_close()

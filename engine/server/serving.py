@@ -149,20 +149,17 @@ class OpenAIServing:
         out: list[tuple[BaseRequest, list[int]]] = []
         for k in range(0, len(children), req.n):
             one: Any = children[k]
-            text = one.prompt_text
-            if one.prompt_token_ids is not None:
-                ids = one.prompt_token_ids
+            text, given = one.prompt_text, one.prompt_token_ids
+            if given is not None:
                 where = "prompt" if len(children) == req.n else f"prompt[{k // req.n}]"
-                check_token_ids(ids, self.engine.vocab_size, where)
-                if req.echo:  # the text echoed before the answer
-                    text = self.engine.tokenizer.decode(ids, req.skip_special_tokens)
+                check_token_ids(given, self.engine.vocab_size, where)
+                full = given
             else:
-                ids = list(self.engine.tokenizer.encode(text or ""))
-            kept = truncate_prompt(ids, req.truncate_prompt_tokens, self.engine.max_model_len)
-            if len(kept) < len(ids):
-                ids = kept
-                if req.echo:  # the prompt the model saw
-                    text = self.engine.tokenizer.decode(ids, req.skip_special_tokens)
+                full = list(self.engine.tokenizer.encode(text or ""))
+            ids = truncate_prompt(full, req.truncate_prompt_tokens, self.engine.max_model_len)
+            if req.echo and (given is not None or len(ids) < len(full)):
+                # The text echoed before the answer: the prompt the model saw.
+                text = self.engine.tokenizer.decode(ids, req.skip_special_tokens)
             for child in children[k : k + req.n]:
                 child.prompt_text = text  # type: ignore[attr-defined]
                 out.append((child, ids))
@@ -295,8 +292,15 @@ class OpenAIServing:
             raise engine_error(
                 self.engine, first.error if first else None, first.error_code if first else None
             )
+
+        async def cleanup() -> None:  # a client gone before the stream's first byte
+            await steps.aclose()  # type: ignore[attr-defined]
+            self._finish(job, "abort")
+
         return SSEResponse(
-            self._stream(job, first, steps), headers={ENGINE_ID_HEADER: job.request_id}
+            self._stream(job, first, steps),
+            headers={ENGINE_ID_HEADER: job.request_id},
+            on_close=cleanup,
         )
 
     async def _collect(self, job: Job, steps: AsyncIterator[Step]) -> dict[str, Any]:
@@ -357,12 +361,27 @@ class OpenAIServing:
         failing fails the request and aborts the others. Each choice past the first is
         admitted like a request of its own (``--max-num-seqs`` + ``--max-queued-requests``:
         429 past it)."""
-        refused = self._admit_more(len(jobs) - 1)
+        extra = len(jobs) - 1
+        refused = self._admit_more(extra, n)
         if refused is not None:
             return refused
-        extra = len(jobs) - 1
         steps: list[AsyncIterator[Step]] = []
-        headers = {ENGINE_ID_HEADER: ",".join(job.request_id for job in jobs)}
+        cleaned = False
+
+        async def cleanup() -> None:
+            """Once, whichever path ends the request (a stream's response runs it also
+            when its body never started): what did not end by itself is aborted."""
+            nonlocal cleaned
+            if cleaned:
+                return
+            cleaned = True
+            with anyio.CancelScope(shield=True):
+                for s in steps:
+                    await s.aclose()  # type: ignore[attr-defined]
+            for job in jobs:
+                self._finish(job, "abort")
+            self._leave(extra)
+
         streaming = False
         try:
             for job in jobs:
@@ -371,7 +390,7 @@ class OpenAIServing:
             if not jobs[0].req.stream:
                 work = [self._collect(job, s) for job, s in zip(jobs, steps, strict=True)]
                 bodies = await race_disconnect(request, gather_or_cancel(work))
-                return JSONResponse(merge_bodies(bodies, n), headers=headers)
+                return JSONResponse(merge_bodies(bodies, n))
             firsts = await race_disconnect(request, gather_or_cancel([anext(s, None) for s in steps]))  # fmt: skip
             bad = next((f for f in firsts if f is None or f.finish_reason == "error"), False)
             if bad is not False:
@@ -380,21 +399,15 @@ class OpenAIServing:
                     self.engine, bad.error if bad else None, bad.error_code if bad else None
                 )
             streaming = True
-            stream = self._stream_many(jobs, firsts, steps, n, extra)
-            return SSEResponse(stream, headers=headers)
+            return SSEResponse(self._stream_many(jobs, firsts, steps, n), on_close=cleanup)
         except ClientDisconnected:
             logger.info("request %s: client disconnected, aborted", jobs[0].label)
             return Response(status_code=499)
         finally:
-            if not streaming:  # whatever did not end by itself is aborted
-                with anyio.CancelScope(shield=True):
-                    for s in steps:
-                        await s.aclose()  # type: ignore[attr-defined]
-                for job in jobs:
-                    self._finish(job, "abort")
-                self._leave(extra)
+            if not streaming:
+                await cleanup()
 
-    def _admit_more(self, extra: int) -> Response | None:
+    def _admit_more(self, extra: int, n: int) -> Response | None:
         """None when ``extra`` more requests fit the node's bound, else the answer: 429
         (retry later), or 400 when the request could never fit."""
         a = self.admission
@@ -404,7 +417,7 @@ class OpenAIServing:
             err = APIError(
                 f"the request has {extra + 1} choices; this node holds at most {a.limit} "
                 "requests at once (--max-num-seqs + --max-queued-requests)",
-                param="n",
+                param="n" if n > 1 else "prompt",
             )
             return json_error(err)
         headers = {"Retry-After": str(a.retry_after_s)}
@@ -433,13 +446,10 @@ class OpenAIServing:
             step = await anext(steps, None)
 
     async def _stream_many(
-        self,
-        jobs: list[Job],
-        firsts: list[Step | None],
-        steps: list[AsyncIterator[Step]],
-        n: int,
-        extra: int,
+        self, jobs: list[Job], firsts: list[Step | None], steps: list[AsyncIterator[Step]], n: int
     ) -> AsyncIterator[str]:
+        """The merged stream; its response's ``on_close`` aborts what is left (the client
+        went away, or a choice failed) and gives the admission places back."""
         chunks = [
             self._chunks(job, first, s)  # type: ignore[arg-type]
             for job, first, s in zip(jobs, firsts, steps, strict=True)
@@ -462,13 +472,6 @@ class OpenAIServing:
             logger.exception("request %s failed while streaming", jobs[0].request_id)
             yield sse_event(error_body(f"internal error: {e}", "server_error"))
             yield SSE_DONE
-        finally:
-            with anyio.CancelScope(shield=True):
-                for s in steps:
-                    await s.aclose()  # type: ignore[attr-defined]
-            for job in jobs:
-                self._finish(job, "abort")  # the client went away, or another choice failed
-            self._leave(extra)
 
     async def _guarded(
         self, request: Request, handler: Callable[[], Awaitable[Response]]
