@@ -81,11 +81,12 @@ def completion_logprobs(
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
     offsets: list[int] = []
+    by_text = strings.name is strings.text  # one cache lookup per token, not two
     for tid, e in zip(ids, entries, strict=True):
         name = strings.name(tid)
         tokens.append(name)
         offsets.append(text_offset)
-        text_offset += len(strings.text(tid))
+        text_offset += len(name if by_text else strings.text(tid))
         if e is None:
             token_logprobs.append(None)
             top.append(None)
