@@ -207,6 +207,15 @@ def _wait_idle(urls: list[str]) -> None:
         assert node_idle(url), url
 
 
+def _target(pd: tuple[PD, Proc], through: str) -> tuple[PD, str, str]:
+    """The pair, its colocated node's URL (the reference) and the URL a test sends to:
+    that node (``through == "node"``) or the proxy in front of the pair."""
+    pair, proxy = pd
+    assert pair.colocated is not None
+    ref = pair.colocated.url
+    return pair, ref, ref if through == "node" else proxy.url
+
+
 @pytest.fixture(scope="module")
 def pd(module_procs: Procs) -> tuple[PD, Proc]:
     """A P/D pair behind a proxy, and a colocated node."""
@@ -230,10 +239,7 @@ def _singles(url: str, path: str, body: dict[str, Any], prompts: list[Any], n: i
 @pytest.mark.slow
 @pytest.mark.parametrize("through", ["node", "proxy"])
 def test_every_choice_is_the_single_request_for_it(pd: tuple[PD, Proc], through: str) -> None:
-    pair, proxy = pd
-    assert pair.colocated is not None
-    ref_url = pair.colocated.url
-    url = ref_url if through == "node" else proxy.url
+    _, ref_url, url = _target(pd, through)
     prompts: list[Any] = ["hello there", [104, 105, 33, 32]]
     body = {**SAMPLED, "prompt": prompts, "n": 2, "seed": 7, "stream_options": None}
     want = _singles(ref_url, "/v1/completions", body, prompts, 2)
@@ -266,9 +272,7 @@ def test_every_choice_is_the_single_request_for_it(pd: tuple[PD, Proc], through:
 def test_a_choice_that_cannot_run_refuses_the_request_and_leaves_nothing_running(
     pd: tuple[PD, Proc], through: str
 ) -> None:
-    pair, proxy = pd
-    assert pair.colocated is not None
-    url = pair.colocated.url if through == "node" else proxy.url
+    pair, _, url = _target(pd, through)
     body = {"model": MODEL, "prompt": ["fine", [1, 2, 100_000]], "max_tokens": 2}
     resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert resp.status_code == 400, resp.text
@@ -306,10 +310,7 @@ def test_a_client_leaving_a_stream_of_choices_aborts_all_of_them(pd: tuple[PD, P
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
     pd: tuple[PD, Proc], through: str
 ) -> None:
-    pair, proxy = pd
-    assert pair.colocated is not None
-    ref = pair.colocated.url
-    url = ref if through == "node" else proxy.url
+    _, ref, url = _target(pd, through)
     ids = list(range(97, 117))  # tiny: a byte a token, "abcdefghijklmnopqrst"
     body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     want = _post(ref, "/v1/completions", {**body, "prompt": ids[-5:]})["choices"][0]
@@ -335,9 +336,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
 @pytest.mark.parametrize("through", ["node", "proxy"])
 def test_skip_special_tokens_false_keeps_their_text(pd: tuple[PD, Proc], through: str) -> None:
     """tiny's BOS (256) is special: its text is left out unless asked (vLLM's default)."""
-    pair, proxy = pd
-    assert pair.colocated is not None
-    url = pair.colocated.url if through == "node" else proxy.url
+    pair, _, url = _target(pd, through)
     body = {"prompt": [256, 104, 105], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
             "logit_bias": {"256": 100}}  # fmt: skip
     plain = _post(url, "/v1/completions", body)["choices"][0]
@@ -357,9 +356,7 @@ def test_continue_final_message_goes_on_with_the_prefilled_answer(
 ) -> None:
     """vLLM's ``continue_final_message``: the prompt ends inside the assistant's message
     (tiny's built-in template), as a completion of that text answers."""
-    pair, proxy = pd
-    assert pair.colocated is not None
-    url = pair.colocated.url if through == "node" else proxy.url
+    pair, _, url = _target(pd, through)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
     chat = {"messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
             "continue_final_message": True}  # fmt: skip
@@ -397,9 +394,7 @@ def test_prompt_logprobs_are_vllms_shape_and_p_d_answers_them_as_colocated(
     """vLLM's ``prompt_logprobs``: per prompt token null (the first) or the token's and the
     ``k`` most likely ones' log probability, rank and text; through the proxy P's (D did
     not compute the prompt); with ``echo`` + ``logprobs`` each keeps its own count."""
-    pair, proxy = pd
-    assert pair.colocated is not None
-    url = pair.colocated.url if through == "node" else proxy.url
+    pair, _, url = _target(pd, through)
     body = {"prompt": "hello there", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
             "prompt_logprobs": 2}  # fmt: skip
     got = _post(url, "/v1/completions", body)["choices"][0]["prompt_logprobs"]
@@ -427,9 +422,7 @@ def test_prompt_logprobs_are_vllms_shape_and_p_d_answers_them_as_colocated(
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(
     pd: tuple[PD, Proc], through: str
 ) -> None:
-    pair, proxy = pd
-    assert pair.colocated is not None
-    url = pair.colocated.url if through == "node" else proxy.url
+    pair, _, url = _target(pd, through)
     body = {"prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
     events = [e for e in _stream(url, "/v1/completions", body) if isinstance(e, dict)]
