@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -172,6 +174,7 @@ class Proc:
     url: str
     stdout_path: Path
     stderr_path: Path
+    tmpdir: Path | None = None  # its TMPDIR, removed once it is gone (``stop``/``kill9``)
 
     @property
     def pid(self) -> int:
@@ -194,6 +197,7 @@ class Proc:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(10)
+        self._remove_tmpdir()
 
     def stop(self) -> None:
         """SIGTERM (SIGKILL after 30 s), then SIGKILL any descendant still alive after 10 s."""
@@ -208,6 +212,12 @@ class Proc:
         for pid in wait_gone(kids, 10):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        self._remove_tmpdir()
+
+    def _remove_tmpdir(self) -> None:
+        # A SIGKILLed process (or its TP workers) leaves multiprocessing's pymp-* folders.
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 def spawn(
@@ -217,14 +227,26 @@ def spawn(
     tmp: Path,
     env: dict[str, str] | None = None,
 ) -> Proc:
-    """Start ``cmd`` in the repository root; stdout and stderr go to files in ``tmp``."""
+    """Start ``cmd`` in the repository root; stdout and stderr go to files in ``tmp``.
+
+    The process gets a TMPDIR of its own (short, under the system's: AF_UNIX socket paths
+    made there must stay under 108 bytes), removed when it is stopped or killed."""
     stem = f"{name}-{url.rsplit(':', 1)[1]}"
     out, err = tmp / f"{stem}.out", tmp / f"{stem}.err"
-    with open(out, "wb") as fo, open(err, "wb") as fe:
-        proc = subprocess.Popen(
-            cmd, stdout=fo, stderr=fe, cwd=REPO_ROOT, env={**os.environ, **(env or {})}
-        )
-    return Proc(name, proc, url, out, err)
+    tmpdir = Path(tempfile.mkdtemp(prefix="pdserve-proc-"))
+    try:
+        with open(out, "wb") as fo, open(err, "wb") as fe:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=fo,
+                stderr=fe,
+                cwd=REPO_ROOT,
+                env={**os.environ, "TMPDIR": str(tmpdir), **(env or {})},
+            )
+    except BaseException:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+    return Proc(name, proc, url, out, err, tmpdir)
 
 
 def spawn_node(
