@@ -256,6 +256,7 @@ class EngineCore:
         if (
             sched.num_scheduled_tokens
             or sched.finished_request_ids
+            or sched.preempted_request_ids
             or (md is not None and not md.is_empty())
         ):
             return False

@@ -84,6 +84,30 @@ def test_worker_tables_follow_the_scheduler_through_prefix_hits_and_preemption()
     _drain(s, worker)
 
 
+def test_a_preempted_request_leaves_no_state_on_the_workers_while_it_waits():
+    # A preempted request gets a new table (and penalty history) when it runs again; the
+    # old ones -- on a GPU two [V] rows per request with penalties -- must not stay on
+    # the workers for as long as it waits.
+    s = _scheduler(num_blocks=40, max_num_seqs=4)
+    worker = RequestStates()
+    for i in range(4):
+        params = SamplingParams(max_tokens=40, repetition_penalty=1.2)
+        s.add_request(Request(f"r{i}", list(range(i * 50, i * 50 + 30)), params))
+    held_while_waiting = set()
+    for _ in range(500):
+        if not s.has_work():
+            break
+        so = pickle.loads(pickle.dumps(s.schedule()))
+        worker.update(so)
+        running = {r.request_id for r in s.running}
+        held_while_waiting |= {rid for rid in s.requests if rid in worker} - running
+        sampled = {q.request_id: 7 for q in so.seqs if q.samples}
+        s.update_from_output(so, ModelRunnerOutput(sampled_token_ids=sampled))
+    assert s.num_preemptions_total > 0, "the test should exercise preemption"
+    assert held_while_waiting == set()
+    _drain(s, worker)
+
+
 def test_an_aborted_request_leaves_no_table_on_the_workers():
     s = _scheduler(num_blocks=64)
     worker = RequestStates()

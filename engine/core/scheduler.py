@@ -73,6 +73,7 @@ class Scheduler:
         # Blocks of failed remote loads that a late WRITE may still touch.
         self.quarantine: dict[str, list[int]] = {}
         self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
         # Per step not yet updated: the requests it scheduled (its results go to these
         # objects only: a request finished, preempted or replaced since is skipped).
         # (The request's preemption count then: preempted since, the results are stale.)
@@ -198,10 +199,13 @@ class Scheduler:
         self.waiting.extendleft(reversed(delayed))  # in their places, first in line
 
         out = SchedulerOutput(
-            step_id=self._step, seqs=seqs, finished_request_ids=self._finished_ids
+            step_id=self._step,
+            seqs=seqs,
+            finished_request_ids=self._finished_ids,
+            preempted_request_ids=self._preempted_ids,
         )
         self._scheduled_reqs[self._step] = scheduled
-        self._finished_ids = set()
+        self._finished_ids, self._preempted_ids = set(), set()
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self.kv.block_ids)
         return out
 
@@ -332,6 +336,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
+        self._preempted_ids.add(req.request_id)
         self.waiting.appendleft(req)
         return freed_now
 

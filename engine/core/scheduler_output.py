@@ -59,6 +59,9 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     # Requests that finished since the last step (workers drop per-request state).
     finished_request_ids: set[str] = field(default_factory=set)
+    # Requests preempted since the last step: workers drop their state too (a resumed
+    # request comes back with a new table); unlike finished ones, not the connector's.
+    preempted_request_ids: set[str] = field(default_factory=set)
     # Per-step connector metadata (kvconnector.base.KVConnectorMetadata); bound by each
     # worker before the forward pass and cleared at the end of the step.
     kv_connector_metadata: Any = None

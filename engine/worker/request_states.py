@@ -7,8 +7,10 @@ and afterwards only the blocks appended to the table (``new_block_ids``), so a s
 message does not grow with the length of its sequences nor carry every request's
 parameters (vLLM's cached-request data, for the same reason). ``update`` applies a step's
 changes before its forward, on every rank, and drops the state of the requests that
-finished. Every change is checked against the table length the scheduler holds: a worker
-whose tables fell out of step raises instead of reading the wrong blocks.
+finished or were preempted (a preempted request's old table and penalty rows would
+otherwise stay for as long as it waits). Every change is checked against the table
+length the scheduler holds: a worker whose tables fell out of step raises instead of
+reading the wrong blocks.
 """
 
 from __future__ import annotations
@@ -84,9 +86,9 @@ class RequestStates:
         return params
 
     def update(self, sched: SchedulerOutput) -> None:
-        """Apply one step's changes: drop finished requests' state, then create or extend
-        the scheduled ones'."""
-        for rid in sched.finished_request_ids:
+        """Apply one step's changes: drop finished and preempted requests' state, then
+        create or extend the scheduled ones'."""
+        for rid in (*sched.finished_request_ids, *sched.preempted_request_ids):
             self._states.pop(rid, None)
         for seq in sched.seqs:
             rid = seq.request_id
