@@ -3,13 +3,16 @@ several test files; integration tests use the real parts)."""
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 from hypothesis import HealthCheck, settings
 
 from engine.config import EngineConfig
 from engine.core.request import Request
-from engine.core.scheduler_output import ModelRunnerOutput
+from engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
+from engine.worker.model_runner import placeholder_sources
+from engine.worker.request_states import RequestStates
 from kvconnector.noop import NoopConnectorScheduler
 
 
@@ -59,3 +62,45 @@ def fixed_examples(n: int) -> settings:
             HealthCheck.function_scoped_fixture,
         ],
     )
+
+
+class PagedToyModel:
+    """A worker stand-in: writes each step's tokens into their cache slots, and samples
+    from what the cache holds (a hash of the sequence's tokens read through its table)."""
+
+    def __init__(self, block_size: int, vocab: int) -> None:
+        self.block_size, self.vocab = block_size, vocab
+        self.cache: dict[tuple[int, int], int] = {}  # (block, offset) -> token id
+        self.states = RequestStates()
+        # The last sampling step's ids and each request's row in them (as the runner).
+        self.prev_ids: list[int] = []
+        self.prev_rows: dict[str, int] = {}
+        self.placeholders = 0
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        so = pickle.loads(pickle.dumps(so))  # what a worker receives
+        self.states.update(so)
+        self.placeholders += sum(1 for q in so.seqs if q.token_ids[-1] == PLACEHOLDER_TOKEN_ID)
+        for i, row in zip(*placeholder_sources(so.seqs, self.prev_rows), strict=True):
+            so.seqs[i].token_ids[-1] = self.prev_ids[row]
+        sampled: dict[str, int] = {}
+        for seq in so.seqs:
+            table = self.states.block_ids(seq.request_id).tolist()
+            for j, token in enumerate(seq.token_ids):
+                pos = seq.start_pos + j
+                self.cache[(table[pos // self.block_size], pos % self.block_size)] = token
+            if seq.samples:
+                h = 17
+                for pos in range(seq.start_pos + seq.num_tokens):
+                    h = (
+                        h * 1_000_003
+                        + self.cache[(table[pos // self.block_size], pos % self.block_size)]
+                    ) % (2**61 - 1)
+                token = h % self.vocab
+                while token in seq.banned_token_ids:
+                    token = (token + 1) % self.vocab
+                sampled[seq.request_id] = token
+        if sampled:  # as the model runner: a step that samples nothing keeps the last
+            self.prev_ids = list(sampled.values())
+            self.prev_rows = {rid: j for j, rid in enumerate(sampled)}
+        return ModelRunnerOutput(sampled_token_ids=sampled)

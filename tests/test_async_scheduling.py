@@ -17,6 +17,7 @@ import random
 from typing import Any
 
 import pytest
+from fakes import PagedToyModel
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.core.request import Request
@@ -25,52 +26,11 @@ from engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.worker.model_runner import DEFER_READBACK_ENV, placeholder_sources
-from engine.worker.request_states import RequestStates
 from kvconnector.noop import NoopConnectorScheduler
 
 BLOCK = 4
 VOCAB = 40
 EOS = 0
-
-
-class PagedToyModel:
-    """A worker stand-in: writes each step's tokens into their cache slots, and samples
-    from what the cache holds (a hash of the sequence's tokens read through its table)."""
-
-    def __init__(self) -> None:
-        self.cache: dict[tuple[int, int], int] = {}  # (block, offset) -> token id
-        self.states = RequestStates()
-        # The last sampling step's ids and each request's row in them (as the runner).
-        self.prev_ids: list[int] = []
-        self.prev_rows: dict[str, int] = {}
-        self.placeholders = 0
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        so = pickle.loads(pickle.dumps(so))  # what a worker receives
-        self.states.update(so)
-        self.placeholders += sum(1 for q in so.seqs if q.token_ids[-1] == PLACEHOLDER_TOKEN_ID)
-        for i, row in zip(*placeholder_sources(so.seqs, self.prev_rows), strict=True):
-            so.seqs[i].token_ids[-1] = self.prev_ids[row]
-        sampled: dict[str, int] = {}
-        for seq in so.seqs:
-            table = self.states.block_ids(seq.request_id).tolist()
-            for j, token in enumerate(seq.token_ids):
-                pos = seq.start_pos + j
-                self.cache[(table[pos // BLOCK], pos % BLOCK)] = token
-            if seq.samples:
-                h = 17
-                for pos in range(seq.start_pos + seq.num_tokens):
-                    h = (h * 1_000_003 + self.cache[(table[pos // BLOCK], pos % BLOCK)]) % (
-                        2**61 - 1
-                    )
-                token = h % VOCAB
-                while token in seq.banned_token_ids:
-                    token = (token + 1) % VOCAB
-                sampled[seq.request_id] = token
-        if sampled:  # as the model runner: a step that samples nothing keeps the last
-            self.prev_ids = list(sampled.values())
-            self.prev_rows = {rid: j for j, rid in enumerate(sampled)}
-        return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
 def _scheduler_config(async_scheduling: bool, budget: int, max_num_seqs: int = 6) -> EngineConfig:
@@ -116,7 +76,7 @@ def _run(
 ) -> tuple[dict[str, tuple[list[int], str | None]], Scheduler, PagedToyModel]:
     """Requests arrive over the first steps; returns each one's tokens and finish reason."""
     s = _scheduler(async_scheduling, num_blocks, budget)
-    model = PagedToyModel()
+    model = PagedToyModel(BLOCK, VOCAB)
     pending = _requests(seed)
     tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in pending}
     reasons: dict[str, str | None] = {}
@@ -213,7 +173,7 @@ def test_blocks_completed_by_generated_tokens_are_prefix_cache_hits(async_schedu
     """A block is registered once its tokens are known, not when a step in flight will
     complete it with a token not sampled yet (its hash would be of the wrong tokens)."""
     s = _scheduler(async_scheduling, num_blocks=16, budget=64)
-    model = PagedToyModel()
+    model = PagedToyModel(BLOCK, VOCAB)
     s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True)))
     in_flight, outputs = None, []
     while s.has_work() or in_flight:
@@ -248,7 +208,7 @@ class _ToyExecutor:
     worker_infos: list[Any] = []
 
     def __init__(self, *_: Any) -> None:
-        self.model = PagedToyModel()
+        self.model = PagedToyModel(BLOCK, VOCAB)
         self.log: list[tuple[str, int]] = []
 
     def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
