@@ -59,6 +59,19 @@ def test_prefix_cache_hits_give_same_tokens(reference):
     assert computed_again < sum(len(x) for x in p) / 2, "prefix cache should skip most work"
 
 
+def test_one_prompt_sent_four_times_at_once_is_computed_once(reference):
+    """Four copies of a prompt in one batch (as ``n`` = 4 choices): one computes it, the
+    others wait a step for its blocks and start from the prefix cache; the same tokens."""
+    prompt = reference["prompts"][5]  # 90 tokens: five full blocks and a partial one
+    want = reference["alone"][5]
+    cfg = EngineConfig(cache=CacheConfig(num_blocks=512, enable_prefix_caching=True))
+    with LLM(cfg) as llm:
+        out = llm.generate([prompt] * 4, GREEDY)
+        computed = llm.stats()["prompt_tokens_total"]
+    assert out == [want] * 4
+    assert computed <= len(prompt) + 3 * 16, computed
+
+
 def test_tp2_matches_tp1_and_seeded_sampling_is_reproducible(reference):
     cfg = EngineConfig(cache=CacheConfig(num_blocks=256), parallel=ParallelConfig(tp=2))
     with LLM(cfg) as llm:

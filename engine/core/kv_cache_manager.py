@@ -1,6 +1,10 @@
-"""Maps requests to KV blocks: allocation, prefix-cache lookup, freeing."""
+"""Maps requests to KV blocks: allocation, prefix-cache lookup, freeing; and which full
+prompt blocks the steps not yet finished are computing (``computing`` / ``step_done``), so
+a request sharing them can wait for them rather than compute them a second time."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 from engine.core.block_pool import BlockPool
 from engine.core.request import Request
@@ -20,6 +24,11 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}
         # Per request: how many of its blocks the workers were sent (``blocks_to_send``).
         self._num_sent: dict[str, int] = {}
+        # Per step not finished yet: the hashes of the full prompt blocks it computes
+        # (each a prefix-cache entry once the step is done), and how many such steps
+        # compute each hash.
+        self._in_flight: dict[int, list[int]] = {}
+        self._in_flight_count: Counter[int] = Counter()
 
     @property
     def num_blocks(self) -> int:
@@ -55,6 +64,45 @@ class KVCacheManager:
                 break
             out.append(block)
         return out
+
+    def computing(self, step: int, request: Request, start: int, end: int) -> None:
+        """Step ``step`` computes the request's tokens ``[start, end)``: the full prompt
+        blocks it completes are in flight until ``step_done(step)``."""
+        if not self.pool.enable_caching or start >= request.num_prompt_tokens:
+            return
+        first, last = (
+            start // self.block_size,
+            min(end, request.num_prompt_tokens) // self.block_size,
+        )
+        if last <= first:
+            return
+        hashes = self._hash_chain(request, last)[first:last]
+        self._in_flight.setdefault(step, []).extend(hashes)
+        self._in_flight_count.update(hashes)
+
+    def step_done(self, step: int) -> None:
+        """The step's blocks are cached now, or never will be (their request ended)."""
+        for h in self._in_flight.pop(step, ()):
+            self._in_flight_count[h] -= 1
+            if not self._in_flight_count[h]:
+                del self._in_flight_count[h]
+
+    def forget_steps_in_flight(self) -> None:
+        self._in_flight.clear()
+        self._in_flight_count.clear()
+
+    def num_blocks_in_flight(self, request: Request, num_cached_blocks: int) -> int:
+        """How many of the full blocks right after the request's cached prefix (its first
+        ``num_cached_blocks``) a step not finished yet computes for another request."""
+        if not self._in_flight_count:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size  # >= 1 token to compute
+        n = 0
+        for h in self._hash_chain(request, max_blocks)[num_cached_blocks:max_blocks]:
+            if h not in self._in_flight_count:
+                break
+            n += 1
+        return n
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None

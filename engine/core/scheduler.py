@@ -20,10 +20,17 @@ too many, which is dropped. A step's results apply only to the requests it sched
 not to one finished, preempted or replaced since. The blocks of a request that ends or is
 preempted while a step not yet updated scheduled it are freed at that step's update (its
 forward may still write them; a remote load given one must not take a late local write).
+
+Requests arriving together with the same prompt prefix (``n`` > 1 choices, one system
+prompt) compute it once: a request whose next ``MIN_SHARED_PREFIX_TOKENS`` or more prompt
+tokens (full blocks) a step not finished yet computes for another request waits -- the
+requests behind it pass -- until that step is done, and then starts from the prefix cache
+(SGLang's in-batch prefix caching; vLLM computes such prompts once per request).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import deque
@@ -47,6 +54,16 @@ if TYPE_CHECKING:
     from kvconnector.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
+
+# A waiting request whose next this-many prompt tokens (or more) a step not finished yet
+# computes for another request waits for that step (SGLang's threshold for the same).
+MIN_SHARED_PREFIX_TOKENS = 32
+
+
+class _Start(enum.Enum):
+    STARTED = enum.auto()  # running, or reserved for a remote load
+    NO_ROOM = enum.auto()  # no blocks this step
+    WAITS_FOR_PREFIX = enum.auto()  # another request computes its prefix in a step in flight
 
 
 class Scheduler:
@@ -184,15 +201,20 @@ class Scheduler:
             budget -= n
             i += 1
 
-        delayed: list[Request] = []  # waiting on a peer: the requests behind them pass
+        # Waiting on a peer or on a prefix another request computes: those behind pass.
+        delayed: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.status == RequestStatus.WAITING and self.connector.delay_admission(req):
                 delayed.append(self.waiting.popleft())
                 continue
-            if not self._admit(req, budget, seqs):
+            start = self._admit(req, budget, seqs)
+            if start is _Start.NO_ROOM:
                 break
             self.waiting.popleft()
+            if start is _Start.WAITS_FOR_PREFIX:
+                delayed.append(req)
+                continue
             if req.status == RequestStatus.RUNNING:
                 budget -= seqs[-1].num_tokens
                 scheduled[req.request_id] = (req, req.num_preemptions)
@@ -239,6 +261,7 @@ class Scheduler:
                 self.kv.pool.free(blocks)
         self._free_after.clear()
         self._scheduled_reqs.clear()
+        self.kv.forget_steps_in_flight()
 
     def _ends_with_pending(self, req: Request) -> bool:
         """The sample(s) in flight end ``req`` whatever they are (length or context)."""
@@ -248,8 +271,8 @@ class Scheduler:
             or req.num_tokens + n >= self.max_model_len
         )
 
-    def _admit(self, req: Request, budget: int, seqs: list[ScheduledSeq]) -> bool:
-        """Try to start ``req``; False when there is no room this step."""
+    def _admit(self, req: Request, budget: int, seqs: list[ScheduledSeq]) -> _Start:
+        """Try to start ``req``."""
         # Prompt logprobs need the prompt computed here: no prefix-cache hits (as vLLM).
         computed = [] if req.needs_prompt_logprobs else self.kv.get_computed_blocks(req)
         num_cached = len(computed) * self.block_size
@@ -262,23 +285,30 @@ class Scheduler:
             blocks = self.kv.allocate_slots(req, ext, computed)
             if blocks is None:
                 req.num_computed_tokens = 0
-                return False
+                return _Start.NO_ROOM
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV
             RequestMetrics.scheduled(req, time.monotonic())
             self.remote_waiting[req.request_id] = req
             self.connector.update_state_after_alloc(req, blocks, ext)
-            return True
+            return _Start.STARTED
+        if not req.needs_prompt_logprobs:
+            shared = self.kv.num_blocks_in_flight(req, len(computed)) * self.block_size
+            if shared >= MIN_SHARED_PREFIX_TOKENS:
+                logger.debug(
+                    "%s waits a step for %d prompt tokens in flight", req.request_id, shared
+                )
+                return _Start.WAITS_FOR_PREFIX
         req.num_computed_tokens = num_cached
         n = min(req.num_tokens - num_cached, budget)
         blocks = self.kv.allocate_slots(req, n, computed)
         if blocks is None:
             req.num_computed_tokens = 0
-            return False
+            return _Start.NO_ROOM
         req.status = RequestStatus.RUNNING
         RequestMetrics.scheduled(req, time.monotonic())
         self.running.append(req)
         seqs.append(self._scheduled(req, n))
-        return True
+        return _Start.STARTED
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         """``req``'s slice of this step: ``n`` tokens from ``num_computed_tokens`` on, which
@@ -288,6 +318,7 @@ class Scheduler:
         samples = end == req.num_tokens + req.num_output_placeholders
         sp = req.sampling_params
         new_blocks, new_table, num_blocks = self.kv.blocks_to_send(req.request_id)
+        self.kv.computing(self._step, req, start, end)
         token_ids = req.all_token_ids[start:end]
         if len(token_ids) < n:  # the last one is sampled by the step in flight
             assert len(token_ids) == n - 1, (req, start, n)
@@ -344,6 +375,7 @@ class Scheduler:
         self, sched_out: SchedulerOutput, output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         scheduled = self._scheduled_reqs.pop(sched_out.step_id, {})
+        self.kv.step_done(sched_out.step_id)  # its blocks are cached below, or never
         for blocks in self._free_after.pop(sched_out.step_id, ()):
             self.kv.pool.free(blocks)  # the step's forward is done: no write is left
         for seq in sched_out.seqs:
