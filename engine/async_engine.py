@@ -135,6 +135,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
         label: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         if not self.healthy:
             raise RuntimeError(f"engine is dead: {self.dead_reason}")
@@ -146,6 +147,7 @@ class AsyncLLMEngine:
             eos_token_ids=self.tokenizer.eos_token_ids,
             kv_transfer_params=kv_transfer_params,
             label=label,
+            priority=priority,
         )
         self._post(("add", (req, stream)))
         if not self.healthy:  # died between the check above and the put

@@ -184,6 +184,14 @@ class SchedulerConfig:
             "tokens step N sampled"
         },
     )
+    scheduling_policy: Literal["fcfs", "priority"] = field(
+        default="fcfs",
+        metadata={
+            "help": "fcfs: requests start in arrival order; priority (vLLM's): by each "
+            "request's 'priority' (lower first, then arrival), and when KV blocks run out "
+            "the running request with the largest priority is preempted"
+        },
+    )
     max_queued_requests: int = field(
         default=256,
         metadata={

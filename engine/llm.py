@@ -17,14 +17,19 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        priority: list[int] | None = None,
     ) -> list[list[int]]:
-        """Run the prompts (token ids) to completion together; returns output token ids."""
+        """Run the prompts (token ids) to completion together; returns output token ids.
+        ``priority``: one per prompt (``--scheduling-policy priority``; vLLM's argument)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        prios = priority if priority is not None else [0] * len(prompts)
         ids = []
-        for prompt, sp in zip(prompts, plist, strict=True):
+        for prompt, sp, prio in zip(prompts, plist, prios, strict=True):
             rid = f"llm-{next(self._ids)}"
-            self.core.add_request(Request(rid, prompt, sp))
+            self.core.add_request(Request(rid, prompt, sp, priority=prio))
             ids.append(rid)
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         done: set[str] = set()

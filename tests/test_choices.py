@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import MODEL, PD, Proc, Procs, node_idle, sse_data, sse_events
+from harness import GREEDY, MODEL, PD, Proc, Procs, node_idle, sse_data, sse_events
 
 from engine.httpkit.fanout import gather_or_cancel, merge_bodies, merge_streams, sum_usage
 from engine.httpkit.sse import SSEResponse
@@ -306,6 +306,22 @@ def test_a_client_leaving_a_stream_of_choices_aborts_all_of_them(pd: tuple[PD, P
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_a_priority_on_nodes_that_start_requests_in_arrival_order_is_refused(
+    pd: tuple[PD, Proc], through: str
+) -> None:
+    # Not ignored: the client asked for an order the node does not keep (vLLM's rule);
+    # through the proxy the prefill node's refusal is the client's 400.
+    _, _, url = _target(pd, through)
+    body = {"prompt": "Hello", "max_tokens": 3, "priority": 1, **GREEDY}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
+    ok = httpx.post(url + "/v1/completions", json={**body, "priority": 0}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize("through", ["node", "proxy"])
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
     pd: tuple[PD, Proc], through: str

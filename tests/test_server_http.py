@@ -28,7 +28,8 @@ from harness import (
 )
 
 pytestmark = pytest.mark.slow
-NODE_ARGS = ("--model", MODEL, "--num-blocks", "256")
+# Priority scheduling: with every request at the default priority 0 it is FCFS.
+NODE_ARGS = ("--model", MODEL, "--num-blocks", "256", "--scheduling-policy", "priority")
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,15 @@ def test_request_id_header_honoured(node: Proc) -> None:
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-request-id"] == "req-abc-1"
     assert resp.json()["id"] == "cmpl-req-abc-1"
+
+
+def test_a_requests_priority_orders_it_and_does_not_change_its_tokens(node: Proc) -> None:
+    body = {"prompt": "Hello", "max_tokens": 5, **GREEDY}
+    want = _post(node, "/v1/completions", body).json()["choices"][0]["token_ids"]
+    for priority in (-7, 3):
+        resp = _post(node, "/v1/completions", {**body, "priority": priority})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == want
 
 
 def test_prompt_token_ids(node: Proc) -> None:
@@ -341,6 +351,9 @@ _CHAT_MSG = [{"role": "user", "content": "hi"}]
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
         ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "priority": "high"}, "priority"),
+        ("/v1/completions", {"prompt": "x", "priority": 2**63}, "priority"),
+        ("/v1/chat/completions", {"messages": _CHAT_MSG, "priority": 1.5}, "priority"),
         ("/v1/completions", ["not", "an", "object"], None),
         ("/v1/chat/completions", {"model": MODEL}, "messages"),
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),

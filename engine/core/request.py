@@ -58,6 +58,7 @@ class Request:
         eos_token_ids: Collection[int] = (),
         kv_transfer_params: KVTransferParams | None = None,
         label: str | None = None,
+        priority: int = 0,
     ) -> None:
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, KVTransferParams):
             raise TypeError(
@@ -67,6 +68,8 @@ class Request:
         self.request_id = request_id
         # The client's name for it (``X-Request-Id``): logged, echoed, never a key.
         self.label = label or request_id
+        # --scheduling-policy priority: lower starts first (then the earlier arrival).
+        self.priority = priority
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -30,6 +30,7 @@ requests behind it pass -- until that step is done, and then starts from the pre
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
 import time
@@ -60,6 +61,11 @@ logger = logging.getLogger(__name__)
 MIN_SHARED_PREFIX_TOKENS = 32
 
 
+def _order(req: Request) -> tuple[int, float]:
+    """--scheduling-policy priority: who goes first (the smaller)."""
+    return req.priority, req.arrival_time
+
+
 class _Start(enum.Enum):
     STARTED = enum.auto()  # running, or reserved for a remote load
     NO_ROOM = enum.auto()  # no blocks this step
@@ -79,6 +85,7 @@ class Scheduler:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.async_scheduling = config.scheduler.async_scheduling
+        self.by_priority = config.scheduler.scheduling_policy == "priority"
         self.block_size = config.cache.block_size
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.connector = connector
@@ -112,6 +119,12 @@ class Scheduler:
         whoever submits it (HTTP layer or offline caller); the HTTP layer checks the
         request's shape. Raises ``InvalidRequestError``."""
         rid = request.request_id
+        if request.priority and not self.by_priority:
+            raise InvalidRequestError(
+                f"priority {request.priority} needs a node started with "
+                "--scheduling-policy priority (this one starts requests in arrival order)",
+                "priority",
+            )
         if rid in self.requests or rid in self.quarantine:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
         n = request.num_prompt_tokens
@@ -146,7 +159,10 @@ class Scheduler:
                 "max_tokens",
             )
         self.requests[rid] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_order)
+        else:
+            self.waiting.append(request)
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:
         req = self.requests.get(request_id)
@@ -189,7 +205,7 @@ class Scheduler:
             while blocks is None:
                 if self._blocks_coming_back():
                     break  # async scheduling: wait a step for them rather than preempt
-                victim = self.running.pop()
+                victim = self._pick_victim()
                 freed_now = self._preempt(victim)
                 if victim is req or not freed_now:
                     break  # (a victim in the step in flight gives its blocks back at its update)
@@ -358,6 +374,22 @@ class Scheduler:
             req.num_output_placeholders += 1
         return seq
 
+    def _pick_victim(self) -> Request:
+        """The running request to preempt (taken out of ``running``): the last admitted,
+        or by priority the one with the largest (priority, arrival)."""
+        if not self.by_priority:
+            return self.running.pop()
+        victim = max(self.running, key=_order)
+        self.running.remove(victim)
+        return victim
+
+    def _requeue(self, req: Request) -> None:
+        """Back into the waiting queue, first in line (by priority: in its place)."""
+        if self.by_priority:
+            bisect.insort(self.waiting, req, key=_order)
+        else:
+            self.waiting.appendleft(req)
+
     def _preempt(self, req: Request) -> bool:
         """Preempt ``req``; True when its blocks are free now (not at a later update)."""
         logger.info("preempting %s (recompute later)", req.request_id)
@@ -368,7 +400,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self._preempted_ids.add(req.request_id)
-        self.waiting.appendleft(req)
+        self._requeue(req)
         return freed_now
 
     def update_from_output(
@@ -527,7 +559,7 @@ class Scheduler:
                 logger.warning("request %s: remote KV failed (%s); recomputing", rid, reason)
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.PREEMPTED
-                self.waiting.appendleft(req)
+                self._requeue(req)
         for rid in events.free_blocks:
             self._release_held(rid)
             blocks = self.quarantine.pop(rid, None)

@@ -26,6 +26,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         kv_transfer_params: Any = None,
         label: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -230,6 +230,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
         job.params,
         kv_transfer_params=job.req.kv_transfer_params,
         label=job.label,
+        priority=job.req.priority,
     )
     try:
         async for out in outputs:

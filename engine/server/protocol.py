@@ -209,6 +209,8 @@ class BaseRequest:
     skip_special_tokens: bool = True
     # vLLM's: each prompt token's log probability, rank and ``k`` alternatives (None: off).
     prompt_logprobs: int | None = None
+    # vLLM's: lower starts first (a node with --scheduling-policy priority; else only 0).
+    priority: int = 0
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -334,6 +336,7 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     req.return_tokens_as_token_ids = _get_bool(body, "return_tokens_as_token_ids", False)
     req.skip_special_tokens = _get_bool(body, "skip_special_tokens", True)
     req.prompt_logprobs = _logprobs_count(body, "prompt_logprobs")
+    req.priority = _get_int(body, "priority", 0)
     keep = req.truncate_prompt_tokens
     if keep is not None and keep < 1 and keep != -1:
         raise APIError(
@@ -552,7 +555,7 @@ COMMON_FIELDS = frozenset(
         "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
         "truncate_prompt_tokens", "return_tokens_as_token_ids", "skip_special_tokens",
-        "prompt_logprobs",
+        "prompt_logprobs", "priority",
         "allowed_token_ids", *_VLLM_FIELDS,
     }
 )  # fmt: skip
