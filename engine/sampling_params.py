@@ -21,6 +21,10 @@ REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 # its length after the first. 16,384 ids is a ninth of a 150k vocabulary, room for label
 # sets, digits, a language's tokens; a request refusing a few ids has logit_bias's -100.
 MAX_ALLOWED_TOKEN_IDS = 16_384
+# The largest temperature: float32's largest value. The sampler divides float32 logits by
+# it; past this it is infinite there, and a masked logit (-inf / inf) becomes NaN, so the
+# draw ignored ``allowed_token_ids`` and ``min_tokens`` (it picked token 0).
+MAX_TEMPERATURE = 3.4028234663852886e38
 
 
 class InvalidRequestError(ValueError):
@@ -87,8 +91,10 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}]", name)
-        if self.temperature < 0:
-            raise InvalidRequestError("temperature must be >= 0", "temperature")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequestError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}]", "temperature"
+            )
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
         if self.top_k == 0 or self.top_k < -1:

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.server.protocol import (
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
@@ -517,3 +518,19 @@ def test_allowed_token_ids_reach_the_sampling_params_up_to_the_bound() -> None:
     for fn, base in ((parse_completion_request, {"prompt": "x"}), (parse_chat_request, CHAT)):
         e = _err(fn, {**base, "allowed_token_ids": [*full, 0]})
         assert e.status_code == 400 and e.param == "allowed_token_ids" and "16384" in e.message
+
+
+@pytest.mark.parametrize("temperature", [3.5e38, 1e39, 1e308, 10**300])
+def test_a_temperature_past_float32s_range_is_a_400_naming_it(temperature: float) -> None:
+    """The sampler divides float32 logits by the temperature: past float32's largest value
+    it is infinite there, a masked logit (-inf / inf) is NaN, and the draw picked token 0
+    whatever ``allowed_token_ids`` or ``min_tokens`` said (found by tests/test_fuzz_http.py:
+    ``allowed_token_ids: [65, 66]`` at ``temperature: 1e39`` answered ``[0, 0, ...]``)."""
+    for fn, base in ((parse_completion_request, {"prompt": "x"}), (parse_chat_request, CHAT)):
+        e = _err(fn, {**base, "temperature": temperature})
+        assert (e.status_code, e.param) == (400, "temperature"), e.message
+    with pytest.raises(InvalidRequestError) as info:  # the offline API's entry too
+        SamplingParams(temperature=float(temperature))
+    assert info.value.param == "temperature"
+    # The largest value float32 holds is still a temperature (uniform over what is left).
+    assert parse_completion_request({"prompt": "x", "temperature": 3.4e38}).temperature == 3.4e38

@@ -17,6 +17,7 @@ from typing import Any
 from engine.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGPROBS,
+    MAX_TEMPERATURE,
     PENALTY_RANGE,
     REPETITION_PENALTY_RANGE,
     InvalidRequestError,
@@ -321,6 +322,12 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     req.temperature = _get_float(body, "temperature", 1.0)
     if req.temperature < 0:
         raise APIError(f"'temperature' must be >= 0, got {req.temperature}", param="temperature")
+    if req.temperature > MAX_TEMPERATURE:  # infinite in the sampler's float32 (NaN draws)
+        raise APIError(
+            f"'temperature' must be at most {MAX_TEMPERATURE:g} (float32's largest value), "
+            f"got {req.temperature:g}",
+            param="temperature",
+        )
     req.top_p = _get_float(body, "top_p", 1.0)
     if not 0.0 < req.top_p <= 1.0:
         raise APIError(f"'top_p' must be in (0, 1], got {req.top_p}", param="top_p")
