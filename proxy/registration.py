@@ -20,7 +20,6 @@ request never changes the pool.
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import re
 import time
@@ -34,7 +33,7 @@ from fastapi.responses import JSONResponse
 from engine.httpkit.auth import key_matches
 from engine.httpkit.body import read_body
 from engine.httpkit.errors import json_error
-from engine.server.protocol import APIError
+from engine.server.protocol import APIError, parse_json_body
 from kvconnector.nixl.peers import PeerAllowlist
 from proxy.discovery import Membership, RoleConflict
 from proxy.dns import HOST_NAME
@@ -98,10 +97,9 @@ def normalize_node_url(text: str) -> str:
 
 def parse_registration(raw: bytes) -> tuple[Role, str]:
     """``(role, url)`` of a register/deregister body; ``APIError`` 400 naming the field."""
-    try:
-        body: Any = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(f"the body is not valid JSON: {e}") from None
+    # The API's own parser: nesting past its depth (json.loads raised RecursionError past
+    # ~1000 levels: a 500), integer literals past the digit limit, lone surrogates are 400s.
+    body: Any = parse_json_body(raw)
     if not isinstance(body, dict):
         raise APIError('the body must be a JSON object: {"role": ..., "url": ...}')
     role = body.get("role")

@@ -45,6 +45,7 @@ pytestmark = pytest.mark.slow
 SCALE = max(1, int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "1")))
 MAX_BODY = 1_000_000  # --max-request-bytes everywhere here
 API_KEY = "fuzz-key"  # the proxy's --api-key (the nodes have none)
+REGISTRATION_KEY = "fuzz-registration-key"  # the proxy's --registration-key
 VOCAB = 512  # tiny's vocabulary (checked against /detokenize below)
 MAX_MODEL_LEN = 1024  # 64 blocks of 16 tokens
 
@@ -98,7 +99,7 @@ def servers(module_procs: Procs, pd_pair: PD) -> Iterator[Servers]:
     node = module_procs.node("--num-blocks", "64", "--max-request-bytes", str(MAX_BODY))
     proxy = module_procs.proxy(
         [pd_pair.p.url], [pd_pair.d.url], "--max-request-bytes", str(MAX_BODY),
-        "--api-key", API_KEY,
+        "--api-key", API_KEY, "--registration-key", REGISTRATION_KEY,
     )  # fmt: skip
     wait_healthy(node, proxy)
     s = Servers(node, pd_pair, proxy)
@@ -625,6 +626,37 @@ def test_malformed_authorization_is_a_401(servers: Servers, case: str) -> None:
     assert status in (400, 401), answer[:300]  # 400: the HTTP parser refused the header
     if status == 401:
         assert json.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+REGISTRATION_BODIES = {  # none registers a node (the pool stays P and D)
+    "4000 levels": b"[" * 4000,
+    "deep url": b'{"role": "decode", "url": ' + b"[" * 2000 + b"]" * 2000 + b"}",
+    "not JSON": b"\xff{",
+    "surrogate": b'{"role": "decode", "url": "http://a\\ud800:1"}',
+    "NaN port": b'{"role": "decode", "url": NaN}',
+    "no port": b'{"role": "prefill", "url": "http://10.0.0.1"}',
+    "unspecified": b'{"role": "decode", "url": "http://0.0.0.0:1"}',
+    "past 4 KiB": b'{"role": "decode", "url": "' + b"a" * 5000 + b'"}',
+    "deregister": b'{"role": "decode", "url": "http://10.0.0.9:1"}',
+}
+
+
+@pytest.mark.parametrize("case", sorted(REGISTRATION_BODIES))
+def test_registration_bodies_are_4xx(servers: Servers, case: str) -> None:
+    """Behind ``--registration-key``, a registrant's body is still input: a 4xx, no node
+    added (a body nested 4000 levels was a 500: ``json.loads``'s RecursionError)."""
+    path = "/v1/nodes/deregister" if case == "deregister" else "/v1/nodes/register"
+    resp = servers.client.post(
+        servers.proxy.url + path,
+        content=REGISTRATION_BODIES[case],
+        headers={"Authorization": f"Bearer {REGISTRATION_KEY}"},
+    )
+    what = f"{case}: {resp.status_code} {resp.text[:300]}"
+    if case == "deregister":
+        assert resp.status_code == 200 and resp.json()["status"] == "not_registered", what
+        return
+    assert 400 <= resp.status_code < 500, what
+    check_error(resp, what)
 
 
 # -- afterwards: nothing held, the same answers ------------------------------------------------

@@ -109,6 +109,26 @@ def test_registration_body_is_checked_field_by_field() -> None:
         assert e.value.param == param, (body, e.value.message)
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 4000,  # deeper than the JSON parser goes: a RecursionError, a 500, before
+        b'{"role": "decode", "url": ' + b"[" * 2000 + b"]" * 2000 + b"}",
+        b'{"role": "decode", "url": "http://h\\ud800:1", "x": ' + b"[" * 100 + b"]" * 100 + b"}",
+        b'{"role": "decode", "url": "http://a\\ud800b:8200"}',  # a lone surrogate
+    ],
+    ids=["4000 levels", "2000 levels in url", "100 levels", "lone surrogate"],
+)
+def test_a_registration_body_nested_past_the_parser_is_a_400(raw: bytes) -> None:
+    """A registration body (at most 4 KiB) read as JSON with the API's own parser: nesting
+    past 64 levels is a 400 ``invalid_json``, a lone surrogate a 400 (found by the fuzz
+    round of tests/test_fuzz_http.py: ``json.loads`` raised ``RecursionError`` past ~1000
+    levels, which no handler caught)."""
+    with pytest.raises(APIError) as e:
+        parse_registration(raw)
+    assert e.value.status_code == 400, e.value.message
+
+
 # -- membership: nodes by source -------------------------------------------------------------------
 
 
