@@ -36,7 +36,17 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from fakes import fixed_examples
-from harness import PD, Proc, Procs, kv_pool_full, metric, sse_data, wait_for, wait_healthy
+from harness import (
+    PD,
+    Proc,
+    Procs,
+    kv_pool_full,
+    metric,
+    node_idle,
+    sse_data,
+    wait_for,
+    wait_healthy,
+)
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
@@ -659,7 +669,53 @@ def test_registration_bodies_are_4xx(servers: Servers, case: str) -> None:
     check_error(resp, what)
 
 
+# -- streams: a client that stops reading, then leaves ------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["node", "proxy"])
+def test_a_stream_its_client_stops_reading_holds_nobody_up_and_leaves_nothing(
+    servers: Servers, target: str
+) -> None:
+    """A client asks for a long stream and reads nothing (a small receive buffer): other
+    clients get their answers meanwhile, the engine stops at ``max_tokens``; when it
+    leaves, every request, KV block and admission place is given back (node, or P and D
+    behind the proxy) and the proxy holds nothing in flight or outstanding."""
+    # 20 alternatives per token: ~0.5 MB of events.
+    body = {"prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "stream": True,
+            "logprobs": 20}  # fmt: skip
+    raw = json.dumps(body).encode()
+    parts = urlsplit(servers.url(target))
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(60)
+        s.connect((parts.hostname, parts.port))
+        s.sendall(head(b"POST", b"/v1/completions", [], raw))
+        assert s.recv(12).startswith(b"HTTP/1.1 200")  # then nothing more is read
+        nodes = [servers.node] if target == "node" else servers.pd.nodes
+        wait_for(
+            lambda: sum(metric(n.url, "pdserve_num_requests_admitted") for n in nodes) >= 1,
+            30, "the stream to be admitted",
+        )  # fmt: skip
+        assert servers.reference(target) == servers.refs[target]  # served meanwhile
+        # The engine makes its max_tokens and no more (its unread outputs merge into one
+        # pending output); over loopback the ~0.5 MB of events fit in the kernel's send
+        # buffer (4 MB), so the write deadline itself is shown by tests/test_http_guards.py
+        # (small buffers on both ends).
+        wait_for(lambda: all(node_idle(n.url) for n in nodes), 60, "the tokens to be made")
+    for node in nodes:
+        wait_for(lambda u=node.url: node_holds_nothing(u), 30, f"{node.name} to hold nothing")
+    wait_for(lambda: proxy_holds_nothing(servers.proxy.url), 30, "the proxy to hold nothing")
+
+
 # -- afterwards: nothing held, the same answers ------------------------------------------------
+
+
+def proxy_holds_nothing(url: str) -> bool:
+    """No request in flight, none outstanding on any node (no pair held)."""
+    return (
+        metric(url, "pdproxy_requests_inflight") == 0
+        and metric(url, "pdproxy_node_outstanding_requests") == 0
+    )
 
 
 def node_holds_nothing(url: str) -> bool:
@@ -672,7 +728,7 @@ def test_nothing_is_held_and_answers_are_unchanged_after_the_barrage(servers: Se
     counted for a client's input; greedy answers equal those from the start."""
     for node in (servers.node, *servers.pd.nodes):
         wait_for(lambda u=node.url: node_holds_nothing(u), 30, f"{node.name} to hold nothing")
-    wait_for(lambda: metric(servers.proxy.url, "pdproxy_requests_inflight") == 0, 30, "proxy idle")
+    wait_for(lambda: proxy_holds_nothing(servers.proxy.url), 30, "the proxy to hold nothing")
     assert metric(servers.proxy.url, "pdproxy_node_failures_total") == servers.failures
     health = servers.client.get(servers.proxy.url + "/health").json()
     assert all(n["healthy"] for n in health["prefill"] + health["decode"]), health
