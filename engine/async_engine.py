@@ -99,7 +99,8 @@ class AsyncLLMEngine:
         self.config = config
         self.model_name = config.model.name
         self.tokenizer = load_tokenizer(config.model.model)
-        self.core = EngineCore(config, log_level)
+        self.core = EngineCore(config, log_level, tokenizer=self.tokenizer)
+        self.grammars = self.core.grammars  # the HTTP layer compiles into its cache
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.arch.vocab_size
         self.dead_reason: str | None = None

@@ -30,6 +30,8 @@ from engine.model.config import load_arch_config, resolve_dtype
 from engine.model.hub import resolve_model_config
 from engine.outputs import RequestOutput
 from engine.stats import StatsGroup
+from engine.structured.compiler import GrammarCompiler
+from engine.tokenizer import Tokenizer, load_tokenizer
 from kvconnector.factory import create_scheduler_connector
 
 # While the workers only wait on transfers, a step goes to them when one wakes the engine
@@ -98,7 +100,9 @@ def fit_max_model_len(
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+    def __init__(
+        self, config: EngineConfig, log_level: str = "INFO", tokenizer: Tokenizer | None = None
+    ) -> None:
         # A repo-id --model becomes its local snapshot (a no-op when run_node already did).
         config = resolve_model_config(config)
         self.arch = load_arch_config(config.model.model)
@@ -144,7 +148,17 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, self.connector)
+        # Structured outputs' grammars, for this model's tokenizer (loaded, and the
+        # llguidance tokenizer built, on the first structured request only).
+        self.grammars = GrammarCompiler(
+            (lambda: tokenizer)
+            if tokenizer is not None
+            else (lambda: load_tokenizer(config.model.model)),
+            self.arch.vocab_size,
+        )
+        self.scheduler = Scheduler(
+            config, self.num_blocks, self.max_model_len, self.connector, self.grammars
+        )
         self._last_dispatch = 0.0
         self.step_stats = StepStats()
         # Async scheduling: the step sent and not updated from yet.

@@ -52,6 +52,9 @@ class RequestOutput:
     # With ``SamplingParams.prompt_logprobs``: one entry per prompt token, in the first
     # output that carries tokens (else None).
     prompt_logprobs: Logprobs | None = None
+    # Finished "stop" because its structured output's grammar is complete: the last token
+    # is text of the answer, not a stop token whose text is left out.
+    ended_by_grammar: bool = False
 
     def copy(self) -> RequestOutput:
         """A copy whose lists a later ``merge`` may extend."""
@@ -76,3 +79,4 @@ class RequestOutput:
         self.num_prompt_tokens = later.num_prompt_tokens
         self.num_output_tokens = later.num_output_tokens
         self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
+        self.ended_by_grammar = later.ended_by_grammar

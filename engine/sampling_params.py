@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.structured.spec import StructuredOutput
 
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Most alternatives a request may ask log probabilities of per token (vLLM's default
@@ -82,6 +86,9 @@ class SamplingParams:
     # empty). The HTTP layer checks the ids against the vocabulary; the sampler ignores
     # ids past it.
     allowed_token_ids: list[int] | None = None
+    # A structured output (``engine/structured``): the output follows this grammar. The
+    # engine process keeps the matcher; the workers get each step's bitmask.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         check_max_tokens(self.max_tokens)

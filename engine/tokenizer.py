@@ -231,6 +231,11 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def to_json(self) -> str:
+        """The ``tokenizers`` JSON of this tokenizer (structured outputs build their
+        ``llguidance`` tokenizer from it)."""
+        return str(self._tok.to_str())
+
     def token_bytes(self, token_id: int) -> bytes:
         """Byte-level BPE (GPT-2 style) tokens map back to their bytes; SentencePiece byte
         fallback tokens (``<0xE2>``) are their byte; else the token's text."""

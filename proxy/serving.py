@@ -18,7 +18,7 @@ from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.drain import Drainer
 from engine.httpkit.errors import json_error
 from engine.httpkit.sse import SSEResponse
-from engine.server.protocol import APIError
+from engine.server.protocol import APIError, check_structured
 from proxy import choices
 from proxy.config import ProxyConfig
 from proxy.legs import Legs
@@ -85,6 +85,8 @@ class ProxyServing:
                 req = await anyio.to_thread.run_sync(
                     validate_request, endpoint, raw, pool.model_names(), limit
                 )
+            if req.parsed.structured_output is not None:  # a grammar check: off the loop
+                await anyio.to_thread.run_sync(check_structured, req.parsed.structured_output)
         except APIError as e:
             return answer(json_error(e), "bad_request")
         except ClientDisconnected:  # gone before its body was in

@@ -421,8 +421,8 @@ def test_unknown_fields_are_named_and_vllm_fields_that_matter_are_refused() -> N
     for path, body, param in [
         ("c", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
         ("c", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-        ("c", {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
-        ("c", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        ("c", {"prompt": "x", "guided_json": 5}, "guided_json"),
+        ("c", {"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
         ("chat", {"messages": _MSG, "echo": True}, "echo"),
         (
             "chat",

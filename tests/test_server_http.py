@@ -362,8 +362,11 @@ _CHAT_MSG = [{"role": "user", "content": "hi"}]
         ("/v1/chat/completions", {"messages": _CHAT_MSG, "tools": [{"type": "function"}]}, "tools"),
         (
             "/v1/chat/completions",
-            {"messages": _CHAT_MSG, "response_format": {"type": "json_object"}},
-            "response_format",
+            {
+                "messages": _CHAT_MSG,
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}},
+            },
+            "response_format.json_schema.schema",
         ),
         ("/v1/chat/completions", {"model": "gpt-4", "messages": _CHAT_MSG}, "model"),
     ],

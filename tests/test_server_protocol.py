@@ -285,7 +285,7 @@ _MSG = [{"role": "user", "content": "hi"}]
         ({"messages": _MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": _MSG, "tools": [{"type": "function"}]}, "tools"),
         ({"messages": _MSG, "tool_choice": "auto"}, "tool_choice"),
-        ({"messages": _MSG, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": _MSG, "response_format": {"type": "yaml"}}, "response_format.type"),
         (
             {"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}, *_MSG]},
             "messages[0].tool_calls",

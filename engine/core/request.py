@@ -6,10 +6,14 @@ import enum
 import functools
 import time
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from engine.outputs import FinishReason, Logprobs, TokenLogprob
 from engine.sampling_params import SamplingParams
 from kvconnector.params import KVTransferParams
+
+if TYPE_CHECKING:
+    from engine.structured.matcher import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -100,6 +104,10 @@ class Request:
         self.prompt_logprobs_sent = False
         # Output tokens not yet handed to the caller.
         self._num_emitted = 0
+        # Structured output: the grammar's state after the output tokens so far
+        # (``engine/structured/matcher.py``; set by the scheduler when it admits the request).
+        self.grammar: GrammarState | None = None
+        self.ended_by_grammar = False  # finished "stop": the grammar allowed nothing more
 
     @functools.cached_property
     def stop_token_set(self) -> frozenset[int]:

@@ -49,9 +49,11 @@ from engine.core.scheduler_output import (
 from engine.core.scheduler_stats import RequestMetrics, SchedulerStats
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import InvalidRequestError
+from engine.structured.matcher import GrammarState, fill_bitmask
 from kvconnector.base import KV_NOT_RESERVED, KVConnectorScheduler
 
 if TYPE_CHECKING:
+    from engine.structured.compiler import GrammarCompiler
     from kvconnector.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         connector: KVConnectorScheduler,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
@@ -111,6 +114,11 @@ class Scheduler:
         self.generation_tokens_total = 0
         self.num_preemptions_total = 0
         self.request_metrics = RequestMetrics(max_model_len)
+        # Structured outputs: the compiler of their grammars; this step's sampling rows so
+        # far and the ones among them with a grammar (``_scheduled``).
+        self.grammars = grammars
+        self._num_sampling = 0
+        self._grammar_rows: list[tuple[int, GrammarState]] = []
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -150,6 +158,11 @@ class Scheduler:
                     f"transfer id {tid[:128]!r} is in use by another request on this node",
                     "kv_transfer_params",
                 )
+        so = request.sampling_params.structured_output
+        if so is not None:  # compiled at entry by the HTTP layer: a cache hit then
+            if self.grammars is None:
+                raise InvalidRequestError("this engine has no structured outputs", so.param)
+            request.grammar = GrammarState(self.grammars.new_matcher(so))
         self.connector.prepare_request(request)  # P/D policy: may set max_tokens and seed
         total = min(n + request.sampling_params.max_tokens, self.max_model_len)
         if self.kv.blocks_needed(total) > self.kv.num_blocks:
@@ -194,11 +207,18 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
 
         scheduled: dict[str, tuple[Request, int]] = {}
+        self._num_sampling = 0
+        self._grammar_rows = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_output_placeholders and self._ends_with_pending(req):
-                i += 1  # its sample in flight ends it: nothing to compute ahead
+            if req.num_output_placeholders and (
+                req.grammar is not None or self._ends_with_pending(req)
+            ):
+                # Its sample in flight ends it: nothing to compute ahead. Or the next
+                # sample's grammar mask needs that token (structured outputs are not
+                # scheduled ahead: every other step under async scheduling).
+                i += 1
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
             blocks = self.kv.allocate_slots(req, n)
@@ -244,6 +264,9 @@ class Scheduler:
         )
         self._scheduled_reqs[self._step] = scheduled
         self._finished_ids, self._preempted_ids = set(), set()
+        if self._grammar_rows:
+            out.grammar_bitmask = fill_bitmask(self._grammar_rows, self.grammars.vocab_size)  # type: ignore[union-attr]
+            self._grammar_rows = []
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self.kv.block_ids)
         return out
 
@@ -370,8 +393,12 @@ class Scheduler:
                 seq.prompt_targets = req.prompt_token_ids[first + 1 : last + 1]
                 seq.prompt_logprobs = sp.prompt_logprobs or 0
         req.num_computed_tokens = end
-        if samples and self.async_scheduling:
-            req.num_output_placeholders += 1
+        if samples:
+            if req.grammar is not None:  # its mask is this step's sampling row so far
+                self._grammar_rows.append((self._num_sampling, req.grammar))
+            self._num_sampling += 1
+            if self.async_scheduling:
+                req.num_output_placeholders += 1
         return seq
 
     def _pick_victim(self) -> Request:
@@ -462,11 +489,29 @@ class Scheduler:
         req.append_token(token, logprob)
         self.generation_tokens_total += 1
         self.request_metrics.token(req, time.monotonic())
+        grammar = req.grammar
+        if grammar is not None and not grammar.accept(token):
+            # Sampled under the grammar's mask (or a prefill node's first token sampled
+            # under the same grammar): a refusal is a bug, or a hand-made decode leg.
+            logger.error(
+                "request %s: output token %d is not allowed by its structured output (%s)",
+                req.request_id, token, grammar.error,
+            )  # fmt: skip
+            self._finish(
+                req,
+                RequestStatus.FINISHED_ERROR,
+                f"internal error: output token {token} does not follow the structured output",
+                "structured_output_error",
+            )
+            return
         sp = req.sampling_params
         status = None
         stop = (not sp.ignore_eos and token in req.eos_token_ids) or token in req.stop_token_set
         if stop and req.num_output_tokens >= sp.min_tokens:  # before it they are masked
             status = RequestStatus.FINISHED_STOPPED
+        elif grammar is not None and grammar.finished:  # the grammar allows nothing more
+            status = RequestStatus.FINISHED_STOPPED
+            req.ended_by_grammar = True
         elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
@@ -527,6 +572,7 @@ class Scheduler:
                 kv_transfer_params=kv_transfer_params,
                 new_logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                ended_by_grammar=req.ended_by_grammar,
             )
         )
 

@@ -65,6 +65,10 @@ class SchedulerOutput:
     # Per-step connector metadata (kvconnector.base.KVConnectorMetadata); bound by each
     # worker before the forward pass and cleared at the end of the step.
     kv_connector_metadata: Any = None
+    # Structured outputs: the grammar bitmasks of this step's sampling rows that have one,
+    # and those rows, in one int32 buffer (``engine/structured/matcher.py:fill_bitmask``;
+    # rank 0's sampler applies it). None when no row samples under a grammar.
+    grammar_bitmask: Any = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -14,6 +14,7 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
     tokenizer: Any
+    grammars: Any  # engine.structured.compiler.GrammarCompiler: structured outputs
     dead_reason: str | None
 
     @property

@@ -241,7 +241,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
             job.completion_tokens += len(ids)
             last_id = ids[-1] if ids else last_id
             # The engine stopped on a token (stop strings are found below, in the text).
-            stop_token = out.finished and out.finish_reason == "stop"
+            stop_token = out.finished and out.finish_reason == "stop" and not out.ended_by_grammar
             if skip_first and ids:
                 skip_first = False
                 if not (stop_token and len(ids) == 1 and not keep_stop):

@@ -24,6 +24,9 @@ from engine.sampling_params import (
     SamplingParams,
     check_max_tokens,
 )
+from engine.structured.compiler import StructuredOutputUnavailable, check_structured_output
+from engine.structured.spec import FIELDS as STRUCTURED_FIELDS
+from engine.structured.spec import StructuredOutput, parse_structured_output
 from kvconnector.params import KVTransferParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -212,6 +215,8 @@ class BaseRequest:
     prompt_logprobs: int | None = None
     # vLLM's: lower starts first (a node with --scheduling-policy priority; else only 0).
     priority: int = 0
+    # A structured output (response_format, structured_outputs, guided_*): one constraint.
+    structured_output: StructuredOutput | None = None
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -243,6 +248,7 @@ class BaseRequest:
                 allowed_token_ids=None
                 if self.allowed_token_ids is None
                 else list(self.allowed_token_ids),
+                structured_output=self.structured_output,
             )
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.param) from e
@@ -446,6 +452,10 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         req.echo = _get_bool(body, "echo", False)
 
     _reject_unsupported(body, chat=chat)
+    try:
+        req.structured_output = parse_structured_output(body)
+    except InvalidRequestError as e:
+        raise APIError(str(e), param=e.param) from e
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(  # as vLLM answers
             "'prompt_logprobs' is not available with 'stream': true", param="prompt_logprobs"
@@ -536,23 +546,12 @@ _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "length_penalty": (lambda v: v in (None, 1, 1.0), "other than 1"),
     "spaces_between_special_tokens": (lambda v: v in (None, True), "= false"),
     "bad_words": (_neutral_none, ""),
-    "guided_json": (_neutral_none, "(structured output)"),
-    "guided_regex": (_neutral_none, "(structured output)"),
-    "guided_choice": (_neutral_none, "(structured output)"),
-    "guided_grammar": (_neutral_none, "(structured output)"),
-    "structured_outputs": (_neutral_none, "(structured output)"),
     "logits_processors": (_neutral_none, ""),
 }
 _VLLM_CHAT_FIELDS: dict[str, tuple[Any, str]] = {
     "echo": (lambda v: v in (None, False), "= true on chat completions"),
     "chat_template": (_neutral_none, "(the model's own template is used)"),
     "documents": (_neutral_none, ""),
-}
-_VLLM_COMPLETION_FIELDS: dict[str, tuple[Any, str]] = {
-    "response_format": (
-        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-        "other than {'type': 'text'}",
-    ),
 }
 
 COMMON_FIELDS = frozenset(
@@ -563,15 +562,15 @@ COMMON_FIELDS = frozenset(
         "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
         "truncate_prompt_tokens", "return_tokens_as_token_ids", "skip_special_tokens",
         "prompt_logprobs", "priority",
-        "allowed_token_ids", *_VLLM_FIELDS,
+        "allowed_token_ids", *STRUCTURED_FIELDS, *_VLLM_FIELDS,
     }
 )  # fmt: skip
 # Every field each endpoint knows: supported, or refused at a value that would matter.
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", *_VLLM_COMPLETION_FIELDS}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs", "tools",
     "add_generation_prompt", "continue_final_message",
-    "functions", "tool_choice", "function_call", "response_format", *_VLLM_CHAT_FIELDS,
+    "functions", "tool_choice", "function_call", *_VLLM_CHAT_FIELDS,
 }  # fmt: skip
 
 
@@ -617,13 +616,23 @@ def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
         for name in ("tool_choice", "function_call"):
             if body.get(name) not in (None, "none"):
                 raise _unsupported(name, "(tool calling)")
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise _unsupported("response_format", "other than {'type': 'text'}")
     else:
-        _reject_vllm_fields(body, _VLLM_COMPLETION_FIELDS)
         if body.get("suffix") not in (None, ""):
             raise _unsupported("suffix", "")
+
+
+def check_structured(so: StructuredOutput | None) -> None:
+    """A request's structured output checked (its grammar is valid, within the limits):
+    a 400 naming its field otherwise, and when ``llguidance`` is missing. Not part of the
+    parse (it may take milliseconds: callers run it off the event loop); cached."""
+    if so is None:
+        return
+    try:
+        check_structured_output(so)
+    except StructuredOutputUnavailable as e:
+        raise APIError(str(e), param=e.param, code="unsupported_parameter") from e
+    except InvalidRequestError as e:
+        raise APIError(str(e), param=e.param, code="invalid_structured_output") from e
 
 
 def _parse_max_tokens(body: dict[str, Any], name: str, default: int | None) -> int | None:

@@ -31,6 +31,7 @@ from engine.server.protocol import (
     BaseRequest,
     CompletionRequest,
     check_model,
+    check_structured,
     check_token_ids,
     error_body,
     parse_chat_request,
@@ -190,6 +191,13 @@ class OpenAIServing:
         check_token_ids(list(req.logit_bias), self.engine.vocab_size, "logit_bias")
         if req.allowed_token_ids:
             check_token_ids(req.allowed_token_ids, self.engine.vocab_size, "allowed_token_ids")
+        so = req.structured_output
+        if so is not None:
+            check_structured(so)  # 400s: llguidance missing, the grammar invalid
+            try:  # compiled for this node's tokenizer now (cached): not on the engine loop
+                self.engine.grammars.compile(so)
+            except InvalidRequestError as e:
+                raise APIError(str(e), param=e.param, code="invalid_structured_output") from e
         if not self.engine.healthy:
             raise engine_error(self.engine, None)
 

@@ -290,6 +290,7 @@ class ModelRunner:
                 [s.start_pos + s.num_tokens for s in sampled],
                 [s.banned_token_ids for s in sampled],
                 *self._penalty_args(sampled, params),
+                sched.grammar_bitmask,
             )
             want = [i for i, sp in enumerate(params) if sp.logprobs is not None]  # type: ignore[union-attr]
             if self.async_scheduling:

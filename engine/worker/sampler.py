@@ -24,6 +24,12 @@ alone: token 0). ``compute_logprobs`` -- only called for rows that asked for log
 probabilities, so the rest pay nothing -- is ``log_softmax`` of the model's logits, before
 all of that (vLLM's default ``raw_logprobs``), read back in one more host read.
 
+Structured outputs: the engine process computes the grammar masks of the rows that have
+one (``engine/structured``) and sends them with the step as one int32 buffer (a bit per
+token id, and the rows); ``grammar`` here applies it first, in one host->device copy,
+before ``allowed_token_ids`` (a row's ``min_tokens`` ban is lifted as for that mask).
+Steps without a grammar row pass None and pay nothing.
+
 ``allowed_token_ids`` costs nothing in a step without it. A request's ids become a
 [vocab] mask row on the device in its first step and are kept while it samples in every
 step (the ids go over once); a step's one host->device copy carries which rows have one
@@ -35,6 +41,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine.outputs import TokenLogprob
@@ -86,6 +93,7 @@ class Sampler:
         self._bias_staging = HostStaging(device, slots=2) if cuda else None
         self._penalty_staging = HostStaging(device, slots=2) if cuda else None
         self._allowed_staging = HostStaging(device, slots=2) if cuda else None
+        self._grammar_staging = HostStaging(device, slots=2) if cuda else None
         # The allowed_token_ids masks of the last step with any, by request: id() of its
         # parameters -> (them, kept to check the id; a [vocab] bool row on the device, True
         # outside the allowed ids, or None: none of them is in the vocabulary, every id).
@@ -99,13 +107,17 @@ class Sampler:
         banned: list[tuple[int, ...]] | None = None,
         penalties: list[PenaltyHistory | None] | None = None,
         pending: tuple[list[int], list[int], torch.Tensor] | None = None,
+        grammar: np.ndarray | None = None,
     ) -> list[int]:
         """``logits``: [S, vocab] float32 (any device); ``positions``: where each token will
         sit; ``banned``: per row, ids that may not be sampled (``min_tokens``);
         ``penalties``: per row, its tokens so far (None: no penalties), and ``pending``
-        its output tokens not in them yet (``apply_penalties``). Returns the S sampled
-        token ids."""
-        return self.sample_on_device(logits, params, positions, banned, penalties, pending).tolist()
+        its output tokens not in them yet (``apply_penalties``); ``grammar``: the step's
+        structured-output bitmasks (``SchedulerOutput.grammar_bitmask``). Returns the S
+        sampled token ids."""
+        return self.sample_on_device(
+            logits, params, positions, banned, penalties, pending, grammar
+        ).tolist()
 
     def sample_on_device(
         self,
@@ -115,8 +127,11 @@ class Sampler:
         banned: list[tuple[int, ...]] | None = None,
         penalties: list[PenaltyHistory | None] | None = None,
         pending: tuple[list[int], list[int], torch.Tensor] | None = None,
+        grammar: np.ndarray | None = None,
     ) -> torch.Tensor:
         """``sample`` without the host read: the ids ``[S]`` int64 on the logits' device."""
+        if grammar is not None:
+            logits = self._apply_grammar(logits, grammar)
         allowed = any(sp.allowed_token_ids for sp in params)
         if allowed:
             logits = self._allow_only(logits, params)
@@ -126,9 +141,10 @@ class Sampler:
             logits = _add_bias(logits, params, lambda h, d: _copy(h, d, self._bias_staging))
         if banned is not None and any(banned):
             masked = _mask(logits, banned, lambda h, d: _copy(h, d, self._mask_staging))
-            if allowed and masked is not logits:
+            if (allowed or grammar is not None) and masked is not logits:
                 # A row the ban left without a finite logit (its allowed ids all banned)
-                # keeps them: min_tokens yields to allowed_token_ids (no NaN, no other id).
+                # keeps them: min_tokens yields to allowed_token_ids and to a grammar (no
+                # NaN, no other id).
                 emptied = torch.isneginf(masked).all(dim=-1, keepdim=True)  # [S, 1]
                 masked = torch.where(emptied, logits, masked)
             logits = masked
@@ -179,6 +195,26 @@ class Sampler:
             probs = torch.softmax(x, dim=-1)
             sampled = torch.argmax(probs / noise, dim=-1)
         return torch.where(greedy_t, logits.argmax(dim=-1), sampled)
+
+    def _apply_grammar(self, logits: torch.Tensor, buf: np.ndarray) -> torch.Tensor:
+        """``logits`` with the ids each grammar row's mask does not allow at -inf (in a
+        copy). ``buf``: ``k`` masks of ``ceil(vocab / 32)`` int32 words (bit ``j`` of word
+        ``w``: id ``32 w + j`` allowed), then the ``k`` rows; one copy to the device."""
+        num, vocab = logits.shape
+        words = (vocab + 31) // 32
+        k = len(buf) // (words + 1)
+        if k * (words + 1) != len(buf):
+            raise ValueError(
+                f"a grammar bitmask of {len(buf)} words does not fit a vocabulary of {vocab}"
+            )
+        dev = _copy(torch.from_numpy(buf), logits.device, self._grammar_staging)
+        masks = dev[: k * words].view(k, words)
+        rows = dev[k * words :].long()
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((masks[:, :, None] >> shifts) & 1).view(k, words * 32)[:, :vocab].bool()
+        out = logits.clone()
+        out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        return out
 
     def _allow_only(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """``logits`` with every id outside each row's ``allowed_token_ids`` at -inf (in a

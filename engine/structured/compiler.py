@@ -1,0 +1,240 @@
+"""Structured outputs to ``llguidance`` grammars: checked at entry, compiled, cached.
+
+* ``check_structured_output(so)``: whether the grammar is valid, without a tokenizer (the
+  proxy's check, and the node's before it compiles); results are cached by the spec.
+* ``GrammarCompiler``: a node's compiler, for its tokenizer. ``compile`` builds the
+  grammar's matcher once (the lexer, the token trie walk: milliseconds, up to a second for
+  a huge schema; ``llguidance`` drops the GIL meanwhile) and keeps it in a bounded LRU;
+  each request gets a ``deep_copy`` of it (microseconds). The HTTP layer compiles in its
+  request thread, so the engine loop's ``new_matcher`` finds it cached.
+
+Hostile grammars are bounded by ``llguidance``'s own limits (``PARSER_LIMITS``: lexer
+fuel, lexer states, grammar size): a grammar past them is an error at compile time (a
+400), and a step's mask computation past its fuel puts the matcher in its error state
+(the request ends with an error), never a hang.
+
+``llguidance`` is imported only here and only on a structured request (``import_llguidance``:
+a missing package is a 400 that says how to install it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from engine.sampling_params import InvalidRequestError
+from engine.structured.spec import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'pdserve[structured]'"
+# Compiled grammars kept per node (each a few KB to a few MB for a large schema) and
+# validation results kept per process.
+COMPILE_CACHE_SIZE = 256
+CHECK_CACHE_SIZE = 1024
+# llguidance's limits, tighter than its defaults where a request could cost the node
+# memory (250k lexer states are ~0.5 GB) or a step's time.
+PARSER_LIMITS: dict[str, int | bool] = {
+    "max_lexer_states": 50_000,
+    "max_grammar_size": 100_000,
+    "initial_lexer_fuel": 1_000_000,  # ~20 ms of regex analysis at compile time
+    "step_lexer_fuel": 200_000,  # ~15 ms of lexer work per mask at most
+    "step_max_items": 50_000,
+    "verbose_errors": False,  # errors go to clients: no parser state in them
+}
+# JSON is generated compact (no free whitespace between tokens: a model cannot spend its
+# budget on blanks); vLLM's ``disable_any_whitespace``.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+
+
+class StructuredOutputUnavailable(InvalidRequestError):
+    """``llguidance`` is not installed."""
+
+
+def import_llguidance(param: str) -> ModuleType:
+    """The ``llguidance`` module, or a 400 naming ``param`` that says how to get it."""
+    try:
+        import llguidance
+    except ImportError:
+        raise StructuredOutputUnavailable(
+            f"'{param}' (structured output) needs the llguidance package, which this server "
+            f"does not have: {INSTALL_HINT}",
+            param,
+        ) from None
+    return llguidance
+
+
+def grammar_text(so: StructuredOutput, llg: ModuleType) -> str:
+    """The llguidance grammar of ``so`` (raises ``InvalidRequestError`` when it cannot be
+    built, e.g. a schema that is not an object)."""
+    try:
+        if so.kind == "json":
+            return llg.LLMatcher.grammar_from_json_schema(so.spec, defaults=JSON_OPTIONS)
+        if so.kind == "json_object":
+            return llg.LLMatcher.grammar_from_json_schema(
+                '{"type":"object"}', defaults=JSON_OPTIONS
+            )
+        if so.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(so.spec)
+        if so.kind == "choice":
+            lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(so.spec))
+            return llg.LLMatcher.grammar_from_lark(lark)
+        return llg.grammar_from("grammar", so.spec)  # Lark, or GBNF converted to Lark
+    except (ValueError, RecursionError) as e:
+        raise _invalid(so, str(e)) from None
+
+
+def _invalid(so: StructuredOutput, reason: str) -> InvalidRequestError:
+    reason = " ".join(reason.split())[:500]
+    return InvalidRequestError(f"'{so.param}' is not a valid {_what(so)}: {reason}", so.param)
+
+
+def _what(so: StructuredOutput) -> str:
+    return {
+        "json": "JSON schema",
+        "json_object": "JSON object constraint",
+        "regex": "regular expression",
+        "choice": "list of choices",
+        "grammar": "grammar",
+    }[so.kind]
+
+
+def parser_limits(llg: ModuleType) -> Any:
+    return llg.LLParserLimits(**PARSER_LIMITS)
+
+
+class _LRU:
+    """A bounded, thread-safe LRU map."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[Any, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_checked = _LRU(CHECK_CACHE_SIZE)  # key -> "" (valid) or the reason it is not
+
+
+def check_structured_output(so: StructuredOutput) -> None:
+    """Raise ``InvalidRequestError`` naming ``so.param`` unless its grammar is valid
+    (no tokenizer needed: the proxy checks with it; a node compiles too). Cached."""
+    llg = import_llguidance(so.param)
+    reason = _checked.get(so.key)
+    if reason is None:
+        try:
+            reason = llg.LLMatcher.validate_grammar(
+                grammar_text(so, llg), limits=parser_limits(llg)
+            )
+        except InvalidRequestError as e:
+            reason = str(e)
+        _checked.put(so.key, reason)
+    if reason:
+        if reason.startswith(f"'{so.param}'"):
+            raise InvalidRequestError(reason, so.param)
+        raise _invalid(so, reason)
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """An ``llguidance.LLTokenizer`` over the model's ``vocab_size`` ids (the logits'
+    width; ids past the tokenizer's vocabulary are never allowed). A ``tokenizers``
+    checkpoint is handed over as its JSON; any other tokenizer (the byte tokenizer of
+    ``tiny``) as its tokens' bytes."""
+    llg = import_llguidance("structured_outputs")
+    as_json = getattr(tokenizer, "to_json", None)
+    eos = list(tokenizer.eos_token_ids) or [0]
+    if as_json is not None:
+        return llg.LLTokenizer(as_json(), n_vocab=vocab_size, eos_token=eos)
+    return llg.LLTokenizer(llg.TokenizerWrapper(_BytesVocab(tokenizer, vocab_size)))
+
+
+class _BytesVocab:
+    """What ``llguidance.TokenizerWrapper`` reads: each id's bytes (``b""`` past the
+    tokenizer's vocabulary), the special ids, and encoding."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        n = min(tokenizer.vocab_size, vocab_size)
+        special = {tokenizer.bos_token_id, *tokenizer.eos_token_ids} - {None}
+        self.eos_token_id = (list(tokenizer.eos_token_ids) or [0])[0]
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(special)
+        self.tokens = [tokenizer.token_bytes(i) for i in range(n)] + [b""] * (vocab_size - n)
+        self._tok = tokenizer
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+
+class GrammarCompiler:
+    """A node's compiled grammars for its tokenizer (``tokenizer_source`` is called once,
+    on the first structured request: a node that never gets one never builds the
+    ``LLTokenizer``, ~1 s for a 150k vocabulary)."""
+
+    def __init__(
+        self,
+        tokenizer_source: Callable[[], Any],
+        vocab_size: int,
+        cache_size: int = COMPILE_CACHE_SIZE,
+    ) -> None:
+        self._source = tokenizer_source
+        self.vocab_size = vocab_size
+        self._ll: Any = None
+        self._lock = threading.Lock()
+        self._cache = _LRU(cache_size)
+
+    def _tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll is None:
+                self._ll = ll_tokenizer(self._source(), self.vocab_size)
+                logger.info(
+                    "structured outputs: llguidance tokenizer built (%d ids)", self.vocab_size
+                )
+            return self._ll
+
+    def compile(self, so: StructuredOutput) -> Any:
+        """The grammar's matcher in its start state (shared: copy it, never advance it).
+        Raises ``InvalidRequestError`` naming ``so.param`` when the grammar does not
+        compile (or is past the limits)."""
+        template = self._cache.get(so.key)
+        if template is not None:
+            return template
+        llg = import_llguidance(so.param)
+        check_structured_output(so)
+        matcher = llg.LLMatcher(
+            self._tokenizer(), grammar_text(so, llg), log_level=0, limits=parser_limits(llg)
+        )
+        if matcher.is_error():
+            raise _invalid(so, matcher.get_error())
+        self._cache.put(so.key, matcher)
+        return matcher
+
+    def new_matcher(self, so: StructuredOutput) -> Any:
+        """A fresh matcher of ``so``'s grammar, for one request."""
+        return self.compile(so).deep_copy()
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)

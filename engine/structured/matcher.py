@@ -1,0 +1,66 @@
+"""A running request's grammar state, and a step's token bitmask.
+
+The engine process keeps one ``GrammarState`` per structured request (``Request.grammar``)
+and advances it with every output token the request gets -- sampled here, or sampled by
+a prefill node and received with the KV -- in ``Scheduler._append``. Each step the
+scheduler fills one bitmask for the rows that sample under a grammar (``fill_bitmask``)
+and sends it with the step; rank 0's sampler applies it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class GrammarState:
+    """One request's ``llguidance.LLMatcher``, advanced token by token."""
+
+    __slots__ = ("matcher", "num_tokens")
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.num_tokens = 0  # output tokens consumed
+
+    def accept(self, token: int) -> bool:
+        """Advance with the request's next output token; False (and the matcher in its
+        error state, ``error``) when the grammar does not allow it."""
+        ok = bool(self.matcher.consume_token(token))
+        if ok:
+            self.num_tokens += 1
+        return ok
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: no token but EOS may follow."""
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return str(self.matcher.get_error())
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per row: one bit per token id, set where the id is allowed."""
+    return (vocab_size + 31) // 32
+
+
+def fill_bitmask(rows: list[tuple[int, GrammarState]], vocab_size: int) -> np.ndarray:
+    """One int32 buffer for a step: ``k`` masks of ``bitmask_words`` words each (the
+    grammar's allowed ids after the tokens each request has), then the ``k`` rows they
+    belong to (a row is the index among the step's sampling sequences). One buffer, so
+    the workers copy it to the device in one transfer (``unpack_bitmask``)."""
+    words = bitmask_words(vocab_size)
+    k = len(rows)
+    buf = np.empty(k * words + k, dtype=np.int32)
+    masks = buf[: k * words].reshape(k, words)
+    for j, (row, state) in enumerate(rows):
+        state.matcher.unsafe_compute_mask_ptr(masks[j].ctypes.data, words * 4)
+        buf[k * words + j] = row
+    return buf
+
+
+def bitmask_rows(buf_len: int, vocab_size: int) -> int:
+    """How many masks a ``fill_bitmask`` buffer of ``buf_len`` int32s holds."""
+    return buf_len // (bitmask_words(vocab_size) + 1)

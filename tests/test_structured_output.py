@@ -1,0 +1,455 @@
+"""Structured outputs (constrained decoding with llguidance): every spelling of the request
+field parsed into one ``StructuredOutput``, checked where the request enters (a bad grammar,
+a missing package, two at once: a 400 naming the field), the grammar's mask applied by the
+sampler, the matcher advanced by the scheduler (a grammar's end ends the request), and
+P/D answering as a colocated node does.
+
+The ``tiny`` model's tokenizer is bytes (ids 0-255, BOS 256, EOS 257; the model's 512
+logits): every text is reachable, so regexes, choices and JSON all work; a random model
+fills strings and numbers with whatever it likes, so the schemas here bound them (enums,
+``maxLength``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from harness import MODEL, PD, Proc, Procs, sse_events
+
+from engine.server.protocol import (
+    APIError,
+    check_structured,
+    parse_chat_request,
+    parse_completion_request,
+)
+from engine.structured.compiler import GrammarCompiler
+from engine.structured.matcher import GrammarState, fill_bitmask
+from engine.structured.spec import MAX_GUIDED_CHOICES, MAX_SPEC_BYTES, StructuredOutput
+from engine.tokenizer import ByteTokenizer
+
+pytest.importorskip("llguidance")
+
+_MSG = [{"role": "user", "content": "hi"}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "color", "ok"],
+    "additionalProperties": False,
+}
+REGEX = r"[0-9]{3}-[a-z]{2}"
+TINY_VOCAB = 512
+
+
+def _check_schema(text: str) -> None:
+    """``text`` is JSON matching ``SCHEMA`` (checked by hand: no jsonschema dependency)."""
+    value = json.loads(text)
+    assert set(value) == {"name", "color", "ok"}, value
+    assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    assert value["color"] in ("red", "green", "blue")
+    assert isinstance(value["ok"], bool)
+
+
+def _compiler() -> GrammarCompiler:
+    return GrammarCompiler(ByteTokenizer, TINY_VOCAB)
+
+
+# -- parsing: every spelling, one object -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields, kind, param",
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+         "json", "response_format.json_schema.schema"),
+        ({"structured_outputs": {"json": SCHEMA}}, "json", "structured_outputs.json"),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, "json", "structured_outputs.json"),
+        ({"structured_outputs": {"regex": REGEX}}, "regex", "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "choice", "structured_outputs.choice"),
+        ({"structured_outputs": {"grammar": 'start: "x"'}}, "grammar", "structured_outputs.grammar"),
+        ({"structured_outputs": {"json_object": True}}, "json_object", "structured_outputs.json_object"),
+        ({"guided_json": SCHEMA}, "json", "guided_json"),
+        ({"guided_regex": REGEX}, "regex", "guided_regex"),
+        ({"guided_choice": ["a", "b"]}, "choice", "guided_choice"),
+        ({"guided_grammar": 'start: "x"'}, "grammar", "guided_grammar"),
+    ],
+)  # fmt: skip
+def test_every_spelling_parses_into_one_structured_output(
+    fields: dict[str, Any], kind: str, param: str
+) -> None:
+    for req in (
+        parse_completion_request({"prompt": "x", **fields}),
+        parse_chat_request({"messages": _MSG, **fields}),
+    ):
+        so = req.structured_output
+        assert so is not None and so.kind == kind and so.param == param
+        assert req.sampling_params(8).structured_output is so
+        check_structured(so)  # a valid grammar
+    # A schema given as text or as an object is one cache key.
+    a = parse_completion_request({"prompt": "x", "guided_json": SCHEMA}).structured_output
+    b = parse_completion_request({"prompt": "x", "guided_json": json.dumps(SCHEMA)})
+    assert a == b.structured_output and a is not None and a.key == b.structured_output.key  # type: ignore[union-attr]
+
+
+def test_neutral_values_ask_for_nothing() -> None:
+    for fields in (
+        {"response_format": {"type": "text"}},
+        {"response_format": None},
+        {"structured_outputs": {}},
+        {"guided_json": None, "guided_choice": []},
+    ):
+        assert parse_completion_request({"prompt": "x", **fields}).structured_output is None
+        assert parse_completion_request({"prompt": "x", **fields}).ignored_fields == ()
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),  # two at once
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"backend": "xgrammar"}}, "structured_outputs.backend"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema.schema"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": 5}, "guided_json"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"guided_choice": ["a", 1]}, "guided_choice"),
+        ({"guided_choice": ["x"] * (MAX_GUIDED_CHOICES + 1)}, "guided_choice"),
+        ({"guided_regex": "a" * (MAX_SPEC_BYTES + 1)}, "guided_regex"),
+        ({"guided_json": {"enum": ["x" * MAX_SPEC_BYTES]}}, "guided_json"),
+        # Nested deeper than JSON's parser goes, as a string (a body is capped at 64 levels).
+        ({"guided_json": '{"items":' * 5000 + "{}" + "}" * 5000}, "guided_json"),
+    ],
+)  # fmt: skip
+def test_bad_shapes_are_400s_naming_the_field(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as e:
+        parse_completion_request({"prompt": "x", **fields})
+    assert e.value.status_code == 400 and e.value.param == param, e.value.message
+
+
+@pytest.mark.parametrize(
+    "fields, param, reason",
+    [
+        ({"guided_json": {"type": "strin"}}, "guided_json", "strin"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
+         "response_format.json_schema.schema", "nope"),
+        ({"guided_regex": "[0-9"}, "guided_regex", "unclosed character class"),
+        ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs.grammar", "foo"),
+    ],
+)  # fmt: skip
+def test_a_grammar_that_does_not_compile_is_a_400_with_the_librarys_reason(
+    fields: dict[str, Any], param: str, reason: str
+) -> None:
+    so = parse_completion_request({"prompt": "x", **fields}).structured_output
+    assert so is not None
+    with pytest.raises(APIError) as e:
+        check_structured(so)
+    assert e.value.status_code == 400 and e.value.param == param
+    assert param in e.value.message and reason in e.value.message, e.value.message
+
+
+def test_hostile_grammars_compile_in_bounded_time_or_are_refused() -> None:
+    """Pathological regexes and a deep schema: a 400 or a compiled grammar, quickly."""
+    compiler = _compiler()
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(60):  # what a body's 64 levels allow
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    hostile = [StructuredOutput.json_schema(deep, "guided_json")] + [
+        StructuredOutput.regex(rx, "guided_regex")
+        for rx in ("(a{1000}){1000}", "(x+x+)+y", "((((a*)*)*)*)*b", "(.*a){40}", "[a-z]{60000}")
+    ]
+    for so in hostile:
+        t0 = time.monotonic()
+        try:
+            check_structured(so)
+            compiler.compile(so)
+        except APIError as e:
+            assert e.param == so.param
+        except ValueError as e:  # InvalidRequestError from the compile: a 400 at the node
+            assert getattr(e, "param", None) == so.param
+        assert time.monotonic() - t0 < 10, so.spec[:40]
+
+
+def test_without_llguidance_a_structured_request_is_a_400_saying_how_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # ``import llguidance`` fails
+    so = parse_chat_request({"messages": _MSG, "guided_regex": "a+"}).structured_output
+    assert so is not None  # parsing needs no package
+    with pytest.raises(APIError) as e:
+        check_structured(so)
+    assert e.value.status_code == 400 and e.value.param == "guided_regex"
+    assert "pip install 'pdserve[structured]'" in e.value.message
+    assert parse_chat_request({"messages": _MSG}).structured_output is None  # nothing else
+
+
+# -- compiler, matcher, bitmask ---------------------------------------------------------------
+
+
+def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher() -> None:
+    compiler = _compiler()
+    so = StructuredOutput.regex(REGEX)
+    template = compiler.compile(so)
+    assert compiler.compile(StructuredOutput.regex(REGEX, "guided_regex")) is template
+    one, two = compiler.new_matcher(so), compiler.new_matcher(so)
+    assert one is not two and one is not template
+    assert GrammarState(one).accept(ord("1"))
+    assert compiler.compile(so) is template and compiler.num_cached == 1
+
+
+def _allowed(buf: np.ndarray, k: int, j: int) -> list[int]:
+    words = (TINY_VOCAB + 31) // 32
+    row = buf[j * words : (j + 1) * words].view(np.uint32)
+    return [t for t in range(TINY_VOCAB) if (int(row[t // 32]) >> (t % 32)) & 1]
+
+
+def test_the_bitmask_allows_what_the_grammar_allows_next_and_names_its_rows() -> None:
+    compiler = _compiler()
+    regex = GrammarState(compiler.new_matcher(StructuredOutput.regex(REGEX)))
+    choice = GrammarState(compiler.new_matcher(StructuredOutput.choice(["yes", "no"])))
+    for t in b"12":
+        assert regex.accept(t)
+    buf = fill_bitmask([(3, regex), (0, choice)], TINY_VOCAB)
+    assert list(buf[-2:]) == [3, 0]  # the sampling rows they belong to
+    assert _allowed(buf, 2, 0) == list(range(ord("0"), ord("9") + 1))
+    assert _allowed(buf, 2, 1) == [ord("n"), ord("y")]
+    for t in b"3-ab":
+        assert regex.accept(t)
+    assert regex.finished  # nothing but EOS may follow: the request ends
+    assert not regex.accept(ord("c")) and regex.error
+
+
+def test_the_sampler_applies_the_mask_first_and_min_tokens_yields_to_it() -> None:
+    torch = pytest.importorskip("torch")
+    from engine.sampling_params import SamplingParams
+    from engine.worker.sampler import Sampler
+
+    compiler = _compiler()
+    state = GrammarState(compiler.new_matcher(StructuredOutput.choice(["ab"])))
+    logits = torch.randn(3, TINY_VOCAB)
+    logits[:, 7] = 50.0  # what every row would pick unconstrained
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    buf = fill_bitmask([(1, state)], TINY_VOCAB)
+    out = Sampler().sample(logits, greedy, [0, 0, 0], grammar=buf)
+    assert out == [7, ord("a"), 7]  # only row 1 is constrained
+    seeded = [SamplingParams(temperature=1.0, seed=s) for s in range(3)]
+    assert Sampler().sample(logits, seeded, [5, 5, 5], grammar=buf)[1] == ord("a")
+    # The grammar done: only EOS is allowed; min_tokens' ban of EOS is lifted for the row.
+    for t in b"ab":
+        assert state.accept(t)
+    buf = fill_bitmask([(0, state)], TINY_VOCAB)
+    eos = ByteTokenizer.EOS
+    out = Sampler().sample(logits[:1], greedy[:1], [0], banned=[(eos,)], grammar=buf)
+    assert out == [eos]
+
+
+# -- the engine (offline LLM, tiny model, worker processes) ------------------------------------
+
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def llm() -> Any:
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm import LLM
+
+    with LLM(EngineConfig(cache=CacheConfig(num_blocks=256))) as engine:
+        yield engine
+
+
+def _gen(llm: Any, prompts: list[str], so: StructuredOutput | None, **kw: Any) -> list[str]:
+    from engine.sampling_params import SamplingParams
+
+    tok = ByteTokenizer()
+    params = [
+        SamplingParams(
+            **{"max_tokens": 64, **kw, "seed": kw.get("seed", 0) + i}, structured_output=so
+        )
+        for i in range(len(prompts))
+    ]
+    return [tok.decode(ids) for ids in llm.generate([tok.encode(p) for p in prompts], params)]
+
+
+@pytest.mark.slow
+def test_engine_output_follows_a_regex_a_choice_and_a_schema(llm: Any) -> None:
+    prompts = ["hello there", "x", "a longer prompt for the tiny model"]
+    for text in _gen(llm, prompts, StructuredOutput.regex(REGEX), temperature=1.0):
+        assert re.fullmatch(REGEX, text), text
+    for text in _gen(
+        llm, prompts * 2, StructuredOutput.choice(["red", "green", "blue"]), temperature=1.0
+    ):
+        assert text in ("red", "green", "blue"), text
+    for text in _gen(llm, prompts, StructuredOutput.json_schema(SCHEMA), max_tokens=200, **GREEDY):
+        _check_schema(text)
+    for text in _gen(llm, prompts, StructuredOutput.json_object(), max_tokens=300, temperature=1.0):
+        assert text.startswith("{")  # may be cut by max_tokens: then not valid JSON
+    # max_tokens still bounds it: the output is the grammar's prefix.
+    (cut,) = _gen(llm, ["x"], StructuredOutput.regex(REGEX), max_tokens=2, **GREEDY)
+    assert len(cut) == 2 and cut.isdigit()
+
+
+@pytest.mark.slow
+def test_a_grammar_that_allows_the_unconstrained_output_changes_nothing(llm: Any) -> None:
+    """Masking ids the model would not pick anyway leaves the output as it was, greedy and
+    seeded (the exponential race's winner among the allowed ids is the overall winner when
+    it is allowed). The random tiny model mostly picks ids past the byte vocabulary, which
+    no grammar allows: ``allowed_token_ids`` keeps it to lowercase letters first, and the
+    grammar allows every letter (and more)."""
+    letters = list(range(ord("a"), ord("z") + 1))
+    so = StructuredOutput.regex("[a-z0-9 ]{1,16}")
+    for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 3}):
+        free = _gen(llm, ["hello there", "x"], None, max_tokens=16, allowed_token_ids=letters, **kw)
+        assert all(len(t) == 16 and t.isalpha() for t in free), free
+        got = _gen(llm, ["hello there", "x"], so, max_tokens=16, allowed_token_ids=letters, **kw)
+        assert got == free
+
+
+@pytest.mark.slow
+def test_preempted_structured_requests_resume_with_their_grammar_state() -> None:
+    """Few blocks and a small token budget: requests are preempted and recomputed; their
+    greedy outputs are what a roomy engine answers, and still match the schema."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm import LLM
+
+    prompts = ["p" * n for n in (5, 40, 70, 90, 20, 60)]
+    so = StructuredOutput.json_schema(SCHEMA)
+    with LLM(EngineConfig(cache=CacheConfig(num_blocks=256))) as roomy:
+        want = _gen(roomy, prompts, so, max_tokens=120, **GREEDY)
+    cfg = EngineConfig(
+        cache=CacheConfig(num_blocks=20),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
+    )
+    with LLM(cfg) as tight:
+        got = _gen(tight, prompts, so, max_tokens=120, **GREEDY)
+        stats = tight.stats()
+    assert stats["num_preemptions_total"] > 0, "the test should exercise preemption"
+    assert got == want
+    for text in got:
+        _check_schema(text)
+
+
+@pytest.mark.slow
+def test_async_scheduling_gives_the_same_structured_outputs() -> None:
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm import LLM
+
+    prompts = ["one", "two two", "three three three"]
+    so = StructuredOutput.json_schema(SCHEMA)
+    cfg = EngineConfig(cache=CacheConfig(num_blocks=256))
+    with LLM(cfg) as sync:
+        want = _gen(sync, prompts, so, max_tokens=120, temperature=1.0)
+    acfg = EngineConfig(
+        cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(async_scheduling=True)
+    )
+    with LLM(acfg) as asyn:
+        assert _gen(asyn, prompts, so, max_tokens=120, temperature=1.0) == want
+    for text in want:
+        _check_schema(text)
+
+
+# -- live: a node, and P/D through the proxy ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pd(module_procs: Procs) -> tuple[PD, Proc]:
+    """A P/D pair behind a proxy, and a colocated node."""
+    pair = module_procs.pd(1, 1, "--num-blocks", "256", colocated=True)
+    return pair, module_procs.proxy([pair.p.url], [pair.d.url])
+
+
+def _post(url: str, path: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
+    resp = httpx.post(url + path, json={"model": MODEL, **body}, timeout=120)
+    assert resp.status_code == status, resp.text
+    return resp.json()
+
+
+def _stream_text(url: str, path: str, body: dict[str, Any]) -> tuple[str, list[int], Any]:
+    body = {"model": MODEL, **body, "stream": True}
+    with httpx.stream("POST", url + path, json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = sse_events(resp)
+    text, ids, reason = "", [], None
+    for e in events:
+        if not isinstance(e, dict) or not e["choices"]:
+            continue
+        c = e["choices"][0]
+        text += c["delta"].get("content") or "" if "delta" in c else c["text"]
+        ids += c.get("token_ids") or []
+        reason = c["finish_reason"] or reason
+    return text, ids, reason
+
+
+JSON_SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_live_answers_follow_the_grammar_and_p_d_equals_colocated(
+    pd: tuple[PD, Proc], through: str
+) -> None:
+    pair, proxy = pd
+    assert pair.colocated is not None
+    ref, url = pair.colocated.url, pair.colocated.url if through == "node" else proxy.url
+    for body, path in [
+        ({"messages": _MSG, "max_tokens": 200, "temperature": 0.0,
+          "response_format": JSON_SCHEMA_FORMAT}, "/v1/chat/completions"),
+        ({"prompt": "hello", "max_tokens": 200, "temperature": 1.0, "seed": 11,
+          "structured_outputs": {"json": SCHEMA}}, "/v1/completions"),
+        ({"prompt": "hello", "max_tokens": 200, "temperature": 1.0,
+          "guided_json": SCHEMA}, "/v1/completions"),  # unseeded: P and D agree anyway
+    ]:  # fmt: skip
+        chat = path.endswith("chat/completions")
+        got = _post(url, path, body)["choices"][0]
+        text = got["message"]["content"] if chat else got["text"]
+        _check_schema(text)
+        assert got["finish_reason"] == "stop"
+        if "seed" in body or body["temperature"] == 0.0:
+            want = _post(ref, path, body)["choices"][0]
+            assert got["token_ids"] == want["token_ids"]
+        streamed, ids, reason = _stream_text(url, path, body)
+        _check_schema(streamed)
+        assert reason == "stop"
+        if "seed" in body or body["temperature"] == 0.0:
+            assert streamed == text
+    # A regex and a choice, a stream of each, several choices (each its own matcher).
+    body = {"prompt": "x", "max_tokens": 20, "temperature": 1.0, "seed": 5, "n": 3,
+            "guided_regex": REGEX}  # fmt: skip
+    answers = _post(url, "/v1/completions", body)["choices"]
+    assert len(answers) == 3 and all(re.fullmatch(REGEX, a["text"]) for a in answers)
+    assert answers == _post(ref, "/v1/completions", body)["choices"]
+    body = {"prompt": "x", "max_tokens": 20, "temperature": 1.0, "seed": 1,
+            "structured_outputs": {"choice": ["alpha", "beta", "gamma"]}}  # fmt: skip
+    text, _, reason = _stream_text(url, "/v1/completions", body)
+    assert text in ("alpha", "beta", "gamma") and reason == "stop"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_live_bad_grammars_are_400s(pd: tuple[PD, Proc], through: str) -> None:
+    pair, proxy = pd
+    assert pair.colocated is not None
+    url = pair.colocated.url if through == "node" else proxy.url
+    for body, param in [
+        ({"prompt": "x", "guided_regex": "[0-9"}, "guided_regex"),
+        ({"prompt": "x", "guided_json": {"type": "strin"}}, "guided_json"),
+        ({"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ]:
+        err = _post(url, "/v1/completions", body, status=400)["error"]
+        assert err["param"] == param, err
