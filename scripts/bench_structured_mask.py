@@ -36,7 +36,7 @@ class _SyntheticVocab(ByteTokenizer):
 
     def __init__(self, extra: int) -> None:
         rng = random.Random(0)
-        alphabet = "abcdefghijklmnopqrstuvwxyz \",:{}[]0123456789"
+        alphabet = 'abcdefghijklmnopqrstuvwxyz ",:{}[]0123456789'
         self._extra = [
             "".join(rng.choice(alphabet) for _ in range(rng.randint(2, 8))).encode()
             for _ in range(extra)
@@ -88,7 +88,9 @@ def main() -> None:
     args = ap.parse_args()
     for vocab in args.vocab:
         us = run(vocab, args.rows, args.steps)
-        print(f"vocab {vocab}: {args.rows} rows, {us:.0f} us per step ({us / args.rows:.0f} per row)")
+        print(
+            f"vocab {vocab}: {args.rows} rows, {us:.0f} us per step ({us / args.rows:.0f} per row)"
+        )
 
 
 if __name__ == "__main__":
