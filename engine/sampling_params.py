@@ -89,6 +89,9 @@ class SamplingParams:
     # A structured output (``engine/structured``): the output follows this grammar. The
     # engine process keeps the matcher; the workers get each step's bitmask.
     structured_output: StructuredOutput | None = None
+    # vLLM's ``bad_words``, as token id sequences (``engine.bad_words``): a sequence's last
+    # id is not sampled where the output ends with the rest of it.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         check_max_tokens(self.max_tokens)
@@ -121,6 +124,11 @@ class SamplingParams:
             raise InvalidRequestError(
                 "logit_bias must map non-negative token ids to finite numbers", "logit_bias"
             )
+        if not all(seq and all(t >= 0 for t in seq) for seq in self.bad_words_token_ids):
+            raise InvalidRequestError(
+                "bad_words_token_ids must be non-empty sequences of non-negative token ids",
+                "bad_words",
+            )
         allowed = self.allowed_token_ids
         if allowed is not None and not (
             0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS
@@ -139,6 +147,11 @@ class SamplingParams:
         if not self.ignore_eos:
             ids.update(eos_token_ids)
         return tuple(sorted(ids))
+
+    @property
+    def bans_after_tokens(self) -> bool:
+        """A sample's ban depends on the output's last tokens (a bad word of 2+ ids)."""
+        return any(len(seq) > 1 for seq in self.bad_words_token_ids)
 
     @property
     def has_penalties(self) -> bool:

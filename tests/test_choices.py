@@ -323,6 +323,27 @@ def test_a_priority_on_nodes_that_start_requests_in_arrival_order_is_refused(
 
 
 @pytest.mark.parametrize("through", ["node", "proxy"])
+def test_bad_words_keep_their_words_out_of_the_answer(pd: tuple[PD, Proc], through: str) -> None:
+    # The tiny model's tokens are bytes; allowed_token_ids keeps it to eight letters, so
+    # the answer is words the tokenizer makes.
+    _, ref, url = _target(pd, through)
+    letters = list(range(ord("a"), ord("i")))
+    body = {"prompt": "Hello", "max_tokens": 40, "allowed_token_ids": letters, "seed": 3}
+
+    def answer(target: str, **extra: Any) -> dict[str, Any]:
+        resp = httpx.post(target + "/v1/completions", json={**body, **extra}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]
+
+    free = answer(ref)["text"]
+    letter = max(set(free), key=free.count)
+    pair = next(free[i : i + 2] for i in range(len(free) - 1) if letter not in free[i : i + 2])
+    got = answer(url, bad_words=[letter, pair])
+    assert letter not in got["text"] and pair not in got["text"], (free, got["text"])
+    assert got["token_ids"] == answer(ref, bad_words=[letter, pair])["token_ids"]
+
+
+@pytest.mark.parametrize("through", ["node", "proxy"])
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
     pd: tuple[PD, Proc], through: str
 ) -> None:

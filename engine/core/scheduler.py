@@ -37,6 +37,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from engine.bad_words import banned_by_bad_words
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
@@ -213,11 +214,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_output_placeholders and (
-                req.grammar is not None or self._ends_with_pending(req)
+                req.grammar is not None
+                or req.sampling_params.bans_after_tokens
+                or self._ends_with_pending(req)
             ):
                 # Its sample in flight ends it: nothing to compute ahead. Or the next
-                # sample's grammar mask needs that token (structured outputs are not
-                # scheduled ahead: every other step under async scheduling).
+                # sample's grammar mask or bad words' ban needs that token (such requests
+                # are not scheduled ahead: every other step under async scheduling).
                 i += 1
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
@@ -381,6 +384,10 @@ class Scheduler:
         # Outputs before this sample (placeholders included) below min_tokens: mask.
         if samples and end - req.num_prompt_tokens < sp.min_tokens:
             seq.banned_token_ids = req.banned_token_ids
+        if samples and sp.bad_words_token_ids:
+            output = req.all_token_ids[req.num_prompt_tokens :]
+            bad = banned_by_bad_words(sp.bad_words_token_ids, output)
+            seq.banned_token_ids = tuple(sorted(bad.union(seq.banned_token_ids)))
         if req.needs_prompt_logprobs:
             # Row p predicts the token at p + 1; the prompt tokens not computed yet (the
             # first has none) are predicted by rows len(prompt_logprobs) - 1 ...

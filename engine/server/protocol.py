@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.bad_words import MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS
 from engine.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGPROBS,
@@ -215,6 +216,8 @@ class BaseRequest:
     prompt_logprobs: int | None = None
     # vLLM's: lower starts first (a node with --scheduling-policy priority; else only 0).
     priority: int = 0
+    # vLLM's: words the answer must not contain (``engine.bad_words``; the node tokenizes).
+    bad_words: tuple[str, ...] = ()
     # A structured output (response_format, structured_outputs, guided_*): one constraint.
     structured_output: StructuredOutput | None = None
     # Top-level fields this server does not know: accepted and ignored, with a warning
@@ -350,6 +353,7 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     req.skip_special_tokens = _get_bool(body, "skip_special_tokens", True)
     req.prompt_logprobs = _logprobs_count(body, "prompt_logprobs")
     req.priority = _get_int(body, "priority", 0)
+    req.bad_words = _parse_bad_words(body.get("bad_words"))
     keep = req.truncate_prompt_tokens
     if keep is not None and keep < 1 and keep != -1:
         raise APIError(
@@ -520,6 +524,24 @@ def _parse_allowed_token_ids(ids: Any) -> list[int] | None:
     return list(ids)
 
 
+def _parse_bad_words(words: Any) -> tuple[str, ...]:
+    """vLLM's ``bad_words``: a list of words (null or empty: none), each with a character
+    besides white space, at most ``MAX_BAD_WORDS`` of ``MAX_BAD_WORDS_CHARS`` in all."""
+    if words is None or words == []:
+        return ()
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise _bad_type("bad_words", "an array of strings", words)
+    if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > MAX_BAD_WORDS_CHARS:
+        raise APIError(
+            f"'bad_words' may hold at most {MAX_BAD_WORDS} words of {MAX_BAD_WORDS_CHARS} "
+            f"characters in all, got {len(words)} of {sum(map(len, words))}",
+            param="bad_words",
+        )
+    if not all(w.strip() for w in words):
+        raise APIError("'bad_words' may not hold an empty or blank word", param="bad_words")
+    return tuple(words)
+
+
 def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
     value = _get_int(body, name, None)
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -545,7 +567,6 @@ _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "use_beam_search": (lambda v: v in (None, False), "= true (no beam search)"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "other than 1"),
     "spaces_between_special_tokens": (lambda v: v in (None, True), "= false"),
-    "bad_words": (_neutral_none, ""),
     "logits_processors": (_neutral_none, ""),
 }
 _VLLM_CHAT_FIELDS: dict[str, tuple[Any, str]] = {
@@ -561,7 +582,7 @@ COMMON_FIELDS = frozenset(
         "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
         "truncate_prompt_tokens", "return_tokens_as_token_ids", "skip_special_tokens",
-        "prompt_logprobs", "priority",
+        "prompt_logprobs", "priority", "bad_words",
         "allowed_token_ids", *STRUCTURED_FIELDS, *_VLLM_FIELDS,
     }
 )  # fmt: skip

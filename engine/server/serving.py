@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -13,6 +14,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.bad_words import tokenize_bad_words
 from engine.httpkit.admission import Admission, overloaded_body
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
@@ -21,7 +23,7 @@ from engine.httpkit.fanout import gather_or_cancel, merge_bodies, merge_streams,
 from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.sse import SSE_DONE, SSEResponse, sse_event
 from engine.outputs import Logprobs
-from engine.sampling_params import InvalidRequestError
+from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.server.engine_client import EngineClient
 from engine.server.jobs import Job, Step, engine_error, generate_steps
 from engine.server.logprobs import TokenIdStrings, TokenStrings
@@ -209,6 +211,14 @@ class OpenAIServing:
             self._job(request, chat, req, ids, index) for index, (req, ids) in enumerate(choices)
         ]
 
+    def _sampling_params(self, req: BaseRequest, max_tokens: int) -> SamplingParams:
+        params = req.sampling_params(max_tokens)
+        if req.bad_words:  # the words as this node's tokenizer makes them
+            words = tokenize_bad_words(self.engine.tokenizer, req.bad_words)
+            check_token_ids([t for seq in words for t in seq], self.engine.vocab_size, "bad_words")
+            params = dataclasses.replace(params, bad_words_token_ids=words)
+        return params
+
     def _job(
         self, request: Request, chat: bool, req: BaseRequest, ids: list[int], index: int = 0
     ) -> Job:
@@ -231,7 +241,7 @@ class OpenAIServing:
             label=label,
             model=self.engine.model_name,
             prompt_ids=ids,
-            params=req.sampling_params(max_tokens),
+            params=self._sampling_params(req, max_tokens),
             req=req,
             strings=self._strings_for(req),
             echo_text=(req.prompt_text or "") if echo else None,  # type: ignore[attr-defined]
