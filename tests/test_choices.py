@@ -269,6 +269,23 @@ def test_every_choice_is_the_single_request_for_it(pd: tuple[PD, Proc], through:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("through", ["node", "proxy"])
+def test_the_choices_of_one_prompt_compute_it_once(pd: tuple[PD, Proc], through: str) -> None:
+    # Each choice is its own request; they arrive together, and all but one wait a step
+    # for the prompt's blocks and take them from the prefix cache (on the colocated node,
+    # or on the prefill node for the choices' prefill legs).
+    pair, ref, url = _target(pd, through)
+    computing = pair.colocated if through == "node" else pair.p
+    assert computing is not None
+    prompt = "The choices share this prompt. " * 10  # 310 bytes: tokens in tiny
+    before = computing.metric("pdserve_prompt_tokens_total")
+    body = {"prompt": prompt, "max_tokens": 2, "n": 4, "seed": 5, "temperature": 1.0}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    computed = computing.metric("pdserve_prompt_tokens_total") - before
+    assert computed <= len(prompt) + 1 + 3 * 48, computed  # + BOS; each other: < 3 blocks
+
+
+@pytest.mark.parametrize("through", ["node", "proxy"])
 def test_a_choice_that_cannot_run_refuses_the_request_and_leaves_nothing_running(
     pd: tuple[PD, Proc], through: str
 ) -> None:
