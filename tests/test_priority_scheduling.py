@@ -9,6 +9,7 @@ The real scheduler with fake model outputs; the HTTP field in a live node's test
 from __future__ import annotations
 
 import pytest
+from fakes import PagedToyModel
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.core.request import Request, RequestStatus
@@ -101,3 +102,25 @@ def test_fcfs_refuses_a_priority_it_would_ignore():
         s.add_request(_req("x", 1))
     assert e.value.param == "priority" and "--scheduling-policy priority" in str(e.value)
     s.add_request(_req("y", 0))  # the default is fine
+
+
+@pytest.mark.parametrize("num_blocks, urgent_prompt", [(8, 4), (9, 7), (12, 5)])
+def test_the_victim_is_never_a_request_already_in_this_step(num_blocks, urgent_prompt):
+    # "background" is admitted first, so it is scheduled first in a step; "urgent" then
+    # needs a block the pool does not have. The victim (background) must not be one this
+    # very step already computes: its blocks would go to urgent while the step still
+    # writes them, and the workers would get a seq for a request they were told to drop.
+    s = _scheduler("priority", num_blocks=num_blocks)
+    model = PagedToyModel(BLOCK, 40)
+    s.add_request(_req("background", 10, prompt_len=8, max_tokens=num_blocks * BLOCK - 8))
+    for step in range(200):
+        if step == 1:
+            max_tokens = num_blocks * BLOCK - urgent_prompt
+            s.add_request(_req("urgent", 0, prompt_len=urgent_prompt, max_tokens=max_tokens))
+        so = s.schedule()
+        both = {q.request_id for q in so.seqs} & so.preempted_request_ids
+        assert not both, (step, both)
+        s.update_from_output(so, model.execute(so))
+        if not s.has_work():
+            break
+    assert s.num_preemptions_total >= 1 and not s.has_work()

@@ -348,7 +348,7 @@ class Scheduler:
             return _Start.NO_ROOM
         req.status = RequestStatus.RUNNING
         RequestMetrics.scheduled(req, time.monotonic())
-        self.running.append(req)
+        self._add_running(req)
         seqs.append(self._scheduled(req, n))
         return _Start.STARTED
 
@@ -408,14 +408,20 @@ class Scheduler:
                 req.num_output_placeholders += 1
         return seq
 
+    def _add_running(self, req: Request) -> None:
+        """Into ``running``: last (admission order), or by priority in its place."""
+        if self.by_priority:
+            bisect.insort(self.running, req, key=_order)
+        else:
+            self.running.append(req)
+
     def _pick_victim(self) -> Request:
         """The running request to preempt (taken out of ``running``): the last admitted,
-        or by priority the one with the largest (priority, arrival)."""
-        if not self.by_priority:
-            return self.running.pop()
-        victim = max(self.running, key=_order)
-        self.running.remove(victim)
-        return victim
+        or by priority the one with the largest (priority, arrival) -- the last too, as
+        ``running`` is kept in that order. Being last, it is never one this step already
+        scheduled (the running loop goes in order): its blocks would go to another
+        request while the step writes them."""
+        return self.running.pop()
 
     def _requeue(self, req: Request) -> None:
         """Back into the waiting queue, first in line (by priority: in its place)."""
@@ -483,7 +489,7 @@ class Scheduler:
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_computed_blocks(req)
         req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        self._add_running(req)
         if req.prompt_logprobs is not None:  # computed by the prefill node, not here
             req.prompt_logprobs.extend([None] * (req.num_prompt_tokens - len(req.prompt_logprobs)))
         first = info.get("first_token")
