@@ -124,3 +124,50 @@ def test_the_victim_is_never_a_request_already_in_this_step(num_blocks, urgent_p
         if not s.has_work():
             break
     assert s.num_preemptions_total >= 1 and not s.has_work()
+
+
+def test_async_a_request_preempted_for_a_more_urgent_one_does_not_take_its_room_back():
+    # Async scheduling: "background" decodes in the step in flight when "urgent" (ahead of
+    # it in the running order) needs the blocks for its next prompt chunk. Preempted in
+    # flight, background's blocks come back at that step's update -- and it must not be
+    # admitted again in the same step from the few blocks left (its prompt is cached):
+    # that starved urgent, and background was preempted again every step (a livelock).
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=512, dtype="float32"),
+        cache=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=48,
+            async_scheduling=True,
+            scheduling_policy="priority",
+        ),
+    )
+    s = Scheduler(cfg, 30, 512, NoopConnectorScheduler(cfg, None))  # type: ignore[arg-type]
+    model = PagedToyModel(BLOCK, 40)
+    prompts = {
+        "background": [1 + i % 37 for i in range(64)],
+        "urgent": [2 + i % 31 for i in range(66)],
+    }
+    max_tokens = {"background": 20, "urgent": 14}
+    s.add_request(Request("background", prompts["background"], SamplingParams(max_tokens=20)))
+    tokens: dict[str, list[int]] = {"background": [], "urgent": []}
+    in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+    for step in range(1, 200):
+        if step == 4:  # background decodes by now
+            s.add_request(
+                Request("urgent", prompts["urgent"], SamplingParams(max_tokens=14), priority=-2)
+            )
+        so = s.schedule()
+        idle = not (so.num_scheduled_tokens or so.finished_request_ids or so.preempted_request_ids)
+        prev, in_flight = in_flight, (None if idle else (so, model.execute(so)))
+        outputs = s.update_from_output(*prev) if prev is not None else []
+        if idle:
+            outputs += s.update_from_output(so, ModelRunnerOutput())
+        for o in outputs:
+            tokens[o.request_id] += o.new_token_ids
+        if not s.has_work() and in_flight is None:
+            break
+    else:
+        raise AssertionError(f"no progress: {tokens}")
+    assert s.num_preemptions_total >= 1
+    assert {rid: len(t) for rid, t in tokens.items()} == max_tokens

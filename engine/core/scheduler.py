@@ -210,6 +210,7 @@ class Scheduler:
         scheduled: dict[str, tuple[Request, int]] = {}
         self._num_sampling = 0
         self._grammar_rows = []
+        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -230,6 +231,7 @@ class Scheduler:
                     break  # async scheduling: wait a step for them rather than preempt
                 victim = self._pick_victim()
                 freed_now = self._preempt(victim)
+                preempted = True
                 if victim is req or not freed_now:
                     break  # (a victim in the step in flight gives its blocks back at its update)
                 blocks = self.kv.allocate_slots(req, n)
@@ -241,8 +243,14 @@ class Scheduler:
             i += 1
 
         # Waiting on a peer or on a prefix another request computes: those behind pass.
+        # None starts in a step that preempted (as vLLM): the room is the running
+        # requests' -- under async scheduling a victim's blocks come back only at the
+        # update, and the victim, admitted again from what is free (its prompt cached),
+        # was preempted again every step while the request that needed room waited.
         delayed: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted
+        ):
             req = self.waiting[0]
             if req.status == RequestStatus.WAITING and self.connector.delay_admission(req):
                 delayed.append(self.waiting.popleft())
