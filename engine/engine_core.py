@@ -157,7 +157,12 @@ class EngineCore:
             self.arch.vocab_size,
         )
         self.scheduler = Scheduler(
-            config, self.num_blocks, self.max_model_len, self.connector, self.grammars
+            config,
+            self.num_blocks,
+            self.max_model_len,
+            self.connector,
+            self.grammars,
+            vocab_size=self.arch.vocab_size,
         )
         self._last_dispatch = 0.0
         self.step_stats = StepStats()

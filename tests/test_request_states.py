@@ -138,6 +138,30 @@ def test_a_decode_nodes_reserved_blocks_reach_the_workers_with_its_first_step():
     _drain(s, worker)
 
 
+@pytest.mark.parametrize("first", [512, 10**12])
+def test_a_first_token_outside_the_vocabulary_from_a_peer_is_computed_here(first):
+    # A buggy or forged prefill peer's first token must not reach the embedding lookup
+    # (an index error on CPU, a device assert on CUDA: the node dies) nor a grammar
+    # (OverflowError on the engine thread): the decode node samples its own.
+    conn = RemotePrefill(_config())
+    cfg = _config()
+    s = Scheduler(cfg, 64, 2048, conn, vocab_size=512)
+    worker = RequestStates()
+    params = KVTransferParams(
+        do_remote_prefill=True, transfer_id="t", remote_side_channel="tcp://127.0.0.1:1"
+    )
+    prompt = list(range(1, 19))
+    s.add_request(Request("d", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params))
+    _step(s, worker)
+    conn.landed = {"d": {"first_token": first}}
+    _step(s, worker)
+    so = _step(s, worker)
+    (seq,) = so.seqs
+    assert seq.token_ids == [prompt[-1]] and seq.start_pos == len(prompt) - 1  # recomputed
+    assert first not in s.requests["d"].all_token_ids
+    _drain(s, worker)
+
+
 def test_a_decode_steps_message_does_not_grow_with_the_sequences_length():
     def decode_step_bytes(prompt_len: int) -> tuple[int, int]:
         s = _scheduler(num_blocks=4200, max_num_seqs=16)

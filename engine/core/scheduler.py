@@ -83,8 +83,10 @@ class Scheduler:
         max_model_len: int,
         connector: KVConnectorScheduler,
         grammars: GrammarCompiler | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.config = config
+        self.vocab_size = vocab_size  # bounds a prefill peer's first token
         self.max_model_len = max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
@@ -501,6 +503,13 @@ class Scheduler:
         if req.prompt_logprobs is not None:  # computed by the prefill node, not here
             req.prompt_logprobs.extend([None] * (req.num_prompt_tokens - len(req.prompt_logprobs)))
         first = info.get("first_token")
+        if first is not None and self.vocab_size is not None and not 0 <= first < self.vocab_size:
+            logger.warning(
+                "request %s: the prefill node's first token %.40r is not in the vocabulary "
+                "(%d ids); computing it here",
+                req.request_id, first, self.vocab_size,
+            )  # fmt: skip
+            first = None
         if first is None:  # no token came with the KV: compute the last prompt token again
             req.num_computed_tokens -= 1
             return
