@@ -1,0 +1,52 @@
+"""What a tool-call parser is: text in, content and tool-call pieces out, token by token.
+
+A parser is fed the answer's text as it is generated (``feed``) and told when it ended
+(``finish``); each returns ``ToolDelta`` pieces in order. Fed the whole text at once or a
+token at a time, the pieces add up to the same content and calls (the non-streamed
+answer is built from the same pieces as the stream).
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+def new_call_id() -> str:
+    """A tool call's id: ``chatcmpl-tool-<32 hex>`` (vLLM's ``random_tool_call_id``)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class ToolDelta:
+    """Content text (``call`` None), or a piece of tool call ``call`` (0, 1...): its
+    first piece has ``id`` and ``name``, every piece may add ``arguments`` text."""
+
+    content: str = ""
+    call: int | None = None
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolParser(ABC):
+    """One choice's parser (a fresh one per choice). ``parallel`` false: at most one call
+    is returned (later ones are dropped)."""
+
+    name: str = ""
+
+    def __init__(self, parallel: bool = True) -> None:
+        self.parallel = parallel
+
+    @abstractmethod
+    def feed(self, text: str) -> list[ToolDelta]:
+        """The pieces ``text`` (the answer's next text) completes."""
+
+    @abstractmethod
+    def finish(self) -> list[ToolDelta]:
+        """The answer ended: the pieces still held back."""
+
+    def parse(self, text: str) -> list[ToolDelta]:
+        """A whole answer's pieces."""
+        return [*self.feed(text), *self.finish()]

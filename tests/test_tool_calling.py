@@ -1,0 +1,302 @@
+"""Tool calling (OpenAI ``tools`` / ``tool_choice`` on chat completions, vLLM's rules):
+the fields parsed and checked at entry (each a 400 naming its field), the schema of a
+"required" tool choice, the hermes parser and the named/required writers (whole and
+token by token: the same calls), the chat template's tools and tool messages, and live
+answers on the ``tiny`` model through a node and a P/D pair behind the proxy.
+
+The ``tiny`` model's chat template is the built-in simple one: it renders the tools as a
+``<|tools|>`` block, assistant tool calls as ``<tool_call>`` lines and tool messages as
+``<|tool|>`` turns. Its random weights never write a ``<tool_call>`` by themselves, so
+"auto" is checked live only for its plain answers; the hermes parser on hand-written text.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from engine.sampling_params import InvalidRequestError
+from engine.server.protocol import APIError, parse_chat_request
+from engine.tools.output import NamedCall, RequiredCalls, ToolOutput, new_parser
+from engine.tools.parsers import PARSERS, ToolDelta
+from engine.tools.parsers.hermes import HermesToolParser
+from engine.tools.spec import (
+    parse_tool_calling,
+    required_schema,
+)
+
+_MSG = [{"role": "user", "content": "what is the weather?"}]
+
+
+def _tool(name: str, params: dict[str, Any] | None = None, **fn: Any) -> dict[str, Any]:
+    f: dict[str, Any] = {"name": name, **fn}
+    if params is not None:
+        f["parameters"] = params
+    return {"type": "function", "function": f}
+
+
+def _obj(**props: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": list(props),
+            "additionalProperties": False}  # fmt: skip
+
+
+WEATHER = _tool(
+    "get_weather",
+    _obj(city={"enum": ["paris", "rome", "oslo"]}, unit={"enum": ["c", "f"]}),
+    description="The weather in a city",
+)
+CLOCK = _tool("get_time", _obj(tz={"enum": ["utc", "cet"]}, exact={"type": "boolean"}))
+PING = _tool("ping")  # no parameters: an empty object
+TOOLS = [WEATHER, CLOCK, PING]
+NAMED_PING = {"type": "function", "function": {"name": "ping"}}
+NAMES = {"get_weather", "get_time", "ping"}
+
+
+def _chat(**fields: Any) -> Any:
+    return parse_chat_request({"messages": _MSG, **fields})
+
+
+def _err(**fields: Any) -> APIError:
+    with pytest.raises(APIError) as e:
+        _chat(**fields)
+    return e.value
+
+
+def _check_args(name: str, arguments: str) -> None:
+    """``arguments`` is JSON matching tool ``name``'s schema (by hand)."""
+    value = json.loads(arguments)
+    assert isinstance(value, dict)
+    if name == "get_weather":
+        assert set(value) == {"city", "unit"}, value
+        assert value["city"] in ("paris", "rome", "oslo") and value["unit"] in ("c", "f")
+    elif name == "get_time":
+        assert set(value) == {"tz", "exact"} and value["tz"] in ("utc", "cet"), value
+        assert isinstance(value["exact"], bool)
+    else:
+        assert name == "ping", name
+
+
+# -- the "required" schema -----------------------------------------------------------------------
+
+
+def test_required_schema_is_vllms_array_of_named_calls() -> None:
+    tc = parse_tool_calling({"tools": TOOLS, "tool_choice": "required"})
+    schema = required_schema(tc.tools)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    items = schema["items"]["anyOf"]
+    assert [i["properties"]["name"] for i in items] == [
+        {"type": "string", "enum": [n]} for n in ("get_weather", "get_time", "ping")
+    ]
+    assert items[0]["properties"]["parameters"] == WEATHER["function"]["parameters"]
+    assert items[2]["properties"]["parameters"] == {
+        "type": "object", "properties": {}, "additionalProperties": False}  # fmt: skip
+    assert all(i["required"] == ["name", "parameters"] for i in items)
+    assert required_schema(tc.tools, parallel=False)["maxItems"] == 1
+    # $defs are hoisted to the top (references resolve there); a clash is a 400.
+    ref = _obj(p={"$ref": "#/$defs/P"}) | {"$defs": {"P": {"enum": [1, 2]}}}
+    tc = parse_tool_calling(
+        {"tools": [_tool("a", ref), _tool("b", ref)], "tool_choice": "required"}
+    )
+    schema = required_schema(tc.tools)
+    assert schema["$defs"] == {"P": {"enum": [1, 2]}}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    other = _obj(p={"$ref": "#/$defs/P"}) | {"$defs": {"P": {"enum": [3]}}}
+    tc = parse_tool_calling({"tools": [_tool("a", ref), _tool("b", other)]})
+    with pytest.raises(InvalidRequestError) as e:
+        required_schema(tc.tools)
+    assert e.value.param == "tools" and "$defs" in str(e.value)
+
+
+def _walk(matcher: Any, rng: random.Random, limit: int = 600) -> bytes:
+    """A random text the grammar allows: each step one of the bytes it allows (EOS once
+    it may end, half the time)."""
+    out = bytearray()
+    for _ in range(limit):
+        if matcher.is_stopped():
+            return bytes(out)
+        mask = matcher.compute_bitmask()
+        allowed = [t for t in range(258) if mask[t // 8] >> (t % 8) & 1]
+        if 257 in allowed and (len(allowed) == 1 or rng.random() < 0.5):
+            return bytes(out)
+        token = rng.choice([t for t in allowed if t < 256])
+        assert matcher.consume_token(token)
+        out.append(token)
+    raise AssertionError(f"no end after {limit} bytes: {bytes(out)[:200]!r}")
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_every_array_the_required_grammar_allows_names_a_tool_and_fits_its_schema(
+    parallel: bool,
+) -> None:
+    """Random walks through the compiled grammar (any byte it allows, each step): every
+    text is a JSON array of calls naming the request's tools, each with arguments its
+    tool's schema allows, and the writer parses it into the same calls."""
+    pytest.importorskip("llguidance")
+    from engine.structured.compiler import GrammarCompiler
+    from engine.tokenizer import ByteTokenizer
+
+    tc = parse_tool_calling({"tools": TOOLS, "tool_choice": "required",
+                             "parallel_tool_calls": parallel})  # fmt: skip
+    so = tc.structured_output()
+    assert so is not None and so.param == "tools"
+    compiler = GrammarCompiler(ByteTokenizer, 512)
+    rng = random.Random(7)
+    seen: set[str] = set()
+    for _ in range(40):
+        text = _walk(compiler.new_matcher(so), rng).decode()
+        calls = json.loads(text)
+        assert isinstance(calls, list) and len(calls) >= 1
+        assert parallel or len(calls) == 1
+        for call in calls:
+            assert set(call) == {"name", "parameters"} and call["name"] in NAMES
+            _check_args(call["name"], json.dumps(call["parameters"]))
+            seen.add(call["name"])
+        got = ToolOutput(tc, RequiredCalls()).message(text)["tool_calls"]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == [
+            (c["name"], c["parameters"]) for c in calls
+        ]
+    assert seen == NAMES
+    # And what it refuses: an unknown name, arguments outside the schema, an empty array.
+    for bad in (
+        '[{"name":"nope","parameters":{}}]',
+        '[{"name":"ping","parameters":{"x":1}}]',
+        '[{"name":"get_time","parameters":{"tz":"pst","exact":true}}]',
+        "[]",
+    ):
+        m = compiler.new_matcher(so)
+        ok = m.consume_tokens(list(bad.encode())) and m.is_accepting()
+        assert not ok, bad
+
+
+# -- the parsers: whole and token by token ------------------------------------------------------
+
+
+def _calls(pieces: list[ToolDelta]) -> tuple[str, list[tuple[str, str]]]:
+    """Content and (name, arguments) of the calls the pieces add up to."""
+    content, calls = "", []
+    for p in pieces:
+        if p.call is None:
+            content += p.content
+        elif p.id is not None:
+            assert p.id.startswith("chatcmpl-tool-") and len(p.id) == 14 + 32
+            assert p.call == len(calls)
+            calls.append([p.name, p.arguments])
+        else:
+            assert p.call == len(calls) - 1
+            calls[-1][1] += p.arguments
+    return content, [(n, a) for n, a in calls]
+
+
+def _fed(parser: Any, text: str, size: int = 1) -> list[ToolDelta]:
+    out: list[ToolDelta] = []
+    for i in range(0, len(text), size):
+        out += parser.feed(text[i : i + size])
+    return out + parser.finish()
+
+
+CALL_W = (
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "rome", "unit": "c"}}</tool_call>'
+)
+CALL_T = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "utc"}}\n</tool_call>'
+W = ("get_weather", '{"city":"rome","unit":"c"}')
+T = ("get_time", '{"tz":"utc"}')
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("Just text, no tools.", "Just text, no tools.", []),
+        ("ends with space \n", "ends with space \n", []),
+        (CALL_W, "", [W]),
+        (CALL_W + "\n" + CALL_T + "\n", "", [W, T]),
+        ("Let me check.\n" + CALL_W, "Let me check.", [W]),
+        ("a " + CALL_W + " b " + CALL_T + " c", "a b c", [W, T]),
+        ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+        ("x <tool_call>[1]</tool_call>", "x <tool_call>[1]</tool_call>", []),
+        ('<tool_call>{"name": 3}</tool_call>', '<tool_call>{"name": 3}</tool_call>', []),
+        ('<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
+         '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', []),
+        ("bad <tool_call>{</tool_call> " + CALL_W, "bad <tool_call>{</tool_call>", [W]),
+        ('<tool_call>{"name": "ping"}</tool_call>', "", [("ping", "{}")]),
+        ('<tool_call>{"name": "get_time", "arguments": {"tz": "utc"}}', "", [T]),  # unclosed
+        ("<tool_call>{\"name\": \"get_ti", '<tool_call>{"name": "get_ti', []),
+        ("text <tool_c", "text <tool_c", []),
+        ("a < b <tool", "a < b <tool", []),
+        ('<tool_call>{"name": "f", "arguments": {"s": "é</tool"}}</tool_call>', "",
+         [("f", '{"s":"é</tool"}')]),
+    ],
+)  # fmt: skip
+def test_hermes_parses_content_and_calls_whole_and_token_by_token(
+    text: str, content: str, calls: list[tuple[str, str]]
+) -> None:
+    assert _calls(HermesToolParser().parse(text)) == (content, calls)
+    for size in (1, 2, 5, 13):
+        assert _calls(_fed(HermesToolParser(), text, size)) == (content, calls), size
+
+
+def test_hermes_without_parallel_calls_keeps_the_first() -> None:
+    text = CALL_W + "\n" + CALL_T
+    assert _calls(HermesToolParser(parallel=False).parse(text)) == ("", [W])
+    assert PARSERS["hermes"] is HermesToolParser
+
+
+def test_named_and_required_writers_stream_what_they_answer_whole() -> None:
+    args = '{"city":"oslo","unit":"f"}'
+    assert _calls(NamedCall("get_weather").parse(args)) == ("", [("get_weather", args)])
+    assert _calls(_fed(NamedCall("get_weather"), args, 3)) == ("", [("get_weather", args)])
+    assert _calls(NamedCall("ping").parse("")) == ("", [("ping", "")])  # one call regardless
+    arr = ('[{"name":"get_weather","parameters":' + args + '},'
+           '{"name":"get_time","parameters":{"tz":"cet","exact":false}},'
+           '{"name":"ping","parameters":{"s":"}]\\"{"}}]')  # fmt: skip
+    want = ("", [("get_weather", args), ("get_time", '{"tz":"cet","exact":false}'),
+                 ("ping", '{"s":"}]\\"{"}')])  # fmt: skip
+    assert _calls(RequiredCalls().parse(arr)) == want
+    for size in (1, 4, 9):
+        assert _calls(_fed(RequiredCalls(), arr, size)) == want
+    # The arguments stream as generated: the call's name first, then its arguments.
+    parser = RequiredCalls()
+    assert parser.feed('[{"name":"get_time","param') == []
+    first = parser.feed('eters":{"tz"')
+    assert [(p.name, p.arguments) for p in first] == [("get_time", '{"tz"')]
+    assert [(p.name, p.arguments) for p in parser.feed(':"u')] == [(None, ':"u')]
+    # Not written head first (never by the grammar): parsed when the element closes.
+    assert _calls(RequiredCalls().parse('[{"parameters":{"a":1},"name":"f"}]')) == (
+        "", [("f", '{"a":1}')])  # fmt: skip
+    # Cut off (max_tokens): what was generated of the arguments.
+    assert _calls(RequiredCalls().parse('[{"name":"get_time","parameters":{"tz":"u')) == (
+        "", [("get_time", '{"tz":"u')])  # fmt: skip
+
+
+def test_tool_output_builds_the_stream_and_the_body_from_the_same_pieces() -> None:
+    tc = parse_tool_calling({"tools": TOOLS})
+    text = "Checking.\n" + CALL_W + "\n" + CALL_T
+    body = ToolOutput(tc, HermesToolParser()).message(text)
+    assert body["role"] == "assistant" and body["content"] == "Checking."
+    assert [(c["type"], c["function"]["name"], c["function"]["arguments"])
+            for c in body["tool_calls"]] == [("function", *W), ("function", *T)]  # fmt: skip
+    out = ToolOutput(tc, HermesToolParser())
+    deltas = [out.delta(text[i : i + 3], i + 3 >= len(text)) for i in range(0, len(text), 3)]
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            if "id" in c:
+                assert c["type"] == "function" and c["index"] not in calls
+                calls[c["index"]] = [c["function"]["name"], ""]
+            calls[c["index"]][1] += c["function"]["arguments"]
+    assert content == "Checking." and [tuple(v) for v in calls.values()] == [W, T]
+    assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "tool_calls"
+    plain = ToolOutput(tc, HermesToolParser())
+    assert plain.message("hello") == {"role": "assistant", "content": "hello", "tool_calls": []}
+    assert plain.finish_reason("stop") == "stop"
+    # Named: vLLM's finish reason is the engine's; required: "tool_calls" when it stopped.
+    named = parse_tool_calling({"tools": TOOLS, "tool_choice": NAMED_PING})
+    out = ToolOutput(named, new_parser(named, None))
+    assert out.message("{}")["content"] is None and out.finish_reason("stop") == "stop"
+    req = parse_tool_calling({"tools": TOOLS, "tool_choice": "required"})
+    out = ToolOutput(req, new_parser(req, None))
+    assert len(out.message('[{"name":"ping","parameters":{}}]')["tool_calls"]) == 1
+    assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
