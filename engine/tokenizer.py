@@ -30,9 +30,27 @@ def _message_text(content: Any) -> str:
     return str(content)
 
 
-def simple_chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """``<|role|>\\ncontent\\n`` per message, then the assistant prompt ``<|assistant|>\\n``."""
-    parts = [f"<|{m.get('role', 'user')}|>\n{_message_text(m.get('content'))}\n" for m in messages]
+def simple_chat_template(
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """``<|role|>\\ncontent\\n`` per message, then the assistant prompt ``<|assistant|>\\n``.
+    With ``tools``, a first ``<|tools|>`` block lists them (one JSON line each); an
+    assistant message's ``tool_calls`` follow its content as hermes-style
+    ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` lines; a tool message is
+    ``<|tool|>`` with its content."""
+    parts = []
+    if tools:
+        lines = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tools)
+        parts.append(f"<|tools|>\n{lines}")
+    for m in messages:
+        text = _message_text(m.get("content"))
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            one = {"name": fn.get("name"), "arguments": fn.get("arguments")}
+            text += f"\n<tool_call>{json.dumps(one, ensure_ascii=False)}</tool_call>"
+        parts.append(f"<|{m.get('role', 'user')}|>\n{text}\n")
     if add_generation_prompt:
         parts.append("<|assistant|>\n")
     return "".join(parts)
@@ -66,11 +84,14 @@ class Tokenizer(ABC):
         messages: list[dict[str, Any]],
         template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The rendered prompt string, ending with the assistant generation prompt (unless
         ``add_generation_prompt`` is false). ``template_kwargs`` (a request's
         ``chat_template_kwargs``) are extra variables of a Jinja chat template; only
-        ``supports_template_kwargs`` tokenizers take them."""
+        ``supports_template_kwargs`` tokenizers take them. ``tools`` (a request's, as
+        OpenAI shapes them): the template's ``tools`` variable (transformers'
+        ``apply_chat_template(tools=...)``)."""
 
     @property
     def supports_template_kwargs(self) -> bool:
@@ -127,9 +148,10 @@ class ByteTokenizer(Tokenizer):
         messages: list[dict[str, Any]],
         template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         _refuse_template_kwargs(template_kwargs)
-        return simple_chat_template(messages, add_generation_prompt)
+        return simple_chat_template(messages, add_generation_prompt, tools)
 
     def token_bytes(self, token_id: int) -> bytes:
         if 0 <= token_id < 256:
@@ -276,13 +298,14 @@ class HFTokenizer(Tokenizer):
         messages: list[dict[str, Any]],
         template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         template = self._template()
         if template is None:
             if self._chat_template is None:
                 logger.warning("checkpoint has no chat_template; using the simple built-in one")
             _refuse_template_kwargs(template_kwargs)
-            return simple_chat_template(messages, add_generation_prompt)
+            return simple_chat_template(messages, add_generation_prompt, tools)
         variables: dict[str, Any] = {
             "add_generation_prompt": add_generation_prompt,
             "tools": None,
@@ -293,6 +316,8 @@ class HFTokenizer(Tokenizer):
             **(template_kwargs or {}),  # e.g. enable_thinking; may not replace the messages
         }
         variables["messages"] = messages
+        if tools is not None:  # the request's tools, over a chat_template_kwargs "tools"
+            variables["tools"] = tools
         return template.render(**variables)
 
     @property

@@ -338,7 +338,7 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": _MSG, "max_completion_tokens": 10**7},
      "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": _MSG, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": _MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
     ("/v1/chat/completions", {"messages": _MSG, "top_logprobs": 2}, "top_logprobs"),
 ]  # fmt: skip
 

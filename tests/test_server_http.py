@@ -359,7 +359,11 @@ _CHAT_MSG = [{"role": "user", "content": "hi"}]
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
         ("/v1/chat/completions", {"messages": _CHAT_MSG, "max_tokens": 0}, "max_tokens"),
-        ("/v1/chat/completions", {"messages": _CHAT_MSG, "tools": [{"type": "function"}]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": _CHAT_MSG, "tools": [{"type": "function"}]},
+            "tools[0].function",
+        ),
         (
             "/v1/chat/completions",
             {

@@ -283,12 +283,12 @@ _MSG = [{"role": "user", "content": "hi"}]
         ({"messages": _MSG, "logprobs": "yes"}, "logprobs"),
         ({"messages": _MSG, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"messages": _MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"messages": _MSG, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": _MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
         ({"messages": _MSG, "tool_choice": "auto"}, "tool_choice"),
         ({"messages": _MSG, "response_format": {"type": "yaml"}}, "response_format.type"),
         (
             {"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}, *_MSG]},
-            "messages[0].tool_calls",
+            "messages[0].tool_calls[0].function",
         ),
         # The older form of the same: it was dropped, the model saw an empty turn.
         (

@@ -24,6 +24,9 @@ from engine.tools.output import NamedCall, RequiredCalls, ToolOutput, new_parser
 from engine.tools.parsers import PARSERS, ToolDelta
 from engine.tools.parsers.hermes import HermesToolParser
 from engine.tools.spec import (
+    MAX_TOOLS,
+    MAX_TOOLS_BYTES,
+    ToolCalling,
     parse_tool_calling,
     required_schema,
 )
@@ -77,6 +80,133 @@ def _check_args(name: str, arguments: str) -> None:
         assert isinstance(value["exact"], bool)
     else:
         assert name == "ping", name
+
+
+# -- parsing and validation --------------------------------------------------------------------
+
+
+def test_tools_parse_into_one_frozen_tool_calling_with_vllms_defaults() -> None:
+    req = _chat(tools=TOOLS)
+    tc = req.tools
+    assert isinstance(tc, ToolCalling) and tc.choice == "auto" and tc.parallel
+    assert [t.name for t in tc.tools] == ["get_weather", "get_time", "ping"]
+    assert tc.template_tools()[0] == WEATHER and tc.template_tools()[2] == PING
+    assert req.structured_output is None  # auto: the text is parsed, not constrained
+    with pytest.raises(AttributeError):
+        tc.choice = "none"  # type: ignore[misc]
+    assert _chat(tools=TOOLS, tool_choice="none").tools.choice == "none"
+    assert _chat(tools=TOOLS, tool_choice="none").structured_output is None
+    named = _chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.tools.choice == "named" and named.tools.name == "get_time"
+    so = named.structured_output
+    assert so.kind == "json" and json.loads(so.spec) == CLOCK["function"]["parameters"]
+    assert so.param == "tools[1].function.parameters"
+    ping = _chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "ping"}})
+    assert json.loads(ping.structured_output.spec) == {
+        "type": "object", "properties": {}, "additionalProperties": False}  # fmt: skip
+    req = _chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert req.tools.choice == "required" and not req.tools.parallel
+    assert json.loads(req.structured_output.spec) == required_schema(req.tools.tools, False)
+    assert req.ignored_fields == ()
+
+
+def test_neutral_values_ask_for_nothing() -> None:
+    for fields in (
+        {},
+        {"tools": None},
+        {"tools": []},
+        {"tool_choice": "none"},
+        {"tools": [], "tool_choice": "none"},
+        {"tools": [], "tool_choice": "required"},  # vLLM (OpenAI): "none"
+        {"functions": [], "function_call": "none"},
+        {"parallel_tool_calls": False},
+    ):
+        req = _chat(**fields)
+        assert req.tools is None and req.structured_output is None, fields
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": ["f"]}, "tools[0]"),
+        ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools[0].type"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tools": [_tool("")]}, "tools[0].function.name"),
+        ({"tools": [_tool("a b")]}, "tools[0].function.name"),
+        ({"tools": [_tool("x" * 65)]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, _tool("f", description=3)]}, "tools[1].function.description"),
+        ({"tools": [_tool("f", [1])]}, "tools[0].function.parameters"),
+        ({"tools": [_tool("f", {"type": "string"})]}, "tools[0].function.parameters"),
+        ({"tools": [_tool("f", strict="yes")]}, "tools[0].function.strict"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        ({"tools": [_tool(f"f{i}") for i in range(MAX_TOOLS + 1)]}, "tools"),
+        ({"tools": [_tool("f", description="x" * MAX_TOOLS_BYTES)]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": 3}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ""}}},
+         "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice"),
+        ({"tool_choice": "auto"}, "tool_choice"),  # without tools (vLLM's rule)
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        # One constraint per request: a named or required tool choice is one.
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "ping"}},
+          "guided_regex": "a+"}, "tool_choice"),
+        # The legacy spellings: vLLM has neither.
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"function_call": {"name": "f"}}, "function_call"),
+    ],
+)  # fmt: skip
+def test_bad_tool_fields_are_400s_naming_the_field(fields: dict[str, Any], param: str) -> None:
+    e = _err(**fields)
+    assert e.status_code == 400 and e.param == param, (e.param, e.message)
+    assert param.split("[")[0] in e.message
+    if param in ("functions", "function_call"):
+        assert "tool" in e.message  # it says what to use instead
+
+
+def test_auto_tool_choice_with_a_structured_output_is_allowed() -> None:
+    req = _chat(tools=TOOLS, response_format={"type": "json_object"})
+    assert req.tools.choice == "auto" and req.structured_output.kind == "json_object"
+
+
+def test_tool_messages_and_assistant_tool_calls_are_the_conversation() -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "rome", "unit": "c"}'}}  # fmt: skip
+    msgs = [
+        *_MSG,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+    ]
+    req = parse_chat_request({"messages": msgs, "tools": TOOLS})
+    assert req.messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "type": "function",
+                        "function": {"name": "get_weather",
+                                     "arguments": {"city": "rome", "unit": "c"}}}],
+    }  # fmt: skip
+    assert req.messages[2] == {"role": "tool", "content": "21 degrees", "tool_call_id": "call_1"}
+    for bad, param in [
+        ([{"role": "user", "content": "x", "tool_calls": [call]}], "messages[0].tool_calls"),
+        ([{"role": "assistant", "tool_calls": "x"}], "messages[0].tool_calls"),
+        ([{"role": "assistant", "tool_calls": [{"function": {"name": 1}}]}],
+         "messages[0].tool_calls[0].function.name"),
+        ([{"role": "tool", "content": "x", "tool_call_id": 5}], "messages[0].tool_call_id"),
+        ([{"role": "tool"}], "messages[0].content"),
+        ([{"role": "assistant", "function_call": {"name": "f"}}], "messages[0].function_call"),
+    ]:  # fmt: skip
+        with pytest.raises(APIError) as e:
+            parse_chat_request({"messages": bad})
+        assert e.value.param == param, (e.value.param, e.value.message)
 
 
 # -- the "required" schema -----------------------------------------------------------------------
@@ -300,3 +430,112 @@ def test_tool_output_builds_the_stream_and_the_body_from_the_same_pieces() -> No
     out = ToolOutput(req, new_parser(req, None))
     assert len(out.message('[{"name":"ping","parameters":{}}]')["tool_calls"]) == 1
     assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
+
+
+# -- the chat template: tools, tool calls, tool messages ------------------------------------------
+
+# The tool parts of Qwen2.5's chat template (which renders tools; trimmed to them).
+QWEN_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "rome", "unit": "c"}'}}  # fmt: skip
+HISTORY = [
+    *_MSG,
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
+    tok = Tokenizer(models.WordLevel({**vocab, "<unk>": len(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    path = tmp_path_factory.mktemp("qwen_tok")
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {"eos_token": "<unk>", "chat_template": QWEN_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def _render(tok: Any, body: dict[str, Any]) -> str:
+    from engine.server.tokenize import render_chat
+
+    req = parse_chat_request(body)
+    tools = req.tools.template_tools() if req.tools is not None else None
+    return render_chat(tok, req.messages, req.chat_template_kwargs, True, False, tools)
+
+
+def test_a_jinja_template_gets_the_tools_and_the_tool_conversation(qwen_dir: Any) -> None:
+    from engine.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(str(qwen_dir))
+    text = _render(tok, {"messages": HISTORY, "tools": TOOLS, "tool_choice": "none"})
+    assert "<tools>\n" + json.dumps(WEATHER, ensure_ascii=False) + "\n" in text
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "rome", "unit": "c"}}'
+            "\n</tool_call>") in text  # fmt: skip
+    assert "<tool_response>\n21 degrees\n</tool_response>" in text
+    assert "<tools>" not in _render(tok, {"messages": HISTORY})
+    # The request's tools win over a chat_template_kwargs "tools".
+    both = {"messages": _MSG, "tools": [PING], "chat_template_kwargs": {"tools": [CLOCK]}}
+    assert "get_time" not in _render(tok, both) and '"ping"' in _render(tok, both)
+
+
+def test_the_tiny_models_template_renders_tools_calls_and_tool_turns() -> None:
+    from engine.tokenizer import ByteTokenizer
+
+    text = _render(ByteTokenizer(), {"messages": HISTORY, "tools": TOOLS, "tool_choice": "none"})
+    assert text.startswith("<|tools|>\n" + json.dumps(WEATHER, ensure_ascii=False) + "\n")
+    assert ('<|assistant|>\n\n<tool_call>{"name": "get_weather", "arguments": '
+            '{"city": "rome", "unit": "c"}}</tool_call>\n') in text  # fmt: skip
+    assert text.endswith("<|tool|>\n21 degrees\n<|assistant|>\n")
+    assert (
+        _render(ByteTokenizer(), {"messages": _MSG})
+        == "<|user|>\nwhat is the weather?\n<|assistant|>\n"
+    )
+
+
+def _app(tool_call_parser: str | None = None) -> Any:
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from engine.server.app import build_app
+    from engine.tokenizer import ByteTokenizer
+
+    engine = SimpleNamespace(model_name="m", max_model_len=4096, vocab_size=512,
+                             tokenizer=ByteTokenizer(), dead_reason=None, healthy=True,
+                             stats=lambda: {}, kv_info=lambda: {})  # fmt: skip
+    kw = {"tool_call_parser": tool_call_parser} if tool_call_parser else {}
+    return TestClient(build_app(engine, **kw))  # type: ignore[arg-type]
+
+
+def test_tokenize_renders_the_tools_as_chat_does() -> None:
+    """The tools and a tool conversation add tokens to the prompt."""
+    client = _app()
+    counts = [
+        client.post("/tokenize", json=body).json()["count"]
+        for body in ({"messages": _MSG}, {"messages": _MSG, "tools": TOOLS},
+                     {"messages": HISTORY, "tools": TOOLS})
+    ]  # fmt: skip
+    assert counts[0] < counts[1] < counts[2]
+    resp = client.post("/tokenize", json={"messages": _MSG, "tools": [{"type": "function"}]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tools[0].function"

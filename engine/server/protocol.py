@@ -28,6 +28,7 @@ from engine.sampling_params import (
 from engine.structured.compiler import StructuredOutputUnavailable, check_structured_output
 from engine.structured.spec import FIELDS as STRUCTURED_FIELDS
 from engine.structured.spec import StructuredOutput, parse_structured_output
+from engine.tools.spec import ToolCalling, parse_tool_calling
 from kvconnector.params import KVTransferParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -40,7 +41,7 @@ MAX_STOP_TOKEN_IDS = 1024
 # logit_bias entries: added to every step's logits of the request (OpenAI's bound is lower).
 MAX_LOGIT_BIAS = 1024
 LOGIT_BIAS_CLAMP = 100.0  # each bias is clamped to [-100, 100] (vLLM, OpenAI's range)
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 # Choices of one request: ``n`` times the prompts of a batch (OpenAI's bound on ``n``).
 # Each is its own engine request (a P/D pair through the proxy).
 MAX_CHOICES = 128
@@ -303,14 +304,17 @@ class CompletionRequest(BaseRequest):
 
 @dataclass
 class ChatCompletionRequest(BaseRequest):
-    # Normalized to [{"role": str, "content": str}].
-    messages: list[dict[str, str]] = field(default_factory=list)
+    # Normalized to [{"role": str, "content": str}], plus an assistant message's
+    # "tool_calls" and a tool message's "tool_call_id" (and "name").
+    messages: list[dict[str, Any]] = field(default_factory=list)
     # Extra variables of the model's Jinja chat template (e.g. {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # vLLM's: the template's assistant header after the messages; or (continue) the final
     # message left open for the model to go on with (a "prefilled" answer).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # tools / tool_choice / parallel_tool_calls (None: no tools): engine/tools/spec.py.
+    tools: ToolCalling | None = None
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -590,7 +594,7 @@ COMMON_FIELDS = frozenset(
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs", "tools",
-    "add_generation_prompt", "continue_final_message",
+    "add_generation_prompt", "continue_final_message", "parallel_tool_calls",
     "functions", "tool_choice", "function_call", *_VLLM_CHAT_FIELDS,
 }  # fmt: skip
 
@@ -631,12 +635,6 @@ def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
     _reject_vllm_fields(body, _VLLM_FIELDS)
     if chat:
         _reject_vllm_fields(body, _VLLM_CHAT_FIELDS)
-        for name in ("tools", "functions"):
-            if body.get(name):
-                raise _unsupported(name, "(tool calling)")
-        for name in ("tool_choice", "function_call"):
-            if body.get(name) not in (None, "none"):
-                raise _unsupported(name, "(tool calling)")
     else:
         if body.get("suffix") not in (None, ""):
             raise _unsupported("suffix", "")
@@ -729,7 +727,7 @@ def _message_content(content: Any, i: int) -> str:
     raise _bad_type(where, "a string or an array of content parts", content)
 
 
-def _parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if body.get("messages") is None:
         raise APIError(
             "'messages' is required", param="messages", code="missing_required_parameter"
@@ -739,7 +737,7 @@ def _parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         raise _bad_type("messages", "an array of messages", messages)
     if not messages:
         raise APIError("'messages' must not be empty", param="messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise _bad_type(f"messages[{i}]", "an object", msg)
@@ -749,18 +747,69 @@ def _parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
                 f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}, got {role!r:.40}",
                 param=f"messages[{i}].role",
             )
-        for field_name in ("tool_calls", "function_call"):  # the latter: the older form
-            if msg.get(field_name):
-                raise _unsupported(f"messages[{i}].{field_name}", "(tool calling)")
+        if msg.get("function_call"):  # OpenAI's older form of tool_calls
+            raise _unsupported(f"messages[{i}].function_call", "(use 'tool_calls')")
+        calls = msg.get("tool_calls")
+        if calls and role != "assistant":
+            raise APIError(
+                f"'messages[{i}].tool_calls' is only allowed on assistant messages",
+                param=f"messages[{i}].tool_calls",
+            )
         content = msg.get("content")
         if content is None and role == "assistant":
             content = ""
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _message_content(content, i)})  # fmt: skip
+        one: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _message_content(content, i)}  # fmt: skip
+        if calls:
+            one["tool_calls"] = _message_tool_calls(calls, f"messages[{i}].tool_calls")
+        if role == "tool":
+            for name in ("tool_call_id", "name"):
+                value = msg.get(name)
+                if value is not None and not isinstance(value, str):
+                    raise _bad_type(f"messages[{i}].{name}", "a string", value)
+                if value is not None:
+                    one[name] = value
+        out.append(one)
     return out
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _message_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` (the history of tool use) for the chat
+    template: each ``{"id", "type": "function", "function": {"name", "arguments"}}``, its
+    arguments (JSON text) parsed into an object as vLLM does for Hugging Face templates
+    (they render ``arguments | tojson``); text that is not a JSON object stays text."""
+    if not isinstance(calls, list):
+        raise _bad_type(where, "an array of tool calls", calls)
+    out: list[dict[str, Any]] = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise _bad_type(at, "an object", call)
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise _bad_type(f"{at}.function", "an object with a 'name'", fn)
+        name, args = fn.get("name"), fn.get("arguments", "{}")
+        if not isinstance(name, str):
+            raise _bad_type(f"{at}.function.name", "a string", name)
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except (ValueError, RecursionError):
+                parsed = None
+            args = parsed if isinstance(parsed, dict) else args
+        elif not isinstance(args, dict):
+            raise _bad_type(f"{at}.function.arguments", "a string (JSON)", args)
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise _bad_type(f"{at}.id", "a string", call_id)
+        one: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+        if call_id is not None:
+            one["id"] = call_id
+        out.append(one)
+    return out
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """A body's chat ``messages``, validated and normalized (also ``/tokenize``'s)."""
     return _parse_messages(body)
 
@@ -806,7 +855,30 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     mt = _parse_max_tokens(body, "max_tokens", None)
     req.max_tokens = mct if mct is not None else mt
     _parse_common(body, req, chat=True)
+    req.tools = parse_tools(body)
+    try:
+        constraint = req.tools.structured_output() if req.tools is not None else None
+    except InvalidRequestError as e:  # $defs that clash, a schema past the size bound
+        raise APIError(str(e), param=e.param) from e
+    if constraint is not None:
+        if req.structured_output is not None:
+            raise APIError(
+                f"'tool_choice' (a named or \"required\" tool choice) constrains the answer "
+                f"to tool calls, and '{req.structured_output.param}' asks for another "
+                "structured output: a request may use one",
+                param="tool_choice",
+            )
+        req.structured_output = constraint
     return req
+
+
+def parse_tools(body: dict[str, Any]) -> ToolCalling | None:
+    """A chat body's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (also
+    ``/tokenize``'s): a 400 naming the field when they are wrong."""
+    try:
+        return parse_tool_calling(body)
+    except InvalidRequestError as e:
+        raise APIError(str(e), param=e.param) from e
 
 
 # ---------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Shapes follow vLLM: ``/tokenize`` takes ``{"prompt": str}`` (``add_special_tokens``
 default true) or a chat ``{"messages": [...]}`` (rendered with the model's chat template,
-``add_special_tokens`` default false, optional ``chat_template_kwargs``,
+``add_special_tokens`` default false, optional ``chat_template_kwargs``, ``tools``,
 ``add_generation_prompt`` and ``continue_final_message`` as on chat) and answers
 ``{"count", "max_model_len", "tokens", "token_strs"}`` (each token's text with
 ``return_token_strs: true``, else null); ``/detokenize`` takes
@@ -31,6 +31,7 @@ from engine.server.protocol import (
     parse_generation_prompt,
     parse_json_body,
     parse_messages,
+    parse_tools,
 )
 from engine.tokenizer import continue_final_message
 
@@ -79,9 +80,11 @@ def render_chat(
     kwargs: dict[str, Any],
     add_generation_prompt: bool = True,
     continue_final: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The chat prompt; ``chat_template_kwargs`` the template cannot take are a 400.
-    ``continue_final``: cut after the final message's text (``continue_final_message``)."""
+    ``continue_final``: cut after the final message's text (``continue_final_message``);
+    ``tools``: the request's tools, the template's ``tools`` variable."""
     if kwargs and not tokenizer.supports_template_kwargs:
         raise APIError(
             "'chat_template_kwargs' is not supported: this model has no Jinja chat template",
@@ -89,7 +92,9 @@ def render_chat(
             code="unsupported_parameter",
         )
     try:
-        text = str(tokenizer.apply_chat_template(messages, kwargs or None, add_generation_prompt))
+        text = str(
+            tokenizer.apply_chat_template(messages, kwargs or None, add_generation_prompt, tools)
+        )
         return continue_final_message(text, messages) if continue_final else text
     except Exception as e:  # a template's raise_exception, a kwarg it cannot render
         raise APIError(f"the chat template failed: {e}", param="messages") from e
@@ -135,9 +140,11 @@ class TokenizeServing:
             if body.get("prompt") is not None:
                 raise APIError("give either 'prompt' or 'messages', not both", param="prompt")
             add, cont = parse_generation_prompt(body)
+            tools = parse_tools(body)
             text = render_chat(
-                tok, parse_messages(body), parse_chat_template_kwargs(body), add, cont
-            )
+                tok, parse_messages(body), parse_chat_template_kwargs(body), add, cont,
+                tools.template_tools() if tools is not None else None,
+            )  # fmt: skip
             special = _bool(body, "add_special_tokens", False)
         else:
             text = body.get("prompt")
