@@ -528,6 +528,21 @@ def _app(tool_call_parser: str | None = None) -> Any:
     return TestClient(build_app(engine, **kw))  # type: ignore[arg-type]
 
 
+def test_auto_tool_choice_needs_the_node_flags() -> None:
+    client = _app()
+    for body in ({"messages": _MSG, "tools": TOOLS},
+                 {"messages": _MSG, "tools": TOOLS, "tool_choice": "auto"}):  # fmt: skip
+        resp = client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "tool_choice"
+        assert (
+            "--enable-auto-tool-choice" in err["message"] and "--tool-call-parser" in err["message"]
+        )
+    resp = client.post("/v1/chat/completions", json={"messages": _MSG, "tool_choice": "auto"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tool_choice"
+
+
 def test_tokenize_renders_the_tools_as_chat_does() -> None:
     """The tools and a tool conversation add tokens to the prompt."""
     client = _app()
@@ -539,3 +554,177 @@ def test_tokenize_renders_the_tools_as_chat_does() -> None:
     assert counts[0] < counts[1] < counts[2]
     resp = client.post("/tokenize", json={"messages": _MSG, "tools": [{"type": "function"}]})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "tools[0].function"
+
+
+def test_the_node_flags() -> None:
+    import argparse
+
+    from engine.server.cli_args import add_server_args, auto_tool_parser, parse_config
+
+    def parse(*argv: str) -> Any:
+        parser = add_server_args(argparse.ArgumentParser())
+        return parse_config(parser, list(argv))[0]
+
+    assert auto_tool_parser(parse()) is None
+    assert auto_tool_parser(parse("--tool-call-parser", "hermes")) is None  # vLLM: not enabled
+    args = parse("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert auto_tool_parser(args) == "hermes"
+    with pytest.raises(SystemExit):
+        parse("--enable-auto-tool-choice")
+    with pytest.raises(SystemExit):
+        parse("--enable-auto-tool-choice", "--tool-call-parser", "nope")
+
+
+# -- live: the tiny model through a node and a P/D pair behind the proxy --------------------------
+
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def pd(module_procs: Any) -> tuple[Any, Any]:
+    """A P/D pair behind a proxy, and a colocated node: all with auto tool choice."""
+    pair = module_procs.pd(1, 1, "--num-blocks", "256", *TOOL_FLAGS, colocated=True)
+    return pair, module_procs.proxy([pair.p.url], [pair.d.url])
+
+
+def _post(url: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
+    import httpx
+    from harness import MODEL
+
+    resp = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=120)
+    assert resp.status_code == status, resp.text
+    return resp.json()
+
+
+def _stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each choice's answer put together from the stream: content, calls, ids, finish."""
+    import httpx
+    from harness import MODEL, sse_events
+
+    body = {"model": MODEL, **body, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = sse_events(resp)
+    assert events[-1] == "DONE"
+    out: dict[int, dict[str, Any]] = {}
+    for e in events[:-1]:
+        assert isinstance(e, dict) and "error" not in e, e
+        for c in e["choices"]:
+            one = out.setdefault(
+                c["index"], {"content": "", "calls": {}, "ids": [], "finish": None}
+            )
+            delta = c["delta"]
+            one["content"] += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                if "id" in call:
+                    assert call["index"] not in one["calls"] and call["type"] == "function"
+                    assert call["id"].startswith("chatcmpl-tool-")
+                    one["calls"][call["index"]] = [call["function"]["name"], ""]
+                one["calls"][call["index"]][1] += call["function"]["arguments"]
+            one["ids"] += c.get("token_ids") or []
+            one["finish"] = c["finish_reason"] or one["finish"]
+    return [
+        {**v, "calls": [tuple(x) for _, x in sorted(v["calls"].items())]}
+        for _, v in sorted(out.items())
+    ]
+
+
+def _summary(choice: dict[str, Any]) -> dict[str, Any]:
+    """A body's choice in ``_stream``'s terms (the calls' ids are random)."""
+    msg = choice["message"]
+    calls = msg.get("tool_calls") or []
+    for c in calls:
+        assert c["type"] == "function" and c["id"].startswith("chatcmpl-tool-")
+        assert len(c["id"]) == len("chatcmpl-tool-") + 32
+    return {
+        "content": msg["content"] or "",
+        "calls": [(c["function"]["name"], c["function"]["arguments"]) for c in calls],
+        "ids": choice["token_ids"],
+        "finish": choice["finish_reason"],
+    }
+
+
+def _target(pd: tuple[Any, Any], through: str) -> tuple[str, str]:
+    pair, proxy = pd
+    ref = pair.colocated.url
+    return ref, ref if through == "node" else proxy.url
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node"])
+def test_live_named_tool_choice_is_one_call_of_that_tool(pd: tuple[Any, Any], through: str) -> None:
+    ref, url = _target(pd, through)
+    for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 3}):
+        body = {"messages": _MSG, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 100,
+                **sampling}  # fmt: skip
+        got = _post(url, body)["choices"][0]
+        assert got["message"]["content"] is None and got["finish_reason"] == "stop"
+        one = _summary(got)
+        assert [name for name, _ in one["calls"]] == ["get_weather"]
+        _check_args("get_weather", one["calls"][0][1])
+        assert one == _summary(_post(ref, body)["choices"][0])  # P/D: token for token
+        assert _stream(url, body) == [one]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node"])
+def test_live_required_tool_choice_calls_known_tools(pd: tuple[Any, Any], through: str) -> None:
+    ref, url = _target(pd, through)
+    for extra in ({"parallel_tool_calls": False, "temperature": 0.0},
+                  {"parallel_tool_calls": False, "temperature": 1.0, "seed": 5},
+                  {"temperature": 1.0, "seed": 8, "n": 2}):  # fmt: skip
+        body = {"messages": _MSG, "tools": TOOLS, "tool_choice": "required", "max_tokens": 300,
+                **extra}  # fmt: skip
+        got = _post(url, body)["choices"]
+        assert len(got) == extra.get("n", 1)
+        for choice in got:
+            one = _summary(choice)
+            assert one["content"] == "" and one["calls"]
+            assert choice["finish_reason"] in ("tool_calls", "length")
+            if "parallel_tool_calls" in extra:
+                assert len(one["calls"]) == 1 and choice["finish_reason"] == "tool_calls"
+            complete = (
+                one["calls"] if choice["finish_reason"] == "tool_calls" else one["calls"][:-1]
+            )
+            for name, args in complete:
+                assert name in NAMES
+                _check_args(name, args)
+        summaries = [_summary(c) for c in got]
+        assert summaries == [_summary(c) for c in _post(ref, body)["choices"]]
+        assert _stream(url, body) == summaries
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node"])
+def test_live_auto_and_none_answer_content(pd: tuple[Any, Any], through: str) -> None:
+    """The random model writes no <tool_call>: "auto" (hermes) and "none" are content."""
+    ref, url = _target(pd, through)
+    for choice in ("auto", "none"):
+        body = {"messages": _MSG, "tools": TOOLS, "tool_choice": choice, "max_tokens": 12,
+                "temperature": 1.0, "seed": 2}  # fmt: skip
+        got = _post(url, body)["choices"][0]
+        assert got["finish_reason"] == "length" and got["message"]["content"]
+        if choice == "auto":
+            assert got["message"]["tool_calls"] == []
+            one = _summary(got)
+            assert one == _summary(_post(ref, body)["choices"][0])
+            assert _stream(url, body) == [one]
+        else:
+            assert "tool_calls" not in got["message"]
+            assert got["token_ids"] == _post(ref, body)["choices"][0]["token_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node"])
+def test_live_tools_and_a_tool_conversation_are_in_the_prompt(
+    pd: tuple[Any, Any], through: str
+) -> None:
+    _, url = _target(pd, through)
+    base = {"max_tokens": 1, "temperature": 0.0}
+    plain = _post(url, {"messages": _MSG, **base})["usage"]["prompt_tokens"]
+    tools = _post(url, {"messages": _MSG, "tools": TOOLS, "tool_choice": "none", **base})
+    history = _post(url, {"messages": HISTORY, "tools": TOOLS, "tool_choice": "none", **base})
+    assert plain < tools["usage"]["prompt_tokens"] < history["usage"]["prompt_tokens"]
+    err = _post(url, {"messages": _MSG, "tool_choice": "required"}, status=400)["error"]
+    assert err["param"] == "tool_choice"

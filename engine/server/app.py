@@ -47,15 +47,17 @@ def build_app(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     api_key: str | None = None,
     max_admitted: int | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
     ``app.state.drainer`` drains it on shutdown (``engine.httpkit.drain``). At
     ``max_admitted`` generation requests in flight (``--max-num-seqs`` +
     ``--max-queued-requests``; ``None``: no bound) the next gets 429
-    (``engine.httpkit.admission``)."""
+    (``engine.httpkit.admission``). ``tool_call_parser``: "auto" tool choice's parser
+    (``--enable-auto-tool-choice --tool-call-parser``; None: off)."""
     app = FrontedApp(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(engine, metrics, max_request_bytes)
+    serving = OpenAIServing(engine, metrics, max_request_bytes, tool_call_parser)
     tokenize_serving = TokenizeServing(engine, max_request_bytes)
     drainer = Drainer(WORK_PATHS, shutdown_timeout)
     admission = Admission(WORK_PATHS, max_admitted)

@@ -131,7 +131,40 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="logging level (default: INFO)",
     )
     add_registration_args(parser)
+    add_tool_args(parser)
     return parser
+
+
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """Tool calling's node flags (vLLM's spelling; docs/api.md "Tool calling")."""
+    from engine.tools.parsers import PARSERS
+
+    group = parser.add_argument_group(
+        "tool calling options",
+        '"auto" tool choice (the default of a chat request with tools): the model\'s '
+        "text is parsed for tool calls; give a P/D pair's nodes the same flags",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help='accept "auto" tool choice, the calls found by --tool-call-parser '
+        "(default: off: such requests are a 400)",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help='how "auto" tool choice finds tool calls in the model\'s text (hermes: '
+        "<tool_call>{...}</tool_call>); needed by --enable-auto-tool-choice",
+    )
+
+
+def auto_tool_parser(args: argparse.Namespace) -> str | None:
+    """The parser of "auto" tool choice, None when it is off."""
+    if not getattr(args, "enable_auto_tool_choice", False):
+        return None
+    return args.tool_call_parser
 
 
 def add_registration_args(parser: argparse.ArgumentParser) -> None:
@@ -267,6 +300,8 @@ def parse_config(
         parser.error(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
     if getattr(args, "max_request_bytes", 1) < 1:
         parser.error(f"--max-request-bytes: must be >= 1, got {args.max_request_bytes}")
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice: needs --tool-call-parser")
     try:
         config = config_from_args(args)
     except ConfigError as e:

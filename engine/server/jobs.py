@@ -22,6 +22,7 @@ from engine.server.logprobs import (
     trim,
 )
 from engine.server.protocol import APIError, BaseRequest, StopStringMatcher
+from engine.tools.output import ToolOutput
 from kvconnector.base import KV_NOT_RESERVED
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ class Job:
     # How it ended (a finish reason, "error", "abort"), once reported (``reported``).
     outcome: str | None = None
     reported: bool = False
+    # A chat choice whose tool calls are parsed (tools with a tool choice other than
+    # "none"): its text becomes content and tool calls.
+    tools: ToolOutput | None = None
 
     @property
     def endpoint(self) -> str:
@@ -93,10 +97,14 @@ class Job:
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
         stop_reason: str | int | None = None,
+        tool_part: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """``tool_part``: with tool calls, the ``delta`` or ``message`` itself."""
         c: dict[str, Any] = {"index": self.index}
         if not self.chat:
             c["text"] = text
+        elif tool_part is not None:
+            c["delta" if stream else "message"] = tool_part
         elif stream:
             c["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
@@ -134,9 +142,13 @@ class Job:
             text, lp_ids, entries = self._echo(text, step.token_ids, entries, step.prompt_logprobs)
             lp = self._logprobs(lp_ids, entries, self.streamed_chars)
         self.streamed_chars += len(text)
+        finish, part = step.finish_reason, None
+        if self.tools is not None and not first:
+            part = self.tools.delta(text, finish is not None)
+            finish = None if finish is None else self.tools.finish_reason(finish)
         choice = self.choice(
-            text, step.token_ids, step.finish_reason, stream=True, first=first, logprobs=lp,
-            stop_reason=step.stop_reason,
+            text, step.token_ids, finish, stream=True, first=first, logprobs=lp,
+            stop_reason=step.stop_reason, tool_part=part,
         )  # fmt: skip
         body = self.envelope([choice], stream=True)
         if self.req.include_usage:
@@ -161,9 +173,14 @@ class Job:
         entries = entries if entries is not None else [None] * len(ids)
         text, lp_ids, entries = self._echo(text, ids, entries, prompt)
         lp = self._logprobs(lp_ids, entries)
+        finish, part = last.finish_reason, None
+        if self.tools is not None:
+            part = self.tools.message(text)
+            finish = None if finish is None else self.tools.finish_reason(finish)
         choice = self.choice(
-            text, ids, last.finish_reason, stream=False, logprobs=lp, stop_reason=last.stop_reason
-        )
+            text, ids, finish, stream=False, logprobs=lp, stop_reason=last.stop_reason,
+            tool_part=part,
+        )  # fmt: skip
         body = self.envelope([choice], stream=False)
         k = self.req.prompt_logprobs
         if k is not None and self.strings is not None:  # vLLM's: on the choice; chat: the body

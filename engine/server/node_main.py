@@ -25,6 +25,7 @@ from engine.httpkit.listen import bind_socket, listen_url
 from engine.server.cli_args import (
     add_config_args,
     add_server_args,
+    auto_tool_parser,
     parse_config,
     set_flag_default,
 )
@@ -196,6 +197,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             args.shutdown_timeout,
             args.api_key,
             max_admitted=config.scheduler.max_admitted_requests,
+            tool_call_parser=auto_tool_parser(args),
         )
         server = make_server(
             app,

@@ -43,6 +43,8 @@ from engine.server.protocol import (
     truncate_prompt,
 )
 from engine.server.tokenize import render_chat
+from engine.tools.output import ToolOutput, new_parser
+from engine.tools.parsers import PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,13 @@ class OpenAIServing:
         engine: EngineClient,
         metrics: ServerMetrics,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        tool_call_parser: str | None = None,
     ) -> None:
+        """``tool_call_parser``: the parser of "auto" tool choice (``--enable-auto-tool-choice
+        --tool-call-parser NAME``); None: such requests are refused (vLLM's rule)."""
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"unknown tool call parser {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
         self.engine = engine
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
@@ -171,6 +179,12 @@ class OpenAIServing:
     def _prepare_chat(self, raw: bytes) -> Choices:
         req = parse_chat_request(parse_json_body(raw))
         self._check_serving(req)
+        if req.tools is not None and req.tools.choice == "auto" and self.tool_call_parser is None:
+            raise APIError(  # vLLM's answer
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                'to be set (the default tool choice of a request with tools is "auto")',
+                param="tool_choice",
+            )
         tok = self.engine.tokenizer
         ids = list(
             tok.encode(
@@ -180,6 +194,7 @@ class OpenAIServing:
                     req.chat_template_kwargs,
                     req.add_generation_prompt,
                     req.continue_final_message,
+                    req.tools.template_tools() if req.tools is not None else None,
                 ),
                 add_special_tokens=False,
             )
@@ -235,6 +250,15 @@ class OpenAIServing:
             )
         label = request.state.request_id
         echo = req.echo and isinstance(req, CompletionRequest)
+        tools = getattr(req, "tools", None)
+        calls = None
+        if (
+            tools is not None
+            and tools.parses_calls
+            and not (kv is not None and kv.do_remote_decode)
+        ):
+            # A prefill leg's answer (one token, for the proxy) stays plain content.
+            calls = ToolOutput(tools, new_parser(tools, self.tool_call_parser))
         return Job(
             chat=chat,
             request_id=engine_request_id(label),
@@ -246,6 +270,7 @@ class OpenAIServing:
             strings=self._strings_for(req),
             echo_text=(req.prompt_text or "") if echo else None,  # type: ignore[attr-defined]
             index=index,
+            tools=calls,
         )
 
     def _finish(self, job: Job, reason: str) -> None:
