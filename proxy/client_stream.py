@@ -226,10 +226,12 @@ class ClientStream:
             else:
                 delta["role"] = "assistant"
                 self.role_sent = role_added = True
-            delta["content"] = text
+            if text or "content" in delta:  # a tool-call delta may have none
+                delta["content"] = text
         else:
             c["text"] = text
-        if not ids and not text and c.get("finish_reason") is None and not role_added:
+        calls = self.req.chat and bool(delta.get("tool_calls"))
+        if not ids and not text and c.get("finish_reason") is None and not role_added and not calls:
             return None
         return obj
 

@@ -13,9 +13,11 @@ ends the stream with ``data: {"error": ...}`` and ``data: [DONE]``: never a sile
 truncated answer; unless ``--migration-limit`` allows moving the stream: another pair (or
 D alone) reruns the request with the seed the failed one drew from, the proxy checks the
 replayed tokens against what the client has and drops them, and the stream goes on
-(not for ``echo``, nor after the answer's ``finish_reason`` was sent). Requests with
+(not for ``echo`` or tool calls, nor after the answer's ``finish_reason`` was sent). Requests with
 stop strings are not pre-streamed (a stop string may start inside the first token), nor
-with ``echo`` (the prompt comes first): they stream from D alone.
+with ``echo`` (the prompt comes first), nor chat requests whose answer is parsed into
+tool calls (tools with a tool choice other than "none": D parses the whole answer, P's
+token included): they stream from D alone.
 
 Log probabilities: D does not compute what P did -- the first token (it arrives with the
 KV) and, with ``echo``, the prompt's entries -- and answers them with a null log
@@ -112,7 +114,13 @@ class Session:
         self.current: Attempt | None = None
         self.route: Route | None = None
         # Streaming state.
-        self.prestream = req.stream and not req.parsed.stop and not req.parsed.echo
+        # A chat request whose answer is parsed into tool calls streams from D alone: the
+        # node parses the whole answer (P's first token would be sent as content).
+        tools = getattr(req.parsed, "tools", None)
+        self.tool_calls = tools is not None and tools.parses_calls
+        self.prestream = (
+            req.stream and not req.parsed.stop and not req.parsed.echo and not self.tool_calls
+        )
         self._lp_seen = 0  # log-prob entries of D's stream seen so far
         self._p_answer: tuple[Attempt, Any] | None = None  # P's answer, per attempt
         self.first_chunk: str | None = None
@@ -513,6 +521,7 @@ class Session:
                         self.out.finished
                         or self.migrations >= self.cfg.migration_limit
                         or self.req.parsed.echo  # the replay would start with the prompt
+                        or self.tool_calls  # the replay's tool calls have new ids
                     ):
                         raise  # the answer was whole but for [DONE], or no move is left
                     if isinstance(e, NodeHTTPError):

@@ -652,7 +652,7 @@ def _target(pd: tuple[Any, Any], through: str) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("through", ["node"])
+@pytest.mark.parametrize("through", ["node", "proxy"])
 def test_live_named_tool_choice_is_one_call_of_that_tool(pd: tuple[Any, Any], through: str) -> None:
     ref, url = _target(pd, through)
     for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 3}):
@@ -668,7 +668,7 @@ def test_live_named_tool_choice_is_one_call_of_that_tool(pd: tuple[Any, Any], th
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("through", ["node"])
+@pytest.mark.parametrize("through", ["node", "proxy"])
 def test_live_required_tool_choice_calls_known_tools(pd: tuple[Any, Any], through: str) -> None:
     ref, url = _target(pd, through)
     for extra in ({"parallel_tool_calls": False, "temperature": 0.0},
@@ -696,7 +696,7 @@ def test_live_required_tool_choice_calls_known_tools(pd: tuple[Any, Any], throug
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("through", ["node"])
+@pytest.mark.parametrize("through", ["node", "proxy"])
 def test_live_auto_and_none_answer_content(pd: tuple[Any, Any], through: str) -> None:
     """The random model writes no <tool_call>: "auto" (hermes) and "none" are content."""
     ref, url = _target(pd, through)
@@ -716,7 +716,7 @@ def test_live_auto_and_none_answer_content(pd: tuple[Any, Any], through: str) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("through", ["node"])
+@pytest.mark.parametrize("through", ["node", "proxy"])
 def test_live_tools_and_a_tool_conversation_are_in_the_prompt(
     pd: tuple[Any, Any], through: str
 ) -> None:
