@@ -35,6 +35,7 @@ from engine.model.hub import resolve_model_config
 from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.stats import StatsGroup
+from engine.structured.matcher import GrammarState
 from engine.tokenizer import load_tokenizer
 from kvconnector.params import KVTransferParams
 
@@ -137,7 +138,10 @@ class AsyncLLMEngine:
         kv_transfer_params: KVTransferParams | None = None,
         label: str | None = None,
         priority: int = 0,
+        grammar: Any = None,
     ) -> AsyncIterator[RequestOutput]:
+        """``grammar``: the compiled matcher of ``params.structured_output`` (the request
+        gets a copy; without it the engine thread compiles, as offline callers do)."""
         if not self.healthy:
             raise RuntimeError(f"engine is dead: {self.dead_reason}")
         stream = _Stream(asyncio.get_running_loop())
@@ -150,6 +154,8 @@ class AsyncLLMEngine:
             label=label,
             priority=priority,
         )
+        if grammar is not None:
+            req.grammar = GrammarState(grammar.deep_copy())
         self._post(("add", (req, stream)))
         if not self.healthy:  # died between the check above and the put
             raise RuntimeError(f"engine is dead: {self.dead_reason}")

@@ -211,6 +211,31 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher() ->
     assert compiler.compile(so) is template and compiler.num_cached == 1
 
 
+def test_the_engine_thread_never_compiles_a_grammar_the_http_layer_compiled() -> None:
+    # The HTTP layer compiles in a thread and hands the request its matcher; a burst of
+    # other grammars evicting it from the cache before the request reaches the scheduler
+    # must not make the engine thread compile it again (~100 ms for a large schema, every
+    # running request's steps waiting).
+    from engine.config import EngineConfig
+    from engine.core.request import Request
+    from engine.core.scheduler import Scheduler
+    from engine.sampling_params import SamplingParams
+    from kvconnector.noop import NoopConnectorScheduler
+
+    compiler = GrammarCompiler(ByteTokenizer, TINY_VOCAB, cache_size=1)
+    so = StructuredOutput.regex(REGEX)
+    given = GrammarState(compiler.compile(so).deep_copy())  # what the HTTP layer made
+    compiler.compile(StructuredOutput.regex("[a-z]{4}"))  # evicts it
+    calls = []
+    compiler.compile = lambda so: calls.append(so)  # type: ignore[method-assign]
+    cfg = EngineConfig()
+    sched = Scheduler(cfg, 64, 512, NoopConnectorScheduler(cfg, None), compiler)  # type: ignore[arg-type]
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4, structured_output=so))
+    req.grammar = given
+    sched.add_request(req)
+    assert calls == [] and req.grammar is given
+
+
 def _allowed(buf: np.ndarray, k: int, j: int) -> list[int]:
     words = (TINY_VOCAB + 31) // 32
     row = buf[j * words : (j + 1) * words].view(np.uint32)

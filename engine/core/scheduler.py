@@ -162,7 +162,7 @@ class Scheduler:
                     "kv_transfer_params",
                 )
         so = request.sampling_params.structured_output
-        if so is not None:  # compiled at entry by the HTTP layer: a cache hit then
+        if so is not None and request.grammar is None:  # offline; HTTP requests come with it
             if self.grammars is None:
                 raise InvalidRequestError("this engine has no structured outputs", so.param)
             request.grammar = GrammarState(self.grammars.new_matcher(so))

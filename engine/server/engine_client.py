@@ -28,6 +28,7 @@ class EngineClient(Protocol):
         kv_transfer_params: Any = None,
         label: str | None = None,
         priority: int = 0,
+        grammar: Any = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -248,6 +248,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
         kv_transfer_params=job.req.kv_transfer_params,
         label=job.label,
         priority=job.req.priority,
+        grammar=job.req.grammar_template,
     )
     try:
         async for out in outputs:

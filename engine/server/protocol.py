@@ -221,6 +221,9 @@ class BaseRequest:
     bad_words: tuple[str, ...] = ()
     # A structured output (response_format, structured_outputs, guided_*): one constraint.
     structured_output: StructuredOutput | None = None
+    # Its grammar compiled by the node's HTTP layer (the matcher's start state, copied for
+    # each choice's engine request): the engine thread never compiles one.
+    grammar_template: Any = field(default=None, repr=False, compare=False)
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()

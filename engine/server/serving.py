@@ -211,8 +211,9 @@ class OpenAIServing:
         so = req.structured_output
         if so is not None:
             check_structured(so)  # 400s: llguidance missing, the grammar invalid
-            try:  # compiled for this node's tokenizer now (cached): not on the engine loop
-                self.engine.grammars.compile(so)
+            try:  # compiled for this node's tokenizer here (cached), never on the engine loop:
+                # each choice's request gets a copy (``generate_steps``)
+                req.grammar_template = self.engine.grammars.compile(so)
             except InvalidRequestError as e:
                 raise APIError(str(e), param=e.param, code="invalid_structured_output") from e
         if not self.engine.healthy:
