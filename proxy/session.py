@@ -15,7 +15,7 @@ D alone) reruns the request with the seed the failed one drew from, the proxy ch
 replayed tokens against what the client has and drops them, and the stream goes on
 (not for ``echo`` or tool calls, nor after the answer's ``finish_reason`` was sent). Requests with
 stop strings are not pre-streamed (a stop string may start inside the first token), nor
-with ``echo`` (the prompt comes first), nor chat requests whose answer is parsed into
+with ``echo`` (the prompt, or chat's final message, comes first), nor chat requests whose answer is parsed into
 tool calls (tools with a tool choice other than "none": D parses the whole answer, P's
 token included): they stream from D alone.
 
@@ -118,8 +118,10 @@ class Session:
         # node parses the whole answer (P's first token would be sent as content).
         tools = getattr(req.parsed, "tools", None)
         self.tool_calls = tools is not None and tools.parses_calls
+        # Echo (completions' prompt, chat's final message) comes before the first token.
+        self.echoes = bool(req.parsed.echo or getattr(req.parsed, "chat_echo", ""))
         self.prestream = (
-            req.stream and not req.parsed.stop and not req.parsed.echo and not self.tool_calls
+            req.stream and not req.parsed.stop and not self.echoes and not self.tool_calls
         )
         self._lp_seen = 0  # log-prob entries of D's stream seen so far
         self._p_answer: tuple[Attempt, Any] | None = None  # P's answer, per attempt
@@ -520,7 +522,7 @@ class Session:
                     if migrating and (
                         self.out.finished
                         or self.migrations >= self.cfg.migration_limit
-                        or self.req.parsed.echo  # the replay would start with the prompt
+                        or self.echoes  # the replay would start with the echoed text
                         or self.tool_calls  # the replay's tool calls have new ids
                     ):
                         raise  # the answer was whole but for [DONE], or no move is left

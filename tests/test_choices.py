@@ -361,6 +361,44 @@ def test_bad_words_keep_their_words_out_of_the_answer(pd: tuple[PD, Proc], throu
 
 
 @pytest.mark.parametrize("through", ["node", "proxy"])
+def test_chat_echo_puts_the_final_message_before_the_answer_it_continues(
+    pd: tuple[PD, Proc], through: str
+) -> None:
+    # vLLM's chat echo: with the final message in the answer's role (an assistant message
+    # continued, or add_generation_prompt false), its text comes first; body and stream.
+    _, ref, url = _target(pd, through)
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "My favourite colour is"},
+    ]
+    body = {"messages": messages, "max_tokens": 6, "continue_final_message": True,
+            "add_generation_prompt": False, **GREEDY}  # fmt: skip
+    plain = httpx.post(ref + "/v1/chat/completions", json=body, timeout=60).json()
+    answer = plain["choices"][0]["message"]["content"]
+    echoed = httpx.post(url + "/v1/chat/completions", json={**body, "echo": True}, timeout=60)
+    assert echoed.status_code == 200, echoed.text
+    choice = echoed.json()["choices"][0]
+    assert choice["message"]["content"] == "My favourite colour is" + answer
+    assert choice["token_ids"] == plain["choices"][0]["token_ids"]  # the answer's alone
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json={**body, "echo": True, "stream": True},
+        timeout=60,
+    ) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        events = sse_events(resp)
+    chunks = [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
+    text = "".join(c["delta"].get("content") or "" for c in chunks)
+    assert text == "My favourite colour is" + answer
+    # The final message in another role than the answer's: nothing to echo.
+    user_last = {"messages": messages[:1], "max_tokens": 6, "echo": True, **GREEDY}
+    got = httpx.post(url + "/v1/chat/completions", json=user_last, timeout=60).json()
+    alone = httpx.post(
+        ref + "/v1/chat/completions", json={**user_last, "echo": False}, timeout=60
+    ).json()
+    assert got["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("through", ["node", "proxy"])
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
     pd: tuple[PD, Proc], through: str
 ) -> None:

@@ -534,3 +534,29 @@ def test_a_temperature_past_float32s_range_is_a_400_naming_it(temperature: float
     assert info.value.param == "temperature"
     # The largest value float32 holds is still a temperature (uniform over what is left).
     assert parse_completion_request({"prompt": "x", "temperature": 3.4e38}).temperature == 3.4e38
+
+
+@pytest.mark.parametrize(
+    "extra, echoed",
+    [
+        ({"add_generation_prompt": False}, "So far"),  # the final message's role answers
+        ({"continue_final_message": True, "add_generation_prompt": False}, "So far"),
+        ({}, "So far"),  # an assistant message last, the answer the assistant's
+        ({"echo": False}, ""),
+    ],
+)
+def test_chat_echo_is_the_final_message_in_the_answers_role(extra, echoed) -> None:
+    messages = [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": "So far"}]
+    req = parse_chat_request({"messages": messages, "echo": True, **extra})
+    assert req.chat_echo == echoed
+    user_last = parse_chat_request({"messages": messages[:1], "echo": True})
+    assert user_last.chat_echo == ""  # the answer is the assistant's, the last the user's
+
+
+def test_chat_echo_with_an_answer_parsed_into_tool_calls_is_a_400_naming_echo() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "echo": True}
+    with pytest.raises(APIError) as e:
+        parse_chat_request({**body, "tool_choice": "required"})
+    assert e.value.param == "echo"
+    assert parse_chat_request({**body, "tool_choice": "none"}).chat_echo == ""

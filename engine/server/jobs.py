@@ -101,6 +101,8 @@ class Job:
     ) -> dict[str, Any]:
         """``tool_part``: with tool calls, the ``delta`` or ``message`` itself."""
         c: dict[str, Any] = {"index": self.index}
+        if self.chat and (first or not stream) and tool_part is None:
+            text = getattr(self.req, "chat_echo", "") + text  # vLLM's chat echo
         if not self.chat:
             c["text"] = text
         elif tool_part is not None:

@@ -318,6 +318,9 @@ class ChatCompletionRequest(BaseRequest):
     continue_final_message: bool = False
     # tools / tool_choice / parallel_tool_calls (None: no tools): engine/tools/spec.py.
     tools: ToolCalling | None = None
+    # vLLM's chat ``echo``: the final message's text, put before the answer, when that
+    # message is in the answer's role ("" otherwise, or without echo).
+    chat_echo: str = ""
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -577,7 +580,6 @@ _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "logits_processors": (_neutral_none, ""),
 }
 _VLLM_CHAT_FIELDS: dict[str, tuple[Any, str]] = {
-    "echo": (lambda v: v in (None, False), "= true on chat completions"),
     "chat_template": (_neutral_none, "(the model's own template is used)"),
     "documents": (_neutral_none, ""),
 }
@@ -597,7 +599,7 @@ COMMON_FIELDS = frozenset(
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs", "tools",
-    "add_generation_prompt", "continue_final_message", "parallel_tool_calls",
+    "add_generation_prompt", "continue_final_message", "echo", "parallel_tool_calls",
     "functions", "tool_choice", "function_call", *_VLLM_CHAT_FIELDS,
 }  # fmt: skip
 
@@ -872,7 +874,23 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
                 param="tool_choice",
             )
         req.structured_output = constraint
+    if _get_bool(body, "echo", False):
+        req.chat_echo = _chat_echo(req)
     return req
+
+
+def _chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's rule: the answer's role is the assistant's (with ``add_generation_prompt``)
+    or the final message's; the final message's text is echoed when it has that role."""
+    if req.tools is not None and req.tools.parses_calls:
+        raise APIError(
+            "'echo' puts text before the answer; an answer parsed into tool calls has none",
+            param="echo",
+        )
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last["role"]
+    content = last.get("content")
+    return content if last["role"] == role and isinstance(content, str) else ""
 
 
 def parse_tools(body: dict[str, Any]) -> ToolCalling | None:
