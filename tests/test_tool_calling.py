@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from engine.sampling_params import InvalidRequestError
 from engine.server.protocol import APIError, parse_chat_request
 from engine.tools.output import NamedCall, RequiredCalls, ToolOutput, new_parser
 from engine.tools.parsers import PARSERS, ToolDelta
@@ -225,19 +224,65 @@ def test_required_schema_is_vllms_array_of_named_calls() -> None:
         "type": "object", "properties": {}, "additionalProperties": False}  # fmt: skip
     assert all(i["required"] == ["name", "parameters"] for i in items)
     assert required_schema(tc.tools, parallel=False)["maxItems"] == 1
-    # $defs are hoisted to the top (references resolve there); a clash is a 400.
+    # Each tool's schema stays whole where the array nests it, its $refs re-pointed there
+    # (a tool's own $defs too: two tools may define one name differently).
     ref = _obj(p={"$ref": "#/$defs/P"}) | {"$defs": {"P": {"enum": [1, 2]}}}
-    tc = parse_tool_calling(
-        {"tools": [_tool("a", ref), _tool("b", ref)], "tool_choice": "required"}
-    )
-    schema = required_schema(tc.tools)
-    assert schema["$defs"] == {"P": {"enum": [1, 2]}}
-    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
     other = _obj(p={"$ref": "#/$defs/P"}) | {"$defs": {"P": {"enum": [3]}}}
     tc = parse_tool_calling({"tools": [_tool("a", ref), _tool("b", other)]})
-    with pytest.raises(InvalidRequestError) as e:
-        required_schema(tc.tools)
-    assert e.value.param == "tools" and "$defs" in str(e.value)
+    schema = required_schema(tc.tools)
+    assert "$defs" not in schema
+    params = [i["properties"]["parameters"] for i in schema["items"]["anyOf"]]
+    assert [p["properties"]["p"]["$ref"] for p in params] == [
+        f"#/items/anyOf/{i}/properties/parameters/$defs/P" for i in (0, 1)
+    ]
+    assert [p["$defs"] for p in params] == [ref["$defs"], other["$defs"]]
+
+
+def test_required_keeps_each_tools_schema_whole_refs_and_all() -> None:
+    """A tool's schema means under "required" what it means alone (a named choice): its
+    local ``$ref``s -- ``#`` (a recursive schema), ``#/definitions/...``, ``#/properties/...``
+    -- point into that tool's schema where the array nests it, and two tools may each
+    define ``$defs`` of one name. (They pointed at the array's root: a tree's children
+    became arrays of calls, the others were 400s.)"""
+    pytest.importorskip("llguidance")
+    from engine.structured.compiler import GrammarCompiler
+    from engine.tokenizer import ByteTokenizer
+
+    tree = _obj(v={"type": "integer"}, kids={"type": "array", "items": {"$ref": "#"}})
+    tree["required"] = ["v"]
+    old = {"type": "object", "definitions": {"U": {"enum": ["c", "f"]}},
+           "properties": {"u": {"$ref": "#/definitions/U"}}, "required": ["u"],
+           "additionalProperties": False}  # fmt: skip
+    same = _obj(a={"type": "string"}, b={"$ref": "#/properties/a"})
+    d1 = _obj(p={"$ref": "#/$defs/P"}) | {"$defs": {"P": {"enum": [1]}}}
+    d2 = _obj(p={"$ref": "#/$defs/P"}) | {"$defs": {"P": {"enum": [2]}}}
+    tools = [_tool("tree", tree), _tool("old", old), _tool("same", same), _tool("d1", d1),
+             _tool("d2", d2)]  # fmt: skip
+    compiler = GrammarCompiler(ByteTokenizer, 512)
+
+    def accepts(choice: Any, text: str) -> bool:
+        tc = parse_tool_calling({"tools": tools, "tool_choice": choice})
+        so = tc.structured_output()
+        assert so is not None
+        m = compiler.new_matcher(so)
+        return bool(m.consume_tokens(list(text.encode()))) and m.is_accepting()
+
+    for name, good, bad in [
+        ("tree", '{"v":1,"kids":[{"v":2,"kids":[]}]}',
+         '{"v":1,"kids":[[{"name":"tree","parameters":{"v":2}}]]}'),
+        ("old", '{"u":"c"}', '{"u":"x"}'),
+        ("same", '{"a":"x","b":"y"}', '{"a":"x","b":1}'),
+        ("d1", '{"p":1}', '{"p":2}'),
+        ("d2", '{"p":2}', '{"p":1}'),
+    ]:  # fmt: skip
+        named = {"type": "function", "function": {"name": name}}
+        assert accepts(named, good) and not accepts(named, bad), name
+        call = '[{"name":"%s","parameters":%s}]'
+        assert accepts("required", call % (name, good)), name
+        assert not accepts("required", call % (name, bad)), name
+    # The tools as the template gets them are the client's, untouched.
+    tc = parse_tool_calling({"tools": tools, "tool_choice": "required"})
+    assert tc.template_tools() == tools
 
 
 def _walk(matcher: Any, rng: random.Random, limit: int = 600) -> bytes:

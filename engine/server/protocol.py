@@ -863,7 +863,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     req.tools = parse_tools(body)
     try:
         constraint = req.tools.structured_output() if req.tools is not None else None
-    except InvalidRequestError as e:  # $defs that clash, a schema past the size bound
+    except InvalidRequestError as e:  # a schema past the size bound
         raise APIError(str(e), param=e.param) from e
     if constraint is not None:
         if req.structured_output is not None:

@@ -87,24 +87,21 @@ class ToolCalling:
 def required_schema(tools: tuple[Tool, ...] | list[Tool], parallel: bool = True) -> dict[str, Any]:
     """vLLM's schema of a "required" tool choice: an array of at least one (with
     ``parallel`` false: exactly one) ``{"name": <a tool's name>, "parameters": <its
-    schema>}``. Each tool's ``$defs`` are hoisted to the top (two tools defining one name
-    differently: an error naming ``tools``). Unlike vLLM each item allows no other keys,
-    so the array is exactly the calls (``"name"`` first: the order of its properties)."""
-    defs: dict[str, Any] = {}
+    schema>}``. Each tool's schema is kept whole where the array nests it, its local
+    ``$ref``s (``#``, ``#/$defs/...``, ``#/properties/...``) re-pointed there
+    (``_rebased``): a recursive schema, ``definitions`` and two tools' ``$defs`` of one
+    name mean what they mean alone (vLLM hoists ``$defs`` to the top; a ``#`` then means
+    the whole array). Unlike vLLM each item allows no other keys, so the array is exactly
+    the calls (``"name"`` first: the order of its properties)."""
     items = []
-    for t in tools:
-        params = dict(t.arguments_schema)
-        for name, schema in (params.pop("$defs", None) or {}).items():
-            if name in defs and defs[name] != schema:
-                raise InvalidRequestError(
-                    f"'tools': the definition '{name}' ($defs) has different schemas in "
-                    'two tools; a "required" tool choice needs them equal',
-                    "tools",
-                )
-            defs[name] = schema
+    for i, t in enumerate(tools):
+        at = f"#/items/anyOf/{i}/properties/parameters"
         items.append(
             {
-                "properties": {"name": {"type": "string", "enum": [t.name]}, "parameters": params},
+                "properties": {
+                    "name": {"type": "string", "enum": [t.name]},
+                    "parameters": _rebased(t.arguments_schema, at),
+                },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
@@ -116,9 +113,32 @@ def required_schema(tools: tuple[Tool, ...] | list[Tool], parallel: bool = True)
     }
     if not parallel:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return schema
+
+
+# Keywords whose value maps names to schemas, and those whose value is data (not a schema).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("const", "enum", "default", "examples")
+
+
+def _rebased(node: Any, base: str) -> Any:
+    """A copy of schema ``node`` whose local ``$ref``s (``#`` and ``#/...``: pointers into
+    the tool's schema) point under ``base``, where that schema now sits."""
+    if isinstance(node, list):
+        return [_rebased(x, base) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value[:2] == "#/"):
+            out[key] = base + value[1:]
+        elif key in _DATA:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(v, base) for name, v in value.items()}
+        else:
+            out[key] = _rebased(value, base)
+    return out
 
 
 def parse_tool_calling(body: dict[str, Any]) -> ToolCalling | None:
