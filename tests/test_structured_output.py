@@ -344,6 +344,54 @@ def test_a_grammar_that_allows_the_unconstrained_output_changes_nothing(llm: Any
 
 
 @pytest.mark.slow
+def test_a_grammar_that_allows_no_next_token_ends_the_request_with_its_reason(llm: Any) -> None:
+    """No token may follow -- none of ``allowed_token_ids`` is one the grammar allows (at
+    the start, or later), or the matcher is in its error state (a schema whose reference
+    loops) -- so the request ends with an error that says why, found when its mask is
+    made. (The row was all -inf: token 0 was sampled and refused, "internal error: output
+    token 0 does not follow the structured output".)"""
+    letters = list(range(ord("a"), ord("z") + 1))
+    loop = {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"],
+            "$defs": {"A": {"$ref": "#/$defs/A"}}}  # fmt: skip
+    for so, kw, why in [
+        (StructuredOutput.regex("[0-9]+"), {"allowed_token_ids": letters}, "allowed_token_ids"),
+        (StructuredOutput.regex("a[0-9]+"), {"allowed_token_ids": letters}, "allowed_token_ids"),
+        (StructuredOutput.json_schema(loop), {}, "structured output"),
+    ]:
+        for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 1}):
+            with pytest.raises(RuntimeError) as e:
+                _gen(llm, ["hi"], so, max_tokens=16, **kw, **sampling)
+            assert why in str(e.value) and "internal error" not in str(e.value), e.value
+
+
+def test_allowed_token_ids_that_cannot_start_the_structured_output_are_a_400() -> None:
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from engine.server.app import build_app
+
+    engine = SimpleNamespace(model_name="m", max_model_len=4096, vocab_size=TINY_VOCAB,
+                             tokenizer=ByteTokenizer(), dead_reason=None, healthy=True,
+                             grammars=_compiler(), stats=lambda: {}, kv_info=lambda: {})  # fmt: skip
+    client = TestClient(build_app(engine))  # type: ignore[arg-type]
+    letters = list(range(ord("a"), ord("z") + 1))
+    for path, body in [
+        ("/v1/completions", {"prompt": "x", "guided_regex": "[0-9]+"}),
+        ("/v1/chat/completions", {"messages": _MSG, "response_format": {"type": "json_object"}}),
+    ]:
+        resp = client.post(path, json={**body, "allowed_token_ids": letters})
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "allowed_token_ids" and "structured output" in err["message"]
+    # Found later (the engine ended the request): a 400 too, not a 500.
+    from engine.server.jobs import engine_error
+
+    e = engine_error(engine, "none of 'allowed_token_ids' ...", "structured_output_stuck")  # type: ignore[arg-type]
+    assert e.status_code == 400
+
+
+@pytest.mark.slow
 def test_preempted_structured_requests_resume_with_their_grammar_state() -> None:
     """Few blocks and a small token budget: requests are preempted and recomputed; their
     greedy outputs are what a roomy engine answers, and still match the schema."""

@@ -50,10 +50,17 @@ from engine.core.scheduler_output import (
 from engine.core.scheduler_stats import RequestMetrics, SchedulerStats
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import InvalidRequestError
-from engine.structured.matcher import GrammarState, fill_bitmask
+from engine.structured.matcher import (
+    GrammarState,
+    allows_any,
+    bitmask_words,
+    fill_bitmask,
+)
 from kvconnector.base import KV_NOT_RESERVED, KVConnectorScheduler
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from engine.structured.compiler import GrammarCompiler
     from kvconnector.params import KVTransferParams
 
@@ -122,6 +129,7 @@ class Scheduler:
         self.grammars = grammars
         self._num_sampling = 0
         self._grammar_rows: list[tuple[int, GrammarState]] = []
+        self._grammar_reqs: list[Request] = []  # the requests of those rows
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -211,7 +219,7 @@ class Scheduler:
 
         scheduled: dict[str, tuple[Request, int]] = {}
         self._num_sampling = 0
-        self._grammar_rows = []
+        self._grammar_rows, self._grammar_reqs = [], []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -279,9 +287,34 @@ class Scheduler:
         self._finished_ids, self._preempted_ids = set(), set()
         if self._grammar_rows:
             out.grammar_bitmask = fill_bitmask(self._grammar_rows, self.grammars.vocab_size)  # type: ignore[union-attr]
-            self._grammar_rows = []
+            self._end_stuck(out.grammar_bitmask, self._grammar_reqs)
+            self._grammar_rows, self._grammar_reqs = [], []
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self.kv.block_ids)
         return out
+
+    def _end_stuck(self, bitmask: np.ndarray, reqs: list[Request]) -> None:
+        """End (with why) each request whose grammar allows no next token it may take: its
+        matcher is in its error state (a step past its lexer fuel, a schema that cannot go
+        on), or none of its ``allowed_token_ids`` is allowed. Its row of this step samples
+        in vain (token 0 of a row of -inf; the grammar refused it: an "internal error")."""
+        vocab = self.grammars.vocab_size  # type: ignore[union-attr]
+        words = bitmask_words(vocab)
+        for j, req in enumerate(reqs):
+            grammar, ids = req.grammar, req.sampling_params.allowed_token_ids
+            assert grammar is not None
+            if grammar.matcher.is_error():
+                why = f"the structured output cannot go on: {grammar.error}"
+            elif ids and not allows_any(
+                bitmask[j * words : (j + 1) * words], grammar.allowed_ids(ids, vocab)
+            ):
+                why = (
+                    f"none of 'allowed_token_ids' is allowed by the structured output after "
+                    f"{req.num_output_tokens} tokens: the answer cannot go on"
+                )
+            else:
+                continue
+            logger.info("request %s: %s", req.request_id, why)
+            self._finish(req, RequestStatus.FINISHED_ERROR, why, "structured_output_stuck")
 
     def _blocks_coming_back(self) -> bool:
         """Async scheduling: blocks return at the update of the step in flight -- of
@@ -413,6 +446,7 @@ class Scheduler:
         if samples:
             if req.grammar is not None:  # its mask is this step's sampling row so far
                 self._grammar_rows.append((self._num_sampling, req.grammar))
+                self._grammar_reqs.append(req)
             self._num_sampling += 1
             if self.async_scheduling:
                 req.num_output_placeholders += 1

@@ -198,7 +198,8 @@ class Job:
 
 def engine_error(engine: EngineClient, message: str | None, code: str | None = None) -> APIError:
     """503 when the engine is dead (with why), a 409 for a prefill leg no decode node
-    reserved (``KV_NOT_RESERVED``), else a 500 carrying ``message``."""
+    reserved (``KV_NOT_RESERVED``), a 400 for a structured output its request's own
+    constraints left without a next token, else a 500 carrying ``message``."""
     if not engine.healthy:
         reason = engine.dead_reason or message or "engine is not running"
         return APIError(
@@ -207,6 +208,9 @@ def engine_error(engine: EngineClient, message: str | None, code: str | None = N
             err_type="server_error",
             code="engine_dead",
         )
+    if code == "structured_output_stuck":  # the request's own constraints leave no token
+        return APIError(message or code, status_code=400, err_type="invalid_request_error",
+                        code=code)  # fmt: skip
     if code == KV_NOT_RESERVED:
         return APIError(message or code, status_code=409, err_type="invalid_request_error",
                         param="kv_transfer_params", code=code)  # fmt: skip

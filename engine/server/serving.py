@@ -43,6 +43,7 @@ from engine.server.protocol import (
     truncate_prompt,
 )
 from engine.server.tokenize import render_chat
+from engine.structured.matcher import start_allows_any
 from engine.tools.output import ToolOutput, new_parser
 from engine.tools.parsers import PARSERS
 
@@ -216,6 +217,13 @@ class OpenAIServing:
                 req.grammar_template = self.engine.grammars.compile(so)
             except InvalidRequestError as e:
                 raise APIError(str(e), param=e.param, code="invalid_structured_output") from e
+            ids = req.allowed_token_ids
+            if ids and not start_allows_any(req.grammar_template, ids, self.engine.vocab_size):
+                raise APIError(
+                    f"none of 'allowed_token_ids' may begin the structured output "
+                    f"('{so.param}'): the answer could not have a first token",
+                    param="allowed_token_ids",
+                )
         if not self.engine.healthy:
             raise engine_error(self.engine, None)
 

@@ -17,11 +17,18 @@ import numpy as np
 class GrammarState:
     """One request's ``llguidance.LLMatcher``, advanced token by token."""
 
-    __slots__ = ("matcher", "num_tokens")
+    __slots__ = ("_allowed", "matcher", "num_tokens")
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
         self.num_tokens = 0  # output tokens consumed
+        self._allowed: np.ndarray | None = None
+
+    def allowed_ids(self, ids: list[int], vocab_size: int) -> np.ndarray:
+        """The request's ``allowed_token_ids`` as ``allows_any`` takes them (made once)."""
+        if self._allowed is None:
+            self._allowed = allowed_ids_array(ids, vocab_size)
+        return self._allowed
 
     def accept(self, token: int) -> bool:
         """Advance with the request's next output token; False (and the matcher in its
@@ -59,6 +66,28 @@ def fill_bitmask(rows: list[tuple[int, GrammarState]], vocab_size: int) -> np.nd
         state.matcher.unsafe_compute_mask_ptr(masks[j].ctypes.data, words * 4)
         buf[k * words + j] = row
     return buf
+
+
+def allows_any(mask: np.ndarray, ids: np.ndarray) -> bool:
+    """Whether one row's mask (``bitmask_words`` int32 words) allows any of ``ids`` (an
+    int64 array of ids below the vocabulary size)."""
+    words = mask.view(np.uint32)[ids >> 5]
+    return bool(((words >> (ids & 31).astype(np.uint32)) & 1).any())
+
+
+def allowed_ids_array(ids: list[int], vocab_size: int) -> np.ndarray:
+    """``allowed_token_ids`` as ``allows_any`` takes them (ids past the vocabulary out)."""
+    arr = np.asarray(ids, dtype=np.int64)
+    return arr[(arr >= 0) & (arr < vocab_size)]
+
+
+def start_allows_any(template: Any, ids: list[int], vocab_size: int) -> bool:
+    """Whether a compiled grammar (a shared template: a copy is asked) allows one of
+    ``ids`` as the first token."""
+    matcher = template.deep_copy()
+    mask = np.empty(bitmask_words(vocab_size), dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    return allows_any(mask, allowed_ids_array(ids, vocab_size))
 
 
 def bitmask_rows(buf_len: int, vocab_size: int) -> int:
