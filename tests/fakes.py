@@ -97,7 +97,7 @@ class PagedToyModel:
                         + self.cache[(table[pos // self.block_size], pos % self.block_size)]
                     ) % (2**61 - 1)
                 token = h % self.vocab
-                while token in seq.banned_token_ids:
+                while token in seq.banned_token_ids or token in seq.bad_token_ids:
                     token = (token + 1) % self.vocab
                 sampled[seq.request_id] = token
         if sampled:  # as the model runner: a step that samples nothing keeps the last

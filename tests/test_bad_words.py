@@ -124,3 +124,19 @@ def test_sampling_params_refuse_empty_sequences():
         SamplingParams(bad_words_token_ids=((),))
     with pytest.raises(InvalidRequestError):
         SamplingParams(bad_words_token_ids=((1, -2),))
+
+
+def test_min_tokens_yields_to_allowed_token_ids_but_bad_words_hold():
+    # Allowed {EOS, 9}, min_tokens banning EOS, bad word 9: lifting min_tokens' ban (EOS)
+    # keeps the answer clean; lifting both (what one merged ban did) drew 9.
+    torch = pytest.importorskip("torch")
+    from engine.worker.sampler import Sampler
+
+    eos = 0
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 9] = 5.0
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=[eos, 9])]
+    out = Sampler().sample(logits, params, [3], banned=[(eos,)], bad=[(9,)])
+    assert out == [eos]
+    # Without the bad word, min_tokens' ban holds where it leaves an allowed id.
+    assert Sampler().sample(logits, params, [3], banned=[(eos,)]) == [9]

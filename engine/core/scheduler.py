@@ -430,7 +430,7 @@ class Scheduler:
         if samples and sp.bad_words_token_ids:
             output = req.all_token_ids[req.num_prompt_tokens :]
             bad = banned_by_bad_words(sp.bad_words_token_ids, output)
-            seq.banned_token_ids = tuple(sorted(bad.union(seq.banned_token_ids)))
+            seq.bad_token_ids = tuple(sorted(bad))
         if req.needs_prompt_logprobs:
             # Row p predicts the token at p + 1; the prompt tokens not computed yet (the
             # first has none) are predicted by rows len(prompt_logprobs) - 1 ...

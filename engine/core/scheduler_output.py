@@ -32,6 +32,9 @@ class ScheduledSeq:
     sampling_params: SamplingParams | None = None
     # While ``min_tokens`` is not reached: the ids the sample may not be (EOS, stop ids).
     banned_token_ids: tuple[int, ...] = ()
+    # bad_words' ban for this sample (``engine.bad_words``): unlike min_tokens', it holds
+    # where it leaves no allowed id.
+    bad_token_ids: tuple[int, ...] = ()
     # Prompt logprobs (echo with logprobs): the rows from ``prompt_row`` on predict these
     # prompt tokens (``prompt_targets[j]`` is the token after row ``prompt_row + j``);
     # ``prompt_logprobs`` alternatives each.

@@ -239,7 +239,9 @@ class OpenAIServing:
         params = req.sampling_params(max_tokens)
         if req.bad_words:  # the words as this node's tokenizer makes them
             words = tokenize_bad_words(self.engine.tokenizer, req.bad_words)
-            check_token_ids([t for seq in words for t in seq], self.engine.vocab_size, "bad_words")
+            # A sequence with an id past the model's vocabulary can never be sampled whole.
+            vocab = self.engine.vocab_size
+            words = tuple(seq for seq in words if max(seq) < vocab)
             params = dataclasses.replace(params, bad_words_token_ids=words)
         return params
 

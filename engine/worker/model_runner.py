@@ -291,6 +291,7 @@ class ModelRunner:
                 [s.banned_token_ids for s in sampled],
                 *self._penalty_args(sampled, params),
                 sched.grammar_bitmask,
+                [s.bad_token_ids for s in sampled],
             )
             want = [i for i, sp in enumerate(params) if sp.logprobs is not None]  # type: ignore[union-attr]
             if self.async_scheduling:

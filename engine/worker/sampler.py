@@ -90,6 +90,7 @@ class Sampler:
         cuda = device is not None and device.type == "cuda"
         self._staging = HostStaging(device, slots=2) if cuda else None
         self._mask_staging = HostStaging(device, slots=2) if cuda else None
+        self._bad_staging = HostStaging(device, slots=2) if cuda else None
         self._bias_staging = HostStaging(device, slots=2) if cuda else None
         self._penalty_staging = HostStaging(device, slots=2) if cuda else None
         self._allowed_staging = HostStaging(device, slots=2) if cuda else None
@@ -108,15 +109,16 @@ class Sampler:
         penalties: list[PenaltyHistory | None] | None = None,
         pending: tuple[list[int], list[int], torch.Tensor] | None = None,
         grammar: np.ndarray | None = None,
+        bad: list[tuple[int, ...]] | None = None,
     ) -> list[int]:
         """``logits``: [S, vocab] float32 (any device); ``positions``: where each token will
         sit; ``banned``: per row, ids that may not be sampled (``min_tokens``);
         ``penalties``: per row, its tokens so far (None: no penalties), and ``pending``
         its output tokens not in them yet (``apply_penalties``); ``grammar``: the step's
-        structured-output bitmasks (``SchedulerOutput.grammar_bitmask``). Returns the S
-        sampled token ids."""
+        structured-output bitmasks (``SchedulerOutput.grammar_bitmask``); ``bad``: per row,
+        ``bad_words``' ids (held where ``banned``'s yield). Returns the S sampled token ids."""
         return self.sample_on_device(
-            logits, params, positions, banned, penalties, pending, grammar
+            logits, params, positions, banned, penalties, pending, grammar, bad
         ).tolist()
 
     def sample_on_device(
@@ -128,6 +130,7 @@ class Sampler:
         penalties: list[PenaltyHistory | None] | None = None,
         pending: tuple[list[int], list[int], torch.Tensor] | None = None,
         grammar: np.ndarray | None = None,
+        bad: list[tuple[int, ...]] | None = None,
     ) -> torch.Tensor:
         """``sample`` without the host read: the ids ``[S]`` int64 on the logits' device."""
         if grammar is not None:
@@ -139,6 +142,9 @@ class Sampler:
             self._allowed = {}
         if any(sp.logit_bias for sp in params):
             logits = _add_bias(logits, params, lambda h, d: _copy(h, d, self._bias_staging))
+        has_bad = bad is not None and any(bad)
+        if has_bad:  # bad_words' bans hold (a row they empty draws from -inf, as vLLM's)
+            logits = _mask(logits, bad, lambda h, d: _copy(h, d, self._bad_staging))  # type: ignore[arg-type]
         if banned is not None and any(banned):
             masked = _mask(logits, banned, lambda h, d: _copy(h, d, self._mask_staging))
             if (allowed or grammar is not None) and masked is not logits:
