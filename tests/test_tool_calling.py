@@ -773,3 +773,22 @@ def test_live_tools_and_a_tool_conversation_are_in_the_prompt(
     assert plain < tools["usage"]["prompt_tokens"] < history["usage"]["prompt_tokens"]
     err = _post(url, {"messages": _MSG, "tool_choice": "required"}, status=400)["error"]
     assert err["param"] == "tool_choice"
+
+
+def test_tools_within_their_bound_make_a_required_choice_whatever_its_schema_grows_to() -> None:
+    # 128 tools just under the 64 KiB bound on ``tools``: the "required" schema built from
+    # them (each wrapped in {"name", "parameters"}, its $refs re-pointed) is larger than
+    # what a client may send as a schema itself -- it must not be refused for that.
+    props = {f"p{j}": {"type": "string", "maxLength": 8} for j in range(10)}
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{i:03d}", "parameters": {
+            "type": "object", "properties": props, "$defs": {"D": {"$ref": "#/properties/p0"}},
+        }}}
+        for i in range(128)
+    ]  # fmt: skip
+    size = len(json.dumps(tools, separators=(",", ":")))
+    assert 56 * 1024 < size <= 64 * 1024, size
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools}
+    req = parse_chat_request({**body, "tool_choice": "required"})
+    assert req.structured_output is not None
+    assert len(req.structured_output.spec) > 64 * 1024  # larger than a client's may be

@@ -15,6 +15,8 @@ A request may use one of them (two at once is an error naming the second). Pure:
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,9 @@ from engine.sampling_params import InvalidRequestError
 # the spec's text (a schema's JSON, a regex, a grammar, the choices' JSON) and the
 # number of choices.
 MAX_SPEC_BYTES = 64 * 1024
+# A schema pdserve builds from a request's tools (at most 64 KiB of them: each wrapped in
+# {"name", "parameters"}, its $refs re-pointed) may be larger than a client's own.
+MAX_DERIVED_SPEC_BYTES = 4 * MAX_SPEC_BYTES
 MAX_GUIDED_CHOICES = 1024
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _LEGACY = {
@@ -47,24 +52,32 @@ class StructuredOutput:
     kind: str
     spec: str
     param: str = field(default="structured_outputs", compare=False)
+    # Built by pdserve from a request's tools (bounded by them): MAX_DERIVED_SPEC_BYTES.
+    derived: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidRequestError(f"unknown structured output kind {self.kind!r}", self.param)
-        if len(self.spec.encode("utf-8")) > MAX_SPEC_BYTES:
+        limit = MAX_DERIVED_SPEC_BYTES if self.derived else MAX_SPEC_BYTES
+        if len(self.spec.encode("utf-8")) > limit:
             raise InvalidRequestError(
                 f"'{self.param}' is {len(self.spec.encode('utf-8'))} bytes; a structured "
-                f"output's {self.kind} may be at most {MAX_SPEC_BYTES} bytes",
+                f"output's {self.kind} may be at most {limit} bytes",
                 self.param,
             )
 
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.kind, self.spec)
+    @functools.cached_property
+    def key(self) -> bytes:
+        """What the compile caches key on: a digest (an entry costs 16 bytes, not the
+        spec's length)."""
+        text = f"{self.kind}\0{self.spec}".encode("utf-8", "surrogatepass")
+        return hashlib.blake2b(text, digest_size=16).digest()
 
     @classmethod
-    def json_schema(cls, schema: Any, param: str = "structured_outputs") -> StructuredOutput:
-        return cls("json", _schema_text(schema, param), param)
+    def json_schema(
+        cls, schema: Any, param: str = "structured_outputs", derived: bool = False
+    ) -> StructuredOutput:
+        return cls("json", _schema_text(schema, param, derived), param, derived)
 
     @classmethod
     def regex(cls, pattern: str, param: str = "structured_outputs") -> StructuredOutput:
@@ -179,10 +192,10 @@ def _one(kind: str, value: Any, param: str) -> StructuredOutput:
     return StructuredOutput(kind, value, param)
 
 
-def _schema_text(schema: Any, param: str) -> str:
+def _schema_text(schema: Any, param: str, derived: bool = False) -> str:
     """A JSON schema as compact JSON text (its keys in the client's order: that is the
     order properties are generated in)."""
-    if isinstance(schema, str):
+    if isinstance(schema, str) and not derived:
         if len(schema.encode("utf-8")) > MAX_SPEC_BYTES:
             raise InvalidRequestError(
                 f"'{param}' is longer than {MAX_SPEC_BYTES} bytes", param

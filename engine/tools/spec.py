@@ -80,7 +80,8 @@ class ToolCalling:
                 tool.arguments_schema, f"tools[{i}].function.parameters"
             )
         if self.choice == "required":
-            return StructuredOutput.json_schema(required_schema(self.tools, self.parallel), "tools")
+            schema = required_schema(self.tools, self.parallel)
+            return StructuredOutput.json_schema(schema, "tools", derived=True)
         return None
 
 
