@@ -12,10 +12,22 @@ P's first token as content.
 
 from __future__ import annotations
 
-import pytest
+import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.outputs import RequestOutput, TokenLogprob
 from engine.reasoning import PARSERS, ReasoningParser, parser_class
 from engine.reasoning.base import ReasoningDelta
+from engine.reasoning.output import ReasoningOutput
+from engine.server.app import build_app
+from engine.server.protocol import parse_chat_request
+from engine.tokenizer import ByteTokenizer, simple_chat_template
+from engine.tools.output import ToolOutput, new_parser
 
 R1 = parser_class("deepseek_r1")
 Q3 = parser_class("qwen3")
@@ -89,3 +101,232 @@ def test_the_registry_names_the_parsers() -> None:
     assert sorted(PARSERS) == ["deepseek_r1", "qwen3"]
     with pytest.raises(KeyError):
         parser_class("nope")
+
+
+# -- one chat choice's message and deltas (engine/reasoning/output.py) ----------------------------
+
+
+def _deltas(out: Any, text: str, size: int) -> list[dict[str, Any]]:
+    pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]
+    return [out.delta(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+
+
+def _added(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The deltas put together; reasoning_content never after content in one delta."""
+    got: dict[str, Any] = {"reasoning_content": "", "content": "", "calls": []}
+    for d in deltas:
+        keys = [k for k in d if k in ("reasoning_content", "content")]
+        assert keys in ([], ["reasoning_content"], ["content"], ["reasoning_content", "content"])
+        got["reasoning_content"] += d.get("reasoning_content", "")
+        got["content"] += d.get("content", "")
+        for c in d.get("tool_calls") or []:
+            got["calls"].append((c["function"]["name"], c["function"]["arguments"]))
+    return got
+
+
+@pytest.mark.parametrize("cls, text, reasoning, content", CASES)
+def test_the_message_and_the_stream_add_up_alike(
+    cls: type[ReasoningParser], text: str, reasoning: str | None, content: str | None
+) -> None:
+    msg = ReasoningOutput(cls()).message(text)
+    assert msg == {"role": "assistant", "reasoning_content": reasoning, "content": content}
+    assert list(msg) == ["role", "reasoning_content", "content"]
+    for size in (1, 4, 100):
+        got = _added(_deltas(ReasoningOutput(cls()), text, size))
+        assert got == {"reasoning_content": reasoning or "", "content": content or "", "calls": []}
+
+
+def test_tool_calls_come_from_the_content_part_only() -> None:
+    call = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    text = f"maybe {call} here?</think>Calling.{call}"
+    tc = parse_chat_request(
+        {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    ).tools
+    assert tc is not None and tc.choice == "auto"
+
+    def output() -> ReasoningOutput:
+        return ReasoningOutput(R1(), ToolOutput(tc, new_parser(tc, "hermes")))
+
+    whole = output()
+    msg = whole.message(text)
+    assert msg["reasoning_content"] == f"maybe {call} here?"  # a call in the reasoning is text
+    assert msg["content"] == "Calling."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        ("f", '{"a":1}')
+    ]
+    assert whole.finish_reason("stop") == "tool_calls"
+    for size in (1, 7):
+        got = _added(_deltas(output(), text, size))
+        assert got == {"reasoning_content": f"maybe {call} here?", "content": "Calling.",
+                       "calls": [("f", '{"a":1}')]}  # fmt: skip
+    plain = ReasoningOutput(R1(), ToolOutput(tc, new_parser(tc, "hermes"))).message("all thought")
+    assert plain == {"role": "assistant", "reasoning_content": "all thought", "content": None,
+                     "tool_calls": []}  # fmt: skip
+
+
+# -- the serving layer on a fake engine -----------------------------------------------------------
+
+MSG = [{"role": "user", "content": "what is 2 + 2?"}]
+
+
+class TemplateBytes(ByteTokenizer):
+    """The byte tokenizer with a chat template that takes variables (``enable_thinking``)."""
+
+    @property
+    def supports_template_kwargs(self) -> bool:
+        return True
+
+    def apply_chat_template(self, messages: Any, template_kwargs: Any = None,
+                            add_generation_prompt: bool = True, tools: Any = None) -> str:  # fmt: skip
+        return simple_chat_template(messages, add_generation_prompt, tools)
+
+
+class ScriptedEngine:
+    """An engine whose every request answers ``text``, a few bytes per output (the last
+    output "length"), each token with a log probability."""
+
+    def __init__(self, text: str, per_output: int = 3) -> None:
+        self.text, self.per_output = text, per_output
+        self.model_name, self.max_model_len, self.vocab_size = "m", 4096, 512
+        self.tokenizer = TemplateBytes()
+        self.healthy, self.dead_reason = True, None
+        self.grammars = SimpleNamespace(compile=lambda so: None)  # grammars are not run
+
+    async def generate(self, request_id: str, *args: Any, **kw: Any) -> AsyncIterator[Any]:
+        ids = list(self.text.encode())
+        for i in range(0, len(ids), self.per_output):
+            chunk = ids[i : i + self.per_output]
+            last = i + self.per_output >= len(ids)
+            lps = [TokenLogprob(t, -1.0) for t in chunk]
+            yield RequestOutput(request_id, chunk, last, "length" if last else None,
+                                new_logprobs=lps)  # fmt: skip
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def kv_info(self) -> dict[str, Any]:
+        return {"engine_id": "e"}
+
+
+def _client(text: str, reasoning_parser: str | None, **kw: Any) -> TestClient:
+    engine = ScriptedEngine(text)
+    app = build_app(engine, reasoning_parser=reasoning_parser, **kw)  # type: ignore[arg-type]
+    return TestClient(app)
+
+
+def _chat(client: TestClient, status: int = 200, **body: Any) -> dict[str, Any]:
+    resp = client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 64, **body})
+    assert resp.status_code == status, resp.text
+    return resp.json()
+
+
+def _chat_stream(client: TestClient, **body: Any) -> list[dict[str, Any]]:
+    body = {"messages": MSG, "max_tokens": 64, **body, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+ANSWER = "<think>\nadd them</think>\n\nIt is 4."
+
+
+def test_the_node_answers_reasoning_content_and_content() -> None:
+    client = _client(ANSWER, "qwen3")
+    body = _chat(client, logprobs=True)
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "reasoning_content": "\nadd them",
+                                 "content": "\n\nIt is 4."}  # fmt: skip
+    # Tokens are tokens: ids, log probabilities and usage cover the whole answer.
+    assert choice["token_ids"] == list(ANSWER.encode())
+    assert len(choice["logprobs"]["content"]) == len(ANSWER)
+    assert body["usage"]["completion_tokens"] == len(ANSWER)
+    chunks = _chat_stream(client, logprobs=True, stream_options={"include_usage": True})
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert _added(deltas[1:]) == {"reasoning_content": "\nadd them", "content": "\n\nIt is 4.",
+                                  "calls": []}  # fmt: skip
+    # Reasoning streams before content: no reasoning after the first content.
+    kinds = [k for d in deltas[1:] for k in d if k in ("reasoning_content", "content")]
+    assert kinds == sorted(kinds, key=lambda k: k != "reasoning_content")
+    ids = [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]]
+    assert ids == list(ANSWER.encode())
+    assert chunks[-1]["usage"]["completion_tokens"] == len(ANSWER)
+    assert {} in deltas  # "<th" held back: a chunk with its ids and an empty delta
+
+
+def test_each_choice_has_its_own_parser() -> None:
+    client = _client(ANSWER, "deepseek_r1")
+    body = _chat(client, n=3)
+    assert [c["message"]["reasoning_content"] for c in body["choices"]] == ["\nadd them"] * 3
+    chunks = _chat_stream(client, n=2)
+    for i in range(2):
+        deltas = [c["choices"][0]["delta"] for c in chunks
+                  if c["choices"] and c["choices"][0]["index"] == i]  # fmt: skip
+        assert _added(deltas[1:])["reasoning_content"] == "\nadd them"
+
+
+def test_without_the_flag_or_without_thinking_the_answer_is_content() -> None:
+    plain = _chat(_client(ANSWER, None))["choices"][0]["message"]
+    assert plain == {"role": "assistant", "content": ANSWER}  # no reasoning_content key
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    msg = _chat(_client(ANSWER, "qwen3"), **off)["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": ANSWER}
+    chunks = _chat_stream(_client("x</think>y", "qwen3"))
+    assert _added([c["choices"][0]["delta"] for c in chunks][1:])["content"] == "x</think>y"
+    # deepseek_r1 reads no template variables (vLLM's): still reasoning.
+    msg = _chat(_client("x</think>y", "deepseek_r1"), **off)["choices"][0]["message"]
+    assert msg["reasoning_content"] == "x" and msg["content"] == "y"
+
+
+def test_completions_are_not_parsed() -> None:
+    client = _client(ANSWER, "deepseek_r1")
+    resp = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 64})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == ANSWER
+
+
+def test_a_structured_output_with_reasoning_is_refused() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for parser in ("deepseek_r1", "qwen3"):
+        client = _client(ANSWER, parser)
+        for field, param in (
+            ({"response_format": {"type": "json_object"}}, "response_format"),
+            ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+            ({"guided_choice": ["a", "b"]}, "guided_choice"),
+            ({"tools": tools, "tool_choice": "required"}, "tool_choice"),
+            ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+             "tool_choice"),
+        ):  # fmt: skip
+            err = _chat(client, 400, **field)["error"]
+            assert err["param"].startswith(param), err
+            assert f"--reasoning-parser {parser}" in err["message"]
+            assert ("enable_thinking" in err["message"]) == (parser == "qwen3")
+    # qwen3 without thinking: no reasoning part, the grammar may constrain the answer
+    # (the scripted engine ignores it).
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    msg = _chat(_client(ANSWER, "qwen3"), structured_outputs={"regex": "[a-z]+"}, **off)
+    assert msg["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+
+
+def test_the_flag_and_what_the_node_tells_proxies() -> None:
+    import argparse
+
+    from engine.server.cli_args import add_server_args, parse_config
+
+    def parse(*argv: str) -> Any:
+        parser = add_server_args(argparse.ArgumentParser())
+        return parse_config(parser, list(argv))[0]
+
+    assert parse().reasoning_parser is None
+    assert parse("--reasoning-parser", "qwen3").reasoning_parser == "qwen3"
+    with pytest.raises(SystemExit):
+        parse("--reasoning-parser", "nope")
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+        _client(ANSWER, "nope")
+    info = _client(ANSWER, "qwen3").get("/v1/kv_transfer_info").json()
+    assert info == {"engine_id": "e", "reasoning_parser": "qwen3"}
+    assert _client(ANSWER, None).get("/v1/kv_transfer_info").json()["reasoning_parser"] is None

@@ -48,16 +48,20 @@ def build_app(
     api_key: str | None = None,
     max_admitted: int | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
     ``app.state.drainer`` drains it on shutdown (``engine.httpkit.drain``). At
     ``max_admitted`` generation requests in flight (``--max-num-seqs`` +
     ``--max-queued-requests``; ``None``: no bound) the next gets 429
     (``engine.httpkit.admission``). ``tool_call_parser``: "auto" tool choice's parser
-    (``--enable-auto-tool-choice --tool-call-parser``; None: off)."""
+    (``--enable-auto-tool-choice --tool-call-parser``; None: off). ``reasoning_parser``:
+    chat answers' reasoning as ``reasoning_content`` (``--reasoning-parser``; None: off),
+    also told to proxies in ``/v1/kv_transfer_info`` (they do not pre-stream such chat
+    answers' first token)."""
     app = FrontedApp(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(engine, metrics, max_request_bytes, tool_call_parser)
+    serving = OpenAIServing(engine, metrics, max_request_bytes, tool_call_parser, reasoning_parser)
     tokenize_serving = TokenizeServing(engine, max_request_bytes)
     drainer = Drainer(WORK_PATHS, shutdown_timeout)
     admission = Admission(WORK_PATHS, max_admitted)
@@ -123,8 +127,9 @@ def build_app(
 
     @app.get("/v1/kv_transfer_info")
     async def kv_transfer_info() -> JSONResponse:
-        """What a proxy needs to pair this node: engine id, side channel, role."""
-        return JSONResponse(engine.kv_info())
+        """What a proxy needs to pair this node: engine id, side channel, role, and
+        whether its chat answers are parsed for reasoning."""
+        return JSONResponse({**engine.kv_info(), "reasoning_parser": reasoning_parser})
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health() -> JSONResponse:

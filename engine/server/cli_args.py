@@ -132,6 +132,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     add_registration_args(parser)
     add_tool_args(parser)
+    add_reasoning_args(parser)
     return parser
 
 
@@ -157,6 +158,24 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='how "auto" tool choice finds tool calls in the model\'s text (hermes: '
         "<tool_call>{...}</tool_call>); needed by --enable-auto-tool-choice",
+    )
+
+
+def add_reasoning_args(parser: argparse.ArgumentParser) -> None:
+    from engine.reasoning import PARSERS
+
+    group = parser.add_argument_group(
+        "reasoning options",
+        "reasoning models: a chat answer's thinking as reasoning_content; give a P/D "
+        "pair's nodes the same flag",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="split chat answers into reasoning_content and content (deepseek_r1: the "
+        "answer starts in its reasoning, up to </think>; qwen3: reasoning between the "
+        "<think> and </think> the model writes) (default: off)",
     )
 
 

@@ -12,6 +12,7 @@ import anyio
 
 from engine.httpkit import openai
 from engine.outputs import Logprobs
+from engine.reasoning.output import ReasoningOutput
 from engine.sampling_params import SamplingParams
 from engine.server.engine_client import EngineClient
 from engine.server.logprobs import (
@@ -75,6 +76,9 @@ class Job:
     # A chat choice whose tool calls are parsed (tools with a tool choice other than
     # "none"): its text becomes content and tool calls.
     tools: ToolOutput | None = None
+    # A chat choice on a node with a reasoning parser (``--reasoning-parser``): its text
+    # becomes reasoning and content (the content part going on to ``tools``, if set).
+    reasoning: ReasoningOutput | None = None
 
     @property
     def endpoint(self) -> str:
@@ -99,7 +103,7 @@ class Job:
         stop_reason: str | int | None = None,
         tool_part: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """``tool_part``: with tool calls, the ``delta`` or ``message`` itself."""
+        """``tool_part``: with tool calls or reasoning, the ``delta`` or ``message`` itself."""
         c: dict[str, Any] = {"index": self.index}
         if self.chat and (first or not stream) and tool_part is None:
             text = getattr(self.req, "chat_echo", "") + text  # vLLM's chat echo
@@ -145,9 +149,10 @@ class Job:
             lp = self._logprobs(lp_ids, entries, self.streamed_chars)
         self.streamed_chars += len(text)
         finish, part = step.finish_reason, None
-        if self.tools is not None and not first:
-            part = self.tools.delta(text, finish is not None)
-            finish = None if finish is None else self.tools.finish_reason(finish)
+        parsed = self.reasoning or self.tools
+        if parsed is not None and not first:
+            part = parsed.delta(text, finish is not None)
+            finish = None if finish is None else parsed.finish_reason(finish)
         choice = self.choice(
             text, step.token_ids, finish, stream=True, first=first, logprobs=lp,
             stop_reason=step.stop_reason, tool_part=part,
@@ -176,9 +181,10 @@ class Job:
         text, lp_ids, entries = self._echo(text, ids, entries, prompt)
         lp = self._logprobs(lp_ids, entries)
         finish, part = last.finish_reason, None
-        if self.tools is not None:
-            part = self.tools.message(text)
-            finish = None if finish is None else self.tools.finish_reason(finish)
+        parsed = self.reasoning or self.tools
+        if parsed is not None:
+            part = parsed.message(text)
+            finish = None if finish is None else parsed.finish_reason(finish)
         choice = self.choice(
             text, ids, finish, stream=False, logprobs=lp, stop_reason=last.stop_reason,
             tool_part=part,

@@ -198,6 +198,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             args.api_key,
             max_admitted=config.scheduler.max_admitted_requests,
             tool_call_parser=auto_tool_parser(args),
+            reasoning_parser=args.reasoning_parser,
         )
         server = make_server(
             app,

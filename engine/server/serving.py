@@ -23,6 +23,9 @@ from engine.httpkit.fanout import gather_or_cancel, merge_bodies, merge_streams,
 from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.sse import SSE_DONE, SSEResponse, sse_event
 from engine.outputs import Logprobs
+from engine.reasoning import PARSERS as REASONING_PARSERS
+from engine.reasoning import parser_class as reasoning_parser_class
+from engine.reasoning.output import ReasoningOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.server.engine_client import EngineClient
 from engine.server.jobs import Job, Step, engine_error, generate_steps
@@ -82,12 +85,21 @@ class OpenAIServing:
         metrics: ServerMetrics,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         """``tool_call_parser``: the parser of "auto" tool choice (``--enable-auto-tool-choice
-        --tool-call-parser NAME``); None: such requests are refused (vLLM's rule)."""
+        --tool-call-parser NAME``); None: such requests are refused (vLLM's rule).
+        ``reasoning_parser``: splits chat answers into reasoning and content
+        (``--reasoning-parser NAME``); None: chat answers are content."""
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"unknown tool call parser {tool_call_parser!r}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown reasoning parser {reasoning_parser!r} "
+                f"(choose from {', '.join(sorted(REASONING_PARSERS))})"
+            )
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
@@ -179,6 +191,7 @@ class OpenAIServing:
 
     def _prepare_chat(self, raw: bytes) -> Choices:
         req = parse_chat_request(parse_json_body(raw))
+        self._check_reasoning(req)
         self._check_serving(req)
         if req.tools is not None and req.tools.choice == "auto" and self.tool_call_parser is None:
             raise APIError(  # vLLM's answer
@@ -227,6 +240,34 @@ class OpenAIServing:
         if not self.engine.healthy:
             raise engine_error(self.engine, None)
 
+    def _check_reasoning(self, req: BaseRequest) -> None:
+        """A structured output (a named or "required" tool choice included) on a request
+        whose answer has reasoning: a 400 naming its field."""
+        if req.structured_output is None or not self._reasons(req):
+            return
+        # vLLM constrains the answer once its reasoning ended; here the grammar would
+        # constrain the reasoning from the first token: refused until that is built.
+        named = req.tools is not None and req.tools.choice in ("named", "required")
+        param = "tool_choice" if named else req.structured_output.param
+        off = not reasoning_parser_class(str(self.reasoning_parser)).applies(
+            {"enable_thinking": False}
+        )
+        raise APIError(
+            f"'{param}' (a structured output) is not supported with reasoning "
+            f"(--reasoning-parser {self.reasoning_parser}): the grammar would constrain "
+            "the reasoning too"
+            + ('; chat_template_kwargs {"enable_thinking": false} asks for an answer '
+               "without reasoning" if off else ""),
+            param=param,
+        )  # fmt: skip
+
+    def _reasons(self, req: BaseRequest) -> bool:
+        """Whether a chat request's answer is split into reasoning and content."""
+        if self.reasoning_parser is None:
+            return False
+        kwargs = getattr(req, "chat_template_kwargs", {})
+        return reasoning_parser_class(self.reasoning_parser).applies(kwargs)
+
     def _jobs(
         self, request: Request, chat: bool, choices: list[tuple[BaseRequest, list[int]]]
     ) -> list[Job]:
@@ -270,6 +311,10 @@ class OpenAIServing:
         ):
             # A prefill leg's answer (one token, for the proxy) stays plain content.
             calls = ToolOutput(tools, new_parser(tools, self.tool_call_parser))
+        reasoning = None
+        if chat and self._reasons(req) and not (kv is not None and kv.do_remote_decode):
+            assert self.reasoning_parser is not None
+            reasoning = ReasoningOutput(reasoning_parser_class(self.reasoning_parser)(), calls)
         return Job(
             chat=chat,
             request_id=engine_request_id(label),
@@ -282,6 +327,7 @@ class OpenAIServing:
             echo_text=(req.prompt_text or "") if echo else None,  # type: ignore[attr-defined]
             index=index,
             tools=calls,
+            reasoning=reasoning,
         )
 
     def _finish(self, job: Job, reason: str) -> None:
