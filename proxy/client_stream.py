@@ -226,12 +226,13 @@ class ClientStream:
             else:
                 delta["role"] = "assistant"
                 self.role_sent = role_added = True
-            if text or "content" in delta:  # a tool-call delta may have none
+            if text or "content" in delta:  # a tool-call or reasoning delta may have none
                 delta["content"] = text
         else:
             c["text"] = text
-        calls = self.req.chat and bool(delta.get("tool_calls"))
-        if not ids and not text and c.get("finish_reason") is None and not role_added and not calls:
+        # A tool-call or reasoning delta carries no content.
+        parts = self.req.chat and bool(delta.get("tool_calls") or delta.get("reasoning_content"))
+        if not ids and not text and c.get("finish_reason") is None and not role_added and not parts:
             return None
         return obj
 

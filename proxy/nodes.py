@@ -46,6 +46,9 @@ class Node:
     incarnation: str | None = None
     side_channel: str | None = None
     kv_role: str | None = None  # "producer", "consumer", "both"; None: not advertised
+    # Its --reasoning-parser (None: off, or not advertised): its chat answers are split
+    # into reasoning and content, so their first token is not pre-streamed as content.
+    reasoning_parser: str | None = None
     model: str | None = None
     max_model_len: int | None = None
     # When the node last answered a request with load (429 / 503 overloaded); cleared by
@@ -139,6 +142,8 @@ class Node:
             self.side_channel = side if isinstance(side, str) and side else None
             kv_role = kv_info.get("role")
             self.kv_role = kv_role if isinstance(kv_role, str) else None
+            parser = kv_info.get("reasoning_parser")
+            self.reasoning_parser = parser if isinstance(parser, str) and parser else None
         if models is not None:
             cards = models.get("data")
             if not (isinstance(cards, list) and cards and isinstance(cards[0], dict)):

@@ -13,11 +13,13 @@ ends the stream with ``data: {"error": ...}`` and ``data: [DONE]``: never a sile
 truncated answer; unless ``--migration-limit`` allows moving the stream: another pair (or
 D alone) reruns the request with the seed the failed one drew from, the proxy checks the
 replayed tokens against what the client has and drops them, and the stream goes on
-(not for ``echo`` or tool calls, nor after the answer's ``finish_reason`` was sent). Requests with
-stop strings are not pre-streamed (a stop string may start inside the first token), nor
-with ``echo`` (the prompt, or chat's final message, comes first), nor chat requests whose answer is parsed into
-tool calls (tools with a tool choice other than "none": D parses the whole answer, P's
-token included): they stream from D alone.
+(not for ``echo``, tool calls or reasoning, nor after the answer's ``finish_reason`` was
+sent). Requests with stop strings are not pre-streamed (a stop string may start inside
+the first token), nor with ``echo`` (the prompt, or chat's final message, comes first),
+nor chat requests whose answer is parsed into tool calls (tools with a tool choice other
+than "none") or, on a decode node with a reasoning parser (its ``/v1/kv_transfer_info``
+says so), into reasoning and content -- D parses the whole answer, P's token included
+(often ``<think>``): they stream from D alone.
 
 Log probabilities: D does not compute what P did -- the first token (it arrives with the
 KV) and, with ``echo``, the prompt's entries -- and answers them with a null log
@@ -120,6 +122,8 @@ class Session:
         self.tool_calls = tools is not None and tools.parses_calls
         # Echo (completions' prompt, chat's final message) comes before the first token.
         self.echoes = bool(req.parsed.echo or getattr(req.parsed, "chat_echo", ""))
+        # Set once a chat request went to a decode node that parses reasoning.
+        self.reasoning = False
         self.prestream = (
             req.stream and not req.parsed.stop and not self.echoes and not self.tool_calls
         )
@@ -165,9 +169,11 @@ class Session:
         self.attempts += 1
         self.route = route
         p, d = route.prefill, route.decode
+        # A chat answer D splits into reasoning and content: D streams all of it.
+        self.reasoning = self.reasoning or (self.req.chat and d.reasoning_parser is not None)
         # Pre-stream P's first token unless D recently refused a request for load: then
         # wait for D's answer, so that a refusal still reaches the client as a 429.
-        prestream = self.prestream and p is not None and not d.shedding()
+        prestream = self.prestream and p is not None and not d.shedding() and not self.reasoning
         # D drops the first token when the client has it (or will have it from P).
         skip = self.cfg.node_skip_first_token and p is not None
         skip = skip and (prestream or self.out.sent_ids is not None)
@@ -524,6 +530,7 @@ class Session:
                         or self.migrations >= self.cfg.migration_limit
                         or self.echoes  # the replay would start with the echoed text
                         or self.tool_calls  # the replay's tool calls have new ids
+                        or self.reasoning  # the replay's parts are not checked
                     ):
                         raise  # the answer was whole but for [DONE], or no move is left
                     if isinstance(e, NodeHTTPError):

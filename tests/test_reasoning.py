@@ -330,3 +330,123 @@ def test_the_flag_and_what_the_node_tells_proxies() -> None:
     info = _client(ANSWER, "qwen3").get("/v1/kv_transfer_info").json()
     assert info == {"engine_id": "e", "reasoning_parser": "qwen3"}
     assert _client(ANSWER, None).get("/v1/kv_transfer_info").json()["reasoning_parser"] is None
+
+
+# -- the proxy ----------------------------------------------------------------------------------
+
+
+def test_the_proxy_learns_a_nodes_reasoning_parser() -> None:
+    from proxy.nodes import Node
+
+    node = Node("http://d", "decode")
+    assert node.reasoning_parser is None
+    node.update_info({"side_channel": "tcp://x:1", "reasoning_parser": "qwen3"}, None)
+    assert node.reasoning_parser == "qwen3"
+    for off in (None, "", 3):  # off, or not what a node sends: no parser
+        node.update_info({"side_channel": "tcp://x:1", "reasoning_parser": off}, None)
+        assert node.reasoning_parser is None
+    node.update_info({"side_channel": "tcp://x:1"}, None)  # an older node: none
+    assert node.reasoning_parser is None
+
+
+def test_the_proxys_rewrite_keeps_reasoning_deltas() -> None:
+    from proxy.client_stream import ClientStream
+    from proxy.validation import CHAT, validate_request
+
+    raw = json.dumps({"messages": MSG, "stream": True}).encode()
+    req = validate_request(CHAT, raw, ["m"], None)
+    out = ClientStream(req, "r", 0, False)
+    chunk = {"choices": [{"index": 0, "delta": {"reasoning_content": "x"}, "token_ids": [],
+                          "finish_reason": None}]}  # fmt: skip
+    got = out.rewrite(chunk)
+    assert got is not None
+    assert got["choices"][0]["delta"] == {"role": "assistant", "reasoning_content": "x"}
+    chunk = {"choices": [{"index": 0, "delta": {"reasoning_content": "y"}, "token_ids": [],
+                          "finish_reason": None}]}  # fmt: skip
+    got = out.rewrite(chunk)
+    assert got is not None and got["choices"][0]["delta"] == {"reasoning_content": "y"}
+
+
+# -- live: the tiny model through a node and a P/D pair behind the proxy --------------------------
+
+
+@pytest.fixture(scope="module")
+def pd(module_procs: Any) -> tuple[Any, Any]:
+    """A P/D pair behind a proxy, and a colocated node: all with ``deepseek_r1``."""
+    flags = ("--num-blocks", "256", "--reasoning-parser", "deepseek_r1")
+    pair = module_procs.pd(1, 1, *flags, colocated=True)
+    return pair, module_procs.proxy([pair.p.url], [pair.d.url])
+
+
+def _post(url: str, body: dict[str, Any], status: int = 200, path: str = "chat/completions") -> Any:
+    import httpx
+    from harness import MODEL
+
+    resp = httpx.post(f"{url}/v1/{path}", json={"model": MODEL, **body}, timeout=120)
+    assert resp.status_code == status, resp.text
+    return resp.json()
+
+
+def _live_stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each choice's answer put together from the stream (and its first delta)."""
+    import httpx
+    from harness import MODEL, sse_events
+
+    body = {"model": MODEL, **body, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = sse_events(resp)
+    assert events[-1] == "DONE"
+    out: dict[int, dict[str, Any]] = {}
+    for e in events[:-1]:
+        assert isinstance(e, dict) and "error" not in e, e
+        for c in e["choices"]:
+            one = out.setdefault(c["index"], {"first": c["delta"], "deltas": [], "ids": [],
+                                              "finish": None})  # fmt: skip
+            one["deltas"].append(c["delta"])
+            one["ids"] += c.get("token_ids") or []
+            one["finish"] = c["finish_reason"] or one["finish"]
+    return [
+        {"first": v["first"], **_added(v["deltas"][1:]), "ids": v["ids"], "finish": v["finish"]}
+        for _, v in sorted(out.items())
+    ]
+
+
+def _as_stream(choice: dict[str, Any]) -> dict[str, Any]:
+    msg = choice["message"]
+    return {"first": {"role": "assistant", "content": ""},
+            "reasoning_content": msg["reasoning_content"] or "", "content": msg["content"] or "",
+            "calls": [], "ids": choice["token_ids"], "finish": choice["finish_reason"]}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_live_deepseek_r1_answers_are_reasoning_and_pd_equals_colocated(
+    pd: tuple[Any, Any], through: str
+) -> None:
+    """The random model never writes </think>: every answer is all reasoning. Through the
+    proxy P's first token is not pre-streamed as content: the stream equals a colocated
+    node's, token for token and part for part."""
+    pair, proxy = pd
+    ref = pair.colocated.url
+    url = ref if through == "node" else proxy.url
+    for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 4, "n": 2}):
+        body = {"messages": MSG, "max_tokens": 10, "logprobs": True, **extra}
+        got = _post(url, body)
+        assert len(got["choices"]) == extra.get("n", 1)
+        for choice in got["choices"]:
+            msg = choice["message"]
+            assert msg["content"] is None and msg["reasoning_content"], msg
+            assert choice["finish_reason"] == "length"
+            assert len(choice["token_ids"]) == 10 == len(choice["logprobs"]["content"])
+        assert got["usage"]["completion_tokens"] == 10 * extra.get("n", 1)
+        want = _post(ref, body)
+        assert [c["message"] for c in got["choices"]] == [c["message"] for c in want["choices"]]
+        assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in want["choices"]]
+        assert _live_stream(url, body) == [_as_stream(c) for c in got["choices"]]
+    # Completions are not parsed (vLLM: chat only).
+    text = _post(url, {"prompt": "hi", "max_tokens": 5, "temperature": 0.0}, path="completions")
+    assert text["choices"][0]["text"] and "reasoning_content" not in text["choices"][0]
+    # A structured output with reasoning: refused, naming its field.
+    err = _post(url, {"messages": MSG, "response_format": {"type": "json_object"}}, 400)
+    assert err["error"]["param"] == "response_format"
