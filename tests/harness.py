@@ -144,6 +144,23 @@ def sse_events(resp: httpx.Response) -> list[Any]:
     return sse_data(resp.iter_lines())
 
 
+def chat_stream_choices(url: str, body: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
+    """``POST /v1/chat/completions`` of ``body`` streamed (the tiny model named): each
+    choice's chunks (its ``choices`` entries) in order, by index. The stream must end with
+    ``[DONE]`` and carry no error event."""
+    body = {"model": MODEL, **body, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = sse_events(resp)
+    assert events[-1] == "DONE"
+    out: dict[int, list[dict[str, Any]]] = {}
+    for e in events[:-1]:
+        assert isinstance(e, dict) and "error" not in e, e
+        for c in e["choices"]:
+            out.setdefault(c["index"], []).append(c)
+    return dict(sorted(out.items()))
+
+
 def stream_ids(events: list[Any]) -> list[int]:
     """The token ids of a completion stream's events, in order."""
     return [t for e in events if isinstance(e, dict) for c in e.get("choices", []) for t in c.get("token_ids", [])]  # fmt: skip

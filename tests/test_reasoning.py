@@ -389,27 +389,15 @@ def _post(url: str, body: dict[str, Any], status: int = 200, path: str = "chat/c
 
 def _live_stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """Each choice's answer put together from the stream (and its first delta)."""
-    import httpx
-    from harness import MODEL, sse_events
+    from harness import chat_stream_choices
 
-    body = {"model": MODEL, **body, "stream": True}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
-        events = sse_events(resp)
-    assert events[-1] == "DONE"
-    out: dict[int, dict[str, Any]] = {}
-    for e in events[:-1]:
-        assert isinstance(e, dict) and "error" not in e, e
-        for c in e["choices"]:
-            one = out.setdefault(c["index"], {"first": c["delta"], "deltas": [], "ids": [],
-                                              "finish": None})  # fmt: skip
-            one["deltas"].append(c["delta"])
-            one["ids"] += c.get("token_ids") or []
-            one["finish"] = c["finish_reason"] or one["finish"]
-    return [
-        {"first": v["first"], **_added(v["deltas"][1:]), "ids": v["ids"], "finish": v["finish"]}
-        for _, v in sorted(out.items())
-    ]
+    out = []
+    for chunks in chat_stream_choices(url, body).values():
+        deltas = [c["delta"] for c in chunks]
+        ids = [t for c in chunks for t in c.get("token_ids") or []]
+        finish = next((c["finish_reason"] for c in reversed(chunks) if c["finish_reason"]), None)
+        out.append({"first": deltas[0], **_added(deltas[1:]), "ids": ids, "finish": finish})
+    return out
 
 
 def _as_stream(choice: dict[str, Any]) -> dict[str, Any]:

@@ -644,21 +644,12 @@ def _post(url: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
 
 def _stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """Each choice's answer put together from the stream: content, calls, ids, finish."""
-    import httpx
-    from harness import MODEL, sse_events
+    from harness import chat_stream_choices
 
-    body = {"model": MODEL, **body, "stream": True}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
-        events = sse_events(resp)
-    assert events[-1] == "DONE"
     out: dict[int, dict[str, Any]] = {}
-    for e in events[:-1]:
-        assert isinstance(e, dict) and "error" not in e, e
-        for c in e["choices"]:
-            one = out.setdefault(
-                c["index"], {"content": "", "calls": {}, "ids": [], "finish": None}
-            )
+    for index, chunks in chat_stream_choices(url, body).items():
+        for c in chunks:
+            one = out.setdefault(index, {"content": "", "calls": {}, "ids": [], "finish": None})
             delta = c["delta"]
             one["content"] += delta.get("content") or ""
             for call in delta.get("tool_calls") or []:
