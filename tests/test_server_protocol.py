@@ -560,3 +560,14 @@ def test_chat_echo_with_an_answer_parsed_into_tool_calls_is_a_400_naming_echo() 
         parse_chat_request({**body, "tool_choice": "required"})
     assert e.value.param == "echo"
     assert parse_chat_request({**body, "tool_choice": "none"}).chat_echo == ""
+
+
+@pytest.mark.parametrize("value", [True, False, None])
+def test_spaces_between_special_tokens_is_accepted_as_the_detokenizer_is(value) -> None:
+    # pdserve's detokenizers (bytes; tokenizers' fast decode) never put spaces between
+    # special tokens: that is `false`, and vLLM's fast-tokenizer detokenizer ignores the
+    # field too. A bool is accepted; anything else is a 400 naming it.
+    parse_completion_request({"prompt": "x", "spaces_between_special_tokens": value})
+    with pytest.raises(APIError) as e:
+        parse_completion_request({"prompt": "x", "spaces_between_special_tokens": "no"})
+    assert e.value.param == "spaces_between_special_tokens"

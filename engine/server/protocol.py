@@ -361,6 +361,9 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     req.truncate_prompt_tokens = _get_int(body, "truncate_prompt_tokens", None)
     req.return_tokens_as_token_ids = _get_bool(body, "return_tokens_as_token_ids", False)
     req.skip_special_tokens = _get_bool(body, "skip_special_tokens", True)
+    # vLLM's; no effect: the detokenizers never put spaces between special tokens (vLLM's
+    # fast-tokenizer detokenizer ignores it too). Its type is still checked.
+    _get_bool(body, "spaces_between_special_tokens", True)
     req.prompt_logprobs = _logprobs_count(body, "prompt_logprobs")
     req.priority = _get_int(body, "priority", 0)
     req.bad_words = _parse_bad_words(body.get("bad_words"))
@@ -576,7 +579,6 @@ def _neutral_none(v: Any) -> bool:
 _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "use_beam_search": (lambda v: v in (None, False), "= true (no beam search)"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "other than 1"),
-    "spaces_between_special_tokens": (lambda v: v in (None, True), "= false"),
     "logits_processors": (_neutral_none, ""),
 }
 _VLLM_CHAT_FIELDS: dict[str, tuple[Any, str]] = {
@@ -591,6 +593,7 @@ COMMON_FIELDS = frozenset(
         "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
         "truncate_prompt_tokens", "return_tokens_as_token_ids", "skip_special_tokens",
+        "spaces_between_special_tokens",
         "prompt_logprobs", "priority", "bad_words",
         "allowed_token_ids", *STRUCTURED_FIELDS, *_VLLM_FIELDS,
     }
