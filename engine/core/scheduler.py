@@ -128,8 +128,7 @@ class Scheduler:
         # far and the ones among them with a grammar (``_scheduled``).
         self.grammars = grammars
         self._num_sampling = 0
-        self._grammar_rows: list[tuple[int, GrammarState]] = []
-        self._grammar_reqs: list[Request] = []  # the requests of those rows
+        self._grammar_rows: list[tuple[int, Request]] = []
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -219,7 +218,7 @@ class Scheduler:
 
         scheduled: dict[str, tuple[Request, int]] = {}
         self._num_sampling = 0
-        self._grammar_rows, self._grammar_reqs = [], []
+        self._grammar_rows = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -239,7 +238,10 @@ class Scheduler:
             while blocks is None:
                 if self._blocks_coming_back():
                     break  # async scheduling: wait a step for them rather than preempt
-                victim = self._pick_victim()
+                # The last: never one this step already scheduled (the loop goes in
+                # order), whose blocks would go to another request while the step writes
+                # them; by priority, ``running`` is kept in (priority, arrival) order.
+                victim = self.running.pop()
                 freed_now = self._preempt(victim)
                 preempted = True
                 if victim is req or not freed_now:
@@ -286,9 +288,10 @@ class Scheduler:
         self._scheduled_reqs[self._step] = scheduled
         self._finished_ids, self._preempted_ids = set(), set()
         if self._grammar_rows:
-            out.grammar_bitmask = fill_bitmask(self._grammar_rows, self.grammars.vocab_size)  # type: ignore[union-attr]
-            self._end_stuck(out.grammar_bitmask, self._grammar_reqs)
-            self._grammar_rows, self._grammar_reqs = [], []
+            rows = [(row, req.grammar) for row, req in self._grammar_rows]
+            out.grammar_bitmask = fill_bitmask(rows, self.grammars.vocab_size)  # type: ignore[arg-type, union-attr]
+            self._end_stuck(out.grammar_bitmask, [req for _, req in self._grammar_rows])
+            self._grammar_rows = []
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self.kv.block_ids)
         return out
 
@@ -445,8 +448,7 @@ class Scheduler:
         req.num_computed_tokens = end
         if samples:
             if req.grammar is not None:  # its mask is this step's sampling row so far
-                self._grammar_rows.append((self._num_sampling, req.grammar))
-                self._grammar_reqs.append(req)
+                self._grammar_rows.append((self._num_sampling, req))
             self._num_sampling += 1
             if self.async_scheduling:
                 req.num_output_placeholders += 1
@@ -458,14 +460,6 @@ class Scheduler:
             bisect.insort(self.running, req, key=_order)
         else:
             self.running.append(req)
-
-    def _pick_victim(self) -> Request:
-        """The running request to preempt (taken out of ``running``): the last admitted,
-        or by priority the one with the largest (priority, arrival) -- the last too, as
-        ``running`` is kept in that order. Being last, it is never one this step already
-        scheduled (the running loop goes in order): its blocks would go to another
-        request while the step writes them."""
-        return self.running.pop()
 
     def _requeue(self, req: Request) -> None:
         """Back into the waiting queue, first in line (by priority: in its place)."""
