@@ -33,15 +33,17 @@ def tokenize_bad_words(tokenizer: Any, words: Iterable[str]) -> tuple[tuple[int,
     return tuple(out)
 
 
-def banned_by_bad_words(sequences: Sequence[Sequence[int]], output: Sequence[int]) -> set[int]:
-    """The ids the next token may not be: each sequence's last id where the output ends
-    with the rest of it."""
+def banned_by_bad_words(
+    sequences: Sequence[Sequence[int]], tokens: Sequence[int], start: int = 0
+) -> set[int]:
+    """The ids the next token may not be: each sequence's last id where the output
+    (``tokens[start:]``, read in place: a step copies nothing) ends with the rest of it."""
     banned: set[int] = set()
-    n = len(output)
+    n = len(tokens)
     for seq in sequences:
         k = len(seq) - 1
         if k == 0:
             banned.add(seq[0])
-        elif k <= n and all(output[n - k + i] == seq[i] for i in range(k)):
+        elif k <= n - start and all(tokens[n - k + i] == seq[i] for i in range(k)):
             banned.add(seq[k])
     return banned

@@ -140,3 +140,9 @@ def test_min_tokens_yields_to_allowed_token_ids_but_bad_words_hold():
     assert out == [eos]
     # Without the bad word, min_tokens' ban holds where it leaves an allowed id.
     assert Sampler().sample(logits, params, [3], banned=[(eos,)]) == [9]
+
+
+def test_the_output_is_read_from_where_it_starts():
+    # The prompt's last ids and the output's first do not make a word (vLLM's rule).
+    assert banned_by_bad_words(((1, 2),), [5, 1], start=2) == set()
+    assert banned_by_bad_words(((1, 2),), [5, 1], start=1) == {2}

@@ -431,8 +431,9 @@ class Scheduler:
         if samples and end - req.num_prompt_tokens < sp.min_tokens:
             seq.banned_token_ids = req.banned_token_ids
         if samples and sp.bad_words_token_ids:
-            output = req.all_token_ids[req.num_prompt_tokens :]
-            bad = banned_by_bad_words(sp.bad_words_token_ids, output)
+            bad = banned_by_bad_words(
+                sp.bad_words_token_ids, req.all_token_ids, req.num_prompt_tokens
+            )
             seq.bad_token_ids = tuple(sorted(bad))
         if req.needs_prompt_logprobs:
             # Row p predicts the token at p + 1; the prompt tokens not computed yet (the

@@ -224,6 +224,8 @@ class BaseRequest:
     # Its grammar compiled by the node's HTTP layer (the matcher's start state, copied for
     # each choice's engine request): the engine thread never compiles one.
     grammar_template: Any = field(default=None, repr=False, compare=False)
+    # ``bad_words`` as the node's tokenizer makes them (set by its HTTP layer, once).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -256,6 +258,7 @@ class BaseRequest:
                 if self.allowed_token_ids is None
                 else list(self.allowed_token_ids),
                 structured_output=self.structured_output,
+                bad_words_token_ids=self.bad_words_token_ids,
             )
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.param) from e

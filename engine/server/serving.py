@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -26,7 +25,7 @@ from engine.outputs import Logprobs
 from engine.reasoning import PARSERS as REASONING_PARSERS
 from engine.reasoning import parser_class as reasoning_parser_class
 from engine.reasoning.output import ReasoningOutput
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling_params import InvalidRequestError
 from engine.server.engine_client import EngineClient
 from engine.server.jobs import Job, Step, engine_error, generate_steps
 from engine.server.logprobs import TokenIdStrings, TokenStrings
@@ -237,6 +236,11 @@ class OpenAIServing:
                     f"('{so.param}'): the answer could not have a first token",
                     param="allowed_token_ids",
                 )
+        if req.bad_words:  # once per request, off the event loop; its choices share them
+            words = tokenize_bad_words(self.engine.tokenizer, req.bad_words)
+            # A sequence with an id past the model's vocabulary can never be sampled whole.
+            vocab = self.engine.vocab_size
+            req.bad_words_token_ids = tuple(seq for seq in words if max(seq) < vocab)
         if not self.engine.healthy:
             raise engine_error(self.engine, None)
 
@@ -276,16 +280,6 @@ class OpenAIServing:
             self._job(request, chat, req, ids, index) for index, (req, ids) in enumerate(choices)
         ]
 
-    def _sampling_params(self, req: BaseRequest, max_tokens: int) -> SamplingParams:
-        params = req.sampling_params(max_tokens)
-        if req.bad_words:  # the words as this node's tokenizer makes them
-            words = tokenize_bad_words(self.engine.tokenizer, req.bad_words)
-            # A sequence with an id past the model's vocabulary can never be sampled whole.
-            vocab = self.engine.vocab_size
-            words = tuple(seq for seq in words if max(seq) < vocab)
-            params = dataclasses.replace(params, bad_words_token_ids=words)
-        return params
-
     def _job(
         self, request: Request, chat: bool, req: BaseRequest, ids: list[int], index: int = 0
     ) -> Job:
@@ -321,7 +315,7 @@ class OpenAIServing:
             label=label,
             model=self.engine.model_name,
             prompt_ids=ids,
-            params=self._sampling_params(req, max_tokens),
+            params=req.sampling_params(max_tokens),
             req=req,
             strings=self._strings_for(req),
             echo_text=(req.prompt_text or "") if echo else None,  # type: ignore[attr-defined]

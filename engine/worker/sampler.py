@@ -142,8 +142,7 @@ class Sampler:
             self._allowed = {}
         if any(sp.logit_bias for sp in params):
             logits = _add_bias(logits, params, lambda h, d: _copy(h, d, self._bias_staging))
-        has_bad = bad is not None and any(bad)
-        if has_bad:  # bad_words' bans hold (a row they empty draws from -inf, as vLLM's)
+        if bad is not None and any(bad):  # bad_words' bans hold (a row they empty draws from -inf, as vLLM's)
             logits = _mask(logits, bad, lambda h, d: _copy(h, d, self._bad_staging))  # type: ignore[arg-type]
         if banned is not None and any(banned):
             masked = _mask(logits, banned, lambda h, d: _copy(h, d, self._mask_staging))
