@@ -142,8 +142,9 @@ class Sampler:
             self._allowed = {}
         if any(sp.logit_bias for sp in params):
             logits = _add_bias(logits, params, lambda h, d: _copy(h, d, self._bias_staging))
-        if bad is not None and any(bad):  # bad_words' bans hold (a row they empty draws from -inf, as vLLM's)
-            logits = _mask(logits, bad, lambda h, d: _copy(h, d, self._bad_staging))  # type: ignore[arg-type]
+        if bad is not None and any(bad):
+            # bad_words' bans hold (a row they empty draws from -inf, as vLLM's)
+            logits = _mask(logits, bad, lambda h, d: _copy(h, d, self._bad_staging))
         if banned is not None and any(banned):
             masked = _mask(logits, banned, lambda h, d: _copy(h, d, self._mask_staging))
             if (allowed or grammar is not None) and masked is not logits:
