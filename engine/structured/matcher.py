@@ -17,11 +17,10 @@ import numpy as np
 class GrammarState:
     """One request's ``llguidance.LLMatcher``, advanced token by token."""
 
-    __slots__ = ("_allowed", "matcher", "num_tokens")
+    __slots__ = ("_allowed", "matcher")
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
-        self.num_tokens = 0  # output tokens consumed
         self._allowed: np.ndarray | None = None
 
     def allowed_ids(self, ids: list[int], vocab_size: int) -> np.ndarray:
@@ -33,10 +32,7 @@ class GrammarState:
     def accept(self, token: int) -> bool:
         """Advance with the request's next output token; False (and the matcher in its
         error state, ``error``) when the grammar does not allow it."""
-        ok = bool(self.matcher.consume_token(token))
-        if ok:
-            self.num_tokens += 1
-        return ok
+        return bool(self.matcher.consume_token(token))
 
     @property
     def finished(self) -> bool:
@@ -57,7 +53,7 @@ def fill_bitmask(rows: list[tuple[int, GrammarState]], vocab_size: int) -> np.nd
     """One int32 buffer for a step: ``k`` masks of ``bitmask_words`` words each (the
     grammar's allowed ids after the tokens each request has), then the ``k`` rows they
     belong to (a row is the index among the step's sampling sequences). One buffer, so
-    the workers copy it to the device in one transfer (``unpack_bitmask``)."""
+    the workers copy it to the device in one transfer (``Sampler._apply_grammar``)."""
     words = bitmask_words(vocab_size)
     k = len(rows)
     buf = np.empty(k * words + k, dtype=np.int32)
@@ -88,8 +84,3 @@ def start_allows_any(template: Any, ids: list[int], vocab_size: int) -> bool:
     mask = np.empty(bitmask_words(vocab_size), dtype=np.int32)
     matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
     return allows_any(mask, allowed_ids_array(ids, vocab_size))
-
-
-def bitmask_rows(buf_len: int, vocab_size: int) -> int:
-    """How many masks a ``fill_bitmask`` buffer of ``buf_len`` int32s holds."""
-    return buf_len // (bitmask_words(vocab_size) + 1)

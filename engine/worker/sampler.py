@@ -46,6 +46,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured.matcher import bitmask_words
 from engine.worker.penalties import PenaltyHistory, apply_penalties
 from engine.worker.staging import HostStaging
 
@@ -207,7 +208,7 @@ class Sampler:
         copy). ``buf``: ``k`` masks of ``ceil(vocab / 32)`` int32 words (bit ``j`` of word
         ``w``: id ``32 w + j`` allowed), then the ``k`` rows; one copy to the device."""
         num, vocab = logits.shape
-        words = (vocab + 31) // 32
+        words = bitmask_words(vocab)
         k = len(buf) // (words + 1)
         if k * (words + 1) != len(buf):
             raise ValueError(
