@@ -116,17 +116,18 @@ class Session:
         self.current: Attempt | None = None
         self.route: Route | None = None
         # Streaming state.
-        # A chat request whose answer is parsed into tool calls streams from D alone: the
-        # node parses the whole answer (P's first token would be sent as content).
+        # An answer D shapes as a whole streams from D alone and is not migrated: echo
+        # (completions' prompt, chat's final message) comes before the first token; tool
+        # calls and reasoning are parsed from the whole answer, P's token included (it
+        # would go out as content), and a replay's parts are not checked (new call ids).
+        # Reasoning is known once a decode node is picked (its parser: ``_launch``).
         tools = getattr(req.parsed, "tools", None)
-        self.tool_calls = tools is not None and tools.parses_calls
-        # Echo (completions' prompt, chat's final message) comes before the first token.
-        self.echoes = bool(req.parsed.echo or getattr(req.parsed, "chat_echo", ""))
-        # Set once a chat request went to a decode node that parses reasoning.
-        self.reasoning = False
-        self.prestream = (
-            req.stream and not req.parsed.stop and not self.echoes and not self.tool_calls
+        self.shaped_by_d = bool(
+            req.parsed.echo
+            or getattr(req.parsed, "chat_echo", "")
+            or (tools is not None and tools.parses_calls)
         )
+        self.prestream = req.stream and not req.parsed.stop and not self.shaped_by_d
         self._lp_seen = 0  # log-prob entries of D's stream seen so far
         self._p_answer: tuple[Attempt, Any] | None = None  # P's answer, per attempt
         self.first_chunk: str | None = None
@@ -169,11 +170,11 @@ class Session:
         self.attempts += 1
         self.route = route
         p, d = route.prefill, route.decode
-        # A chat answer D splits into reasoning and content: D streams all of it.
-        self.reasoning = self.reasoning or (self.req.chat and d.reasoning_parser is not None)
+        if self.req.chat and d.reasoning_parser is not None:
+            self.shaped_by_d = True  # D splits the answer into reasoning and content
         # Pre-stream P's first token unless D recently refused a request for load: then
         # wait for D's answer, so that a refusal still reaches the client as a 429.
-        prestream = self.prestream and p is not None and not d.shedding() and not self.reasoning
+        prestream = self.prestream and p is not None and not d.shedding() and not self.shaped_by_d
         # D drops the first token when the client has it (or will have it from P).
         skip = self.cfg.node_skip_first_token and p is not None
         skip = skip and (prestream or self.out.sent_ids is not None)
@@ -528,9 +529,7 @@ class Session:
                     if migrating and (
                         self.out.finished
                         or self.migrations >= self.cfg.migration_limit
-                        or self.echoes  # the replay would start with the echoed text
-                        or self.tool_calls  # the replay's tool calls have new ids
-                        or self.reasoning  # the replay's parts are not checked
+                        or self.shaped_by_d  # echo, tool calls, reasoning (__init__)
                     ):
                         raise  # the answer was whole but for [DONE], or no move is left
                     if isinstance(e, NodeHTTPError):
