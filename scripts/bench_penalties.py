@@ -21,6 +21,7 @@ on a GPU the host share is what the device waits for: GPU figures need a GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -31,11 +32,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.worker.penalties import PenaltyHistory, apply_penalties  # noqa: E402
+from engine.worker.penalties import PenaltyHistory, PenaltyPool, apply_penalties  # noqa: E402
 
 ToDevice = Callable[[torch.Tensor, torch.device], torch.Tensor]
 
@@ -154,6 +156,20 @@ def formula(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> t
     return x
 
 
+class DeviceOps(TorchDispatchMode):
+    """Counts the aten ops that would run on a device (views excluded): on a GPU each
+    is a kernel launch the host pays for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def measure(rows: int, prompt_len: int, vocab: int, steps: int, seed: int = 0) -> dict:
     """ms per decode step of both and of the floor, median and mean (a step's time
     includes its ``add`` of one token per row)."""
@@ -166,9 +182,13 @@ def measure(rows: int, prompt_len: int, vocab: int, steps: int, seed: int = 0) -
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(rows)]
     impls = {
         "old": ([OldPenaltyHistory(prompt_len) for _ in range(rows)], old_apply_penalties),
-        "new": ([PenaltyHistory(prompt_len) for _ in range(rows)], apply_penalties),
+        "new": (
+            [PenaltyHistory(prompt_len) for _ in range(rows)],
+            functools.partial(apply_penalties, pool=PenaltyPool()),
+        ),
     }
     times: dict[str, list[float]] = {name: [] for name in (*impls, "floor")}
+    ops: dict[str, int] = {}
     gen = torch.Generator().manual_seed(seed)
     tokens = prompts
     for step in range(steps + 1):
@@ -180,11 +200,17 @@ def measure(rows: int, prompt_len: int, vocab: int, steps: int, seed: int = 0) -
             t0 = time.thread_time()
             for h, t in zip(hists, tokens, strict=True):
                 h.add(t)
-            got[name] = fn(logits, params, list(hists), None, _to_device)
+            if step == steps:  # the last step, once more with its ops counted (not timed)
+                with DeviceOps() as counted:
+                    got[name] = fn(logits, params, list(hists), None, _to_device)
+                ops[name] = counted.count
+            else:
+                got[name] = fn(logits, params, list(hists), None, _to_device)
             times[name].append(time.thread_time() - t0)
         assert torch.equal(got["old"], got["new"]), f"step {step}: the logits differ"
-        counts = torch.stack([h.counts for h in impls["new"][0]])  # [S, V]
-        seen = torch.stack([h.in_prompt for h in impls["new"][0]]) | (counts > 0)  # [S, V]
+        new_hists = impls["new"][0]
+        counts = torch.stack([h.counts for h in new_hists])  # type: ignore[misc]  # [S, V]
+        seen = torch.stack([h.in_prompt for h in new_hists]) | (counts > 0)  # type: ignore[misc]
         t0 = time.thread_time()
         formula(logits, counts, seen)
         times["floor"].append(time.thread_time() - t0)
@@ -193,6 +219,7 @@ def measure(rows: int, prompt_len: int, vocab: int, steps: int, seed: int = 0) -
     for name, ts in times.items():
         out[f"{name}_median_ms"] = round(1e3 * statistics.median(ts[1:]), 3)
         out[f"{name}_mean_ms"] = round(1e3 * statistics.fmean(ts[1:]), 3)
+    out["old_ops"], out["new_ops"] = ops["old"], ops["new"]
     out["ratio_median"] = round(out["new_median_ms"] / out["old_median_ms"], 3)
     floor = out["floor_median_ms"]
     out["old_above_floor_ms"] = round(out["old_median_ms"] - floor, 3)
@@ -220,7 +247,8 @@ def main() -> None:
             f"old {r['old_median_ms']:.3f} ms (mean {r['old_mean_ms']:.3f}), new "
             f"{r['new_median_ms']:.3f} ms (mean {r['new_mean_ms']:.3f}), new/old "
             f"{r['ratio_median']:.3f}x; above the [S, V] arithmetic ({r['floor_median_ms']:.3f}"
-            f" ms): old {r['old_above_floor_ms']:.3f}, new {r['new_above_floor_ms']:.3f} ms",
+            f" ms): old {r['old_above_floor_ms']:.3f}, new {r['new_above_floor_ms']:.3f} ms; "
+            f"device ops per step (launches on a GPU): old {r['old_ops']}, new {r['new_ops']}",
             flush=True,
         )
     if args.json:

@@ -62,23 +62,16 @@ def test_batched_penalties_equal_the_reference_row_by_row_and_leave_other_rows_a
         h = PenaltyHistory(len(pr))
         h.add(pr + out)
         histories.append(h)
-    got = apply_penalties(
-        logits, params, histories, ([pending_row], [1], torch.tensor([5, pending_id])), _to_device
-    )
+    sampler = Sampler()
+    pending = ([pending_row], [1], torch.tensor([5, pending_id]))
+    got = apply_penalties(logits, params, histories, pending, _to_device, sampler.penalty_pool)
     outputs[pending_row] = [*outputs[pending_row], pending_id]
     for i, sp in enumerate(params):
         want = reference(logits[i], sp, prompts[i], outputs[i])
         torch.testing.assert_close(got[i], want)
     assert torch.equal(got[1], logits[1])
     # Through the sampler: greedy rows take the penalized argmax.
-    picked = Sampler().sample(
-        logits,
-        params,
-        [0] * 4,
-        None,
-        histories,
-        ([pending_row], [1], torch.tensor([5, pending_id])),
-    )
+    picked = sampler.sample(logits, params, [0] * 4, None, histories, pending)
     assert picked[0] == int(reference(logits[0], params[0], prompts[0], outputs[0]).argmax())
     assert picked[1] == int(logits[1].argmax())
 

@@ -47,7 +47,7 @@ import torch
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.structured.matcher import bitmask_words
-from engine.worker.penalties import PenaltyHistory, apply_penalties
+from engine.worker.penalties import PenaltyHistory, PenaltyPool, apply_penalties
 from engine.worker.staging import HostStaging
 
 _MASK64 = (1 << 63) - 1
@@ -94,6 +94,8 @@ class Sampler:
         self._bad_staging = HostStaging(device, slots=2) if cuda else None
         self._bias_staging = HostStaging(device, slots=2) if cuda else None
         self._penalty_staging = HostStaging(device, slots=2) if cuda else None
+        # The penalized requests' state, one slot each (``engine/worker/penalties.py``).
+        self.penalty_pool = PenaltyPool()
         self._allowed_staging = HostStaging(device, slots=2) if cuda else None
         self._grammar_staging = HostStaging(device, slots=2) if cuda else None
         # The allowed_token_ids masks of the last step with any, by request: id() of its
@@ -157,7 +159,12 @@ class Sampler:
             logits = masked
         if penalties is not None and any(h is not None for h in penalties):
             logits = apply_penalties(
-                logits, params, penalties, pending, lambda h, d: _copy(h, d, self._penalty_staging)
+                logits,
+                params,
+                penalties,
+                pending,
+                lambda h, d: _copy(h, d, self._penalty_staging),
+                self.penalty_pool,
             )
         if all(sp.greedy for sp in params):
             return logits.argmax(dim=-1)
