@@ -184,3 +184,17 @@ def test_a_finished_requests_slot_is_given_back_and_its_next_owner_starts_from_z
     logits, got = step([new])
     assert new.slot in slots and pool.capacity == 4  # a slot reused, the pool not grown
     assert torch.equal(got[0], reference(logits[0], sp, [9], [4]))  # nothing of the old owner
+
+
+def test_a_pool_sized_for_max_num_seqs_is_made_whole_at_first_use_and_does_not_grow():
+    # The memory profile sizes the KV cache with this pool in it: no later growth (and no
+    # transient copy of it) may take memory the cache was given.
+    pool = PenaltyPool(max_slots=4)
+    sp = SamplingParams(temperature=0, **PENALTIES)
+    histories = [PenaltyHistory(1) for _ in range(4)]
+    for h in histories:
+        h.add([1, 2])
+    apply_penalties(torch.zeros(1, 10), [sp], histories[:1], None, CountingCopy(), pool)
+    assert pool.capacity == 5  # slot 0 (zeros) and one per request
+    apply_penalties(torch.zeros(4, 10), [sp] * 4, histories, None, CountingCopy(), pool)
+    assert pool.capacity == 5 and sorted(h.slot for h in histories) == [1, 2, 3, 4]

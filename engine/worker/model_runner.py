@@ -103,7 +103,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.staging = HostStaging(self.device)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, config.scheduler.max_num_seqs)
         self.requests = RequestStates()  # per request: block table, sampling parameters
         # Async scheduling: the last sampling step's ids [S] on the device, on every rank
         # (rank 0's, broadcast), and each request's row: a step's placeholders are filled
@@ -145,14 +145,14 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, step.attn, scratch)
         rows = min(sched.max_num_seqs, tokens)
         # The sampler's [S, V] temporaries at their largest (a bias copy, penalties, min-p,
-        # the sort, the allowed_token_ids masks and the penalties' state: [V] rows kept per
-        # request, so each row its own request, on a sampler and histories of its own that
-        # take them along when they go).
+        # the sort, the allowed_token_ids masks) and the penalties' pool, made whole at
+        # max_num_seqs rows as the serving sampler's will be: each row its own request, on
+        # a sampler and histories of its own that take them along when they go.
         worst = SamplingParams(
             temperature=1.0, top_k=50, top_p=0.9, seed=0, min_p=0.01, logit_bias={0: 1.0},
             repetition_penalty=1.1, frequency_penalty=0.1, allowed_token_ids=[0],
         )  # fmt: skip
-        Sampler(self.device).sample(
+        Sampler(self.device, sched.max_num_seqs).sample(
             self.model.compute_logits(hidden[:rows]),
             [dataclasses.replace(worst) for _ in range(rows)],
             list(range(rows)),

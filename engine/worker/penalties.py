@@ -45,14 +45,19 @@ class PenaltyPool:
     (separate [V] tensors cost a launch per row). A history takes a slot in its first
     step (zeroed then) and gives it back when it is dropped (its request finished or was
     preempted); a later owner's zeroing is ordered after any step in flight that read
-    the slot (one stream). The tensors grow (doubling) when every slot is taken and do
-    not shrink: at most ``max_num_seqs`` penalized requests' rows, as the memory
-    profile's dummy step takes them."""
+    the slot (one stream).
 
-    def __init__(self) -> None:
+    ``max_slots`` (``max_num_seqs``: no more requests run at once): the tensors are made
+    that size at their first use and do not grow (no transient copy; the memory
+    profile's dummy step makes the same pool, so the KV cache is sized without it).
+    None (CPU, tests): they start at one slot and double when every slot is taken.
+    Either way they never shrink."""
+
+    def __init__(self, max_slots: int | None = None) -> None:
         self.counts: torch.Tensor | None = None  # [C, V] float32
         self.in_prompt: torch.Tensor | None = None  # [C, V] bool
         self._free: list[int] = []
+        self._first = 1 + (max_slots or 0)  # slot 0: zeros
 
     @property
     def capacity(self) -> int:
@@ -61,8 +66,10 @@ class PenaltyPool:
     def check(self, vocab: int, device: torch.device) -> None:
         """Made for ``vocab`` ids on ``device`` on the first call; the same after."""
         if self.counts is None:
-            self.counts = torch.zeros(1, vocab, dtype=torch.float32, device=device)
-            self.in_prompt = torch.zeros(1, vocab, dtype=torch.bool, device=device)
+            n = self._first
+            self.counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)  # [C, V]
+            self.in_prompt = torch.zeros(n, vocab, dtype=torch.bool, device=device)  # [C, V]
+            self._free = list(range(n - 1, 0, -1))
         elif self.counts.shape[1] != vocab or self.counts.device != device:
             raise ValueError(
                 f"penalty state of {self.counts.shape[1]} ids on {self.counts.device}, "
@@ -73,7 +80,7 @@ class PenaltyPool:
         """``want`` free slots (their rows zeroed by the caller), growing if needed."""
         assert self.counts is not None and self.in_prompt is not None
         short = want - len(self._free)
-        if short > 0:
+        if short > 0:  # (with max_slots: only if more requests than that ran at once)
             old = self.capacity
             new = max(old + short, 2 * old)
             vocab, device = self.counts.shape[1], self.counts.device

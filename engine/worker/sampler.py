@@ -84,7 +84,9 @@ def hashed_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, max_rows: int | None = None) -> None:
+        """``max_rows``: the most requests at once (``max_num_seqs``), the penalties'
+        pool's size, taken whole at its first use (None: it grows as needed)."""
         self._rng = random.SystemRandom()
         # The per-row parameters' and the min_tokens mask's copies: pinned, two slots each
         # (one use per step each: a copy never waits for the step in flight).
@@ -95,7 +97,7 @@ class Sampler:
         self._bias_staging = HostStaging(device, slots=2) if cuda else None
         self._penalty_staging = HostStaging(device, slots=2) if cuda else None
         # The penalized requests' state, one slot each (``engine/worker/penalties.py``).
-        self.penalty_pool = PenaltyPool()
+        self.penalty_pool = PenaltyPool(max_rows)
         self._allowed_staging = HostStaging(device, slots=2) if cuda else None
         self._grammar_staging = HostStaging(device, slots=2) if cuda else None
         # The allowed_token_ids masks of the last step with any, by request: id() of its
