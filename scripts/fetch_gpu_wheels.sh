@@ -2,6 +2,11 @@
 # Download the wheels the offline GPU host lacks into .whl/ (git-ignored through
 # .git/info/exclude), for Python 3.12 on x86_64: scripts/gpu_check.sh installs them.
 # The set is the one ../shared/notes/gpu.md lists as known to work there (~60 MiB).
+case "${1:-}" in
+  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+  "") ;;
+  *) echo "fetch_gpu_wheels.sh: takes no arguments, got '$1' (see --help)" >&2; exit 2 ;;
+esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude

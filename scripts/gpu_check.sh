@@ -24,6 +24,11 @@
 #
 # Wheels in .whl/ (scripts/fetch_gpu_wheels.sh) are installed first into /tmp/site, for
 # hosts without nixl/pyzmq/fastapi/uvicorn/pydantic.
+case "${1:-}" in
+  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+  "") ;;
+  *) echo "gpu_check.sh: takes no arguments, got '$1' (see --help)" >&2; exit 2 ;;
+esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_check}"

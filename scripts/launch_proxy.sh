@@ -27,7 +27,7 @@ while [[ $# -gt 0 ]]; do
     --host) need "$@"; HOST="$2"; shift 2 ;;
     --log-dir) need "$@"; LOG_DIR="$2"; shift 2 ;;
     --run-dir) need "$@"; RUN_DIR="$2"; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     --) shift; EXTRA=("$@"); break ;;
     *) echo "unknown flag $1 (proxy flags go after --)" >&2; exit 2 ;;
   esac

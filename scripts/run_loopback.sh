@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
     --prompt) PROMPT=$2; shift 2 ;;
     --max-tokens) MAX_TOKENS=$2; shift 2 ;;
     --no-proxy) USE_PROXY=0; shift ;;
-    -h|--help) sed -n 2,8p "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "run_loopback.sh: unknown flag $1 (see --help)" >&2; exit 2 ;;
   esac
 done
