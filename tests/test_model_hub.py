@@ -155,3 +155,25 @@ def test_node_unknown_repo_offline_fails_fast(procs, hf_cache: Path) -> None:
     node = procs.node("--model", "nobody/nothing", wait=False, env=env)
     assert node.proc.wait(60) == 2
     assert "--model: 'nobody/nothing'" in node.logs()
+
+
+def test_without_a_cache_setting_messages_name_the_librarys_cache_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No --download-dir, $HF_HUB_CACHE or $HF_HOME: the messages name the directory the
+    # library uses, where a user can look (they said "the Hugging Face cache the default
+    # Hugging Face cache").
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HOME", raising=False)
+    with (
+        caplog.at_level("INFO", logger="engine.model.hub"),
+        pytest.raises(ConfigError) as err,
+    ):
+        resolve_model("nobody/nothing")
+    assert f"({constants.HF_HUB_CACHE})" in str(err.value)
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert f"through the Hugging Face cache {constants.HF_HUB_CACHE} (offline)" in logged
+    assert "default Hugging Face cache" not in logged + str(err.value)

@@ -75,7 +75,12 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
         raise ConfigError(f"--model: {model!r} needs huggingface_hub to download: {e}") from e
     offline = hub_offline()
     cache = hub_cache_dir(download_dir)
-    where = cache or "the default Hugging Face cache"
+    if cache:
+        where = cache
+    else:  # the library's own default (~/.cache/huggingface/hub): name it, so it can be looked at
+        from huggingface_hub import constants
+
+        where = constants.HF_HUB_CACHE
     logger.info(
         "resolving model %s (revision %s) through the Hugging Face cache %s%s",
         model,
