@@ -44,9 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     def client_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--url", default=DEFAULT_URL, help=f"proxy URL (default: {DEFAULT_URL})")
         p.add_argument("--model", default=None, help="model name (default: the served one)")
-        p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate")
-        p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
-        p.add_argument("--timeout", type=float, default=300.0, help="request timeout, seconds")
+        p.add_argument(
+            "--max-tokens", type=int, default=128, help="tokens to generate (default: 128)"
+        )
+        p.add_argument(
+            "--temperature", type=float, default=0.7, help="sampling temperature (default: 0.7)"
+        )
+        p.add_argument(
+            "--timeout", type=float, default=300.0, help="request timeout, seconds (default: 300)"
+        )
         p.add_argument(
             "--api-key",
             default=os.environ.get("PDPROXY_API_KEY") or os.environ.get("OPENAI_API_KEY"),

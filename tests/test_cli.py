@@ -228,3 +228,17 @@ def test_an_abbreviated_proxy_flag_is_refused() -> None:
     assert exc.value.code == 2
     args = proxy_parser().parse_args(["serve", "--api-key", "secret"])
     assert args.api_key == "secret"
+
+
+@pytest.mark.parametrize("command", ["complete", "chat"])
+def test_proxy_client_help_shows_its_defaults(command: str) -> None:
+    # `pd-proxy complete --help` said "tokens to generate" and "sampling temperature" with no
+    # default: 128 tokens at temperature 0.7 came as a surprise.
+    from proxy.cli import build_parser as proxy_parser
+
+    parser = proxy_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]
+    text = " ".join(sub.format_help().split())
+    for flag in ("--max-tokens", "--temperature", "--timeout"):
+        default = sub.get_default(flag.lstrip("-").replace("-", "_"))
+        assert f"(default: {default:g})" in text, (flag, text)
