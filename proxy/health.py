@@ -99,12 +99,25 @@ class HealthChecker:
                 node.set_healthy(False, f"node facts unavailable: {type(e).__name__}: {e}")
                 return
             if (mismatch := node.role_mismatch()) is not None:
-                node.set_healthy(False, mismatch)
+                self._misfit(node, mismatch)
                 return
             if node.role == "prefill" and node.side_channel is None:
-                node.set_healthy(False, "prefill node advertises no KV side channel")
+                self._misfit(
+                    node,
+                    "prefill node advertises no KV side channel (it serves colocated): "
+                    "start it with --kv-connector nixl",
+                )
                 return
         node.set_healthy(True)
+
+    @staticmethod
+    def _misfit(node: Node, reason: str) -> None:
+        """Out of rotation for how it was started. Said in the log once per reason, also for
+        a node never healthy (``set_healthy`` logs only a healthy node leaving rotation),
+        so that the proxy's 503s are explained where its operator looks."""
+        if not node.healthy and node.last_error != reason:
+            logger.warning("%s node %s not routed to: %s", node.role, node.url, reason)
+        node.set_healthy(False, reason)
 
     def _ended(self, node: Node, call: asyncio.Future[Any]) -> None:
         """A /health call ended. One its check gave up on that got an answer all the

@@ -71,6 +71,36 @@ def test_a_node_listed_in_the_other_role_is_out_of_rotation_naming_the_mix_up(
     asyncio.run(main())
 
 
+def test_a_prefill_node_without_a_kv_connector_is_out_of_rotation_saying_how_to_fix_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # `prefill-node` without --kv-connector nixl serves colocated and advertises no side
+    # channel: the proxy never routes to it. Found by a new-user walkthrough: every request
+    # was a 503 "no healthy prefill node", the proxy logged nothing, and /health said only
+    # "prefill node advertises no KV side channel".
+    async def colocated(req: SeenRequest) -> bytes:
+        if req.path == "/v1/kv_transfer_info":
+            return answer(200, {"reasoning_parser": None})
+        if req.path == "/v1/models":
+            return answer(200, {"data": [{"id": "tiny", "max_model_len": 64}]})
+        return answer(200, {"status": "ok"})
+
+    async def main() -> None:
+        async with StandIn(colocated) as n, NodeClient(timeout=5) as client:
+            pool = NodePool((n.url,), ())
+            (node,) = pool.nodes("prefill")
+            checker = HealthChecker(pool, client, interval=1.0)
+            with caplog.at_level("WARNING", logger="proxy"):
+                for _ in range(3):
+                    await checker.check_all()
+            assert not node.ready
+            assert "--kv-connector nixl" in (node.last_error or "")
+            warned = [r.getMessage() for r in caplog.records if n.url in r.getMessage()]
+            assert len(warned) == 1 and "--kv-connector nixl" in warned[0], warned
+
+    asyncio.run(main())
+
+
 REFUSAL = {
     "error": {
         "message": "kv_transfer_params.remote_side_channel 'tcp://192.0.2.2:5600' is not an "
