@@ -141,6 +141,18 @@ def test_bad_shapes_are_400s_naming_the_field(fields: dict[str, Any], param: str
     assert e.value.status_code == 400 and e.value.param == param, e.value.message
 
 
+@pytest.mark.parametrize("key", ["backend", "disable_any_whitespace", "whitespace_pattern"])
+def test_a_vllm_structured_outputs_key_not_implemented_is_an_unsupported_parameter(
+    key: str,
+) -> None:
+    # As every field vLLM knows and pdserve does not implement (docs/api.md: code
+    # "unsupported_parameter" with param naming it); it was a 400 with code null.
+    with pytest.raises(APIError) as e:
+        parse_completion_request({"prompt": "x", "structured_outputs": {"regex": "a", key: "v"}})
+    assert e.value.param == f"structured_outputs.{key}"
+    assert e.value.code == "unsupported_parameter", e.value.message
+
+
 @pytest.mark.parametrize(
     "fields, param, reason",
     [

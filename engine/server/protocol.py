@@ -27,7 +27,11 @@ from engine.sampling_params import (
 )
 from engine.structured.compiler import StructuredOutputUnavailable, check_structured_output
 from engine.structured.spec import FIELDS as STRUCTURED_FIELDS
-from engine.structured.spec import StructuredOutput, parse_structured_output
+from engine.structured.spec import (
+    StructuredOutput,
+    UnsupportedStructuredKey,
+    parse_structured_output,
+)
 from engine.tools.spec import ToolCalling, parse_tool_calling
 from kvconnector.params import KVTransferParams
 
@@ -474,6 +478,8 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     _reject_unsupported(body, chat=chat)
     try:
         req.structured_output = parse_structured_output(body)
+    except UnsupportedStructuredKey as e:
+        raise APIError(str(e), param=e.param, code="unsupported_parameter") from e
     except InvalidRequestError as e:
         raise APIError(str(e), param=e.param) from e
     if req.prompt_logprobs is not None and req.stream:

@@ -42,6 +42,11 @@ _LEGACY = {
 FIELDS = ("response_format", "structured_outputs", *_LEGACY)
 
 
+class UnsupportedStructuredKey(InvalidRequestError):
+    """A ``structured_outputs`` key vLLM knows that pdserve does not implement (``backend``,
+    ``disable_any_whitespace``, ...): an ``unsupported_parameter``, as such fields are."""
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """One constraint on a request's output. ``spec`` is text: a JSON schema's JSON, a
@@ -161,7 +166,7 @@ def _structured_outputs(value: Any) -> StructuredOutput | None:
         raise InvalidRequestError(f"'{name}' must be an object", name)
     unknown = [k for k, v in value.items() if k not in KINDS and v not in (None, False)]
     if unknown:
-        raise InvalidRequestError(
+        raise UnsupportedStructuredKey(
             f"'{name}.{unknown[0]}' is not supported (only {', '.join(KINDS)})",
             f"{name}.{unknown[0]}",
         )
