@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from engine.structured.reasoning import ReasoningTags
     from engine.structured.spec import StructuredOutput
 
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -89,6 +90,10 @@ class SamplingParams:
     # A structured output (``engine/structured``): the output follows this grammar. The
     # engine process keeps the matcher; the workers get each step's bitmask.
     structured_output: StructuredOutput | None = None
+    # The answer reasons first (a chat answer on a node with ``--reasoning-parser``): the
+    # structured output constrains only what follows the reasoning's end (the parser's
+    # tags as token ids, ``engine/structured/reasoning.py``; None: no reasoning part).
+    reasoning_tags: ReasoningTags | None = None
     # vLLM's ``bad_words``, as token id sequences (``engine.bad_words``): a sequence's last
     # id is not sampled where the output ends with the rest of it.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()

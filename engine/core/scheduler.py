@@ -172,7 +172,8 @@ class Scheduler:
         if so is not None and request.grammar is None:  # offline; HTTP requests come with it
             if self.grammars is None:
                 raise InvalidRequestError("this engine has no structured outputs", so.param)
-            request.grammar = GrammarState(self.grammars.new_matcher(so))
+            matcher = self.grammars.new_matcher(so)
+            request.grammar = GrammarState(matcher, request.sampling_params.reasoning_tags)
         self.connector.prepare_request(request)  # P/D policy: may set max_tokens and seed
         total = min(n + request.sampling_params.max_tokens, self.max_model_len)
         if self.kv.blocks_needed(total) > self.kv.num_blocks:
@@ -448,7 +449,8 @@ class Scheduler:
                 seq.prompt_logprobs = sp.prompt_logprobs or 0
         req.num_computed_tokens = end
         if samples:
-            if req.grammar is not None:  # its mask is this step's sampling row so far
+            if req.grammar is not None and req.grammar.constrains:
+                # Its mask is this step's sampling row so far (none while it reasons).
                 self._grammar_rows.append((self._num_sampling, req))
             self._num_sampling += 1
             if self.async_scheduling:

@@ -5,6 +5,10 @@ and advances it with every output token the request gets -- sampled here, or sam
 a prefill node and received with the KV -- in ``Scheduler._append``. Each step the
 scheduler fills one bitmask for the rows that sample under a grammar (``fill_bitmask``)
 and sends it with the step; rank 0's sampler applies it.
+
+An answer with reasoning (``SamplingParams.reasoning_tags``) is constrained only once its
+reasoning ended: until then its rows sample freely and the matcher is not advanced
+(``engine/structured/reasoning.py``).
 """
 
 from __future__ import annotations
@@ -13,15 +17,29 @@ from typing import Any
 
 import numpy as np
 
+from engine.structured.reasoning import Phase, ReasoningGate, ReasoningTags
+
 
 class GrammarState:
-    """One request's ``llguidance.LLMatcher``, advanced token by token."""
+    """One request's ``llguidance.LLMatcher``, advanced token by token (the content's
+    tokens only, when the answer reasons: ``reasoning``)."""
 
-    __slots__ = ("_allowed", "matcher")
+    __slots__ = ("_allowed", "_matched", "matcher", "reasoning")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, reasoning: ReasoningTags | None = None) -> None:
         self.matcher = matcher
         self._allowed: np.ndarray | None = None
+        self.reasoning = None if reasoning is None else ReasoningGate(reasoning)
+        # The matcher took every output token so far. False only while a qwen3 answer is
+        # a prefix of its start tag that the grammar does not allow: it can only go on
+        # to open its reasoning (a token the grammar refuses is never consumed: llguidance
+        # keeps its error state).
+        self._matched = True
+
+    @property
+    def constrains(self) -> bool:
+        """The next token is sampled under the grammar's mask (not while reasoning)."""
+        return self.reasoning is None or self.reasoning.phase is not Phase.REASONING
 
     def allowed_ids(self, ids: list[int], vocab_size: int) -> np.ndarray:
         """The request's ``allowed_token_ids`` as ``allows_any`` takes them (made once)."""
@@ -31,13 +49,44 @@ class GrammarState:
 
     def accept(self, token: int) -> bool:
         """Advance with the request's next output token; False (and the matcher in its
-        error state, ``error``) when the grammar does not allow it."""
-        return bool(self.matcher.consume_token(token))
+        error state, ``error``) when the grammar does not allow it. A reasoning token
+        (the end tag's included) is not the grammar's: the matcher stays as it is."""
+        gate = self.reasoning
+        if gate is None or gate.phase is Phase.CONTENT:
+            return bool(self.matcher.consume_token(token))
+        if gate.phase is Phase.REASONING:
+            gate.feed(token)
+            return True
+        # OPENING: the token may go on with the start tag, or be the content's.
+        phase = gate.feed(token)
+        if phase is Phase.CONTENT:  # off the tag: the tokens so far are all content
+            return self._matched and bool(self.matcher.consume_token(token))
+        if self._matched and self.matcher.validate_tokens([token]) == 1:
+            self.matcher.consume_token(token)  # the content may still be this prefix
+        else:
+            self._matched = False
+        if phase is Phase.REASONING:  # the tag is complete: no content so far
+            self.matcher.reset()
+            self._matched = True
+        return True
+
+    def fill_mask(self, mask: np.ndarray) -> None:
+        """The ids the next token may be, one bit each, into ``mask`` (``bitmask_words``
+        int32 words): the grammar's; while opening, the start tag's next token too."""
+        if self._matched:
+            self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        else:
+            mask[:] = 0
+        gate = self.reasoning
+        if gate is not None and gate.phase is Phase.OPENING:
+            t = gate.next_start_token
+            if t < mask.size * 32:
+                mask.view(np.uint32)[t >> 5] |= np.uint32(1 << (t & 31))
 
     @property
     def finished(self) -> bool:
         """The grammar is complete: no token but EOS may follow."""
-        return bool(self.matcher.is_stopped())
+        return self.constrains and self._matched and bool(self.matcher.is_stopped())
 
     @property
     def error(self) -> str:
@@ -59,7 +108,7 @@ def fill_bitmask(rows: list[tuple[int, GrammarState]], vocab_size: int) -> np.nd
     buf = np.empty(k * words + k, dtype=np.int32)
     masks = buf[: k * words].reshape(k, words)
     for j, (row, state) in enumerate(rows):
-        state.matcher.unsafe_compute_mask_ptr(masks[j].ctypes.data, words * 4)
+        state.fill_mask(masks[j])
         buf[k * words + j] = row
     return buf
 
