@@ -26,6 +26,7 @@ from engine.reasoning.base import ReasoningDelta
 from engine.reasoning.output import ReasoningOutput
 from engine.server.app import build_app
 from engine.server.protocol import parse_chat_request
+from engine.structured.reasoning import ReasoningTags
 from engine.tokenizer import ByteTokenizer, simple_chat_template
 from engine.tools.output import ToolOutput, new_parser
 
@@ -187,12 +188,14 @@ class ScriptedEngine:
 
     def __init__(self, text: str, per_output: int = 3) -> None:
         self.text, self.per_output = text, per_output
+        self.params: list[Any] = []  # each request's SamplingParams
         self.model_name, self.max_model_len, self.vocab_size = "m", 4096, 512
         self.tokenizer = TemplateBytes()
         self.healthy, self.dead_reason = True, None
         self.grammars = SimpleNamespace(compile=lambda so: None)  # grammars are not run
 
     async def generate(self, request_id: str, *args: Any, **kw: Any) -> AsyncIterator[Any]:
+        self.params.append(args[1])
         ids = list(self.text.encode())
         for i in range(0, len(ids), self.per_output):
             chunk = ids[i : i + self.per_output]
@@ -289,27 +292,45 @@ def test_completions_are_not_parsed() -> None:
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == ANSWER
 
 
-def test_a_structured_output_with_reasoning_is_refused() -> None:
+def test_a_structured_output_with_reasoning_waits_for_the_reasonings_end() -> None:
+    """vLLM's rule (it was a 400 here): the grammar constrains the content, after the
+    reasoning. The engine request carries the node's parser's tags in its token ids; the
+    answer is split as any other (the scripted engine runs no grammar)."""
     tools = [{"type": "function", "function": {"name": "f"}}]
+    letters = list(range(ord("a"), ord("z") + 1))
     for parser in ("deepseek_r1", "qwen3"):
-        client = _client(ANSWER, parser)
-        for field, param in (
-            ({"response_format": {"type": "json_object"}}, "response_format"),
-            ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
-            ({"guided_choice": ["a", "b"]}, "guided_choice"),
-            ({"tools": tools, "tool_choice": "required"}, "tool_choice"),
-            ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}},
-             "tool_choice"),
-        ):  # fmt: skip
-            err = _chat(client, 400, **field)["error"]
-            assert err["param"].startswith(param), err
-            assert f"--reasoning-parser {parser}" in err["message"]
-            assert ("enable_thinking" in err["message"]) == (parser == "qwen3")
-    # qwen3 without thinking: no reasoning part, the grammar may constrain the answer
-    # (the scripted engine ignores it).
+        engine = ScriptedEngine(ANSWER)
+        client = TestClient(build_app(engine, reasoning_parser=parser))  # type: ignore[arg-type]
+        tags = ReasoningTags.of(parser_class(parser), engine.tokenizer)
+        assert tags.end == tuple(b"</think>")
+        assert tags.start == (() if parser == "deepseek_r1" else tuple(b"<think>"))
+        for field in (
+            {"response_format": {"type": "json_object"}},
+            {"structured_outputs": {"regex": "[a-z]+"}},
+            {"guided_choice": ["a", "b"]},
+            {"tools": tools, "tool_choice": "required"},
+            {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            # The first token is the reasoning's: not checked against the grammar's start.
+            {"response_format": {"type": "json_object"}, "allowed_token_ids": letters},
+        ):
+            msg = _chat(client, **field)["choices"][0]["message"]
+            assert msg["reasoning_content"] == "\nadd them", (parser, field)
+            assert engine.params[-1].reasoning_tags == tags
+        _chat(client)
+        assert engine.params[-1].reasoning_tags is None  # no grammar: nothing to hold back
+    # No reasoning part (qwen3 without thinking, no parser, completions): the grammar
+    # constrains the answer from its first token.
     off = {"chat_template_kwargs": {"enable_thinking": False}}
-    msg = _chat(_client(ANSWER, "qwen3"), structured_outputs={"regex": "[a-z]+"}, **off)
-    assert msg["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+    for parser, kw in (("qwen3", off), (None, {})):
+        engine = ScriptedEngine(ANSWER)
+        client = TestClient(build_app(engine, reasoning_parser=parser))  # type: ignore[arg-type]
+        msg = _chat(client, structured_outputs={"regex": "[a-z]+"}, **kw)
+        assert msg["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+        assert engine.params[-1].reasoning_tags is None
+    engine = ScriptedEngine(ANSWER)
+    client = TestClient(build_app(engine, reasoning_parser="deepseek_r1"))  # type: ignore[arg-type]
+    resp = client.post("/v1/completions", json={"prompt": "hi", "guided_regex": "[a-z]+"})
+    assert resp.status_code == 200 and engine.params[-1].reasoning_tags is None
 
 
 def test_the_flag_and_what_the_node_tells_proxies() -> None:
@@ -435,6 +456,9 @@ def test_live_deepseek_r1_answers_are_reasoning_and_pd_equals_colocated(
     # Completions are not parsed (vLLM: chat only).
     text = _post(url, {"prompt": "hi", "max_tokens": 5, "temperature": 0.0}, path="completions")
     assert text["choices"][0]["text"] and "reasoning_content" not in text["choices"][0]
-    # A structured output with reasoning: refused, naming its field.
-    err = _post(url, {"messages": MSG, "response_format": {"type": "json_object"}}, 400)
-    assert err["error"]["param"] == "response_format"
+    # A structured output: the grammar waits for the reasoning's end, which the random
+    # model never writes: unconstrained, cut by max_tokens (tests/test_reasoning_structured.py
+    # steers it to end its reasoning).
+    body = {"messages": MSG, "max_tokens": 6, "response_format": {"type": "json_object"}}
+    (choice,) = _post(url, body)["choices"]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None

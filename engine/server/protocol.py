@@ -26,6 +26,7 @@ from engine.sampling_params import (
     check_max_tokens,
 )
 from engine.structured.compiler import StructuredOutputUnavailable, check_structured_output
+from engine.structured.reasoning import ReasoningTags
 from engine.structured.spec import FIELDS as STRUCTURED_FIELDS
 from engine.structured.spec import (
     StructuredOutput,
@@ -230,6 +231,9 @@ class BaseRequest:
     grammar_template: Any = field(default=None, repr=False, compare=False)
     # ``bad_words`` as the node's tokenizer makes them (set by its HTTP layer, once).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    # A structured chat answer that reasons first: the node's reasoning parser's tags as
+    # token ids (set by its HTTP layer): the grammar waits for the reasoning's end.
+    reasoning_tags: ReasoningTags | None = field(default=None, repr=False, compare=False)
     # Top-level fields this server does not know: accepted and ignored, with a warning
     # naming them in the node's log (vLLM's behaviour).
     ignored_fields: tuple[str, ...] = ()
@@ -263,6 +267,7 @@ class BaseRequest:
                 else list(self.allowed_token_ids),
                 structured_output=self.structured_output,
                 bad_words_token_ids=self.bad_words_token_ids,
+                reasoning_tags=self.reasoning_tags,
             )
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.param) from e

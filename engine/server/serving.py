@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -46,6 +47,7 @@ from engine.server.protocol import (
 )
 from engine.server.tokenize import render_chat
 from engine.structured.matcher import start_allows_any
+from engine.structured.reasoning import ReasoningTags
 from engine.tools.output import ToolOutput, new_parser
 from engine.tools.parsers import PARSERS
 
@@ -107,6 +109,13 @@ class OpenAIServing:
         # request); a request with several choices takes one more per extra choice.
         self.admission: Admission | None = None
         self._id_strings: TokenStrings | None = None  # ... with return_tokens_as_token_ids
+
+    @functools.cached_property
+    def reasoning_tags(self) -> ReasoningTags:
+        """The reasoning parser's tags in this node's token ids (tokenized once)."""
+        assert self.reasoning_parser is not None
+        parser = reasoning_parser_class(self.reasoning_parser)
+        return ReasoningTags.of(parser, self.engine.tokenizer)
 
     @property
     def strings(self) -> TokenStrings:
@@ -190,7 +199,9 @@ class OpenAIServing:
 
     def _prepare_chat(self, raw: bytes) -> Choices:
         req = parse_chat_request(parse_json_body(raw))
-        self._check_reasoning(req)
+        if req.structured_output is not None and self._reasons(req):
+            # The grammar constrains the content, after the reasoning (vLLM's rule).
+            req.reasoning_tags = self.reasoning_tags
         self._check_serving(req)
         if req.tools is not None and req.tools.choice == "auto" and self.tool_call_parser is None:
             raise APIError(  # vLLM's answer
@@ -230,7 +241,11 @@ class OpenAIServing:
             except InvalidRequestError as e:
                 raise APIError(str(e), param=e.param, code="invalid_structured_output") from e
             ids = req.allowed_token_ids
-            if ids and not start_allows_any(req.grammar_template, ids, self.engine.vocab_size):
+            if (
+                ids
+                and req.reasoning_tags is None  # else the first token need not be the grammar's
+                and not start_allows_any(req.grammar_template, ids, self.engine.vocab_size)
+            ):
                 raise APIError(
                     f"none of 'allowed_token_ids' may begin the structured output "
                     f"('{so.param}'): the answer could not have a first token",
@@ -243,27 +258,6 @@ class OpenAIServing:
             req.bad_words_token_ids = tuple(seq for seq in words if max(seq) < vocab)
         if not self.engine.healthy:
             raise engine_error(self.engine, None)
-
-    def _check_reasoning(self, req: BaseRequest) -> None:
-        """A structured output (a named or "required" tool choice included) on a request
-        whose answer has reasoning: a 400 naming its field."""
-        if req.structured_output is None or not self._reasons(req):
-            return
-        # vLLM constrains the answer once its reasoning ended; here the grammar would
-        # constrain the reasoning from the first token: refused until that is built.
-        named = req.tools is not None and req.tools.choice in ("named", "required")
-        param = "tool_choice" if named else req.structured_output.param
-        off = not reasoning_parser_class(str(self.reasoning_parser)).applies(
-            {"enable_thinking": False}
-        )
-        raise APIError(
-            f"'{param}' (a structured output) is not supported with reasoning "
-            f"(--reasoning-parser {self.reasoning_parser}): the grammar would constrain "
-            "the reasoning too"
-            + ('; chat_template_kwargs {"enable_thinking": false} asks for an answer '
-               "without reasoning" if off else ""),
-            param=param,
-        )  # fmt: skip
 
     def _reasons(self, req: BaseRequest) -> bool:
         """Whether a chat request's answer is split into reasoning and content."""
