@@ -374,3 +374,53 @@ def test_live_qwen3_opens_its_reasoning_or_answers_content_under_the_schema(
         assert plain["reasoning"] == "" and plain["finish"] == "stop"
         assert bytes(plain["ids"]).decode() == plain["content"]
         _check_schema(plain["content"])
+
+
+# -- the engine, offline: preemption and async scheduling keep the gate ---------------------------
+
+
+def _generate(cfg: Any, prompts: list[str]) -> list[str]:
+    """Each prompt's answer (steered: reasoning, then JSON), seeded, on an engine of ``cfg``;
+    a tight one must have preempted."""
+    from engine.bad_words import tokenize_bad_words
+    from engine.llm import LLM
+
+    tok = ByteTokenizer()
+    params = [
+        SamplingParams(
+            max_tokens=150,
+            temperature=1.0,
+            seed=i,
+            reasoning_tags=R1_TAGS,
+            structured_output=StructuredOutput.json_schema(SCHEMA),
+            logit_bias={int(k): float(v) for k, v in STEER["logit_bias"].items()},
+            bad_words_token_ids=tokenize_bad_words(tok, STEER["bad_words"]),
+        )
+        for i in range(len(prompts))
+    ]
+    with LLM(cfg) as llm:
+        outs = llm.generate([tok.encode(p) for p in prompts], params)
+        if cfg.cache.num_blocks < 64:
+            assert llm.stats()["num_preemptions_total"] > 0, "the test should preempt"
+    return [tok.decode(ids) for ids in outs]
+
+
+@pytest.mark.slow
+def test_preempted_and_async_scheduled_requests_keep_their_reasoning_and_grammar() -> None:
+    """Few blocks and a small token budget (requests preempted and recomputed) under async
+    scheduling: the answers are what a roomy synchronous engine gives -- reasoning, then
+    content matching the schema."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    prompts = ["p" * n for n in (5, 40, 70, 90, 20, 60)]
+    want = _generate(EngineConfig(cache=CacheConfig(num_blocks=256)), prompts)
+    for text in want:
+        reasoning, _, content = text.partition(END)
+        assert _is_free_reasoning(reasoning), text
+        _check_schema(content)
+    tight = EngineConfig(
+        cache=CacheConfig(num_blocks=20),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
+                                  async_scheduling=True),
+    )  # fmt: skip
+    assert _generate(tight, prompts) == want
