@@ -195,7 +195,7 @@ def test_qwen3_an_answer_may_open_its_reasoning_else_it_is_content() -> None:
     assert _mask(state) == [ord("<")]
 
 
-def _decode_node(tags: ReasoningTags) -> tuple[Scheduler, RemotePrefill]:
+def _decode_node(tags: ReasoningTags | None) -> tuple[Scheduler, RemotePrefill]:
     conn = RemotePrefill(_config())
     grammars = GrammarCompiler(ByteTokenizer, VOCAB)
     sch = Scheduler(_config(), 64, 256, conn, grammars, VOCAB)
@@ -232,6 +232,27 @@ def test_a_decode_node_takes_the_prefill_nodes_first_token_through_the_gate(
         assert step.grammar_bitmask is None
         (out,) = sch.update_from_output(step, ModelRunnerOutput(sampled_token_ids={"d": 300}))
         assert not out.finished  # not the grammar's: it waits
+
+
+@pytest.mark.parametrize(
+    "tags", [None, ReasoningTags(start=(ord("<"),), end=(ord("|"),))], ids=["plain", "opening"]
+)
+def test_a_prefill_nodes_first_token_its_grammar_refuses_is_computed_again_on_the_decode_node(
+    tags: ReasoningTags | None,
+) -> None:
+    """A first token from P that D's grammar refuses (P and D started with different
+    ``--reasoning-parser``s, or a hand-made decode leg): D computes the first token itself
+    under its grammar, as for a token outside the vocabulary, rather than failing the
+    request with an internal error."""
+    sch, conn = _decode_node(tags)
+    conn.landed = {"d": {"first_token": ord("x")}}
+    outs = sch.update_from_output(sch.schedule(), ModelRunnerOutput())
+    assert all(not o.new_token_ids and not o.finished for o in outs), outs
+    step = sch.schedule()
+    (seq,) = step.seqs
+    assert seq.token_ids == [8] and step.grammar_bitmask is not None  # the last prompt token
+    (out,) = sch.update_from_output(step, ModelRunnerOutput(sampled_token_ids={"d": ord("4")}))
+    assert out.new_token_ids == [ord("4")] and not out.finished
 
 
 def _post(url: str, body: dict[str, Any], status: int = 200) -> Any:

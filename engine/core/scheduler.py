@@ -541,6 +541,15 @@ class Scheduler:
                 req.request_id, first, self.vocab_size,
             )  # fmt: skip
             first = None
+        elif first is not None and req.grammar is not None and not req.grammar.allows(first):
+            # P did not sample it under this grammar (P and D with different reasoning
+            # parsers, or a hand-made decode leg): the grammar decides here.
+            logger.warning(
+                "request %s: the prefill node's first token %d does not follow the "
+                "request's structured output; computing it here",
+                req.request_id, first,
+            )  # fmt: skip
+            first = None
         if first is None:  # no token came with the KV: compute the last prompt token again
             req.num_computed_tokens -= 1
             return
@@ -552,8 +561,8 @@ class Scheduler:
         self.request_metrics.token(req, time.monotonic())
         grammar = req.grammar
         if grammar is not None and not grammar.accept(token):
-            # Sampled under the grammar's mask (or a prefill node's first token sampled
-            # under the same grammar): a refusal is a bug, or a hand-made decode leg.
+            # Sampled under the grammar's mask (a prefill node's first token was checked
+            # when it landed): a refusal is a bug.
             logger.error(
                 "request %s: output token %d is not allowed by its structured output (%s)",
                 req.request_id, token, grammar.error,

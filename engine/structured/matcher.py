@@ -47,6 +47,16 @@ class GrammarState:
             self._allowed = allowed_ids_array(ids, vocab_size)
         return self._allowed
 
+    def allows(self, token: int) -> bool:
+        """Whether ``accept(token)`` would take it (nothing advances): a token from
+        outside (a prefill node's first) is checked before it is taken."""
+        gate = self.reasoning
+        if gate is None or gate.phase is Phase.CONTENT:
+            return self.matcher.validate_tokens([token]) == 1
+        if gate.phase is Phase.REASONING or token == gate.next_start_token:
+            return True
+        return self._matched and self.matcher.validate_tokens([token]) == 1  # off the tag
+
     def accept(self, token: int) -> bool:
         """Advance with the request's next output token; False (and the matcher in its
         error state, ``error``) when the grammar does not allow it. A reasoning token
