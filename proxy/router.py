@@ -175,6 +175,7 @@ class Router:
         # (P url, P incarnation, P side channel, D url, D incarnation) -> when D refused
         # P's side channel (``refuse_pair``): such a pair is not routed to.
         self._refused: dict[tuple[Any, ...], float] = {}
+        self._parser_warned: set[tuple[Any, ...]] = set()  # pairs refused for their parsers
         if index is not None:
             pool.set_on_reset(self._node_reset)
 
@@ -232,6 +233,18 @@ class Router:
         return not known
 
     def refuses(self, d: Node, p: Node) -> bool:
+        """Whether D is not to be paired with P: D refused it, or their reasoning
+        parsers differ (P's first token would be another answer's; warned once)."""
+        if d.reasoning_parser != p.reasoning_parser:
+            key = (p.url, p.reasoning_parser, d.url, d.reasoning_parser)
+            if key not in self._parser_warned:
+                self._parser_warned.add(key)
+                logger.warning(
+                    "decode node %s (--reasoning-parser %s) is not paired with prefill node "
+                    "%s (%s): give P and D the same flag",
+                    d.url, d.reasoning_parser, p.url, p.reasoning_parser,
+                )  # fmt: skip
+            return True
         at = self._refused.get(self.pair_key(p, d))
         return at is not None and time.monotonic() - at < REFUSAL_MEMORY_S
 
@@ -254,7 +267,7 @@ class Router:
             ready = [n for n in ready if not self.refuses(paired_with, n)]
             if not ready:
                 raise PairRefused()
-        elif role == "decode" and needs_prefill and self._refused:
+        elif role == "decode" and needs_prefill:
             # Only decode nodes that accept some ready prefill node (when there is one).
             ps = self.pool.ready("prefill")
             pairable = [d for d in ready if any(not self.refuses(d, p) for p in ps)]

@@ -220,6 +220,43 @@ def test_a_decode_node_refusing_one_prefill_node_is_paired_with_another() -> Non
     asyncio.run(main())
 
 
+def test_a_decode_node_is_paired_only_with_prefill_nodes_of_its_reasoning_parser() -> None:
+    """Two P's, one started with a ``--reasoning-parser`` D does not have: P's first token
+    would come from a different answer (free reasoning against D's plain one), so the
+    pair is never made -- every request goes to the P whose parser is D's."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        return answer(200, {**PREFILL_ANSWER, "model": "tiny"})
+
+    d_legs: list[dict[str, Any]] = []
+
+    async def decode(req: SeenRequest) -> bytes:
+        d_legs.append(req.json().get("kv_transfer_params") or {})
+        return answer(200, D_ANSWER)
+
+    async def main() -> None:
+        async with (
+            StandIn(_node(prefill)) as p1, StandIn(_node(prefill)) as p2,
+            StandIn(_node(decode)) as d,
+        ):  # fmt: skip
+            cfg = ProxyConfig(
+                prefill=(p1.url, p2.url), decode=(d.url,), health_interval=0.1,
+                routing="round_robin",
+            )  # fmt: skip
+            pool = _ready_pool(cfg)
+            pool.nodes("prefill")[0].update_info(
+                {"side_channel": "tcp://192.0.2.2:1", "reasoning_parser": "deepseek_r1"}, None
+            )
+            router = Router(pool)
+            for _ in range(3):
+                body = await _request(cfg, pool, router, stream=False)
+                assert body["choices"][0]["token_ids"] == [7, 8, 9], body
+            sides = [kv.get("remote_side_channel") for kv in d_legs]
+            assert sides == ["tcp://127.0.0.1:1"] * 3, sides
+
+    asyncio.run(main())
+
+
 @pytest.mark.slow
 def test_through_the_proxy_a_decode_node_that_refuses_the_prefill_node_answers_alone(
     procs: Procs,
