@@ -120,8 +120,11 @@ def _added(deltas: list[dict[str, Any]]) -> dict[str, Any]:
         assert keys in ([], ["reasoning_content"], ["content"], ["reasoning_content", "content"])
         got["reasoning_content"] += d.get("reasoning_content", "")
         got["content"] += d.get("content", "")
-        for c in d.get("tool_calls") or []:
-            got["calls"].append((c["function"]["name"], c["function"]["arguments"]))
+        for c in d.get("tool_calls") or []:  # a call's first piece names it; then arguments
+            if "id" in c:
+                got["calls"].append((c["function"]["name"], ""))
+            name, args = got["calls"][c["index"]]
+            got["calls"][c["index"]] = (name, args + c["function"]["arguments"])
     return got
 
 
@@ -153,13 +156,13 @@ def test_tool_calls_come_from_the_content_part_only() -> None:
     assert msg["reasoning_content"] == f"maybe {call} here?"  # a call in the reasoning is text
     assert msg["content"] == "Calling."
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
-        ("f", '{"a":1}')
+        ("f", '{"a": 1}')
     ]
     assert whole.finish_reason("stop") == "tool_calls"
     for size in (1, 7):
         got = _added(_deltas(output(), text, size))
         assert got == {"reasoning_content": f"maybe {call} here?", "content": "Calling.",
-                       "calls": [("f", '{"a":1}')]}  # fmt: skip
+                       "calls": [("f", '{"a": 1}')]}  # fmt: skip
     plain = ReasoningOutput(R1(), ToolOutput(tc, new_parser(tc, "hermes"))).message("all thought")
     assert plain == {"role": "assistant", "reasoning_content": "all thought", "content": None,
                      "tool_calls": []}  # fmt: skip

@@ -6,8 +6,10 @@ answers on the ``tiny`` model through a node and a P/D pair behind the proxy.
 
 The ``tiny`` model's chat template is the built-in simple one: it renders the tools as a
 ``<|tools|>`` block, assistant tool calls as ``<tool_call>`` lines and tool messages as
-``<|tool|>`` turns. Its random weights never write a ``<tool_call>`` by themselves, so
-"auto" is checked live only for its plain answers; the hermes parser on hand-written text.
+``<|tool|>`` turns. Its random weights never write a ``<tool_call>`` by themselves:
+"auto" is checked live on its plain answers and on hermes calls a regex (a structured
+output, allowed with "auto") makes it write; the hermes parser also on hand-written text,
+whole and in every chunking.
 """
 
 from __future__ import annotations
@@ -376,8 +378,9 @@ CALL_W = (
     '<tool_call>{"name": "get_weather", "arguments": {"city": "rome", "unit": "c"}}</tool_call>'
 )
 CALL_T = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "utc"}}\n</tool_call>'
-W = ("get_weather", '{"city":"rome","unit":"c"}')
-T = ("get_time", '{"tz":"utc"}')
+# The arguments are the model's text as written (not re-serialised).
+W = ("get_weather", '{"city": "rome", "unit": "c"}')
+T = ("get_time", '{"tz": "utc"}')
 
 
 @pytest.mark.parametrize(
@@ -401,7 +404,7 @@ T = ("get_time", '{"tz":"utc"}')
         ("text <tool_c", "text <tool_c", []),
         ("a < b <tool", "a < b <tool", []),
         ('<tool_call>{"name": "f", "arguments": {"s": "é</tool"}}</tool_call>', "",
-         [("f", '{"s":"é</tool"}')]),
+         [("f", '{"s": "é</tool"}')]),
     ],
 )  # fmt: skip
 def test_hermes_parses_content_and_calls_whole_and_token_by_token(
@@ -475,6 +478,165 @@ def test_tool_output_builds_the_stream_and_the_body_from_the_same_pieces() -> No
     out = ToolOutput(req, new_parser(req, None))
     assert len(out.message('[{"name":"ping","parameters":{}}]')["tool_calls"]) == 1
     assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
+
+
+# -- hermes streaming: the name once its head is read, then the arguments as generated ----------
+
+SAMPLE = (
+    "Let me check.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "rome", "unit": "c"}}\n'
+    "</tool_call>\n"
+    '<tool_call>{"name":"get_time","arguments":{"tz":"utc","s":"a}<b\\"{"}}</tool_call>'
+)
+SAMPLE_CALLS = [
+    ("get_weather", '{"city": "rome", "unit": "c"}'),
+    ("get_time", '{"tz":"utc","s":"a}<b\\"{"}'),
+]
+
+
+def _ordered(pieces: list[ToolDelta]) -> None:
+    """Each call's first piece (index, id, name) comes before any of its arguments, calls
+    are numbered 0, 1, ... in order, and no content comes between a call's pieces."""
+    seen = -1
+    for p in pieces:
+        if p.call is None:
+            continue
+        if p.id is not None:
+            assert p.call == seen + 1 and p.name and p.arguments == ""
+            seen = p.call
+        else:
+            assert p.call == seen and p.name is None
+
+
+def test_hermes_streams_a_calls_name_then_its_arguments_as_generated() -> None:
+    parser = HermesToolParser()
+    when: list[tuple[int, ToolDelta]] = []  # (how much text was fed, piece)
+    for i, c in enumerate(SAMPLE):
+        when += [(i + 1, p) for p in parser.feed(c)]
+    when += [(len(SAMPLE), p) for p in parser.finish()]
+    pieces = [p for _, p in when]
+    _ordered(pieces)
+    assert _calls(pieces) == ("Let me check.", SAMPLE_CALLS)
+    assert _calls(HermesToolParser().parse(SAMPLE)) == ("Let me check.", SAMPLE_CALLS)
+    for index, (name, args) in enumerate(SAMPLE_CALLS):
+        head = SAMPLE.index('{"name":' if index else '{"name": ')
+        opens = SAMPLE.index(args, head)  # the arguments' "{"
+        got = [(n, p) for n, p in when if p.call == index]
+        # The name goes out with the arguments' "{" (the head is whole): before any of
+        # them, long before the tag closes.
+        assert got[0] == (opens + 1, got[0][1]) and got[0][1].name == name
+        # Then each character as it comes (a "<" waits for the next one: "</tool_call>"?).
+        for n, p in got[1:]:
+            assert SAMPLE[n - len(p.arguments) : n] == p.arguments or p.arguments[-1] == "<"
+        assert "".join(p.arguments for _, p in got) == args
+        assert got[-1][0] == opens + len(args)
+
+
+def test_hermes_streams_the_same_pieces_whatever_the_chunks() -> None:
+    whole = _calls(HermesToolParser().parse(SAMPLE))
+    for cut in range(len(SAMPLE) + 1):  # two chunks, cut at every position
+        parser = HermesToolParser()
+        pieces = [*parser.feed(SAMPLE[:cut]), *parser.feed(SAMPLE[cut:]), *parser.finish()]
+        _ordered(pieces)
+        assert _calls(pieces) == whole, cut
+    for size in range(1, len(SAMPLE) + 1):
+        pieces = _fed(HermesToolParser(), SAMPLE, size)
+        _ordered(pieces)
+        assert _calls(pieces) == whole, size
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "f" oops}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+        '<tool_call>{"name": "f", "arguments" {"a": 1}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": </tool_call>{"a": 1}}',
+        '<tool_call>{"name": "f", "arguments":',  # cut before its arguments
+        '<tool_call>{"name": "f</tool_call>", "arguments": {}}',
+    ],
+)
+def test_hermes_never_streams_a_name_for_what_is_no_call(text: str) -> None:
+    """Until the head is whole (``{"name": "...", "arguments": {``) nothing of a call is
+    sent: what turns out to be no call is content, tags and all, at every chunking."""
+    assert _calls(HermesToolParser().parse(text))[1] == []
+    for size in range(1, len(text) + 1):
+        pieces = _fed(HermesToolParser(), text, size)
+        assert all(p.call is None for p in pieces), size
+        assert "".join(p.content for p in pieces).startswith("<tool_call>")
+
+
+@pytest.mark.parametrize(
+    "text, calls, cut",
+    [
+        # The head was whole: a call, its arguments what the model wrote up to the tag.
+        ('<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>', [("f", '{"a": 1')],
+         False),
+        # Cut off (max_tokens): the arguments generated so far (a "<" held back included).
+        ('<tool_call>{"name": "f", "arguments": {"a": "x<', [("f", '{"a": "x<')], True),
+        # What follows the arguments' object in the tag is not looked at.
+        ('<tool_call>{"name": "f", "arguments": {"a": 1}, junk</tool_call>', [("f", '{"a": 1}')],
+         False),
+        ('<tool_call>{"name": "f", "arguments": {}} ', [("f", "{}")], False),
+        # Not head first: parsed whole when the tag closes, arguments the text as written.
+        ('<tool_call>{"arguments": {"a": [1, 2]}, "name": "f"}</tool_call>',
+         [("f", '{"a": [1, 2]}')], False),
+        ('<tool_call>{"name": "f", "args": {"a": 1}}</tool_call>', [("f", "{}")], False),
+        ('<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"b": 2}}</tool_call>',
+         [("f", '{"a": 1}')], False),
+        ('<tool_call>{"name": "f\\u0031", "arguments": {"a": "\\u00e9"}}</tool_call>',
+         [("f1", '{"a": "\\u00e9"}')], False),
+        ('<tool_call> { "name" : "f" , "arguments" : {"a" : 1 } } </tool_call>',
+         [("f", '{"a" : 1 }')], False),
+    ],
+)  # fmt: skip
+def test_hermes_calls_whose_head_was_read(text: str, calls: list[Any], cut: bool) -> None:
+    for size in range(1, len(text) + 1):
+        parser = HermesToolParser()
+        pieces = _fed(parser, text, size)
+        _ordered(pieces)
+        assert _calls(pieces) == ("", calls), size
+        assert parser.cut == cut
+    assert _calls(HermesToolParser().parse(text)) == ("", calls)
+
+
+def test_hermes_stream_deltas_add_up_as_an_openai_client_adds_them() -> None:
+    """The stream's ``delta.tool_calls`` merged by ``index`` as the ``openai`` package's
+    stream helpers do: the first delta of a call has its id, type and name (and the
+    arguments that came with it), later ones only arguments; the result is the body's."""
+    tc = parse_tool_calling({"tools": TOOLS})
+    body = ToolOutput(tc, HermesToolParser()).message(SAMPLE)
+    out = ToolOutput(tc, HermesToolParser())
+    acc: list[dict[str, Any]] = []
+    content = ""
+    args_deltas = 0
+    for i in range(0, len(SAMPLE), 4):
+        d = out.delta(SAMPLE[i : i + 4], i + 4 >= len(SAMPLE))
+        content += d.get("content", "")
+        indices = [c["index"] for c in d.get("tool_calls", [])]
+        assert len(indices) == len(set(indices))  # one entry per call and chunk
+        for c in d.get("tool_calls", []):
+            if c["index"] == len(acc):
+                assert set(c) == {"index", "id", "type", "function"}
+                assert c["type"] == "function" and set(c["function"]) == {"name", "arguments"}
+                acc.append({"id": c["id"], "type": "function", "function": dict(c["function"])})
+            else:
+                assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}
+                acc[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
+                args_deltas += 1
+    assert content == (body["content"] or "") == "Let me check."
+    assert [c["function"] for c in acc] == [c["function"] for c in body["tool_calls"]]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in acc] == SAMPLE_CALLS
+    assert args_deltas > 10  # streamed, not sent whole
+    assert out.finish_reason("stop") == "tool_calls"
+    # An answer cut (max_tokens) inside a call's arguments says so.
+    cut = ToolOutput(tc, HermesToolParser())
+    cut.message('<tool_call>{"name": "f", "arguments": {"a": ')
+    assert cut.finish_reason("length") == "length" and cut.finish_reason("stop") == "tool_calls"
+    done = ToolOutput(tc, HermesToolParser())
+    done.message(SAMPLE + " and more text, cut")
+    assert done.finish_reason("length") == "tool_calls"
 
 
 # -- the chat template: tools, tool calls, tool messages ------------------------------------------
@@ -749,6 +911,47 @@ def test_live_auto_and_none_answer_content(pd: tuple[Any, Any], through: str) ->
         else:
             assert "tool_calls" not in got["message"]
             assert got["token_ids"] == _post(ref, body)["choices"][0]["token_ids"]
+
+
+# "auto" with a regex that makes the random model write hermes calls (a structured output
+# is allowed with "auto"): the parser sees them as it would a real model's.
+HERMES_REGEX = (
+    r"Checking\.\n<tool_call>\n\{\"name\": \"get_weather\", \"arguments\": "
+    r"\{\"city\": \"(paris|rome|oslo)\", \"unit\": \"(c|f)\"\}\}\n</tool_call>\n"
+    r"<tool_call>\n\{\"name\": \"get_time\", \"arguments\": \{\"tz\": \"(utc|cet)\", \"exact\": (true|false)\}\}\n"
+    r"</tool_call>"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_live_auto_hermes_calls_stream_their_arguments(pd: tuple[Any, Any], through: str) -> None:
+    """A hermes answer streamed: each call's name first (index, id, type, name), then its
+    arguments piece by piece as the tokens come; they add up to the body's calls."""
+    from harness import chat_stream_choices
+
+    ref, url = _target(pd, through)
+    body = {"messages": _MSG, "tools": TOOLS, "max_tokens": 200, "temperature": 1.0, "seed": 4,
+            "structured_outputs": {"regex": HERMES_REGEX}}  # fmt: skip
+    got = _post(url, body)["choices"][0]
+    one = _summary(got)
+    assert one["content"] == "Checking." and got["finish_reason"] == "tool_calls"
+    assert [name for name, _ in one["calls"]] == ["get_weather", "get_time"]
+    for name, args in one["calls"]:
+        _check_args(name, args)
+    assert one["calls"][1][1].startswith('{"tz": "')  # as written, not re-serialised
+    assert one == _summary(_post(ref, body)["choices"][0])
+    assert _stream(url, body) == [one]
+    pieces = []  # (index, has its name) of each call delta, in order
+    for c in chat_stream_choices(url, body)[0]:
+        for call in c["delta"].get("tool_calls") or []:
+            pieces.append((call["index"], "name" in call["function"]))
+            if "name" not in call["function"]:
+                assert set(call) == {"index", "function"} and call["function"]["arguments"]
+    firsts = [i for i, named in pieces if named]
+    assert firsts == [0, 1] and pieces[0] == (0, True)
+    assert pieces.index((1, True)) > 2 and len(pieces) - pieces.index((1, True)) > 2
+    assert pieces == sorted(pieces, key=lambda p: p[0])
 
 
 @pytest.mark.slow

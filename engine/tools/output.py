@@ -7,11 +7,12 @@ body).
 * ``"required"`` (``RequiredCalls``): the text is a JSON array of ``{"name", "parameters"}``
   (``spec.required_schema``); each element is a call, its name sent once known and its
   ``parameters`` text streamed as generated;
-* ``"auto"``: the node's ``--tool-call-parser`` (``parsers/``).
+* ``"auto"``: the node's ``--tool-call-parser`` (``parsers/``; hermes: each call's name
+  once its head is read, then its arguments text as generated).
 
 ``finish_reason`` follows vLLM: named keeps the engine's; "required" is ``"tool_calls"``
 when the answer ended by itself (``"stop"``); "auto" is ``"tool_calls"`` when a call was
-parsed.
+parsed (``"length"`` when ``max_tokens`` cut a call's arguments).
 """
 
 from __future__ import annotations
@@ -200,5 +201,6 @@ class ToolOutput:
         if self.choice == "required" and reason == "stop" and self.calls:
             return "tool_calls"
         if self.choice not in ("named", "required") and self.calls:
-            return "tool_calls"
+            # "auto": a call cut off by max_tokens keeps "length" (its arguments are cut).
+            return "length" if reason == "length" and self.parser.cut else "tool_calls"
         return reason

@@ -21,7 +21,8 @@ def new_call_id() -> str:
 @dataclass(frozen=True)
 class ToolDelta:
     """Content text (``call`` None), or a piece of tool call ``call`` (0, 1...): its
-    first piece has ``id`` and ``name``, every piece may add ``arguments`` text."""
+    first piece has ``id`` and ``name``, every piece may add ``arguments`` text (the
+    arguments are the concatenation of a call's pieces')."""
 
     content: str = ""
     call: int | None = None
@@ -32,12 +33,14 @@ class ToolDelta:
 
 class ToolParser(ABC):
     """One choice's parser (a fresh one per choice). ``parallel`` false: at most one call
-    is returned (later ones are dropped)."""
+    is returned (later ones are dropped). ``cut``: set by ``finish`` when the answer
+    ended inside a call's arguments (sent as far as they went)."""
 
     name: str = ""
 
     def __init__(self, parallel: bool = True) -> None:
         self.parallel = parallel
+        self.cut = False
 
     @abstractmethod
     def feed(self, text: str) -> list[ToolDelta]:

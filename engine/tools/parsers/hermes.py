@@ -2,16 +2,22 @@
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the text.
 
 Text outside the tags is content (whitespace right before a call, and at the end of an
-answer that made calls, is dropped). A call is sent once its closing tag is seen (an
-answer that ends inside a tag: at its end), its arguments as compact JSON text. What
-is inside a tag but is not a JSON object with a string ``name`` (and an object
-``arguments``, ``{}`` if absent) stays content, tags and all.
+answer that made calls, is dropped). A call streams: once its head -- ``{"name": "N",
+"arguments": {`` (whitespace allowed between the tokens) -- is read, its name goes out,
+then the text of its arguments object as it is generated, up to the object's closing
+brace (the rest of the tag is not looked at). ``arguments`` is the model's text as
+written, whole or streamed. A tag whose text cannot begin with such a head is parsed
+whole when it closes (or the answer ends): a JSON object with a string ``name`` and an
+object ``arguments`` (``{}`` if absent) is a call, anything else stays content, tags and
+all. So nothing of a call is sent before it is sure to be one: what the client got is
+never taken back. The first ``</tool_call>`` closes a tag, even inside a JSON string.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from engine.tools.parsers.base import ToolDelta, ToolParser, new_call_id
@@ -20,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 START = "<tool_call>"
 END = "</tool_call>"
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+_MORE = "more"  # a head not yet decided
 
 
 def _held_prefix(buf: str, tag: str) -> int:
@@ -31,6 +40,39 @@ def _held_prefix(buf: str, tag: str) -> int:
     return 0
 
 
+def _head(body: str) -> tuple[str, int] | str | None:
+    """``body`` (a tag's text so far) read as a call's head ``{"name": "N", "arguments":
+    {``: (N, where the arguments' ``{`` is), ``_MORE`` while ``body`` may still become
+    one, None once it cannot. Whatever follows ``body`` keeps a decided answer."""
+    i = 0
+    for token in ("{", '"name"', ":", None, ",", '"arguments"', ":", "{"):
+        i = _WS.match(body, i).end()
+        if i == len(body):
+            return _MORE
+        if token is None:  # the name: a JSON string
+            if body[i] != '"':
+                return None
+            j, esc = i + 1, False
+            while j < len(body) and (esc or body[j] != '"'):
+                esc = not esc and body[j] == "\\"
+                j += 1
+            if j == len(body):
+                return _MORE
+            try:
+                name = json.loads(body[i : j + 1])
+            except ValueError:
+                return None
+            i = j + 1
+            continue
+        got = body[i : i + len(token)]
+        if not token.startswith(got):
+            return None
+        if len(got) < len(token):
+            return _MORE
+        i += len(token)
+    return name, i - 1
+
+
 class HermesToolParser(ToolParser):
     name = "hermes"
 
@@ -40,37 +82,65 @@ class HermesToolParser(ToolParser):
         self._ws = ""  # content's trailing whitespace, sent only if content follows
         self._before = ""  # that whitespace when a tag opened (restored if it is no call)
         self._inside = False
+        # Inside a tag: "head" (not yet decided), "args" (a call's arguments streaming),
+        # "skip" (the rest of the tag: after the arguments, or a call dropped), "whole"
+        # (not written head first: parsed when the tag closes).
+        self._mode = "head"
+        self._depth = 0  # the arguments' nesting ("args")
+        self._in_str = False
+        self._esc = False
         self.calls = 0
 
     def feed(self, text: str) -> list[ToolDelta]:
         self._buf += text
         out: list[ToolDelta] = []
         while True:
-            if self._inside:
-                at = self._buf.find(END)
+            if not self._inside:
+                at = self._buf.find(START)
+                if at < 0:
+                    keep = _held_prefix(self._buf, START)
+                    out.extend(self._content(self._buf[: len(self._buf) - keep]))
+                    self._buf = self._buf[len(self._buf) - keep :]
+                    return out
+                out.extend(self._content(self._buf[:at]))
+                self._buf = self._buf[at + len(START) :]
+                self._before, self._ws, self._inside = self._ws, "", True
+                self._mode = "head"
+            at = self._buf.find(END)
+            if self._mode == "head":
+                head = _head(self._buf if at < 0 else self._buf[:at])
+                if head is None:
+                    self._mode = "whole"
+                elif head != _MORE:
+                    name, opens = head
+                    out.extend(self._open(name))
+                    self._buf = self._buf[opens:]
+                    at = self._buf.find(END)
+            if self._mode in ("args", "skip"):
+                upto = at if at >= 0 else len(self._buf) - _held_prefix(self._buf, END)
+                out.extend(self._args(self._buf[:upto]))
+                self._buf = self._buf[upto:]
                 if at < 0:
                     return out
-                body, self._buf = self._buf[:at], self._buf[at + len(END) :]
+                self._buf = self._buf[len(END) :]
                 self._inside = False
-                out.extend(self._call(body, closed=True))
                 continue
-            at = self._buf.find(START)
             if at < 0:
-                keep = _held_prefix(self._buf, START)
-                out.extend(self._content(self._buf[: len(self._buf) - keep]))
-                self._buf = self._buf[len(self._buf) - keep :]
                 return out
-            out.extend(self._content(self._buf[:at]))
-            self._buf = self._buf[at + len(START) :]
-            self._before, self._ws, self._inside = self._ws, "", True
+            body, self._buf = self._buf[:at], self._buf[at + len(END) :]
+            self._inside = False
+            out.extend(self._whole(body, closed=True))
 
     def finish(self) -> list[ToolDelta]:
         out: list[ToolDelta] = []
-        if self._inside:
-            self._inside = False
-            out.extend(self._call(self._buf, closed=False))
-        else:
+        if not self._inside:
             out.extend(self._content(self._buf))
+        elif self._mode in ("args", "skip"):
+            out.extend(self._args(self._buf))  # a held-back "<" that began no tag
+            self.cut = self._mode == "args"  # ended inside the arguments
+        else:
+            out.extend(self._whole(self._buf, closed=False))
+        self._inside = False
         self._buf = ""
         tail, self._ws = self._ws, ""
         if tail and not self.calls:
@@ -86,7 +156,43 @@ class HermesToolParser(ToolParser):
         self._ws = text[len(body) :]
         return [ToolDelta(content=body)] if body else []
 
-    def _call(self, body: str, closed: bool) -> list[ToolDelta]:
+    def _open(self, name: str) -> list[ToolDelta]:
+        """A call's head was read: its first piece (none for a call dropped)."""
+        self._before = ""
+        self._depth, self._in_str, self._esc = 0, False, False
+        if self.calls and not self.parallel:
+            self._mode = "skip"  # parallel_tool_calls false: the first call only
+            return []
+        self._mode = "args"
+        self.calls += 1
+        return [ToolDelta(call=self.calls - 1, id=new_call_id(), name=name)]
+
+    def _args(self, text: str) -> list[ToolDelta]:
+        """The arguments' next ``text`` (from their ``{``), up to the object's end."""
+        if self._mode != "args" or not text:
+            return []
+        for i, c in enumerate(text):
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif c == "\\":
+                    self._esc = True
+                elif c == '"':
+                    self._in_str = False
+            elif c == '"':
+                self._in_str = True
+            elif c in "[{":
+                self._depth += 1
+            elif c in "]}":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._mode = "skip"
+                    text = text[: i + 1]
+                    break
+        return [ToolDelta(call=self.calls - 1, arguments=text)]
+
+    def _whole(self, body: str, closed: bool) -> list[ToolDelta]:
+        """A tag not written head first, parsed whole."""
         parsed = _parse_call(body)
         if parsed is None:
             raw = START + body + (END if closed else "")
@@ -94,22 +200,40 @@ class HermesToolParser(ToolParser):
             before, self._before = self._before, ""
             self._ws = before
             return self._content(raw)
-        self._before = ""
-        if self.calls and not self.parallel:
-            return []  # parallel_tool_calls false: the first call only
-        index, self.calls = self.calls, self.calls + 1
         name, arguments = parsed
-        return [ToolDelta(call=index, id=new_call_id(), name=name, arguments=arguments)]
+        out = self._open(name)
+        if self._mode == "args":
+            self._mode = "skip"
+            out.append(ToolDelta(call=self.calls - 1, arguments=arguments))
+        return out
 
 
 def _parse_call(body: str) -> tuple[str, str] | None:
+    """``body`` as a call: its name and the text of its arguments (the last
+    ``"arguments"`` key's, as ``json.loads`` keeps; ``{}`` if absent), or None."""
     try:
         value: Any = json.loads(body)
     except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    args = value.get("arguments", {})
-    if not isinstance(args, dict):
+    if "arguments" not in value:
+        return value["name"], "{}"
+    if not isinstance(value["arguments"], dict):
         return None
-    return value["name"], json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+    # The object's members, read again for where each value's text is (body is valid).
+    arguments, i = "", _WS.match(body).end() + 1
+    while True:
+        i = _WS.match(body, i).end()
+        if body[i] == "}":
+            break
+        key, i = _DECODER.raw_decode(body, i)
+        i = _WS.match(body, _WS.match(body, i).end() + 1).end()  # past the ":"
+        _, j = _DECODER.raw_decode(body, i)
+        if key == "arguments":
+            arguments = body[i:j]
+        i = _WS.match(body, j).end()
+        if body[i] != ",":
+            break
+        i += 1
+    return value["name"], arguments
