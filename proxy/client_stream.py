@@ -117,6 +117,10 @@ class ClientStream:
         self._client_ids: list[int] = []
         self._client_text: list[str] = []
         self._whole_next = False
+        # A chat answer's tool calls as the client put them together (the message's
+        # ``tool_calls``), and whether it had reasoning: what the prefix index learns.
+        self.answer_calls: list[dict[str, Any]] = []
+        self.reasoned = False
 
     @property
     def response_id(self) -> str:
@@ -232,9 +236,26 @@ class ClientStream:
             c["text"] = text
         # A tool-call or reasoning delta carries no content.
         parts = self.req.chat and bool(delta.get("tool_calls") or delta.get("reasoning_content"))
+        if parts:
+            self.reasoned = self.reasoned or bool(delta.get("reasoning_content"))
+            for call in delta.get("tool_calls") or ():
+                self._add_call(call)
         if not ids and not text and c.get("finish_reason") is None and not role_added and not parts:
             return None
         return obj
+
+    def _add_call(self, piece: Any) -> None:
+        """A ``delta.tool_calls`` entry: a call's first piece (with its ``id``) or more of
+        its arguments (OpenAI's stream shape, merged by ``index`` as clients do)."""
+        if not isinstance(piece, dict) or not isinstance(piece.get("function"), dict):
+            return
+        fn, at = piece["function"], piece.get("index")
+        if "id" in piece:
+            self.answer_calls.append({"id": piece["id"], "type": piece.get("type", "function"),
+                                      "function": {"name": fn.get("name"),
+                                                   "arguments": fn.get("arguments") or ""}})  # fmt: skip
+        elif isinstance(at, int) and 0 <= at < len(self.answer_calls):
+            self.answer_calls[at]["function"]["arguments"] += fn.get("arguments") or ""
 
     def answer(self) -> tuple[str, list[int]]:
         """The answer sent so far: its text and ids."""

@@ -3,7 +3,8 @@
 The proxy has no tokenizer, so it keys prompts by their text (SGLang's router does the
 same with a character radix tree): a completion's prompt text, a chat's messages
 serialized role by role (appending a turn extends the key, as it extends the rendered
-prompt), or a prompt of token ids as ids. Asking a node's ``/tokenize`` would give the
+prompt; an assistant message's tool calls after its content, as templates render them),
+or a prompt of token ids as ids. Asking a node's ``/tokenize`` would give the
 engine's own block hashes, but costs a round trip and a node's CPU on every request
 before it can be routed; the text is free and a shared text prefix is a shared token
 prefix up to the last token of the shared part.
@@ -24,12 +25,19 @@ A node that goes out of rotation or restarts loses its entries (``drop``).
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.server.protocol import BaseRequest, ChatCompletionRequest, CompletionRequest
+from engine.server.protocol import (
+    APIError,
+    BaseRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_messages,
+)
 
 CHAR_BLOCK = 64  # characters per block of a text key (about 16 tokens of English)
 ID_BLOCK = 16  # token ids per block of an ids key (the engine's default --block-size)
@@ -37,8 +45,20 @@ KINDS = ("text", "chat", "ids")
 
 
 def _chat_text(messages: Sequence[dict[str, Any]]) -> str:
-    """Messages as one string; a conversation with one more turn extends it."""
-    return "".join(f"\x1e{m.get('role', '')}\x1f{m.get('content', '')}" for m in messages)
+    """Messages (validated: ``parse_messages``) as one string; a conversation with one
+    more turn extends it. An assistant message's tool calls follow its content, as chat
+    templates render them: each its name and its arguments (compact JSON of the object
+    the request's text was parsed into; text that is no JSON object as it is)."""
+    out = []
+    for m in messages:
+        out.append(f"\x1e{m.get('role', '')}\x1f{m.get('content', '')}")
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            args = fn.get("arguments")
+            if not isinstance(args, str):
+                args = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+            out.append(f"\x1d{fn.get('name', '')}\x1d{args}")
+    return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -92,13 +112,30 @@ def prompt_key(parsed: BaseRequest) -> PromptKey:
     return PromptKey.of("text", parsed.prompt_text or "")
 
 
-def answer_suffix(key: PromptKey, text: str, token_ids: Sequence[int]) -> str | Sequence[int]:
-    """What an answer appends to ``key`` in the next request of the same conversation."""
+def answer_suffix(
+    key: PromptKey,
+    text: str,
+    token_ids: Sequence[int],
+    calls: list[dict[str, Any]] | None = None,
+    reasoned: bool = False,
+) -> str | Sequence[int]:
+    """What an answer appends to ``key`` in the next request of the same conversation
+    (empty: nothing). A chat answer: its content and tool ``calls`` (the message's
+    ``tool_calls``, as the client got them and sends them back). One with reasoning
+    (``reasoned``) adds nothing: the decode node cached the reasoning right after the
+    prompt, and the next turn's prompt leaves it out (``reasoning_content`` is not sent
+    to the template), so that prompt parts from the cache where the answer begins."""
     if key.kind == "ids":
         return token_ids
-    if key.kind == "chat":
-        return _chat_text([{"role": "assistant", "content": text}])
-    return text
+    if key.kind != "chat":
+        return text
+    if reasoned:
+        return ""
+    message = {"role": "assistant", "content": text, "tool_calls": calls or None}
+    try:
+        return _chat_text(parse_messages({"messages": [message]}))  # as the next turn's
+    except APIError:
+        return ""  # calls in a shape no client could send back
 
 
 class PrefixIndex:

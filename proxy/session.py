@@ -201,10 +201,13 @@ class Session:
             )  # fmt: skip
         return self.current
 
-    def _answered(self, text: str, ids: list[int]) -> None:
-        """The decode node finished the answer: tell the router what it now caches."""
+    def _answered(
+        self, text: str, ids: list[int], calls: list[dict[str, Any]], reasoned: bool
+    ) -> None:
+        """The decode node finished the answer: tell the router what it now caches (a
+        chat answer's tool ``calls``, and whether it had reasoning: ``answer_suffix``)."""
         if self.route is not None and self.req.key is not None:
-            suffix = answer_suffix(self.req.key, text, ids)
+            suffix = answer_suffix(self.req.key, text, ids, calls, reasoned)
             self.router.answered(self.route, self.req.key, suffix)
 
     def _failed(self, attempt: Attempt, err: UpstreamError, migrating: bool = False) -> None:
@@ -311,8 +314,12 @@ class Session:
             if self._keep_answer:
                 with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
                     choice = body["choices"][0]
-                    text = choice["message"]["content"] if self.req.chat else choice["text"]
-                    self._answered(text or "", list(choice.get("token_ids") or []))
+                    msg = choice["message"] if self.req.chat else {}
+                    text = msg["content"] if self.req.chat else choice["text"]
+                    self._answered(
+                        text or "", list(choice.get("token_ids") or []),
+                        msg.get("tool_calls") or [], bool(msg.get("reasoning_content")),
+                    )  # fmt: skip
             return body
 
     # -- streaming -------------------------------------------------------------------------
@@ -567,7 +574,7 @@ class Session:
                 if self.migrations:
                     self.metrics.migrations.labels("resumed").inc()
                 if self._keep_answer:
-                    self._answered(*self.out.answer())
+                    self._answered(*self.out.answer(), self.out.answer_calls, self.out.reasoned)
             yield SSE_DONE
         except (UpstreamError, APIError, PassThrough, NodeHTTPError, ValueError) as e:
             if isinstance(e, UpstreamError) and e.node_fault:

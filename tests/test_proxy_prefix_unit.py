@@ -5,7 +5,9 @@ the cache-aware policy and the router's decode-only decision."""
 from __future__ import annotations
 
 import argparse
+import json
 import tracemalloc
+from typing import Any
 
 import pytest
 
@@ -81,6 +83,86 @@ def test_prompt_keys_of_requests() -> None:
     grown = k1.extend(answer_suffix(k1, "hello there", [1, 2]))
     assert k2.hashes[: len(grown.hashes)] == grown.hashes
     assert answer_suffix(prompt_key(ids), "x", [7, 8]) == [7, 8]
+
+
+# -- answers with tool calls or reasoning ------------------------------------------------------
+
+NOTE = [{"type": "function", "function": {"name": "note"}}]
+TURN1 = [{"role": "system", "content": LONG}, {"role": "user", "content": "note it down"}]
+
+
+def _call(text: str, spaced: bool = True) -> dict[str, Any]:
+    args = json.dumps({"text": text}, separators=(", ", ": ") if spaced else (",", ":"))
+    return {"id": "chatcmpl-tool-1", "type": "function",
+            "function": {"name": "note", "arguments": args}}  # fmt: skip
+
+
+def _next_turn(call: dict[str, Any], content: str | None = None) -> PromptKey:
+    """The key of the turn after an answer ``call``: the client sends the call back, then
+    the tool's result."""
+    msgs = [*TURN1, {"role": "assistant", "content": content, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "done"}]  # fmt: skip
+    return prompt_key(parse_chat_request({"messages": msgs, "tools": NOTE}))
+
+
+def test_a_tool_call_answer_is_learned_as_the_next_turn_keys_it() -> None:
+    """The chat template renders an assistant message's tool calls into the next turn's
+    prompt (after its content), and the decode node cached them as it generated them: the
+    key has them, and the answer's key continues with them."""
+    k1 = prompt_key(parse_chat_request({"messages": TURN1, "tools": NOTE}))
+    a, b = _call("a" * 300), _call("b" * 300)
+    # Two conversations that differ only in the call the assistant made part there (the
+    # text after the first assistant message was one key for both).
+    ka, kb = _next_turn(a), _next_turn(b)
+    parted = next(i for i, (x, y) in enumerate(zip(ka.hashes, kb.hashes, strict=True)) if x != y)
+    assert parted < len(k1.hashes) + 2 and ka.length > k1.length + 300
+    # The answer (content "" or some, and the call as the stream or body sent it) grows
+    # the key as far as the next turn repeats it: the call's blocks included.
+    for content in ("", "Noting."):
+        learned = k1.extend(answer_suffix(k1, content, [1, 2], calls=[a]))
+        assert len(learned.hashes) > len(k1.hashes) + 300 // CHAR_BLOCK - 1
+        for call in (a, _call("a" * 300, spaced=False)):  # arguments as JSON, not as text
+            nxt = _next_turn(call, content or None)
+            assert nxt.hashes[: len(learned.hashes)] == learned.hashes
+        assert _next_turn(b, content or None).hashes[: len(learned.hashes)] != learned.hashes
+    # Arguments that are not a JSON object stay text, on both sides.
+    odd = {**a, "function": {"name": "note", "arguments": "not json"}}
+    learned = k1.extend(answer_suffix(k1, "", [1], calls=[odd]))
+    assert _next_turn(odd).hashes[: len(learned.hashes)] == learned.hashes
+
+
+def test_an_answer_with_reasoning_is_not_learned() -> None:
+    """The next turn's prompt leaves the reasoning out (``reasoning_content`` is not sent
+    to the template), while the decode node cached it right after the prompt: nothing of
+    the answer is in its cache as the next turn renders it."""
+    k1 = prompt_key(parse_chat_request({"messages": TURN1}))
+    assert answer_suffix(k1, "The answer. " * 20, [1], reasoned=True) == ""
+    assert answer_suffix(k1, "The answer. ", [1], reasoned=False) != ""
+
+
+def test_the_proxys_stream_keeps_the_answers_calls_and_reasoning() -> None:
+    """What the session learns from a stream: its calls put together from the deltas, and
+    whether it had reasoning."""
+    from proxy.client_stream import ClientStream
+    from proxy.validation import CHAT, validate_request
+
+    raw = json.dumps({"messages": TURN1, "tools": NOTE, "stream": True}).encode()
+    out = ClientStream(validate_request(CHAT, raw, ["m"], None), "r", 0, False)
+    a = _call("a" * 30)
+    args = a["function"]["arguments"]
+    deltas = [{"content": "Noting."},
+              {"tool_calls": [{"index": 0, "id": a["id"], "type": "function",
+                               "function": {"name": "note", "arguments": args[:5]}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": args[5:20]}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": args[20:]}}]}]  # fmt: skip
+    for i, d in enumerate(deltas):
+        out.rewrite({"choices": [{"index": 0, "delta": d, "token_ids": [i],
+                                  "finish_reason": None}]})  # fmt: skip
+    assert out.answer() == ("Noting.", [0, 1, 2, 3])
+    assert out.answer_calls == [a] and not out.reasoned
+    out.rewrite({"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"},
+                              "token_ids": [4], "finish_reason": None}]})  # fmt: skip
+    assert out.reasoned
 
 
 # -- the index ---------------------------------------------------------------------------------

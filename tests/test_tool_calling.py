@@ -954,6 +954,62 @@ def test_live_auto_hermes_calls_stream_their_arguments(pd: tuple[Any, Any], thro
     assert pieces == sorted(pieces, key=lambda p: p[0])
 
 
+NOTE = _tool("note", _obj(text={"type": "string"}))
+
+
+def _note_turn(system: str, letter: str) -> dict[str, Any]:
+    """A first turn whose answer is one ``note`` call (a regex makes the model write it,
+    as the built-in template renders a call: the next turn's prompt repeats its tokens)."""
+    regex = r"\n<tool_call>\{\"name\": \"note\", \"arguments\": \{\"text\": \"" + letter * 400
+    regex += r"\"\}\}</tool_call>"
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "note it down"}]
+    return {"messages": msgs, "tools": [NOTE], "max_tokens": 500, "temperature": 0.0,
+            "structured_outputs": {"regex": regex}}  # fmt: skip
+
+
+def _next_note_turn(turn: dict[str, Any], call: tuple[str, str]) -> dict[str, Any]:
+    assistant = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "chatcmpl-tool-1", "type": "function",
+         "function": {"name": call[0], "arguments": call[1]}}]}  # fmt: skip
+    tool = {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "done"}
+    msgs = [*turn["messages"], assistant, tool]
+    return {"messages": msgs, "tools": [NOTE], "max_tokens": 4, "temperature": 0.0}
+
+
+@pytest.mark.slow
+def test_live_the_proxy_learns_a_tool_call_answer_for_the_next_turn(
+    pd: tuple[Any, Any], module_procs: Any
+) -> None:
+    """The prefix index learns an answer's tool calls: the next turn, which sends the call
+    back, is found on the decode node (its prompt minus what D holds is short: D prefills
+    it alone, computing only the tool's turn); a history with another call is not."""
+    pair, _ = pd
+    proxy = module_procs.proxy([pair.p.url], [pair.d.url], "--disagg-min-prompt-tokens", "200",
+                               "--chars-per-token", "1")  # fmt: skip
+    modes = {m: ("pdproxy_route_mode_total", {"mode": m}) for m in ("decode_only", "disaggregated")}
+
+    def count(mode: str) -> float:
+        return proxy.metric(*modes[mode])
+
+    computed = "pdserve_prompt_tokens_total"
+    for stream, system in ((True, "Keep notes. " * 60), (False, "Write things down. " * 40)):
+        turn = _note_turn(system, "a")
+        if stream:
+            got = _stream(proxy.url, turn)[0]
+        else:
+            got = _summary(_post(proxy.url, turn)["choices"][0])
+        assert got["finish"] == "tool_calls" and got["calls"][0][0] == "note", got
+        assert count("disaggregated") == (1 if stream else 2)  # a long first prompt
+        before, d_before = count("decode_only"), pair.d.metric(computed)
+        _post(proxy.url, _next_note_turn(turn, got["calls"][0]))
+        assert count("decode_only") == before + 1
+        assert pair.d.metric(computed) - d_before < 64  # D held the call: the tool turn
+    # A history whose call the decode node never saw: most of its prompt is not there.
+    other = ("note", json.dumps({"text": "b" * 400}))
+    _post(proxy.url, _next_note_turn(_note_turn("Keep notes. " * 60, "a"), other))
+    assert count("disaggregated") == 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("through", ["node", "proxy"])
 def test_live_tools_and_a_tool_conversation_are_in_the_prompt(
