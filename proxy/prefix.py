@@ -3,7 +3,8 @@
 The proxy has no tokenizer, so it keys prompts by their text (SGLang's router does the
 same with a character radix tree): a completion's prompt text, a chat's messages
 serialized role by role (appending a turn extends the key, as it extends the rendered
-prompt; an assistant message's tool calls after its content, as templates render them),
+prompt; an assistant message's tool calls after its content, as templates render them;
+the request's tools and template variables first, where templates render them),
 or a prompt of token ids as ids. Asking a node's ``/tokenize`` would give the
 engine's own block hashes, but costs a round trip and a node's CPU on every request
 before it can be routed; the text is free and a shared text prefix is a shared token
@@ -61,6 +62,17 @@ def _chat_text(messages: Sequence[dict[str, Any]]) -> str:
     return "".join(out)
 
 
+def _chat_head(req: ChatCompletionRequest) -> str:
+    """What a chat template renders before the messages besides them: the request's
+    tools (most templates put them in the system part) and its ``chat_template_kwargs``
+    (e.g. ``enable_thinking``); empty without either, so such keys are the messages'."""
+    tools = req.tools.template_tools() if req.tools is not None else None
+    extra = req.chat_template_kwargs or None
+    if tools is None and extra is None:
+        return ""
+    return "\x1c" + json.dumps([tools, extra], ensure_ascii=False, separators=(",", ":"))
+
+
 @dataclass(frozen=True)
 class PromptKey:
     """A prompt as the index sees it: its kind, length and the chained block hashes."""
@@ -105,7 +117,7 @@ def _chain(kind: str, parent: int, hashes: tuple[int, ...], seq: Any, done: int)
 def prompt_key(parsed: BaseRequest) -> PromptKey:
     """The key of a validated completion or chat request."""
     if isinstance(parsed, ChatCompletionRequest):
-        return PromptKey.of("chat", _chat_text(parsed.messages))
+        return PromptKey.of("chat", _chat_head(parsed) + _chat_text(parsed.messages))
     assert isinstance(parsed, CompletionRequest)
     if parsed.prompt_token_ids is not None:
         return PromptKey.of("ids", parsed.prompt_token_ids)

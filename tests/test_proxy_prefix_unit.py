@@ -131,6 +131,25 @@ def test_a_tool_call_answer_is_learned_as_the_next_turn_keys_it() -> None:
     assert _next_turn(odd).hashes[: len(learned.hashes)] == learned.hashes
 
 
+def test_chat_keys_part_where_the_tools_or_template_variables_differ() -> None:
+    """Templates render the request's tools (and its ``chat_template_kwargs``) before the
+    messages: the same messages with other tools are another prompt from its start, so
+    their keys share nothing; with the same ones, a conversation's turns still extend."""
+    other = [{"type": "function", "function": {"name": "erase"}}]
+
+    def key(msgs: list[dict[str, Any]], **extra: Any) -> PromptKey:
+        return prompt_key(parse_chat_request({"messages": msgs, **extra}))
+
+    plain, noted, erased = key(TURN1), key(TURN1, tools=NOTE), key(TURN1, tools=other)
+    thinking = key(TURN1, chat_template_kwargs={"enable_thinking": False})
+    firsts = {k.hashes[0] for k in (plain, noted, erased, thinking)}
+    assert len(firsts) == 4
+    assert key(TURN1, tools=NOTE) == noted
+    learned = noted.extend(answer_suffix(noted, "Noting.", [1]))
+    turn2 = [*TURN1, {"role": "assistant", "content": "Noting."}, {"role": "user", "content": "x"}]
+    assert key(turn2, tools=NOTE).hashes[: len(learned.hashes)] == learned.hashes
+
+
 def test_an_answer_with_reasoning_is_not_learned() -> None:
     """The next turn's prompt leaves the reasoning out (``reasoning_content`` is not sent
     to the template), while the decode node cached it right after the prompt: nothing of
