@@ -37,6 +37,13 @@ logger = logging.getLogger(__name__)
 INLINE_VALIDATION_BYTES = 16 * 1024
 
 
+def _refusal_kind(status: int) -> str | None:
+    """The error kind of a request refused with ``status``: every 400 the client gets is a
+    ``bad_request``, the proxy's own and a node's passed through (a prompt longer than the
+    context: only a node's tokenizer can tell)."""
+    return "bad_request" if status == 400 else None
+
+
 class ProxyServing:
     def __init__(
         self,
@@ -149,11 +156,11 @@ class ProxyServing:
             logger.info("request %s: client disconnected; aborted on both nodes", rid)
             return answer(Response(status_code=499), "client_disconnect")
         except PassThrough as e:  # a node's refusal; 429 when every node was overloaded
-            kind = "overloaded" if e.status in (429, 503) else None
+            kind = "overloaded" if e.status in (429, 503) else _refusal_kind(e.status)
             return answer(JSONResponse(e.body, e.status, headers=e.headers), kind)
         except APIError as e:
             kind = "unavailable" if e.status_code == 503 else "upstream"
-            return answer(json_error(e), kind)
+            return answer(json_error(e), _refusal_kind(e.status_code) or kind)
         finally:
             if not streaming:
                 done()
