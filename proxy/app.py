@@ -167,6 +167,8 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI
     async def health() -> JSONResponse:
         return serving.health()
 
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's: as /health
+
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)

@@ -172,7 +172,7 @@ class ProxyConfig:
         repr=False,
         metadata={
             "help": "require 'Authorization: Bearer <key>' from clients on every path but "
-            "/health and /metrics"
+            "/health, /ping and /metrics"
         },
     )
     node_api_key: str | None = field(

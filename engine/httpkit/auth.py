@@ -9,7 +9,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.server.protocol import error_body
 
-OPEN_PATHS = frozenset(["/health", "/metrics"])
+OPEN_PATHS = frozenset(["/health", "/ping", "/metrics"])  # /ping: vLLM's health check
 
 
 def key_matches(given: str, keys: tuple[str, ...]) -> bool:
@@ -22,7 +22,7 @@ def key_matches(given: str, keys: tuple[str, ...]) -> bool:
 
 class ApiKeyMiddleware:
     """Answers 401 (OpenAI's ``invalid_api_key``) unless the request carries one of
-    ``keys`` as a bearer token; ``open_paths`` (health, metrics) need none. No keys: open."""
+    ``keys`` as a bearer token; ``open_paths`` (health, ping, metrics) need none. No keys: open."""
 
     def __init__(
         self, app: ASGIApp, keys: tuple[str, ...] = (), open_paths: frozenset[str] = OPEN_PATHS

@@ -33,6 +33,7 @@ ROUTES = frozenset(
         "/v1/models",
         "/v1/abort",
         "/health",
+        "/ping",
         "/metrics",
         "/tokenize",
         "/detokenize",
@@ -139,6 +140,9 @@ def build_app(
             return JSONResponse({"status": "ok"})
         reason = engine.dead_reason or "engine is not running"
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+    # vLLM's (SageMaker's) health check: GET and POST, answered as /health.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

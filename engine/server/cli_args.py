@@ -113,7 +113,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--api-key",
         default=os.environ.get("PDSERVE_API_KEY") or None,
-        help="require 'Authorization: Bearer <key>' on every path but /health and /metrics "
+        help="require 'Authorization: Bearer <key>' on every path but /health, /ping and /metrics "
         "(default: $PDSERVE_API_KEY; unset: no key)",
     )
     group.add_argument(
