@@ -101,6 +101,7 @@ class ClientStream:
         self.node_skips_first = node_skips_first
         self.model: str | None = req.parsed.model
         self.role_sent = False
+        self.prompt_ids_sent = False  # return_token_ids: the prompt's ids, sent once
         self.sent_ids: list[int] | None = None  # P's first token, once sent to the client
         self._first_skip = (0, "")  # what D's stream repeats of P's first token, to drop
         self._skip = Skipper()
@@ -148,6 +149,11 @@ class ClientStream:
         logprobs = p_body["choices"][0].get("logprobs")  # P sampled the first token
         choice.update(logprobs=logprobs, finish_reason=None, stop_reason=None, token_ids=ids)
         body = self.envelope([choice], usage=True)
+        # return_token_ids: P's prompt ids (a chat response's, a completion choice's).
+        prompt_ids = (p_body if self.req.chat else p_body["choices"][0]).get("prompt_token_ids")
+        if prompt_ids is not None:
+            (body if self.req.chat else choice)["prompt_token_ids"] = prompt_ids
+            self.prompt_ids_sent = True
         if self.req.parsed.continuous_usage:  # the usage so far: the prompt and this token
             prompt = (p_body.get("usage") or {}).get("prompt_tokens") or 0
             body["usage"] = {"prompt_tokens": prompt, "completion_tokens": len(ids),
@@ -201,6 +207,10 @@ class ClientStream:
             return obj  # the usage chunk
         c = choices[0]
         c["index"] = self.index
+        if "prompt_token_ids" in (obj if self.req.chat else c):  # return_token_ids
+            if self.prompt_ids_sent:  # P's answer gave them, or an earlier D stream
+                (obj if self.req.chat else c).pop("prompt_token_ids")
+            self.prompt_ids_sent = True
         ids = list(c.get("token_ids") or [])
         if self.req.chat:
             delta = c.setdefault("delta", {})

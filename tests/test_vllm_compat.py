@@ -92,3 +92,70 @@ def test_the_proxy_answers_ping_like_health() -> None:
             resp = client.request(method, "/ping")
             assert resp.status_code == 200, resp.text
             assert resp.json()["status"] == "ok"
+
+
+# -- return_token_ids -----------------------------------------------------------------------------
+
+
+def test_return_token_ids_adds_the_prompt_ids_where_vllm_puts_them() -> None:
+    engine = ScriptedEngine("ok")
+    client = _client(engine)
+    prompt = list(b"hello")
+    body = client.post("/v1/completions", json={"prompt": "hello", "return_token_ids": True}).json()
+    (choice,) = body["choices"]  # completions: on the choice
+    assert choice["prompt_token_ids"] == prompt and choice["token_ids"] == list(b"ok")
+    chat_prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(MSGS))
+    body = client.post("/v1/chat/completions", json={"messages": MSGS, "return_token_ids": True})
+    body = body.json()  # chat: on the response
+    assert body["prompt_token_ids"] == chat_prompt and "prompt_token_ids" not in body["choices"][0]
+    # Without it (or false) there is no such field; token_ids are always there.
+    for extra in ({}, {"return_token_ids": False}):
+        body = client.post("/v1/completions", json={"prompt": "hello", **extra}).json()
+        assert "prompt_token_ids" not in body["choices"][0] and body["choices"][0]["token_ids"]
+        body = client.post("/v1/chat/completions", json={"messages": MSGS, **extra}).json()
+        assert "prompt_token_ids" not in body
+
+
+def test_return_token_ids_streams_the_prompt_ids_once_in_the_first_chunk() -> None:
+    engine = ScriptedEngine("ok")
+    client = _client(engine)
+    body = {"prompt": "hello", "return_token_ids": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as resp:
+        events = _events(resp)
+    assert [e["choices"][0].get("prompt_token_ids") for e in events] == [list(b"hello"), None]
+    chat_prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(MSGS))
+    body = {"messages": MSGS, "return_token_ids": True, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        events = _events(resp)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [e.get("prompt_token_ids") for e in events] == [chat_prompt, None, None]
+
+
+def test_return_token_ids_must_be_a_boolean() -> None:
+    resp = _client().post("/v1/completions", json={"prompt": "x", "return_token_ids": "yes"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "return_token_ids"
+
+
+def test_the_proxy_passes_the_prompt_ids_of_a_prestreamed_answer_once() -> None:
+    from proxy.client_stream import ClientStream
+    from proxy.validation import CHAT, COMPLETIONS, validate_request
+
+    for endpoint, body in [
+        (COMPLETIONS, {"prompt": "x", "stream": True, "return_token_ids": True}),
+        (CHAT, {"messages": MSGS, "stream": True, "return_token_ids": True}),
+    ]:
+        chat = endpoint == CHAT
+        req = validate_request(endpoint, json.dumps(body).encode(), ["m"], None)
+        stream = ClientStream(req, "r", 1, node_skips_first=False)
+        first = {"choices": [{"index": 0, "token_ids": [7], "text": "a",
+                              "message": {"role": "assistant", "content": "a"}}]}  # fmt: skip
+        (first if chat else first["choices"][0])["prompt_token_ids"] = [1, 2]
+        event = json.loads(stream.first_chunk(first)[len("data: ") :])
+        assert (event if chat else event["choices"][0])["prompt_token_ids"] == [1, 2]
+        # D's stream repeats them with its first chunk (and P's token): dropped there.
+        d = {"choices": [{"index": 0, "token_ids": [7, 8], "text": "ab",
+                          "delta": {"content": "ab"}}]}  # fmt: skip
+        (d if chat else d["choices"][0])["prompt_token_ids"] = [1, 2]
+        out = stream.rewrite(d)
+        assert out is not None and out["choices"][0]["token_ids"] == [8]
+        assert "prompt_token_ids" not in out and "prompt_token_ids" not in out["choices"][0]

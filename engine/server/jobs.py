@@ -79,6 +79,8 @@ class Job:
     # A chat choice on a node with a reasoning parser (``--reasoning-parser``): its text
     # becomes reasoning and content (the content part going on to ``tools``, if set).
     reasoning: ReasoningOutput | None = None
+    # With return_token_ids, a stream's first chunk carried the prompt's ids.
+    _prompt_ids_sent: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -158,11 +160,19 @@ class Job:
             stop_reason=step.stop_reason, tool_part=part,
         )  # fmt: skip
         body = self.envelope([choice], stream=True)
+        if self.req.return_token_ids and not self._prompt_ids_sent:  # the first chunk only
+            self._prompt_ids_sent = True
+            self._add_prompt_ids(body, choice)
         if self.req.include_usage:
             body["usage"] = self.usage() if self.req.continuous_usage else None
         if step.kv_transfer_params is not None:
             body["kv_transfer_params"] = step.kv_transfer_params
         return body
+
+    def _add_prompt_ids(self, body: dict[str, Any], choice: dict[str, Any]) -> None:
+        """``return_token_ids``: vLLM's ``prompt_token_ids``, a chat response's or (a
+        completion) its choice's."""
+        (body if self.chat else choice)["prompt_token_ids"] = list(self.prompt_ids)
 
     def usage_chunk(self) -> dict[str, Any]:
         body = self.envelope([], stream=True)
@@ -190,6 +200,8 @@ class Job:
             tool_part=part,
         )  # fmt: skip
         body = self.envelope([choice], stream=False)
+        if self.req.return_token_ids:
+            self._add_prompt_ids(body, choice)
         k = self.req.prompt_logprobs
         if k is not None and self.strings is not None:  # vLLM's: on the choice; chat: the body
             if prompt is None or len(prompt) != len(self.prompt_ids):

@@ -216,6 +216,9 @@ class BaseRequest:
     truncate_prompt_tokens: int | None = None
     # vLLM's: log probabilities name tokens ``token_id:<id>`` instead of their text.
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the answer carries the prompt's token ids (``prompt_token_ids``: on the
+    # choice of a completion, on a chat response); ``token_ids`` are always there.
+    return_token_ids: bool = False
     # vLLM's: special tokens (BOS, EOS, a chat template's markers) left out of the text.
     skip_special_tokens: bool = True
     # vLLM's: each prompt token's log probability, rank and ``k`` alternatives (None: off).
@@ -372,6 +375,7 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     _parse_n(body, req)
     req.truncate_prompt_tokens = _get_int(body, "truncate_prompt_tokens", None)
     req.return_tokens_as_token_ids = _get_bool(body, "return_tokens_as_token_ids", False)
+    req.return_token_ids = _get_bool(body, "return_token_ids", False)
     req.skip_special_tokens = _get_bool(body, "skip_special_tokens", True)
     # vLLM's; no effect: the detokenizers never put spaces between special tokens (vLLM's
     # fast-tokenizer detokenizer ignores it too). Its type is still checked.
@@ -606,7 +610,8 @@ COMMON_FIELDS = frozenset(
         "stop_token_ids", "ignore_eos", "stream", "stream_options", "kv_transfer_params",
         "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
-        "truncate_prompt_tokens", "return_tokens_as_token_ids", "skip_special_tokens",
+        "truncate_prompt_tokens", "return_tokens_as_token_ids", "return_token_ids",
+        "skip_special_tokens",
         "spaces_between_special_tokens",
         "prompt_logprobs", "priority", "bad_words",
         "allowed_token_ids", *STRUCTURED_FIELDS, *_VLLM_FIELDS,
