@@ -99,7 +99,7 @@ class AsyncLLMEngine:
         config = resolve_model_config(config)  # a repo id becomes a local path, once
         self.config = config
         self.model_name = config.model.name
-        self.tokenizer = load_tokenizer(config.model.model)
+        self.tokenizer = load_tokenizer(config.model.model, config.model.chat_template)
         self.core = EngineCore(config, log_level, tokenizer=self.tokenizer)
         self.grammars = self.core.grammars  # the HTTP layer compiles into its cache
         self.max_model_len = self.core.max_model_len

@@ -80,6 +80,15 @@ class ModelConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "never use CUDA graphs (decode steps run eagerly)"}
     )
+    chat_template: str | None = field(
+        default=None,
+        repr=False,  # may be a whole template: logged by the tokenizer's loader instead
+        metadata={
+            "help": "Jinja chat template for chat requests, instead of the model's (vLLM's "
+            "flag): a file, or the template itself (with '{', '}' or a line break; '\\n' "
+            "is a line break). Give a P/D pair's nodes the same one"
+        },
+    )
 
     def __post_init__(self) -> None:
         require(bool(self.model), "model", "must be a checkpoint directory, a repo id or 'tiny'")
@@ -99,6 +108,13 @@ class ModelConfig:
             "max_model_len",
             "must be a positive number of tokens",
         )
+        if self.chat_template is not None:
+            from engine.tokenizer import ByteTokenizer, load_chat_template
+
+            try:  # read and compiled now: a bad one exits 2 before the model loads
+                ByteTokenizer().set_chat_template(load_chat_template(self.chat_template))
+            except ValueError as e:
+                require(False, "chat_template", str(e))
 
     @property
     def name(self) -> str:

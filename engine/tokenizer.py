@@ -1,11 +1,15 @@
 """Tokenizers: a byte-level one for the 'tiny' model and HF ``tokenizer.json`` checkpoints.
 
-``load_tokenizer(model)`` picks one. ``IncrementalDetokenizer`` turns a growing list of
+``load_tokenizer(model, chat_template)`` picks one; ``chat_template`` (``--chat-template``)
+renders chats instead of the checkpoint's template (or the built-in simple one), and a
+request may bring its own (``apply_chat_template(chat_template=...)``). ``IncrementalDetokenizer`` turns a growing list of
 generated ids into printable text deltas, holding back incomplete UTF-8 sequences.
 """
 
 from __future__ import annotations
 
+import codecs
+import functools
 import json
 import logging
 import os
@@ -78,26 +82,69 @@ class Tokenizer(ABC):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; never raises on invalid UTF-8 or unknown ids."""
 
-    @abstractmethod
+    # The server's --chat-template (its Jinja source): renders chats instead of the
+    # tokenizer's own template.
+    chat_template_override: str | None = None
+
+    def set_chat_template(self, source: str) -> None:
+        """Render chats with ``source`` (a Jinja chat template: ``--chat-template``);
+        ``ValueError`` when it does not compile or jinja2 is missing."""
+        try:
+            compile_chat_template(source)
+        except ImportError as e:
+            raise ValueError("a chat template needs jinja2: pip install jinja2") from e
+        self.chat_template_override = source
+
+    def _own_template(self) -> Any:
+        """The compiled template chats use without a request's (None: the simple one)."""
+        if self.chat_template_override is not None:
+            return compile_chat_template(self.chat_template_override)
+        return None
+
+    def _special_strings(self) -> dict[str, str]:
+        """Template variables naming special tokens (``bos_token``, ``eos_token``, ...)."""
+        return {"bos_token": "", "eos_token": ""}
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> str:
         """The rendered prompt string, ending with the assistant generation prompt (unless
         ``add_generation_prompt`` is false). ``template_kwargs`` (a request's
         ``chat_template_kwargs``) are extra variables of a Jinja chat template; only
         ``supports_template_kwargs`` tokenizers take them. ``tools`` (a request's, as
         OpenAI shapes them): the template's ``tools`` variable (transformers'
-        ``apply_chat_template(tools=...)``)."""
+        ``apply_chat_template(tools=...)``). ``chat_template``: a request's own Jinja
+        template, used instead of the tokenizer's."""
+        template = (
+            compile_chat_template(chat_template)
+            if chat_template is not None
+            else self._own_template()
+        )
+        if template is None:
+            _refuse_template_kwargs(template_kwargs)
+            return simple_chat_template(messages, add_generation_prompt, tools)
+        variables: dict[str, Any] = {
+            "add_generation_prompt": add_generation_prompt,
+            "tools": None,
+            "documents": None,
+            **self._special_strings(),
+            **(template_kwargs or {}),  # e.g. enable_thinking; may not replace the messages
+        }
+        variables["messages"] = messages
+        if tools is not None:  # the request's tools, over a chat_template_kwargs "tools"
+            variables["tools"] = tools
+        return str(template.render(**variables))
 
     @property
     def supports_template_kwargs(self) -> bool:
         """Whether ``apply_chat_template`` renders a Jinja template that can use
         ``template_kwargs`` (the built-in simple template has no variables)."""
-        return False
+        return self._own_template() is not None
 
     def token_text(self, token_id: int) -> str:
         """One token as text (special tokens included), as logprobs name tokens."""
@@ -142,16 +189,6 @@ class ByteTokenizer(Tokenizer):
             elif not skip_special_tokens and i in (self.BOS, self.EOS):
                 out.extend(b"<|bos|>" if i == self.BOS else b"<|eos|>")
         return out.decode("utf-8", errors="replace")
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        template_kwargs: dict[str, Any] | None = None,
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        _refuse_template_kwargs(template_kwargs)
-        return simple_chat_template(messages, add_generation_prompt, tools)
 
     def token_bytes(self, token_id: int) -> bytes:
         if 0 <= token_id < 256:
@@ -216,7 +253,7 @@ class HFTokenizer(Tokenizer):
 
         self.bos_token = _token_str(tok_cfg.get("bos_token"))
         self.eos_token = _token_str(tok_cfg.get("eos_token"))
-        self._special_strings = {
+        self._specials = {
             key: s for key in ("pad_token", "unk_token") if (s := _token_str(tok_cfg.get(key)))
         }
         self._bos_id = self._lookup(self.bos_token)
@@ -282,43 +319,22 @@ class HFTokenizer(Tokenizer):
         valid = [i for i in ids if 0 <= i < self._vocab_size]  # model vocab may be padded
         return self._tok.decode(valid, skip_special_tokens=skip_special_tokens)
 
-    @property
-    def supports_template_kwargs(self) -> bool:
-        return self._template() is not None
-
-    def _template(self) -> Any:
+    def _own_template(self) -> Any:
+        if self.chat_template_override is not None:
+            return compile_chat_template(self.chat_template_override)
         if self._chat_template is None:
+            logger.warning("checkpoint has no chat_template; using the simple built-in one")
             return None
         if self._compiled is None:
             self._compiled = _compile_template(self._chat_template)
         return self._compiled
 
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        template_kwargs: dict[str, Any] | None = None,
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        template = self._template()
-        if template is None:
-            if self._chat_template is None:
-                logger.warning("checkpoint has no chat_template; using the simple built-in one")
-            _refuse_template_kwargs(template_kwargs)
-            return simple_chat_template(messages, add_generation_prompt, tools)
-        variables: dict[str, Any] = {
-            "add_generation_prompt": add_generation_prompt,
-            "tools": None,
-            "documents": None,
+    def _special_strings(self) -> dict[str, str]:
+        return {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
-            **self._special_strings,
-            **(template_kwargs or {}),  # e.g. enable_thinking; may not replace the messages
+            **self._specials,
         }
-        variables["messages"] = messages
-        if tools is not None:  # the request's tools, over a chat_template_kwargs "tools"
-            variables["tools"] = tools
-        return template.render(**variables)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -360,13 +376,21 @@ def _refuse_template_kwargs(template_kwargs: dict[str, Any] | None) -> None:
 
 
 def _compile_template(source: str) -> Any:
-    """Compile a chat template the way transformers does; None if jinja2 is missing."""
+    """A checkpoint's chat template compiled; None if jinja2 is missing (the simple one is
+    used then)."""
     try:
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        return _compile_jinja(source)
     except ImportError:
         logger.warning("jinja2 is not installed; using the simple built-in chat template")
         return None
+
+
+def _compile_jinja(source: str) -> Any:
+    """Compile a chat template the way transformers does (a sandboxed Jinja environment):
+    ``ImportError`` without jinja2, ``ValueError`` (jinja2's ``TemplateSyntaxError``) for a
+    template that does not compile."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise ValueError(f"chat template error: {message}")
@@ -383,14 +407,47 @@ def _compile_template(source: str) -> Any:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        return env.from_string(source)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not compile: {e} (line {e.lineno})") from e
 
 
-def load_tokenizer(model: str) -> Tokenizer:
-    """'tiny' -> ``ByteTokenizer``; a checkpoint directory -> ``HFTokenizer``."""
-    if model == TINY_MODEL:
-        return ByteTokenizer()
-    return HFTokenizer(model)
+# --chat-template's and requests' templates (a repeated one is compiled once).
+compile_chat_template = functools.lru_cache(maxsize=32)(_compile_jinja)
+
+
+def load_tokenizer(model: str, chat_template: str | None = None) -> Tokenizer:
+    """'tiny' -> ``ByteTokenizer``; a checkpoint directory -> ``HFTokenizer``.
+    ``chat_template``: ``--chat-template`` (a file or the template itself:
+    ``load_chat_template``), rendering chats instead of the model's template."""
+    tok: Tokenizer = ByteTokenizer() if model == TINY_MODEL else HFTokenizer(model)
+    if chat_template is not None:
+        source = load_chat_template(chat_template)
+        tok.set_chat_template(source)
+        logger.info("chats are rendered with --chat-template (%d characters)", len(source))
+    return tok
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template`` as vLLM reads it: the file at ``value``, else -- when ``value``
+    has Jinja's characters (braces, a line break) -- the template itself, its backslash
+    escapes (``\\n``) decoded. ``ValueError`` for a path that cannot be read."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(
+                f"{value!r} looks like a file path, but cannot be read ({e.strerror or e}); "
+                "give a template file or the Jinja template itself"
+            ) from e
+    try:  # '\n' typed on a command line is a line break (vLLM's reading)
+        return codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+    except UnicodeDecodeError:
+        return value
 
 
 class IncrementalDetokenizer:

@@ -423,7 +423,8 @@ def test_unknown_fields_are_named_and_vllm_fields_that_matter_are_refused() -> N
         ("c", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ("c", {"prompt": "x", "guided_json": 5}, "guided_json"),
         ("c", {"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
-        ("chat", {"messages": _MSG, "chat_template": "{{ x }}"}, "chat_template"),
+        ("chat", {"messages": _MSG, "documents": [{"text": "x"}]}, "documents"),
+        ("chat", {"messages": _MSG, "chat_template": 5}, "chat_template"),
         (
             "chat",
             {"messages": _MSG, "continue_final_message": True, "add_generation_prompt": True},

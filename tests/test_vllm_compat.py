@@ -9,6 +9,7 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from engine.outputs import RequestOutput
@@ -159,3 +160,106 @@ def test_the_proxy_passes_the_prompt_ids_of_a_prestreamed_answer_once() -> None:
         out = stream.rewrite(d)
         assert out is not None and out["choices"][0]["token_ids"] == [8]
         assert "prompt_token_ids" not in out and "prompt_token_ids" not in out["choices"][0]
+
+
+# -- chat templates -------------------------------------------------------------------------------
+
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% if shout %}!{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Any) -> None:
+    from engine.tokenizer import load_chat_template, load_tokenizer
+
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert load_chat_template(str(path)) == TEMPLATE
+    assert load_chat_template(TEMPLATE) == TEMPLATE
+    # A template typed on a command line: its '\n' is a line break (vLLM's reading).
+    assert load_chat_template("{{ 'a' }}\\n{{ 'é' }}") == "{{ 'a' }}\n{{ 'é' }}"
+    with pytest.raises(ValueError, match="looks like a file path"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    # The tiny model (no template of its own) renders chats with it, kwargs included.
+    tok = load_tokenizer("tiny", str(path))
+    assert tok.supports_template_kwargs
+    assert tok.apply_chat_template(MSGS, {"shout": True}) == "[user]hi\n[assistant]!"
+
+
+@pytest.mark.parametrize(
+    "value, needle",
+    [("/nonexistent/t.jinja", "looks like a file path"), ("{% for %}", "does not compile")],
+)
+def test_a_bad_chat_template_exits_2_naming_the_flag(
+    value: str, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.server.cli_args import parse_config
+    from engine.server.node_main import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        parse_config(build_parser("decode"), ["--chat-template", value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--chat-template" in err and needle in err, err
+
+
+def test_chat_template_flag_reaches_the_config() -> None:
+    from engine.server.cli_args import parse_config
+    from engine.server.node_main import build_parser
+
+    args, config = parse_config(build_parser("prefill"), ["--chat-template", TEMPLATE])
+    assert config.model.chat_template == TEMPLATE
+    assert TEMPLATE not in repr(config)  # logged as its length by the tokenizer's loader
+    args, config = parse_config(build_parser("prefill"), [])
+    assert config.model.chat_template is None and not args.trust_request_chat_template
+
+
+def test_a_node_with_chat_template_renders_chats_with_it() -> None:
+    from engine.tokenizer import load_tokenizer
+
+    engine = ScriptedEngine(tokenizer=load_tokenizer("tiny", TEMPLATE))
+    client = _client(engine)
+    body = {"messages": MSGS, "chat_template_kwargs": {"shout": True}}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert engine.seen[-1][0] == list(b"[user]hi\n[assistant]!")
+    tokens = client.post("/tokenize", json={"messages": MSGS}).json()["tokens"]
+    assert tokens == list(b"[user]hi\n[assistant]")
+
+
+def test_a_request_chat_template_needs_trust_request_chat_template() -> None:
+    own = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    for body in (
+        {"messages": MSGS, "chat_template": own},
+        {"messages": MSGS, "chat_template_kwargs": {"chat_template": own}},
+    ):
+        client = _client()
+        for path in ("/v1/chat/completions", "/tokenize"):
+            resp = client.post(path, json=body)
+            assert resp.status_code == 400, resp.text
+            err = resp.json()["error"]
+            assert err["param"] == "chat_template"
+            assert "--trust-request-chat-template" in err["message"]
+        engine = ScriptedEngine()
+        client = _client(engine, trust_request_chat_template=True)
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert engine.seen[-1][0] == list(b"<hi>")
+        assert client.post("/tokenize", json=body).json()["tokens"] == list(b"<hi>")
+    # A template that does not compile: a 400 naming the field.
+    client = _client(trust_request_chat_template=True)
+    resp = client.post("/v1/chat/completions", json={"messages": MSGS, "chat_template": "{%"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template"
+    # Null and "" are the server's own template.
+    for neutral in (None, ""):
+        resp = _client().post(
+            "/v1/chat/completions", json={"messages": MSGS, "chat_template": neutral}
+        )
+        assert resp.status_code == 200, resp.text
+
+
+def test_the_proxy_passes_a_request_chat_template_to_the_nodes() -> None:
+    from proxy.validation import CHAT, validate_request
+
+    body = {"messages": MSGS, "chat_template": "{{ messages[0]['content'] }}"}
+    req = validate_request(CHAT, json.dumps(body).encode(), ["m"], None)
+    assert req.body["chat_template"] == body["chat_template"]  # the nodes judge it

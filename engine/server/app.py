@@ -50,6 +50,7 @@ def build_app(
     max_admitted: int | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
     ``app.state.drainer`` drains it on shutdown (``engine.httpkit.drain``). At
@@ -59,11 +60,15 @@ def build_app(
     (``--enable-auto-tool-choice --tool-call-parser``; None: off). ``reasoning_parser``:
     chat answers' reasoning as ``reasoning_content`` (``--reasoning-parser``; None: off),
     also told to proxies in ``/v1/kv_transfer_info`` (they do not pre-stream such chat
-    answers' first token)."""
+    answers' first token). ``trust_request_chat_template``: a chat request may bring its
+    own template (``--trust-request-chat-template``; else a 400)."""
     app = FrontedApp(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(engine, metrics, max_request_bytes, tool_call_parser, reasoning_parser)
-    tokenize_serving = TokenizeServing(engine, max_request_bytes)
+    serving = OpenAIServing(
+        engine, metrics, max_request_bytes, tool_call_parser, reasoning_parser,
+        trust_request_chat_template,
+    )  # fmt: skip
+    tokenize_serving = TokenizeServing(engine, max_request_bytes, trust_request_chat_template)
     drainer = Drainer(WORK_PATHS, shutdown_timeout)
     admission = Admission(WORK_PATHS, max_admitted)
     serving.admission = admission  # a request with several choices holds one per choice

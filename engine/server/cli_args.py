@@ -130,6 +130,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="INFO",
         help="logging level (default: INFO)",
     )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat request's own 'chat_template' (vLLM's flag; the template runs "
+        "in a Jinja sandbox on this node); without it such requests are a 400",
+    )
     add_registration_args(parser)
     add_tool_args(parser)
     add_reasoning_args(parser)

@@ -199,6 +199,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             max_admitted=config.scheduler.max_admitted_requests,
             tool_call_parser=auto_tool_parser(args),
             reasoning_parser=args.reasoning_parser,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
         server = make_server(
             app,

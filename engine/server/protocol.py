@@ -327,6 +327,9 @@ class ChatCompletionRequest(BaseRequest):
     messages: list[dict[str, Any]] = field(default_factory=list)
     # Extra variables of the model's Jinja chat template (e.g. {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # vLLM's: the request's own Jinja chat template (a node with
+    # --trust-request-chat-template only: ``check_request_template``).
+    chat_template: str | None = None
     # vLLM's: the template's assistant header after the messages; or (continue) the final
     # message left open for the model to go on with (a "prefilled" answer).
     add_generation_prompt: bool = True
@@ -600,7 +603,6 @@ _VLLM_FIELDS: dict[str, tuple[Any, str]] = {
     "logits_processors": (_neutral_none, ""),
 }
 _VLLM_CHAT_FIELDS: dict[str, tuple[Any, str]] = {
-    "chat_template": (_neutral_none, "(the model's own template is used)"),
     "documents": (_neutral_none, ""),
 }
 
@@ -620,7 +622,8 @@ COMMON_FIELDS = frozenset(
 # Every field each endpoint knows: supported, or refused at a value that would matter.
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {
-    "messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs", "tools",
+    "messages", "max_completion_tokens", "chat_template_kwargs", "chat_template",
+    "top_logprobs", "tools",
     "add_generation_prompt", "continue_final_message", "echo", "parallel_tool_calls",
     "functions", "tool_choice", "function_call", *_VLLM_CHAT_FIELDS,
 }  # fmt: skip
@@ -856,6 +859,31 @@ def parse_chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def parse_chat_template(body: dict[str, Any], kwargs: dict[str, Any]) -> str | None:
+    """A request's own chat template: vLLM's ``chat_template`` field, or a
+    ``chat_template`` in ``chat_template_kwargs`` (taken out of ``kwargs``); None (or "")
+    when it brings none."""
+    template = _get_str(body, "chat_template")
+    if "chat_template" in kwargs:
+        given = kwargs.pop("chat_template")
+        if given is not None and not isinstance(given, str):
+            raise _bad_type("chat_template_kwargs.chat_template", "a string", given)
+        template = template or given
+    return template or None
+
+
+def check_request_template(template: str | None, trusted: bool) -> None:
+    """A request's chat template runs on the server: only on one that trusts it (vLLM's
+    rule and flag)."""
+    if template is not None and not trusted:
+        raise APIError(
+            "'chat_template' (the request's own chat template) is refused: this server was "
+            "not started with --trust-request-chat-template",
+            param="chat_template",
+            code="unsupported_parameter",
+        )
+
+
 def parse_generation_prompt(body: dict[str, Any]) -> tuple[bool, bool]:
     """``(add_generation_prompt, continue_final_message)``: vLLM's fields. Continuing the
     final message means no new assistant header (the default then); asking for both is
@@ -877,6 +905,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     req = ChatCompletionRequest()
     req.messages = _parse_messages(body)
     req.chat_template_kwargs = parse_chat_template_kwargs(body)
+    req.chat_template = parse_chat_template(body, req.chat_template_kwargs)
     req.add_generation_prompt, req.continue_final_message = parse_generation_prompt(body)
     mct = _parse_max_tokens(body, "max_completion_tokens", None)
     mt = _parse_max_tokens(body, "max_tokens", None)

@@ -36,6 +36,7 @@ from engine.server.protocol import (
     BaseRequest,
     CompletionRequest,
     check_model,
+    check_request_template,
     check_structured,
     check_token_ids,
     error_body,
@@ -87,11 +88,14 @@ class OpenAIServing:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         """``tool_call_parser``: the parser of "auto" tool choice (``--enable-auto-tool-choice
         --tool-call-parser NAME``); None: such requests are refused (vLLM's rule).
         ``reasoning_parser``: splits chat answers into reasoning and content
-        (``--reasoning-parser NAME``); None: chat answers are content."""
+        (``--reasoning-parser NAME``); None: chat answers are content.
+        ``trust_request_chat_template``: a request may bring its own chat template
+        (``--trust-request-chat-template``); else such requests are a 400."""
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"unknown tool call parser {tool_call_parser!r}")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -101,6 +105,7 @@ class OpenAIServing:
             )
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        self.trust_request_chat_template = trust_request_chat_template
         self.engine = engine
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
@@ -199,6 +204,7 @@ class OpenAIServing:
 
     def _prepare_chat(self, raw: bytes) -> Choices:
         req = parse_chat_request(parse_json_body(raw))
+        check_request_template(req.chat_template, self.trust_request_chat_template)
         if req.structured_output is not None and self._reasons(req):
             # The grammar constrains the content, after the reasoning (vLLM's rule).
             req.reasoning_tags = self.reasoning_tags
@@ -219,6 +225,7 @@ class OpenAIServing:
                     req.add_generation_prompt,
                     req.continue_final_message,
                     req.tools.template_tools() if req.tools is not None else None,
+                    req.chat_template,
                 ),
                 add_special_tokens=False,
             )

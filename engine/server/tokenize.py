@@ -26,14 +26,16 @@ from engine.server.engine_client import EngineClient
 from engine.server.protocol import (
     APIError,
     check_model,
+    check_request_template,
     check_token_ids,
+    parse_chat_template,
     parse_chat_template_kwargs,
     parse_generation_prompt,
     parse_json_body,
     parse_messages,
     parse_tools,
 )
-from engine.tokenizer import continue_final_message
+from engine.tokenizer import compile_chat_template, continue_final_message
 
 # Token ids rendered per piece of a /tokenize answer (~2 ms of json.dumps here).
 IDS_PER_PIECE = 1 << 15
@@ -81,19 +83,31 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
 ) -> str:
     """The chat prompt; ``chat_template_kwargs`` the template cannot take are a 400.
     ``continue_final``: cut after the final message's text (``continue_final_message``);
-    ``tools``: the request's tools, the template's ``tools`` variable."""
-    if kwargs and not tokenizer.supports_template_kwargs:
+    ``tools``: the request's tools, the template's ``tools`` variable; ``chat_template``:
+    the request's own template (checked by the caller: ``check_request_template``)."""
+    if kwargs and chat_template is None and not tokenizer.supports_template_kwargs:
         raise APIError(
-            "'chat_template_kwargs' is not supported: this model has no Jinja chat template",
+            "'chat_template_kwargs' is not supported: this model has no Jinja chat template "
+            "(a node's --chat-template gives it one)",
             param="chat_template_kwargs",
             code="unsupported_parameter",
         )
+    own: dict[str, Any] = {}
+    if chat_template is not None:
+        try:
+            compile_chat_template(chat_template)
+        except (ValueError, ImportError) as e:
+            raise APIError(f"'chat_template': {e}", param="chat_template") from e
+        own["chat_template"] = chat_template
     try:
         text = str(
-            tokenizer.apply_chat_template(messages, kwargs or None, add_generation_prompt, tools)
+            tokenizer.apply_chat_template(
+                messages, kwargs or None, add_generation_prompt, tools, **own
+            )
         )
         return continue_final_message(text, messages) if continue_final else text
     except Exception as e:  # a template's raise_exception, a kwarg it cannot render
@@ -102,10 +116,14 @@ def render_chat(
 
 class TokenizeServing:
     def __init__(
-        self, engine: EngineClient, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+        self,
+        engine: EngineClient,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
         self.max_request_bytes = max_request_bytes
+        self.trust_request_chat_template = trust_request_chat_template
 
     async def tokenize(self, request: Request) -> JSONResponse:
         raw = await read_body(request, self.max_request_bytes)
@@ -141,9 +159,12 @@ class TokenizeServing:
                 raise APIError("give either 'prompt' or 'messages', not both", param="prompt")
             add, cont = parse_generation_prompt(body)
             tools = parse_tools(body)
+            kwargs = parse_chat_template_kwargs(body)
+            template = parse_chat_template(body, kwargs)
+            check_request_template(template, self.trust_request_chat_template)
             text = render_chat(
-                tok, parse_messages(body), parse_chat_template_kwargs(body), add, cont,
-                tools.template_tools() if tools is not None else None,
+                tok, parse_messages(body), kwargs, add, cont,
+                tools.template_tools() if tools is not None else None, template,
             )  # fmt: skip
             special = _bool(body, "add_special_tokens", False)
         else:
