@@ -104,6 +104,7 @@ class AsyncLLMEngine:
         self.grammars = self.core.grammars  # the HTTP layer compiles into its cache
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.arch.vocab_size
+        self.max_logprobs = self.core.max_logprobs
         self.dead_reason: str | None = None
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # accepted requests' output queues

@@ -59,8 +59,12 @@ class ModelConfig:
             "(default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)"
         },
     )
-    served_model_name: str | None = field(
-        default=None, metadata={"help": "name clients use in 'model' (default: --model)"}
+    served_model_name: tuple[str, ...] | None = field(
+        default=None,
+        metadata={
+            "help": "name(s) clients use in 'model' (vLLM's: several names are each accepted; "
+            "answers and the log give the first) (default: --model)"
+        },
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         default="auto",
@@ -80,6 +84,23 @@ class ModelConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "never use CUDA graphs (decode steps run eagerly)"}
     )
+    max_logprobs: int = field(
+        default=20,
+        metadata={
+            "help": "the most log probabilities per token a request may ask for -- "
+            "logprobs, top_logprobs, prompt_logprobs -- (vLLM's flag; more is a 400 naming "
+            "it); -1: the vocabulary size"
+        },
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": "vLLM's flag: auto reads the checkpoint's generation_config.json -- "
+            "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens -- as "
+            "the defaults of requests that do not set them; vllm ignores it; a directory: "
+            "that directory's generation_config.json"
+        },
+    )
     chat_template: str | None = field(
         default=None,
         repr=False,  # may be a whole template: logged by the tokenizer's loader instead
@@ -91,6 +112,27 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        if isinstance(names, str | list):  # one name (the API's, a config file's), a list
+            object.__setattr__(
+                self, "served_model_name", (names,) if isinstance(names, str) else tuple(names)
+            )
+        require(
+            self.served_model_name is None
+            or (bool(self.served_model_name) and all(n.strip() for n in self.served_model_name)),
+            "served_model_name",
+            "every name must be a non-empty string",
+        )
+        require(
+            self.max_logprobs >= -1,
+            "max_logprobs",
+            f"must be >= 0, or -1 (the vocabulary size), got {self.max_logprobs}",
+        )
+        require(
+            self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config),
+            "generation_config",
+            f"{self.generation_config!r} is neither auto, vllm nor a directory",
+        )
         require(bool(self.model), "model", "must be a checkpoint directory, a repo id or 'tiny'")
         require(
             self.model == TINY_MODEL or os.path.isdir(self.model) or is_repo_id(self.model),
@@ -118,7 +160,13 @@ class ModelConfig:
 
     @property
     def name(self) -> str:
-        return self.served_model_name or self.model
+        """The served name answers carry (the first of --served-model-name)."""
+        return self.served_names[0]
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request's 'model' may give (--served-model-name, else --model)."""
+        return self.served_model_name or (self.model,)
 
 
 @dataclass(frozen=True)

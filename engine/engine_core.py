@@ -29,6 +29,7 @@ from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import load_arch_config, resolve_dtype
 from engine.model.hub import resolve_model_config
 from engine.outputs import RequestOutput
+from engine.sampling_params import InvalidRequestError
 from engine.stats import StatsGroup
 from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import Tokenizer, load_tokenizer
@@ -172,7 +173,22 @@ class EngineCore:
         self._last_result_at = 0.0
         self._room_made = False  # async: the last step sent nothing but updated one
 
+    @property
+    def max_logprobs(self) -> int:
+        """--max-logprobs, -1 resolved to the vocabulary size."""
+        limit = self.config.model.max_logprobs
+        return self.arch.vocab_size if limit < 0 else limit
+
     def add_request(self, request: Request) -> None:
+        sp = request.sampling_params
+        for name in ("logprobs", "prompt_logprobs"):  # HTTP requests were checked already
+            k = getattr(sp, name)
+            if k is not None and k > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name} {k} is more than this engine allows (--max-logprobs "
+                    f"{self.max_logprobs})",
+                    name,
+                )
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:

@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     from engine.structured.spec import StructuredOutput
 
 GREEDY_TEMPERATURE_EPS = 1e-5
-# Most alternatives a request may ask log probabilities of per token (vLLM's default
-# --max-logprobs).
+# Most alternatives a request may ask log probabilities of per token: --max-logprobs's
+# default (vLLM's); the engine's scheduler and a node's HTTP layer enforce the flag.
 MAX_LOGPROBS = 20
 # The ranges of the penalties (OpenAI's for presence and frequency; vLLM takes any
 # positive repetition penalty, but a logit divided by less than 1e-6 may overflow to inf).
@@ -104,8 +104,8 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens must be >= 0", "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            if k is not None and not 0 <= k <= MAX_LOGPROBS:
-                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}]", name)
+            if k is not None and k < 0:
+                raise InvalidRequestError(f"{name} must be >= 0", name)
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise InvalidRequestError(
                 f"temperature must be in [0, {MAX_TEMPERATURE:g}]", "temperature"

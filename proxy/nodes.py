@@ -50,6 +50,8 @@ class Node:
     # into reasoning and content, so their first token is not pre-streamed as content.
     reasoning_parser: str | None = None
     model: str | None = None
+    # Every name it serves (its /v1/models cards: --served-model-name's names), model first.
+    names: tuple[str, ...] = ()
     max_model_len: int | None = None
     # When the node last answered a request with load (429 / 503 overloaded); cleared by
     # an answer it finished. See ``shedding``.
@@ -149,6 +151,8 @@ class Node:
             if not (isinstance(cards, list) and cards and isinstance(cards[0], dict)):
                 raise ValueError("/v1/models lists no model")
             self.model = str(cards[0].get("id"))
+            ids = (str(c.get("id")) for c in cards[1:64] if isinstance(c, dict) and c.get("id"))
+            self.names = tuple(dict.fromkeys([self.model, *ids]))
             mml = cards[0].get("max_model_len")
             ok = isinstance(mml, int) and not isinstance(mml, bool) and mml >= 2
             self.max_model_len = mml if ok else None
@@ -239,14 +243,15 @@ class NodePool:
         return p_ok and bool(self.ready("decode"))
 
     def model_names(self) -> list[str]:
-        """What the ready nodes serve (a node not ready -- e.g. one that just registered,
-        or failed its check -- says nothing to clients)."""
+        """What the ready nodes serve, every name of each (a node not ready -- e.g. one
+        that just registered, or failed its check -- says nothing to clients)."""
         names: list[str] = []
         for n in self.all():
             if not n.ready:
                 continue
-            if n.model is not None and n.model not in names:
-                names.append(n.model)
+            for name in n.names or ([n.model] if n.model is not None else []):
+                if name not in names:
+                    names.append(name)
         return names
 
     def max_model_len(self) -> int | None:

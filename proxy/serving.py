@@ -214,7 +214,7 @@ class ProxyServing:
             lens = [  # the decode nodes hold prompt and answer (a P only the prompt)
                 n.max_model_len
                 for n in self.pool.nodes("decode")
-                if n.model == name and n.max_model_len
+                if name in (n.names or (n.model,)) and n.max_model_len
             ]
             cards.append(
                 {

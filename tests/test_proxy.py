@@ -329,7 +329,7 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**7}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, "no-such-model"),
     ("/v1/completions", {"prompt": "x", "n": 129}, "choices"),  # past MAX_CHOICES
-    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),  # 21: the nodes' 400
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),

@@ -139,8 +139,7 @@ def test_stop_string_single() -> None:
         ({"prompt": "x", "n": 129}, "n"),  # MAX_CHOICES (tests/test_choices.py: the rest)
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "echo": "yes"}, "echo"),
-        ({"prompt": "x", "logprobs": 21}, "logprobs"),
-        ({"prompt": "x", "logprobs": -1}, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),  # past --max-logprobs: the node's 400
         ({"prompt": "x", "logprobs": True}, "logprobs"),
         ({"prompt": "x", "min_tokens": 17}, "min_tokens"),  # > the default max_tokens 16
         ({"prompt": "x", "suffix": "s"}, "suffix"),
@@ -282,7 +281,7 @@ _MSG = [{"role": "user", "content": "hi"}]
         ({"messages": _MSG, "n": -1}, "n"),
         ({"messages": _MSG, "logprobs": "yes"}, "logprobs"),
         ({"messages": _MSG, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-        ({"messages": _MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": _MSG, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"messages": _MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
         ({"messages": _MSG, "tool_choice": "auto"}, "tool_choice"),
         ({"messages": _MSG, "response_format": {"type": "yaml"}}, "response_format.type"),

@@ -6,6 +6,7 @@ as unrecognized before. In-process: a node app over a scripted engine, the parse
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -263,3 +264,253 @@ def test_the_proxy_passes_a_request_chat_template_to_the_nodes() -> None:
     body = {"messages": MSGS, "chat_template": "{{ messages[0]['content'] }}"}
     req = validate_request(CHAT, json.dumps(body).encode(), ["m"], None)
     assert req.body["chat_template"] == body["chat_template"]  # the nodes judge it
+
+
+# -- vLLM's flags -------------------------------------------------------------------------------
+
+
+def _parse(*argv: str, role: str = "decode") -> Any:
+    from engine.server.cli_args import parse_config
+    from engine.server.node_main import build_parser
+
+    return parse_config(build_parser(role), list(argv))  # type: ignore[arg-type]
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *argv: str, role: str = "decode") -> str:
+    with pytest.raises(SystemExit) as info:
+        _parse(*argv, role=role)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_flags_a_vllm_command_line_carries_are_accepted() -> None:
+    args, config = _parse(
+        "--trust-remote-code", "--disable-log-requests", "--enable-chunked-prefill",
+        "--uvicorn-log-level", "WARNING", "--max-logprobs", "5", "--generation-config", "vllm",
+        "--served-model-name", "first", "second",
+    )  # fmt: skip
+    assert args.trust_remote_code and not args.log_requests and args.enable_chunked_prefill
+    assert args.uvicorn_log_level == "warning"
+    assert config.model.max_logprobs == 5 and config.model.generation_config == "vllm"
+    assert config.model.served_names == ("first", "second") and config.model.name == "first"
+    args, config = _parse("--enable-log-requests")
+    assert args.log_requests and args.uvicorn_log_level is None
+    args, config = _parse()  # the defaults: requests logged, vLLM's 20 and auto
+    assert args.log_requests and not args.trust_remote_code
+    assert config.model.max_logprobs == 20 and config.model.generation_config == "auto"
+    assert config.model.served_names == ("tiny",)
+
+
+def test_served_model_names_in_a_config_file(tmp_path: Any) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("served-model-name: [a, b]\n")
+    assert _parse("--config", str(path))[1].model.served_names == ("a", "b")
+    path.write_text("served-model-name: one\n")
+    assert _parse("--config", str(path))[1].model.served_names == ("one",)
+
+
+def test_what_pdserve_cannot_do_is_refused_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    err = _refused(capsys, "--no-enable-chunked-prefill")
+    assert "--no-enable-chunked-prefill" in err and "always chunks" in err
+    assert "--max-logprobs" in _refused(capsys, "--max-logprobs", "-2")
+    assert "--generation-config" in _refused(capsys, "--generation-config", str(tmp_path / "no"))
+    assert "--uvicorn-log-level" in _refused(capsys, "--uvicorn-log-level", "loud")
+
+
+NIXL_BOTH = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
+
+
+@pytest.mark.parametrize(
+    "role, text, want",
+    [
+        ("prefill", NIXL_BOTH, {"kv_connector": "nixl", "kv_role": "both"}),
+        ("decode", '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}',
+         {"kv_connector": "nixl", "kv_role": "consumer"}),
+        ("prefill", '{"kv_connector": "NixlConnector"}',  # the node's role stays
+         {"kv_connector": "nixl", "kv_role": "producer"}),
+        ("decode", '{"kv_connector": "NixlConnector", "engine_id": "e1", "kv_buffer_device": '
+         '"cpu", "kv_load_failure_policy": "fail", "kv_connector_extra_config": {}}',
+         {"kv_connector": "nixl", "engine_id": "e1", "kv_failure_policy": "fail"}),
+    ],
+)  # fmt: skip
+def test_kv_transfer_config_maps_to_pdserves_flags(
+    role: str, text: str, want: dict[str, Any]
+) -> None:
+    args, config = _parse("--kv-transfer-config", text, role=role)
+    for key, value in want.items():
+        assert getattr(config.kv_transfer, key) == value, key
+    # The same flag given as well: fine when it agrees.
+    _parse("--kv-transfer-config", text, "--kv-connector", "nixl", role=role)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--kv-transfer-config", '{"kv_connector": "LMCacheConnectorV1"}'], "NixlConnector"),
+        (["--kv-transfer-config", "{nope"], "not JSON"),
+        (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_x"}'],
+         "kv_role"),
+        (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_port": 14579}'],
+         "kv_port"),
+        (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_buffer_device": '
+          '"cuda"}'], "kv_buffer_device"),
+        (["--kv-transfer-config", NIXL_BOTH, "--kv-role", "consumer"], "--kv-role"),
+    ],
+)  # fmt: skip
+def test_kv_transfer_config_refuses_what_pdserve_cannot_do(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _refused(capsys, *argv)
+    assert "--kv-transfer-config" in err and needle in err, err
+
+
+def test_max_logprobs_is_a_400_naming_the_flag() -> None:
+    client = _client(max_logprobs=3)
+    for path, body, param in [
+        ("/v1/completions", {"prompt": "x", "logprobs": 4}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 4}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": MSGS, "logprobs": True, "top_logprobs": 4},
+         "top_logprobs"),
+    ]:  # fmt: skip
+        resp = client.post(path, json=body)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == param and "--max-logprobs 3" in err["message"]
+    assert client.post("/v1/completions", json={"prompt": "x", "logprobs": 3}).status_code == 200
+    # Past the default (vLLM's 20) on a node that allows more.
+    resp = _client(max_logprobs=30).post("/v1/completions", json={"prompt": "x", "logprobs": 25})
+    assert resp.status_code == 200, resp.text
+    assert (
+        _client().post("/v1/completions", json={"prompt": "x", "logprobs": 21}).status_code == 400
+    )
+
+
+def test_disable_log_requests_keeps_request_lines_out_of_the_info_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for log_requests in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="engine.server.serving"):
+            resp = _client(log_requests=log_requests).post("/v1/completions", json={"prompt": "x"})
+            assert resp.status_code == 200
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+        assert any("finished" in ln for ln in lines) == log_requests, lines
+
+
+def test_uvicorn_log_level_sets_the_http_servers_level() -> None:
+    from engine.httpkit.serve import make_server
+
+    for level, uvicorn_level, access in [
+        ("INFO", None, False), ("DEBUG", None, True), ("INFO", "debug", True),
+        ("DEBUG", "warning", False),
+    ]:  # fmt: skip
+        server = make_server(object(), log_level=level, banner="", uvicorn_log_level=uvicorn_level)
+        want = (uvicorn_level or level).lower()
+        assert logging.getLogger("uvicorn.error").level == logging.getLevelName(want.upper())
+        assert server.config.access_log == access
+
+
+def test_generation_config_auto_reads_the_checkpoints_sampling_defaults(tmp_path: Any) -> None:
+    from engine.generation_config import sampling_defaults
+
+    gen = {"temperature": 0.6, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.05,
+           "max_new_tokens": 3, "do_sample": True, "eos_token_id": [1, 2]}  # fmt: skip
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    # top_k 50 is transformers' own default: vLLM does not apply it either.
+    want = {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05, "max_tokens": 3}
+    assert sampling_defaults(str(tmp_path), "auto") == want
+    assert sampling_defaults(str(tmp_path), "vllm") == {}
+    assert sampling_defaults("tiny", "auto") == {}
+    assert sampling_defaults("tiny", str(tmp_path)) == want  # a directory's file
+
+    engine = ScriptedEngine("abcdef")
+    client = _client(engine, sampling_defaults=want)
+    body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10}).json()
+    params = engine.seen[-1][1]
+    assert (params.temperature, params.top_p, params.repetition_penalty) == (0.6, 0.9, 1.05)
+    assert params.top_k == -1 and params.max_tokens == 3  # max_new_tokens caps the answer
+    assert body["choices"][0]["text"] == "abcdef"  # (the scripted engine ignores the cap)
+    client.post("/v1/chat/completions", json={"messages": MSGS, "temperature": 0, "top_p": None})
+    params = engine.seen[-1][1]
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.0, 0.9, 3)
+
+
+def test_several_served_model_names() -> None:
+    engine = ScriptedEngine()
+    client = _client(engine, served_model_names=["first", "second"])
+    cards = client.get("/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == ["first", "second"]  # vLLM lists every name
+    for name in ("first", "second", None):
+        body = {"prompt": "x"} if name is None else {"prompt": "x", "model": name}
+        resp = client.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and resp.json()["model"] == "m"  # the engine's name
+        assert client.post("/tokenize", json=body).status_code == 200
+    resp = client.post("/v1/completions", json={"prompt": "x", "model": "third"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "model_not_found"
+    assert "'first', 'second'" in resp.json()["error"]["message"]
+
+
+def test_the_proxy_accepts_every_name_its_nodes_serve() -> None:
+    from proxy.nodes import NodePool
+    from proxy.validation import COMPLETIONS, validate_request
+
+    pool = NodePool(("http://p:1",), ("http://d:1",))
+    for node in pool.all():
+        node.set_healthy(True)
+        cards = [{"id": "first", "max_model_len": 64}, {"id": "second", "max_model_len": 64}]
+        node.update_info({"side_channel": "tcp://127.0.0.1:5600"}, {"data": cards})
+    assert pool.model_names() == ["first", "second"]
+    body = json.dumps({"prompt": "x", "model": "second"}).encode()
+    assert validate_request(COMPLETIONS, body, pool.model_names(), None).parsed.model == "second"
+
+
+# -- live: a vLLM command line's flags on a P/D pair behind the proxy -----------------------------
+
+VLLM_FLAGS = (
+    "--trust-remote-code", "--disable-log-requests", "--enable-chunked-prefill",
+    "--uvicorn-log-level", "warning", "--max-logprobs", "5", "--generation-config", "auto",
+    "--served-model-name", "first", "second", "--chat-template", TEMPLATE,
+    "--kv-transfer-config", NIXL_BOTH, "--num-blocks", "128",
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_live_a_pd_pair_started_with_vllm_flags(procs: Any) -> None:
+    """Both nodes take the flags of a `vllm serve` command line; P and D render chats with
+    the same --chat-template, so the proxy's answer is a colocated node's."""
+    import httpx
+
+    p = procs.node(*VLLM_FLAGS, module="prefill_node", name="p", wait=False)
+    d = procs.node(*VLLM_FLAGS, module="decode_node", name="d", wait=False)
+    from harness import wait_healthy
+
+    wait_healthy(p, d)
+    proxy = procs.proxy([p.url], [d.url])
+    want = list(b"[user]hi\n[assistant]!")
+    body = {"model": "second", "messages": MSGS, "max_tokens": 4, "temperature": 0,
+            "chat_template_kwargs": {"shout": True}, "return_token_ids": True}  # fmt: skip
+    for url in (d.url, proxy.url):
+        resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        answer = resp.json()
+        assert answer["prompt_token_ids"] == want and answer["model"] == "first"
+        assert len(answer["choices"][0]["token_ids"]) == 4
+        resp = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120)
+        events = _events(resp)
+        assert events[0]["prompt_token_ids"] == want
+        assert sum(len(e["choices"][0]["token_ids"]) for e in events if e["choices"]) == 4
+        models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == ["first", "second"]
+        for method in ("GET", "POST"):
+            assert httpx.request(method, url + "/ping", timeout=10).status_code == 200
+        resp = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": MSGS, "logprobs": True, "top_logprobs": 6})  # fmt: skip
+        assert resp.status_code == 400 and "--max-logprobs 5" in resp.text
+    info = httpx.get(p.url + "/v1/kv_transfer_info", timeout=10).json()
+    assert info["role"] == "both"  # kv_both, as vLLM's NIXL deployments give both nodes
+    for node in (p, d):
+        logs = node.logs()
+        assert "--trust-remote-code: no effect" in logs
+        assert " finished: " not in logs  # --disable-log-requests: the request lines are DEBUG

@@ -25,8 +25,12 @@ def make_server(
     own_signals: bool = False,
     drainer: Drainer | None = None,
     graceful_shutdown_s: float = 5.0,
+    uvicorn_log_level: str | None = None,
 ) -> Any:
     """A ``uvicorn.Server`` for ``app`` that prints ``banner`` once it serves.
+
+    ``uvicorn_log_level`` (vLLM's ``--uvicorn-log-level``; default ``log_level``): the
+    level of uvicorn's own loggers; at debug or trace every request line is logged.
 
     ``request_shutdown()`` (thread- and signal-safe) is what SIGTERM/SIGINT do: the first
     drains through ``drainer`` (if given) and then stops, a second stops at once.
@@ -35,11 +39,12 @@ def make_server(
     """
     import uvicorn
 
+    level = (uvicorn_log_level or log_level).lower()
     config = uvicorn.Config(
         app,
         log_config=None,
-        log_level=log_level.lower(),
-        access_log=log_level.upper() == "DEBUG",
+        log_level=level,
+        access_log=level in ("debug", "trace"),
         lifespan=lifespan,
         timeout_graceful_shutdown=graceful_shutdown_s,
         **uvicorn_http_options(),  # httptools when installed; the request head capped

@@ -126,4 +126,6 @@ def resolve_model_config(config: EngineConfig) -> EngineConfig:
     path = resolve_model(mc.model, mc.revision, mc.download_dir)
     if path == mc.model:
         return config
-    return config.replace(model=dataclasses.replace(mc, model=path, served_model_name=mc.name))
+    return config.replace(
+        model=dataclasses.replace(mc, model=path, served_model_name=mc.served_names)
+    )

@@ -9,6 +9,7 @@ sampling and KV transfer live in the engine.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,6 +21,7 @@ from engine.httpkit.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drainer, DrainMiddl
 from engine.httpkit.errors import install_error_handlers
 from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.request_id import RequestIdMiddleware
+from engine.sampling_params import MAX_LOGPROBS
 from engine.server.engine_client import EngineClient
 from engine.server.metrics import ServerMetrics
 from engine.server.serving import OpenAIServing
@@ -51,6 +53,10 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     trust_request_chat_template: bool = False,
+    log_requests: bool = True,
+    sampling_defaults: dict[str, Any] | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
+    served_model_names: list[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
     ``app.state.drainer`` drains it on shutdown (``engine.httpkit.drain``). At
@@ -61,14 +67,22 @@ def build_app(
     chat answers' reasoning as ``reasoning_content`` (``--reasoning-parser``; None: off),
     also told to proxies in ``/v1/kv_transfer_info`` (they do not pre-stream such chat
     answers' first token). ``trust_request_chat_template``: a chat request may bring its
-    own template (``--trust-request-chat-template``; else a 400)."""
+    own template (``--trust-request-chat-template``; else a 400). ``log_requests``: each
+    request's start and end logged at INFO (``--disable-log-requests``: DEBUG).
+    ``sampling_defaults``: of requests that do not set them (``--generation-config``);
+    ``max_logprobs``: the most a request may ask (``--max-logprobs``);
+    ``served_model_names``: every name a request's ``model`` may give (default: the
+    engine's ``model_name``), each with a card in ``/v1/models``."""
+    names = served_model_names or [engine.model_name]
     app = FrontedApp(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(
         engine, metrics, max_request_bytes, tool_call_parser, reasoning_parser,
-        trust_request_chat_template,
+        trust_request_chat_template, log_requests, sampling_defaults, max_logprobs, names,
     )  # fmt: skip
-    tokenize_serving = TokenizeServing(engine, max_request_bytes, trust_request_chat_template)
+    tokenize_serving = TokenizeServing(
+        engine, max_request_bytes, trust_request_chat_template, names
+    )
     drainer = Drainer(WORK_PATHS, shutdown_timeout)
     admission = Admission(WORK_PATHS, max_admitted)
     serving.admission = admission  # a request with several choices holds one per choice
@@ -108,16 +122,19 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {
-            "id": engine.model_name,
-            "object": "model",
-            "created": started,
-            "owned_by": "pdserve",
-            "root": engine.model_name,
-            "parent": None,
-            "max_model_len": engine.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [  # one per served name, as vLLM lists them (the first is what answers say)
+            {
+                "id": name,
+                "object": "model",
+                "created": started,
+                "owned_by": "pdserve",
+                "root": engine.model_name,
+                "parent": None,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in names
+        ]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

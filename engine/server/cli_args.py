@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import types
@@ -54,6 +55,8 @@ def _add_field(group: Any, f: dataclasses.Field[Any], tp: Any) -> None:
         kwargs.update(type=type(choices[0]), choices=choices)
     elif tp in (int, float, str):
         kwargs["type"] = tp
+    elif get_origin(tp) is tuple and get_args(tp) == (str, ...):  # NAME [NAME ...]
+        kwargs.update(type=str, nargs="+")
     else:
         raise TypeError(f"unsupported type for CLI flag {flag_name(f.name)}: {tp}")
     group.add_argument(flag_name(f.name), *f.metadata.get("aliases", ()), **kwargs)
@@ -139,7 +142,113 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_registration_args(parser)
     add_tool_args(parser)
     add_reasoning_args(parser)
+    add_vllm_args(parser)
     return parser
+
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+_KV_ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+
+
+def add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``vllm serve`` that pdserve has no flag of its own for; each does what
+    vLLM's does or is refused saying why (docs/deploy.md, "Coming from vLLM")."""
+    group = parser.add_argument_group(
+        "vLLM flags", "flags a `vllm serve` command line carries, taken as vLLM takes them"
+    )
+    group.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted, no effect: pdserve runs its own Llama/Qwen2 code, never a "
+        "checkpoint's (the node logs so)",
+    )
+    group.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        default=True,
+        help="log each request's start and end at INFO (pdserve's default; vLLM's is off)",
+    )
+    group.add_argument(
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_false",
+        help="log each request's start and end at DEBUG only",
+    )
+    group.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="accepted: pdserve always chunks a long prompt into steps of "
+        "--max-num-batched-tokens; --no-enable-chunked-prefill is refused",
+    )
+    group.add_argument(
+        "--uvicorn-log-level",
+        type=str.lower,
+        choices=UVICORN_LOG_LEVELS,
+        default=None,
+        help="level of the HTTP server's (uvicorn's) log; debug and trace log every "
+        "request line (default: --log-level's)",
+    )
+    group.add_argument(
+        "--kv-transfer-config",
+        metavar="JSON",
+        default=None,
+        help='vLLM\'s P/D config, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\': '
+        "kv_connector NixlConnector is --kv-connector nixl, kv_role kv_producer/"
+        "kv_consumer/kv_both is --kv-role producer/consumer/both, engine_id --engine-id, "
+        "kv_load_failure_policy --kv-failure-policy; other keys are refused",
+    )
+
+
+def kv_transfer_settings(text: str, device: str) -> dict[str, Any]:
+    """``--kv-transfer-config`` as pdserve's settings (dest -> value); ``ConfigError`` for
+    what pdserve cannot do."""
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--kv-transfer-config: not JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError("--kv-transfer-config: must be a JSON object")
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    out: dict[str, Any] = {}
+    connector = cfg.pop("kv_connector", None)
+    if connector != "NixlConnector":
+        raise ConfigError(
+            f"--kv-transfer-config: kv_connector {connector!r} is not supported: pdserve's "
+            'connector is NIXL ("NixlConnector", i.e. --kv-connector nixl)'
+        )
+    out["kv_connector"] = "nixl"
+    if "kv_role" in cfg:
+        role = cfg.pop("kv_role")
+        if role not in _KV_ROLES:
+            raise ConfigError(
+                f"--kv-transfer-config: kv_role {role!r} is not one of {', '.join(_KV_ROLES)}"
+            )
+        out["kv_role"] = _KV_ROLES[role]
+    if "engine_id" in cfg:
+        out["engine_id"] = str(cfg.pop("engine_id"))
+    if "kv_load_failure_policy" in cfg:
+        out["kv_failure_policy"] = cfg.pop("kv_load_failure_policy")
+    buffer = cfg.pop("kv_buffer_device", device)
+    if buffer != device:
+        raise ConfigError(
+            f"--kv-transfer-config: kv_buffer_device {buffer!r} is not supported with "
+            f"--device {device}: pdserve sends the KV from where it is computed"
+        )
+    extra = cfg.pop("kv_connector_extra_config", {})
+    if extra not in ({}, {"backends": ["UCX"]}):
+        raise ConfigError(
+            f"--kv-transfer-config: kv_connector_extra_config {extra!r:.80} is not supported "
+            "(pdserve's NIXL uses the UCX backend; --kv-transport picks nixl or ucxx)"
+        )
+    if cfg:
+        raise ConfigError(
+            f"--kv-transfer-config: {', '.join(sorted(cfg))} not supported (pdserve takes "
+            "kv_connector, kv_role, engine_id, kv_load_failure_policy, kv_buffer_device; "
+            "the side channel is --side-channel-host/--side-channel-port)"
+        )
+    return out
 
 
 def add_tool_args(parser: argparse.ArgumentParser) -> None:
@@ -235,6 +344,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kwargs = {
             f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
         }
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
         sections[name] = cls(**kwargs)
     return EngineConfig(**sections)
 
@@ -259,6 +369,11 @@ def _file_value(action: argparse.Action, value: Any, path: str) -> Any:
         if not isinstance(value, bool):
             raise bad
         return value
+    if action.nargs == "+":  # NAME [NAME ...]: a list of them, or one
+        values = value if isinstance(value, list) else [value]
+        if not values or not all(isinstance(v, str | int | float) for v in values):
+            raise bad
+        return [str(v) for v in values]
     if isinstance(value, bool | list | dict):
         raise bad
     if action.type is not None:
@@ -317,6 +432,25 @@ def parse_config(
         except ConfigError as e:
             parser.error(str(e))
         args = parser.parse_args(argv)
+    kv_text = getattr(args, "kv_transfer_config", None)
+    if kv_text:  # vLLM's P/D config: pdserve's flags, as defaults the command line may repeat
+        try:
+            kv = kv_transfer_settings(kv_text, getattr(args, "device", "cpu"))
+        except ConfigError as e:
+            parser.error(str(e))
+        parser.set_defaults(**kv)
+        args = parser.parse_args(argv)
+        for dest, value in kv.items():
+            if getattr(args, dest) != value:
+                flag = "--" + dest.replace("_", "-")
+                parser.error(
+                    f"--kv-transfer-config: says {dest} {value!r}, {flag} says {getattr(args, dest)!r}"
+                )
+    if getattr(args, "enable_chunked_prefill", None) is False:
+        parser.error(
+            "--no-enable-chunked-prefill: not supported: pdserve always chunks a long "
+            "prompt into steps of --max-num-batched-tokens tokens"
+        )
     if positional is not None:
         args.model = positional
     if not 0 <= getattr(args, "port", 0) < 65536:

@@ -152,6 +152,11 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT, stream=sys.stderr)
     if args.log_level != "DEBUG":  # one line per registration renewal (--register-with)
         logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.trust_remote_code:
+        logger.info(
+            "--trust-remote-code: no effect: pdserve runs its own Llama/Qwen2 code, never "
+            "code from a checkpoint"
+        )
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
@@ -184,9 +189,17 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             return 2
         finally:
             http_stack.join()  # never left importing while the interpreter exits
+        from engine.generation_config import sampling_defaults
         from engine.httpkit.serve import make_server
         from engine.server.app import build_app
 
+        defaults = sampling_defaults(engine.config.model.model, config.model.generation_config)
+        if defaults:  # vLLM says the same
+            logger.info(
+                "requests that do not set them default to %s: the model's generation config "
+                "(--generation-config %s; --generation-config vllm ignores it)",
+                defaults, config.model.generation_config,
+            )  # fmt: skip
         banner = (
             f"pdserve {role} node listening on {listen_url(args.host, port)} "
             f"(model {engine.model_name}, tp {config.parallel.tp})"
@@ -200,6 +213,10 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             tool_call_parser=auto_tool_parser(args),
             reasoning_parser=args.reasoning_parser,
             trust_request_chat_template=args.trust_request_chat_template,
+            log_requests=args.log_requests,
+            sampling_defaults=defaults,
+            max_logprobs=engine.max_logprobs,
+            served_model_names=list(engine.config.model.served_names),
         )
         server = make_server(
             app,
@@ -208,6 +225,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             lifespan="off",
             own_signals=True,  # _Signals also aborts a blocking engine start-up
             drainer=app.state.drainer,
+            uvicorn_log_level=args.uvicorn_log_level,
         )
         if registration is not None:
             from proxy.announcer import Announcer

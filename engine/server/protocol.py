@@ -11,13 +11,13 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.bad_words import MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS
 from engine.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
-    MAX_LOGPROBS,
     MAX_TEMPERATURE,
     PENALTY_RANGE,
     REPETITION_PENALTY_RANGE,
@@ -577,10 +577,23 @@ def _parse_bad_words(words: Any) -> tuple[str, ...]:
 
 
 def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
+    """A log-probability count: >= 0 (a node's --max-logprobs bounds it: ``check_logprobs``)."""
     value = _get_int(body, name, None)
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise APIError(f"'{name}' must be between 0 and {MAX_LOGPROBS}, got {value}", param=name)
+    if value is not None and value < 0:
+        raise APIError(f"'{name}' must be >= 0, got {value}", param=name)
     return value
+
+
+def check_logprobs(req: BaseRequest, limit: int, chat: bool) -> None:
+    """The request's log-probability counts within a node's ``--max-logprobs``."""
+    asked = [("top_logprobs" if chat else "logprobs", req.logprobs)]
+    asked.append(("prompt_logprobs", req.prompt_logprobs))
+    for name, k in asked:
+        if k is not None and k > limit:
+            raise APIError(
+                f"'{name}' is {k}, more than this server allows (--max-logprobs {limit})",
+                param=name,
+            )
 
 
 def _parse_chat_logprobs(body: dict[str, Any], req: BaseRequest) -> None:
@@ -958,10 +971,13 @@ def parse_tools(body: dict[str, Any]) -> ToolCalling | None:
 # ---------------------------------------------------------------------------------------
 
 
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
+def check_model(requested: str | None, served: str | Sequence[str]) -> None:
+    """``requested`` (a request's ``model``) is one of the ``served`` names, or None."""
+    names = [served] if isinstance(served, str) else list(served)
+    if requested is not None and requested not in names:
         raise APIError(
-            f"The model '{requested}' does not exist; this server serves '{served}'",
+            f"The model '{requested}' does not exist; this server serves "
+            + ", ".join(f"'{n}'" for n in names),
             param="model",
             code="model_not_found",
         )

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.bad_words import tokenize_bad_words
+from engine.generation_config import apply_defaults
 from engine.httpkit.admission import Admission, overloaded_body
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
@@ -26,7 +27,7 @@ from engine.outputs import Logprobs
 from engine.reasoning import PARSERS as REASONING_PARSERS
 from engine.reasoning import parser_class as reasoning_parser_class
 from engine.reasoning.output import ReasoningOutput
-from engine.sampling_params import InvalidRequestError
+from engine.sampling_params import MAX_LOGPROBS, InvalidRequestError
 from engine.server.engine_client import EngineClient
 from engine.server.jobs import Job, Step, engine_error, generate_steps
 from engine.server.logprobs import TokenIdStrings, TokenStrings
@@ -35,6 +36,7 @@ from engine.server.protocol import (
     APIError,
     BaseRequest,
     CompletionRequest,
+    check_logprobs,
     check_model,
     check_request_template,
     check_structured,
@@ -89,13 +91,23 @@ class OpenAIServing:
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
         trust_request_chat_template: bool = False,
+        log_requests: bool = True,
+        sampling_defaults: dict[str, Any] | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
+        served_names: list[str] | None = None,
     ) -> None:
         """``tool_call_parser``: the parser of "auto" tool choice (``--enable-auto-tool-choice
         --tool-call-parser NAME``); None: such requests are refused (vLLM's rule).
         ``reasoning_parser``: splits chat answers into reasoning and content
         (``--reasoning-parser NAME``); None: chat answers are content.
         ``trust_request_chat_template``: a request may bring its own chat template
-        (``--trust-request-chat-template``); else such requests are a 400."""
+        (``--trust-request-chat-template``); else such requests are a 400.
+        ``log_requests``: each request's start and end at INFO, else DEBUG
+        (``--disable-log-requests``). ``sampling_defaults``: the sampling fields of
+        requests that do not set them, and ``max_tokens`` a cap on every answer
+        (``--generation-config``). ``max_logprobs``: ``--max-logprobs``.
+        ``served_names``: every name a request's ``model`` may give (default: the
+        engine's ``model_name``)."""
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"unknown tool call parser {tool_call_parser!r}")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -106,6 +118,10 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.trust_request_chat_template = trust_request_chat_template
+        self.request_log_level = logging.INFO if log_requests else logging.DEBUG
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.max_logprobs = max_logprobs
+        self.served_names = served_names or [engine.model_name]
         self.engine = engine
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
@@ -180,7 +196,7 @@ class OpenAIServing:
         return await self._guarded(request, handle)
 
     def _prepare_completion(self, raw: bytes) -> Choices:
-        req = parse_completion_request(parse_json_body(raw))
+        req = parse_completion_request(apply_defaults(parse_json_body(raw), self.sampling_defaults))
         self._check_serving(req)
         children = req.children()
         out: list[tuple[BaseRequest, list[int]]] = []
@@ -203,7 +219,7 @@ class OpenAIServing:
         return req.n, out
 
     def _prepare_chat(self, raw: bytes) -> Choices:
-        req = parse_chat_request(parse_json_body(raw))
+        req = parse_chat_request(apply_defaults(parse_json_body(raw), self.sampling_defaults))
         check_request_template(req.chat_template, self.trust_request_chat_template)
         if req.structured_output is not None and self._reasons(req):
             # The grammar constrains the content, after the reasoning (vLLM's rule).
@@ -235,7 +251,8 @@ class OpenAIServing:
 
     # -- one job ------------------------------------------------------------------------------
     def _check_serving(self, req: BaseRequest) -> None:
-        check_model(req.model, self.engine.model_name)
+        check_model(req.model, self.served_names)
+        check_logprobs(req, self.max_logprobs, chat=not isinstance(req, CompletionRequest))
         check_token_ids(list(req.logit_bias), self.engine.vocab_size, "logit_bias")
         if req.allowed_token_ids:
             check_token_ids(req.allowed_token_ids, self.engine.vocab_size, "allowed_token_ids")
@@ -295,6 +312,8 @@ class OpenAIServing:
             max_tokens = resolve_max_tokens(
                 req.max_tokens, len(ids), self.engine.max_model_len, param
             )
+            cap = self.sampling_defaults.get("max_tokens")  # generation config's max_new_tokens
+            max_tokens = min(max_tokens, cap) if cap else max_tokens
         label = request.state.request_id
         echo = req.echo and isinstance(req, CompletionRequest)
         tools = getattr(req, "tools", None)
@@ -339,7 +358,8 @@ class OpenAIServing:
             ttft,
             now - job.arrival,
         )
-        logger.info(
+        logger.log(
+            self.request_log_level,
             "request %s finished: %s, prompt=%d completion=%d tokens, %.3fs",
             job.request_id, reason, len(job.prompt_ids), job.completion_tokens, now - job.arrival,
         )  # fmt: skip
@@ -347,7 +367,8 @@ class OpenAIServing:
     def _log_start(self, job: Job) -> None:
         kv = job.req.kv_transfer_params  # a P/D leg: its transfer id joins it to the proxy's log
         leg = f", transfer {kv.transfer_id}" if kv is not None and kv.transfer_id else ""
-        logger.info(
+        logger.log(
+            self.request_log_level,
             "request %s (label %s%s): %s prompt=%d tokens max_tokens=%d stream=%s",
             job.request_id, job.label, leg, job.endpoint, len(job.prompt_ids),
             job.params.max_tokens, job.req.stream,

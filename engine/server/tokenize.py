@@ -120,8 +120,10 @@ class TokenizeServing:
         engine: EngineClient,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         trust_request_chat_template: bool = False,
+        served_names: list[str] | None = None,
     ) -> None:
         self.engine = engine
+        self.served_names = served_names or [engine.model_name]
         self.max_request_bytes = max_request_bytes
         self.trust_request_chat_template = trust_request_chat_template
 
@@ -148,7 +150,7 @@ class TokenizeServing:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError("'model' must be a string", param="model", code="invalid_type")
-        check_model(model, self.engine.model_name)
+        check_model(model, self.served_names)
 
     def _tokenize(self, raw: bytes) -> dict[str, Any]:
         body = _object(raw)
