@@ -347,6 +347,57 @@ def test_serve_base_url_accepts_a_trailing_v1():
     assert args.base_url == "http://h:8000"
 
 
+def _bench_args(*argv: str):
+    """``pd-bench serve ARGV`` parsed and checked as ``run_serve`` checks it."""
+    from engine.bench.cli import build_parser
+    from engine.bench.serve import validate
+
+    args = build_parser().parse_args(["serve", *argv])
+    validate(args, args._parser)
+    return args
+
+
+def test_serve_takes_vllm_bench_serve_spellings(tmp_path: Path):
+    """A `vllm bench serve` command line's flags, mapped to pd-bench's."""
+    args = _bench_args(
+        "--backend", "openai-chat", "--host", "h", "--port", "9", "--dataset-name", "random",
+        "--random-input-len", "100", "--random-output-len", "7", "--random-prefix-len", "20",
+        "--random-range-ratio", "0", "--num-warmups", "2", "--disable-tqdm",
+        "--model", "org/m", "--served-model-name", "m", "--goodput", "ttft:250",
+        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json",
+    )  # fmt: skip
+    assert args.base_url == "http://h:9" and args.endpoint == "/v1/chat/completions"
+    # vLLM's prefix comes before --random-input-len's tokens: shared, then random.
+    assert (args.input_len, args.shared_prefix_len, args.output_len) == (120, 20, 7)
+    assert args.num_warmup == 2 and args.no_progress and args.model == "m"
+    assert args.slo_ttft_ms == 250 and args.json == str(tmp_path / "r.json")
+    args = _bench_args("--backend", "vllm", "--save-result", "--result-dir", str(tmp_path))
+    assert args.endpoint == "/v1/completions" and args.base_url == "http://127.0.0.1:8000"
+    assert args.json.startswith(str(tmp_path)) and args.json.endswith(".json")
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--dataset-name", "sharegpt"], "--dataset-name"),
+        (["--random-range-ratio", "0.5"], "--random-range-ratio"),
+        (["--goodput", "tpot:50"], "--goodput"),
+        (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "--backend"),
+        (["--random-prefix-len", "4", "--shared-prefix-len", "4"], "--random-prefix-len"),
+        (["--no-such-flag"], "--no-such-flag"),
+        (["--num-prompts", "x"], "--num-prompts"),
+    ],
+)
+def test_a_bad_serve_flag_prints_the_serve_usage(argv: list[str], needle: str):
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "serve", *argv],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "usage: pd-bench serve" in proc.stderr and needle in proc.stderr, proc.stderr
+    assert "COMMAND ..." not in proc.stderr  # not the top-level usage
+
+
 @pytest.fixture(scope="module")
 def keyed_node(module_procs: Procs) -> Proc:
     return module_procs.node("--model", "tiny", "--max-num-seqs", "4", "--api-key", _KEY)

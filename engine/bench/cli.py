@@ -67,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     sub = args._parser
+    if extra:  # the subcommand's usage, not pd-bench's (argparse gives the top-level one)
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
     del args._parser
     if args.command == "offline":
         from engine.bench.offline import run_offline

@@ -62,14 +62,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--base-url",
         type=normalize_base_url,
-        default="http://127.0.0.1:8000",
+        default=None,
         help="node or pd-proxy URL; a trailing /v1 (OpenAI-client style) is dropped, the "
         "bench adds /v1/... itself (default: http://127.0.0.1:8000)",
     )
     add_api_key_arg(g)
     g.add_argument(
         "--endpoint",
-        default="/v1/completions",
+        default=None,
         help="/v1/completions (default) or /v1/chat/completions",
     )
     g.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
@@ -141,6 +141,102 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", metavar="PATH", help="write the summary and per-request results")
     g.add_argument("--plot", metavar="PATH.png", help="latency CDFs (TTFT, ITL, E2E); matplotlib")
     g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    add_vllm_bench_args(p)
+
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+_BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
+                      "openai-chat": CHAT_ENDPOINT}  # fmt: skip
+
+
+def add_vllm_bench_args(p: argparse.ArgumentParser) -> None:
+    """``vllm bench serve``'s spellings of what pd-bench does (mapped by ``validate``)."""
+    g = p.add_argument_group(
+        "vLLM's `bench serve` spellings", "taken as pd-bench's own flags (see each)"
+    )
+    same = {"default": argparse.SUPPRESS}  # the flag it spells has the default
+    g.add_argument("--random-input-len", dest="input_len", type=int, help="= --input-len", **same)
+    g.add_argument(
+        "--random-output-len", dest="output_len", type=int, help="= --output-len", **same
+    )
+    g.add_argument(
+        "--random-prefix-len",
+        type=int,
+        help="a prefix of N random tokens every prompt shares, before --random-input-len "
+        "tokens of its own (= --shared-prefix-len N, --input-len + N)",
+    )
+    g.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="only 0: every prompt and answer has exactly its length",
+    )
+    g.add_argument(
+        "--dataset-name", choices=["random"], help="only random: pd-bench draws random prompts"
+    )
+    g.add_argument("--num-warmups", dest="num_warmup", type=int, help="= --num-warmup", **same)
+    g.add_argument(
+        "--disable-tqdm", dest="no_progress", action="store_true", help="= --no-progress", **same
+    )
+    g.add_argument(
+        "--backend",
+        choices=sorted(_BACKEND_ENDPOINTS),
+        help="openai-chat: --endpoint /v1/chat/completions; vllm, openai: /v1/completions",
+    )
+    g.add_argument("--host", help="with --port: --base-url http://HOST:PORT")
+    g.add_argument("--port", type=int, help="with --host: --base-url http://HOST:PORT")
+    g.add_argument(
+        "--served-model-name", help="the model name sent (over --model, as vLLM's bench)"
+    )
+    g.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:MS",
+        help="only ttft:MS (= --slo-ttft-ms; pd-bench's other SLO is --slo-itl-ms)",
+    )
+    g.add_argument("--save-result", action="store_true", help="write the --json report")
+    g.add_argument("--result-dir", help="with --save-result: its directory (default: .)")
+    g.add_argument("--result-filename", help="with --save-result: its file name")
+
+
+def _apply_vllm_bench_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``vllm bench serve``'s flags as pd-bench's (``add_vllm_bench_args``)."""
+    if args.random_range_ratio != 0:
+        parser.error("--random-range-ratio: only 0 (pd-bench's prompts have fixed lengths)")
+    if args.random_prefix_len is not None:
+        if args.shared_prefix_len:
+            parser.error("--random-prefix-len: give it or --shared-prefix-len, not both")
+        args.shared_prefix_len = args.random_prefix_len
+        args.input_len += args.random_prefix_len
+    if args.backend is not None:
+        endpoint = _BACKEND_ENDPOINTS[args.backend]
+        if args.endpoint is None:
+            args.endpoint = endpoint
+        elif args.endpoint.rstrip("/") != endpoint:
+            parser.error(
+                f"--backend {args.backend}: its endpoint is {endpoint}, not {args.endpoint}"
+            )
+    if args.host or args.port:
+        if args.base_url is not None:
+            parser.error("--host/--port: give them or --base-url, not both")
+        args.base_url = f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
+    if args.served_model_name:
+        args.model = args.served_model_name
+    for goal in args.goodput or ():
+        key, _, value = goal.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            parser.error(f"--goodput: {goal!r} is not KEY:MILLISECONDS")
+        if key != "ttft":
+            parser.error(
+                f"--goodput: {key!r} is not supported: only ttft (= --slo-ttft-ms); "
+                "pd-bench's other SLO is the largest ITL, --slo-itl-ms"
+            )
+        args.slo_ttft_ms = ms
+    if args.save_result and not args.json:
+        name = args.result_filename or time.strftime("pd-bench-serve-%Y%m%d-%H%M%S.json")
+        args.json = os.path.join(args.result_dir or ".", name)
 
 
 @dataclass
@@ -334,6 +430,7 @@ async def get_model(client: Any, base_url: str) -> str:
 async def run_benchmark(args: argparse.Namespace) -> tuple[ServeSummary, list[RequestResult]]:
     import httpx
 
+    _fill_defaults(args)
     base = args.base_url.rstrip("/")
     url = base + "/" + args.endpoint.lstrip("/")
     conc = args.max_concurrency or args.num_prompts
@@ -411,7 +508,20 @@ def plot_cdfs(results: list[RequestResult], path: str) -> bool:
     return True
 
 
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_ENDPOINT = "/v1/completions"
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """--base-url's and --endpoint's defaults (None on the parser: --host/--port and
+    --backend may give them)."""
+    args.base_url = args.base_url or DEFAULT_BASE_URL
+    args.endpoint = args.endpoint or DEFAULT_ENDPOINT
+
+
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    _apply_vllm_bench_args(args, parser)
+    _fill_defaults(args)
     if args.num_prompts < 1:
         parser.error("--num-prompts must be >= 1")
     if args.num_warmup < 0:
