@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -94,6 +95,17 @@ class Tokenizer(ABC):
         except ImportError as e:
             raise ValueError("a chat template needs jinja2: pip install jinja2") from e
         self.chat_template_override = source
+
+    def chat_template_digest(self) -> str:
+        """Which template chats use without a request's, as a short digest ("builtin": the
+        simple one): a proxy compares its P and D nodes' (``/v1/kv_transfer_info``)."""
+        source = self._template_source()
+        if source is None:
+            return "builtin"
+        return hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+    def _template_source(self) -> str | None:
+        return self.chat_template_override
 
     def _own_template(self) -> Any:
         """The compiled template chats use without a request's (None: the simple one)."""
@@ -318,6 +330,9 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         valid = [i for i in ids if 0 <= i < self._vocab_size]  # model vocab may be padded
         return self._tok.decode(valid, skip_special_tokens=skip_special_tokens)
+
+    def _template_source(self) -> str | None:
+        return self.chat_template_override or self._chat_template
 
     def _own_template(self) -> Any:
         if self.chat_template_override is not None:

@@ -42,6 +42,7 @@ class HealthChecker:
         self.deadline = 3 * client.timeout if deadline is None else deadline
         self._task: asyncio.Task[None] | None = None
         self._first_round = asyncio.Event()
+        self._template_warned: set[tuple[Any, ...]] = set()  # _check_templates
         # Each node's /health call in flight, by node (one that left the pool and one that
         # joined again at its address are two nodes: ``NodePool.watched``).
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -109,6 +110,29 @@ class HealthChecker:
                 )
                 return
         node.set_healthy(True)
+        self._check_templates(node)
+
+    def _check_templates(self, node: Node) -> None:
+        """Warn (once per pair) when ``node`` and a node of the other role render chats
+        with different chat templates: each renders a chat itself, so a pair of them
+        computes different prompts on P and D (the fix: the same --chat-template)."""
+        other = "decode" if node.role == "prefill" else "prefill"
+        for peer in self.pool.ready(other):
+            if None in (node.chat_template, peer.chat_template):
+                continue
+            if node.chat_template == peer.chat_template:
+                continue
+            p, d = (node, peer) if node.role == "prefill" else (peer, node)
+            key = (p.url, p.chat_template, d.url, d.chat_template)
+            if key in self._template_warned:
+                continue
+            self._template_warned.add(key)
+            logger.warning(
+                "prefill node %s and decode node %s render chats with different chat "
+                "templates (%s, %s): chat requests on this pair compute different prompts on "
+                "P and D; start both with the same --chat-template",
+                p.url, d.url, p.chat_template, d.chat_template,
+            )  # fmt: skip
 
     @staticmethod
     def _misfit(node: Node, reason: str) -> None:

@@ -49,6 +49,9 @@ class Node:
     # Its --reasoning-parser (None: off, or not advertised): its chat answers are split
     # into reasoning and content, so their first token is not pre-streamed as content.
     reasoning_parser: str | None = None
+    # A digest of the chat template it renders chats with (None: not advertised): a P and
+    # a D that differ compute different prompts for one chat (warned about: ``HealthChecker``).
+    chat_template: str | None = None
     model: str | None = None
     # Every name it serves (its /v1/models cards: --served-model-name's names), model first.
     names: tuple[str, ...] = ()
@@ -146,6 +149,8 @@ class Node:
             self.kv_role = kv_role if isinstance(kv_role, str) else None
             parser = kv_info.get("reasoning_parser")
             self.reasoning_parser = parser if isinstance(parser, str) and parser else None
+            template = kv_info.get("chat_template")
+            self.chat_template = template[:64] if isinstance(template, str) and template else None
         if models is not None:
             cards = models.get("data")
             if not (isinstance(cards, list) and cards and isinstance(cards[0], dict)):

@@ -514,3 +514,31 @@ def test_live_a_pd_pair_started_with_vllm_flags(procs: Any) -> None:
         logs = node.logs()
         assert "--trust-remote-code: no effect" in logs
         assert " finished: " not in logs  # --disable-log-requests: the request lines are DEBUG
+
+
+def test_nodes_advertise_their_chat_template_and_the_proxy_warns_when_p_and_d_differ(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from engine.tokenizer import load_tokenizer
+    from proxy.health import HealthChecker
+    from proxy.nodes import NodePool
+
+    plain = _client().get("/v1/kv_transfer_info").json()["chat_template"]
+    own = _client(ScriptedEngine(tokenizer=load_tokenizer("tiny", TEMPLATE)))
+    templated = own.get("/v1/kv_transfer_info").json()["chat_template"]
+    assert plain == "builtin" and templated not in (None, "builtin")
+
+    pool = NodePool(("http://p:1",), ("http://d:1", "http://d:2"))
+    for node, digest in zip(pool.all(), (templated, templated, plain), strict=True):
+        node.update_info({"side_channel": "tcp://127.0.0.1:5600", "chat_template": digest},
+                         {"data": [{"id": "m"}]})  # fmt: skip
+        node.set_healthy(True)
+    checker = HealthChecker(pool, SimpleNamespace(timeout=1.0), 60.0)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="proxy.health"):
+        for _ in range(2):  # said once per pair
+            for node in pool.all():
+                checker._check_templates(node)
+    warnings = [r.getMessage() for r in caplog.records if "chat template" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "http://p:1" in warnings[0] and "http://d:2" in warnings[0]
+    assert "--chat-template" in warnings[0]

@@ -148,11 +148,16 @@ def build_app(
     async def version() -> Response:
         return await tokenize_serving.version()
 
+    digest = getattr(engine.tokenizer, "chat_template_digest", None)
+    chat_template = digest() if digest is not None else None
+
     @app.get("/v1/kv_transfer_info")
     async def kv_transfer_info() -> JSONResponse:
-        """What a proxy needs to pair this node: engine id, side channel, role, and
-        whether its chat answers are parsed for reasoning."""
-        return JSONResponse({**engine.kv_info(), "reasoning_parser": reasoning_parser})
+        """What a proxy needs to pair this node: engine id, side channel, role, whether
+        its chat answers are parsed for reasoning, and which chat template it renders
+        with (a digest: P and D must render the same prompt)."""
+        info = {"reasoning_parser": reasoning_parser, "chat_template": chat_template}
+        return JSONResponse({**engine.kv_info(), **info})
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health() -> JSONResponse:
