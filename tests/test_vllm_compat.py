@@ -357,6 +357,8 @@ def test_kv_transfer_config_maps_to_pdserves_flags(
         (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_buffer_device": '
           '"cuda"}'], "kv_buffer_device"),
         (["--kv-transfer-config", NIXL_BOTH, "--kv-role", "consumer"], "--kv-role"),
+        (["--kv-transfer-config", '{"kv_connector": "NixlConnector", '
+          '"kv_load_failure_policy": "retry"}'], "kv_load_failure_policy"),
     ],
 )  # fmt: skip
 def test_kv_transfer_config_refuses_what_pdserve_cannot_do(

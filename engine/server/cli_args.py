@@ -229,7 +229,12 @@ def kv_transfer_settings(text: str, device: str) -> dict[str, Any]:
     if "engine_id" in cfg:
         out["engine_id"] = str(cfg.pop("engine_id"))
     if "kv_load_failure_policy" in cfg:
-        out["kv_failure_policy"] = cfg.pop("kv_load_failure_policy")
+        policy = cfg.pop("kv_load_failure_policy")
+        if policy not in ("recompute", "fail"):
+            raise ConfigError(
+                f"--kv-transfer-config: kv_load_failure_policy {policy!r} is not recompute or fail"
+            )
+        out["kv_failure_policy"] = policy
     buffer = cfg.pop("kv_buffer_device", device)
     if buffer != device:
         raise ConfigError(
