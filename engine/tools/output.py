@@ -23,6 +23,7 @@ import re
 from typing import Any
 
 from engine.tools.parsers import ToolDelta, ToolParser, new_call_id, parser_class
+from engine.tools.parsers.base import JsonNesting
 from engine.tools.spec import ToolCalling
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,7 @@ class RequiredCalls(ToolParser):
 
     def __init__(self) -> None:
         super().__init__(True)
-        self._depth = 0
-        self._in_str = False
-        self._esc = False
+        self._nesting = JsonNesting()
         self._elem: str | None = None  # the element's text so far
         self._mode = "head"  # "head": its head not yet read; "args"; "whole"
         self.calls = 0
@@ -88,26 +87,13 @@ class RequiredCalls(ToolParser):
         return []  # an element cut off (max_tokens): its arguments are what was sent
 
     def _char(self, c: str) -> ToolDelta | None:
-        before = self._depth
-        if self._in_str:
-            if self._esc:
-                self._esc = False
-            elif c == "\\":
-                self._esc = True
-            elif c == '"':
-                self._in_str = False
-        elif c == '"':
-            self._in_str = True
-        elif c in "[{":
-            self._depth += 1
-        elif c in "]}":
-            self._depth -= 1
-        if before == 1 and self._depth == 2:  # an element opens
+        before, depth = self._nesting.depth, self._nesting.step(c)
+        if before == 1 and depth == 2:  # an element opens
             self._elem, self._mode = c, "head"
             return None
         if self._elem is None:
             return None  # the array's brackets and commas
-        if before == 2 and self._depth == 1:  # the element closes
+        if before == 2 and depth == 1:  # the element closes
             elem, self._elem = self._elem + c, None
             return self._whole(elem) if self._mode != "args" else None
         self._elem += c

@@ -31,6 +31,36 @@ class ToolDelta:
     arguments: str = ""
 
 
+class JsonNesting:
+    """JSON text's nesting, fed character by character: brackets and braces counted
+    outside strings (escapes inside them skipped). The streaming parsers use it to find
+    where an object being generated ends."""
+
+    __slots__ = ("_esc", "_in_str", "depth")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self._in_str = False
+        self._esc = False
+
+    def step(self, c: str) -> int:
+        """The depth after ``c``."""
+        if self._in_str:
+            if self._esc:
+                self._esc = False
+            elif c == "\\":
+                self._esc = True
+            elif c == '"':
+                self._in_str = False
+        elif c == '"':
+            self._in_str = True
+        elif c in "[{":
+            self.depth += 1
+        elif c in "]}":
+            self.depth -= 1
+        return self.depth
+
+
 class ToolParser(ABC):
     """One choice's parser (a fresh one per choice). ``parallel`` false: at most one call
     is returned (later ones are dropped). ``cut``: set by ``finish`` when the answer

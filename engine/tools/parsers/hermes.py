@@ -20,7 +20,7 @@ import logging
 import re
 from typing import Any
 
-from engine.tools.parsers.base import ToolDelta, ToolParser, new_call_id
+from engine.tools.parsers.base import JsonNesting, ToolDelta, ToolParser, new_call_id
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +86,7 @@ class HermesToolParser(ToolParser):
         # "skip" (the rest of the tag: after the arguments, or a call dropped), "whole"
         # (not written head first: parsed when the tag closes).
         self._mode = "head"
-        self._depth = 0  # the arguments' nesting ("args")
-        self._in_str = False
-        self._esc = False
+        self._nesting = JsonNesting()  # the arguments' ("args")
         self.calls = 0
 
     def feed(self, text: str) -> list[ToolDelta]:
@@ -159,7 +157,7 @@ class HermesToolParser(ToolParser):
     def _open(self, name: str) -> list[ToolDelta]:
         """A call's head was read: its first piece (none for a call dropped)."""
         self._before = ""
-        self._depth, self._in_str, self._esc = 0, False, False
+        self._nesting = JsonNesting()
         if self.calls and not self.parallel:
             self._mode = "skip"  # parallel_tool_calls false: the first call only
             return []
@@ -172,23 +170,10 @@ class HermesToolParser(ToolParser):
         if self._mode != "args" or not text:
             return []
         for i, c in enumerate(text):
-            if self._in_str:
-                if self._esc:
-                    self._esc = False
-                elif c == "\\":
-                    self._esc = True
-                elif c == '"':
-                    self._in_str = False
-            elif c == '"':
-                self._in_str = True
-            elif c in "[{":
-                self._depth += 1
-            elif c in "]}":
-                self._depth -= 1
-                if self._depth == 0:
-                    self._mode = "skip"
-                    text = text[: i + 1]
-                    break
+            if self._nesting.step(c) == 0 and c in "]}":
+                self._mode = "skip"
+                text = text[: i + 1]
+                break
         return [ToolDelta(call=self.calls - 1, arguments=text)]
 
     def _whole(self, body: str, closed: bool) -> list[ToolDelta]:
