@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
+from kvconnector.nixl.messages import MAX_CHECKSUMS, MAX_RANKS, MAX_RESERVE_IDS
 from kvconnector.nixl.side_channel import (
+    MAX_WIRE_ITEMS,
     SideChannelClient,
     SideChannelError,
     SideChannelServer,
@@ -57,6 +59,30 @@ def test_handler_exception_and_bad_reply(server: SideChannelServer) -> None:
     assert reply["ok"] is False and "dict" in reply["error"]
     # the server keeps serving after errors
     assert client.request(server.address, {"op": "x"}, timeout=5.0)["ok"] is True
+
+
+def test_an_array_or_map_past_the_wire_limit_is_refused_before_the_handler_sees_it() -> None:
+    """Decoding is bounded: a peer's 8 M-element array is never built in memory (nor
+    handed to the handler); the reply names the limit. At the limit, the handler sees it."""
+    # Every array a valid message carries fits.
+    assert max(MAX_RESERVE_IDS, MAX_CHECKSUMS, MAX_RANKS) <= MAX_WIRE_ITEMS
+    seen: list[int] = []
+
+    def handler(msg: dict[str, Any]) -> dict[str, Any]:
+        seen.append(len(msg["v"]))
+        return {"ok": True}
+
+    srv = SideChannelServer("127.0.0.1", 0, handler)
+    client = SideChannelClient()
+    try:
+        for v in ([0] * (MAX_WIRE_ITEMS + 1), {str(i): 0 for i in range(MAX_WIRE_ITEMS + 1)}):
+            reply = client.request(srv.address, {"v": v}, timeout=30.0)
+            assert reply["ok"] is False and f"at most {MAX_WIRE_ITEMS}" in reply["error"], reply
+        assert seen == []
+        assert client.request(srv.address, {"v": [0] * MAX_WIRE_ITEMS}, timeout=30.0)["ok"]
+        assert seen == [MAX_WIRE_ITEMS]
+    finally:
+        srv.close()
 
 
 def test_explicit_port_and_wildcard_host() -> None:

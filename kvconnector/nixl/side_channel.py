@@ -23,7 +23,9 @@ than ``REPLAY_WINDOW_S`` away from its own clock, and one whose ``n`` it has see
 secret; without one, messages are plain maps (loopback development).
 
 Size: a message over ``MAX_MESSAGE_BYTES`` (either way) is never read; ZMQ drops the
-connection it came on (the sender sees a timeout).
+connection it came on (the sender sees a timeout). One with an array or map of more than
+``MAX_WIRE_ITEMS`` items is refused when decoding reaches its header (a request: an
+``ok: False`` reply naming the limit).
 """
 
 from __future__ import annotations
@@ -68,7 +70,14 @@ def _pack(msg: dict[str, Any]) -> bytes:
 
 
 def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False)
+    try:
+        return msgpack.unpackb(
+            data, raw=False, max_array_len=MAX_WIRE_ITEMS, max_map_len=MAX_WIRE_ITEMS
+        )
+    except ValueError as exc:
+        if "exceeds max_" not in str(exc):
+            raise
+        raise ValueError(f"arrays and maps hold at most {MAX_WIRE_ITEMS} items ({exc})") from None
 
 
 def _remaining_ms(deadline: float) -> int:
@@ -76,6 +85,10 @@ def _remaining_ms(deadline: float) -> int:
 
 
 MAX_MESSAGE_BYTES = 64 << 20  # a bigger request drops its connection (ZMQ_MAXMSGSIZE)
+# Items in one msgpack array or map: the longest any message carries (``messages``'
+# MAX_RESERVE_IDS, MAX_CHECKSUMS). Decoding stops at a longer one's header, so a peer's
+# 64 MiB of one-byte ints is not built into 64 M Python objects (half a GiB) to be refused.
+MAX_WIRE_ITEMS = 1 << 20
 REPLAY_WINDOW_S = 60.0  # a signed request older or newer than this is refused
 MAX_SEEN = 200_000  # request nonces remembered for replay checks (at most)
 
