@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from harness import free_port
+from harness import child_context, child_process, free_port
 from hf_models import make_hf_model, random_prompt, save_hf_model
 from paged_runner import PagedRunner, tp_greedy_worker
 
 from engine.model.loader import load_model
 
-pytestmark = pytest.mark.slow  # TP ranks in spawned processes
+pytestmark = pytest.mark.slow  # TP ranks in child processes
 
 TP = 2
 MAX_NEW_TOKENS = 24
@@ -23,12 +22,11 @@ RESULT_TIMEOUT_S = 120.0
 
 
 def _run_tp(jobs: list[tuple[str, list[list[int]], int]], tp: int = TP) -> list:
-    """Run ``jobs`` on ``tp`` ranks in spawned processes; return rank 0's results."""
-    ctx = mp.get_context("spawn")
-    results_q = ctx.Queue()
+    """Run ``jobs`` on ``tp`` ranks in child processes; return rank 0's results."""
+    results_q = child_context().Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [
-        ctx.Process(target=tp_greedy_worker, args=(rank, tp, init_method, jobs, results_q))
+        child_process(tp_greedy_worker, rank, tp, init_method, jobs, results_q)
         for rank in range(tp)
     ]
     try:

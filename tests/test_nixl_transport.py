@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import child_context, child_process
 
 from engine.kv_cache_layout import KVCacheSpec
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
@@ -81,10 +82,9 @@ def _decode_main(conn: Any, agent_name: str) -> None:
 @contextlib.contextmanager
 def decode_process() -> Iterator[tuple[mp.Process, str, str]]:
     """Start a D child; always stop it (by its handle) on exit, even on failure."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
+    parent, child = child_context().Pipe()
     name = f"D-{uuid.uuid4().hex[:8]}"
-    proc = ctx.Process(target=_decode_main, args=(child, name), daemon=True)
+    proc = child_process(_decode_main, child, name, daemon=True)
     proc.start()
     try:
         if not parent.poll(60):

@@ -30,6 +30,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from harness import child_context, child_process
 
 from engine.kv_cache_layout import KVCacheSpec
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
@@ -116,10 +117,9 @@ BIG = _spec(block_size=512)  # 256 KiB blocks: a whole-cache write is 8 MiB (ren
 @contextlib.contextmanager
 def decode_process(spec: KVCacheSpec = SPEC) -> Iterator[tuple[mp.Process, str, str]]:
     """Start a D child; always stop it (by its handle) on exit, even on failure."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
+    parent, child = child_context().Pipe()
     name = f"D-{uuid.uuid4().hex[:8]}"
-    proc = ctx.Process(target=_decode_main, args=(child, name, spec), daemon=True)
+    proc = child_process(_decode_main, child, name, spec, daemon=True)
     proc.start()
     try:
         if not parent.poll(60):
