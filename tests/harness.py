@@ -25,7 +25,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.bench.cluster import alive, descendants, free_port  # noqa: F401 - re-exported
-from engine.worker.pipe import WORKER_NAME_PREFIX, worker_context
+from engine.worker.pipe import WORKER_NAME_PREFIX, run_in_environment, worker_context
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -190,20 +190,13 @@ def child_process(target: Callable[..., Any], *args: Any, daemon: bool = False) 
     would keep the fork server's, from when that started), as a spawned child would.
     Queues and pipes for it come from ``child_context()``."""
     return child_context().Process(
-        target=_child_entry, args=(dict(os.environ), target, *args), daemon=daemon
+        target=run_in_environment, args=(dict(os.environ), target, *args), daemon=daemon
     )
 
 
 def child_context() -> Any:
     """The multiprocessing context of ``child_process`` (for its queues and pipes)."""
     return worker_context()
-
-
-def _child_entry(env: dict[str, str], target: Callable[..., Any], *args: Any) -> None:
-    if os.environ != env:
-        os.environ.clear()
-        os.environ.update(env)
-    target(*args)
 
 
 # -- node and proxy processes ----------------------------------------------------------------

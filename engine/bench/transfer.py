@@ -25,7 +25,8 @@ length asked for, one run measures side by side, on the same processes and memor
     device-to-device on CUDA, then a synchronize), all ranks at once. Timed from the first
     rank's start to the last rank's end.
 
-Every P and D rank is its own spawned process (``engine/bench/transfer_ranks.py``) (as the engine's TP workers are); rank r of P
+Every P and D rank is its own process (``engine/bench/transfer_ranks.py``), started as the
+engine's TP workers are; rank r of P
 pushes to rank r of D. The ranks of one side start together: the bench hands them a start
 time a few ms ahead on ``time.perf_counter`` (``CLOCK_MONOTONIC``, one clock for all
 processes of a host). D polls for notifications every ``--poll-us``.

@@ -1,7 +1,8 @@
 """``pd-bench transfer``'s ranks: the KV geometry, the data pattern and its check, and the
 P and D rank processes the bench drives (``RankProcs``).
 
-Every P and D rank is its own spawned process (as the engine's TP workers are), holding one
+Every P and D rank is its own process, forked from the engine's fork server as its TP
+workers are (``engine.worker.pipe.worker_context``: torch imported once), holding one
 rank's cache, the connector's transport on it (``NixlTransport`` or ``UcxxTransport``) and
 a raw NIXL agent; the bench (``engine/bench/transfer.py``) sends them ops over a pipe
 (connect, send, expect, zero, check, read, close) and reads their ``perf_counter`` times.
@@ -158,7 +159,7 @@ def rank_device(device: str, rank: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# one rank (a spawned process)
+# one rank (a child process)
 # ---------------------------------------------------------------------------------------
 
 
@@ -346,7 +347,7 @@ def _wait_until(t0: float) -> None:
 
 
 def _rank_main(conn: Any, role: str, rank: int, cfg: dict[str, Any]) -> None:
-    """Spawned process: one rank, driven by the bench over ``conn`` until "close"."""
+    """A rank's process: one rank, driven by the bench over ``conn`` until "close"."""
     logging.basicConfig(level=logging.WARNING)
     try:
         state = _Rank(role, rank, cfg)
@@ -399,12 +400,13 @@ def _rank_main(conn: Any, role: str, rank: int, cfg: dict[str, Any]) -> None:
 
 
 class RankProcs:
-    """TP P ranks and TP D ranks as spawned processes; always stopped by their handles."""
+    """TP P ranks and TP D ranks as child processes; always stopped by their handles."""
 
     def __init__(self, cfg: dict[str, Any], start_timeout: float = 120.0) -> None:
-        import multiprocessing as mp
+        from engine.worker.pipe import run_in_environment, worker_context
 
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()  # forked from a fork server that imported torch once
+        env = dict(os.environ)
         self.tp = cfg["tp"]
         self.timeout = cfg["timeout"] + 30.0
         self.procs: dict[str, list[tuple[Any, Any]]] = {"P": [], "D": []}
@@ -413,7 +415,9 @@ class RankProcs:
                 for rank in range(self.tp):
                     parent, child = ctx.Pipe()
                     proc = ctx.Process(
-                        target=_rank_main, args=(child, role, rank, cfg), daemon=True
+                        target=run_in_environment,
+                        args=(env, _rank_main, child, role, rank, cfg),
+                        daemon=True,
                     )
                     proc.start()
                     child.close()

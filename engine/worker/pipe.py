@@ -21,6 +21,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
+from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any
 
@@ -80,13 +81,25 @@ def _set_process_name(name: str) -> None:
         pass
 
 
-def enter_worker(env: dict[str, str], rank: int) -> None:
-    """A worker's first act: take ``env`` (the executor's environment when it started the
-    worker: one forked from the fork server would otherwise keep the server's, from when
-    that started) and its name."""
+def take_environment(env: dict[str, str]) -> None:
+    """A child's first act: take ``env`` (its starter's environment when it started the
+    child: one forked from the fork server would otherwise keep the server's, from when
+    that started)."""
     if os.environ != env:
         os.environ.clear()
         os.environ.update(env)
+
+
+def run_in_environment(env: dict[str, str], target: Callable[..., Any], *args: Any) -> None:
+    """A child process's target: ``take_environment(env)``, then ``target(*args)`` (the
+    benchmark's rank processes, the tests' children: forked from ``worker_context()``)."""
+    take_environment(env)
+    target(*args)
+
+
+def enter_worker(env: dict[str, str], rank: int) -> None:
+    """A worker's first act: ``take_environment(env)`` and its name."""
+    take_environment(env)
     _set_process_name(f"{WORKER_NAME_PREFIX}{rank}")
 
 
