@@ -101,6 +101,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _child_command(item: pytest.Item) -> list[str]:
     config = item.config
     cmd = [sys.executable, "-m", "pytest", item.nodeid, "-q", "-p", "no:cacheprovider"]
+    # Plugins the one test does not use: hypothesis's is seconds of CPU to import on 2
+    # cores (xdist's: the child runs one test, in itself).
+    cmd += ["-p", "no:xdist"]
+    if not getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+        cmd += ["-p", "no:hypothesispytest"]
     cmd += ["--rootdir", str(config.rootpath)]
     if config.inipath is not None:
         cmd += ["-c", str(config.inipath)]
