@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from harness import REPO_ROOT, Proc, Procs
 
 from engine.bench.stats import (
@@ -217,6 +218,35 @@ def test_make_model_and_compare_hf_tokens_equal(tmp_path: Path):
     report = json.loads(out.read_text())
     assert report["hf"]["first_prompt"] == {"equal": True, "matching_prefix": 8, "length": 8}
     assert report["hf"]["output_tokens_per_s"] > 0 and report["hf"]["speedup"] > 0
+
+
+@pytest.mark.slow
+def test_make_model_writes_a_checkpoint_without_importing_transformers(tmp_path: Path):
+    # transformers' import is seconds of CPU; the checkpoint is plain safetensors + JSON
+    # (the test above loads one in transformers).
+    code = (
+        "import sys; sys.modules['transformers'] = None; from engine.bench.cli import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    out = tmp_path / "m"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "make-model", "--out", str(out), "--preset", "tiny-qwen2",
+         "--tie-word-embeddings", "--dtype", "bfloat16"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        q_bias = f.get_tensor("model.layers.1.self_attn.q_proj.bias")
+        norm = f.get_tensor("model.norm.weight")
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names  # tied
+    assert len(names) == 1 + 2 * 12 + 1  # embeddings, 2 layers of 12 (qwen2: q/k/v biases)
+    assert q_bias.shape == (4 * 16,) and q_bias.dtype == torch.bfloat16
+    assert torch.all(norm == 20.0)  # tied: the final norm carries the LM-head scale
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"]
 
 
 @pytest.mark.slow

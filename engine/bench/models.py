@@ -1,7 +1,8 @@
 """``pd-bench make-model``: a random Hugging Face Llama / Qwen2 checkpoint for benchmarks.
 
 The directory holds what ``--model DIR`` needs: ``config.json``, ``*.safetensors``
-(written by transformers ``save_pretrained``) and a word-level ``tokenizer.json`` (pdserve
+(the layout transformers ``save_pretrained`` writes, written directly: transformers is not
+imported, which alone is seconds of CPU) and a word-level ``tokenizer.json`` (pdserve
 nodes load a checkpoint's tokenizer at startup, so one is always written). Weights are
 drawn with std 0.02 (sane activations at any depth) and the LM head is scaled so greedy
 choices are not near-ties (a float32 run matches transformers token for token).
@@ -23,6 +24,8 @@ LM_HEAD_SCALE = 20.0
 INIT_STD = 0.02
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
 BOS_ID, EOS_ID = 1, 2
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GENERATION_CONFIG = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": 0}
 
 
 @dataclass(frozen=True)
@@ -137,71 +140,84 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
     return spec
 
 
-def hf_config(spec: ModelSpec) -> Any:
-    import transformers
-
-    common = dict(
-        vocab_size=spec.vocab,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=1e-5,
-        rope_theta=spec.rope_theta,
-        initializer_range=INIT_STD,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=None,
-    )
+def hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """The checkpoint's ``config.json``: what transformers ``save_pretrained`` writes for
+    the architecture (transformers 4.x reads ``rope_theta``, 5.x ``rope_parameters``;
+    fields left out take transformers' defaults)."""
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[spec.arch]],
+        "model_type": spec.arch,
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"},
+        "initializer_range": INIT_STD,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": None,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "dtype": spec.dtype,
+        "torch_dtype": spec.dtype,
+    }
     if spec.arch == "llama":
-        return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
-    if spec.arch == "qwen2":
-        return transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
-    raise ValueError(f"unknown arch {spec.arch!r} (llama or qwen2)")
+        config |= {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+    else:
+        config |= {"use_sliding_window": False, "sliding_window": None}
+    return config
 
 
-def build_model(spec: ModelSpec, seed: int = 0, lm_head_scale: float = LM_HEAD_SCALE) -> Any:
-    """The random transformers model (in ``spec.dtype``, on the CPU, eval mode)."""
+def parameter_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """Each parameter's name and shape, in transformers' ``named_parameters`` order (the
+    order the weights are drawn in); a tied LM head is not a parameter of its own."""
+    h, q, kv = spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (spec.vocab, h))]
+    for i in range(spec.layers):
+        pre = f"model.layers.{i}."
+        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            shapes.append((f"{pre}self_attn.{proj}.weight", (rows, h)))
+            if spec.arch == "qwen2":
+                shapes.append((f"{pre}self_attn.{proj}.bias", (rows,)))
+        shapes.append((f"{pre}self_attn.o_proj.weight", (h, q)))
+        shapes.append((f"{pre}mlp.gate_proj.weight", (spec.intermediate, h)))
+        shapes.append((f"{pre}mlp.up_proj.weight", (spec.intermediate, h)))
+        shapes.append((f"{pre}mlp.down_proj.weight", (h, spec.intermediate)))
+        shapes.append((f"{pre}input_layernorm.weight", (h,)))
+        shapes.append((f"{pre}post_attention_layernorm.weight", (h,)))
+    shapes.append(("model.norm.weight", (h,)))
+    if not spec.tie_word_embeddings:
+        shapes.append(("lm_head.weight", (spec.vocab, h)))
+    return shapes
+
+
+def build_weights(
+    spec: ModelSpec, seed: int = 0, lm_head_scale: float = LM_HEAD_SCALE
+) -> dict[str, Any]:
+    """The random weights by name, in ``spec.dtype`` on the CPU: N(0, 0.02) drawn in
+    float32 from one generator in parameter order, norms 1, the LM head (or, when tied,
+    the final norm) times ``lm_head_scale``."""
     import torch
 
-    config, cls = hf_config(spec)
     dtype = getattr(torch, spec.dtype)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = cls(config)
-    finally:
-        torch.set_default_dtype(prev)
-    model = model.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
-        if spec.tie_word_embeddings:  # the head is the embedding: scale the final norm
-            model.model.norm.weight.mul_(lm_head_scale)
+    weights = {}
+    for name, shape in parameter_shapes(spec):
+        if "norm" in name:
+            weights[name] = torch.ones(shape, dtype=dtype)
         else:
-            model.lm_head.weight.mul_(lm_head_scale)
-        # Non-persistent buffers (rotary inv_freq) were left uninitialised on "meta":
-        # rebuild each rotary module on the CPU and take its buffers.
-        for module in model.modules():
-            if type(module).__name__.endswith("RotaryEmbedding"):
-                fresh = type(module)(config=module.config)
-                for name, buf in fresh.named_buffers(recurse=False):
-                    setattr(module, name, buf)
-    model.generation_config.bos_token_id = BOS_ID
-    model.generation_config.eos_token_id = EOS_ID
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+            weights[name] = (torch.randn(shape, generator=gen) * INIT_STD).to(dtype)
+    head = "model.norm.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    weights[head].mul_(lm_head_scale)
+    return weights
 
 
 def vocab_words(vocab: int) -> list[str]:
@@ -229,8 +245,13 @@ def write_tokenizer(out: str, vocab: int, max_len: int) -> None:
         "pad_token": "<unk>",
         "model_max_length": max_len,
     }
-    with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2)
+    _write_json(out, "tokenizer_config.json", cfg)
+
+
+def _write_json(out: str, name: str, data: dict[str, Any]) -> None:
+    with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
 
 
 def make_model(
@@ -245,12 +266,16 @@ def make_model(
         raise FileExistsError(f"{out!r} is not empty (use --force to write into it)")
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
-    model = build_model(spec, seed, lm_head_scale)
-    model.save_pretrained(out)
+    from safetensors.torch import save_file
+
+    weights = build_weights(spec, seed, lm_head_scale)
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    _write_json(out, "config.json", hf_config(spec))
+    _write_json(out, "generation_config.json", GENERATION_CONFIG)
     write_tokenizer(out, spec.vocab, spec.max_position_embeddings)
     info = {
         "spec": asdict(spec),
-        "num_params": sum(p.numel() for p in model.parameters()),
+        "num_params": sum(w.numel() for w in weights.values()),
         "seed": seed,
         "lm_head_scale": lm_head_scale,
         "init_std": INIT_STD,
