@@ -17,7 +17,8 @@ tests").
 
 ``isolated``: the test runs in a child pytest process (``isolated.py``), so a crash in
 native code fails that test, not the run (the UCXX tests that build ``ucxx`` workers in
-the test process).
+the test process); ``isolated(batch=True)``: a module's tests so marked share one child
+(a new one after a crash).
 """
 
 from __future__ import annotations

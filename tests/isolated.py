@@ -12,9 +12,17 @@ marker's ``allowance_s``: ``@pytest.mark.isolated(allowance_s=4)``) fails the ph
 or signal and the tail of its output; its process group (the test's own child
 processes) is killed. The run goes on with the next test.
 
-Costs: one interpreter start and one collection of the test's module per test (~3-4 s
+``@pytest.mark.isolated(batch=True)``: the tests of one module so marked that run one
+after the other share one child (a module-scoped fixture is set up once for them). A
+crash fails the test it happened in and a new child takes the tests after it; a crash
+at the child's exit, after its last test, fails that last test. Each test's limit counts
+from the end of the one before it. Batches form where this process runs a module's
+tests together (no xdist, or ``--dist loadfile``/``loadscope``); elsewhere each test
+gets its own child.
+
+Costs: one interpreter start and one collection of the test's module per child (~3-4 s
 on 2 cores). Fixtures of every scope are set up in the child only, so a module-scoped
-fixture of an isolated test is set up once per test. ``conftest.py`` registers this
+fixture of an isolated test is set up once per child. ``conftest.py`` registers this
 module as a plugin; inside the child its hooks do nothing but record the reports, and
 the test runs as usual.
 """
@@ -98,13 +106,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(0), append=False)
 
 
-def _child_command(item: pytest.Item) -> list[str]:
-    config = item.config
-    cmd = [sys.executable, "-m", "pytest", item.nodeid, "-q", "-p", "no:cacheprovider"]
-    # Plugins the one test does not use: hypothesis's is seconds of CPU to import on 2
-    # cores (xdist's: the child runs one test, in itself).
+def _child_command(items: list[pytest.Item]) -> list[str]:
+    config = items[0].config
+    cmd = [sys.executable, "-m", "pytest", *(i.nodeid for i in items), "-q"]
+    cmd += ["-p", "no:cacheprovider"]
+    # Plugins the tests do not use: hypothesis's is seconds of CPU to import on 2 cores
+    # (xdist's: the child runs its tests in itself).
     cmd += ["-p", "no:xdist"]
-    if not getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+    if not any(getattr(getattr(i, "obj", None), "is_hypothesis_test", False) for i in items):
         cmd += ["-p", "no:hypothesispytest"]
     cmd += ["--rootdir", str(config.rootpath)]
     if config.inipath is not None:
@@ -144,23 +153,18 @@ def _report(
     )
 
 
-def _load_reports(config: pytest.Config, path: Path) -> list[pytest.TestReport]:
-    reports = []
-    if not path.exists():
-        return reports
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by the crash
-        # JSON has no tuples: give back the ones pytest's reporters unpack.
-        data["location"] = tuple(data["location"])
-        if isinstance(data.get("longrepr"), list):
-            data["longrepr"] = tuple(data["longrepr"])
-        data["user_properties"] = [tuple(p) for p in data.get("user_properties", [])]
-        data["sections"] = [tuple(s) for s in data.get("sections", [])]
-        reports.append(config.hook.pytest_report_from_serializable(config=config, data=data))
-    return reports
+def _load_report(config: pytest.Config, line: str) -> pytest.TestReport | None:
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError:
+        return None  # a line cut short by the crash
+    # JSON has no tuples: give back the ones pytest's reporters unpack.
+    data["location"] = tuple(data["location"])
+    if isinstance(data.get("longrepr"), list):
+        data["longrepr"] = tuple(data["longrepr"])
+    data["user_properties"] = [tuple(p) for p in data.get("user_properties", [])]
+    data["sections"] = [tuple(s) for s in data.get("sections", [])]
+    return config.hook.pytest_report_from_serializable(config=config, data=data)
 
 
 def _kill_group(pgid: int) -> None:
@@ -168,55 +172,129 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _run_child(item: pytest.Item) -> list[pytest.TestReport]:
-    """The child's reports for ``item``; a failed report for the phase it died in, if it
-    died or hung; a failed teardown report if it died after the test."""
-    timeout = item.stash.get(_LIMIT, 0.0)
-    allowance = item.stash.get(_ALLOWANCE, STARTUP_ALLOWANCE_S)
-    limit = timeout + allowance if timeout > 0 else NO_TIMEOUT_S
-    cmd = _child_command(item)
-    with tempfile.TemporaryDirectory(prefix="pdserve-isolated-") as tmp:
-        report_path = Path(tmp) / "reports.jsonl"
-        out_path = Path(tmp) / "output.txt"
-        env = {**os.environ, CHILD_ENV: str(report_path)}
-        t0 = time.monotonic()
-        with open(out_path, "wb") as out:
-            proc = subprocess.Popen(
-                [*cmd, "--basetemp", str(Path(tmp) / "basetemp")],
-                cwd=item.config.rootpath,
+def _batch_of(item: pytest.Item) -> list[pytest.Item]:
+    """``item`` and, when it is marked ``isolated(batch=True)``, the tests right after it
+    in the run that are too and come from the same module: one child runs them in turn.
+    Only where this process runs a module's tests together (no xdist, or xdist handing
+    out whole files or scopes)."""
+    if not item.get_closest_marker(MARKER).kwargs.get("batch"):
+        return [item]
+    if getattr(item.config.option, "dist", "no") not in ("no", "loadfile", "loadscope"):
+        return [item]
+    items = item.session.items
+    try:
+        at = items.index(item)
+    except ValueError:
+        return [item]
+    batch = [item]
+    for nxt in items[at + 1 :]:
+        mark = nxt.get_closest_marker(MARKER)
+        if nxt.path != item.path or mark is None or not mark.kwargs.get("batch"):
+            break
+        batch.append(nxt)
+    return batch
+
+
+class _Child:
+    """One child pytest process running ``items`` in turn, its reports read as they
+    come. Each test has its limit (timeout and allowance) from when the one before it
+    finished (the first: from the child's start)."""
+
+    def __init__(self, items: list[pytest.Item]) -> None:
+        self.items = items  # what it has left to run
+        self.count = len(items)
+        self.config = items[0].config
+        self.cmd = _child_command(items)
+        self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-isolated-")
+        tmp = Path(self._tmp.name)
+        self.report_path = tmp / "reports.jsonl"
+        self.out_path = tmp / "output.txt"
+        self._read_at = 0
+        self.reports: dict[str, list[pytest.TestReport]] = {}
+        env = {**os.environ, CHILD_ENV: str(self.report_path)}
+        with open(self.out_path, "wb") as out:
+            self.proc = subprocess.Popen(
+                [*self.cmd, "--basetemp", str(tmp / "basetemp")],
+                cwd=self.config.rootpath,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: killed whole if it dies
             )
-            hung = False
-            try:
-                proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
+        self.since = time.monotonic()  # the current test's limit counts from here
+
+    def _read(self) -> None:
+        if not self.report_path.exists():
+            return
+        with open(self.report_path, encoding="utf-8") as f:
+            f.seek(self._read_at)
+            chunk = f.read()
+        # Whole lines only: the child may be writing the next one.
+        whole = chunk[: chunk.rfind("\n") + 1]
+        self._read_at += len(whole.encode("utf-8"))
+        for line in whole.splitlines():
+            report = _load_report(self.config, line)
+            if report is not None:
+                self.reports.setdefault(report.nodeid, []).append(report)
+
+    def _done(self, item: pytest.Item) -> bool:
+        return any(r.when == "teardown" for r in self.reports.get(item.nodeid, ()))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            _kill_group(self.proc.pid)
+            self.proc.wait()
+        self._tmp.cleanup()
+
+    def run(self, item: pytest.Item) -> tuple[list[pytest.TestReport], bool]:
+        """``item``'s reports (a failed one for the phase the child died or hung in) and
+        whether the child can go on with the next test."""
+        timeout = item.stash.get(_LIMIT, 0.0)
+        allowance = item.stash.get(_ALLOWANCE, STARTUP_ALLOWANCE_S)
+        limit = timeout + allowance if timeout > 0 else NO_TIMEOUT_S
+        last = item is self.items[-1]
+        hung = False
+        while True:
+            self._read()
+            if self._done(item) and not last:
+                break
+            if self.proc.poll() is not None:
+                self._read()
+                break
+            if time.monotonic() - self.since > limit:
                 hung = True
-            finally:
-                if proc.poll() is None:  # hung, or this process was interrupted
-                    _kill_group(proc.pid)
-                    proc.wait()
-        took = time.monotonic() - t0
-        code = proc.returncode
-        reports = [r for r in _load_reports(item.config, report_path) if r.nodeid == item.nodeid]
-        crashed = hung or code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
-        if crashed:
-            _kill_group(proc.pid)  # what it left running (its own children, same group)
+                _kill_group(self.proc.pid)
+                self.proc.wait()
+                break
+            time.sleep(0.02)
+        took = time.monotonic() - self.since
+        self.since = time.monotonic()
+        reports = self.reports.pop(item.nodeid, [])
         done = {r.when for r in reports}
-        if not crashed and {"setup", "teardown"} <= done:
-            return reports
-        what = f"did not finish within {limit:.0f} s (killed)" if hung else _describe_exit(code)
+        complete = {"setup", "teardown"} <= done
+        if complete and not last:
+            return reports, True  # whatever the child does next is the next test's
+        code = self.proc.poll()
+        crashed = hung or code not in _PYTEST_CODES
+        if crashed:
+            _kill_group(self.proc.pid)  # what it left running (its own children, same group)
+        if complete and not crashed:
+            return reports, False
+        if hung:
+            what = f"did not finish within {limit:.0f} s (killed)"
+        else:
+            what = _describe_exit(self.proc.returncode)
         phase = next((w for w in ("setup", "call", "teardown") if w not in done), None)
         if phase == "call" and any(r.when == "setup" and not r.passed for r in reports):
             phase = "teardown"  # a setup that failed or skipped has no call
-        tail = out_path.read_text(encoding="utf-8", errors="replace")[-OUTPUT_TAIL:]
+        tail = self.out_path.read_text(encoding="utf-8", errors="replace")[-OUTPUT_TAIL:]
         where = f"during {phase}" if phase else "after the test had finished"
+        if phase is None and self.count > 1:
+            where = f"after its {self.count} tests had finished (this one the last)"
         text = (
-            f"isolated test: its child pytest process (pid {proc.pid}) {what} {where}.\n"
-            f"command: {' '.join(cmd)}\n"
+            f"isolated test: its child pytest process (pid {self.proc.pid}) {what} {where}.\n"
+            f"command: {' '.join(self.cmd)}\n"
             f"--- the last {OUTPUT_TAIL} characters of its output ---\n{tail}"
         )
         # The failure takes the phase the child died in (or the teardown's place, when it
@@ -225,7 +303,43 @@ def _run_child(item: pytest.Item) -> list[pytest.TestReport]:
         reports.append(_report(item, phase or "teardown", "failed", text, took))
         if phase in ("setup", "call"):
             reports.append(_report(item, "teardown", "passed", None, 0.0))
-        return reports
+        return reports, False
+
+
+_PYTEST_CODES = (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+_CHILD = pytest.StashKey[_Child]()
+
+
+def _run_child(item: pytest.Item) -> list[pytest.TestReport]:
+    """``item``'s reports from the child running it: the live child whose batch holds it,
+    or a new one for it (and the batch it starts)."""
+    stash = item.session.stash
+    child = stash.get(_CHILD, None)
+    if child is not None and child.items[0] is not item:
+        child.close()  # its remaining tests are not run here (-x, a deselection)
+        child = None
+    if child is None:
+        child = _Child(_batch_of(item))
+        stash[_CHILD] = child
+    try:
+        reports, go_on = child.run(item)
+    except BaseException:
+        child.close()
+        del stash[_CHILD]
+        raise
+    if not go_on:
+        child.close()
+        del stash[_CHILD]
+    else:
+        child.items = child.items[child.items.index(item) + 1 :]
+    return reports
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    child = session.stash.get(_CHILD, None)
+    if child is not None:
+        child.close()
+        del session.stash[_CHILD]
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -8,9 +8,9 @@ These tests run in CI: ``ucxx`` is in the ``.[test]`` extra (for users it stays 
 optional ``.[ucxx]`` extra). Without ``ucxx`` installed every test skips, saying so.
 ``PDSERVE_TEST_UCXX=0`` switches them off. Engines and nodes build their transports in
 their own worker and node processes; the two fencing tests that build ``UcxxTransport``
-objects in the test's process run in a child pytest process (``@pytest.mark.isolated``,
-``tests/isolated.py``), so a segfault in ``ucxx`` (seen once, closing an endpoint) fails
-that test, not the whole run.
+objects in the test's process run in a child pytest process, one for both
+(``@pytest.mark.isolated(batch=True)``, ``tests/isolated.py``), so a segfault in ``ucxx``
+(seen once, closing an endpoint) fails that test, not the whole run.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def _running(d: Any, rid: str) -> bool:
     return any(r.request_id == rid for r in d.sch.running)
 
 
-@pytest.mark.isolated  # ucxx workers in the test's process
+@pytest.mark.isolated(batch=True)  # ucxx workers in the test's process
 def test_ucxx_a_stale_notification_cannot_complete_a_newer_transfer(ucxx_decode):
     """An old transfer's notification from rank 0 and the new one's from rank 1 do not
     add up to "all ranks have it"; the new transfer's two do, and its blocks hold what
@@ -275,7 +275,7 @@ def test_ucxx_a_stale_notification_cannot_complete_a_newer_transfer(ucxx_decode)
         assert torch.equal(w._kv_cache[blocks], p_kv[blocks]), f"rank {rank}"
 
 
-@pytest.mark.isolated  # ucxx workers in the test's process
+@pytest.mark.isolated(batch=True)  # ucxx workers in the test's process
 def test_ucxx_a_notification_without_the_reservations_nonce_completes_nothing(ucxx_decode):
     u, d = ucxx_decode, ucxx_decode.d
     nonce = d.add("X", "t1")

@@ -163,3 +163,94 @@ def test_crashes_fail_one_test_and_the_run_goes_on(tmp_path: Path) -> None:
     assert log.count("up parent") == 1 and log.count("down parent") == 1, log
     assert log.index("up parent") < log.index("down parent") < log.index("next module"), log
     assert log.count("up child") == log.count("down child") == 2, log
+
+
+TEST_BATCH = """
+import atexit
+import ctypes
+import os
+
+import pytest
+
+pytestmark = pytest.mark.isolated(batch=True)
+LOG = os.path.join(os.path.dirname(__file__), "batch.log")
+
+
+def log(what):
+    with open(LOG, "a") as f:
+        f.write(f"{what} {os.getpid()}\\n")
+
+
+@pytest.fixture(scope="module")
+def shared():
+    log("up")
+    yield
+    log("down")
+
+
+def test_one(shared):
+    log("one")
+
+
+def test_two(shared):
+    log("two")
+
+
+def test_segfaults(shared):
+    log("segfaults")
+    ctypes.string_at(0)
+
+
+def test_three(shared):
+    log("three")
+
+
+def test_aborts_at_exit(shared):
+    log("aborts")
+    atexit.register(os.abort)
+"""
+
+
+def test_a_batch_shares_a_child_until_a_crash_and_a_new_child_takes_the_rest(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "pytest.ini").write_text(INI)
+    (tmp_path / "test_batch.py").write_text(TEST_BATCH)
+    (tmp_path / "test_b.py").write_text(TEST_B)
+    junit = tmp_path / "junit.xml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "--junitxml", str(junit), "--rootdir", "."]
+        + ["-c", "pytest.ini", "test_batch.py", "test_b.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "INTERNALERROR" not in out, out
+    results: dict[str, tuple[str, str]] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        kinds = [(c.tag, (c.get("message") or "") + (c.text or "")) for c in case]
+        kinds = [k for k in kinds if k[0] in ("failure", "error", "skipped")]
+        results[case.get("name")] = kinds[0] if kinds else ("passed", "")
+    for name in ("test_one", "test_two", "test_three", "test_next_module"):
+        assert results[name][0] == "passed", (name, results[name], out)
+    kind, text = results["test_segfaults"]
+    assert kind == "failure" and "was killed by SIGSEGV during call" in text, out
+    kind, text = results["test_aborts_at_exit"]
+    assert kind == "error", out
+    assert "was killed by SIGABRT after its 2 tests had finished (this one the last)" in text
+
+    # Two children: one ran the tests up to the crash, the other the rest; the module
+    # fixture once in each (the crashed one never tore it down).
+    pids = {}
+    for line in (tmp_path / "batch.log").read_text().splitlines():
+        what, pid = line.split()
+        pids.setdefault(what, []).append(pid)
+    first, second = pids["one"][0], pids["three"][0]
+    assert first != second, pids
+    assert pids["two"] == pids["segfaults"] == [first], pids
+    assert pids["up"] == [first, second] and pids["aborts"] == [second], pids
+    assert pids["down"] == [second], pids

@@ -8,11 +8,12 @@ serves a small side-channel API so the test can read its KV cache and notifs.
 
 These tests run in CI: ``ucxx`` is in the ``.[test]`` extra (for users it stays the
 optional ``.[ucxx]`` extra). Without ``ucxx`` installed every test skips, saying so.
-``PDSERVE_TEST_UCXX=0`` switches them off. Each test runs in a child pytest process
-(``@pytest.mark.isolated``, ``tests/isolated.py``): a test builds ``ucxx`` workers and
-endpoints in its own process, and ``ucxx`` was seen to segfault once closing an endpoint
-to a peer killed mid-write (``test_write_to_killed_peer_errors_without_hanging``); a
-crash like that fails that one test, with its signal and output, not the whole run.
+``PDSERVE_TEST_UCXX=0`` switches them off. The tests run in a child pytest process
+(``@pytest.mark.isolated(batch=True)``, ``tests/isolated.py``; one child for the module,
+a new one after a crash): a test builds ``ucxx`` workers and endpoints in its own
+process, and ``ucxx`` was seen to segfault once closing an endpoint to a peer killed
+mid-write (``test_write_to_killed_peer_errors_without_hanging``); a crash like that
+fails that one test, with its signal and output, not the whole run.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ if not ucxx_available():
     )
 # D is a spawned process; every transport has a UCX thread. Each test in a child pytest
 # process: a segfault in ucxx fails that test, not the run (module docstring).
-pytestmark = [pytest.mark.slow, pytest.mark.isolated]
+pytestmark = [pytest.mark.slow, pytest.mark.isolated(batch=True)]
 
 SPEC = KVCacheSpec(
     num_blocks=32, num_layers=2, num_kv_heads=2, block_size=16, head_dim=32, dtype=torch.float16
