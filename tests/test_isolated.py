@@ -106,65 +106,6 @@ def test_next_module():
 """
 
 
-def test_crashes_fail_one_test_and_the_run_goes_on(tmp_path: Path) -> None:
-    (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "pytest.ini").write_text(INI)
-    (tmp_path / "test_a.py").write_text(TEST_A)
-    (tmp_path / "test_b.py").write_text(TEST_B)
-    junit = tmp_path / "junit.xml"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rA", "--junitxml", str(junit), "--rootdir", "."]
-        + ["-c", "pytest.ini", "test_a.py", "test_b.py"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        # The others get the default allowance: a child slow to start under load still
-        # passes (4 s was too short for test_passes on CI's loaded cores).
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out  # tests failed; the run itself completed
-    assert "INTERNALERROR" not in out and "not torn down" not in out, out
-
-    results: dict[str, tuple[str, str]] = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        kinds = [(c.tag, (c.get("message") or "") + (c.text or "")) for c in case]
-        kinds = [k for k in kinds if k[0] in ("failure", "error", "skipped")]
-        results[case.get("name")] = kinds[0] if kinds else ("passed", "")
-    assert results.keys() == {
-        "test_before",
-        "test_passes",
-        "test_fails",
-        "test_skips",
-        "test_segfaults",
-        "test_aborts_at_exit",
-        "test_hangs_at_exit",
-        "test_after",
-        "test_next_module",
-    }, out
-    for name in ("test_before", "test_passes", "test_after", "test_next_module"):
-        assert results[name][0] == "passed", (name, results[name], out)
-    assert results["test_fails"][0] == "failure"
-    assert "the child's assertion" in results["test_fails"][1]
-    kind, text = results["test_skips"]
-    line = next(i for i, t in enumerate(TEST_A.split("\n"), 1) if "pytest.skip(" in t)
-    assert kind == "skipped" and text.endswith(f"test_a.py:{line}: the child's reason"), out
-    kind, text = results["test_segfaults"]
-    assert kind == "failure" and "was killed by SIGSEGV during call" in text, out
-    assert "Fatal Python error: Segmentation fault" in text  # faulthandler, in the tail
-    kind, text = results["test_aborts_at_exit"]
-    assert kind == "error" and "was killed by SIGABRT after the test had finished" in text
-    kind, text = results["test_hangs_at_exit"]
-    assert kind == "error" and "did not finish within 6 s (killed)" in text, out
-
-    # The module fixture: once in this process for test_before, torn down before the next
-    # module's test; once in each isolated child that used it.
-    log = (tmp_path / "fixture.log").read_text().splitlines()
-    assert log.count("up parent") == 1 and log.count("down parent") == 1, log
-    assert log.index("up parent") < log.index("down parent") < log.index("next module"), log
-    assert log.count("up child") == log.count("down child") == 2, log
-
-
 TEST_BATCH = """
 import atexit
 import ctypes
@@ -188,58 +129,105 @@ def shared():
     log("down")
 
 
-def test_one(shared):
+def test_batch_one(shared):
     log("one")
 
 
-def test_two(shared):
+def test_batch_two(shared):
     log("two")
 
 
-def test_segfaults(shared):
+def test_batch_segfaults(shared):
     log("segfaults")
     ctypes.string_at(0)
 
 
-def test_three(shared):
+def test_batch_three(shared):
     log("three")
 
 
-def test_aborts_at_exit(shared):
+def test_batch_aborts_at_exit(shared):
     log("aborts")
     atexit.register(os.abort)
 """
 
 
-def test_a_batch_shares_a_child_until_a_crash_and_a_new_child_takes_the_rest(
-    tmp_path: Path,
-) -> None:
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, tuple[str, str]], Path]:
+    """One pytest run over test_a.py (isolated tests, one child each), test_batch.py
+    (``isolated(batch=True)``) and test_b.py: its output, each test's (outcome, text)
+    from the junit XML, and its directory."""
+    tmp_path = tmp_path_factory.mktemp("isolated")
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "pytest.ini").write_text(INI)
+    (tmp_path / "test_a.py").write_text(TEST_A)
     (tmp_path / "test_batch.py").write_text(TEST_BATCH)
     (tmp_path / "test_b.py").write_text(TEST_B)
     junit = tmp_path / "junit.xml"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-rA", "--junitxml", str(junit), "--rootdir", "."]
-        + ["-c", "pytest.ini", "test_batch.py", "test_b.py"],
+        + ["-c", "pytest.ini", "test_a.py", "test_batch.py", "test_b.py"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
+        # The others get the default allowance: a child slow to start under load still
+        # passes (4 s was too short for test_passes on CI's loaded cores).
     )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
-    assert "INTERNALERROR" not in out, out
+    assert proc.returncode == 1, out  # tests failed; the run itself completed
+    assert "INTERNALERROR" not in out and "not torn down" not in out, out
     results: dict[str, tuple[str, str]] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         kinds = [(c.tag, (c.get("message") or "") + (c.text or "")) for c in case]
         kinds = [k for k in kinds if k[0] in ("failure", "error", "skipped")]
         results[case.get("name")] = kinds[0] if kinds else ("passed", "")
-    for name in ("test_one", "test_two", "test_three", "test_next_module"):
+    return out, results, tmp_path
+
+
+def test_crashes_fail_one_test_and_the_run_goes_on(run) -> None:
+    out, results, tmp_path = run
+    assert {
+        "test_before",
+        "test_passes",
+        "test_fails",
+        "test_skips",
+        "test_segfaults",
+        "test_aborts_at_exit",
+        "test_hangs_at_exit",
+        "test_after",
+        "test_next_module",
+    } <= results.keys(), out
+    for name in ("test_before", "test_passes", "test_after", "test_next_module"):
         assert results[name][0] == "passed", (name, results[name], out)
+    assert results["test_fails"][0] == "failure"
+    assert "the child's assertion" in results["test_fails"][1]
+    kind, text = results["test_skips"]
+    line = next(i for i, t in enumerate(TEST_A.split("\n"), 1) if "pytest.skip(" in t)
+    assert kind == "skipped" and text.endswith(f"test_a.py:{line}: the child's reason"), out
     kind, text = results["test_segfaults"]
     assert kind == "failure" and "was killed by SIGSEGV during call" in text, out
+    assert "Fatal Python error: Segmentation fault" in text  # faulthandler, in the tail
     kind, text = results["test_aborts_at_exit"]
+    assert kind == "error" and "was killed by SIGABRT after the test had finished" in text
+    kind, text = results["test_hangs_at_exit"]
+    assert kind == "error" and "did not finish within 6 s (killed)" in text, out
+
+    # The module fixture: once in this process for test_before, torn down before the next
+    # module's test; once in each isolated child that used it.
+    log = (tmp_path / "fixture.log").read_text().splitlines()
+    assert log.count("up parent") == 1 and log.count("down parent") == 1, log
+    assert log.index("up parent") < log.index("down parent") < log.index("next module"), log
+    assert log.count("up child") == log.count("down child") == 2, log
+
+
+def test_a_batch_shares_a_child_until_a_crash_and_a_new_child_takes_the_rest(run) -> None:
+    out, results, tmp_path = run
+    for name in ("test_batch_one", "test_batch_two", "test_batch_three"):
+        assert results[name][0] == "passed", (name, results[name], out)
+    kind, text = results["test_batch_segfaults"]
+    assert kind == "failure" and "was killed by SIGSEGV during call" in text, out
+    kind, text = results["test_batch_aborts_at_exit"]
     assert kind == "error", out
     assert "was killed by SIGABRT after its 2 tests had finished (this one the last)" in text
 
