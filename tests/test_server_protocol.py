@@ -570,3 +570,18 @@ def test_spaces_between_special_tokens_is_accepted_as_the_detokenizer_is(value) 
     with pytest.raises(APIError) as e:
         parse_completion_request({"prompt": "x", "spaces_between_special_tokens": "no"})
     assert e.value.param == "spaces_between_special_tokens"
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'{"": "\\ud800"}', ""),  # an empty field name is a field, not the body
+        (b'{"": {"a": "\\ud800"}}', ".a"),
+        (b'{"\\ud800": 1}', "body"),  # a top-level key: the body is what holds it
+        (b'["\\ud800"]', "[0]"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_where_it_is(raw: bytes, param: str) -> None:
+    e = _err(parse_json_body, raw)
+    assert (e.status_code, e.param, e.code) == (400, param, "invalid_unicode")
+    assert f"'{param}' holds an invalid Unicode character" in e.message

@@ -1111,7 +1111,7 @@ def parse_json_body(raw: bytes) -> Any:
             body = json.loads(raw, parse_int=_int_or_too_long)
         except RecursionError:
             raise _too_deep() from None
-    _check_json(body, "", 0)
+    _check_json(body, None, 0)
     return body
 
 
@@ -1135,31 +1135,33 @@ def _too_deep() -> APIError:
     )
 
 
-def _check_json(value: Any, path: str, depth: int) -> None:
+def _check_json(value: Any, path: str | None, depth: int) -> None:
+    """``path``: where ``value`` is (``prompt[4]``, ``a.b``); None for the body itself (a
+    field may be named ``""``)."""
     if depth > MAX_JSON_DEPTH:
         raise _too_deep()
     if value is _TOO_LONG_INT:
-        name = path or "body"
+        name = "body" if path is None else path
         raise APIError(
             f"'{name}' is an integer with more than {sys.get_int_max_str_digits()} digits",
-            param=path or None,
+            param=path,
             code="invalid_number",
         )
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            name = path or "body"
+            name = "body" if path is None else path
             raise APIError(
                 f"'{name}' holds an invalid Unicode character (a lone UTF-16 surrogate)",
-                param=path or None,
+                param=path,
                 code="invalid_unicode",
             ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_json(key, path or "body", depth + 1)
+            _check_json(key, "body" if path is None else path, depth + 1)
             if item.__class__ not in _PLAIN:
-                _check_json(item, f"{path}.{key}" if path else str(key), depth + 1)
+                _check_json(item, str(key) if path is None else f"{path}.{key}", depth + 1)
     elif isinstance(value, list):
         if value and depth >= MAX_JSON_DEPTH:
             raise _too_deep()  # its items would be one level too deep
@@ -1167,7 +1169,7 @@ def _check_json(value: Any, path: str, depth: int) -> None:
             return
         for i, item in enumerate(value):
             if item.__class__ not in _PLAIN:
-                _check_json(item, f"{path}[{i}]", depth + 1)
+                _check_json(item, f"{path or ''}[{i}]", depth + 1)
 
 
 # What json.loads makes that needs no check (the too-long-int marker is its own class).
