@@ -1,6 +1,6 @@
 """Keep the garbage collector's full collections off the serving path.
 
-A process that imported torch (and FastAPI, NIXL, ...) and loaded a model tracks ~180k
+A process that imported torch (and Starlette, NIXL, ...) and loaded a model tracks ~180k
 objects; a full (generation 2) collection walks them all: ~75 ms on the 2-core CI box,
 landing in whichever step or request it falls, far past an inter-token-latency target.
 Those start-up objects live as long as the process, so once start-up is done they are

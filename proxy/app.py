@@ -1,6 +1,6 @@
 """The proxy's OpenAI-compatible HTTP front: wiring.
 
-``build_app(cfg)`` returns a FastAPI app whose lifespan owns the shared node clients
+``build_app(cfg)`` returns a Starlette app (``FrontedApp``) whose lifespan owns the shared node clients
 (one pooled ``NodeClient`` for requests, one for health checks: ``proxy/node_client.py``), the health
 poller and node discovery (registration expiry, DNS names: ``proxy/discovery.py``); the
 kit's middlewares (request id, API key, drain) and error handlers; and routes to
@@ -15,8 +15,8 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from engine.httpkit.auth import OPEN_PATHS, ApiKeyMiddleware
 from engine.httpkit.direct import FrontedApp
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions"])
 
 
-def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI:
+def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FrontedApp:
     pool = NodePool(cfg.prefill, cfg.decode, cfg.prefill_fallback)
     router = Router.from_config(pool, cfg)
     members = Membership(pool)
@@ -68,7 +68,7 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI
     node_auth = {"Authorization": f"Bearer {cfg.node_api_key}"} if cfg.node_api_key else {}
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FrontedApp) -> AsyncIterator[None]:
         async with (
             NodeClient(
                 timeout=cfg.request_timeout,
@@ -110,9 +110,7 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI
                 await health.stop()
                 await serving.legs.drain()
 
-    app = FrontedApp(
-        title="pdserve proxy", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
-    )
+    app = FrontedApp(lifespan=lifespan)
     app.state.pool = pool
     app.state.metrics = metrics
     app.state.config = cfg
@@ -129,7 +127,7 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FastAPI
         return await serving.generate(request, CHAT)
 
     # Every request passes the kit's middlewares (request id, API key, drain); the two
-    # generation routes are then served past FastAPI's layers (engine/httpkit/direct.py).
+    # generation routes are then served past the router's layers (engine/httpkit/direct.py).
     app.set_front(
         {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
         lambda inner: RequestIdMiddleware(

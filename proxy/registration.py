@@ -27,8 +27,8 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from engine.httpkit.auth import key_matches
 from engine.httpkit.body import read_body

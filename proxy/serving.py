@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect

@@ -1,4 +1,4 @@
-"""``FrontedApp``: hot POST routes served past FastAPI, with the kit's middlewares around
+"""``FrontedApp``: hot POST routes served past the router, with the kit's middlewares around
 every request, as the proxy builds it (in process, Starlette's TestClient)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
 import pytest
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
-from fastapi.testclient import TestClient
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.testclient import TestClient
 
 from engine.httpkit.auth import OPEN_PATHS, ApiKeyMiddleware
 from engine.httpkit.direct import FrontedApp
@@ -66,7 +66,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 def test_a_hot_route_is_served_with_the_request_id_and_app_state(client_and_seen) -> None:
     c, seen = client_and_seen
-    assert c.app.state.started  # lifespan went to FastAPI
+    assert c.app.state.started  # lifespan went to Starlette
     r = c.post("/v1/completions", json={"x": 1}, headers={**AUTH, "X-Request-Id": "abc-1"})
     assert r.status_code == 200, r.text
     assert r.json() == {"label": "from-state", "echo": {"x": 1}}
@@ -92,7 +92,7 @@ def test_an_api_error_from_a_hot_handler_is_an_openai_error(client_and_seen) -> 
     assert "x-request-id" in r.headers
 
 
-def test_other_methods_on_a_hot_path_get_fastapis_405(client_and_seen) -> None:
+def test_other_methods_on_a_hot_path_get_the_routers_405(client_and_seen) -> None:
     c, seen = client_and_seen
     r = c.get("/v1/completions", headers=AUTH)
     assert r.status_code == 405 and "error" in r.json()

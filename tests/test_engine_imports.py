@@ -41,7 +41,7 @@ def test_the_engine_process_modules_import_without_torch() -> None:
 
 
 def test_a_node_starts_its_workers_before_importing_the_http_stack() -> None:
-    """``run_node`` imports FastAPI and uvicorn in a thread while the workers load torch and
+    """``run_node`` imports Starlette and uvicorn in a thread while the workers load torch and
     the model: the entry points and the flag parsing must not import them first."""
     code = (
         "import sys, decode_node.cli, prefill_node.cli, engine.server.cli_args\n"

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.reasoning import PARSERS, ReasoningParser, parser_class

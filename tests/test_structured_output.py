@@ -379,7 +379,7 @@ def test_a_grammar_that_allows_no_next_token_ends_the_request_with_its_reason(ll
 def test_allowed_token_ids_that_cannot_start_the_structured_output_are_a_400() -> None:
     from types import SimpleNamespace
 
-    from fastapi.testclient import TestClient
+    from starlette.testclient import TestClient
 
     from engine.server.app import build_app
 

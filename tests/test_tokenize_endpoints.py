@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from engine.server.app import ROUTES, build_app
 from engine.server.protocol import APIError, parse_chat_request, parse_completion_request

@@ -723,7 +723,7 @@ def test_the_tiny_models_template_renders_tools_calls_and_tool_turns() -> None:
 def _app(tool_call_parser: str | None = None) -> Any:
     from types import SimpleNamespace
 
-    from fastapi.testclient import TestClient
+    from starlette.testclient import TestClient
 
     from engine.server.app import build_app
     from engine.tokenizer import ByteTokenizer

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import Request
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, Request
 
 from engine.httpkit.disconnect import ClientDisconnected
 from engine.server.protocol import APIError

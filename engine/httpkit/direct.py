@@ -1,27 +1,34 @@
-"""The hot POST routes served in front of FastAPI, past its layers.
+"""The app nodes and the proxy serve: Starlette, with the hot POST routes served in front
+of it, past its layers.
 
-A request on ``/v1/completions`` crosses about a dozen ASGI layers in FastAPI and
-Starlette before its handler runs (FastAPI's native telemetry, server-error, body-limit,
-exception and async-exit-stack middlewares, the router, the route's request/response
-wrappers), and each message it sends crosses most of them back: ~0.1 ms of CPU per request
-(py-spy on the proxy), none of it doing anything for a handler that takes a ``Request``
-and returns a ``Response``.
+Starlette, not FastAPI: every handler takes a ``Request`` and returns a ``Response`` (bodies
+are parsed and validated by ``engine.server.protocol``), so FastAPI's typed parameters,
+dependency injection and OpenAPI pages (off anyway) did nothing here, and its import was
+~0.5 s of CPU in every node and proxy process. ``FrontedApp`` keeps FastAPI's way of
+registering routes (``get``, ``post``, ``api_route``, ``add_api_route``; a handler may take
+no argument).
 
-``FrontedApp`` is a FastAPI app with a front: every HTTP request first goes through the
+A request on ``/v1/completions`` crosses several ASGI layers in Starlette before its
+handler runs (server-error and exception middlewares, the router, the route's
+request/response wrappers), and each message it sends crosses most of them back, none of
+it doing anything for a handler that takes a ``Request`` and returns a ``Response``.
+
+``FrontedApp`` is a Starlette app with a front: every HTTP request first goes through the
 stack given to ``set_front`` (the kit's middlewares: request id, API key, drain) around
 ``DirectRoutes``, which calls the hot handlers itself for ``POST`` on their paths and
-hands every other request to FastAPI. The same handlers stay registered in FastAPI, so
-other methods on those paths get its 405. Lifespan events go to FastAPI directly. An
+hands every other request to the router. The same handlers stay registered as routes, so
+other methods on those paths get its 405. Lifespan events go to Starlette directly. An
 ``APIError`` a hot handler raises becomes its OpenAI-shaped JSON answer, as the
 installed exception handler would make it; anything else propagates to uvicorn (500).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+import inspect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from fastapi import FastAPI
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -52,18 +59,45 @@ class DirectRoutes:
         await response(scope, receive, send)
 
 
-class FrontedApp(FastAPI):
+Endpoint = Callable[..., Awaitable[Response]]  # (request) or ()
+
+
+class FrontedApp(Starlette):
     _front: ASGIApp | None = None
 
     def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         # No redirect of ``/v1/completions/`` to ``/v1/completions``: Starlette builds its
         # Location from the client's Host header (an open redirect); a 404 instead.
-        kwargs.setdefault("redirect_slashes", False)
-        super().__init__(**kwargs)
+        self.router.redirect_slashes = False
+
+    def add_api_route(self, path: str, endpoint: Endpoint, methods: Sequence[str]) -> None:
+        """``endpoint`` answers ``methods`` on ``path`` (FastAPI's name); it takes the
+        ``Request`` or nothing."""
+        handler = endpoint
+        if not inspect.signature(endpoint).parameters:
+
+            async def handler(request: Request) -> Response:
+                return await endpoint()
+
+        self.router.add_route(path, handler, methods=list(methods), name=endpoint.__name__)
+
+    def api_route(self, path: str, methods: Sequence[str]) -> Callable[[Endpoint], Endpoint]:
+        def register(endpoint: Endpoint) -> Endpoint:
+            self.add_api_route(path, endpoint, methods)
+            return endpoint
+
+        return register
+
+    def get(self, path: str) -> Callable[[Endpoint], Endpoint]:
+        return self.api_route(path, ["GET"])
+
+    def post(self, path: str) -> Callable[[Endpoint], Endpoint]:
+        return self.api_route(path, ["POST"])
 
     def set_front(self, routes: Mapping[str, Handler], wrap: Callable[[ASGIApp], ASGIApp]) -> None:
         """Serve ``routes`` (``POST``) directly; ``wrap`` builds the middlewares around them
-        and FastAPI (they see every HTTP request)."""
+        and the router (they see every HTTP request)."""
         for path, handler in routes.items():
             self.post(path)(handler)
         self._front = wrap(DirectRoutes(super().__call__, routes))

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
-from fastapi.responses import StreamingResponse
+from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from engine.httpkit.admission import Admission, AdmissionMiddleware
 from engine.httpkit.auth import ApiKeyMiddleware
@@ -57,8 +57,8 @@ def build_app(
     sampling_defaults: dict[str, Any] | None = None,
     max_logprobs: int = MAX_LOGPROBS,
     served_model_names: list[str] | None = None,
-) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
+) -> FrontedApp:
+    """The app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
     ``app.state.drainer`` drains it on shutdown (``engine.httpkit.drain``). At
     ``max_admitted`` generation requests in flight (``--max-num-seqs`` +
     ``--max-queued-requests``; ``None``: no bound) the next gets 429
@@ -74,7 +74,7 @@ def build_app(
     ``served_model_names``: every name a request's ``model`` may give (default: the
     engine's ``model_name``), each with a card in ``/v1/models``."""
     names = served_model_names or [engine.model_name]
-    app = FrontedApp(title="pdserve node", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FrontedApp()
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(
         engine, metrics, max_request_bytes, tool_call_parser, reasoning_parser,
@@ -106,7 +106,7 @@ def build_app(
 
     # Every request passes the kit's middlewares (request id outermost: ids on every
     # answer; admission inside drain and API key); the two generation routes are then
-    # served past FastAPI's layers (engine/httpkit/direct.py).
+    # served past the router's layers (engine/httpkit/direct.py).
     keys = (api_key,) if api_key else ()
     app.set_front(
         {"/v1/completions": completions, "/v1/chat/completions": chat_completions},

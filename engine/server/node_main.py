@@ -178,7 +178,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             print(f"{role}-node: error: {e}", file=sys.stderr)
             return 2
         logger.info("starting %s engine: %s", role, config)
-        # The HTTP stack (FastAPI, uvicorn: ~0.5 s of imports) loads while the workers
+        # The HTTP stack (Starlette, uvicorn: ~0.2 s of imports) loads while the workers
         # start (torch, the model: seconds); the engine start mostly waits on their pipes.
         http_stack = threading.Thread(target=_import_http_stack, name="import-http", daemon=True)
         http_stack.start()

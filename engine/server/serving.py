@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from engine.bad_words import tokenize_bad_words
 from engine.generation_config import apply_defaults

@@ -17,8 +17,8 @@ from importlib import metadata
 from typing import Any
 
 import anyio
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from engine.httpkit.body import read_body
 from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES
