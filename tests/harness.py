@@ -199,6 +199,22 @@ def child_context() -> Any:
     return worker_context()
 
 
+def first_message(conn: Any, proc: Any, timeout: float, what: str) -> Any:
+    """The first message ``proc`` (a started ``child_process``) sends on ``conn``: an error
+    naming its exit code as soon as it dies without one (the pipe's other end may still be
+    open here, so a dead child would otherwise look like a slow one), a TimeoutError after
+    ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.1):
+        if not proc.is_alive():
+            if conn.poll(0):  # it sent, then exited
+                break
+            raise RuntimeError(f"{what} exited with code {proc.exitcode} before it was ready")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} was not ready within {timeout:.0f} s")
+    return conn.recv()
+
+
 # -- node and proxy processes ----------------------------------------------------------------
 
 

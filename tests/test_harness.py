@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from tests.harness import MODEL
+from tests.harness import MODEL, child_context, child_process, first_message
 
 
 @pytest.mark.slow
@@ -18,3 +20,30 @@ def test_a_node_killed_with_sigkill_leaves_no_temporary_directory_behind(procs):
     assert any(tmp.iterdir()), "the node made nothing in its temporary directory"
     node.kill9()
     assert not tmp.exists()
+
+
+def _exit_at_once(conn, code: int) -> None:
+    os._exit(code)
+
+
+def _send_then_exit(conn, message: str) -> None:
+    conn.send(message)
+
+
+@pytest.mark.slow
+def test_first_message_names_a_child_that_died_before_it_was_ready():
+    # This process still holds the child's end of the pipe: no EOF tells it the child is
+    # gone, only the child's own state does.
+    parent, child = child_context().Pipe()
+    proc = child_process(_exit_at_once, child, 3)
+    proc.start()
+    try:
+        with pytest.raises(RuntimeError, match="the child exited with code 3 before it was ready"):
+            first_message(parent, proc, 120, "the child")
+    finally:
+        proc.join(10)
+    parent, child = child_context().Pipe()
+    proc = child_process(_send_then_exit, child, "ready")
+    proc.start()
+    proc.join(30)  # sent, then exited: the message still counts
+    assert first_message(parent, proc, 120, "the child") == "ready"

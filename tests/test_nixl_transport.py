@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import child_context, child_process
+from harness import child_context, child_process, first_message
 
 from engine.kv_cache_layout import KVCacheSpec
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
@@ -87,9 +87,7 @@ def decode_process() -> Iterator[tuple[mp.Process, str, str]]:
     proc = child_process(_decode_main, child, name, daemon=True)
     proc.start()
     try:
-        if not parent.poll(60):
-            raise TimeoutError("decode child did not start")
-        yield proc, name, parent.recv()
+        yield proc, name, first_message(parent, proc, 60, "the decode child")
     finally:
         if proc.is_alive():
             with contextlib.suppress(Exception):

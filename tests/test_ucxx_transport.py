@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from harness import child_context, child_process
+from harness import child_context, child_process, first_message
 
 from engine.kv_cache_layout import KVCacheSpec
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
@@ -123,9 +123,7 @@ def decode_process(spec: KVCacheSpec = SPEC) -> Iterator[tuple[mp.Process, str, 
     proc = child_process(_decode_main, child, name, spec, daemon=True)
     proc.start()
     try:
-        if not parent.poll(60):
-            raise TimeoutError("decode child did not start")
-        yield proc, name, parent.recv()
+        yield proc, name, first_message(parent, proc, 60, "the decode child")
     finally:
         if proc.is_alive():
             with contextlib.suppress(Exception):
