@@ -544,3 +544,25 @@ def test_nodes_advertise_their_chat_template_and_the_proxy_warns_when_p_and_d_di
     assert len(warnings) == 1, warnings
     assert "http://p:1" in warnings[0] and "http://d:2" in warnings[0]
     assert "--chat-template" in warnings[0]
+
+
+def test_vllms_side_channel_environment_sets_the_side_channel_below_the_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.0.0.7")
+    kv = _parse(role="prefill")[1].kv_transfer
+    assert (kv.side_channel_host, kv.side_channel_port) == ("10.0.0.7", 5600)
+    kv = _parse("--side-channel-port", "5700", role="prefill")[1].kv_transfer
+    assert (kv.side_channel_host, kv.side_channel_port) == ("10.0.0.7", 5700)  # the flag wins
+    path = tmp_path / "c.yaml"
+    path.write_text("side-channel-port: 5800\n")
+    assert _parse("--config", str(path))[1].kv_transfer.side_channel_port == 5800
+    for bad in ("port", "70000", "-1"):
+        monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", bad)
+        err = _refused(capsys)
+        assert "VLLM_NIXL_SIDE_CHANNEL_PORT" in err and "--side-channel-port" in err, err
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST")
+    kv = _parse()[1].kv_transfer
+    assert (kv.side_channel_host, kv.side_channel_port) == ("127.0.0.1", 0)  # the defaults

@@ -15,6 +15,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, Literal, Union, get_args, get_origin
 
 from engine.config import ConfigError, EngineConfig, flag_name
@@ -419,6 +420,33 @@ def load_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, An
     return out
 
 
+# vLLM's environment variables for its NIXL side channel -> pdserve's flag. vLLM gives
+# TP rank r port PORT + r; a pdserve node has one side channel (rank 0's engine serves it).
+VLLM_SIDE_CHANNEL_ENV = {
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "side_channel_host",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": "side_channel_port",
+}
+
+
+def vllm_environment(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> dict[str, Any]:
+    """The flag defaults vLLM's variables in ``env`` set (dest -> value), for the flags
+    ``parser`` has; ``ConfigError`` naming the variable for a bad value."""
+    dests = {a.dest for a in parser._actions}
+    out: dict[str, Any] = {}
+    for name, dest in VLLM_SIDE_CHANNEL_ENV.items():
+        value = env.get(name)
+        if not value or dest not in dests:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if dest == "side_channel_port":
+            if not value.isdigit() or not 0 <= int(value) < 65536:
+                raise ConfigError(f"{name}={value!r}: must be a port in [0, 65535] (as {flag})")
+            out[dest] = int(value)
+        else:
+            out[dest] = value
+    return out
+
+
 def parse_config(
     parser: argparse.ArgumentParser, argv: list[str] | None = None
 ) -> tuple[argparse.Namespace, EngineConfig]:
@@ -426,7 +454,12 @@ def parse_config(
 
     Settings of a ``--config`` file become the parser's defaults, so flags given on the
     command line win. A positional ``MODEL`` (``decode-node ORG/NAME``, vLLM's ``serve``
-    spelling) is the same as ``--model``."""
+    spelling) is the same as ``--model``. vLLM's side-channel variables
+    (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``) are defaults below both."""
+    try:
+        parser.set_defaults(**vllm_environment(parser, os.environ))
+    except ConfigError as e:
+        parser.error(str(e))
     args = parser.parse_args(argv)
     positional = getattr(args, "model_tag", None)
     if positional is not None and getattr(args, "model", positional) != positional:
