@@ -219,7 +219,13 @@ class ParallelConfig:
             "aliases": ("--tensor-parallel-size", "-tp"),  # vLLM's spellings
         },
     )
-    device: Literal["cpu", "cuda"] = field(default="cpu", metadata={"help": "cpu or cuda"})
+    device: Literal["auto", "cpu", "cuda"] = field(
+        default="auto",
+        metadata={
+            "help": "cpu or cuda; auto: cuda where torch is a CUDA build and an NVIDIA GPU "
+            "is visible, else cpu"
+        },
+    )
     worker_threads: int = field(
         default=1, metadata={"help": "torch intra-op threads per CPU worker"}
     )
@@ -229,6 +235,10 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.device == "auto":  # the config holds the device it resolved to
+            from engine.device import detect_device
+
+            object.__setattr__(self, "device", detect_device())
         require(self.tp >= 1, "tp", "must be >= 1")
         require(self.step_timeout > 0, "step_timeout", "must be > 0 seconds")
         require(self.worker_threads >= 1, "worker_threads", "must be >= 1")

@@ -473,7 +473,12 @@ def parse_config(
     kv_text = getattr(args, "kv_transfer_config", None)
     if kv_text:  # vLLM's P/D config: pdserve's flags, as defaults the command line may repeat
         try:
-            kv = kv_transfer_settings(kv_text, getattr(args, "device", "cpu"))
+            device = getattr(args, "device", "auto")  # unset flags are not in args
+            if device == "auto":
+                from engine.device import detect_device
+
+                device = detect_device()
+            kv = kv_transfer_settings(kv_text, device)
         except ConfigError as e:
             parser.error(str(e))
         parser.set_defaults(**kv)
