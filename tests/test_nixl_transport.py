@@ -7,7 +7,6 @@ The test process plays the prefill worker (P); a spawned child plays the decode 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -17,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from harness import child_context, child_process, first_message
+from transport_peer import block_bytes, peer_process, serve_peer
 
 from engine.kv_cache_layout import KVCacheSpec
-from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
+from kvconnector.nixl.side_channel import SideChannelClient
 
 nixl_transport = pytest.importorskip("kvconnector.nixl.transport")
 if not nixl_transport.NIXL_AVAILABLE:
@@ -39,65 +38,15 @@ def _filled_cache(seed: int) -> torch.Tensor:
     return torch.randn(SPEC.shape, generator=gen).to(SPEC.torch_dtype)
 
 
-def _block_bytes(kv: torch.Tensor, ids: list[int] | None = None) -> list[bytes]:
-    flat = kv.view(SPEC.num_blocks, -1).view(torch.uint8)
-    ids = list(range(SPEC.num_blocks)) if ids is None else ids
-    return [flat[i].numpy().tobytes() for i in ids]
-
-
 def _decode_main(conn: Any, agent_name: str) -> None:
     """Child process: a D worker with a side channel for the test to drive it."""
     kv = _filled_cache(seed=1)
-    transport = NixlTransport(agent_name, kv, SPEC.block_bytes)
-    received: list[bytes] = []
-
-    def handler(msg: dict[str, Any]) -> dict[str, Any]:
-        op = msg["op"]
-        if op == "meta":
-            return {"ok": True, "meta": transport.metadata()}
-        if op == "notifs":  # wait for at least msg["n"] notifs
-            deadline = time.monotonic() + msg.get("wait", 5.0)
-            while len(received) < msg["n"] and time.monotonic() < deadline:
-                received.extend(transport.get_notifs())
-                time.sleep(0.005)
-            return {"ok": True, "notifs": list(received)}
-        if op == "blocks":
-            return {"ok": True, "blocks": _block_bytes(kv)}
-        if op == "add_peer":
-            transport.add_peer(msg["key"], msg["meta"])
-            return {"ok": True}
-        if op == "send_notif":
-            return {"ok": transport.send_notif(msg["key"], msg["msg"])}
-        raise ValueError(f"unknown op {op}")
-
-    # The handler runs on the server thread only, so the transport has one user thread.
-    server = SideChannelServer("127.0.0.1", 0, handler)
-    conn.send(server.address)
-    with contextlib.suppress(EOFError):
-        conn.recv()  # until the test says stop (or goes away)
-    server.close()
-    transport.close()
+    serve_peer(conn, NixlTransport(agent_name, kv, SPEC.block_bytes), kv)
 
 
-@contextlib.contextmanager
-def decode_process() -> Iterator[tuple[mp.Process, str, str]]:
+def decode_process() -> contextlib.AbstractContextManager[tuple[Any, str, str]]:
     """Start a D child; always stop it (by its handle) on exit, even on failure."""
-    parent, child = child_context().Pipe()
-    name = f"D-{uuid.uuid4().hex[:8]}"
-    proc = child_process(_decode_main, child, name, daemon=True)
-    proc.start()
-    try:
-        yield proc, name, first_message(parent, proc, 60, "the decode child")
-    finally:
-        if proc.is_alive():
-            with contextlib.suppress(Exception):
-                os.kill(proc.pid, signal.SIGCONT)
-                parent.send("stop")
-            proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        parent.close()
+    return peer_process(_decode_main)
 
 
 @pytest.fixture
@@ -161,7 +110,7 @@ def test_write_blocks_end_to_end(
             notifs = client.request(address, {"op": "notifs", "n": 1}, TIMEOUT)["notifs"]
             assert notifs == [b"req-1:done"]
             after = client.request(address, {"op": "blocks"}, TIMEOUT)["blocks"]
-            src_bytes = _block_bytes(_filled_cache(seed=0), src)
+            src_bytes = block_bytes(_filled_cache(seed=0), src)
             for i in range(SPEC.num_blocks):
                 if i in dst:
                     assert after[i] == src_bytes[dst.index(i)], f"block {i}"

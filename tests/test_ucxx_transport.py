@@ -19,7 +19,6 @@ fails that one test, with its signal and output, not the whole run.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -31,10 +30,10 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from harness import child_context, child_process, first_message
+from transport_peer import block_bytes, peer_process, serve_peer
 
 from engine.kv_cache_layout import KVCacheSpec
-from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
+from kvconnector.nixl.side_channel import SideChannelClient
 from kvconnector.nixl.transport_ucxx import UcxxTransport, ucxx_available
 
 if os.environ.get("PDSERVE_TEST_UCXX", "").strip().lower() in ("0", "false", "no", "off"):
@@ -59,46 +58,13 @@ def _filled_cache(seed: int, spec: KVCacheSpec = SPEC) -> torch.Tensor:
     return torch.randn(spec.shape, generator=gen).to(spec.torch_dtype)
 
 
-def _block_bytes(kv: torch.Tensor, ids: list[int] | None = None) -> list[bytes]:
-    flat = kv.view(kv.shape[0], -1).view(torch.uint8)
-    ids = list(range(kv.shape[0])) if ids is None else ids
-    return [flat[i].numpy().tobytes() for i in ids]
-
-
 def _decode_main(conn: Any, agent_name: str, spec: KVCacheSpec) -> None:
     """Child process: a D worker with a side channel for the test to drive it."""
     kv = _filled_cache(seed=1, spec=spec)
     transport = UcxxTransport(
         agent_name, kv, spec.block_bytes, num_layers=spec.num_layers, num_heads=spec.num_kv_heads
     )
-    received: list[bytes] = []
-
-    def handler(msg: dict[str, Any]) -> dict[str, Any]:
-        op = msg["op"]
-        if op == "meta":
-            return {"ok": True, "meta": transport.metadata()}
-        if op == "notifs":  # wait for at least msg["n"] notifs
-            deadline = time.monotonic() + msg.get("wait", 5.0)
-            while len(received) < msg["n"] and time.monotonic() < deadline:
-                received.extend(transport.get_notifs())
-                time.sleep(0.002)
-            return {"ok": True, "notifs": list(received)}
-        if op == "blocks":
-            return {"ok": True, "blocks": _block_bytes(kv)}
-        if op == "add_peer":
-            transport.add_peer(msg["key"], msg["meta"])
-            return {"ok": True}
-        if op == "send_notif":
-            return {"ok": transport.send_notif(msg["key"], msg["msg"])}
-        raise ValueError(f"unknown op {op}")
-
-    # The handler runs on the server thread only, so the transport has one user thread.
-    server = SideChannelServer("127.0.0.1", 0, handler)
-    conn.send(server.address)
-    with contextlib.suppress(EOFError):
-        conn.recv()  # until the test says stop (or goes away)
-    server.close()
-    transport.close()
+    serve_peer(conn, transport, kv)
 
 
 def _spec(heads: int = SPEC.num_kv_heads, block_size: int = SPEC.block_size) -> KVCacheSpec:
@@ -115,25 +81,9 @@ def _spec(heads: int = SPEC.num_kv_heads, block_size: int = SPEC.block_size) -> 
 BIG = _spec(block_size=512)  # 256 KiB blocks: a whole-cache write is 8 MiB (rendezvous)
 
 
-@contextlib.contextmanager
-def decode_process(spec: KVCacheSpec = SPEC) -> Iterator[tuple[mp.Process, str, str]]:
+def decode_process(spec: KVCacheSpec = SPEC) -> contextlib.AbstractContextManager[Any]:
     """Start a D child; always stop it (by its handle) on exit, even on failure."""
-    parent, child = child_context().Pipe()
-    name = f"D-{uuid.uuid4().hex[:8]}"
-    proc = child_process(_decode_main, child, name, spec, daemon=True)
-    proc.start()
-    try:
-        yield proc, name, first_message(parent, proc, 60, "the decode child")
-    finally:
-        if proc.is_alive():
-            with contextlib.suppress(Exception):
-                os.kill(proc.pid, signal.SIGCONT)
-                parent.send("stop")
-            proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        parent.close()
+    return peer_process(_decode_main, spec)
 
 
 def _transport(name: str = "P", spec: KVCacheSpec = SPEC, seed: int = 0) -> UcxxTransport:
@@ -206,7 +156,7 @@ def test_write_blocks_end_to_end(ucx_tls: str | None, monkeypatch: pytest.Monkey
             after = client.request(address, {"op": "blocks"}, TIMEOUT)["blocks"]
             assert _wait(p, handle) == "done", handle.error
             p.release(handle)
-            src_bytes = _block_bytes(_filled_cache(seed=0), src)
+            src_bytes = block_bytes(_filled_cache(seed=0), src)
             for i in range(SPEC.num_blocks):
                 if i in dst:
                     assert after[i] == src_bytes[dst.index(i)], f"block {i}"
@@ -220,7 +170,7 @@ def test_write_blocks_end_to_end(ucx_tls: str | None, monkeypatch: pytest.Monkey
             assert _wait(p, one_run) == "done", one_run.error
             p.release(one_run)
             after = client.request(address, {"op": "blocks"}, TIMEOUT)["blocks"]
-            assert after[14:17] == _block_bytes(_filled_cache(seed=0), [10, 11, 12])
+            assert after[14:17] == block_bytes(_filled_cache(seed=0), [10, 11, 12])
 
             # data-less notification, and an empty write that only carries a notif
             assert p.send_notif("d0", b"abort:req-2")
@@ -314,7 +264,7 @@ def test_many_writes_in_flight_each_notify_after_their_data(prefill: UcxxTranspo
             assert _wait(prefill, h) == "done", h.error
             prefill.release(h)
         after = client.request(address, {"op": "blocks"}, TIMEOUT)["blocks"]
-        src = _block_bytes(_filled_cache(seed=0))
+        src = block_bytes(_filled_cache(seed=0))
         for i in range(12):
             assert after[31 - i] == src[i] and after[i] == src[i + 16], i
 
