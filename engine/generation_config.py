@@ -60,3 +60,19 @@ def apply_defaults(body: Any, defaults: dict[str, Any]) -> Any:
         if name != "max_tokens" and body.get(name) is None:
             body[name] = value
     return body
+
+
+def default_sampling_params(model_dir: str, setting: str) -> Any:
+    """vLLM's ``LLM.get_default_sampling_params()``: ``SamplingParams`` with the
+    checkpoint's defaults (``sampling_defaults``; ``max_new_tokens`` as ``max_tokens``) and
+    vLLM's own for the rest. ``ValueError`` naming the file for a value out of range."""
+    from engine.sampling_params import InvalidRequestError, SamplingParams
+
+    values = sampling_defaults(model_dir, setting)
+    if values.get("top_k") == 0:  # transformers' "off"
+        values["top_k"] = -1
+    try:
+        return SamplingParams(**values)
+    except InvalidRequestError as e:
+        where = model_dir if setting == "auto" else setting
+        raise ValueError(f"{where}/generation_config.json: {e}") from None

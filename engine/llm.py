@@ -7,6 +7,7 @@ import itertools
 from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.engine_core import EngineCore
+from engine.generation_config import default_sampling_params
 from engine.sampling_params import SamplingParams
 from engine.stats import StatsGroup
 
@@ -16,14 +17,25 @@ class LLM:
         self.core = EngineCore(config, log_level)
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the checkpoint's ``generation_config.json`` sampling values (as
+        ``--generation-config``, the config's ``model.generation_config``, says), vLLM's
+        defaults for the rest."""
+        model = self.core.config.model
+        return default_sampling_params(model.model, model.generation_config)
+
     def generate(
         self,
         prompts: list[list[int]],
-        params: SamplingParams | list[SamplingParams],
+        params: SamplingParams | list[SamplingParams] | None = None,
         priority: list[int] | None = None,
     ) -> list[list[int]]:
         """Run the prompts (token ids) to completion together; returns output token ids.
-        ``priority``: one per prompt (``--scheduling-policy priority``; vLLM's argument)."""
+        ``params``: one for all or one per prompt (None: ``get_default_sampling_params()``,
+        as vLLM's ``LLM.generate``). ``priority``: one per prompt
+        (``--scheduling-policy priority``; vLLM's argument)."""
+        if params is None:
+            params = self.get_default_sampling_params()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         prios = priority if priority is not None else [0] * len(prompts)
         ids = []

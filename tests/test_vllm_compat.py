@@ -14,6 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.server.app import build_app
 from engine.tokenizer import ByteTokenizer
 
@@ -566,3 +567,36 @@ def test_vllms_side_channel_environment_sets_the_side_channel_below_the_flags(
     monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST")
     kv = _parse()[1].kv_transfer
     assert (kv.side_channel_host, kv.side_channel_port) == ("127.0.0.1", 0)  # the defaults
+
+
+def test_default_sampling_params_are_the_checkpoints_generation_config(tmp_path: Any) -> None:
+    from engine.generation_config import default_sampling_params
+
+    gen = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "max_new_tokens": 7}
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    p = default_sampling_params(str(tmp_path), "auto")
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (0.6, 0.9, 20, 0.05, 7)
+    assert default_sampling_params(str(tmp_path), "vllm") == SamplingParams()
+    assert default_sampling_params("tiny", "auto") == SamplingParams()  # vLLM's defaults too
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json.*temperature"):
+        default_sampling_params(str(tmp_path), "auto")
+
+
+@pytest.mark.slow
+def test_the_offline_llm_samples_with_the_checkpoints_defaults(tmp_path: Any) -> None:
+    from engine.bench.models import PRESETS, make_model
+    from engine.config import CacheConfig, EngineConfig, ModelConfig
+    from engine.llm import LLM
+
+    model = tmp_path / "m"
+    make_model(str(model), PRESETS["tiny-llama"])
+    gen = {"temperature": 0.0, "max_new_tokens": 5}  # greedy, 5 tokens
+    (model / "generation_config.json").write_text(json.dumps(gen))
+    cfg = EngineConfig(model=ModelConfig(model=str(model)), cache=CacheConfig(num_blocks=64))
+    with LLM(cfg) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
+        prompt = [[1, 5, 6, 7]]
+        out = llm.generate(prompt)  # vLLM's LLM.generate without sampling params
+        assert out == llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5))
+        assert len(out[0]) == 5
