@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness import REPO_ROOT
+
 from engine.config import ParallelConfig
 from engine.device import detect_device
-from tests.harness import REPO_ROOT
 
 
 def _host(tmp_path: Path, cuda_torch: bool, gpu: bool) -> tuple[Path, str]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from tests.harness import MODEL, child_context, child_process, first_message
+from harness import MODEL, child_context, child_process, first_message
 
 
 @pytest.mark.slow
