@@ -4,9 +4,9 @@ of it, past its layers.
 Starlette, not FastAPI: every handler takes a ``Request`` and returns a ``Response`` (bodies
 are parsed and validated by ``engine.server.protocol``), so FastAPI's typed parameters,
 dependency injection and OpenAPI pages (off anyway) did nothing here, and its import was
-~0.5 s of CPU in every node and proxy process. ``FrontedApp`` keeps FastAPI's way of
+~0.7 s of CPU in every node and proxy process. ``FrontedApp`` keeps FastAPI's way of
 registering routes (``get``, ``post``, ``api_route``, ``add_api_route``; a handler may take
-no argument).
+no argument; a GET route answers HEAD too, as Starlette's routes do).
 
 A request on ``/v1/completions`` crosses several ASGI layers in Starlette before its
 handler runs (server-error and exception middlewares, the router, the route's
