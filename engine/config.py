@@ -236,9 +236,9 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.device == "auto":  # the config holds the device it resolved to
-            from engine.device import detect_device
+            from engine.device import resolve_device
 
-            object.__setattr__(self, "device", detect_device())
+            object.__setattr__(self, "device", resolve_device(self.device))
         require(self.tp >= 1, "tp", "must be >= 1")
         require(self.step_timeout > 0, "step_timeout", "must be > 0 seconds")
         require(self.worker_threads >= 1, "worker_threads", "must be >= 1")

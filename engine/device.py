@@ -4,6 +4,7 @@ that, in their own processes)."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import logging
@@ -46,3 +47,13 @@ def detect_device(
             why, device = "torch is a CUDA build and an NVIDIA GPU is present", "cuda"
     logger.info("--device auto: %s (%s)", device, why)
     return device
+
+
+@functools.cache
+def _auto_device() -> Literal["cpu", "cuda"]:
+    return detect_device()
+
+
+def resolve_device(device: str) -> str:
+    """``device``, with ``auto`` resolved (probed once per process)."""
+    return _auto_device() if device == "auto" else device

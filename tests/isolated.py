@@ -331,7 +331,7 @@ def _run_child(item: pytest.Item) -> list[pytest.TestReport]:
         child.close()
         del stash[_CHILD]
     else:
-        child.items = child.items[child.items.index(item) + 1 :]
+        child.items = child.items[1:]  # items[0] was this one
     return reports
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, replace
@@ -45,13 +46,7 @@ class ModelSpec:
 
     def num_params(self) -> int:
         """Parameter count (embeddings and LM head included)."""
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        if self.arch == "qwen2":
-            attn += self.head_dim * (self.heads + 2 * self.kv_heads)  # q/k/v biases
-        mlp = 3 * self.hidden * self.intermediate
-        layer = attn + mlp + 2 * self.hidden
-        head = 0 if self.tie_word_embeddings else self.vocab * self.hidden
-        return self.layers * layer + self.vocab * self.hidden + head + self.hidden
+        return sum(math.prod(shape) for _, shape in parameter_shapes(self))
 
 
 PRESETS: dict[str, ModelSpec] = {

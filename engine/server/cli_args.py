@@ -437,7 +437,7 @@ def vllm_environment(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
         value = env.get(name)
         if not value or dest not in dests:
             continue
-        flag = "--" + dest.replace("_", "-")
+        flag = flag_name(dest)
         if dest == "side_channel_port":
             if not value.isdigit() or not 0 <= int(value) < 65536:
                 raise ConfigError(f"{name}={value!r}: must be a port in [0, 65535] (as {flag})")
@@ -473,11 +473,9 @@ def parse_config(
     kv_text = getattr(args, "kv_transfer_config", None)
     if kv_text:  # vLLM's P/D config: pdserve's flags, as defaults the command line may repeat
         try:
-            device = getattr(args, "device", "auto")  # unset flags are not in args
-            if device == "auto":
-                from engine.device import detect_device
+            from engine.device import resolve_device
 
-                device = detect_device()
+            device = resolve_device(getattr(args, "device", "auto"))  # unset: not in args
             kv = kv_transfer_settings(kv_text, device)
         except ConfigError as e:
             parser.error(str(e))
