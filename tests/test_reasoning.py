@@ -461,7 +461,8 @@ def test_live_deepseek_r1_answers_are_reasoning_and_pd_equals_colocated(
     assert text["choices"][0]["text"] and "reasoning_content" not in text["choices"][0]
     # A structured output: the grammar waits for the reasoning's end, which the random
     # model never writes: unconstrained, cut by max_tokens (tests/test_reasoning_structured.py
-    # steers it to end its reasoning).
-    body = {"messages": MSG, "max_tokens": 6, "response_format": {"type": "json_object"}}
+    # steers it to end its reasoning). Greedy: a sampled answer may draw EOS first ("stop").
+    body = {"messages": MSG, "max_tokens": 6, "temperature": 0.0,
+            "response_format": {"type": "json_object"}}  # fmt: skip
     (choice,) = _post(url, body)["choices"]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
