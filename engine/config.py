@@ -233,6 +233,15 @@ class ParallelConfig:
         default=600.0,
         metadata={"help": "seconds a step may take before its workers count as hung"},
     )
+    distributed_executor_backend: Literal["auto", "mp", "uni"] = field(
+        default="auto",
+        metadata={
+            "help": "mp: one worker process per TP rank; uni (vLLM's, TP 1 only): the rank "
+            "runs in the engine's process (no worker process, no per-step pipe); auto: uni "
+            "for the offline LLM at TP 1, mp otherwise (a node's engine loop shares its "
+            "process with the HTTP server)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.device == "auto":  # the config holds the device it resolved to
@@ -242,6 +251,11 @@ class ParallelConfig:
         require(self.tp >= 1, "tp", "must be >= 1")
         require(self.step_timeout > 0, "step_timeout", "must be > 0 seconds")
         require(self.worker_threads >= 1, "worker_threads", "must be >= 1")
+        require(
+            self.distributed_executor_backend != "uni" or self.tp == 1,
+            "distributed_executor_backend",
+            f"uni runs one rank in the engine's process; --tp {self.tp} needs mp (or auto)",
+        )
 
 
 @dataclass(frozen=True)

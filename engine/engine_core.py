@@ -24,7 +24,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.step_stats import StepStats
-from engine.executor.multiproc import MultiprocExecutor
+from engine.executor import make_executor
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import load_arch_config, resolve_dtype
 from engine.model.hub import resolve_model_config
@@ -120,7 +120,7 @@ class EngineCore:
         self.kv_spec = spec
         self.block_bytes = spec.block_bytes
         self.connector = create_scheduler_connector(config, spec)
-        self.executor = MultiprocExecutor(
+        self.executor = make_executor(
             config,
             lambda kv_bytes: decide_num_blocks(config, spec, self.max_model_len, kv_bytes),
             log_level,

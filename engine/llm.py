@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from engine.config import EngineConfig
@@ -12,9 +13,21 @@ from engine.sampling_params import SamplingParams
 from engine.stats import StatsGroup
 
 
+def offline_config(config: EngineConfig) -> EngineConfig:
+    """``--distributed-executor-backend auto`` for offline use: the rank runs in this
+    process at TP 1 (vLLM's ``uni``), worker processes otherwise."""
+    parallel = config.parallel
+    if parallel.distributed_executor_backend != "auto":
+        return config
+    backend = "uni" if parallel.tp == 1 else "mp"
+    return config.replace(
+        parallel=dataclasses.replace(parallel, distributed_executor_backend=backend)
+    )
+
+
 class LLM:
     def __init__(self, config: EngineConfig, log_level: str = "WARNING") -> None:
-        self.core = EngineCore(config, log_level)
+        self.core = EngineCore(offline_config(config), log_level)
         self._ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Executor step overhead: the round trip of a near-empty step through the multiprocess
 executor (pickle, pipes to every TP worker, each worker's connector hooks, the all-ranks
-aggregation, back), at TP 1 and 2, with the tiny model on CPU (or ``--device cuda``).
+aggregation, back), at TP 1 and 2, with the tiny model on CPU (or ``--device cuda``);
+at TP 1 also through the in-process executor (``--distributed-executor-backend uni``: no
+pickle, no pipe), for the difference.
 
-    python scripts/bench_step_overhead.py [--tp 1 2] [--steps 2000] [--json F]
+    python scripts/bench_step_overhead.py [--tp 1 2] [--backend mp uni] [--steps 2000] [--json F]
 
 ``empty``: a step with no tokens (what an engine sends its workers while only transfers
 are pending); ``decode1``: one sequence decoding one token (the smallest real step; on
@@ -33,17 +35,17 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def measure(tp: int, steps: int, device: str) -> dict[str, float]:
+def measure(tp: int, steps: int, device: str, backend: str) -> dict[str, float | str]:
     cfg = EngineConfig(
         model=ModelConfig(model="tiny"),
         cache=CacheConfig(num_blocks=64),
-        parallel=ParallelConfig(tp=tp, device=device),  # type: ignore[arg-type]
+        parallel=ParallelConfig(tp=tp, device=device, distributed_executor_backend=backend),  # type: ignore[arg-type]
     )
     core = EngineCore(cfg, log_level="WARNING")
     ex = core.executor
     greedy = SamplingParams(max_tokens=1, temperature=0)
     try:
-        out: dict[str, float] = {"tp": tp}
+        out: dict[str, float | str] = {"tp": tp, "backend": backend}
         for kind in ("empty", "decode1"):
             times = []
             for i in range(steps + 50):
@@ -65,16 +67,18 @@ def measure(tp: int, steps: int, device: str) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--backend", nargs="+", default=["mp", "uni"], choices=["mp", "uni"])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
-    rows = [measure(tp, args.steps, args.device) for tp in args.tp]
-    print("| TP | empty step p50 / p99 ms | 1-token decode step p50 / p99 ms |")
-    print("|---:|---:|---:|")
+    runs = [(tp, b) for tp in args.tp for b in args.backend if b == "mp" or tp == 1]
+    rows = [measure(tp, args.steps, args.device, b) for tp, b in runs]
+    print("| TP | executor | empty step p50 / p99 ms | 1-token decode step p50 / p99 ms |")
+    print("|---:|---|---:|---:|")
     for r in rows:
         print(
-            f"| {r['tp']:.0f} | {r['empty_p50_ms']:.3f} / {r['empty_p99_ms']:.3f} | "
+            f"| {r['tp']} | {r['backend']} | {r['empty_p50_ms']:.3f} / {r['empty_p99_ms']:.3f} | "
             f"{r['decode1_p50_ms']:.3f} / {r['decode1_p99_ms']:.3f} |"
         )
     if args.json:

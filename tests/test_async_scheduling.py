@@ -240,7 +240,7 @@ def test_the_engine_core_keeps_a_step_in_flight_with_synchronous_tokens(seed, mo
     always in flight while requests run, and the tokens are the synchronous engine's."""
     import engine.engine_core as engine_core
 
-    monkeypatch.setattr(engine_core, "MultiprocExecutor", _ToyExecutor)
+    monkeypatch.setattr(engine_core, "make_executor", _ToyExecutor)
 
     def run(async_scheduling: bool) -> tuple[dict[str, list[int]], list[tuple[str, int]]]:
         core = engine_core.EngineCore(_scheduler_config(async_scheduling, budget=24))
@@ -273,7 +273,7 @@ def test_an_async_step_that_sent_nothing_but_freed_room_is_followed_at_once(monk
     loop would sleep up to EMPTY_STEP_WAIT_S with requests it can start waiting."""
     import engine.engine_core as engine_core
 
-    monkeypatch.setattr(engine_core, "MultiprocExecutor", _ToyExecutor)
+    monkeypatch.setattr(engine_core, "make_executor", _ToyExecutor)
     core = engine_core.EngineCore(_scheduler_config(True, budget=64, max_num_seqs=2))
     for i in range(4):
         core.add_request(Request(f"r{i}", [1 + i, 2, 3], SamplingParams(max_tokens=1)))
@@ -294,10 +294,10 @@ def test_an_async_step_that_sent_nothing_but_freed_room_is_followed_at_once(monk
 
 
 # -- real engines ---------------------------------------------------------------------------
-def _engine_config(async_scheduling: bool, tp: int = 1) -> EngineConfig:
+def _engine_config(async_scheduling: bool, tp: int = 1, backend: str = "auto") -> EngineConfig:
     return EngineConfig(
         cache=CacheConfig(num_blocks=24),
-        parallel=ParallelConfig(tp=tp),
+        parallel=ParallelConfig(tp=tp, distributed_executor_backend=backend),  # type: ignore[arg-type]
         scheduler=SchedulerConfig(
             max_num_batched_tokens=32, max_num_seqs=8, async_scheduling=async_scheduling
         ),
@@ -332,13 +332,20 @@ def synchronous() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "defer"), [(1, "0"), (1, "1"), (2, "1")])
-def test_async_engine_is_token_identical_to_synchronous(synchronous, tp, defer, monkeypatch):
+@pytest.mark.parametrize(
+    ("tp", "defer", "backend"),
+    [(1, "0", "uni"), (1, "1", "uni"), (1, "1", "mp"), (2, "1", "mp")],
+)
+def test_async_engine_is_token_identical_to_synchronous(
+    synchronous, tp, defer, backend, monkeypatch
+):
     """Chunked prefill and preemption (24 blocks), greedy and seeded sampling; at TP 2 the
     other rank gets rank 0's samples for its placeholders. ``defer``: rank 0 holds a
-    step's output until the next step is launched (as on CUDA) -- forced on here."""
+    step's output until the next step is launched (as on CUDA) -- forced on here; in
+    process (``uni``) the executor holds it until the engine waits for the step. The
+    synchronous engine is the offline default (``uni`` at TP 1)."""
     monkeypatch.setenv(DEFER_READBACK_ENV, defer)  # the workers inherit it
-    out = _generate(_engine_config(True, tp))
+    out = _generate(_engine_config(True, tp, backend))
     assert out["greedy"] == synchronous["greedy"]
     assert out["seeded"] == synchronous["seeded"]
     assert out["stats"]["num_preemptions_total"] > 0
@@ -451,7 +458,7 @@ def test_an_engine_failing_with_a_step_in_flight_ends_every_request_and_frees_it
 ):
     import engine.engine_core as engine_core
 
-    monkeypatch.setattr(engine_core, "MultiprocExecutor", _ToyExecutor)
+    monkeypatch.setattr(engine_core, "make_executor", _ToyExecutor)
     core = engine_core.EngineCore(_scheduler_config(True, budget=64))
     for i in range(3):
         core.add_request(Request(f"r{i}", [1 + i, 2, 3], SamplingParams(max_tokens=9)))

@@ -49,12 +49,14 @@ def checkpoint(tmp_path_factory) -> dict:
     }
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_disaggregated_output_matches_colocated_and_transformers(checkpoint, tp):
+@pytest.mark.parametrize(("tp", "backend"), [(1, "mp"), (1, "uni"), (2, "mp")])
+def test_disaggregated_output_matches_colocated_and_transformers(checkpoint, tp, backend):
+    """``uni``: P's and D's ranks run in this process (their transfers advanced between
+    steps by the executors' watcher threads)."""
     base = EngineConfig(
         model=ModelConfig(model=checkpoint["path"]),
         cache=CacheConfig(num_blocks=256),
-        parallel=ParallelConfig(tp=tp),
+        parallel=ParallelConfig(tp=tp, distributed_executor_backend=backend),
     )
     p = EngineCore(nixl_config(base, "producer"))
     d = EngineCore(nixl_config(base, "consumer"))

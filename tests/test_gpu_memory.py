@@ -70,3 +70,28 @@ def test_a_share_smaller_than_the_weights_gives_no_cache_not_a_negative_one():
         peak=4 * GIB,
     )
     assert b.kv_bytes == 0
+
+
+def test_memory_this_process_held_before_the_runner_counts_only_as_used_memory():
+    """``--distributed-executor-backend uni``: the runner lives in a process that already
+    holds 20 GiB (say a transformers model, 4 GiB of it cached by torch's allocator). Those
+    are not this node's weights or activations: as another process's memory, they limit
+    the cache only through what is free."""
+    before_alloc, before_reserved = 16 * GIB, 20 * GIB
+    free_at_start = TOTAL - before_reserved
+    weights, activations, nccl = 2 * GIB, 1 * GIB, GIB // 2
+    reserved = before_reserved + weights + GIB // 2
+    b = kv_cache_budget(
+        total=TOTAL,
+        utilization=0.5,
+        free_at_start=free_at_start,
+        free_now=TOTAL - reserved - nccl,
+        reserved_now=reserved,
+        weights=before_alloc + weights,  # torch.cuda.memory_allocated: the whole process's
+        peak=before_alloc + weights + activations,
+        allocated_at_start=before_alloc,
+        reserved_at_start=before_reserved,
+    )
+    assert (b.weights, b.activations, b.non_torch) == (weights, activations, nccl)
+    assert b.kv_bytes == int(TOTAL * 0.5) - weights - activations - nccl
+    assert not b.limited_by_free

@@ -36,15 +36,21 @@ def kv_cache_budget(
     reserved_now: int,
     weights: int,
     peak: int,
+    allocated_at_start: int = 0,
+    reserved_at_start: int = 0,
 ) -> KVCacheBudget:
     """``free_at_start``: free device memory when the runner started (before the weights);
     ``free_now``, ``reserved_now``: free memory and torch's reserved memory after the dummy
     forward (its cache emptied); ``weights``: allocated after loading; ``peak``: the dummy
-    forward's peak allocation (scratch KV excluded)."""
+    forward's peak allocation (scratch KV excluded). ``allocated_at_start``,
+    ``reserved_at_start``: torch's allocated and reserved memory in this process when the
+    runner started -- 0 in a worker process; a runner in its engine's process (``uni``)
+    may start in a process already holding memory, which counts as any other process's."""
     budget = int(total * utilization)
     activations = max(0, peak - weights)
-    # What this process took since the start, less what torch's allocator holds.
-    non_torch = max(0, (free_at_start - free_now) - reserved_now)
+    weights = max(0, weights - allocated_at_start)  # this runner's own
+    # What this process took since the start, less what torch's allocator took since.
+    non_torch = max(0, (free_at_start - free_now) - (reserved_now - reserved_at_start))
     share = budget - weights - activations - non_torch
     room = free_now - activations  # never plan on more than is free now
     return KVCacheBudget(

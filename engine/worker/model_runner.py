@@ -86,6 +86,12 @@ class ModelRunner:
         self._free_at_start = (
             torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         )
+        # A runner in its engine's process (``uni``) may start where torch holds memory.
+        self._torch_at_start = (
+            (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
+            if self.device.type == "cuda"
+            else (0, 0)
+        )
         self.dtype = torch_dtype(config.model.dtype)  # resolved by the engine (never "auto")
         self.model, self.arch = load_model(
             config.model.model,
@@ -171,6 +177,8 @@ class ModelRunner:
             reserved_now=torch.cuda.memory_reserved(self.device),
             weights=weights,
             peak=peak,
+            allocated_at_start=self._torch_at_start[0],
+            reserved_at_start=self._torch_at_start[1],
         )
         gib = 2**30
         logger.info(

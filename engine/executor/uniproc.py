@@ -1,0 +1,208 @@
+"""In-process executor (vLLM's ``uni`` backend): the one TP rank runs in this process.
+
+TP=1 only. The worker is built and stepped in the calling process, so there is no worker
+process, no fork server and no pickling or pipe per step: the offline ``LLM`` (and
+``pd-bench offline``) starts without importing torch a second time, and a step costs
+what the model runner costs. The engine sees the same interface as ``MultiprocExecutor``:
+``execute_model`` (blocking, or a future with ``non_block``), ``wait``, the wake-ups,
+``pids``, ``is_dead``, ``shutdown``; outputs go through the same ``KVOutputAggregator``, so
+the all-ranks rule is the same code at world size 1.
+
+What differs from a worker process:
+- **Async scheduling**: ``execute_model(non_block=True)`` launches the step and returns a
+  future that ``wait`` resolves (the sampled ids are read back then, after the next step
+  was launched), as a worker holding an output does.
+- **Transfers between steps**: a watcher thread takes the worker loop's part -- while the
+  connector is watching a transfer it calls ``progress`` every ``WATCH_INTERVAL_S`` and
+  wakes the engine once when one completed. A lock keeps it and the steps apart (the
+  connector is driven by one thread at a time, as in a worker process).
+- **A failed step** fails that step with ``WorkerError`` (as a worker's does); there is
+  no process to die, so nothing else marks the executor dead until ``shutdown``.
+- The process's torch intra-op threads are set to ``--worker-threads`` on CPU, and
+  ``cuda:0`` (of the visible GPUs) is made the current device on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, WorkerOutput
+from engine.executor.aggregator import KVOutputAggregator
+from engine.executor.multiproc import WorkerDiedError
+from engine.worker.pipe import WorkerError
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.0005  # as a worker process polls its transfers between steps
+
+
+class UniProcExecutor:
+    """One rank, in this process (``--distributed-executor-backend uni``)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        decide_num_blocks: Callable[[list[int | None]], int],
+        log_level: str = "INFO",  # the process's own logging applies; kept for the interface
+        worker: Any = None,  # tests: a ready-made worker (``Worker``'s interface)
+    ) -> None:
+        if config.parallel.tp != 1:
+            raise ValueError(
+                f"--distributed-executor-backend uni runs one rank in this process; "
+                f"--tp {config.parallel.tp} needs mp"
+            )
+        self.world_size = 1
+        self.aggregator = KVOutputAggregator(1)
+        self.dead_reason: str | None = None
+        self._on_wake: Callable[[], None] | None = None
+        self._woken = False
+        # Held while the worker (its connector included) runs a step or a progress call.
+        self._step_lock = threading.Lock()
+        # Async scheduling: the futures of launched steps whose outputs wait for ``wait``.
+        self._deferred: dict[Future[ModelRunnerOutput], tuple[WorkerOutput, float]] = {}
+        self.worker = worker if worker is not None else self._build_worker(config)
+        self.num_blocks = decide_num_blocks([self.worker.profile_kv_bytes()])
+        self.worker.init_kv_cache(self.num_blocks)
+        self.worker_infos = [self.worker.handshake_info()]
+        self._stop = threading.Event()
+        self._stepped = threading.Event()  # a step ended: the connector may be watching
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="tp0-watch")
+        self._watcher.start()
+
+    @staticmethod
+    def _build_worker(config: EngineConfig) -> Any:
+        import torch
+
+        from engine.model.parallel import init_tp
+        from engine.worker.worker import Worker
+
+        device = "cpu"
+        if config.parallel.device == "cuda":
+            device = "cuda:0"
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(config.parallel.worker_threads)
+        init_tp(0, 1)
+        return Worker(config, 0, 1, device)
+
+    @property
+    def pids(self) -> list[int]:
+        return []  # no worker process: the rank is this process
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    # -- steps -----------------------------------------------------------------------------
+    def execute_model(
+        self, sched: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if self.dead_reason is not None:
+            raise WorkerDiedError(self.dead_reason)
+        md = sched.kv_connector_metadata
+        if md is not None and (ended := md.ended_transfer_keys()):
+            self.aggregator.forget(ended)  # transfers that ended: no count outlives them
+        t0 = time.perf_counter()
+        fut: Future[ModelRunnerOutput] = Future()
+        try:
+            with self._step_lock:
+                out = self.worker.execute_model(sched)  # launched (CUDA), or done
+        except Exception:
+            logger.exception("step %s failed", sched.step_id)
+            fut.set_exception(WorkerError(0, traceback.format_exc()))
+        else:
+            if non_block and out.pending_sampled is not None:
+                self._deferred[fut] = (out, t0)  # read back in ``wait``
+            else:
+                self._finish(fut, out, t0)
+        self._stepped.set()
+        return fut if non_block else self.wait(fut)
+
+    def _finish(self, fut: Future[ModelRunnerOutput], out: WorkerOutput, t0: float) -> None:
+        """The step's sampled ids read back (a late device error fails the step, as a
+        worker process sends it), then aggregated like any rank's output."""
+        try:
+            out.resolve_sampled()
+        except Exception:
+            logger.exception("reading back the sampled ids of a step failed")
+            fut.set_exception(WorkerError(0, traceback.format_exc()))
+            return
+        out.busy_s = time.perf_counter() - t0
+        fut.set_result(self.aggregator.aggregate([out]))
+
+    def wait(self, result: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
+        held = self._deferred.pop(result, None)
+        if held is not None:
+            self._finish(result, *held)
+        return result.result()
+
+    # -- between steps ---------------------------------------------------------------------
+    def set_wake_callback(self, wake: Callable[[], None]) -> None:
+        """Called (on the watcher thread) when a transfer completed between steps."""
+        self._on_wake = wake
+
+    def take_wake(self) -> bool:
+        """True once after the watcher saw a completion since the last call."""
+        woken, self._woken = self._woken, False
+        return woken
+
+    def _watch(self) -> None:
+        """While the connector watches a transfer: ``progress`` every WATCH_INTERVAL_S, one
+        wake per completion until the next step reports it (the worker loop's rule)."""
+        connector = self.worker.connector
+        try:
+            while not self._stop.is_set():
+                self._stepped.wait()
+                self._stepped.clear()
+                while not self._stop.is_set() and not self._stepped.is_set():
+                    with self._step_lock:
+                        if not connector.watching():
+                            break
+                        progressed = connector.progress()
+                    if progressed:
+                        self._wake()
+                        break  # the step that reports it sets _stepped again
+                    time.sleep(WATCH_INTERVAL_S)
+        except Exception as e:  # as a worker process whose loop raised: the executor is dead
+            logger.exception("tp0: advancing transfers between steps failed")
+            self.dead_reason = f"advancing transfers between steps failed: {e!r}"
+            self._wake()  # the engine's next step meets the error
+
+    def _wake(self) -> None:
+        self._woken = True
+        if self._on_wake is not None:
+            self._on_wake()
+
+    def shutdown(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._stepped.set()
+        self._watcher.join(timeout=5)
+        for fut in list(self._deferred):
+            fut.cancel()
+        self._deferred.clear()
+        try:
+            with self._step_lock:
+                self.worker.shutdown()
+        finally:
+            if self.dead_reason is None:
+                self.dead_reason = "executor shut down"
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the rank's model, KV cache and buffers now: a worker process's exit would
+        have freed them, and whoever held this engine may still hold it (and run something
+        else on the same GPU next)."""
+        self.worker = None
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # back to the device, for other processes too

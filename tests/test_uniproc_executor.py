@@ -1,0 +1,249 @@
+"""``--distributed-executor-backend uni``: the TP-1 rank in the engine's own process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, ParallelConfig
+from engine.core.scheduler_output import SchedulerOutput, WorkerOutput
+from engine.executor.uniproc import UniProcExecutor
+from engine.sampling_params import SamplingParams
+from engine.worker.pipe import WorkerError
+
+
+class _Connector:
+    """Watches a transfer after each step; it completes at the ``complete_after``-th
+    ``progress`` call and stays watched (reported by the next step, as a real connector's
+    completion is); records whether a progress call ever overlapped a step."""
+
+    def __init__(self, worker: _Worker, complete_after: int) -> None:
+        self.worker = worker
+        self.complete_after = complete_after
+        self.calls = 0
+        self.overlapped = False
+        self.watching_now = False
+
+    def watching(self) -> bool:
+        return self.watching_now
+
+    def progress(self) -> bool:
+        self.overlapped = self.overlapped or self.worker.in_step
+        self.calls += 1
+        return self.calls >= self.complete_after
+
+
+class _Worker:
+    """``Worker``'s interface: each step takes a while and leaves a transfer watched."""
+
+    def __init__(self, complete_after: int = 5, fail_step: int | None = None) -> None:
+        self.in_step = False
+        self.steps = 0
+        self.fail_step = fail_step
+        self.connector = _Connector(self, complete_after)
+        self.shut = False
+
+    def profile_kv_bytes(self) -> None:
+        return None
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def handshake_info(self) -> dict[str, Any]:
+        return {"rank": 0}
+
+    def execute_model(self, sched: SchedulerOutput) -> WorkerOutput:
+        self.in_step = True
+        try:
+            time.sleep(0.02)
+            self.steps += 1
+            if self.steps == self.fail_step:
+                raise IndexError("a step that fails")
+            self.connector.calls = 0
+            self.connector.watching_now = True
+            return WorkerOutput(rank=0, finished_recving={f"t{self.steps}"})
+        finally:
+            self.in_step = False
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def _executor(worker: _Worker) -> UniProcExecutor:
+    return UniProcExecutor(EngineConfig(), lambda kv_bytes: 64, worker=worker)
+
+
+def _wait(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_a_transfer_completing_between_steps_wakes_the_engine_once_per_step():
+    worker = _Worker(complete_after=5)
+    ex = _executor(worker)
+    wakes = threading.Semaphore(0)
+    ex.set_wake_callback(wakes.release)
+    try:
+        assert ex.num_blocks == 64 and worker.num_blocks == 64
+        for step in (1, 2):
+            out = ex.execute_model(SchedulerOutput(step_id=step))
+            # The all-ranks rule at world size 1: this rank's report is the step's.
+            assert out.finished_recving == {f"t{step}"}
+            assert wakes.acquire(timeout=10), "no wake for a completion between steps"
+            assert ex.take_wake() and not ex.take_wake()  # once
+            assert worker.connector.calls == 5
+            time.sleep(0.05)  # no second wake before the next step reports the first
+            assert not wakes.acquire(timeout=0) and not ex.take_wake()
+        assert not worker.connector.overlapped  # never during a step
+    finally:
+        ex.shutdown()
+    assert worker.shut and ex.is_dead and ex.pids == []
+
+
+def test_progress_never_runs_inside_a_step():
+    """Steps back to back while the watcher polls: the lock keeps them apart."""
+    worker = _Worker(complete_after=10**9)  # always watching, never completing
+    ex = _executor(worker)
+    try:
+        for step in range(1, 16):
+            ex.execute_model(SchedulerOutput(step_id=step))
+        _wait(lambda: worker.connector.calls > 3)
+        assert not worker.connector.overlapped
+    finally:
+        ex.shutdown()
+
+
+def test_a_failed_step_fails_with_the_worker_error_and_the_next_step_runs():
+    worker = _Worker(fail_step=2)
+    ex = _executor(worker)
+    try:
+        ex.execute_model(SchedulerOutput(step_id=1))
+        with pytest.raises(WorkerError, match="IndexError"):
+            ex.execute_model(SchedulerOutput(step_id=2))
+        fut = ex.execute_model(SchedulerOutput(step_id=3), non_block=True)
+        assert ex.wait(fut).finished_recving == {"t3"}
+    finally:
+        ex.shutdown()
+
+
+def test_a_watcher_whose_progress_raises_marks_the_executor_dead():
+    worker = _Worker()
+
+    def broken() -> bool:
+        raise OSError("the agent went away")
+
+    worker.connector.progress = broken  # type: ignore[method-assign]
+    ex = _executor(worker)
+    try:
+        ex.execute_model(SchedulerOutput(step_id=1))
+        _wait(lambda: ex.is_dead)
+        assert "the agent went away" in str(ex.dead_reason)
+        assert ex.take_wake()  # the engine steps, and meets the error
+        from engine.executor.multiproc import WorkerDiedError
+
+        with pytest.raises(WorkerDiedError):
+            ex.execute_model(SchedulerOutput(step_id=2))
+    finally:
+        ex.shutdown()
+
+
+def test_uni_with_more_than_one_rank_is_refused_naming_the_flag():
+    with pytest.raises(ConfigError, match="--distributed-executor-backend: uni .* --tp 2"):
+        ParallelConfig(tp=2, distributed_executor_backend="uni")
+
+
+def test_the_offline_llm_runs_its_one_rank_in_process_with_mp_tokens():
+    """The offline default at TP 1 is ``uni`` (vLLM's): no worker process, and the tokens
+    (greedy, seeded) of the worker-process executor."""
+    from engine.llm import LLM
+
+    prompts = [[5, 6, 7] * n for n in (1, 6, 30)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=9, temperature=0.9, seed=3),
+        SamplingParams(max_tokens=7, temperature=0.7, seed=11, top_k=20),
+    ]
+
+    def run(backend: str) -> tuple[str, list[int], list[list[int]]]:
+        cfg = EngineConfig(
+            cache=CacheConfig(num_blocks=64),
+            parallel=ParallelConfig(distributed_executor_backend=backend),  # type: ignore[arg-type]
+        )
+        with LLM(cfg) as llm:
+            return (
+                type(llm.core.executor).__name__,
+                llm.core.executor.pids,
+                llm.generate(prompts, params),
+            )
+
+    kind, pids, tokens = run("auto")
+    assert (kind, pids) == ("UniProcExecutor", [])
+    mp_kind, mp_pids, mp_tokens = run("mp")
+    assert mp_kind == "MultiprocExecutor" and len(mp_pids) == 1
+    assert tokens == mp_tokens
+
+
+@pytest.mark.slow
+def test_a_pd_pair_with_in_process_ranks_answers_as_colocated(procs):
+    """P and D nodes with ``--distributed-executor-backend uni`` (the rank in each node's
+    process, no worker process), through the proxy: the colocated node's answers, D
+    computes no prompt token, nothing left held."""
+    import httpx
+    from harness import wait_for, worker_pids
+
+    pair = procs.pd(1, 1, "--num-blocks", "256", "--distributed-executor-backend", "uni")
+    ref = procs.node("--num-blocks", "256", name="colocated")
+    proxy = procs.proxy([pair.p.url], [pair.d.url])
+    assert worker_pids(pair.p.proc.pid) == [] and worker_pids(pair.d.proc.pid) == []
+    assert len(worker_pids(ref.proc.pid)) == 1
+    bodies = [
+        {"prompt": [7 + i] * (1 + 37 * i), "max_tokens": 8 + i, "temperature": t, "seed": i}
+        for i in range(6)
+        for t in (0.0, 0.9)
+    ]
+    before = pair.d.metric("pdserve_prompt_tokens_total")
+
+    def texts(url: str) -> list[tuple[str, str]]:
+        out = []
+        for body in bodies:
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            out.append((choice["text"], choice["finish_reason"]))
+        return out
+
+    assert texts(proxy.url) == texts(ref.url)
+    assert pair.d.metric("pdserve_prompt_tokens_total") == before
+    for node in pair.nodes:
+        wait_for(lambda n=node: n.metric("pdserve_kv_blocks_used") == 0, 30, f"{node.name} idle")
+
+
+def test_shutdown_frees_the_in_process_kv_cache_and_weights_while_the_llm_is_held():
+    """``pd-bench offline`` keeps its ``LLM`` referenced after ``shutdown`` (and froze the
+    heap: no cyclic GC of what existed then) and runs transformers next, on the same GPU:
+    the in-process rank's KV cache and weights must be gone at ``shutdown`` itself."""
+    import gc
+    import weakref
+
+    from engine.llm import LLM
+
+    cfg = EngineConfig(cache=CacheConfig(num_blocks=64))
+    llm = LLM(cfg)
+    runner = llm.core.executor.worker.model_runner
+    llm.generate([[1, 2, 3] * 10], SamplingParams(max_tokens=4))
+    kv = weakref.ref(runner.kv_cache)
+    weight = weakref.ref(next(runner.model.parameters()))
+    del runner
+    gc.freeze()
+    try:
+        llm.shutdown()
+        assert kv() is None, "the KV cache outlived shutdown"
+        assert weight() is None, "the weights outlived shutdown"
+    finally:
+        gc.unfreeze()
+    llm.shutdown()  # again: a no-op
