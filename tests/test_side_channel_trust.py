@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import msgpack
 import pytest
 from harness import free_port, wait_for
 
@@ -387,6 +388,37 @@ def test_a_decode_node_keeps_no_state_per_address_it_failed_to_reach(conns, monk
         with pytest.raises(Exception):  # noqa: B017 - nothing listens there
             d.links.ensure_handshake(f"tcp://127.0.0.1:{free_port()}")
     assert len(d.links._locks) <= 5 and p.address in d.links._locks
+
+
+def test_a_decode_node_keeps_little_of_each_prefill_node_it_paired_with(conns, monkeypatch):
+    """A decode leg names its prefill address (any one --kv-allowed-peers allows: with
+    the default ``loopback``, all of 127.0.0.0/8 at any port a local process binds). D
+    kept every handshake reply whole, for good: a fake "prefill node" answering with 8 MiB
+    of junk in its rank and transport maps held 16 MiB of D's memory per address named
+    (20 addresses: +400 MB; a reply may be 64 MiB)."""
+    monkeypatch.setattr(prefill_links, "MAX_PREFILL_PEERS", 4)
+    d = conns("consumer")
+    junk = "j" * (1 << 20)
+
+    def fake_prefill(msg: dict[str, Any]) -> dict[str, Any]:
+        ranks = tuple({**rank_info(), "junk": junk} for _ in msg["ranks"])
+        return HandshakeReply(
+            "fake", "i1", "tcp://127.0.0.1:1", "producer", {**msg["compat"], "junk": junk},
+            {"junk": junk}, ranks,
+        ).to_wire()  # fmt: skip
+
+    fakes = [SideChannelServer("127.0.0.1", 0, fake_prefill) for _ in range(8)]
+    try:
+        for fake in fakes:
+            assert d.links.ensure_handshake(fake.address).engine_id == "fake"
+    finally:
+        for fake in fakes:
+            fake.close()
+    assert len(d.links.peers) <= 4
+    kept = sum(len(msgpack.packb(r.to_wire())) for r in d.links.peers.values())
+    assert kept < 64 << 10, f"{kept} bytes of prefill handshake replies kept"
+    # What D uses of a reply is kept: the incarnation its reservations are watched by.
+    assert {r.incarnation for r in d.links.peers.values()} == {"i1"}
 
 
 # -- a decode node's public name is not its pairing key ---------------------------------------

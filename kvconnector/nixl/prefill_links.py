@@ -14,6 +14,7 @@ learned -- e.g. a fake "prefill node" a client named -- is worth nothing at anot
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -50,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0
 MAX_P_LOCKS = 1024  # per-prefill-address handshake locks kept beyond the paired peers
+# Prefill addresses whose handshake is remembered: they come from clients (any address
+# --kv-allowed-peers allows); past it the oldest is forgotten (its next call handshakes again).
+MAX_PREFILL_PEERS = 1024
 
 
 class HandshakeError(RuntimeError):
@@ -252,9 +256,21 @@ class PrefillLinks:
                 if reply is None:
                     self.handshake_failures += 1
                     raise HandshakeError(error)
-                self.peers[address] = reply
+                reply = self._remember(address, reply)
             logger.info("handshake with prefill %s (%s) done", reply.engine_id, address)
             return reply
+
+    def _remember(self, address: str, reply: HandshakeReply) -> HandshakeReply:
+        """Keep what this node uses of P's handshake reply (its names and incarnation), for
+        at most ``MAX_PREFILL_PEERS`` addresses. P's rank, transport and compat maps are
+        checked, not kept: the address is a client's choice, and whoever listens there may
+        answer with a message's 64 MiB of them. Under the lock."""
+        kept = dataclasses.replace(reply, compat={}, transport={}, ranks=())
+        self.peers.pop(address, None)
+        while len(self.peers) >= MAX_PREFILL_PEERS:
+            del self.peers[next(iter(self.peers))]
+        self.peers[address] = kept
+        return kept
 
     def _check_handshake_reply(
         self, address: str, raw: dict[str, Any]
