@@ -15,6 +15,7 @@ unguessable (docs/reliability.md, "Access").
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import msgpack
@@ -23,6 +24,7 @@ from harness import free_port, wait_for
 
 import kvconnector.nixl.decode_peers as decode_peers
 import kvconnector.nixl.prefill_links as prefill_links
+import kvconnector.nixl.producer as producer_module
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import load_arch_config
@@ -505,6 +507,33 @@ def test_cancels_from_strangers_are_not_remembered():
     assert p.cancel("t1", "n-stranger", None).state == "cancelled"
     assert not p.cancelled
     assert p.cancel("t1", "n-peer", "key").state == "cancelled" and "n-peer" in p.cancelled
+
+
+def test_tombstones_a_peer_leaves_at_will_are_bounded_but_not_one_whose_write_may_land(
+    monkeypatch,
+):
+    """A paired peer (without --kv-secret, any local process pairing under its own key)
+    may reserve and cancel as fast as the side channel answers (~6,000 pairs a second on
+    one socket): each pair left a tombstone for 4 x --kv-transfer-timeout, with no bound,
+    and every engine step walked them all (50,000 of them: +49 ms a step on P, ~1.3 KB
+    each with 512-character ids)."""
+    monkeypatch.setattr(producer_module, "MAX_TOMBSTONES", 8)
+    p = Producer(timeout=30.0)
+
+    def reservation(tid: str, nonce: str) -> Reservation:
+        return Reservation(tid, nonce, "D1", "key", "tcp://127.0.0.1:1", [4], 0, time.time() + 60)
+
+    # A send that errored: part of its WRITE may still land, so its cancel stays in_flight.
+    assert p.prefill_finished("P1", "t-sent", [0, 1], 7)
+    assert p.reserve(reservation("t-sent", "n-sent")) == Ack()
+    assert [s.request_id for s in p.ready_sends(lambda key: True)] == ["P1"]
+    p.send_finished("P1", error="WRITE timed out")
+    for i in range(100):
+        assert p.reserve(reservation(f"t{i}", f"n{i}")) == Ack()
+        assert p.cancel(f"t{i}", f"n{i}", "key").state == "cancelled"
+    assert len(p.tombstones) <= 8
+    assert p.cancel("t-sent", "n-sent", "key").state == "in_flight"
+    assert isinstance(p.reserve(reservation("t99", "late")), Refusal)  # the newest still fence
 
 
 def test_a_reservation_is_bounded_by_one_prompt_and_their_number_by_the_nodes_queue(conns):

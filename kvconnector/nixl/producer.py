@@ -28,6 +28,10 @@ from kvconnector.nixl.messages import Ack, CancelReply, Refusal
 logger = logging.getLogger(__name__)
 
 MAX_CANCELLED = 65536  # cancels of reservations P never held, remembered at most
+# Tombstones kept at most. A paired peer makes them at will (reserve, cancel, again); past
+# the bound the oldest one no WRITE may land for goes: it only fenced late messages about a
+# transfer that ended, and every wait they would start has its deadline.
+MAX_TOMBSTONES = 65536
 
 
 @dataclass
@@ -228,9 +232,13 @@ class Producer:
                 del self.early[tid]
                 self._tombstone(tid, "the prefill did not finish in time", res)
                 self.outcome.notify_failed.append((res, "the prefill did not finish in time"))
-        for tid, stone in list(self.tombstones.items()):
-            if now >= stone.expiry:
-                del self.tombstones[tid]
+        # In expiry order (one lifetime for all; a re-added one moves to the end): read
+        # only what expired, every step.
+        while self.tombstones:
+            tid = next(iter(self.tombstones))
+            if self.tombstones[tid].expiry > now:
+                break
+            del self.tombstones[tid]
         # Up to MAX_CANCELLED each, a peer's to fill: read only what expired (every step).
         _expire_in_order(self.cancelled_legs, now)
         _expire_in_order(self.cancelled, now)
@@ -333,6 +341,12 @@ class Producer:
         # 4T > D's quarantine (2T from its own give-up): outlives every cancel D may send.
         expiry = time.monotonic() + 4 * self.timeout
         nonce = res.nonce if res is not None else None
+        self.tombstones.pop(transfer_id, None)  # (re)added last: the dict stays in expiry order
+        if len(self.tombstones) >= MAX_TOMBSTONES:
+            # Never one whose WRITE may land: its cancel must keep answering in_flight.
+            old = next((t for t, s in self.tombstones.items() if not s.may_land), None)
+            if old is not None:
+                del self.tombstones[old]
         self.tombstones[transfer_id] = Tombstone(why, expiry, may_land, nonce)
 
     def early_blocks(self, peer_key: str, but: str) -> int:
