@@ -88,3 +88,15 @@ def test_disabled_or_nothing_watched_sends_nothing():
     live.interval = 0
     tick(live, {("tcp://p:1", "a")})
     assert chan.sent == [] and lost == []
+
+
+def test_a_miss_is_forgotten_once_no_wait_is_on_its_address():
+    """Prefill addresses come from clients (a decode leg names one): a miss was counted
+    for good for every address that missed one ping before its waits ended, one entry
+    per address ever named."""
+    live, lost, chan = make([TimeoutError()] * 50)
+    for i in range(50):
+        tick(live, {(f"tcp://p:{i}", "a")})
+    assert len(live._misses) <= 1 and lost == []
+    tick(live, set())
+    assert live._misses == {}

@@ -48,13 +48,23 @@ class PeerLiveness:
 
     def tick(self, watched: set[tuple[str, str]]) -> None:
         """Ping, at most once per interval, each (address, incarnation) in ``watched``."""
-        if self.interval <= 0 or not watched:
+        if self.interval <= 0:
+            return
+        if not watched:
+            if self._misses:
+                with self._lock:
+                    self._misses.clear()
             return
         now = time.monotonic()
         if now - self._last < self.interval:
             return
         self._last = now
         with self._lock:
+            # Misses count in a row while a wait is on the address; then they are forgotten
+            # (addresses come from clients: a count per address ever named grew for good).
+            addresses = {address for address, _ in watched}
+            for address in [a for a in self._misses if a not in addresses]:
+                del self._misses[address]
             todo = [w for w in watched if w not in self._in_flight]
             self._in_flight.update(todo)
         for address, incarnation in todo:
