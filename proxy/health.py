@@ -26,6 +26,9 @@ from proxy.nodes import Node, NodePool
 logger = logging.getLogger(__name__)
 
 MAX_HEALTH_BODY_BYTES = 1 << 20  # /health, /v1/models, /v1/kv_transfer_info answers
+# On a proxy's /health answers: a proxy named as a node (its own URL registered, another
+# proxy in a DNS answer) is never routed to -- it would refuse every leg it got.
+PROXY_HEADER = "X-PDServe-Proxy"
 # How long a /health call may go on after its check gave up on it (a late answer still
 # counts as proof of life; one call per node in flight).
 LATE_ANSWER_S = 30.0
@@ -91,6 +94,9 @@ class HealthChecker:
             return  # it left the pool: only whether it answers matters (its last requests)
         if resp.status_code != 200:
             node.set_healthy(False, f"health check answered {resp.status_code}")
+            return
+        if PROXY_HEADER.lower() in resp.headers:
+            self._misfit(node, "it answers as a pd-proxy, not a node (a proxy is no proxy's node)")
             return
         if not node.healthy or node.model is None or node.incarnation is None:
             try:

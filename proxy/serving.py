@@ -21,6 +21,7 @@ from engine.httpkit.sse import SSEResponse
 from engine.server.protocol import APIError, check_structured
 from proxy import choices
 from proxy.config import ProxyConfig
+from proxy.health import PROXY_HEADER
 from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeClient, NodeHTTPError
@@ -30,6 +31,8 @@ from proxy.session import PassThrough, Session
 from proxy.validation import CHAT, validate_request
 
 logger = logging.getLogger(__name__)
+
+PROXY_HEADERS = {PROXY_HEADER: "1"}  # a proxy named as a node is never routed to
 
 
 # Bodies up to this size are validated on the event loop (well under a millisecond);
@@ -232,7 +235,9 @@ class ProxyServing:
     def health(self) -> JSONResponse:
         pool, drainer = self.pool, self.drainer
         if drainer.draining:
-            return JSONResponse({"status": "draining", "in_flight": drainer.in_flight}, 503)
+            return JSONResponse(
+                {"status": "draining", "in_flight": drainer.in_flight}, 503, PROXY_HEADERS
+            )
         nodes = {
             role: [
                 {
@@ -248,6 +253,8 @@ class ProxyServing:
         }
         if pool.serving:
             fallback = {} if pool.ready("prefill") else {"prefill_fallback": True}
-            return JSONResponse({"status": "ok", **fallback, **nodes})
+            return JSONResponse({"status": "ok", **fallback, **nodes}, headers=PROXY_HEADERS)
         reason = "no healthy decode node" if not pool.ready("decode") else "no healthy prefill node"
-        return JSONResponse({"status": "unavailable", "reason": reason, **nodes}, 503)
+        return JSONResponse(
+            {"status": "unavailable", "reason": reason, **nodes}, 503, PROXY_HEADERS
+        )

@@ -502,6 +502,27 @@ def test_bad_registrations_get_4xx_and_change_nothing(setup: Setup) -> None:
 
 
 @pytest.mark.slow
+def test_a_proxy_registered_as_a_node_is_never_routed_to(setup: Setup) -> None:
+    """The registration key's holder names the proxy itself as a decode node: it is in the
+    pool but never healthy (it answers as a proxy), and requests keep going to d."""
+    a, d = setup.a, setup.decode()
+    body = {"role": "decode", "url": a.url}
+    resp = httpx.post(a.url + "/v1/nodes/register", json=body, headers=auth(), timeout=10)
+    assert resp.status_code == 200, resp.text
+    try:
+        wait_for(lambda: len(nodes(a)) == 2, 10, "the registration in the pool")
+        time.sleep(1.5)  # health rounds (0.5 s apart here)
+        (itself,) = [n for n in nodes(a) if n["url"] == a.url]
+        assert not itself["healthy"] and "a pd-proxy" in itself["error"], itself
+        for _ in range(4):
+            assert complete(a.url).status_code == 200
+        assert metric(a.url, "pdproxy_node_requests_total", {"url": a.url}) == 0
+    finally:
+        httpx.post(a.url + "/v1/nodes/deregister", json=body, headers=auth(), timeout=10)
+    assert [n["url"] for n in nodes(a)] == [d.url]
+
+
+@pytest.mark.slow
 def test_a_flood_of_refused_registrations_does_not_flood_the_log(setup: Setup) -> None:
     """Every refused post was logged at WARNING: anyone reaching the proxy could fill its
     log. All are still counted."""
@@ -561,6 +582,7 @@ def test_sigterm_deregisters_and_the_request_in_flight_finishes(setup: Setup) ->
     a, d = setup.a, setup.decode()
     body = {"prompt": "Once upon a time", "max_tokens": 200, "stream": True, **GREEDY}
     direct = complete(d.url, {**body, "stream": False}).json()["choices"][0]["token_ids"]
+    removed = metric(a.url, "pdproxy_discovery_events_total", {"event": "removed"})
     with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
@@ -573,5 +595,5 @@ def test_sigterm_deregisters_and_the_request_in_flight_finishes(setup: Setup) ->
     d.stop()
     setup.d = None
     assert complete(a.url).status_code == 503
-    assert metric(a.url, "pdproxy_discovery_events_total", {"event": "removed"}) == 1
+    assert metric(a.url, "pdproxy_discovery_events_total", {"event": "removed"}) == removed + 1
     assert a.proc.poll() is None and "Traceback" not in a.logs(100_000)

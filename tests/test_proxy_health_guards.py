@@ -252,3 +252,28 @@ def test_a_node_that_never_answers_is_counted_missing_check_after_check():
             await checker.stop()
 
     asyncio.run(main())
+
+
+def test_a_node_that_answers_as_a_proxy_is_not_routed_to():
+    """A registration (or a DNS name, or a flag) naming a proxy -- this proxy's own URL,
+    say -- gave a "node" that passed every health round (a decode node need not have
+    /v1/kv_transfer_info); each request routed to it was refused and took it out until
+    the next round put it back (found by a hostile-input round)."""
+
+    async def main() -> None:
+        from proxy.health import PROXY_HEADER
+
+        async def handler(req):  # noqa: ANN001, ANN202
+            if req.path == "/health":
+                return answer(200, {"status": "ok"}, {PROXY_HEADER: "1"})
+            if req.path == "/v1/models":
+                return answer(200, {"data": [{"id": "m", "max_model_len": 64}]})
+            return answer(404, {"error": {"message": "no"}})
+
+        async with StandIn(handler) as node, NodeClient(timeout=5) as client:
+            pool = NodePool((), (node.url,))
+            await HealthChecker(pool, client, interval=1.0).check_all()
+            d = pool.decode[0]
+            assert not d.healthy and "a pd-proxy" in (d.last_error or "")
+
+    asyncio.run(main())
