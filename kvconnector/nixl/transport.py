@@ -64,8 +64,6 @@ is safe; the NIXL agent itself is created without thread synchronization.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +71,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.transport_common import (  # noqa: F401 - DONE/ERROR/PENDING re-exported
     DONE,
     ERROR,
@@ -179,39 +176,12 @@ class NixlTransport(TransportBase):
         sides poll while a transfer is open, as the connector's workers do."""
         if not NIXL_AVAILABLE:
             raise NixlTransportError("nixl is not installed (pip install nixl)")
-        if not kv_cache.is_contiguous():
-            raise ValueError("kv_cache must be contiguous")
-        num_blocks = int(kv_cache.shape[0])
-        nbytes = kv_cache.numel() * kv_cache.element_size()
-        if block_bytes <= 0 or num_blocks * block_bytes != nbytes:
-            raise ValueError(
-                f"block_bytes={block_bytes} x {num_blocks} blocks != tensor bytes {nbytes}"
-            )
-        self.agent_name = agent_name
-        self.num_blocks = num_blocks
-        self.block_bytes = block_bytes
-        self.num_layers = num_layers
-        self.num_heads = num_heads
-        self.head_bytes = 0  # bytes of one head in one (block, layer, kv) unit
-        if num_layers and num_heads:
-            units = num_layers * 2 * num_heads
-            if block_bytes % units:
-                raise ValueError(f"block_bytes={block_bytes} is not {units} equal head units")
-            self.head_bytes = block_bytes // units
+        self._init_common(agent_name, kv_cache, block_bytes, xfer_timeout_s, num_layers, num_heads)
+        num_blocks = self.num_blocks
         self._local_slices: dict[tuple[int, int], Any] = {}  # (first head, count) -> dlist
         self.layer_ranges = layer_ranges and bool(self.head_bytes)
-        self.xfer_timeout_s = xfer_timeout_s
-        self.mem_type = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
-        self.device_id = 0 if self.mem_type == "DRAM" else int(kv_cache.device.index or 0)
-        self._kv_cache = kv_cache  # keep the registered memory alive
-        self._base_addr = int(kv_cache.data_ptr())
         self._telemetry = telemetry
-        self._lock = threading.RLock()
-        self._peers: dict[str, _Peer] = {}
-        self._live: dict[int, TransferHandle] = {}  # id(handle) -> unreleased handles
         self._leaked: list[Any] = []  # nixl xfer handles whose release failed
-        self._closed = False
-        self.stats = TransportStats()
 
         self._agent = nixl_agent(
             agent_name,
@@ -244,17 +214,7 @@ class NixlTransport(TransportBase):
 
     def metadata(self) -> dict[str, Any]:
         """What a peer needs for ``add_peer``; msgpack-able."""
-        return {
-            "agent_name": self.agent_name,
-            "agent_metadata": self._agent_md,
-            "base_addr": self._base_addr,
-            "num_blocks": self.num_blocks,
-            "block_bytes": self.block_bytes,
-            "mem_type": self.mem_type,
-            "device_id": self.device_id,
-            "num_layers": self.num_layers,
-            "num_heads": self.num_heads,
-        }
+        return {**self._common_metadata(), "agent_metadata": self._agent_md}
 
     def add_peer(
         self,
@@ -337,24 +297,15 @@ class NixlTransport(TransportBase):
             )
         return self._local_slices[key]
 
-    def remove_peer(self, peer_key: str) -> None:
-        """Cancel the peer's pending writes, drop its descriptor list and its agent."""
-        with self._lock:
-            peer = self._peers.pop(peer_key, None)
-            if peer is None:
-                return
-            for handle in [h for h in self._live.values() if h.peer_key == peer_key]:
-                if handle.state == PENDING:
-                    self._finish(handle, ERROR, "peer removed")
-                self.release(handle)
-            try:
-                peer.dlist.release()
-                if peer.units_dlist is not None:
-                    peer.units_dlist.release()
-            except Exception as exc:
-                logger.warning("releasing descriptors of peer %s failed: %r", peer_key, exc)
-            self._forget_agent(peer.agent_name)
-            logger.info("NIXL peer %s removed", peer_key)
+    def _drop_peer(self, peer_key: str, peer: _Peer) -> None:
+        """Its descriptor lists and its agent (``remove_peer``, its writes released)."""
+        try:
+            peer.dlist.release()
+            if peer.units_dlist is not None:
+                peer.units_dlist.release()
+        except Exception as exc:
+            logger.warning("releasing descriptors of peer %s failed: %r", peer_key, exc)
+        self._forget_agent(peer.agent_name)
 
     def _forget_agent(self, agent_name: str) -> None:
         try:
@@ -383,19 +334,8 @@ class NixlTransport(TransportBase):
         With no blocks, ``notif`` (if any) is sent alone and the handle is done at once.
         """
         with self._lock:
-            self._check_open()
-            peer = self._peers.get(peer_key)
-            if peer is None:
-                raise KeyError(f"unknown NIXL peer {peer_key!r}")
-            if len(local_block_ids) != len(remote_block_ids):
-                raise ValueError(
-                    f"{len(local_block_ids)} local block ids but {len(remote_block_ids)} remote"
-                )
-            runs = block_runs(local_block_ids, remote_block_ids)  # also rejects negative ids
-            check_runs(runs, self.num_blocks, peer.num_blocks)
+            peer, runs = self._write_peer(peer_key, local_block_ids, remote_block_ids)
             num_blocks = len(local_block_ids)
-            timeout = self.xfer_timeout_s if timeout_s is None else timeout_s
-            now = time.monotonic()
             src = np.asarray(local_block_ids, dtype=np.int64)
             dst = np.asarray(remote_block_ids, dtype=np.int64)
             local_dlist, remote_dlist = self._local_dlist, peer.dlist
@@ -421,17 +361,7 @@ class NixlTransport(TransportBase):
                 # NIXL merges units adjacent on both sides: per block one descriptor for a
                 # layer range of whole heads, one per (layer, kv) for a head slice.
                 num_descriptors = len(src) if peer.stride > 1 else num_blocks
-            handle = TransferHandle(
-                peer_key=peer_key,
-                num_blocks=num_blocks,
-                num_descriptors=num_descriptors,
-                num_bytes=num_bytes,
-                started_at=now,
-                deadline=None if timeout <= 0 else now + timeout,
-            )
-            self.stats.transfers_started += 1
-            self.stats.descriptors_total += handle.num_descriptors
-            self.stats.last_descriptors = handle.num_descriptors
+            handle = self._new_handle(peer_key, num_blocks, num_descriptors, num_bytes, timeout_s)
             if num_blocks == 0:
                 ok = not notif or self._send_notif_locked(peer, notif)
                 self._finish(handle, DONE if ok else ERROR, None if ok else "notif not sent")
@@ -469,37 +399,28 @@ class NixlTransport(TransportBase):
             raise ValueError(f"layers {first}..{end} out of 0..{num_layers}")
         return first, end
 
-    def poll(self, handle: TransferHandle) -> str:
-        """Return "done", "pending" or "error"; never raises on transport errors."""
-        with self._lock:
-            if handle.state != PENDING:
-                return handle.state
-            if handle._xfer is None:  # released while pending
-                self._finish(handle, ERROR, "released")
-                return handle.state
-            try:
-                status = self._agent.check_xfer_state(handle._xfer)
-            except Exception as exc:
-                logger.warning("NIXL WRITE to %s failed: %r", handle.peer_key, exc)
-                self._finish(handle, ERROR, repr(exc))
-                return handle.state
-            self._apply_status(handle, status)
-            return handle.state
+    def _check(self, handle: TransferHandle) -> None:
+        try:
+            status = self._agent.check_xfer_state(handle._xfer)
+        except Exception as exc:
+            logger.warning("NIXL WRITE to %s failed: %r", handle.peer_key, exc)
+            self._finish(handle, ERROR, repr(exc))
+            return
+        self._apply_status(handle, status)
 
-    def release(self, handle: TransferHandle) -> None:
-        """Free the NIXL request (cancelling it if still pending). Idempotent."""
-        with self._lock:
-            self._live.pop(id(handle), None)
-            xfer, handle._xfer = handle._xfer, None
-            if handle.state == PENDING:
-                self._finish(handle, ERROR, "released while pending")
-            if xfer is None:
-                return
-            try:
-                xfer.release()
-            except Exception as exc:
-                logger.warning("releasing NIXL WRITE to %s failed: %r", handle.peer_key, exc)
-                self._leaked.append(xfer)
+    def _release_locked(self, handle: TransferHandle, peer: _Peer | None) -> None:
+        """Free the NIXL request (NIXL cancels it if still pending)."""
+        self._live.pop(id(handle), None)
+        xfer, handle._xfer = handle._xfer, None
+        if handle.state == PENDING:
+            self._finish(handle, ERROR, "released while pending")
+        if xfer is None:
+            return
+        try:
+            xfer.release()
+        except Exception as exc:
+            logger.warning("releasing NIXL WRITE to %s failed: %r", handle.peer_key, exc)
+            self._leaked.append(xfer)
 
     def _apply_status(self, handle: TransferHandle, status: str) -> None:
         if status == "DONE":
@@ -512,13 +433,7 @@ class NixlTransport(TransportBase):
                     logger.debug("NIXL telemetry unavailable: %r", exc)
             self._finish(handle, DONE)
         elif status == "PROC":
-            if handle.deadline is not None and time.monotonic() > handle.deadline:
-                logger.warning(
-                    "NIXL WRITE to %s timed out after %.1fs",
-                    handle.peer_key,
-                    time.monotonic() - handle.started_at,
-                )
-                self._finish(handle, ERROR, "timeout")
+            self._timed_out(handle)
         else:
             self._finish(handle, ERROR, f"NIXL status {status}")
 

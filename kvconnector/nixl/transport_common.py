@@ -2,20 +2,25 @@
 the transfer handle and counters, the checks a peer's metadata and a write's block runs
 must pass, and ``TransportBase``, the peer bookkeeping both build on.
 
-A transport subclass provides ``agent_name``, ``block_bytes``, ``head_bytes``,
-``num_layers``, ``num_heads``, ``stats``, ``_peers`` (values with ``agent_name``),
-``_closed``, ``remove_peer`` and ``close``, and names itself in ``KIND`` (log lines) and
-``ERROR_CLS`` (what a closed transport raises).
+A transport subclass calls ``_init_common`` first in its constructor (the registered
+cache's geometry, the lock, the peer and handle tables, the counters), names itself in
+``KIND`` (log lines) and ``ERROR_CLS`` (what a closed transport raises), and provides the
+library's parts: ``_check(handle)`` (advance a posted write, ``_finish`` it when it ended),
+``_release_locked(handle, peer)``, ``_drop_peer(peer_key, peer)`` and ``close``. Its
+peers have ``agent_name`` and ``num_blocks``. ``poll``, ``remove_peer``, ``has_peer``,
+the metadata's common part and a write's checks and handle are this class's.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvconnector.nixl.block_runs import BlockRun
+from kvconnector.nixl.block_runs import BlockRun, block_runs
 
 logger = logging.getLogger(__name__)
 
@@ -93,16 +98,174 @@ class TransportBase:
     ERROR_CLS: type[Exception] = RuntimeError
 
     agent_name: str
+    num_blocks: int
     block_bytes: int
+    head_bytes: int
+    num_layers: int | None
+    num_heads: int | None
+    xfer_timeout_s: float
+    mem_type: str
+    device_id: int
     stats: TransportStats
     _peers: dict[str, Any]
+    _live: dict[int, TransferHandle]
     _closed: bool
 
-    def remove_peer(self, peer_key: str) -> None:  # pragma: no cover - each transport's
+    def _init_common(
+        self,
+        agent_name: str,
+        kv_cache: Any,
+        block_bytes: int,
+        xfer_timeout_s: float,
+        num_layers: int | None,
+        num_heads: int | None,
+    ) -> None:
+        """The registered cache's geometry (``ValueError`` when ``block_bytes`` does not
+        cut it into blocks, or a block into head units), and the empty tables."""
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous")
+        num_blocks = int(kv_cache.shape[0])
+        nbytes = kv_cache.numel() * kv_cache.element_size()
+        if block_bytes <= 0 or num_blocks * block_bytes != nbytes:
+            raise ValueError(
+                f"block_bytes={block_bytes} x {num_blocks} blocks != tensor bytes {nbytes}"
+            )
+        self.agent_name = agent_name
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.head_bytes = 0  # bytes of one head in one (block, layer, kv) unit
+        if num_layers and num_heads:
+            units = num_layers * 2 * num_heads
+            if block_bytes % units:
+                raise ValueError(f"block_bytes={block_bytes} is not {units} equal head units")
+            self.head_bytes = block_bytes // units
+        self.xfer_timeout_s = xfer_timeout_s
+        self.mem_type = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
+        self.device_id = 0 if self.mem_type == "DRAM" else int(kv_cache.device.index or 0)
+        self._kv_cache = kv_cache  # keep the registered memory alive
+        self._base_addr = int(kv_cache.data_ptr())
+        self._lock = threading.RLock()
+        self._peers = {}
+        self._live = {}  # id(handle) -> handles not released yet
+        self._closed = False
+        self.stats = TransportStats()
+
+    def _common_metadata(self) -> dict[str, Any]:
+        """What every transport's ``metadata()`` tells a peer about this rank's cache."""
+        return {
+            "agent_name": self.agent_name,
+            "base_addr": self._base_addr,
+            "num_blocks": self.num_blocks,
+            "block_bytes": self.block_bytes,
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+        }
+
+    # -- each transport's -------------------------------------------------------------------
+    def _check(self, handle: TransferHandle) -> None:  # pragma: no cover - each transport's
+        """Advance a posted write (its ``_xfer``); ``_finish`` it when it ended."""
+        raise NotImplementedError
+
+    def _release_locked(self, handle: TransferHandle, peer: Any) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def _drop_peer(self, peer_key: str, peer: Any) -> None:  # pragma: no cover
+        """Free what the library holds for a peer that left the table."""
         raise NotImplementedError
 
     def close(self) -> None:  # pragma: no cover - each transport's
         raise NotImplementedError
+
+    # -- shared -----------------------------------------------------------------------------
+    def remove_peer(self, peer_key: str) -> None:
+        """Fail the peer's pending writes, release them, and drop the peer."""
+        with self._lock:
+            peer = self._peers.pop(peer_key, None)
+            if peer is None:
+                return
+            for handle in [h for h in self._live.values() if h.peer_key == peer_key]:
+                if handle.state == PENDING:
+                    self._finish(handle, ERROR, "peer removed")
+                self._release_locked(handle, peer)
+            self._drop_peer(peer_key, peer)
+            logger.info("%s peer %s removed", self.KIND, peer_key)
+
+    def poll(self, handle: TransferHandle) -> str:
+        """Return "done", "pending" or "error"; never raises on transport errors."""
+        with self._lock:
+            if handle.state != PENDING:
+                return handle.state
+            if handle._xfer is None:  # released while pending
+                self._finish(handle, ERROR, "released")
+                return handle.state
+            self._check(handle)
+            return handle.state
+
+    def release(self, handle: TransferHandle) -> None:
+        """Forget the write (cancelling it if still pending; each transport says how).
+        Idempotent."""
+        with self._lock:
+            self._release_locked(handle, self._peers.get(handle.peer_key))
+
+    def _write_peer(
+        self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int]
+    ) -> tuple[Any, list[BlockRun]]:
+        """A write's checks (under the lock): the transport open, the peer known
+        (``KeyError``), the ids paired and in range on both sides (``ValueError``); the
+        peer and the ids' contiguous runs."""
+        self._check_open()
+        peer = self._peers.get(peer_key)
+        if peer is None:
+            raise KeyError(f"unknown {self.KIND} peer {peer_key!r}")
+        if len(local_block_ids) != len(remote_block_ids):
+            raise ValueError(
+                f"{len(local_block_ids)} local block ids but {len(remote_block_ids)} remote"
+            )
+        runs = block_runs(local_block_ids, remote_block_ids)  # also rejects negative ids
+        check_runs(runs, self.num_blocks, peer.num_blocks)
+        return peer, runs
+
+    def _new_handle(
+        self,
+        peer_key: str,
+        num_blocks: int,
+        num_descriptors: int,
+        num_bytes: int,
+        timeout_s: float | None,
+    ) -> TransferHandle:
+        """A write's handle, counted as started (``timeout_s`` None: the transport's
+        ``xfer_timeout_s``; <= 0: no deadline)."""
+        timeout = self.xfer_timeout_s if timeout_s is None else timeout_s
+        now = time.monotonic()
+        handle = TransferHandle(
+            peer_key=peer_key,
+            num_blocks=num_blocks,
+            num_descriptors=num_descriptors,
+            num_bytes=num_bytes,
+            started_at=now,
+            deadline=None if timeout <= 0 else now + timeout,
+        )
+        self.stats.transfers_started += 1
+        self.stats.descriptors_total += num_descriptors
+        self.stats.last_descriptors = num_descriptors
+        return handle
+
+    def _timed_out(self, handle: TransferHandle) -> bool:
+        """A pending write past its deadline ends with "timeout" (True)."""
+        if handle.deadline is None or time.monotonic() <= handle.deadline:
+            return False
+        logger.warning(
+            "%s write to %s timed out after %.1fs",
+            self.KIND,
+            handle.peer_key,
+            time.monotonic() - handle.started_at,
+        )
+        self._finish(handle, ERROR, "timeout")
+        return True
 
     def _check_new_peer(
         self, peer_key: str, peer_meta: dict[str, Any], heads: tuple[int, int, int] | None

@@ -92,15 +92,12 @@ import msgpack
 import numpy as np
 import torch
 
-from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.transport_common import (
     DONE,
     ERROR,
     PENDING,
     TransferHandle,
     TransportBase,
-    TransportStats,
-    check_runs,
 )
 
 logger = logging.getLogger(__name__)
@@ -274,35 +271,10 @@ class UcxxTransport(TransportBase):
         num_heads: int | None = None,
     ) -> None:
         ucx = _load_ucxx()
-        if not kv_cache.is_contiguous():
-            raise ValueError("kv_cache must be contiguous")
-        num_blocks = int(kv_cache.shape[0])
-        nbytes = kv_cache.numel() * kv_cache.element_size()
-        if block_bytes <= 0 or num_blocks * block_bytes != nbytes:
-            raise ValueError(
-                f"block_bytes={block_bytes} x {num_blocks} blocks != tensor bytes {nbytes}"
-            )
-        self.agent_name = agent_name
-        self.num_blocks = num_blocks
-        self.block_bytes = block_bytes
-        self.num_layers = num_layers
-        self.num_heads = num_heads
-        self.head_bytes = 0
-        if num_layers and num_heads:
-            units = num_layers * 2 * num_heads
-            if block_bytes % units:
-                raise ValueError(f"block_bytes={block_bytes} is not {units} equal head units")
-            self.head_bytes = block_bytes // units
-        self.xfer_timeout_s = xfer_timeout_s
-        self.mem_type = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
-        self.device_id = 0 if self.mem_type == "DRAM" else int(kv_cache.device.index or 0)
-        self._kv_cache = kv_cache
+        self._init_common(agent_name, kv_cache, block_bytes, xfer_timeout_s, num_layers, num_heads)
+        num_blocks = self.num_blocks
         self._kv_blocks = kv_cache.view(torch.uint8).view(num_blocks, block_bytes)
-        self._base_addr = int(kv_cache.data_ptr())
         self._pool = _StagingPool(kv_cache.device)
-        self._lock = threading.RLock()
-        self._peers: dict[str, _Peer] = {}
-        self._live: dict[int, TransferHandle] = {}
         self._lingering: list[_Xfer] = []  # released before UCX was done with them
         self._notif_sends: list[_Xfer] = []  # data-less notifications in flight
         self._rx: dict[int, _Rx] = {}  # incoming writes by tag, oldest first
@@ -310,8 +282,6 @@ class UcxxTransport(TransportBase):
         self._ready: list[bytes] = []
         self._sender_id = random.getrandbits(32) or 1
         self._seq = 0
-        self._closed = False
-        self.stats = TransportStats()
 
         options = {k: v for k, v in UCX_OPTIONS.items() if f"UCX_{k}" not in os.environ}
         self._ctx = ucx.UCXContext(options, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
@@ -338,18 +308,7 @@ class UcxxTransport(TransportBase):
 
     def metadata(self) -> dict[str, Any]:
         """What a peer needs for ``add_peer``; msgpack-able."""
-        return {
-            "library": LIBRARY,
-            "agent_name": self.agent_name,
-            "worker_address": self._address,
-            "base_addr": self._base_addr,
-            "num_blocks": self.num_blocks,
-            "block_bytes": self.block_bytes,
-            "mem_type": self.mem_type,
-            "device_id": self.device_id,
-            "num_layers": self.num_layers,
-            "num_heads": self.num_heads,
-        }
+        return {**self._common_metadata(), "library": LIBRARY, "worker_address": self._address}
 
     def add_peer(
         self,
@@ -392,18 +351,9 @@ class UcxxTransport(TransportBase):
             self._peers[peer_key] = peer
             logger.info("UCXX peer %s added (agent %s, %d blocks)", peer_key, name, peer.num_blocks)
 
-    def remove_peer(self, peer_key: str) -> None:
-        """Fail the peer's pending writes and close its endpoint."""
-        with self._lock:
-            peer = self._peers.pop(peer_key, None)
-            if peer is None:
-                return
-            for handle in [h for h in self._live.values() if h.peer_key == peer_key]:
-                if handle.state == PENDING:
-                    self._finish(handle, ERROR, "peer removed")
-                self._release_locked(handle, peer)
-            self._close_ep(peer, "removed")
-            logger.info("UCXX peer %s removed", peer_key)
+    def _drop_peer(self, peer_key: str, peer: _Peer) -> None:
+        """Its endpoint (``remove_peer``, its writes released)."""
+        self._close_ep(peer, "removed")
 
     def _close_ep(self, peer: _Peer, why: str) -> None:
         if peer.ep is None:
@@ -435,31 +385,16 @@ class UcxxTransport(TransportBase):
         With no blocks, ``notif`` (if any) is sent alone.
         """
         with self._lock:
-            self._check_open()
-            peer = self._peers.get(peer_key)
-            if peer is None:
-                raise KeyError(f"unknown UCXX peer {peer_key!r}")
-            if len(local_block_ids) != len(remote_block_ids):
-                raise ValueError(
-                    f"{len(local_block_ids)} local block ids but {len(remote_block_ids)} remote"
-                )
-            runs = block_runs(local_block_ids, remote_block_ids)  # also rejects negative ids
-            check_runs(runs, self.num_blocks, peer.num_blocks)
+            peer, runs = self._write_peer(peer_key, local_block_ids, remote_block_ids)
             num_blocks = len(local_block_ids)
-            timeout = self.xfer_timeout_s if timeout_s is None else timeout_s
-            now = time.monotonic()
-            handle = TransferHandle(
-                peer_key=peer_key,
-                num_blocks=num_blocks,
+            handle = self._new_handle(
+                peer_key,
+                num_blocks,
                 # contiguous byte ranges moved: what NIXL would post as descriptors
-                num_descriptors=len(runs) if peer.heads is None else num_blocks * peer.stride,
-                num_bytes=num_blocks * peer.stride * peer.unit_bytes,
-                started_at=now,
-                deadline=None if timeout <= 0 else now + timeout,
+                len(runs) if peer.heads is None else num_blocks * peer.stride,
+                num_blocks * peer.stride * peer.unit_bytes,
+                timeout_s,
             )
-            self.stats.transfers_started += 1
-            self.stats.descriptors_total += handle.num_descriptors
-            self.stats.last_descriptors = handle.num_descriptors
             if num_blocks == 0 and not notif:
                 self._finish(handle, DONE)
                 return handle
@@ -533,17 +468,6 @@ class UcxxTransport(TransportBase):
         assert self.num_layers is not None and heads
         return blocks.view(-1, 2 * self.num_layers, heads, self.head_bytes)
 
-    def poll(self, handle: TransferHandle) -> str:
-        """Return "done", "pending" or "error"; never raises on transport errors."""
-        with self._lock:
-            if handle.state != PENDING:
-                return handle.state
-            if handle._xfer is None:  # released while pending
-                self._finish(handle, ERROR, "released")
-                return handle.state
-            self._check(handle)
-            return handle.state
-
     def _check(self, handle: TransferHandle) -> None:
         xfer: _Xfer = handle._xfer
         done = True
@@ -559,21 +483,12 @@ class UcxxTransport(TransportBase):
             done = done and completed
         if done:
             self._finish(handle, DONE)
-        elif handle.deadline is not None and time.monotonic() > handle.deadline:
-            logger.warning(
-                "UCXX write to %s timed out after %.1fs",
-                handle.peer_key,
-                time.monotonic() - handle.started_at,
-            )
-            self._finish(handle, ERROR, "timeout")
-
-    def release(self, handle: TransferHandle) -> None:
-        """Forget the write; one UCX has not finished closes the peer's endpoint (there is
-        no per-request cancel), so the peer must be re-added. Idempotent."""
-        with self._lock:
-            self._release_locked(handle, self._peers.get(handle.peer_key))
+        else:
+            self._timed_out(handle)
 
     def _release_locked(self, handle: TransferHandle, peer: _Peer | None) -> None:
+        """Forget the write; one UCX has not finished closes the peer's endpoint (there is
+        no per-request cancel), so the peer must be re-added."""
         self._live.pop(id(handle), None)
         xfer, handle._xfer = handle._xfer, None
         if handle.state == PENDING:
