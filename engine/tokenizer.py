@@ -256,7 +256,9 @@ class HFTokenizer(Tokenizer):
 
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{model_dir!r} has no tokenizer.json")
+            from engine.model.config import ModelConfigError
+
+            raise ModelConfigError(f"{model_dir!r} has no tokenizer.json")
         self._tok = RustTokenizer.from_file(path)
         self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         tok_cfg = _read_json(os.path.join(model_dir, "tokenizer_config.json"))

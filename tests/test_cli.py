@@ -211,6 +211,56 @@ def test_a_max_model_len_the_kv_cache_cannot_hold_exits_2_naming_it() -> None:
     assert "hold 128 tokens" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def _checkpoint_dir(path, config: dict, tokenizer: bool = True) -> str:
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    if tokenizer:
+        from tokenizers import Tokenizer, models
+
+        Tokenizer(models.BPE()).save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+}
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("tp", "--tp 3: num_attention_heads=4 is not divisible by 3"),
+        ("architecture", "architecture 'GPT2LMHeadModel' is not supported"),
+        ("tokenizer", "has no tokenizer.json"),
+    ],
+)
+def test_a_model_the_engine_cannot_run_exits_2_with_one_line_not_a_traceback(
+    tmp_path, case: str, needle: str
+) -> None:
+    # These were found only when the engine started, and came out as a Python traceback
+    # (ModelConfigError / FileNotFoundError were not the ConfigError run_node reports).
+    if case == "tp":
+        argv = ["--model", "tiny", "--tp", "3"]
+    elif case == "architecture":
+        gpt2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
+        argv = ["--model", _checkpoint_dir(tmp_path / "gpt2", gpt2)]
+    else:
+        argv = ["--model", _checkpoint_dir(tmp_path / "llama", _LLAMA, tokenizer=False)]
+    proc = _run(*argv, "--port", "0")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "decode-node: error: " in proc.stderr and needle in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("flag", ["--api-k", "--max-model", "--gpu-memory=0.5"])
 def test_an_abbreviated_flag_is_refused_not_taken_for_the_long_one(flag: str) -> None:
     # argparse takes '--api-k' for '--api-key' by default; the launch scripts (which look

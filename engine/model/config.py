@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import TINY_MODEL
+from engine.config import TINY_MODEL, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -16,8 +16,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-class ModelConfigError(ValueError):
-    """The checkpoint's config describes something this engine cannot run."""
+class ModelConfigError(ConfigError):
+    """The checkpoint's config describes something this engine cannot run (a ConfigError:
+    a node start reports it in one line and exits 2, as a bad flag)."""
 
 
 def _normalize_rope_scaling(
