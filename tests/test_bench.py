@@ -201,6 +201,19 @@ def test_offline_single_stream_reports_ms_per_token(tmp_path: Path):
     assert report["prefill"]["achieved_tflops"] > 0
 
 
+def test_offline_with_a_tp_the_model_cannot_split_exits_2_without_a_traceback():
+    # The engine judges --tp against the model when it starts; its error came out of
+    # pd-bench offline as a Python traceback (exit 1) instead of the usage and one line.
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "offline", "--model", "tiny", "--tp", "3",
+         "--num-prompts", "1", "--input-len", "8", "--output-len", "2"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "pd-bench offline: error: --tp 3: num_attention_heads=4" in proc.stderr
+
+
 @pytest.mark.slow
 def test_make_model_and_compare_hf_tokens_equal(tmp_path: Path):
     pytest.importorskip("transformers")

@@ -399,7 +399,10 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         flush=True,
     )
     t_start = time.perf_counter()
-    llm = LLM(config, log_level=args.log_level)
+    try:
+        llm = LLM(config, log_level=args.log_level)
+    except ConfigError as e:  # what only the model or memory can judge (--tp, --num-blocks)
+        parser.error(str(e))
     try:
         core = llm.core
         dtype = core.config.model.dtype  # resolved ("auto" -> a concrete dtype)
