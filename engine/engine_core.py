@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import TINY_MODEL, ConfigError, EngineConfig
 from engine.core.kv_cache_manager import cdiv
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
@@ -26,7 +26,7 @@ from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.step_stats import StepStats
 from engine.executor import make_executor
 from engine.kv_cache_layout import KVCacheSpec
-from engine.model.config import load_arch_config, resolve_dtype
+from engine.model.config import checkpoint_files, load_arch_config, resolve_dtype
 from engine.model.hub import resolve_model_config
 from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidRequestError
@@ -107,6 +107,8 @@ class EngineCore:
         # A repo-id --model becomes its local snapshot (a no-op when run_node already did).
         config = resolve_model_config(config)
         self.arch = load_arch_config(config.model.model)
+        if config.model.model != TINY_MODEL:  # before the workers: one line, not theirs
+            checkpoint_files(config.model.model)
         # Resolve --dtype auto once, so workers and the connector's compat check agree.
         dtype = resolve_dtype(config.model.dtype, config.parallel.device, self.arch)
         config = config.replace(model=dataclasses.replace(config.model, dtype=dtype))

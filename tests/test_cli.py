@@ -241,6 +241,7 @@ _LLAMA = {
         ("tp", "--tp 3: num_attention_heads=4 is not divisible by 3"),
         ("architecture", "architecture 'GPT2LMHeadModel' is not supported"),
         ("tokenizer", "has no tokenizer.json"),
+        ("weights", "has no *.safetensors weights"),
     ],
 )
 def test_a_model_the_engine_cannot_run_exits_2_with_one_line_not_a_traceback(
@@ -253,8 +254,12 @@ def test_a_model_the_engine_cannot_run_exits_2_with_one_line_not_a_traceback(
     elif case == "architecture":
         gpt2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
         argv = ["--model", _checkpoint_dir(tmp_path / "gpt2", gpt2)]
-    else:
+    elif case == "tokenizer":
         argv = ["--model", _checkpoint_dir(tmp_path / "llama", _LLAMA, tokenizer=False)]
+    else:  # a worker found it while loading: two tracebacks, the worker's inside the engine's
+        llama = _checkpoint_dir(tmp_path / "llama", _LLAMA)
+        (tmp_path / "llama" / "pytorch_model.bin").write_bytes(b"")
+        argv = ["--model", llama]
     proc = _run(*argv, "--port", "0")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -297,6 +298,21 @@ def _arch_from_model_type(model_type: str | None) -> str:
         "qwen2": "Qwen2ForCausalLM",
         "mistral": "MistralForCausalLM",
     }.get(model_type or "", str(model_type))
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The checkpoint's safetensors files (its index's shards, else ``*.safetensors``);
+    ModelConfigError when it has none. No torch: the engine process checks before its
+    workers start, the workers load from them."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ModelConfigError(f"{model_dir!r} has no *.safetensors weights")
+    return files
 
 
 def load_arch_config(model: str, max_model_len: int | None = None) -> ModelArchConfig:

@@ -5,17 +5,14 @@ Each rank reads only its own slice of every sharded tensor (``safe_open(...).get
 
 from __future__ import annotations
 
-import glob
-import json
 import logging
-import os
 from contextlib import ExitStack
 
 import torch
 
 from engine.config import TINY_MODEL
 from engine.kv_cache_layout import torch_dtype
-from engine.model.config import ModelArchConfig, ModelConfigError, load_arch_config
+from engine.model.config import ModelArchConfig, checkpoint_files, load_arch_config
 from engine.model.llama import LlamaForCausalLM
 from engine.model.parallel import ShardReader
 
@@ -73,24 +70,12 @@ def tiny_state_dict(cfg: ModelArchConfig, seed: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _checkpoint_files(model_dir: str) -> list[str]:
-    index_path = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise ModelConfigError(f"{model_dir!r} has no *.safetensors weights")
-    return files
-
-
 def _load_checkpoint(model: LlamaForCausalLM, model_dir: str) -> None:
     from safetensors import safe_open
 
     with ExitStack() as stack:
         handles = {}
-        for path in _checkpoint_files(model_dir):
+        for path in checkpoint_files(model_dir):
             handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
             for key in handle.keys():  # noqa: SIM118 -- safe_open is not a dict
                 handles[key] = handle
