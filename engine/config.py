@@ -70,7 +70,8 @@ class ModelConfig:
         default="auto",
         metadata={
             "help": "weight and KV cache dtype; auto: the checkpoint's, bfloat16 instead of "
-            "float32 on cuda, float32 on cpu"
+            "float32 on cuda, float32 on cpu (vLLM's half and float: float16, float32)",
+            "value_aliases": {"half": "float16", "float": "float32"},
         },
     )
     max_model_len: int | None = field(

@@ -134,6 +134,18 @@ def test_tensor_parallel_size_aliases(spelling: str) -> None:
     assert cfg.parallel.tp == 2
 
 
+@pytest.mark.parametrize("spelling, dtype", [("half", "float16"), ("float", "float32")])
+def test_vllm_dtype_spellings_half_and_float(spelling: str, dtype: str, tmp_path) -> None:
+    # vLLM's --dtype takes half and float besides float16 and float32 (its docs' --dtype
+    # half for GPUs without bfloat16); they were an "invalid choice" here.
+    _, cfg = parse_config(build_parser("decode"), ["--dtype", spelling])
+    assert cfg.model.dtype == dtype
+    yaml = tmp_path / "node.yaml"
+    yaml.write_text(f"dtype: {spelling}\n")
+    _, cfg = parse_config(build_parser("prefill"), ["--config", str(yaml)])
+    assert cfg.model.dtype == dtype
+
+
 def test_positional_model(tmp_path) -> None:
     _, cfg = parse_config(build_parser("decode"), ["Qwen/Qwen2.5-0.5B-Instruct", "--tp", "2"])
     assert cfg.model.model == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.parallel.tp == 2

@@ -54,6 +54,8 @@ def _add_field(group: Any, f: dataclasses.Field[Any], tp: Any) -> None:
     elif get_origin(tp) is Literal:
         choices = list(get_args(tp))
         kwargs.update(type=type(choices[0]), choices=choices)
+        if spellings := f.metadata.get("value_aliases"):  # vLLM's other names of a choice
+            kwargs["type"] = lambda value: spellings.get(value, value)
     elif tp in (int, float, str):
         kwargs["type"] = tp
     elif get_origin(tp) is tuple and get_args(tp) == (str, ...):  # NAME [NAME ...]
