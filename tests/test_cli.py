@@ -189,6 +189,26 @@ def test_config_file(tmp_path) -> None:
     assert cfg.model.model == "org/other" and cfg.scheduler.max_num_batched_tokens == 512
 
 
+def test_config_file_switches_without_a_no_spelling(tmp_path) -> None:
+    # --trust-remote-code, --trust-request-chat-template, --disable-log-requests take no
+    # value on the command line; in a file they were "invalid value True" (a vLLM config
+    # with 'trust-remote-code: true' did not start). true is the flag given, false the
+    # flag left out (vLLM's reading of such a file).
+    path = tmp_path / "node.yaml"
+    path.write_text(
+        "trust-remote-code: true\ntrust-request-chat-template: true\ndisable-log-requests: true\n"
+    )
+    args, _ = parse_config(build_parser("decode"), ["--config", str(path)])
+    assert args.trust_remote_code and args.trust_request_chat_template
+    assert args.log_requests is False
+    path.write_text("trust-request-chat-template: false\ndisable-log-requests: false\n")
+    args, _ = parse_config(build_parser("decode"), ["--config", str(path)])
+    assert args.trust_request_chat_template is False and args.log_requests is True
+    path.write_text("trust-remote-code: 1\n")  # a switch takes true or false only
+    with pytest.raises(SystemExit):
+        parse_config(build_parser("decode"), ["--config", str(path)])
+
+
 @pytest.mark.parametrize(
     "text, needle",
     [

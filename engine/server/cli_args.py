@@ -370,6 +370,9 @@ def _setting_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Acti
     return out
 
 
+_LEFT_OUT = object()  # a switch set to false in a config file: as if not given
+
+
 def _file_value(action: argparse.Action, value: Any, path: str) -> Any:
     flag = action.option_strings[0]
     bad = ConfigError(f"{flag}: invalid value {value!r:.80} in --config {path}")
@@ -377,6 +380,10 @@ def _file_value(action: argparse.Action, value: Any, path: str) -> Any:
         if not isinstance(value, bool):
             raise bad
         return value
+    if isinstance(action, argparse._StoreConstAction):  # store_true/false: no value
+        if not isinstance(value, bool):
+            raise bad
+        return action.const if value else _LEFT_OUT  # true: the flag given (vLLM's reading)
     if action.nargs == "+":  # NAME [NAME ...]: a list of them, or one
         values = value if isinstance(value, list) else [value]
         if not values or not all(isinstance(v, str | int | float) for v in values):
@@ -417,8 +424,10 @@ def load_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, An
         action = actions.get(str(key).replace("-", "_"))
         if action is None:
             raise ConfigError(f"--config: unknown setting {key!r} in {path}")
-        if value is not None:  # null: the flag's default
-            out[action.dest] = _file_value(action, value, path)
+        if value is None:  # null: the flag's default
+            continue
+        if (setting := _file_value(action, value, path)) is not _LEFT_OUT:
+            out[action.dest] = setting
     return out
 
 
