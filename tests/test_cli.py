@@ -189,6 +189,25 @@ def test_config_file(tmp_path) -> None:
     assert cfg.model.model == "org/other" and cfg.scheduler.max_num_batched_tokens == 512
 
 
+def test_a_side_channel_port_in_use_exits_2_naming_it_not_a_traceback() -> None:
+    # Two nodes given one --side-channel-port (or one VLLM_NIXL_SIDE_CHANNEL_PORT): the
+    # second's connector could not bind and the node printed a zmq traceback (exit 1).
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        proc = _run(
+            "--model", "tiny", "--port", "0", "--kv-connector", "nixl",
+            "--side-channel-port", port, module="prefill_node",
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "prefill-node: error: --side-channel-port" in proc.stderr
+    assert f"127.0.0.1:{port}" in proc.stderr and "Address already in use" in proc.stderr
+
+
 def test_config_file_switches_without_a_no_spelling(tmp_path) -> None:
     # --trust-remote-code, --trust-request-chat-template, --disable-log-requests take no
     # value on the command line; in a file they were "invalid value True" (a vLLM config

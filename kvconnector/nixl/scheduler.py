@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from engine.config import ConfigError
 from engine.core.request import RequestStatus
 from engine.model.config import load_arch_config
 from engine.sampling_params import InvalidRequestError
@@ -68,7 +69,11 @@ from kvconnector.nixl.peers import PeerAllowlist, own_address_refused
 from kvconnector.nixl.prefill_links import PrefillLinks
 from kvconnector.nixl.prefill_service import PrefillService
 from kvconnector.nixl.producer import PendingSend, Producer, Reservation
-from kvconnector.nixl.side_channel import SideChannelClient, SideChannelServer
+from kvconnector.nixl.side_channel import (
+    SideChannelClient,
+    SideChannelError,
+    SideChannelServer,
+)
 from kvconnector.nixl.stats import NixlSchedulerStats, NixlWorkerStats
 from kvconnector.params import KVTransferParams
 
@@ -202,9 +207,14 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.liveness = PeerLiveness(
             kvc.peer_ping_interval, self._client.request, self._lanes, self._prefill_lost
         )
-        self._server = SideChannelServer(
-            kvc.side_channel_host, kvc.side_channel_port, self._handle, secret=secret
-        )
+        try:
+            self._server = SideChannelServer(
+                kvc.side_channel_host, kvc.side_channel_port, self._handle, secret=secret
+            )
+        except SideChannelError as e:  # a port in use, an address not this host's: one line
+            flag = "--side-channel-port" if kvc.side_channel_port else "--side-channel-host"
+            hint = "; each node on a host needs its own port (0: any free one)"
+            raise ConfigError(f"{flag}: {e}{hint if kvc.side_channel_port else ''}") from e
         if secret is None:
             logger.warning(
                 "side channel unsigned: set PDSERVE_KV_SECRET (or --kv-secret) on every node "
