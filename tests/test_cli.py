@@ -317,6 +317,31 @@ def test_a_model_the_engine_cannot_run_exits_2_with_one_line_not_a_traceback(
     assert "decode-node: error: " in proc.stderr and needle in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.skipif(
+    __import__("engine.device").device.detect_device() == "cuda", reason="this host has a GPU"
+)
+def test_device_cuda_without_a_gpu_exits_2_with_one_line_not_a_traceback() -> None:
+    # The worker's placement error ("needs 1 CUDA GPUs ... sees 0") came out inside the
+    # executor's RuntimeError traceback.
+    proc = _run("--model", "tiny", "--device", "cuda", "--port", "0")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "decode-node: error: " in proc.stderr and "CUDA" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(
+    __import__("engine.device").device.detect_device() == "cuda", reason="this host has a GPU"
+)
+@pytest.mark.parametrize("backend", ["mp", "uni"])
+def test_an_offline_engine_on_cuda_without_a_gpu_is_a_config_error(backend: str) -> None:
+    from engine.config import ConfigError, EngineConfig, ParallelConfig
+    from engine.llm import LLM
+
+    cfg = EngineConfig(parallel=ParallelConfig(device="cuda", distributed_executor_backend=backend))
+    with pytest.raises(ConfigError, match="CUDA"):
+        LLM(cfg)
+
+
 @pytest.mark.parametrize("flag", ["--api-k", "--max-model", "--gpu-memory=0.5"])
 def test_an_abbreviated_flag_is_refused_not_taken_for_the_long_one(flag: str) -> None:
     # argparse takes '--api-k' for '--api-key' by default; the launch scripts (which look

@@ -23,7 +23,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, WorkerOutput
 from engine.executor.aggregator import KVOutputAggregator
 from engine.worker.pipe import WAKE, WorkerError, worker_context, worker_entry
@@ -118,6 +118,8 @@ class MultiprocExecutor:
                 kind, payload = "error", "worker exited during startup"
             if kind == expected:
                 return payload
+            if kind == "config_error":  # e.g. --device cuda where no GPU is visible
+                raise ConfigError(f"TP worker {rank}: {payload}")
             raise RuntimeError(f"TP worker {rank} failed to start:\n{payload}")
         if not ready:
             raise RuntimeError(f"TP worker {rank} not ready after {STARTUP_TIMEOUT_S:.0f}s")

@@ -25,6 +25,7 @@ What differs from a worker process:
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, WorkerOutput
 from engine.executor.aggregator import KVOutputAggregator
 from engine.executor.multiproc import WorkerDiedError
@@ -86,6 +87,12 @@ class UniProcExecutor:
 
         device = "cpu"
         if config.parallel.device == "cuda":
+            if not torch.cuda.is_available():  # as a worker process's placement says it
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+                raise ConfigError(
+                    f"--device cuda: torch {torch.__version__} sees no CUDA GPU "
+                    f"(CUDA_VISIBLE_DEVICES={visible})"
+                )
             device = "cuda:0"
             torch.cuda.set_device(device)
         else:

@@ -126,8 +126,8 @@ def worker_main(
         try:
             share = os.environ.get(SHARE_GPU_ENV) == "1"
             device, backend = rank_placement(rank, world_size, "cuda", num_gpus, share)
-        except RuntimeError as e:
-            result_conn.send(("error", str(e)))
+        except RuntimeError as e:  # how the node was started, not a bug: one line
+            result_conn.send(("config_error", str(e)))
             return
         torch.cuda.set_device(device)
         if backend == "gloo" and world_size > 1:
