@@ -67,6 +67,31 @@ def decide_num_blocks(
     return max(2, min(by_memory, by_need))
 
 
+# vLLM's switch for a --max-model-len past the model's positions (same name, same meaning).
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def check_long_max_model_len(explicit: int | None, max_positions: int) -> None:
+    """A ``--max-model-len`` past ``max_position_embeddings`` is a ``ConfigError`` unless
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (as vLLM): positions the model never saw in training
+    give wrong tokens without any error."""
+    if explicit is None or explicit <= max_positions:
+        return
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV) == "1":
+        logger.warning(
+            "--max-model-len %d is more than the model's max_position_embeddings %d "
+            "(%s=1): answers past it may be wrong",
+            explicit, max_positions, ALLOW_LONG_MAX_MODEL_LEN_ENV,
+        )  # fmt: skip
+        return
+    raise ConfigError(
+        f"--max-model-len {explicit} is more than the model's max_position_embeddings "
+        f"{max_positions}: positions it was never trained at give wrong tokens, without an "
+        f"error; lower it, or set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to serve it anyway (vLLM's "
+        "variable)"
+    )
+
+
 def fit_max_model_len(
     explicit: int | None, derived: int, num_blocks: int, config: EngineConfig
 ) -> int:
@@ -116,6 +141,7 @@ class EngineCore:
         tp = config.parallel.tp
         self.arch.validate_tp(tp)
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
+        check_long_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings)
         # This engine's KV layout per rank, built once; the connector's compatibility check
         # is made from it (the workers allocate the same layout).
         spec = KVCacheSpec.for_model(self.arch, config)

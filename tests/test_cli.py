@@ -342,6 +342,30 @@ def test_an_offline_engine_on_cuda_without_a_gpu_is_a_config_error(backend: str)
         LLM(cfg)
 
 
+def test_a_max_model_len_past_the_models_positions_needs_vllms_override(monkeypatch) -> None:
+    """vLLM refuses a --max-model-len past max_position_embeddings (positions the model was
+    never trained at give wrong tokens, no error) unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1;
+    it was accepted silently."""
+    proc = _run("--model", "tiny", "--max-model-len", "100000", "--port", "0")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "--max-model-len 100000 is more than" in proc.stderr, proc.stderr[-2000:]
+    assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in proc.stderr
+
+    from engine.config import CacheConfig, EngineConfig, ModelConfig
+    from engine.engine_core import EngineCore
+
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=8192), cache=CacheConfig(num_blocks=600)
+    )
+    core = EngineCore(cfg)
+    try:
+        assert core.max_model_len == 8192
+    finally:
+        core.shutdown()
+
+
 @pytest.mark.parametrize("flag", ["--api-k", "--max-model", "--gpu-memory=0.5"])
 def test_an_abbreviated_flag_is_refused_not_taken_for_the_long_one(flag: str) -> None:
     # argparse takes '--api-k' for '--api-key' by default; the launch scripts (which look

@@ -418,7 +418,8 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         if in_len + out_len > core.max_model_len:
             parser.error(
                 f"--input-len {in_len} + --output-len {out_len} exceed the model's context "
-                f"length {core.max_model_len} (lower them or raise --max-model-len)"
+                f"length {core.max_model_len} (lower them or raise --max-model-len; past the model's "
+                f"max_position_embeddings only with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"
             )
         for w in range(args.num_warmup):
             seed = args.prompt_seed + 1_000_003 * (w + 1)
