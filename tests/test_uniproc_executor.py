@@ -247,3 +247,16 @@ def test_shutdown_frees_the_in_process_kv_cache_and_weights_while_the_llm_is_hel
     finally:
         gc.unfreeze()
     llm.shutdown()  # again: a no-op
+
+
+def test_a_start_that_fails_after_the_worker_was_built_shuts_it_down():
+    """A KV size the engine refuses (``decide_num_blocks`` raising) left the in-process
+    worker -- its connector's agent and threads -- running in the caller's process."""
+    worker = _Worker()
+
+    def refuse(kv_bytes: list[int | None]) -> int:
+        raise ValueError("no room")
+
+    with pytest.raises(ValueError, match="no room"):
+        UniProcExecutor(EngineConfig(), refuse, worker=worker)
+    assert worker.shut

@@ -70,9 +70,16 @@ class UniProcExecutor:
         # Async scheduling: the futures of launched steps whose outputs wait for ``wait``.
         self._deferred: dict[Future[ModelRunnerOutput], tuple[WorkerOutput, float]] = {}
         self.worker = worker if worker is not None else self._build_worker(config)
-        self.num_blocks = decide_num_blocks([self.worker.profile_kv_bytes()])
-        self.worker.init_kv_cache(self.num_blocks)
-        self.worker_infos = [self.worker.handshake_info()]
+        try:
+            self.num_blocks = decide_num_blocks([self.worker.profile_kv_bytes()])
+            self.worker.init_kv_cache(self.num_blocks)
+            self.worker_infos = [self.worker.handshake_info()]
+        except BaseException:  # as a worker process would exit: its connector's too
+            try:
+                self.worker.shutdown()
+            finally:
+                self._release()
+            raise
         self._stop = threading.Event()
         self._stepped = threading.Event()  # a step ended: the connector may be watching
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="tp0-watch")
