@@ -414,6 +414,43 @@ def test_fields_reach_the_sampling_params() -> None:
     assert info.value.param == "min_tokens"
 
 
+def test_echo_with_max_tokens_0_is_the_prompt_alone_and_max_tokens_0_needs_echo() -> None:
+    """vLLM's echo without generation (lm-evaluation-harness's loglikelihood request):
+    ``echo`` with ``max_tokens`` 0 is accepted; ``max_tokens`` 0 alone is a 400 that says
+    what to do; chat has no such request."""
+    body = {"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    req = parse_completion_request(body)
+    assert (req.max_tokens, req.echo_without_generation) == (0, True)
+    # The engine computes the prompt's log probabilities (and samples the one token it
+    # must, which the answer leaves out: the node runs it with max_tokens 1).
+    sp = req.sampling_params(1)
+    assert (sp.max_tokens, sp.prompt_logprobs) == (1, 1)
+    batch = parse_completion_request({**body, "prompt": ["a", [1, 2]]})
+    assert all(c.echo_without_generation for c in batch.children())
+    assert not parse_completion_request({"prompt": "x", "echo": True}).echo_without_generation
+    for bad, param in [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
+        # Nothing is decoded: it is not a P/D leg (the proxy serves it on one node).
+        ({**body, "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+        ({**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "t",
+                                         "remote_side_channel": "tcp://127.0.0.1:1"}}, "kv_transfer_params"),
+    ]:  # fmt: skip
+        with pytest.raises(APIError) as info:
+            parse_completion_request(bad)
+        assert info.value.param == param, bad
+        if bad.get("max_tokens") == 0 and param == "max_tokens":
+            assert "'echo': true" in info.value.message, info.value.message
+    # A transfer id alone (the proxy's decode-only request) is a plain request.
+    alone = parse_completion_request({**body, "kv_transfer_params": {"transfer_id": "t"}})
+    assert alone.echo_without_generation
+    with pytest.raises(APIError) as info:
+        parse_chat_request({"messages": _MSG, "max_tokens": 0, "echo": True})
+    assert info.value.param == "max_tokens"
+
+
 def test_unknown_fields_are_named_and_vllm_fields_that_matter_are_refused() -> None:
     req = parse_chat_request({"messages": _MSG, "foo": 1, "bar": None, "top_logprobs": 0})
     assert req.ignored_fields == ("foo", "bar")
@@ -530,6 +567,81 @@ def test_node_echo_with_and_without_logprobs(node: Proc) -> None:
     )
     assert text == both["choices"][0]["text"]
     _close(streamed, lp)
+
+
+# lm-evaluation-harness's loglikelihood request (``local-completions``), a batch of a text
+# prompt and a token-id prompt ("hi there", a byte a token on tiny).
+ECHO_ONLY = {"prompt": ["logprobs please", [104, 105, 32, 116, 104, 101, 114, 101]],
+             "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}  # fmt: skip
+ECHO_ONLY_TEXTS = ["logprobs please", "hi there"]  # the prompts' texts
+
+
+def _echo_only_expected(url: str) -> list[dict[str, Any]]:
+    """Each prompt's choice as ``max_tokens: 1`` with echo answers it, less its one
+    generated token: the prompt's text and the prompt's log probabilities."""
+    out = []
+    for prompt, text in zip(ECHO_ONLY["prompt"], ECHO_ONLY_TEXTS, strict=True):
+        one = _post(url, "/v1/completions", {**ECHO_ONLY, "prompt": prompt, "max_tokens": 1})
+        choice = one["choices"][0]
+        n = one["usage"]["prompt_tokens"]
+        assert len(choice["token_ids"]) == 1 and len(choice["logprobs"]["tokens"]) == n + 1
+        assert choice["text"].startswith(text)
+        lp = {k: v[:n] for k, v in choice["logprobs"].items()}
+        out.append({"text": text, "logprobs": lp, "prompt_tokens": n})
+    return out
+
+
+def _check_echo_only(body: dict[str, Any], expected: list[dict[str, Any]]) -> None:
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1]
+    for choice, want in zip(choices, expected, strict=True):
+        assert choice["text"] == want["text"]
+        _close(choice["logprobs"], want["logprobs"])
+        assert choice["logprobs"]["token_logprobs"][0] is None
+        assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+        assert choice["token_ids"] == []  # nothing generated
+    n = sum(w["prompt_tokens"] for w in expected)
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}
+
+
+def _echo_only_streamed(url: str) -> dict[str, Any]:
+    """The stream of ``ECHO_ONLY`` (with usage) as one body: each choice's chunks joined;
+    each choice comes in one chunk (the echoed prompt and its finish)."""
+    body = {"model": MODEL, **ECHO_ONLY, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = sse_events(resp)
+    assert events[-1] == "DONE" and not any("error" in e for e in events[:-1])
+    by_index: dict[int, list[dict[str, Any]]] = {}
+    for e in events[:-2]:
+        for c in e["choices"]:
+            by_index.setdefault(c["index"], []).append(c)
+    assert sorted(by_index) == [0, 1] and all(len(cs) == 1 for cs in by_index.values())
+    return {"choices": [cs[0] for cs in by_index.values()], "usage": events[-2]["usage"]}
+
+
+@pytest.mark.slow
+def test_node_echo_with_max_tokens_0_answers_the_prompt_alone(node: Proc) -> None:
+    """vLLM's echo without generation: the prompt's text and log probabilities (what
+    ``max_tokens: 1`` with echo answers for the prompt part), nothing generated,
+    ``finish_reason`` "length", no completion tokens; streamed the same."""
+    expected = _echo_only_expected(node.url)
+    _check_echo_only(_post(node.url, "/v1/completions", ECHO_ONLY), expected)
+    _check_echo_only(_echo_only_streamed(node.url), expected)
+    one = _post(node.url, "/v1/completions", {**ECHO_ONLY, "prompt": "logprobs please"})
+    assert one["choices"][0]["text"] == expected[0]["text"]
+    plain = _post(node.url, "/v1/completions", {**ECHO_ONLY, "logprobs": None})
+    assert [c["text"] for c in plain["choices"]] == [w["text"] for w in expected]
+    assert all(c["logprobs"] is None for c in plain["choices"])
+    # Without echo, max_tokens 0 is a 400 naming max_tokens (and saying what to do).
+    resp = httpx.post(
+        node.url + "/v1/completions",
+        json={"model": MODEL, **ECHO_ONLY, "echo": False},
+        timeout=60,
+    )
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "max_tokens" and "echo" in err["message"], err
 
 
 @pytest.mark.slow

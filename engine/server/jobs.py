@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -248,6 +249,27 @@ def _stop_token_reason(token: int, params: SamplingParams, eos_token_id: int | N
     EOS (unless ``ignore_eos``), else the id (a ``stop_token_ids`` entry, or another EOS id
     of the model's generation config: vLLM counts those as stop token ids)."""
     return None if token == eos_token_id and not params.ignore_eos else token
+
+
+async def prompt_only(job: Job, steps: AsyncIterator[Step]) -> AsyncIterator[Step]:
+    """vLLM's echo without generation (``echo`` with ``max_tokens`` 0): ``steps`` of an
+    engine request run with ``max_tokens`` 1 (an engine samples at least one token) as
+    one final step without that token: no text, ids or log probabilities of its own, so
+    the answer is the echoed prompt (and the prompt's log probabilities); "length" (the
+    answer's 0 tokens), and no completion tokens in the usage."""
+    prompt: Logprobs | None = None
+    async with contextlib.aclosing(steps):  # type: ignore[type-var]
+        async for step in steps:
+            job.completion_tokens = 0
+            prompt = prompt or step.prompt_logprobs
+            if step.finish_reason is None:
+                continue
+            if step.finish_reason == "error":
+                yield step
+                return
+            kv = step.kv_transfer_params
+            yield Step("", [], "length", kv_transfer_params=kv, prompt_logprobs=prompt)
+            return
 
 
 async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIterator[Step]:

@@ -275,6 +275,12 @@ class BaseRequest:
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.param) from e
 
+    @property
+    def echo_without_generation(self) -> bool:
+        """vLLM's ``echo`` with ``max_tokens`` 0 (completions): the answer is the prompt
+        alone -- its text and log probabilities, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
     def _prompt_logprobs(self) -> int | None:
         """Alternatives per prompt token the engine computes: for ``prompt_logprobs`` and
         for ``echo`` with ``logprobs`` (each trims to its own count)."""
@@ -746,8 +752,29 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     body = _require_object(body)
     req = CompletionRequest()
     _parse_prompt(body, req)
-    req.max_tokens = _parse_max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+    if _get_int(body, "max_tokens") == 0:  # vLLM's echo without generation, with echo
+        if not _get_bool(body, "echo", False):
+            raise APIError(
+                "'max_tokens' must be at least 1, got 0 (0 is for 'echo': true, which "
+                "answers the prompt alone: its text and, with 'logprobs', its log "
+                "probabilities)",
+                param="max_tokens",
+            )
+        req.max_tokens = 0
+    else:
+        req.max_tokens = _parse_max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
     _parse_common(body, req, chat=False)
+    kv = req.kv_transfer_params
+    if (
+        req.echo_without_generation
+        and kv is not None
+        and (kv.do_remote_decode or kv.do_remote_prefill)
+    ):
+        raise APIError(
+            "'echo' with 'max_tokens' 0 decodes nothing: it is no prefill/decode leg "
+            "(a node serves it alone, without do_remote_decode or do_remote_prefill)",
+            param="kv_transfer_params",
+        )
     return req
 
 

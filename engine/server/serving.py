@@ -29,7 +29,7 @@ from engine.reasoning import parser_class as reasoning_parser_class
 from engine.reasoning.output import ReasoningOutput
 from engine.sampling_params import MAX_LOGPROBS, InvalidRequestError
 from engine.server.engine_client import EngineClient
-from engine.server.jobs import Job, Step, engine_error, generate_steps
+from engine.server.jobs import Job, Step, engine_error, generate_steps, prompt_only
 from engine.server.logprobs import TokenIdStrings, TokenStrings
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import (
@@ -303,7 +303,12 @@ class OpenAIServing:
     ) -> Job:
         param = "messages" if chat else "prompt"
         kv = req.kv_transfer_params
-        if kv is not None and kv.do_remote_decode:
+        if req.echo_without_generation:
+            # vLLM's: the engine samples one token (it cannot stop before one), which the
+            # answer leaves out (``prompt_only``); the prompt must leave room for it.
+            resolve_max_tokens(1, len(ids), self.engine.max_model_len, param)
+            max_tokens = 1
+        elif kv is not None and kv.do_remote_decode:
             # A prefill leg computes the prompt and one token: this node's context bounds
             # the prompt; the answer's budget is the decode node's to check.
             resolve_max_tokens(1, len(ids), self.engine.max_model_len, param)
@@ -385,7 +390,8 @@ class OpenAIServing:
         detok = IncrementalDetokenizer(
             self.engine.tokenizer, job.prompt_ids, job.req.skip_special_tokens
         )
-        return generate_steps(self.engine, job, detok)
+        steps = generate_steps(self.engine, job, detok)
+        return prompt_only(job, steps) if job.req.echo_without_generation else steps
 
     async def _run(self, request: Request, jobs: list[Job], n: int = 1) -> Response:
         if len(jobs) > 1:
