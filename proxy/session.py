@@ -34,8 +34,9 @@ These moves are not failures and do not count against ``max_retries``. A decode 
 that refused a request for load recently (``Node.shedding``) gets streamed requests
 without pre-streaming, so that its refusal can still be the client's 429.
 
-The router may send an attempt to a decode node alone (``--disagg-min-prompt-tokens``):
-it prefills the prompt itself and its answer (or stream) is the client's, as with stop
+The router may send an attempt to a decode node alone (``--disagg-min-prompt-tokens``;
+always for echo without generation, ``echo`` with ``max_tokens`` 0, which decodes
+nothing and needs no KV): it prefills the prompt itself and its answer (or stream) is the client's, as with stop
 strings. A retry after P's first token was streamed always takes a P/D pair, so that
 the first token can be checked. Answers teach the router (prompt token counts; what the
 decode node now caches).
@@ -112,7 +113,10 @@ class Session:
         self.node_failures = 0
         self.migrations = 0  # streams moved on after D failed mid-answer
         self.excluded: set[str] = set()
-        self.decode_alone = False  # the next attempt without a prefill node
+        # The next attempt without a prefill node. Echo without generation (``echo``,
+        # ``max_tokens`` 0) decodes nothing: no KV to move, D computes the prompt (and its
+        # log probabilities) alone and answers as a colocated node.
+        self.decode_alone = req.parsed.echo_without_generation
         self.current: Attempt | None = None
         self.route: Route | None = None
         # Streaming state.

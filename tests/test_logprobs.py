@@ -811,6 +811,40 @@ def test_pd_logprobs_equal_colocated(pd: tuple[PD, Proc], path: str, body: dict[
     assert nulls == ([0] if body.get("echo") else [])
 
 
+def _without_id(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+@pytest.mark.slow
+def test_pd_echo_with_max_tokens_0_equals_colocated(pd: tuple[PD, Proc]) -> None:
+    """Through the proxy, echo without generation answers what a colocated node does
+    (a body and a stream): it generates nothing, so it needs no KV transfer, and the
+    decode node serves it alone (it computes the prompt's log probabilities itself)."""
+    pair, proxy = pd
+    assert pair.colocated is not None
+    expected = _echo_only_expected(pair.colocated.url)
+    ref = _post(pair.colocated.url, "/v1/completions", ECHO_ONLY)
+
+    def modes() -> tuple[float, float]:
+        return tuple(  # type: ignore[return-value]
+            proxy.metric("pdproxy_route_mode_total", {"mode": m})
+            for m in ("decode_only", "disaggregated")
+        )
+
+    before = modes()
+    got = _post(proxy.url, "/v1/completions", ECHO_ONLY)
+    _check_echo_only(got, expected)
+    _close(_without_id(got), _without_id(ref))
+    _check_echo_only(_echo_only_streamed(proxy.url), expected)
+    # Each prompt's choice went to the decode node alone: no prefill leg, no KV.
+    assert modes() == (before[0] + 4, before[1])
+    # Without echo, still the node's 400 (the proxy's own parser), before any node.
+    resp = httpx.post(
+        proxy.url + "/v1/completions", json={"model": MODEL, **ECHO_ONLY, "echo": False}
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
+
+
 def test_json_roundtrip_of_entries() -> None:
     """The worker output pickles and the shapes are JSON (no -inf, no tuples lost)."""
     body, _ = completion_logprobs([97], [E(97, -math.inf, (97,), (-math.inf,))], STRINGS)

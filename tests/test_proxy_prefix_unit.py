@@ -374,3 +374,71 @@ def test_bad_routing_flags_name_the_flag(argv: list[str], flag: str | None) -> N
         return
     with pytest.raises(ProxyConfigError, match=flag):
         _cfg(*argv)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_without_generation_goes_to_the_decode_node_alone(stream: bool) -> None:
+    """``echo`` with ``max_tokens`` 0 (lm-evaluation-harness's loglikelihood request)
+    generates nothing: D alone serves it, a plain request (a transfer id, no KV), and P is
+    never called. Stand-in nodes."""
+    import asyncio
+
+    from proxy.legs import Legs
+    from proxy.metrics import ProxyMetrics
+    from proxy.node_client import NodeClient
+    from proxy.session import Session
+    from proxy.validation import COMPLETIONS, validate_request
+    from tests.standin_http import SeenRequest, StandIn, answer, chunked
+
+    seen: list[tuple[str, SeenRequest]] = []
+    choice = {"index": 0, "text": LONG, "logprobs": None, "finish_reason": "length",
+              "stop_reason": None, "token_ids": []}  # fmt: skip
+    usage = {"prompt_tokens": 400, "completion_tokens": 0, "total_tokens": 400}
+    whole = {"id": "x", "object": "text_completion", "created": 1, "model": "tiny",
+             "choices": [choice], "usage": usage}  # fmt: skip
+
+    def node(role: str) -> Any:
+        async def handle(req: SeenRequest) -> bytes:
+            seen.append((role, req))
+            if req.path == "/v1/abort":
+                return answer(200, {})
+            if not req.json().get("stream"):
+                return answer(200, whole)
+            events = [{**whole, "object": "text_completion.chunk", "usage": None}, "[DONE]"]
+            pieces = [f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode()
+                      for e in events]  # fmt: skip
+            return chunked(200, pieces, {"Content-Type": "text/event-stream"})
+
+        return handle
+
+    async def main() -> tuple[Router, str, Any]:
+        async with StandIn(node("prefill")) as p, StandIn(node("decode")) as d:
+            cfg = _cfg("--routing", "prefix")
+            cfg = ProxyConfig(**{**cfg.__dict__, "prefill": (p.url,), "decode": (d.url,)})
+            pool = NodePool(cfg.prefill, cfg.decode)
+            for n in pool.all():
+                n.set_healthy(True)
+                n.update_info({"side_channel": "tcp://10.0.0.1:5600"}, {"data": [{"id": "tiny"}]})
+            router = Router.from_config(pool, cfg)
+            body = {"prompt": LONG, "echo": True, "max_tokens": 0, "logprobs": 1, "stream": stream}
+            req = validate_request(COMPLETIONS, json.dumps(body).encode(), ["tiny"], None)
+            async with NodeClient(timeout=10) as client:
+                legs = Legs(client)
+                session = Session(req, "r", cfg, router, legs, ProxyMetrics(pool))
+                try:
+                    if stream:
+                        await session.start_stream()
+                        text = "".join([c async for c in session.events()])
+                    else:
+                        text = json.dumps(await session.complete())
+                finally:
+                    session.close()
+                    await legs.drain()
+            return router, d.url, (req.key, text)
+
+    router, d_url, (key, text) = asyncio.run(main())
+    assert LONG in text and "error" not in text
+    assert [role for role, _ in seen] == ["decode"]
+    kv = seen[0][1].json()["kv_transfer_params"]
+    assert set(kv) == {"transfer_id"}, kv  # a plain request: D prefills it
+    assert router.modes == {"decode_only": 1}
