@@ -143,8 +143,11 @@ class Session:
         self.ttft_seen = False
         self.outcome = "pending"  # "ok", "error" (reported to the client) or still pending
         self._closed = False
-        # The router learns the answer when it remembers what nodes cache.
-        self._keep_answer = router.index is not None and req.key is not None
+        # The router learns the answer when it remembers what nodes cache; not an echoed
+        # one: its text begins with the prompt (or chat's final message), which is no
+        # text D caches after the prompt (echo without generation: the prompt alone).
+        echoed = req.parsed.echo or getattr(req.parsed, "chat_echo", "")
+        self._keep_answer = router.index is not None and req.key is not None and not echoed
         self.out = ClientStream(
             req, request_id, self.created, cfg.node_skip_first_token, index or 0
         )

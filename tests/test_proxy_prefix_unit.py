@@ -442,3 +442,9 @@ def test_echo_without_generation_goes_to_the_decode_node_alone(stream: bool) -> 
     kv = seen[0][1].json()["kv_transfer_params"]
     assert set(kv) == {"transfer_id"}, kv  # a plain request: D prefills it
     assert router.modes == {"decode_only": 1}
+    # The answer's text is the echoed prompt, not text D caches after the prompt: the
+    # index learns the prompt, not the prompt twice.
+    assert router.index is not None
+    assert router.index.match(d_url, key) == len(key.hashes)
+    twice = key.extend(LONG)
+    assert router.index.match(d_url, twice) == len(key.hashes) < len(twice.hashes)
