@@ -18,7 +18,7 @@ from typing import Any
 from engine.httpkit import openai
 from engine.httpkit.sse import sse_event
 from engine.server.logprobs import drop_first
-from engine.server.protocol import APIError
+from engine.server.request_fields import APIError
 from proxy.validation import ProxyRequest
 
 logger = logging.getLogger(__name__)

@@ -32,13 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.server.protocol import (
-    APIError,
-    BaseRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_messages,
-)
+from engine.server.chat_protocol import parse_messages
+from engine.server.protocol import BaseRequest, ChatCompletionRequest, CompletionRequest
+from engine.server.request_fields import APIError
 
 CHAR_BLOCK = 64  # characters per block of a text key (about 16 tokens of English)
 ID_BLOCK = 16  # token ids per block of an ids key (the engine's default --block-size)

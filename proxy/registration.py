@@ -33,7 +33,8 @@ from starlette.responses import JSONResponse
 from engine.httpkit.auth import key_matches
 from engine.httpkit.body import read_body
 from engine.httpkit.errors import json_error
-from engine.server.protocol import APIError, parse_json_body
+from engine.server.json_body import parse_json_body
+from engine.server.request_fields import APIError
 from kvconnector.nixl.peers import PeerAllowlist
 from proxy.discovery import Membership, RoleConflict
 from proxy.dns import HOST_NAME

@@ -57,7 +57,7 @@ from typing import Any
 
 from engine.httpkit.sse import SSE_DONE, sse_event
 from engine.server.logprobs import fill_missing, has_missing, num_entries
-from engine.server.protocol import APIError, error_body
+from engine.server.request_fields import APIError, error_body
 from kvconnector.base import transfer_seed
 from proxy.answers import parse_completion
 from proxy.client_stream import ClientStream, Diverged, first_tokens

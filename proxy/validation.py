@@ -12,14 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.server.protocol import (
-    APIError,
-    BaseRequest,
-    check_model,
-    parse_chat_request,
-    parse_completion_request,
-    parse_json_body,
-)
+from engine.server.chat_protocol import parse_chat_request
+from engine.server.json_body import parse_json_body
+from engine.server.protocol import BaseRequest, check_model, parse_completion_request
+from engine.server.request_fields import APIError
 from proxy.prefix import PromptKey, prompt_key
 
 COMPLETIONS = "completions"

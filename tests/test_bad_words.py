@@ -21,7 +21,8 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.server.protocol import APIError, parse_completion_request
+from engine.server.protocol import parse_completion_request
+from engine.server.request_fields import APIError
 from engine.tokenizer import load_tokenizer
 from kvconnector.noop import NoopConnectorScheduler
 

@@ -16,7 +16,7 @@ from engine.httpkit.direct import FrontedApp
 from engine.httpkit.drain import Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers
 from engine.httpkit.request_id import RequestIdMiddleware
-from engine.server.protocol import APIError
+from engine.server.request_fields import APIError
 
 KEY = "sekrit"
 

@@ -23,23 +23,25 @@ from fakes import fixed_examples
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.server.chat_protocol import (
+    parse_chat_request,
+    parse_chat_template_kwargs,
+    parse_generation_prompt,
+    parse_messages,
+)
+from engine.server.json_body import parse_json_body
 from engine.server.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
-    APIError,
     BaseRequest,
-    StopStringMatcher,
     check_model,
     check_token_ids,
-    parse_chat_request,
-    parse_chat_template_kwargs,
     parse_completion_request,
-    parse_generation_prompt,
-    parse_json_body,
-    parse_messages,
     resolve_max_tokens,
     truncate_prompt,
 )
+from engine.server.request_fields import APIError
+from engine.server.stop_strings import StopStringMatcher
 from proxy.validation import CHAT, COMPLETIONS, validate_request
 
 SCALE = max(1, int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "1")))

@@ -24,7 +24,7 @@ from engine.httpkit import body as body_mod
 from engine.httpkit import http_protocol
 from engine.httpkit.http_protocol import MAX_HEAD_BYTES
 from engine.httpkit.serve import bind_socket, make_server
-from engine.server.protocol import APIError
+from engine.server.request_fields import APIError
 
 
 async def echo_length(scope, receive, send) -> None:  # noqa: ANN001 - a bare ASGI app

@@ -10,7 +10,8 @@ import pytest
 
 from engine.core.request import Request
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.server.protocol import APIError, parse_completion_request
+from engine.server.protocol import parse_completion_request
+from engine.server.request_fields import APIError
 from kvconnector.params import KVTransferParams
 
 P_LEG = {"do_remote_decode": True, "transfer_id": "t1"}

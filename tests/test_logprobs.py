@@ -26,6 +26,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.server.chat_protocol import parse_chat_request
 from engine.server.logprobs import (
     TokenIdStrings,
     TokenStrings,
@@ -37,7 +38,8 @@ from engine.server.logprobs import (
     prompt_logprobs_entries,
     trim,
 )
-from engine.server.protocol import APIError, parse_chat_request, parse_completion_request
+from engine.server.protocol import parse_completion_request
+from engine.server.request_fields import APIError
 from engine.tokenizer import ByteTokenizer
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sampler import Sampler, compute_logprobs

@@ -42,7 +42,7 @@ from harness import (
     wait_healthy,
 )
 
-from engine.server.protocol import APIError
+from engine.server.request_fields import APIError
 from kvconnector.nixl.peers import PeerAllowlist
 from proxy.config import ProxyConfig, ProxyConfigError, add_proxy_args, config_from_sources
 from proxy.discovery import Membership, RoleConflict

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from engine.server.protocol import parse_chat_request, parse_completion_request
+from engine.server.chat_protocol import parse_chat_request
+from engine.server.protocol import parse_completion_request
 from proxy.config import ProxyConfig, ProxyConfigError, add_proxy_args, config_from_sources
 from proxy.nodes import NodePool
 from proxy.prefix import (

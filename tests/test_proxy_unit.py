@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.server.protocol import APIError
+from engine.server.request_fields import APIError
 from proxy.cli import build_parser
 from proxy.client_stream import Skipper
 from proxy.config import ProxyConfig, ProxyConfigError, add_proxy_args, config_from_sources

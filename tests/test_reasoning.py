@@ -25,7 +25,7 @@ from engine.reasoning import PARSERS, ReasoningParser, parser_class
 from engine.reasoning.base import ReasoningDelta
 from engine.reasoning.output import ReasoningOutput
 from engine.server.app import build_app
-from engine.server.protocol import parse_chat_request
+from engine.server.chat_protocol import parse_chat_request
 from engine.structured.reasoning import ReasoningTags
 from engine.tokenizer import ByteTokenizer, simple_chat_template
 from engine.tools.output import ToolOutput, new_parser

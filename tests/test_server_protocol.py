@@ -7,21 +7,20 @@ from typing import Any
 import pytest
 
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.server.chat_protocol import parse_chat_request
+from engine.server.json_body import parse_json_body
 from engine.server.protocol import (
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    APIError,
-    StopStringMatcher,
     check_model,
     check_token_ids,
-    error_body,
-    parse_chat_request,
     parse_completion_request,
-    parse_json_body,
     resolve_max_tokens,
 )
+from engine.server.request_fields import APIError, error_body
+from engine.server.stop_strings import StopStringMatcher
 from kvconnector.params import KVTransferParams
 
 
@@ -467,7 +466,7 @@ def test_the_json_check_still_names_a_bad_item_among_plain_ones() -> None:
 
 
 def test_the_json_depth_limit_counts_the_items_of_a_list_of_plain_values() -> None:
-    from engine.server.protocol import MAX_JSON_DEPTH
+    from engine.server.json_body import MAX_JSON_DEPTH
 
     def nested(levels: int) -> bytes:  # the object is level 0, its list level 1, ...
         return b'{"prompt": ' + b"[" * levels + b"1" + b"]" * levels + b"}"

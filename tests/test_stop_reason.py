@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.server.chat_protocol import parse_chat_request
 from engine.server.jobs import Job, Step, generate_steps
 from engine.server.logprobs import TokenStrings
-from engine.server.protocol import parse_chat_request, parse_completion_request
+from engine.server.protocol import parse_completion_request
 from engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 from kvconnector.params import KVTransferParams
 from proxy.client_stream import ClientStream

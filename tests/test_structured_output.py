@@ -23,12 +23,9 @@ import numpy as np
 import pytest
 from harness import MODEL, PD, Proc, Procs, sse_events
 
-from engine.server.protocol import (
-    APIError,
-    check_structured,
-    parse_chat_request,
-    parse_completion_request,
-)
+from engine.server.chat_protocol import parse_chat_request
+from engine.server.protocol import check_structured, parse_completion_request
+from engine.server.request_fields import APIError
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.matcher import GrammarState, fill_bitmask
 from engine.structured.spec import MAX_GUIDED_CHOICES, MAX_SPEC_BYTES, StructuredOutput

@@ -12,7 +12,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine.server.app import ROUTES, build_app
-from engine.server.protocol import APIError, parse_chat_request, parse_completion_request
+from engine.server.chat_protocol import parse_chat_request
+from engine.server.protocol import parse_completion_request
+from engine.server.request_fields import APIError
 from engine.server.tokenize import pdserve_version
 from engine.tokenizer import ByteTokenizer, HFTokenizer
 

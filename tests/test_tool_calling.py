@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from engine.server.protocol import APIError, parse_chat_request
+from engine.server.chat_protocol import parse_chat_request
+from engine.server.request_fields import APIError
 from engine.tools.output import NamedCall, RequiredCalls, ToolOutput, new_parser
 from engine.tools.parsers import PARSERS, ToolDelta
 from engine.tools.parsers.hermes import HermesToolParser

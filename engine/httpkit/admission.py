@@ -21,7 +21,7 @@ import time
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.server.protocol import error_body
+from engine.server.request_fields import error_body
 
 logger = logging.getLogger(__name__)
 

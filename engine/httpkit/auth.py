@@ -7,7 +7,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.server.protocol import error_body
+from engine.server.request_fields import error_body
 
 OPEN_PATHS = frozenset(["/health", "/ping", "/metrics"])  # /ping: vLLM's health check
 

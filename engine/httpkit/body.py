@@ -7,7 +7,7 @@ import asyncio
 from starlette.requests import ClientDisconnect, Request
 
 from engine.httpkit.disconnect import ClientDisconnected
-from engine.server.protocol import APIError
+from engine.server.request_fields import APIError
 
 # Longest wait for the next piece of a body (nginx's client_body_timeout is 60 s): a
 # client that stops sending mid-body is answered 408, not waited for (slowloris).

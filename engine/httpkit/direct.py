@@ -34,7 +34,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.httpkit.errors import json_error
-from engine.server.protocol import APIError
+from engine.server.request_fields import APIError
 
 Handler = Callable[[Request], Awaitable[Response]]
 

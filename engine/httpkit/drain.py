@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.httpkit.listen import DEFAULT_SHUTDOWN_TIMEOUT_S
 from engine.httpkit.sse import SSE_DONE, sse_event
-from engine.server.protocol import error_body
+from engine.server.request_fields import error_body
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.httpkit.disconnect import ClientDisconnected
-from engine.server.protocol import APIError, error_body
+from engine.server.request_fields import APIError, error_body
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,9 @@ from engine.server.logprobs import (
     prompt_logprobs_entries,
     trim,
 )
-from engine.server.protocol import APIError, BaseRequest, StopStringMatcher
+from engine.server.protocol import BaseRequest
+from engine.server.request_fields import APIError
+from engine.server.stop_strings import StopStringMatcher
 from engine.tools.output import ToolOutput
 from kvconnector.base import KV_NOT_RESERVED
 

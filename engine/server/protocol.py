@@ -1,16 +1,18 @@
-"""OpenAI-compatible request parsing, validation and error bodies.
+"""OpenAI-compatible requests: the typed request objects, the fields every request shares
+(sampling, stops, logprobs, structured outputs, ``n``), ``/v1/completions`` bodies, and
+the checks that need engine facts (served name, context length, vocabulary).
 
-Everything here is pure (no engine, no I/O) so it can be unit-tested directly. Errors are
-raised as ``APIError`` carrying the HTTP status and an OpenAI error body whose ``param``
-names the offending field.
+Its neighbours: ``request_fields`` (``APIError`` and the typed field getters),
+``chat_protocol`` (``/v1/chat/completions`` bodies), ``json_body`` (a body as JSON, before
+any parser), ``stop_strings`` (stop strings in streamed text). Everything here is pure (no
+engine, no I/O) so it can be unit-tested directly. Errors are raised as ``APIError``
+carrying the HTTP status and an OpenAI error body whose ``param`` names the offending
+field.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,18 @@ from engine.sampling_params import (
     SamplingParams,
     check_max_tokens,
 )
+from engine.server.request_fields import (
+    APIError,
+    bad_type,
+    get_bool,
+    get_float,
+    get_int,
+    is_int,
+    is_number,
+    require_object,
+    type_name,
+    unsupported,
+)
 from engine.structured.compiler import StructuredOutputUnavailable, check_structured_output
 from engine.structured.reasoning import ReasoningTags
 from engine.structured.spec import FIELDS as STRUCTURED_FIELDS
@@ -33,7 +47,7 @@ from engine.structured.spec import (
     UnsupportedStructuredKey,
     parse_structured_output,
 )
-from engine.tools.spec import ToolCalling, parse_tool_calling
+from engine.tools.spec import ToolCalling
 from kvconnector.params import KVTransferParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -51,129 +65,6 @@ CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 # Each is its own engine request (a P/D pair through the proxy).
 MAX_CHOICES = 128
 INT64_MAX = 2**63 - 1
-
-
-class APIError(Exception):
-    """An error answered to the client as ``{"error": {...}}`` with ``status_code``."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        status_code: int = 400,
-        err_type: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status_code = status_code
-        self.err_type = err_type
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.err_type, self.param, self.code)
-
-
-def error_body(
-    message: str,
-    err_type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
-# ---------------------------------------------------------------------------------------
-# Typed field getters. Each raises APIError naming the field on a wrong type.
-# ---------------------------------------------------------------------------------------
-
-_MISSING = object()
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
-def _bad_type(name: str, expected: str, value: Any) -> APIError:
-    return APIError(
-        f"'{name}' must be {expected}, got {_type_name(value)} {value!r:.60}",
-        param=name,
-        code="invalid_type",
-    )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    if isinstance(value, int):  # compared exactly: float() of a bigger one raises (a 500 before)
-        return abs(value) <= sys.float_info.max
-    return math.isfinite(value)
-
-
-def _get_int(body: dict[str, Any], name: str, default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer() and not isinstance(value, bool):
-        value = int(value)
-    if not _is_int(value):
-        raise _bad_type(name, "an integer", value)
-    if not -(2**63) <= value < 2**63:  # no field means more; 4300 digits broke the messages
-        raise APIError(f"'{name}' must fit in a signed 64-bit integer", param=name)
-    return value
-
-
-def _get_float(body: dict[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value):
-        raise _bad_type(name, "a number", value)
-    return float(value)
-
-
-def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _bad_type(name, "a boolean", value)
-    return value
-
-
-def _get_str(body: dict[str, Any], name: str) -> str | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise _bad_type(name, "a string", value)
-    return value
-
-
-def _unsupported(name: str, detail: str) -> APIError:
-    """``'logit_bias' is not supported``; with ``detail``, ``'n' = 2 (only n = 1) is ...``."""
-    what = f"'{name}' {detail}" if detail else f"'{name}'"
-    return APIError(f"{what} is not supported", param=name, code="unsupported_parameter")
 
 
 # ---------------------------------------------------------------------------------------
@@ -347,22 +238,14 @@ class ChatCompletionRequest(BaseRequest):
     chat_echo: str = ""
 
 
-def _require_object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise APIError(
-            f"request body must be a JSON object, got {_type_name(body)}", code="invalid_body"
-        )
-    return body
-
-
-def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
+def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
     """Fill the shared fields of ``req`` from ``body`` and reject unsupported features."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _bad_type("model", "a string", model)
+        raise bad_type("model", "a string", model)
     req.model = model
 
-    req.temperature = _get_float(body, "temperature", 1.0)
+    req.temperature = get_float(body, "temperature", 1.0)
     if req.temperature < 0:
         raise APIError(f"'temperature' must be >= 0, got {req.temperature}", param="temperature")
     if req.temperature > MAX_TEMPERATURE:  # infinite in the sampler's float32 (NaN draws)
@@ -371,26 +254,26 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
             f"got {req.temperature:g}",
             param="temperature",
         )
-    req.top_p = _get_float(body, "top_p", 1.0)
+    req.top_p = get_float(body, "top_p", 1.0)
     if not 0.0 < req.top_p <= 1.0:
         raise APIError(f"'top_p' must be in (0, 1], got {req.top_p}", param="top_p")
-    top_k = _get_int(body, "top_k", -1)
+    top_k = get_int(body, "top_k", -1)
     if top_k == 0:  # common client convention for "disabled"
         top_k = -1
     if top_k < -1:
         raise APIError(f"'top_k' must be -1 (disabled) or >= 1, got {top_k}", param="top_k")
     req.top_k = top_k
-    req.seed = _get_int(body, "seed", None)
+    req.seed = get_int(body, "seed", None)
     _parse_n(body, req)
-    req.truncate_prompt_tokens = _get_int(body, "truncate_prompt_tokens", None)
-    req.return_tokens_as_token_ids = _get_bool(body, "return_tokens_as_token_ids", False)
-    req.return_token_ids = _get_bool(body, "return_token_ids", False)
-    req.skip_special_tokens = _get_bool(body, "skip_special_tokens", True)
+    req.truncate_prompt_tokens = get_int(body, "truncate_prompt_tokens", None)
+    req.return_tokens_as_token_ids = get_bool(body, "return_tokens_as_token_ids", False)
+    req.return_token_ids = get_bool(body, "return_token_ids", False)
+    req.skip_special_tokens = get_bool(body, "skip_special_tokens", True)
     # vLLM's; no effect: the detokenizers never put spaces between special tokens (vLLM's
     # fast-tokenizer detokenizer ignores it too). Its type is still checked.
-    _get_bool(body, "spaces_between_special_tokens", True)
+    get_bool(body, "spaces_between_special_tokens", True)
     req.prompt_logprobs = _logprobs_count(body, "prompt_logprobs")
-    req.priority = _get_int(body, "priority", 0)
+    req.priority = get_int(body, "priority", 0)
     req.bad_words = _parse_bad_words(body.get("bad_words"))
     keep = req.truncate_prompt_tokens
     if keep is not None and keep < 1 and keep != -1:
@@ -408,7 +291,7 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         req.stop = [s for s in stop if s]
     else:
-        raise _bad_type("stop", "a string or an array of strings", stop)
+        raise bad_type("stop", "a string or an array of strings", stop)
     # Every token of the request is checked against them on the node's event loop.
     if len(req.stop) > MAX_STOP_STRINGS or sum(map(len, req.stop)) > MAX_STOP_CHARS:
         raise APIError(
@@ -420,51 +303,51 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
     ids = body.get("stop_token_ids")
     if ids is None:
         req.stop_token_ids = []
-    elif isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids):
+    elif isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids):
         req.stop_token_ids = list(ids)
     else:
-        raise _bad_type("stop_token_ids", "an array of non-negative integers", ids)
+        raise bad_type("stop_token_ids", "an array of non-negative integers", ids)
     if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # masked in every step (min_tokens)
         raise APIError(
             f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, "
             f"got {len(req.stop_token_ids)}",
             param="stop_token_ids",
         )
-    req.ignore_eos = _get_bool(body, "ignore_eos", False)
-    req.include_stop_str_in_output = _get_bool(body, "include_stop_str_in_output", False)
+    req.ignore_eos = get_bool(body, "ignore_eos", False)
+    req.include_stop_str_in_output = get_bool(body, "include_stop_str_in_output", False)
 
-    req.stream = _get_bool(body, "stream", False)
+    req.stream = get_bool(body, "stream", False)
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):
-            raise _bad_type("stream_options", "an object", opts)
+            raise bad_type("stream_options", "an object", opts)
         if not req.stream:
             raise APIError(
                 "'stream_options' is only allowed when 'stream' is true", param="stream_options"
             )
         usage = opts.get("include_usage")
         if usage is not None and not isinstance(usage, bool):  # named 'include_usage' before
-            raise _bad_type("stream_options.include_usage", "a boolean", usage)
+            raise bad_type("stream_options.include_usage", "a boolean", usage)
         req.include_usage = bool(usage)
         every = opts.get("continuous_usage_stats")
         if every is not None and not isinstance(every, bool):
-            raise _bad_type("stream_options.continuous_usage_stats", "a boolean", every)
+            raise bad_type("stream_options.continuous_usage_stats", "a boolean", every)
         # vLLM's: with include_usage, every chunk carries the usage so far.
         req.continuous_usage = req.include_usage and bool(every)
 
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
-        raise _bad_type("kv_transfer_params", "an object", kv)
+        raise bad_type("kv_transfer_params", "an object", kv)
     try:
         req.kv_transfer_params = None if kv is None else KVTransferParams.from_dict(kv)
     except InvalidRequestError as e:
         raise APIError(str(e), param=e.param) from e
     if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
-        raise _bad_type("user", "a string", body["user"])
+        raise bad_type("user", "a string", body["user"])
 
     req.logit_bias = _parse_logit_bias(body.get("logit_bias"))
     req.allowed_token_ids = _parse_allowed_token_ids(body.get("allowed_token_ids"))
-    req.min_p = _get_float(body, "min_p", 0.0)
+    req.min_p = get_float(body, "min_p", 0.0)
     if not 0.0 <= req.min_p <= 1.0:
         raise APIError(f"'min_p' must be in [0, 1], got {req.min_p}", param="min_p")
     for name, (lo, hi), neutral in (
@@ -472,12 +355,12 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         ("frequency_penalty", PENALTY_RANGE, 0.0),
         ("repetition_penalty", REPETITION_PENALTY_RANGE, 1.0),
     ):
-        value = _get_float(body, name, neutral)
+        value = get_float(body, name, neutral)
         if not lo <= value <= hi:
             raise APIError(f"'{name}' must be in [{lo:g}, {hi:g}], got {value}", param=name)
         setattr(req, name, value)
 
-    req.min_tokens = _get_int(body, "min_tokens", 0)
+    req.min_tokens = get_int(body, "min_tokens", 0)
     if req.min_tokens < 0:
         raise APIError(f"'min_tokens' must be >= 0, got {req.min_tokens}", param="min_tokens")
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
@@ -491,7 +374,7 @@ def _parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None
         _parse_chat_logprobs(body, req)
     else:
         req.logprobs = _logprobs_count(body, "logprobs")
-        req.echo = _get_bool(body, "echo", False)
+        req.echo = get_bool(body, "echo", False)
 
     _reject_unsupported(body, chat=chat)
     try:
@@ -521,7 +404,7 @@ def _parse_logit_bias(bias: Any) -> dict[int, float]:
         return {}
     what = "an object mapping token ids to numbers"
     if not isinstance(bias, dict):
-        raise _bad_type("logit_bias", what, bias)
+        raise bad_type("logit_bias", what, bias)
     if len(bias) > MAX_LOGIT_BIAS:
         raise APIError(
             f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
@@ -535,9 +418,9 @@ def _parse_logit_bias(bias: Any) -> dict[int, float]:
                 f"'logit_bias' keys must be token ids (non-negative integers), got {key!r:.40}",
                 param="logit_bias",
             )
-        if not _is_number(value):
+        if not is_number(value):
             raise APIError(
-                f"'logit_bias' values must be numbers, got {_type_name(value)} {value!r:.40} "
+                f"'logit_bias' values must be numbers, got {type_name(value)} {value!r:.40} "
                 f"for token {key}",
                 param="logit_bias",
                 code="invalid_type",
@@ -553,14 +436,14 @@ def _parse_allowed_token_ids(ids: Any) -> list[int] | None:
     if ids is None or ids == []:
         return None
     if not isinstance(ids, list):
-        raise _bad_type("allowed_token_ids", "an array of non-negative integers", ids)
+        raise bad_type("allowed_token_ids", "an array of non-negative integers", ids)
     if len(ids) > MAX_ALLOWED_TOKEN_IDS:  # before the items: a long list is refused at once
         raise APIError(
             f"'allowed_token_ids' may hold at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}",
             param="allowed_token_ids",
         )
-    if not all(_is_int(t) and t >= 0 for t in ids):
-        raise _bad_type("allowed_token_ids", "an array of non-negative integers", ids)
+    if not all(is_int(t) and t >= 0 for t in ids):
+        raise bad_type("allowed_token_ids", "an array of non-negative integers", ids)
     return list(ids)
 
 
@@ -570,7 +453,7 @@ def _parse_bad_words(words: Any) -> tuple[str, ...]:
     if words is None or words == []:
         return ()
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-        raise _bad_type("bad_words", "an array of strings", words)
+        raise bad_type("bad_words", "an array of strings", words)
     if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > MAX_BAD_WORDS_CHARS:
         raise APIError(
             f"'bad_words' may hold at most {MAX_BAD_WORDS} words of {MAX_BAD_WORDS_CHARS} "
@@ -584,7 +467,7 @@ def _parse_bad_words(words: Any) -> tuple[str, ...]:
 
 def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
     """A log-probability count: >= 0 (a node's --max-logprobs bounds it: ``check_logprobs``)."""
-    value = _get_int(body, name, None)
+    value = get_int(body, name, None)
     if value is not None and value < 0:
         raise APIError(f"'{name}' must be >= 0, got {value}", param=name)
     return value
@@ -603,7 +486,7 @@ def check_logprobs(req: BaseRequest, limit: int, chat: bool) -> None:
 
 
 def _parse_chat_logprobs(body: dict[str, Any], req: BaseRequest) -> None:
-    wanted = _get_bool(body, "logprobs", False)
+    wanted = get_bool(body, "logprobs", False)
     top = _logprobs_count(body, "top_logprobs")
     if top and not wanted:
         raise APIError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
@@ -651,19 +534,19 @@ CHAT_FIELDS = COMMON_FIELDS | {
 def _reject_vllm_fields(body: dict[str, Any], fields: dict[str, tuple[Any, str]]) -> None:
     for name, (neutral, what) in fields.items():
         if name in body and not neutral(body[name]):
-            raise _unsupported(name, what)
+            raise unsupported(name, what)
 
 
 def _parse_n(body: dict[str, Any], req: BaseRequest) -> None:
     """``n`` choices per prompt, at most ``MAX_CHOICES`` choices in all; ``best_of`` only
     as ``n`` (all the choices drawn are returned)."""
-    n = _get_int(body, "n", 1)
+    n = get_int(body, "n", 1)
     if n < 1:
         raise APIError(f"'n' must be at least 1, got {n}", param="n")
     req.n = n
-    best_of = _get_int(body, "best_of", None)
+    best_of = get_int(body, "best_of", None)
     if best_of is not None and best_of != n:
-        raise _unsupported("best_of", f"= {best_of} (only best_of = n, here {n})")
+        raise unsupported("best_of", f"= {best_of} (only best_of = n, here {n})")
     choices = req.num_choices
     if choices > MAX_CHOICES:
         batch = getattr(req, "batch", None)
@@ -686,7 +569,7 @@ def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
         _reject_vllm_fields(body, _VLLM_CHAT_FIELDS)
     else:
         if body.get("suffix") not in (None, ""):
-            raise _unsupported("suffix", "")
+            raise unsupported("suffix", "")
 
 
 def check_structured(so: StructuredOutput | None) -> None:
@@ -703,8 +586,8 @@ def check_structured(so: StructuredOutput | None) -> None:
         raise APIError(str(e), param=e.param, code="invalid_structured_output") from e
 
 
-def _parse_max_tokens(body: dict[str, Any], name: str, default: int | None) -> int | None:
-    value = _get_int(body, name, default)
+def parse_max_tokens(body: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = get_int(body, name, default)
     if value is not None:
         try:
             check_max_tokens(value, name)
@@ -742,18 +625,18 @@ def _one_prompt(prompt: Any, where: str) -> str | list[int]:
         raise APIError(f"'{where}' must not be empty", param=where)
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and all(is_int(t) for t in prompt):
         return list(prompt)
-    raise _bad_type(where, "a string or an array of token ids", prompt)
+    raise bad_type(where, "a string or an array of token ids", prompt)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     """Validate a ``/v1/completions`` JSON body."""
-    body = _require_object(body)
+    body = require_object(body)
     req = CompletionRequest()
     _parse_prompt(body, req)
-    if _get_int(body, "max_tokens") == 0:  # vLLM's echo without generation, with echo
-        if not _get_bool(body, "echo", False):
+    if get_int(body, "max_tokens") == 0:  # vLLM's echo without generation, with echo
+        if not get_bool(body, "echo", False):
             raise APIError(
                 "'max_tokens' must be at least 1, got 0 (0 is for 'echo': true, which "
                 "answers the prompt alone: its text and, with 'logprobs', its log "
@@ -762,8 +645,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             )
         req.max_tokens = 0
     else:
-        req.max_tokens = _parse_max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
-    _parse_common(body, req, chat=False)
+        req.max_tokens = parse_max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+    parse_common(body, req, chat=False)
     kv = req.kv_transfer_params
     if (
         req.echo_without_generation
@@ -776,221 +659,6 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             param="kv_transfer_params",
         )
     return req
-
-
-def _message_content(content: Any, i: int) -> str:
-    where = f"messages[{i}].content"
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts: list[str] = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict):
-                raise _bad_type(f"{where}[{j}]", "an object", part)
-            if part.get("type") != "text":
-                raise _unsupported(f"{where}[{j}].type", f"= {part.get('type')!r} (only 'text')")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise _bad_type(f"{where}[{j}].text", "a string", text)
-            parts.append(text)
-        return "\n".join(parts)
-    raise _bad_type(where, "a string or an array of content parts", content)
-
-
-def _parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    if body.get("messages") is None:
-        raise APIError(
-            "'messages' is required", param="messages", code="missing_required_parameter"
-        )
-    messages = body["messages"]
-    if not isinstance(messages, list):
-        raise _bad_type("messages", "an array of messages", messages)
-    if not messages:
-        raise APIError("'messages' must not be empty", param="messages")
-    out: list[dict[str, Any]] = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise _bad_type(f"messages[{i}]", "an object", msg)
-        role = msg.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise APIError(
-                f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}, got {role!r:.40}",
-                param=f"messages[{i}].role",
-            )
-        if msg.get("function_call"):  # OpenAI's older form of tool_calls
-            raise _unsupported(f"messages[{i}].function_call", "(use 'tool_calls')")
-        calls = msg.get("tool_calls")
-        if calls and role != "assistant":
-            raise APIError(
-                f"'messages[{i}].tool_calls' is only allowed on assistant messages",
-                param=f"messages[{i}].tool_calls",
-            )
-        content = msg.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        one: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": _message_content(content, i)}  # fmt: skip
-        if calls:
-            one["tool_calls"] = _message_tool_calls(calls, f"messages[{i}].tool_calls")
-        if role == "tool":
-            for name in ("tool_call_id", "name"):
-                value = msg.get(name)
-                if value is not None and not isinstance(value, str):
-                    raise _bad_type(f"messages[{i}].{name}", "a string", value)
-                if value is not None:
-                    one[name] = value
-        out.append(one)
-    return out
-
-
-def _message_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls`` (the history of tool use) for the chat
-    template: each ``{"id", "type": "function", "function": {"name", "arguments"}}``, its
-    arguments (JSON text) parsed into an object as vLLM does for Hugging Face templates
-    (they render ``arguments | tojson``); text that is not a JSON object stays text."""
-    if not isinstance(calls, list):
-        raise _bad_type(where, "an array of tool calls", calls)
-    out: list[dict[str, Any]] = []
-    for j, call in enumerate(calls):
-        at = f"{where}[{j}]"
-        if not isinstance(call, dict):
-            raise _bad_type(at, "an object", call)
-        fn = call.get("function")
-        if not isinstance(fn, dict):
-            raise _bad_type(f"{at}.function", "an object with a 'name'", fn)
-        name, args = fn.get("name"), fn.get("arguments", "{}")
-        if not isinstance(name, str):
-            raise _bad_type(f"{at}.function.name", "a string", name)
-        if isinstance(args, str):
-            try:
-                parsed = json.loads(args) if args.strip() else {}
-            except (ValueError, RecursionError):
-                parsed = None
-            args = parsed if isinstance(parsed, dict) else args
-        elif not isinstance(args, dict):
-            raise _bad_type(f"{at}.function.arguments", "a string (JSON)", args)
-        call_id = call.get("id")
-        if call_id is not None and not isinstance(call_id, str):
-            raise _bad_type(f"{at}.id", "a string", call_id)
-        one: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
-        if call_id is not None:
-            one["id"] = call_id
-        out.append(one)
-    return out
-
-
-def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """A body's chat ``messages``, validated and normalized (also ``/tokenize``'s)."""
-    return _parse_messages(body)
-
-
-def parse_chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    """``chat_template_kwargs``: an object of extra chat-template variables (``{}`` if absent);
-    it may not replace ``messages``."""
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict):
-        raise _bad_type("chat_template_kwargs", "an object", kwargs)
-    if "messages" in kwargs:
-        raise APIError(
-            "'chat_template_kwargs' may not set 'messages'", param="chat_template_kwargs"
-        )
-    return dict(kwargs)
-
-
-def parse_chat_template(body: dict[str, Any], kwargs: dict[str, Any]) -> str | None:
-    """A request's own chat template: vLLM's ``chat_template`` field, or a
-    ``chat_template`` in ``chat_template_kwargs`` (taken out of ``kwargs``); None (or "")
-    when it brings none."""
-    template = _get_str(body, "chat_template")
-    if "chat_template" in kwargs:
-        given = kwargs.pop("chat_template")
-        if given is not None and not isinstance(given, str):
-            raise _bad_type("chat_template_kwargs.chat_template", "a string", given)
-        template = template or given
-    return template or None
-
-
-def check_request_template(template: str | None, trusted: bool) -> None:
-    """A request's chat template runs on the server: only on one that trusts it (vLLM's
-    rule and flag)."""
-    if template is not None and not trusted:
-        raise APIError(
-            "'chat_template' (the request's own chat template) is refused: this server was "
-            "not started with --trust-request-chat-template",
-            param="chat_template",
-            code="unsupported_parameter",
-        )
-
-
-def parse_generation_prompt(body: dict[str, Any]) -> tuple[bool, bool]:
-    """``(add_generation_prompt, continue_final_message)``: vLLM's fields. Continuing the
-    final message means no new assistant header (the default then); asking for both is
-    a 400, as vLLM answers."""
-    cont = _get_bool(body, "continue_final_message", False)
-    add = _get_bool(body, "add_generation_prompt", not cont)
-    if add and cont:
-        raise APIError(
-            "'continue_final_message' and 'add_generation_prompt' cannot both be true: the "
-            "first continues the final message, the second starts a new assistant message",
-            param="continue_final_message",
-        )
-    return add, cont
-
-
-def parse_chat_request(body: Any) -> ChatCompletionRequest:
-    """Validate a ``/v1/chat/completions`` JSON body. ``max_tokens`` stays None if absent."""
-    body = _require_object(body)
-    req = ChatCompletionRequest()
-    req.messages = _parse_messages(body)
-    req.chat_template_kwargs = parse_chat_template_kwargs(body)
-    req.chat_template = parse_chat_template(body, req.chat_template_kwargs)
-    req.add_generation_prompt, req.continue_final_message = parse_generation_prompt(body)
-    mct = _parse_max_tokens(body, "max_completion_tokens", None)
-    mt = _parse_max_tokens(body, "max_tokens", None)
-    req.max_tokens = mct if mct is not None else mt
-    _parse_common(body, req, chat=True)
-    req.tools = parse_tools(body)
-    try:
-        constraint = req.tools.structured_output() if req.tools is not None else None
-    except InvalidRequestError as e:  # a schema past the size bound
-        raise APIError(str(e), param=e.param) from e
-    if constraint is not None:
-        if req.structured_output is not None:
-            raise APIError(
-                f"'tool_choice' (a named or \"required\" tool choice) constrains the answer "
-                f"to tool calls, and '{req.structured_output.param}' asks for another "
-                "structured output: a request may use one",
-                param="tool_choice",
-            )
-        req.structured_output = constraint
-    if _get_bool(body, "echo", False):
-        req.chat_echo = _chat_echo(req)
-    return req
-
-
-def _chat_echo(req: ChatCompletionRequest) -> str:
-    """vLLM's rule: the answer's role is the assistant's (with ``add_generation_prompt``)
-    or the final message's; the final message's text is echoed when it has that role."""
-    if req.tools is not None and req.tools.parses_calls:
-        raise APIError(
-            "'echo' puts text before the answer; an answer parsed into tool calls has none",
-            param="echo",
-        )
-    last = req.messages[-1]
-    role = "assistant" if req.add_generation_prompt else last["role"]
-    content = last.get("content")
-    return content if last["role"] == role and isinstance(content, str) else ""
-
-
-def parse_tools(body: dict[str, Any]) -> ToolCalling | None:
-    """A chat body's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (also
-    ``/tokenize``'s): a 400 naming the field when they are wrong."""
-    try:
-        return parse_tool_calling(body)
-    except InvalidRequestError as e:
-        raise APIError(str(e), param=e.param) from e
 
 
 # ---------------------------------------------------------------------------------------
@@ -1057,147 +725,3 @@ def resolve_max_tokens(
             code="context_length_exceeded",
         )
     return max_tokens
-
-
-# ---------------------------------------------------------------------------------------
-# Stop strings
-# ---------------------------------------------------------------------------------------
-
-
-class StopStringMatcher:
-    """Finds stop strings in streamed text and holds back text that may begin one.
-
-    ``feed`` returns the text that is safe to emit and whether a stop string was hit; on a
-    hit the returned text ends right before the stop string (after it with ``include``),
-    and ``matched`` is that stop string.
-    """
-
-    def __init__(self, stops: list[str], include: bool = False) -> None:
-        """``include`` (``include_stop_str_in_output``): the text ends after the stop string."""
-        self._stops = [s for s in stops if s]
-        self._include = include
-        self._held = ""
-        self.matched: str | None = None  # the stop string that was hit (``stop_reason``)
-
-    def feed(self, new_text: str, final: bool = False, check: bool = True) -> tuple[str, bool]:
-        """``check=False``: not yet (``min_tokens``): the text passes, nothing is held."""
-        if not self._stops:
-            return new_text, False
-        buf = self._held + new_text
-        if not check:
-            self._held = ""
-            return buf, False
-        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
-        if hits:
-            self._held = ""
-            at, self.matched = min(hits, key=lambda h: h[0])  # the first in the text
-            return buf[: at + len(self.matched) if self._include else at], True
-        if final:
-            self._held = ""
-            return buf, False
-        hold = self._partial_suffix_len(buf)
-        self._held = buf[len(buf) - hold :]
-        return buf[: len(buf) - hold], False
-
-    def _partial_suffix_len(self, buf: str) -> int:
-        """The longest suffix of ``buf`` that begins a stop string (no stop is in ``buf``).
-
-        Only suffixes starting with a stop's first character are tried, longest first:
-        one ``startswith`` per candidate (it was one slice and a pass over every stop per
-        suffix length, quadratic in a long held text, on the node's event loop)."""
-        n, best = len(buf), 0
-        for stop in self._stops:
-            # buf[i:] longer than ``best`` and shorter than ``stop``: i from the left.
-            i = buf.find(stop[0], max(0, n - len(stop) + 1), n - best)
-            while i >= 0:
-                if stop.startswith(buf[i:]):
-                    best = n - i
-                    break
-                i = buf.find(stop[0], i + 1, n - best)
-        return best
-
-
-MAX_JSON_DEPTH = 64
-
-
-def parse_json_body(raw: bytes) -> Any:
-    """A request body as JSON, or a 400 ``APIError`` that says why it is not: not JSON, not
-    UTF-8, nested deeper than ``MAX_JSON_DEPTH``, or a string holding a lone surrogate
-    (which no tokenizer or later UTF-8 encoding can take; ``param`` names the field)."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(
-            f"We could not parse the JSON body of your request: {e}", code="invalid_json"
-        ) from e
-    except RecursionError:  # deeper than the parser goes
-        raise _too_deep() from None
-    except ValueError:  # an integer literal longer than int() converts (a 500 before)
-        # Parsed again, only now, marking such literals so the check names their field.
-        try:
-            body = json.loads(raw, parse_int=_int_or_too_long)
-        except RecursionError:
-            raise _too_deep() from None
-    _check_json(body, None, 0)
-    return body
-
-
-class _TooLongInt:
-    """An integer literal in a body with more digits than Python converts (4300)."""
-
-
-_TOO_LONG_INT = _TooLongInt()
-
-
-def _int_or_too_long(digits: str) -> int | _TooLongInt:
-    try:
-        return int(digits)
-    except ValueError:
-        return _TOO_LONG_INT
-
-
-def _too_deep() -> APIError:
-    return APIError(
-        f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json"
-    )
-
-
-def _check_json(value: Any, path: str | None, depth: int) -> None:
-    """``path``: where ``value`` is (``prompt[4]``, ``a.b``); None for the body itself (a
-    field may be named ``""``)."""
-    if depth > MAX_JSON_DEPTH:
-        raise _too_deep()
-    if value is _TOO_LONG_INT:
-        name = "body" if path is None else path
-        raise APIError(
-            f"'{name}' is an integer with more than {sys.get_int_max_str_digits()} digits",
-            param=path,
-            code="invalid_number",
-        )
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            name = "body" if path is None else path
-            raise APIError(
-                f"'{name}' holds an invalid Unicode character (a lone UTF-16 surrogate)",
-                param=path,
-                code="invalid_unicode",
-            ) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_json(key, "body" if path is None else path, depth + 1)
-            if item.__class__ not in _PLAIN:
-                _check_json(item, str(key) if path is None else f"{path}.{key}", depth + 1)
-    elif isinstance(value, list):
-        if value and depth >= MAX_JSON_DEPTH:
-            raise _too_deep()  # its items would be one level too deep
-        if _PLAIN.issuperset(map(type, value)):  # e.g. a prompt of token ids: nothing to check
-            return
-        for i, item in enumerate(value):
-            if item.__class__ not in _PLAIN:
-                _check_json(item, f"{path or ''}[{i}]", depth + 1)
-
-
-# What json.loads makes that needs no check (the too-long-int marker is its own class).
-_PLAIN = frozenset({int, float, bool, type(None)})

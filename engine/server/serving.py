@@ -28,26 +28,24 @@ from engine.reasoning import PARSERS as REASONING_PARSERS
 from engine.reasoning import parser_class as reasoning_parser_class
 from engine.reasoning.output import ReasoningOutput
 from engine.sampling_params import MAX_LOGPROBS, InvalidRequestError
+from engine.server.chat_protocol import check_request_template, parse_chat_request
 from engine.server.engine_client import EngineClient
 from engine.server.jobs import Job, Step, engine_error, generate_steps, prompt_only
+from engine.server.json_body import parse_json_body
 from engine.server.logprobs import TokenIdStrings, TokenStrings
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import (
-    APIError,
     BaseRequest,
     CompletionRequest,
     check_logprobs,
     check_model,
-    check_request_template,
     check_structured,
     check_token_ids,
-    error_body,
-    parse_chat_request,
     parse_completion_request,
-    parse_json_body,
     resolve_max_tokens,
     truncate_prompt,
 )
+from engine.server.request_fields import APIError, error_body
 from engine.server.tokenize import render_chat
 from engine.structured.matcher import start_allows_any
 from engine.structured.reasoning import ReasoningTags

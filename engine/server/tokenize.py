@@ -22,19 +22,18 @@ from starlette.responses import JSONResponse, Response
 
 from engine.httpkit.body import read_body
 from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES
-from engine.server.engine_client import EngineClient
-from engine.server.protocol import (
-    APIError,
-    check_model,
+from engine.server.chat_protocol import (
     check_request_template,
-    check_token_ids,
     parse_chat_template,
     parse_chat_template_kwargs,
     parse_generation_prompt,
-    parse_json_body,
     parse_messages,
     parse_tools,
 )
+from engine.server.engine_client import EngineClient
+from engine.server.json_body import parse_json_body
+from engine.server.protocol import check_model, check_token_ids
+from engine.server.request_fields import APIError
 from engine.tokenizer import compile_chat_template, continue_final_message
 
 # Token ids rendered per piece of a /tokenize answer (~2 ms of json.dumps here).

@@ -1,0 +1,56 @@
+"""Stop strings in streamed text (``StopStringMatcher``)."""
+
+from __future__ import annotations
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text and holds back text that may begin one.
+
+    ``feed`` returns the text that is safe to emit and whether a stop string was hit; on a
+    hit the returned text ends right before the stop string (after it with ``include``),
+    and ``matched`` is that stop string.
+    """
+
+    def __init__(self, stops: list[str], include: bool = False) -> None:
+        """``include`` (``include_stop_str_in_output``): the text ends after the stop string."""
+        self._stops = [s for s in stops if s]
+        self._include = include
+        self._held = ""
+        self.matched: str | None = None  # the stop string that was hit (``stop_reason``)
+
+    def feed(self, new_text: str, final: bool = False, check: bool = True) -> tuple[str, bool]:
+        """``check=False``: not yet (``min_tokens``): the text passes, nothing is held."""
+        if not self._stops:
+            return new_text, False
+        buf = self._held + new_text
+        if not check:
+            self._held = ""
+            return buf, False
+        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+        if hits:
+            self._held = ""
+            at, self.matched = min(hits, key=lambda h: h[0])  # the first in the text
+            return buf[: at + len(self.matched) if self._include else at], True
+        if final:
+            self._held = ""
+            return buf, False
+        hold = self._partial_suffix_len(buf)
+        self._held = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold], False
+
+    def _partial_suffix_len(self, buf: str) -> int:
+        """The longest suffix of ``buf`` that begins a stop string (no stop is in ``buf``).
+
+        Only suffixes starting with a stop's first character are tried, longest first:
+        one ``startswith`` per candidate (it was one slice and a pass over every stop per
+        suffix length, quadratic in a long held text, on the node's event loop)."""
+        n, best = len(buf), 0
+        for stop in self._stops:
+            # buf[i:] longer than ``best`` and shorter than ``stop``: i from the left.
+            i = buf.find(stop[0], max(0, n - len(stop) + 1), n - best)
+            while i >= 0:
+                if stop.startswith(buf[i:]):
+                    best = n - i
+                    break
+                i = buf.find(stop[0], i + 1, n - best)
+        return best
