@@ -75,7 +75,12 @@ class ModelConfig:
         },
     )
     max_model_len: int | None = field(
-        default=None, metadata={"help": "context length (default: model's maximum)"}
+        default=None,
+        metadata={
+            "help": "context length (default: model's maximum); vLLM's sizes: 32k = 32000, "
+            "32K = 32768",
+            "human_readable": True,
+        },
     )
     seed: int = field(default=0, metadata={"help": "seed for the 'tiny' model's weights"})
     attention_backend: Literal["auto", "reference", "triton"] = field(
@@ -263,7 +268,11 @@ class ParallelConfig:
 class SchedulerConfig:
     max_num_seqs: int = field(default=64, metadata={"help": "max running requests per step"})
     max_num_batched_tokens: int = field(
-        default=2048, metadata={"help": "token budget per step (chunked prefill)"}
+        default=2048,
+        metadata={
+            "help": "token budget per step (chunked prefill); 8k, 8K",
+            "human_readable": True,
+        },
     )
     async_scheduling: bool = field(
         default=False,

@@ -366,6 +366,31 @@ def test_a_max_model_len_past_the_models_positions_needs_vllms_override(monkeypa
         core.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1M", 1 << 20), ("4096", 4096)],
+)
+def test_max_model_len_takes_vllms_human_readable_sizes(tmp_path, text: str, tokens: int):
+    """vLLM's --max-model-len and --max-num-batched-tokens take k/m/g (powers of 1000) and
+    K/M/G (powers of 1024); "32k" was an invalid int here."""
+    _, cfg = parse_config(
+        build_parser("decode"), ["--max-model-len", text, "--max-num-batched-tokens", text]
+    )
+    assert cfg.model.max_model_len == tokens
+    assert cfg.scheduler.max_num_batched_tokens == tokens
+    config = tmp_path / "node.yaml"
+    config.write_text(f"max-model-len: {text}\n")
+    _, cfg = parse_config(build_parser("decode"), ["--config", str(config)])
+    assert cfg.model.max_model_len == tokens
+
+
+@pytest.mark.parametrize("text", ["32x", "1.5K", "k", "-2k", "0.0001k"])
+def test_a_size_that_is_no_whole_number_of_tokens_is_refused(text: str):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(build_parser("decode"), ["--max-model-len", text])
+    assert exc.value.code == 2
+
+
 @pytest.mark.parametrize("flag", ["--api-k", "--max-model", "--gpu-memory=0.5"])
 def test_an_abbreviated_flag_is_refused_not_taken_for_the_long_one(flag: str) -> None:
     # argparse takes '--api-k' for '--api-key' by default; the launch scripts (which look

@@ -45,6 +45,29 @@ def _default_text(f: dataclasses.Field[Any]) -> str:
     return ""
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG]?)")
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's sizes for token counts: ``32k`` is 32,000 (k, m, g: powers of 1000; a decimal
+    such as ``25.6k`` is fine when the result is whole), ``32K`` is 32,768 (K, M, G: powers
+    of 1024, of a whole number); plain digits as they are."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 4096, 32k = 32000, 32K = 32768)")
+    number, unit = m.groups()
+    if unit.isupper() and "." in number:
+        raise ValueError(f"{text!r}: K, M and G take a whole number (or use k, m, g)")
+    value = float(number) * _SIZE_UNITS[unit] if "." in number else int(number) * _SIZE_UNITS[unit]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
+human_readable_int.__name__ = "size"  # argparse's "invalid size value: 'x'"
+
+
 def _add_field(group: Any, f: dataclasses.Field[Any], tp: Any) -> None:
     tp, _ = _unwrap_optional(tp)
     help_text = f.metadata.get("help", "") + _default_text(f)
@@ -56,6 +79,8 @@ def _add_field(group: Any, f: dataclasses.Field[Any], tp: Any) -> None:
         kwargs.update(type=type(choices[0]), choices=choices)
         if spellings := f.metadata.get("value_aliases"):  # vLLM's other names of a choice
             kwargs["type"] = lambda value: spellings.get(value, value)
+    elif tp is int and f.metadata.get("human_readable"):  # vLLM's 32k / 32K
+        kwargs["type"] = human_readable_int
     elif tp in (int, float, str):
         kwargs["type"] = tp
     elif get_origin(tp) is tuple and get_args(tp) == (str, ...):  # NAME [NAME ...]
