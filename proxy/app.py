@@ -130,8 +130,8 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> Fronted
     # generation routes are then served past the router's layers (engine/httpkit/direct.py).
     app.set_front(
         {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
-        lambda inner: RequestIdMiddleware(
-            ApiKeyMiddleware(DrainMiddleware(inner, drainer), keys, open_paths)
+        lambda inner: cfg.cors.wrap(
+            RequestIdMiddleware(ApiKeyMiddleware(DrainMiddleware(inner, drainer), keys, open_paths))
         ),
     )
 

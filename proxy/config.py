@@ -24,6 +24,7 @@ except ModuleNotFoundError:  # Python 3.10: JSON config files only
     tomllib = None  # type: ignore[assignment]
 
 from engine.config import ConfigError, flag_name, require
+from engine.httpkit.cors import CORS_HELP, CorsPolicy, cors_list
 from kvconnector.nixl.peers import PeerAllowlist
 from proxy.dns import parse_dns_name
 
@@ -238,8 +239,36 @@ class ProxyConfig:
         },
     )
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
+    allowed_origins: tuple[str, ...] = field(
+        default=(), metadata={"metavar": "ORIGIN", "help": CORS_HELP["allowed_origins"]}
+    )
+    allow_credentials: bool = field(
+        default=False, metadata={"help": CORS_HELP["allow_credentials"]}
+    )
+    allowed_methods: tuple[str, ...] = field(
+        default=("*",), metadata={"metavar": "METHOD", "help": CORS_HELP["allowed_methods"]}
+    )
+    allowed_headers: tuple[str, ...] = field(
+        default=("*",), metadata={"metavar": "HEADER", "help": CORS_HELP["allowed_headers"]}
+    )
+
+    @property
+    def cors(self) -> CorsPolicy:
+        """Which browser origins may call the proxy (``engine.httpkit.cors``)."""
+        return CorsPolicy(
+            self.allowed_origins, self.allow_credentials, self.allowed_methods, self.allowed_headers
+        )
 
     def __post_init__(self) -> None:
+        try:  # vLLM's JSON arrays arrive split like URL lists: cors_list joins them again
+            object.__setattr__(
+                self, "allowed_origins", cors_list(self.allowed_origins, "allowed_origins")
+            )
+            for name in ("allowed_methods", "allowed_headers"):
+                object.__setattr__(self, name, cors_list(getattr(self, name), name) or ("*",))
+            self.cors  # noqa: B018 - checked at start-up, the error naming the flag
+        except ConfigError as e:
+            raise ProxyConfigError(str(e)) from None
         for role in ("prefill", "decode"):
             urls = getattr(self, role)
             found = bool(urls) or bool(getattr(self, f"{role}_dns")) or bool(self.registration_key)

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.httpkit.admission import Admission, AdmissionMiddleware
 from engine.httpkit.auth import ApiKeyMiddleware
+from engine.httpkit.cors import CorsPolicy
 from engine.httpkit.direct import FrontedApp
 from engine.httpkit.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers
@@ -57,6 +58,7 @@ def build_app(
     sampling_defaults: dict[str, Any] | None = None,
     max_logprobs: int = MAX_LOGPROBS,
     served_model_names: list[str] | None = None,
+    cors: CorsPolicy | None = None,
 ) -> FrontedApp:
     """The app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
     ``app.state.drainer`` drains it on shutdown (``engine.httpkit.drain``). At
@@ -72,7 +74,8 @@ def build_app(
     ``sampling_defaults``: of requests that do not set them (``--generation-config``);
     ``max_logprobs``: the most a request may ask (``--max-logprobs``);
     ``served_model_names``: every name a request's ``model`` may give (default: the
-    engine's ``model_name``), each with a card in ``/v1/models``."""
+    engine's ``model_name``), each with a card in ``/v1/models``. ``cors``: which browser
+    origins may call it (``--allowed-origins`` and vLLM's other CORS flags; None: none)."""
     names = served_model_names or [engine.model_name]
     app = FrontedApp()
     metrics = ServerMetrics(engine)
@@ -110,9 +113,13 @@ def build_app(
     keys = (api_key,) if api_key else ()
     app.set_front(
         {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
-        lambda inner: RequestIdMiddleware(
-            ApiKeyMiddleware(DrainMiddleware(AdmissionMiddleware(inner, admission), drainer), keys),
-            observe=observe,
+        lambda inner: (cors or CorsPolicy()).wrap(
+            RequestIdMiddleware(
+                ApiKeyMiddleware(
+                    DrainMiddleware(AdmissionMiddleware(inner, admission), drainer), keys
+                ),
+                observe=observe,
+            )
         ),
     )
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, Union, get_args, get_origin
 
 from engine.config import ConfigError, EngineConfig, flag_name
+from engine.httpkit.cors import add_cors_args
 from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -167,6 +168,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="accept a chat request's own 'chat_template' (vLLM's flag; the template runs "
         "in a Jinja sandbox on this node); without it such requests are a 400",
     )
+    add_cors_args(group)
     add_registration_args(parser)
     add_tool_args(parser)
     add_reasoning_args(parser)

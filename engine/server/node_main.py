@@ -21,6 +21,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
+from engine.config import ConfigError
+from engine.httpkit.cors import policy_from
 from engine.httpkit.listen import bind_socket, listen_url
 from engine.server.cli_args import (
     add_config_args,
@@ -149,6 +151,10 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
     parser = build_parser(role)
     args, config = parse_config(parser, argv)
     registration = registration_flags(parser, args)
+    try:
+        cors = policy_from(args)
+    except ConfigError as e:
+        parser.error(str(e))
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT, stream=sys.stderr)
     if args.log_level != "DEBUG":  # one line per registration renewal (--register-with)
         logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -169,7 +175,6 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
     announcer: Announcer | None = None
     try:
         from engine.async_engine import AsyncLLMEngine
-        from engine.config import ConfigError
         from engine.model.hub import resolve_model_config
 
         try:  # a repo-id --model: its local snapshot, downloaded once, before anything loads
@@ -217,6 +222,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             sampling_defaults=defaults,
             max_logprobs=engine.max_logprobs,
             served_model_names=list(engine.config.model.served_names),
+            cors=cors,
         )
         server = make_server(
             app,
