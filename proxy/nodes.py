@@ -55,6 +55,7 @@ class Node:
     model: str | None = None
     # Every name it serves (its /v1/models cards: --served-model-name's names), model first.
     names: tuple[str, ...] = ()
+    roots: dict[str, str] = field(default_factory=dict)  # name -> its card's root (--model)
     max_model_len: int | None = None
     # When the node last answered a request with load (429 / 503 overloaded); cleared by
     # an answer it finished. See ``shedding``.
@@ -158,6 +159,10 @@ class Node:
             self.model = str(cards[0].get("id"))
             ids = (str(c.get("id")) for c in cards[1:64] if isinstance(c, dict) and c.get("id"))
             self.names = tuple(dict.fromkeys([self.model, *ids]))
+            roots = ((c.get("id"), c.get("root")) for c in cards[:64] if isinstance(c, dict))
+            self.roots = {
+                str(i): r for i, r in roots if isinstance(r, str) and r and len(r) <= 1024
+            }
             mml = cards[0].get("max_model_len")
             ok = isinstance(mml, int) and not isinstance(mml, bool) and mml >= 2
             self.max_model_len = mml if ok else None
@@ -258,6 +263,13 @@ class NodePool:
                 if name not in names:
                     names.append(name)
         return names
+
+    def model_root(self, name: str) -> str | None:
+        """A served name's ``root`` as a ready node's card gives it (vLLM's: its --model)."""
+        for n in self.all():
+            if n.ready and (root := n.roots.get(name)) is not None:
+                return root
+        return None
 
     def max_model_len(self) -> int | None:
         """The context a client's prompt and answer share: the ready decode nodes' least.

@@ -226,7 +226,7 @@ class ProxyServing:
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "pdserve",
-                    "root": name,
+                    "root": self.pool.model_root(name) or name,
                     "parent": None,
                     "max_model_len": self.cfg.max_model_len or (min(lens) if lens else None),
                 }

@@ -506,6 +506,7 @@ def test_live_a_pd_pair_started_with_vllm_flags(procs: Any) -> None:
         assert sum(len(e["choices"][0]["token_ids"]) for e in events if e["choices"]) == 4
         models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
         assert [m["id"] for m in models] == ["first", "second"]
+        assert [m["root"] for m in models] == ["tiny", "tiny"]  # vLLM's: the --model given
         for method in ("GET", "POST"):
             assert httpx.request(method, url + "/ping", timeout=10).status_code == 200
         resp = httpx.post(url + "/v1/chat/completions", timeout=60, json={

@@ -58,6 +58,7 @@ def build_app(
     sampling_defaults: dict[str, Any] | None = None,
     max_logprobs: int = MAX_LOGPROBS,
     served_model_names: list[str] | None = None,
+    model_root: str | None = None,
     cors: CorsPolicy | None = None,
 ) -> FrontedApp:
     """The app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
@@ -74,7 +75,8 @@ def build_app(
     ``sampling_defaults``: of requests that do not set them (``--generation-config``);
     ``max_logprobs``: the most a request may ask (``--max-logprobs``);
     ``served_model_names``: every name a request's ``model`` may give (default: the
-    engine's ``model_name``), each with a card in ``/v1/models``. ``cors``: which browser
+    engine's ``model_name``), each with a card in ``/v1/models`` whose ``root`` is
+    ``model_root`` (vLLM's: the ``--model`` given; default: the engine's name). ``cors``: which browser
     origins may call it (``--allowed-origins`` and vLLM's other CORS flags; None: none)."""
     names = served_model_names or [engine.model_name]
     app = FrontedApp()
@@ -135,7 +137,7 @@ def build_app(
                 "object": "model",
                 "created": started,
                 "owned_by": "pdserve",
-                "root": engine.model_name,
+                "root": model_root or engine.model_name,
                 "parent": None,
                 "max_model_len": engine.max_model_len,
             }

@@ -177,6 +177,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
         from engine.async_engine import AsyncLLMEngine
         from engine.model.hub import resolve_model_config
 
+        model_root = config.model.model  # as given (a repo id, a directory): /v1/models' root
         try:  # a repo-id --model: its local snapshot, downloaded once, before anything loads
             config = resolve_model_config(config)
         except ConfigError as e:
@@ -222,6 +223,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             sampling_defaults=defaults,
             max_logprobs=engine.max_logprobs,
             served_model_names=list(engine.config.model.served_names),
+            model_root=model_root,
             cors=cors,
         )
         server = make_server(
