@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         usage="%(prog)s [options]   (every option: %(prog)s --help)",
     )
     add_proxy_args(serve)
+    parser.set_defaults(command_parser=None)
+    serve.set_defaults(command_parser=serve)  # errors found after parsing: serve's usage
 
     def client_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--url", default=DEFAULT_URL, help=f"proxy URL (default: {DEFAULT_URL})")
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        sys.exit(serve(args, parser))
+        sys.exit(serve(args, args.command_parser))
     if args.command == "complete":
         sys.exit(run_complete(args))
     sys.exit(run_chat(args))

@@ -326,6 +326,18 @@ def test_proxy_flags_say_which_source_to_configure() -> None:
     assert cfg.decode_dns == ("a:1", "b:2") and cfg.registration_key == KEY
 
 
+def test_a_bad_serve_setting_prints_the_serve_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    """An error found after parsing printed the top-level usage (``pd-proxy [-h] COMMAND``),
+    not the usage of the command the user ran."""
+    from proxy.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--prefill", P])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pd-proxy serve ") and "pd-proxy serve: error: --decode" in err
+
+
 def test_node_registration_flags_are_checked_before_the_engine_starts(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
