@@ -90,12 +90,18 @@ def test_disaggregated_output_matches_colocated_and_transformers(checkpoint, tp,
         d.shutdown()
 
 
-def test_async_scheduling_on_both_nodes_matches_colocated(checkpoint):
+@pytest.mark.parametrize("backend", ["mp", "uni"])
+def test_async_scheduling_on_both_nodes_matches_colocated(checkpoint, backend, monkeypatch):
     """P and D with --async-scheduling: P never computes past its one token (its blocks
     are the prompt's), D decodes ahead of its outputs; tokens as colocated (greedy and
-    seeded), nothing left behind."""
+    seeded), nothing left behind. ``uni``: the ranks in this process, each step's output
+    held until the next is launched (as on CUDA)."""
+    from engine.worker.model_runner import DEFER_READBACK_ENV
+
+    monkeypatch.setenv(DEFER_READBACK_ENV, "1")
     sched = SchedulerConfig(async_scheduling=True)
-    base = dataclasses.replace(checkpoint["base"], scheduler=sched)
+    parallel = ParallelConfig(distributed_executor_backend=backend)
+    base = dataclasses.replace(checkpoint["base"], scheduler=sched, parallel=parallel)
     p = EngineCore(nixl_config(base, "producer"))
     d = EngineCore(nixl_config(base, "consumer"))
     try:
