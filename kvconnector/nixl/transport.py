@@ -410,10 +410,7 @@ class NixlTransport(TransportBase):
 
     def _release_locked(self, handle: TransferHandle, peer: _Peer | None) -> None:
         """Free the NIXL request (NIXL cancels it if still pending)."""
-        self._live.pop(id(handle), None)
-        xfer, handle._xfer = handle._xfer, None
-        if handle.state == PENDING:
-            self._finish(handle, ERROR, "released while pending")
+        xfer = self._take_xfer(handle)
         if xfer is None:
             return
         try:

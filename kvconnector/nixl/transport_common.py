@@ -211,6 +211,15 @@ class TransportBase:
         with self._lock:
             self._release_locked(handle, self._peers.get(handle.peer_key))
 
+    def _take_xfer(self, handle: TransferHandle) -> Any:
+        """A release's first part (under the lock): the handle forgotten, failed if still
+        pending; its library request, or None when there is none (left to free)."""
+        self._live.pop(id(handle), None)
+        xfer, handle._xfer = handle._xfer, None
+        if handle.state == PENDING:
+            self._finish(handle, ERROR, "released while pending")
+        return xfer
+
     def _write_peer(
         self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int]
     ) -> tuple[Any, list[BlockRun]]:

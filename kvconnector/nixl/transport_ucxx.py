@@ -95,7 +95,6 @@ import torch
 from kvconnector.nixl.transport_common import (
     DONE,
     ERROR,
-    PENDING,
     TransferHandle,
     TransportBase,
 )
@@ -489,10 +488,7 @@ class UcxxTransport(TransportBase):
     def _release_locked(self, handle: TransferHandle, peer: _Peer | None) -> None:
         """Forget the write; one UCX has not finished closes the peer's endpoint (there is
         no per-request cancel), so the peer must be re-added."""
-        self._live.pop(id(handle), None)
-        xfer, handle._xfer = handle._xfer, None
-        if handle.state == PENDING:
-            self._finish(handle, ERROR, "released while pending")
+        xfer = self._take_xfer(handle)
         if xfer is None:
             return
         if all(req.completed for req in xfer.reqs):
