@@ -408,6 +408,8 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         dtype = core.config.model.dtype  # resolved ("auto" -> a concrete dtype)
         arch = core.arch
         report["dtype"] = dtype
+        executor = core.config.parallel.distributed_executor_backend  # auto, resolved by LLM
+        report["executor"] = executor
         report["engine_start_s"] = time.perf_counter() - t_start
         freeze_startup_heap("pd-bench offline")  # as a node does: no full GC mid-run
         report["num_blocks"] = getattr(core, "num_blocks", None)
@@ -444,7 +446,10 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     report["result"] = result
     report["step_ms"] = step_split
 
-    print(f"dtype {dtype}, {args.num_warmup} warm-up + {args.num_iters} measured run(s)")
+    print(
+        f"dtype {dtype}, executor {executor}, {args.num_warmup} warm-up + {args.num_iters} "
+        "measured run(s)"
+    )
     print(
         f"  elapsed                 {result['elapsed_s'] * 1e3:10.1f} ms  ({result['steps']} steps)"
     )
