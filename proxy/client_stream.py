@@ -128,7 +128,8 @@ class ClientStream:
         return openai.response_id(self.request_id, self.req.chat)
 
     def first_chunk(self, p_body: dict[str, Any]) -> str:
-        """The client's first event, from P's answer; D's stream then repeats it (dropped)."""
+        """The client's first events, from P's answer (a chat answer's role alone first, as
+        a node streams it); D's stream then repeats P's token (dropped)."""
         ids, text = first_tokens(p_body, self.req.chat)
         self.model = p_body.get("model") or self.model
         if "\ufffd" in text:
@@ -140,25 +141,34 @@ class ClientStream:
         self._skip = Skipper(*self._first_skip)
         self._client_ids.extend(ids)
         self._client_text.append(text)
+        chat = self.req.chat
         choice: dict[str, Any] = {"index": self.index}
-        if self.req.chat:
-            choice["delta"] = {"role": "assistant", "content": text}
-            self.role_sent = True
+        if chat:
+            choice["delta"] = {"content": text}
         else:
             choice["text"] = text
         logprobs = p_body["choices"][0].get("logprobs")  # P sampled the first token
         choice.update(logprobs=logprobs, finish_reason=None, stop_reason=None, token_ids=ids)
         body = self.envelope([choice], usage=True)
+        # A chat stream opens with the role alone (a node's, vLLM's and OpenAI's shape).
+        first = self.envelope([self._role_choice()], usage=True) if chat else body
+        self.role_sent = chat
         # return_token_ids: P's prompt ids (a chat response's, a completion choice's).
-        prompt_ids = (p_body if self.req.chat else p_body["choices"][0]).get("prompt_token_ids")
+        prompt_ids = (p_body if chat else p_body["choices"][0]).get("prompt_token_ids")
         if prompt_ids is not None:
-            (body if self.req.chat else choice)["prompt_token_ids"] = prompt_ids
+            (first if chat else choice)["prompt_token_ids"] = prompt_ids
             self.prompt_ids_sent = True
-        if self.req.parsed.continuous_usage:  # the usage so far: the prompt and this token
+        if self.req.parsed.continuous_usage:  # the usage so far: the prompt (and this token)
             prompt = (p_body.get("usage") or {}).get("prompt_tokens") or 0
-            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": len(ids),
-                             "total_tokens": prompt + len(ids)}  # fmt: skip
-        return sse_event(body)
+            for event, n in ((first, 0), (body, len(ids))) if chat else ((body, len(ids)),):
+                event["usage"] = {"prompt_tokens": prompt, "completion_tokens": n,
+                                  "total_tokens": prompt + n}  # fmt: skip
+        return (sse_event(first) if chat else "") + sse_event(body)
+
+    def _role_choice(self) -> dict[str, Any]:
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None, "stop_reason": None,
+                "token_ids": []}  # fmt: skip
 
     def decode_starts(self) -> None:
         """A decode stream (the first, or a rerun's) starts: drop what it repeats of what

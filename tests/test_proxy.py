@@ -147,6 +147,11 @@ def test_chat_match_colocated(cluster: Cluster, content: str, skip: str) -> None
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(ch.delta.role is None for c in chunks[1:] for ch in c.choices)
+    # The first chunk is the role alone, as a colocated node (and vLLM, OpenAI) sends it;
+    # P's pre-streamed token came in it before.
+    ref_first = next(iter(ref_client.chat.completions.create(**kw, stream=True))).choices[0]
+    assert (chunks[0].choices[0].delta.content, _ids(chunks[0].choices[0])) == ("", [])
+    assert (ref_first.delta.content, _ids(ref_first)) == ("", [])
     assert [t for c in chunks for ch in c.choices for t in _ids(ch)] == _ids(ref)
     text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
     if skip == "proxy-skip" or "\ufffd" not in (ref.message.content or ""):

@@ -315,7 +315,8 @@ async def _chat_stream(cfg: Any, pool: NodePool) -> tuple[list[int], list[dict[s
         finally:
             session.close()
             await legs.drain()
-    events = [json.loads(c[6:]) for c in chunks if c.startswith("data: {")]
+    lines = (e for c in chunks for e in c.split("\n\n"))  # a chunk may hold several events
+    events = [json.loads(e[6:]) for e in lines if e.startswith("data: {")]
     ids = [t for e in events for ch in e.get("choices", []) for t in ch.get("token_ids") or []]
     return ids, events
 

@@ -182,8 +182,10 @@ def test_the_proxy_passes_stop_reason_through(chat: bool) -> None:
     stream = ClientStream(req, "r", 0, node_skips_first=False)
     job = _job({"stop_token_ids": [91]}, chat=chat)
     p_answer = job.response("H", [72], Step("H", [72], "length"))
-    first = json.loads(stream.first_chunk(p_answer)[len("data: ") :])
-    assert first["choices"][0]["stop_reason"] is None
+    events = [
+        json.loads(e[len("data: ") :]) for e in stream.first_chunk(p_answer).split("\n\n") if e
+    ]
+    assert all(e["choices"][0]["stop_reason"] is None for e in events)  # chat: role, token
     stream.decode_starts()
     last = job.chunk(Step("i", [72, 105, 91], "stop", stop_reason=91))
     out = stream.rewrite(last)

@@ -153,8 +153,14 @@ def test_the_proxy_passes_the_prompt_ids_of_a_prestreamed_answer_once() -> None:
         first = {"choices": [{"index": 0, "token_ids": [7], "text": "a",
                               "message": {"role": "assistant", "content": "a"}}]}  # fmt: skip
         (first if chat else first["choices"][0])["prompt_token_ids"] = [1, 2]
-        event = json.loads(stream.first_chunk(first)[len("data: ") :])
+        events = [
+            json.loads(e[len("data: ") :]) for e in stream.first_chunk(first).split("\n\n") if e
+        ]
+        event = events[0]  # a chat stream's role chunk, or a completion's token chunk
         assert (event if chat else event["choices"][0])["prompt_token_ids"] == [1, 2]
+        assert len(events) == (2 if chat else 1)
+        if chat:  # the token's chunk after the role's carries none
+            assert "prompt_token_ids" not in events[1]
         # D's stream repeats them with its first chunk (and P's token): dropped there.
         d = {"choices": [{"index": 0, "token_ids": [7, 8], "text": "ab",
                           "delta": {"content": "ab"}}]}  # fmt: skip
