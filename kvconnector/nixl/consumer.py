@@ -119,10 +119,12 @@ class Consumer:
         """The request ended while waiting; True when its blocks must be held.
 
         Also True when its load already failed unsafely but the scheduler has not seen
-        that event yet: the blocks are quarantined, not free."""
+        that event yet: the blocks are quarantined, not free. Once it has, the scheduler
+        parked the reserved blocks itself and the request (recomputing) holds new ones
+        that were never named to P: False, they are free when it ends."""
         recv = self.recvs.pop(request_id, None)
         if recv is None:
-            return request_id in self.quarantine
+            return request_id in self.quarantine and request_id in self.outcome.failed_loads
         self._quarantine(recv)
         return True
 
