@@ -249,6 +249,17 @@ class Session:
         if not migrating:
             self.node_failures += 1
         if self.node_failures > self.cfg.max_retries:
+            if err.not_reserved:  # no decode node could take the KV in time: load, not a fault
+                logger.info("request %s: no pair had room: %s", self.request_id, err)
+                message = (
+                    f"the request found no room on {self.attempts} prefill/decode pair(s): no "
+                    "decode node reserved blocks for its KV in time; retry later"
+                )
+                raise PassThrough(
+                    503,
+                    error_body(message, "server_error", code="overloaded"),
+                    {"Retry-After": "1"},
+                ) from err
             raise APIError(
                 f"the request failed on {self.attempts} prefill/decode pair(s); last error: {err}",
                 status_code=502,

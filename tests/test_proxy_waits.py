@@ -752,3 +752,36 @@ def test_log_probabilities_are_not_waited_for_from_an_unreachable_prefill_node()
             assert values == [None, -0.5, -1.0], events
 
     asyncio.run(main())
+
+
+def test_every_pair_failing_because_no_decode_node_reserved_in_time_is_a_503_to_retry():
+    """Every prefill node ended its leg with 409 kv_transfer_not_reserved (the decode nodes
+    were too full to reserve blocks within --kv-transfer-timeout): that is load, so the
+    client gets 503 with Retry-After, not 502 upstream_error (found by a fault round: a
+    decode node killed under load, the other full)."""
+    from proxy.session import PassThrough
+
+    async def not_reserved(req: SeenRequest) -> bytes:
+        body = {"error": {"message": "no decode node reserved blocks within 4 s",
+                          "type": "invalid_request_error", "param": None,
+                          "code": "kv_transfer_not_reserved"}}  # fmt: skip
+        return answer(409, body)
+
+    async def waiting_decode(req: SeenRequest) -> bytes:
+        await asyncio.sleep(30)  # never reserved: its leg waits until it is cancelled
+        return answer(200, {})
+
+    async def main() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            ps = [await stack.enter_async_context(StandIn(_node(not_reserved))) for _ in "ab"]
+            d = await stack.enter_async_context(StandIn(_node(waiting_decode)))
+            cfg = ProxyConfig(prefill=tuple(p.url for p in ps), decode=(d.url,),
+                              routing="round_robin")  # fmt: skip
+            pool = _ready_pool(cfg)
+            with pytest.raises(PassThrough) as e:
+                await _complete_through_session(cfg, pool)
+            assert e.value.status == 503, e.value.body
+            assert e.value.headers["Retry-After"] and e.value.body["error"]["code"] == "overloaded"
+            assert all(n.healthy for n in pool.all())  # no node failed: the pairs were full
+
+    asyncio.run(main())
