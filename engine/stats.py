@@ -115,9 +115,11 @@ def _stat(
     return dataclasses.field(**(default or {"default": 0}), metadata=md)
 
 
-def counter(doc: str, metric: str | None = None, vllm: str | None = None) -> Any:
+def counter(
+    doc: str, metric: str | None = None, vllm: str | None = None, pdserve: bool = True
+) -> Any:
     """A monotonically growing count (name the field ``..._total``)."""
-    return _stat("counter", doc, metric, vllm)
+    return _stat("counter", doc, metric, vllm, pdserve)
 
 
 def gauge(doc: str, metric: str | None = None, vllm: str | None = None) -> Any:

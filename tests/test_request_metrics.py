@@ -146,6 +146,51 @@ def test_decode_node_ttft_is_the_first_token_arriving_with_the_kv() -> None:
     assert st.request_prefill_time_seconds.count == 1
 
 
+def _value(fams: dict[str, Any], name: str) -> float:
+    (sample,) = [s for s in fams[name].samples if s.name == name + "_total"]
+    return sample.value
+
+
+def test_vllm_prompt_tokens_count_each_prompt_once_prefix_cache_hits_included() -> None:
+    """``vllm:prompt_tokens_total`` is vLLM's: every request's whole prompt, once, when its
+    first token comes -- prefix-cache hits included; what this node computed is
+    ``pdserve_prompt_tokens_total``."""
+    sch = Scheduler(_config(), 64, MAX_LEN, NoopConnectorScheduler(_config(), None))  # type: ignore[arg-type]
+    prompt = list(range(1, 13))  # 3 blocks of 4
+    sch.add_request(Request("a", prompt, SamplingParams(max_tokens=2)))
+    _run(sch, {"a": [1, 2]})
+    sch.add_request(Request("b", prompt, SamplingParams(max_tokens=2)))  # a prefix-cache hit
+    _run(sch, {"b": [1, 2]})
+    computed = sch.stats().prompt_tokens_total
+    assert computed < 2 * len(prompt)  # b's cached blocks were not computed again
+    fams = _families(StatsGroup(sch.stats()))
+    assert _value(fams, "vllm:prompt_tokens") == 2 * len(prompt)
+    assert fams["vllm:prompt_tokens"].type == "counter"
+    assert _value(fams, "pdserve_prompt_tokens") == computed
+
+
+def test_decode_node_counts_the_prompt_it_received_as_vllm_does() -> None:
+    """A P/D decode node computed none of the prompt (``pdserve_prompt_tokens_total`` stays
+    0), but counts it in ``vllm:prompt_tokens_total`` as a vLLM decode instance does (its
+    prompt tokens by source ``external_kv_transfer``)."""
+    conn = RemotePrefill(_config())
+    sch = Scheduler(_config(), 64, MAX_LEN, conn)
+    params = KVTransferParams(
+        do_remote_prefill=True, transfer_id="t", remote_side_channel="tcp://127.0.0.1:1"
+    )
+    sch.add_request(
+        Request("d", list(range(1, 9)), SamplingParams(max_tokens=2), kv_transfer_params=params)
+    )
+    sch.update_from_output(sch.schedule(), ModelRunnerOutput())  # reserved, waiting for KV
+    conn.landed = {"d": {"first_token": 42}}
+    sch.update_from_output(sch.schedule(), ModelRunnerOutput())
+    _run(sch, {"d": [43]})
+    fams = _families(StatsGroup(sch.stats()))
+    assert _value(fams, "vllm:prompt_tokens") == 8
+    assert _value(fams, "pdserve_prompt_tokens") == 0
+    assert _value(fams, "vllm:generation_tokens") == 2  # P's first token counts, as in vLLM
+
+
 def test_exported_as_vllm_histograms_with_model_label_and_vllm_buckets() -> None:
     sch = Scheduler(_config(), 64, MAX_LEN, NoopConnectorScheduler(_config(), None))  # type: ignore[arg-type]
     sch.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=3)))
@@ -198,6 +243,9 @@ def test_histogram_snapshots_add_up() -> None:
 # -- live: a node's /metrics after requests ----------------------------------------------------
 
 
+VLLM_PROMPT, LABEL = "vllm:prompt_tokens_total", {"model_name": MODEL}
+
+
 def _counts(proc: Proc) -> dict[str, float]:
     text = httpx.get(proc.url + "/metrics", timeout=10).text
     label = {"model_name": MODEL}
@@ -238,8 +286,15 @@ def test_pd_decode_and_prefill_nodes_count_requests(pd_pair: Any, module_procs: 
     whose first token arrived with the KV and whose later ones it generated."""
     proxy = module_procs.proxy([pd_pair.p.url], [pd_pair.d.url])
     p_before, d_before = _counts(pd_pair.p), _counts(pd_pair.d)
-    _complete(proxy.url, 4, ignore_eos=True)
+    d_prompt = (
+        pd_pair.d.metric(VLLM_PROMPT, LABEL),
+        pd_pair.d.metric("pdserve_prompt_tokens_total"),
+    )
+    usage = _complete(proxy.url, 4, ignore_eos=True)["usage"]
     p_after, d_after = _counts(pd_pair.p), _counts(pd_pair.d)
+    # D computed none of the prompt, and counts it under vLLM's name as a vLLM decode does.
+    assert pd_pair.d.metric(VLLM_PROMPT, LABEL) - d_prompt[0] == usage["prompt_tokens"]
+    assert pd_pair.d.metric("pdserve_prompt_tokens_total") == d_prompt[1]
     for name in PER_REQUEST:
         assert p_after[name] - p_before[name] == 1, ("prefill", name)
         assert d_after[name] - d_before[name] == 1, ("decode", name)

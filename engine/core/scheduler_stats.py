@@ -85,7 +85,15 @@ class SchedulerStats(Stats):
     kv_blocks_free: int = gauge("KV cache blocks free", metric="kv_blocks_free")
     kv_blocks_used: int = gauge("KV cache blocks in use", metric="kv_blocks_used")
     prompt_tokens_total: int = counter(
-        "Prompt tokens computed", metric="prompt_tokens", vllm="prompt_tokens"
+        "Prompt tokens computed by this node (prefix-cache hits and KV received from a "
+        "prefill node are not; a prompt recomputed after a preemption is again)",
+        metric="prompt_tokens",
+    )
+    prompt_tokens_processed_total: int = counter(
+        "Prompt tokens of the requests that got their first token here, each prompt once: "
+        "prefix-cache hits and KV received from a prefill node included (vLLM's count)",
+        vllm="prompt_tokens",
+        pdserve=False,
     )
     generation_tokens_total: int = counter(
         "Tokens generated", metric="generation_tokens", vllm="generation_tokens"
@@ -158,6 +166,7 @@ class RequestMetrics:
 
     max_model_len: int
     success: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SUCCESS_REASONS, 0))
+    prompt_tokens_processed: int = 0  # whole prompts of the requests that got a token
 
     def __post_init__(self) -> None:
         tokens = buckets_1_2_5(self.max_model_len)
@@ -181,6 +190,7 @@ class RequestMetrics:
         if req.first_token_time is None:
             req.first_token_time = now
             self.ttft.observe(now - req.arrival_time)
+            self.prompt_tokens_processed += req.num_prompt_tokens  # vLLM's: once, whole
         elif req.last_token_time is not None:
             self.itl.observe(now - req.last_token_time)
         req.last_token_time = now
@@ -204,6 +214,7 @@ class RequestMetrics:
         """The ``SchedulerStats`` fields this object fills."""
         itl = self.itl.snapshot()
         return {
+            "prompt_tokens_processed_total": self.prompt_tokens_processed,
             "request_success_total": dict(self.success),
             "time_to_first_token_seconds": self.ttft.snapshot(),
             "inter_token_latency_seconds": itl,
