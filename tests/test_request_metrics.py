@@ -72,15 +72,18 @@ def _run(sch: Scheduler, tokens: dict[str, list[int]]) -> None:
     raise AssertionError("requests did not finish")
 
 
+class _Engine:
+    healthy = True
+
+    def __init__(self, stats: Any, model: str = "m1") -> None:
+        self.model_name, self._stats = model, stats
+
+    def stats(self) -> Any:
+        return self._stats
+
+
 def _families(stats: Any, model: str = "m1") -> dict[str, Any]:
-    class _Engine:
-        model_name = model
-        healthy = True
-
-        def stats(self) -> Any:
-            return stats
-
-    text = ServerMetrics(_Engine()).render().decode()
+    text = ServerMetrics(_Engine(stats, model)).render().decode()
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
@@ -189,6 +192,30 @@ def test_decode_node_counts_the_prompt_it_received_as_vllm_does() -> None:
     assert _value(fams, "vllm:prompt_tokens") == 8
     assert _value(fams, "pdserve_prompt_tokens") == 0
     assert _value(fams, "vllm:generation_tokens") == 2  # P's first token counts, as in vLLM
+
+
+def test_decode_node_counts_a_request_waiting_for_its_kv_as_waiting() -> None:
+    """A decode node's request waiting for P's KV is in ``vllm:num_requests_waiting`` (as
+    on a vLLM decode instance, whose waiting queue holds it): a decode node with requests
+    waiting for KV does not read as idle."""
+    conn = RemotePrefill(_config())
+    sch = Scheduler(_config(), 64, MAX_LEN, conn)
+    params = KVTransferParams(
+        do_remote_prefill=True, transfer_id="t", remote_side_channel="tcp://127.0.0.1:1"
+    )
+    sch.add_request(
+        Request("d", list(range(1, 9)), SamplingParams(max_tokens=2), kv_transfer_params=params)
+    )
+    sch.update_from_output(sch.schedule(), ModelRunnerOutput())  # reserved, waiting for KV
+    st = sch.stats()
+    assert st.num_waiting_for_remote_kv == 1
+    text = ServerMetrics(_Engine(st)).render().decode()
+    assert parse_metric(text, "vllm:num_requests_waiting", {"model_name": "m1"}) == 1
+    assert parse_metric(text, "pdserve_num_requests_waiting") == 1
+    conn.landed = {"d": {"first_token": 42}}
+    sch.update_from_output(sch.schedule(), ModelRunnerOutput())
+    st = sch.stats()
+    assert (st.num_waiting, st.num_running) == (0, 1)
 
 
 def test_exported_as_vllm_histograms_with_model_label_and_vllm_buckets() -> None:

@@ -686,7 +686,8 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            # As vLLM counts them: a request waiting for its KV is in its waiting queue.
+            num_waiting=len(self.waiting) + len(self.remote_waiting),
             num_waiting_for_remote_kv=len(self.remote_waiting),
             num_held=len(self.held),
             num_quarantined_blocks=sum(len(b) for b in self.quarantine.values()),

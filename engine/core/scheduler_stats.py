@@ -74,7 +74,7 @@ class SchedulerStats(Stats):
         "Requests running", metric="num_requests_running", vllm="num_requests_running"
     )
     num_waiting: int = gauge(
-        "Requests waiting to be scheduled",
+        "Requests waiting to be scheduled, or for their KV from a prefill node",
         metric="num_requests_waiting",
         vllm="num_requests_waiting",
     )
