@@ -111,7 +111,7 @@ def node_generate_requests(url: str) -> float:
 def kv_pool_full(url: str) -> bool:
     """No request left on the node and every KV block free."""
     free = metric(url, "pdserve_kv_blocks_free")
-    total = metric(url, "pdserve_engine_kv_blocks_total")
+    total = metric(url, "pdserve_kv_blocks_capacity")
     running = metric(url, "pdserve_num_requests_running")
     waiting = metric(url, "pdserve_num_requests_waiting")
     return free == total and running == 0 and waiting == 0

@@ -62,3 +62,20 @@ def test_per_rank_stats_add_up_and_a_group_reads_by_name():
     group = StatsGroup(SchedulerStats(kv_blocks_free=9), total)
     assert group["kv_blocks_free"] == 9 and group["kv_bytes_sent_total"] == 15
     assert group.get("missing", -1) == -1 and "kv_blocks_free" in group
+
+
+def test_only_counters_end_with_total():
+    """Prometheus reserves ``_total`` for counters: a gauge named ``..._total``
+    (``pdserve_engine_kv_blocks_total``, the pool's size) reads as a counter to an
+    operator and to ``rate()`` in a dashboard."""
+    from engine.core.scheduler_stats import RequestMetrics
+
+    sched = SchedulerStats(kv_blocks_total=100, kv_blocks_free=70, kv_blocks_used=30,
+                           **RequestMetrics(max_model_len=64).stats())  # fmt: skip
+    text = ServerMetrics(_Engine(StatsGroup(sched, NixlSchedulerStats(), NixlWorkerStats())))
+    for fam in text_string_to_metric_families(text.render().decode()):
+        for sample in fam.samples:
+            if sample.name.endswith("_total"):
+                assert fam.type == "counter", (sample.name, fam.type)
+    fams = _families(StatsGroup(sched))
+    assert fams["pdserve_kv_blocks_capacity"] == ("gauge", {"value": 100.0})

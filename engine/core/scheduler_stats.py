@@ -81,7 +81,8 @@ class SchedulerStats(Stats):
     num_waiting_for_remote_kv: int = gauge("Requests waiting for their KV from a prefill node")
     num_held: int = gauge("Finished requests whose blocks are held for a KV push")
     num_quarantined_blocks: int = gauge("Blocks a late KV write may still reach")
-    kv_blocks_total: int = gauge("KV cache blocks per rank")
+    # Not ..._total on the wire: Prometheus keeps that suffix for counters.
+    kv_blocks_total: int = gauge("KV cache blocks per rank", metric="kv_blocks_capacity")
     kv_blocks_free: int = gauge("KV cache blocks free", metric="kv_blocks_free")
     kv_blocks_used: int = gauge("KV cache blocks in use", metric="kv_blocks_used")
     prompt_tokens_total: int = counter(

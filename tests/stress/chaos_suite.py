@@ -1525,7 +1525,7 @@ class ChaosRun:
                 out[n.name] = {"metrics_unreadable": 1.0}
                 continue
             bad = {g: m.get(g, float("nan")) for g in IDLE_GAUGES if m.get(g, float("nan")) != 0}
-            free, total = m.get("pdserve_kv_blocks_free"), m.get("pdserve_engine_kv_blocks_total")
+            free, total = m.get("pdserve_kv_blocks_free"), m.get("pdserve_kv_blocks_capacity")
             if free != total:
                 bad["pdserve_kv_blocks_free"] = free if free is not None else float("nan")
             if m.get("pdserve_engine_healthy") != 1:
