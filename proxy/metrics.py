@@ -157,7 +157,8 @@ class ProxyMetrics(MetricsRegistry):
         )
         self.itl = self.histogram(
             "inter_token_latency_seconds",
-            "Time between consecutive streamed tokens",
+            "Time between consecutive streamed chunks, divided by the tokens the later one "
+            "carries (one sample per chunk)",
             buckets=_ITL_BUCKETS,
         )
         self.e2e = self.histogram(
