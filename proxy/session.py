@@ -296,7 +296,15 @@ class Session:
             self._d_events = self._d_events_for = None
         if not self._closed:
             self._closed = True
-            self.metrics.e2e.observe(time.monotonic() - self.arrival)
+            elapsed = time.monotonic() - self.arrival
+            self.metrics.e2e.observe(elapsed)
+            # The end of every request, as a node logs its own ("pending": it ended
+            # without an answer -- refused, failed, or the client left).
+            outcome = self.outcome if self.outcome != "pending" else "ended without an answer"
+            logger.info(
+                "request %s finished: %s after %d attempt(s), %.3f s",
+                self.request_id, outcome, self.attempts, elapsed,
+            )  # fmt: skip
 
     # -- non-streaming ---------------------------------------------------------------------
     async def complete(self) -> dict[str, Any]:

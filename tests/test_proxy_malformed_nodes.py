@@ -372,3 +372,21 @@ def test_nan_in_a_decode_answer_moves_the_request_to_another_decode_node() -> No
     JSON encoder refused it: a 500)."""
     raw = json.dumps(D_ANSWER).replace("[7, 8, 9]", '[7, 8, 9], "x": Infinity')
     _d2_answers_after_d1_sends(answer(200, raw=raw.encode()))
+
+
+def test_the_proxy_logs_each_requests_end(caplog: pytest.LogCaptureFixture) -> None:
+    """The proxy logged where a request went, never how it ended: an operator could not see
+    from its log when (or whether) a request finished."""
+
+    async def main() -> None:
+        async with _one_pair(_prefill, _good_decode) as (cfg, pool):
+            body = await _complete_through_session(cfg, pool)
+            assert body["choices"][0]["token_ids"] == [7, 8, 9]
+            await _stream_through_session(cfg, pool)
+
+    with caplog.at_level("INFO", logger="proxy.session"):
+        asyncio.run(main())
+    ends = [r.getMessage() for r in caplog.records if " finished: " in r.getMessage()]
+    assert len(ends) == 2 and all(
+        e.startswith("request r finished: ok after 1 attempt") for e in ends
+    ), ends
