@@ -18,7 +18,7 @@
 #   timeout_s). Steps run most valuable first; each one's limit is cut to what is left, and
 #   a step that no longer fits is recorded as `rc=budget` rather than started.
 # - GPU_CHECK_ONLY="key ..." runs only those steps (keys below: kernels model throughput
-#   latency async colocated pd gpu-tests prefill eager profile transfer multi-gpu), e.g. a rerun
+#   latency async colocated pd gpu-tests prefill eager executor profile transfer multi-gpu), e.g. a rerun
 #   of what the budget cut. Steps that need the model build it when it is missing.
 # The summary is printed to stdout at the end (the tool's output tail) as well.
 #
@@ -227,6 +227,10 @@ fi
 if selected eager; then
   need_model
   step "offline latency eager" 90 30 "${B[@]}" "${LAT[@]}" --enforce-eager --json "$WORK/offline_latency_eager.json"
+fi
+if selected executor; then  # the offline default at TP 1 is in-process (uni): the pipes' cost
+  need_model
+  step "offline latency mp" 90 30 "${B[@]}" "${LAT[@]}" --distributed-executor-backend mp --json "$WORK/offline_latency_mp.json"
 fi
 if selected profile; then
   need_model

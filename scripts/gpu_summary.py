@@ -44,6 +44,7 @@ def rows(out: str) -> list[Row]:
     thr = _load(out, "offline_throughput.json")
     lat = _load(out, "offline_latency.json")
     eager = _load(out, "offline_latency_eager.json")
+    lat_mp = _load(out, "offline_latency_mp.json")
     thr_async = _load(out, "offline_throughput_async.json")
     lat_async = _load(out, "offline_latency_async.json")
     pre = _load(out, "offline_prefill.json")
@@ -101,6 +102,13 @@ def rows(out: str) -> list[Row]:
             "  same, --enforce-eager",
             "(info)",
             _get(eager, "result", "ms_per_output_token"),
+            lambda v: True,
+            "{:.3f}",
+        ),
+        (
+            "  same, a worker process (--distributed-executor-backend mp)",
+            "(info)",
+            _get(lat_mp, "result", "ms_per_output_token"),
             lambda v: True,
             "{:.3f}",
         ),

@@ -58,7 +58,7 @@ def test_gpu_check_smoke_runs_every_step_and_prints_the_target_table(tmp_path):
     assert "steps not ok: none" in summary, summary + log[-5000:]
     assert "steps not ok: none" in proc.stdout  # the summary is in the tool's output tail too
     rows = ("offline 32x512->128", "single stream", "colocated: ITL p99", "P/D: TTFT p50",
-            "low load 1x1024", "P/D pipelined")  # fmt: skip
+            "low load 1x1024", "P/D pipelined", "a worker process")  # fmt: skip
     for row in rows:
         line = next(ln for ln in summary.splitlines() if row in ln)
         assert "missing" not in line, summary
