@@ -87,6 +87,13 @@ def _families(stats: Any, model: str = "m1") -> dict[str, Any]:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
+def _by_source(fams: dict[str, Any]) -> dict[str, float]:
+    """``vllm:prompt_tokens_by_source_total`` by its ``source`` label."""
+    fam = fams["vllm:prompt_tokens_by_source"]
+    assert fam.type == "counter"
+    return {s.labels["source"]: s.value for s in fam.samples if s.name.endswith("_total")}
+
+
 def test_scheduler_records_a_request_in_every_histogram() -> None:
     sch = Scheduler(_config(), 64, MAX_LEN, NoopConnectorScheduler(_config(), None))  # type: ignore[arg-type]
     sch.add_request(Request("a", list(range(1, 11)), SamplingParams(max_tokens=4)))
@@ -170,6 +177,9 @@ def test_vllm_prompt_tokens_count_each_prompt_once_prefix_cache_hits_included() 
     assert _value(fams, "vllm:prompt_tokens") == 2 * len(prompt)
     assert fams["vllm:prompt_tokens"].type == "counter"
     assert _value(fams, "pdserve_prompt_tokens") == computed
+    # vLLM's breakdown: b's cached blocks are the cache hits, the rest was computed here.
+    assert _by_source(fams) == {"local_compute": computed, "local_cache_hit": 2 * len(prompt) - computed,
+                                "external_kv_transfer": 0}  # fmt: skip
 
 
 def test_decode_node_counts_the_prompt_it_received_as_vllm_does() -> None:
@@ -192,6 +202,7 @@ def test_decode_node_counts_the_prompt_it_received_as_vllm_does() -> None:
     assert _value(fams, "vllm:prompt_tokens") == 8
     assert _value(fams, "pdserve_prompt_tokens") == 0
     assert _value(fams, "vllm:generation_tokens") == 2  # P's first token counts, as in vLLM
+    assert _by_source(fams) == {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 8}
 
 
 def test_decode_node_counts_a_request_waiting_for_its_kv_as_waiting() -> None:

@@ -92,6 +92,10 @@ class Request:
         self.scheduled_time: float | None = None  # first admitted
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        # Where the prompt's KV came from at its last admission (vLLM's prompt tokens by
+        # source): prefix-cache hits here, and KV a prefill node pushed.
+        self.num_cached_prompt_tokens = 0
+        self.num_external_prompt_tokens = 0
         self.error: str | None = None
         self.error_code: str | None = None  # machine-readable, for the HTTP answer
         # Log probabilities, when the sampling params ask for them: one entry per output

@@ -368,6 +368,8 @@ class Scheduler:
         ext, load_async = 0, False
         if req.status == RequestStatus.WAITING:  # not for preempted requests
             ext, load_async = self.connector.get_num_new_matched_tokens(req, num_cached)
+        req.num_cached_prompt_tokens = min(num_cached, req.num_prompt_tokens)
+        req.num_external_prompt_tokens = ext if load_async else 0
         if load_async:
             # Reserve blocks for the remote KV; the request waits until it has landed.
             req.num_computed_tokens = num_cached

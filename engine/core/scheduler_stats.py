@@ -50,6 +50,8 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 # Finish reasons counted by ``request_success`` (vLLM's; an engine error is not a success).
 SUCCESS_REASONS = ("stop", "length", "abort")
+# vLLM's sources of a prompt's KV (vllm:prompt_tokens_by_source_total{source}).
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 def buckets_1_2_5(max_value: int) -> tuple[float, ...]:
@@ -100,6 +102,14 @@ class SchedulerStats(Stats):
         "Tokens generated", metric="generation_tokens", vllm="generation_tokens"
     )
     num_preemptions_total: int = counter("Requests preempted", vllm="num_preemptions")
+    prompt_tokens_by_source_total: dict[str, int] = labeled_counter(
+        "Prompt tokens of the requests that got their first token here (vllm:prompt_tokens) "
+        "by where their KV came from: computed here, a prefix-cache hit here, or pushed by "
+        "a prefill node",
+        "source",
+        PROMPT_SOURCES,
+        vllm="prompt_tokens_by_source",
+    )
     # Request-level (vLLM's names only; see the module docstring for what each measures).
     request_success_total: dict[str, int] = labeled_counter(
         "Finished requests by finish reason",
@@ -168,6 +178,7 @@ class RequestMetrics:
     max_model_len: int
     success: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SUCCESS_REASONS, 0))
     prompt_tokens_processed: int = 0  # whole prompts of the requests that got a token
+    by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROMPT_SOURCES, 0))
 
     def __post_init__(self) -> None:
         tokens = buckets_1_2_5(self.max_model_len)
@@ -192,6 +203,11 @@ class RequestMetrics:
             req.first_token_time = now
             self.ttft.observe(now - req.arrival_time)
             self.prompt_tokens_processed += req.num_prompt_tokens  # vLLM's: once, whole
+            prompt, cached = req.num_prompt_tokens, req.num_cached_prompt_tokens
+            external = min(req.num_external_prompt_tokens, prompt - cached)
+            self.by_source["local_cache_hit"] += cached
+            self.by_source["external_kv_transfer"] += external
+            self.by_source["local_compute"] += prompt - cached - external
         elif req.last_token_time is not None:
             self.itl.observe(now - req.last_token_time)
         req.last_token_time = now
@@ -216,6 +232,7 @@ class RequestMetrics:
         itl = self.itl.snapshot()
         return {
             "prompt_tokens_processed_total": self.prompt_tokens_processed,
+            "prompt_tokens_by_source_total": dict(self.by_source),
             "request_success_total": dict(self.success),
             "time_to_first_token_seconds": self.ttft.snapshot(),
             "inter_token_latency_seconds": itl,
