@@ -111,6 +111,7 @@ class Session:
         self.created = int(time.time())
         self.attempts = 0
         self.node_failures = 0
+        self.only_no_room = True  # every pair failed for want of room (409 not reserved)
         self.migrations = 0  # streams moved on after D failed mid-answer
         self.excluded: set[str] = set()
         # The next attempt without a prefill node. Echo without generation (``echo``,
@@ -248,8 +249,9 @@ class Session:
             self.decode_alone = not self.router.has_other("prefill", self.excluded)
         if not migrating:
             self.node_failures += 1
+        self.only_no_room = self.only_no_room and err.not_reserved
         if self.node_failures > self.cfg.max_retries:
-            if err.not_reserved:  # no decode node could take the KV in time: load, not a fault
+            if self.only_no_room:  # no decode node could take the KV in time: load, not a fault
                 logger.info("request %s: no pair had room: %s", self.request_id, err)
                 message = (
                     f"the request found no room on {self.attempts} prefill/decode pair(s): no "

@@ -785,3 +785,40 @@ def test_every_pair_failing_because_no_decode_node_reserved_in_time_is_a_503_to_
             assert all(n.healthy for n in pool.all())  # no node failed: the pairs were full
 
     asyncio.run(main())
+
+
+def test_a_real_failure_before_the_last_pairs_409_is_still_a_502():
+    """The 503 is for load alone: when an earlier pair failed for real (a prefill node
+    answered 500) and the last one ended with 409 kv_transfer_not_reserved, the client
+    gets 502 upstream_error, as for any request that failed on its nodes."""
+    from engine.server.request_fields import APIError
+
+    calls = [0]
+
+    async def broken_then_not_reserved(req: SeenRequest) -> bytes:
+        calls[0] += 1
+        if calls[0] == 1:
+            return answer(500, {"error": {"message": "boom", "type": "server_error"}})
+        body = {"error": {"message": "no decode node reserved blocks within 4 s",
+                          "type": "invalid_request_error", "param": None,
+                          "code": "kv_transfer_not_reserved"}}  # fmt: skip
+        return answer(409, body)
+
+    async def waiting_decode(req: SeenRequest) -> bytes:
+        await asyncio.sleep(30)
+        return answer(200, {})
+
+    async def main() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            ps = [
+                await stack.enter_async_context(StandIn(_node(broken_then_not_reserved)))
+                for _ in "ab"
+            ]
+            d = await stack.enter_async_context(StandIn(_node(waiting_decode)))
+            cfg = ProxyConfig(prefill=tuple(p.url for p in ps), decode=(d.url,),
+                              routing="round_robin")  # fmt: skip
+            with pytest.raises(APIError) as e:
+                await _complete_through_session(cfg, _ready_pool(cfg))
+            assert e.value.status_code == 502 and e.value.code == "upstream_error"
+
+    asyncio.run(main())

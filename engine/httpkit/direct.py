@@ -2,7 +2,8 @@
 of it, past its layers.
 
 Starlette, not FastAPI: every handler takes a ``Request`` and returns a ``Response`` (bodies
-are parsed and validated by ``engine.server.protocol``), so FastAPI's typed parameters,
+are parsed and validated by ``engine.server.json_body``, ``protocol`` and
+``chat_protocol``), so FastAPI's typed parameters,
 dependency injection and OpenAPI pages (off anyway) did nothing here, and its import was
 ~0.7 s of CPU in every node and proxy process. ``FrontedApp`` keeps FastAPI's way of
 registering routes (``get``, ``post``, ``api_route``, ``add_api_route``; a handler may take
