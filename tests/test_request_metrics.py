@@ -129,19 +129,28 @@ def test_an_abort_counts_and_an_error_does_not() -> None:
     assert st.time_to_first_token_seconds.count == 0  # no token came
 
 
-def test_decode_node_ttft_is_the_first_token_arriving_with_the_kv() -> None:
-    """On a P/D decode node the first token is the prefill node's, arriving with the KV:
-    TTFT ends there (it includes the KV wait, as on a vLLM decode instance), the wait counts
-    as prefill time, and inter-token latency starts from it."""
+def _decode_node_waiting_for_kv(max_tokens: int) -> tuple[Scheduler, RemotePrefill]:
+    """A P/D decode node's scheduler with request ``d`` (an 8-token prompt) reserved and
+    waiting for its KV; set ``conn.landed`` to land it."""
     conn = RemotePrefill(_config())
     sch = Scheduler(_config(), 64, MAX_LEN, conn)
     params = KVTransferParams(
         do_remote_prefill=True, transfer_id="t", remote_side_channel="tcp://127.0.0.1:1"
     )
     sch.add_request(
-        Request("d", list(range(1, 9)), SamplingParams(max_tokens=3), kv_transfer_params=params)
+        Request(
+            "d", list(range(1, 9)), SamplingParams(max_tokens=max_tokens), kv_transfer_params=params
+        )
     )
     sch.update_from_output(sch.schedule(), ModelRunnerOutput())  # reserved, waiting for KV
+    return sch, conn
+
+
+def test_decode_node_ttft_is_the_first_token_arriving_with_the_kv() -> None:
+    """On a P/D decode node the first token is the prefill node's, arriving with the KV:
+    TTFT ends there (it includes the KV wait, as on a vLLM decode instance), the wait counts
+    as prefill time, and inter-token latency starts from it."""
+    sch, conn = _decode_node_waiting_for_kv(max_tokens=3)
     assert sch.stats().time_to_first_token_seconds.count == 0
     conn.landed = {"d": {"first_token": 42}}
     sch.update_from_output(sch.schedule(), ModelRunnerOutput())
@@ -186,15 +195,7 @@ def test_decode_node_counts_the_prompt_it_received_as_vllm_does() -> None:
     """A P/D decode node computed none of the prompt (``pdserve_prompt_tokens_total`` stays
     0), but counts it in ``vllm:prompt_tokens_total`` as a vLLM decode instance does (its
     prompt tokens by source ``external_kv_transfer``)."""
-    conn = RemotePrefill(_config())
-    sch = Scheduler(_config(), 64, MAX_LEN, conn)
-    params = KVTransferParams(
-        do_remote_prefill=True, transfer_id="t", remote_side_channel="tcp://127.0.0.1:1"
-    )
-    sch.add_request(
-        Request("d", list(range(1, 9)), SamplingParams(max_tokens=2), kv_transfer_params=params)
-    )
-    sch.update_from_output(sch.schedule(), ModelRunnerOutput())  # reserved, waiting for KV
+    sch, conn = _decode_node_waiting_for_kv(max_tokens=2)
     conn.landed = {"d": {"first_token": 42}}
     sch.update_from_output(sch.schedule(), ModelRunnerOutput())
     _run(sch, {"d": [43]})
@@ -209,15 +210,7 @@ def test_decode_node_counts_a_request_waiting_for_its_kv_as_waiting() -> None:
     """A decode node's request waiting for P's KV is in ``vllm:num_requests_waiting`` (as
     on a vLLM decode instance, whose waiting queue holds it): a decode node with requests
     waiting for KV does not read as idle."""
-    conn = RemotePrefill(_config())
-    sch = Scheduler(_config(), 64, MAX_LEN, conn)
-    params = KVTransferParams(
-        do_remote_prefill=True, transfer_id="t", remote_side_channel="tcp://127.0.0.1:1"
-    )
-    sch.add_request(
-        Request("d", list(range(1, 9)), SamplingParams(max_tokens=2), kv_transfer_params=params)
-    )
-    sch.update_from_output(sch.schedule(), ModelRunnerOutput())  # reserved, waiting for KV
+    sch, conn = _decode_node_waiting_for_kv(max_tokens=2)
     st = sch.stats()
     assert st.num_waiting_for_remote_kv == 1
     text = ServerMetrics(_Engine(st)).render().decode()
