@@ -520,3 +520,25 @@ def test_interference_workload_sends_the_api_key(keyed_node, monkeypatch):
     assert [r.ok for r in run.long] == [True] and run.decode and all(r.ok for r in run.decode)
     with pytest.raises(BenchError, match="401.*--api-key"):
         asyncio.run(drive(keyed_node.url, args()))
+
+
+def test_serve_save_result_makes_its_result_dir(tmp_path: Path):
+    """vLLM's bench creates --result-dir; pd-bench too, before the run (not a traceback
+    after it)."""
+    d = tmp_path / "new" / "results"
+    args = _bench_args("--save-result", "--result-dir", str(d), "--result-filename", "r.json")
+    assert d.is_dir() and args.json == str(d / "r.json")
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_serve_an_output_in_a_missing_directory_is_refused_before_the_run(
+    flag: str, tmp_path: Path
+):
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "serve", "--base-url", "http://127.0.0.1:9",
+         flag, str(tmp_path / "nope" / "out"), "--num-prompts", "1", "--no-progress"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert flag in proc.stderr and "no such directory" in proc.stderr, proc.stderr
+    assert "cannot benchmark" not in proc.stderr  # refused before any request

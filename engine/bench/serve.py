@@ -237,6 +237,11 @@ def _apply_vllm_bench_args(args: argparse.Namespace, parser: argparse.ArgumentPa
     if args.save_result and not args.json:
         name = args.result_filename or time.strftime("pd-bench-serve-%Y%m%d-%H%M%S.json")
         args.json = os.path.join(args.result_dir or ".", name)
+        if args.result_dir:  # vLLM's bench makes it too
+            try:
+                os.makedirs(args.result_dir, exist_ok=True)
+            except OSError as e:
+                parser.error(f"--result-dir: cannot create {args.result_dir}: {e}")
 
 
 @dataclass
@@ -539,6 +544,11 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--token-id-range: need 0 <= LO < HI")
     if args.extra_body is not None and not isinstance(args.extra_body, dict):
         parser.error("--extra-body must be a JSON object")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        # Checked before the run: a bad path would otherwise fail only after it.
+        folder = os.path.dirname(path or "") or "."
+        if path and not os.path.isdir(folder):
+            parser.error(f"{flag} {path}: no such directory {folder}")
 
 
 def _report_args(args: argparse.Namespace) -> dict[str, Any]:
