@@ -542,3 +542,28 @@ def test_serve_an_output_in_a_missing_directory_is_refused_before_the_run(
     assert proc.returncode == 2, proc.stderr
     assert flag in proc.stderr and "no such directory" in proc.stderr, proc.stderr
     assert "cannot benchmark" not in proc.stderr  # refused before any request
+
+
+@pytest.mark.slow
+def test_serve_ctrl_c_exits_130_without_a_traceback():
+    """Ctrl-C mid-run: a one-line message, exit 130, no asyncio traceback."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as srv:  # accepts (kernel backlog), never answers: requests hang
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        port = srv.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.bench", "serve", "--base-url",
+             f"http://127.0.0.1:{port}", "--model", "m", "--num-warmup", "0",
+             "--num-prompts", "2", "--no-progress"],
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err

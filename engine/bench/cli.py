@@ -67,11 +67,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    args, sub = _parse(parser, argv)
+    try:
+        return _run(args, sub)
+    except KeyboardInterrupt:  # Ctrl-C: the subcommands' finally blocks have run
+        print(f"pd-bench {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parse(
+    parser: argparse.ArgumentParser, argv: list[str] | None
+) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     args, extra = parser.parse_known_args(argv)
     sub = args._parser
     if extra:  # the subcommand's usage, not pd-bench's (argparse gives the top-level one)
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     del args._parser
+    return args, sub
+
+
+def _run(args: argparse.Namespace, sub: argparse.ArgumentParser) -> int:
     if args.command == "offline":
         from engine.bench.offline import run_offline
 
