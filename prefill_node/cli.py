@@ -9,3 +9,7 @@ from engine.server.node_main import run_node
 
 def main(argv: list[str] | None = None) -> None:
     sys.exit(run_node("prefill", argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -422,3 +422,13 @@ def test_proxy_client_help_shows_its_defaults(command: str) -> None:
     for flag in ("--max-tokens", "--temperature", "--timeout"):
         default = sub.get_default(flag.lstrip("-").replace("-", "_"))
         assert f"(default: {default:g})" in text, (flag, text)
+
+
+@pytest.mark.parametrize("module", ["decode_node.cli", "prefill_node.cli"])
+def test_the_cli_modules_run_as_scripts_too(module: str) -> None:
+    """``python -m decode_node.cli --help`` exited 0 silently, starting nothing (the module
+    had no ``__main__`` guard; ``python -m decode_node`` and the console scripts did)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stdout + proc.stderr
