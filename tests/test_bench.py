@@ -353,6 +353,22 @@ def test_serve_counts_failed_requests_and_keeps_going(tiny_node, tmp_path: Path)
     assert sum(s["errors"].values()) == 3
 
 
+def test_serve_stops_when_its_warm_up_fails(tiny_node, tmp_path: Path):
+    """Every warm-up request failing means the arguments are wrong (vLLM's bench stops with
+    "Initial test run failed"): the run stops there, exit 1 naming the warm-up, instead
+    of sending every measured request into the same error."""
+    out = tmp_path / "never.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "serve", "--base-url", tiny_node.url,
+         "--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--num-warmup", "1",
+         "--token-id-range", "600", "700", "--no-progress", "--json", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "warm-up" in proc.stderr, proc.stderr
+    assert "out of range" in proc.stderr and not out.exists()
+
+
 def test_bench_host_step_runs_and_reports_each_part():
     """``scripts/bench_host_step.py`` at toy sizes (no timing asserted)."""
     import importlib.util

@@ -455,10 +455,17 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[ServeSummary, list[Re
             args.num_warmup, args.input_len, kind, tuple(args.token_id_range), args.seed + 10_007,
             *shared,
         )  # fmt: skip
+        warm_errors = []
         for i, p in enumerate(warm):
             r = await send_one(client, url, request_body(args, model, p), p, args.timeout)
             if not r.ok:
                 print(f"warning: warm-up request {i} failed: {r.error}", file=sys.stderr)
+                warm_errors.append(r.error)
+        if warm and len(warm_errors) == len(warm):  # vLLM's bench stops here too
+            raise RuntimeError(
+                f"every warm-up request failed ({warm_errors[0]}): check the arguments "
+                "(model, prompt lengths and ids, endpoint); --num-warmup 0 skips the warm-up"
+            )
         sem = asyncio.Semaphore(conc)
         progress = Progress(args.num_prompts, enabled=not args.no_progress)
         t0 = time.perf_counter()

@@ -510,6 +510,7 @@ def run_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(_clean(report), f, indent=1)
+        print(f"wrote {args.json}")
     if args.plot and plot_transfer(report, args.plot):
         print(f"wrote {args.plot}")
     return 0 if report["all_data_ok"] else 1
