@@ -443,6 +443,64 @@ def test_async_scheduling_gives_the_same_structured_outputs() -> None:
         _check_schema(text)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "defer", "tp"),
+    [("uni", "0", 1), ("mp", "0", 1), ("uni", "1", 1), ("mp", "1", 1), ("mp", "1", 2)],
+)
+def test_async_scheduling_steps_a_constrained_request_every_step(
+    backend: str, defer: str, tp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under async scheduling a constrained request is scheduled ahead of its token in
+    flight (its mask is made after that token's update, while the step's forward runs):
+    each of its steps goes to the workers while the one before is still in flight, as an
+    unconstrained request's do -- and it samples what sync scheduling samples. One grammar
+    ends (after 5 tokens) while a step that samples for it is in flight."""
+    from engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from engine.worker.model_runner import DEFER_READBACK_ENV
+
+    # "1": the sampled ids read back after the next launch (CUDA's way): the worker sends
+    # the step before's output, which the mask needs, before it waits for the mask.
+    monkeypatch.setenv(DEFER_READBACK_ENV, defer)
+    tok = ByteTokenizer()
+    prompts = [tok.encode(p) for p in ["steps", "free", "digits"]]
+    params = [
+        SamplingParams(
+            max_tokens=40,
+            temperature=1.0,
+            seed=i,
+            structured_output=so and StructuredOutput.regex(so),
+        )
+        for i, so in enumerate(["[a-z]{40}", None, "[0-9]{5}"])
+    ]
+    with LLM(EngineConfig(cache=CacheConfig(num_blocks=64))) as sync:
+        want = sync.generate(prompts, params)
+    cfg = EngineConfig(
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(async_scheduling=True),
+        parallel=ParallelConfig(tp=tp, distributed_executor_backend=backend),  # type: ignore[arg-type]
+    )
+    with LLM(cfg) as asyn:
+        core, overlapped = asyn.core, []
+        execute = core.executor.execute_model
+
+        def counting(sched: Any, non_block: bool = False) -> Any:
+            # Steps sent and not updated yet, this one included: 2 while one is in flight.
+            overlapped.append(len(core.scheduler._scheduled_reqs) == 2)
+            return execute(sched, non_block)
+
+        core.executor.execute_model = counting  # type: ignore[method-assign]
+        got = asyn.generate(prompts, params)
+    assert got == want
+    assert [len(ids) for ids in got] == [40, 40, 5]
+    assert tok.decode(got[2]).isdigit()
+    # The prompts' step goes alone; every decode step behind the step before it (without
+    # the overlap, every other schedule found nothing to send and the steps went one by one).
+    assert len(overlapped) == 40 and sum(overlapped) == 39, overlapped
+
+
 # -- live: a node, and P/D through the proxy ---------------------------------------------------
 
 

@@ -129,6 +129,11 @@ class Scheduler:
         self.grammars = grammars
         self._num_sampling = 0
         self._grammar_rows: list[tuple[int, Request]] = []
+        # Async scheduling: whether a row of this step samples after a token still in
+        # flight (its mask waits for that token's update: ``deferred_bitmask``), and the
+        # grammar rows of the steps sent whose masks are made later.
+        self._grammar_waits = False
+        self._deferred_rows: dict[int, list[tuple[int, Request]]] = {}
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -220,18 +225,18 @@ class Scheduler:
         scheduled: dict[str, tuple[Request, int]] = {}
         self._num_sampling = 0
         self._grammar_rows = []
+        self._grammar_waits = False
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_output_placeholders and (
-                req.grammar is not None
-                or req.sampling_params.bans_after_tokens
-                or self._ends_with_pending(req)
+                req.sampling_params.bans_after_tokens or self._ends_with_pending(req)
             ):
                 # Its sample in flight ends it: nothing to compute ahead. Or the next
-                # sample's grammar mask or bad words' ban needs that token (such requests
-                # are not scheduled ahead: every other step under async scheduling).
+                # sample's bad words' ban needs that token (such requests are not scheduled
+                # ahead: every other step under async scheduling). A grammar's mask is made
+                # after that token's update instead (``deferred_bitmask``).
                 i += 1
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
@@ -288,13 +293,37 @@ class Scheduler:
         )
         self._scheduled_reqs[self._step] = scheduled
         self._finished_ids, self._preempted_ids = set(), set()
-        if self._grammar_rows:
-            rows = [(row, req.grammar) for row, req in self._grammar_rows]
-            out.grammar_bitmask = fill_bitmask(rows, self.grammars.vocab_size)  # type: ignore[arg-type, union-attr]
-            self._end_stuck(out.grammar_bitmask, [req for _, req in self._grammar_rows])
-            self._grammar_rows = []
+        if self._grammar_waits:  # the workers sample it once the engine sends the mask
+            out.grammar_deferred = True
+            self._deferred_rows[out.step_id] = self._grammar_rows
+        elif self._grammar_rows:
+            out.grammar_bitmask = self._bitmask(self._grammar_rows)
+        self._grammar_rows = []
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self.kv.block_ids)
         return out
+
+    def deferred_bitmask(self, sched: SchedulerOutput) -> np.ndarray | None:
+        """Async scheduling: the mask of a step sent with ``grammar_deferred``, once the
+        step before it was updated (the tokens its rows follow are known now); the engine
+        sends it to the workers, which sample with it. Requests that ended since get no
+        row (they sample in vain)."""
+        return self._bitmask(self._deferred_rows.pop(sched.step_id, []))
+
+    def _bitmask(self, rows: list[tuple[int, Request]]) -> np.ndarray | None:
+        """The masks of the rows whose grammar constrains the next token (not while an
+        answer reasons), or None; ends the requests that cannot go on."""
+        rows = [
+            (row, req)
+            for row, req in rows
+            if req.status == RequestStatus.RUNNING
+            and req.grammar is not None
+            and req.grammar.constrains
+        ]
+        if not rows:
+            return None
+        bitmask = fill_bitmask([(row, req.grammar) for row, req in rows], self.grammars.vocab_size)  # type: ignore[misc, union-attr]
+        self._end_stuck(bitmask, [req for _, req in rows])
+        return bitmask
 
     def _end_stuck(self, bitmask: np.ndarray, reqs: list[Request]) -> None:
         """End (with why) each request whose grammar allows no next token it may take: its
@@ -350,6 +379,7 @@ class Scheduler:
                 self.kv.pool.free(blocks)
         self._free_after.clear()
         self._scheduled_reqs.clear()
+        self._deferred_rows.clear()
         self.kv.forget_steps_in_flight()
 
     def _ends_with_pending(self, req: Request) -> bool:
@@ -451,9 +481,11 @@ class Scheduler:
                 seq.prompt_logprobs = sp.prompt_logprobs or 0
         req.num_computed_tokens = end
         if samples:
-            if req.grammar is not None and req.grammar.constrains:
-                # Its mask is this step's sampling row so far (none while it reasons).
+            if req.grammar is not None:
+                # Its mask is this step's sampling row so far (none while it reasons: made
+                # with the others, once the token in flight, if any, is known).
                 self._grammar_rows.append((self._num_sampling, req))
+                self._grammar_waits |= req.num_output_placeholders > 0
             self._num_sampling += 1
             if self.async_scheduling:
                 req.num_output_placeholders += 1

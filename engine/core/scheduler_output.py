@@ -72,10 +72,23 @@ class SchedulerOutput:
     # and those rows, in one int32 buffer (``engine/structured/matcher.py:fill_bitmask``;
     # rank 0's sampler applies it). None when no row samples under a grammar.
     grammar_bitmask: Any = None
+    # Async scheduling: a row samples after a token still in flight, so the mask is not
+    # known yet: the workers run the forward, then wait for a ``DeferredBitmask`` (sent
+    # once the step before was updated) before they sample (vLLM's ``sample_tokens``).
+    grammar_deferred: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class DeferredBitmask:
+    """The grammar mask of a step sent with ``grammar_deferred`` (None: no row needs one
+    now), for the worker that samples it (rank 0)."""
+
+    step_id: int
+    bitmask: Any = None
 
 
 @dataclass

@@ -24,7 +24,12 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from engine.config import ConfigError, EngineConfig
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, WorkerOutput
+from engine.core.scheduler_output import (
+    DeferredBitmask,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerOutput,
+)
 from engine.executor.aggregator import KVOutputAggregator
 from engine.worker.pipe import WAKE, WorkerError, worker_context, worker_entry
 
@@ -150,6 +155,16 @@ class MultiprocExecutor:
         if non_block:
             return result
         return self.wait(result)
+
+    def sample_tokens(self, step_id: int, bitmask: Any) -> None:
+        """The grammar mask of step ``step_id``, sent with ``grammar_deferred``: rank 0
+        (the one that samples) waits for it after the step's forward."""
+        if self.dead_reason is not None:
+            return  # the step fails with the executor
+        try:
+            self._task[0].send_bytes(pickle.dumps(DeferredBitmask(step_id, bitmask)))
+        except OSError as e:
+            self._mark_dead(f"lost the pipe to a TP worker: {e}")
 
     def wait(self, result: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
         """A step's aggregated result; the executor is dead past ``--step-timeout``."""

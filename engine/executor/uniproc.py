@@ -12,6 +12,10 @@ What differs from a worker process:
 - **Async scheduling**: ``execute_model(non_block=True)`` launches the step and returns a
   future that ``wait`` resolves (the sampled ids are read back then, after the next step
   was launched), as a worker holding an output does.
+- **A grammar mask made after the forward started** (a step sent with
+  ``grammar_deferred``): the step runs on a thread of its own (one, kept), which waits
+  for ``sample_tokens`` before it samples, while the engine updates the step before and
+  makes the mask; the next ``execute_model`` (or ``wait`` for that step) joins it.
 - **Transfers between steps**: a watcher thread takes the worker loop's part -- while the
   connector is watching a transfer it calls ``progress`` every ``WATCH_INTERVAL_S`` and
   wakes the engine once when one completed. A lock keeps it and the steps apart (the
@@ -24,14 +28,16 @@ What differs from a worker process:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import queue
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from engine.config import ConfigError, EngineConfig
@@ -61,6 +67,8 @@ class UniProcExecutor:
                 f"--tp {config.parallel.tp} needs mp"
             )
         self.world_size = 1
+        self.step_timeout = config.parallel.step_timeout
+        self._threads = config.parallel.worker_threads if config.parallel.device == "cpu" else 0
         self.aggregator = KVOutputAggregator(1)
         self.dead_reason: str | None = None
         self._on_wake: Callable[[], None] | None = None
@@ -69,6 +77,11 @@ class UniProcExecutor:
         self._step_lock = threading.Lock()
         # Async scheduling: the futures of launched steps whose outputs wait for ``wait``.
         self._deferred: dict[Future[ModelRunnerOutput], tuple[WorkerOutput, float]] = {}
+        # A step waiting for its grammar mask on the step thread: the mask's queue, the
+        # thread's task and the step's future.
+        self._split: tuple[queue.SimpleQueue, Future[None], Future[ModelRunnerOutput]] | None
+        self._split = None
+        self._step_thread: ThreadPoolExecutor | None = None
         self.worker = worker if worker is not None else self._build_worker(config)
         try:
             self.num_blocks = decide_num_blocks([self.worker.profile_kv_bytes()])
@@ -121,24 +134,89 @@ class UniProcExecutor:
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         if self.dead_reason is not None:
             raise WorkerDiedError(self.dead_reason)
+        self._join_split()  # the step before, waiting for its mask: sampled by now
         md = sched.kv_connector_metadata
         if md is not None and (ended := md.ended_transfer_keys()):
             self.aggregator.forget(ended)  # transfers that ended: no count outlives them
         t0 = time.perf_counter()
         fut: Future[ModelRunnerOutput] = Future()
+        if sched.grammar_deferred:  # async scheduling only: ``wait`` comes after the mask
+            assert non_block, "a step whose grammar mask comes later cannot block"
+            masks: queue.SimpleQueue = queue.SimpleQueue()
+            if self._step_thread is None:
+                self._step_thread = ThreadPoolExecutor(
+                    1, "tp0-step", initializer=self._init_step_thread
+                )
+            source = functools.partial(self._take_bitmask, masks)
+            task = self._step_thread.submit(self._run, sched, fut, t0, True, source)
+            self._split = (masks, task, fut)
+            return fut
+        self._run(sched, fut, t0, non_block)
+        return fut if non_block else self.wait(fut)
+
+    def _run(
+        self,
+        sched: SchedulerOutput,
+        fut: Future[ModelRunnerOutput],
+        t0: float,
+        non_block: bool,
+        bitmask_source: Callable[[int], Any] | None = None,
+    ) -> None:
+        """The step, through the worker; on the step thread (``bitmask_source``) the output
+        is finished by ``wait``, on the engine's thread."""
         try:
             with self._step_lock:
-                out = self.worker.execute_model(sched)  # launched (CUDA), or done
+                if bitmask_source is None:
+                    out = self.worker.execute_model(sched)  # launched (CUDA), or done
+                else:
+                    out = self.worker.execute_model(sched, bitmask_source)
         except Exception:
             logger.exception("step %s failed", sched.step_id)
             fut.set_exception(WorkerError(0, traceback.format_exc()))
         else:
-            if non_block and out.pending_sampled is not None:
+            if non_block and (out.pending_sampled is not None or bitmask_source is not None):
                 self._deferred[fut] = (out, t0)  # read back in ``wait``
             else:
                 self._finish(fut, out, t0)
         self._stepped.set()
-        return fut if non_block else self.wait(fut)
+
+    def _init_step_thread(self) -> None:
+        """The step thread computes as the engine's thread does (same device, threads)."""
+        import torch
+
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        elif torch.cuda.is_initialized():
+            torch.cuda.set_device("cuda:0")
+
+    def _take_bitmask(self, masks: queue.SimpleQueue, step_id: int) -> Any:
+        """On the step thread: the mask ``sample_tokens`` sends (a deadline: the step's)."""
+        try:
+            got = masks.get(timeout=self.step_timeout)
+        except queue.Empty:
+            raise RuntimeError(
+                f"step {step_id}: no grammar mask within {self.step_timeout:.0f}s"
+            ) from None
+        if got is None:
+            raise RuntimeError(f"step {step_id}: shut down before its grammar mask came")
+        sid, bitmask = got
+        if sid != step_id:
+            raise RuntimeError(f"step {step_id} waited for its grammar mask, got step {sid}'s")
+        return bitmask
+
+    def sample_tokens(self, step_id: int, bitmask: Any) -> None:
+        """The grammar mask of step ``step_id``, sent with ``grammar_deferred``: the step
+        thread samples with it."""
+        if self._split is not None:
+            self._split[0].put((step_id, bitmask))
+
+    def _join_split(self, result: Future[ModelRunnerOutput] | None = None) -> None:
+        """Wait for the step thread's step (only when it is ``result``'s, if given)."""
+        split = self._split
+        if split is None or (result is not None and split[2] is not result):
+            return
+        self._split = None
+        split[1].result()  # ``_run`` puts a step's error on the step's future
 
     def _finish(self, fut: Future[ModelRunnerOutput], out: WorkerOutput, t0: float) -> None:
         """The step's sampled ids read back (a late device error fails the step, as a
@@ -153,6 +231,7 @@ class UniProcExecutor:
         fut.set_result(self.aggregator.aggregate([out]))
 
     def wait(self, result: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
+        self._join_split(result)
         held = self._deferred.pop(result, None)
         if held is not None:
             self._finish(result, *held)
@@ -201,6 +280,11 @@ class UniProcExecutor:
         self._stop.set()
         self._stepped.set()
         self._watcher.join(timeout=5)
+        if self._split is not None:
+            self._split[0].put(None)  # its step ends with an error
+            self._join_split()
+        if self._step_thread is not None:
+            self._step_thread.shutdown()
         for fut in list(self._deferred):
             fut.cancel()
         self._deferred.clear()

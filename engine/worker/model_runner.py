@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -235,10 +236,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, sched: SchedulerOutput, after_layer: Callable[[int], None] | None = None
+        self,
+        sched: SchedulerOutput,
+        after_layer: Callable[[int], None] | None = None,
+        bitmask_source: Callable[[int], Any] | None = None,
     ) -> WorkerOutput:
         """Forward the step's tokens; returns the sampled tokens and the log probabilities
-        asked for (rank 0 only; other ranks return an empty output)."""
+        asked for (rank 0 only; other ranks return an empty output). A step sent with
+        ``grammar_deferred`` asks ``bitmask_source(step_id)`` for its grammar mask after the
+        forward was launched, right before sampling (rank 0 only)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
         seqs = sched.seqs
         fill = None
@@ -292,13 +298,17 @@ class ModelRunner:
             return out
         try:
             params = [self.requests.sampling_params(s.request_id) for s in sampled]
+            bitmask = sched.grammar_bitmask
+            if sched.grammar_deferred:
+                assert bitmask_source is not None, "a deferred grammar mask needs its source"
+                bitmask = bitmask_source(sched.step_id)
             args = (
                 logits,
                 params,
                 [s.start_pos + s.num_tokens for s in sampled],
                 [s.banned_token_ids for s in sampled],
                 *self._penalty_args(sampled, params),
-                sched.grammar_bitmask,
+                bitmask,
                 [s.bad_token_ids for s in sampled],
             )
             want = [i for i, sp in enumerate(params) if sp.logprobs is not None]  # type: ignore[union-attr]

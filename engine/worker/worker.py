@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
@@ -43,7 +44,9 @@ class Worker:
     def handshake_info(self) -> dict[str, Any]:
         return self.connector.handshake_info()
 
-    def execute_model(self, sched: SchedulerOutput) -> WorkerOutput:
+    def execute_model(
+        self, sched: SchedulerOutput, bitmask_source: Callable[[int], Any] | None = None
+    ) -> WorkerOutput:
         """Run one step. Clearing the connector metadata is the step's last connector call,
         on every path: normal, nothing scheduled, and a forward that raises.
 
@@ -61,10 +64,10 @@ class Worker:
                 if sched.num_scheduled_tokens > 0:
                     if connector.wants_layer_hook():  # a pipelined push: pieces per layer
                         sampled = self.model_runner.execute(
-                            sched, after_layer=connector.save_kv_layer
+                            sched, connector.save_kv_layer, bitmask_source
                         )
                     else:
-                        sampled = self.model_runner.execute(sched)
+                        sampled = self.model_runner.execute(sched, None, bitmask_source)
             except BaseException:
                 self._post_sends_of_failed_step()
                 raise

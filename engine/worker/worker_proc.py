@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine.config import EngineConfig
-from engine.core.scheduler_output import WorkerOutput
+from engine.core.scheduler_output import DeferredBitmask, WorkerOutput
 from engine.worker.pipe import WAKE, WorkerError
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,26 @@ def next_step_arrives(held: WorkerOutput, task_conn: Connection) -> bool:
     except Exception:  # e.g. a CUDA error seen by the event's query: send() reports it
         return False
     return task_conn.poll(0)
+
+
+class _ShutDown(Exception):
+    """The engine said shutdown (or went away) while a step waited for its grammar mask."""
+
+
+def wait_for_bitmask(task_conn: Connection, step_id: int, parent: int) -> object:
+    """Rank 0, in a step sent with ``grammar_deferred``: the step's grammar mask, the next
+    message the engine sends (after it updated the step before). Ends with the engine:
+    ``shutdown``, or its process gone (the engine's ``--step-timeout`` bounds the rest)."""
+    while not task_conn.poll(PARENT_CHECK_S):
+        if os.getppid() != parent:
+            raise _ShutDown("engine process went away")
+    msg = task_conn.recv_bytes()
+    if msg == b"shutdown":
+        raise _ShutDown("shutdown")
+    got = pickle.loads(msg)
+    if not isinstance(got, DeferredBitmask) or got.step_id != step_id:
+        raise RuntimeError(f"step {step_id} waited for its grammar mask, got {got!r:.200}")
+    return got.bitmask
 
 
 def send_output(result_conn: Connection, rank: int, out: WorkerOutput, t0: float) -> None:
@@ -183,6 +203,14 @@ def worker_main(
     def send(out: WorkerOutput, t0: float) -> None:
         send_output(result_conn, rank, out, t0)
 
+    def bitmask_source(step_id: int) -> object:
+        # The engine makes the mask from the step before's output: send that first.
+        nonlocal held
+        if held is not None:
+            send(*held)
+            held = None
+        return wait_for_bitmask(task_conn, step_id, parent)
+
     try:
         while True:
             if held is not None and not next_step_arrives(held[0], task_conn):
@@ -206,9 +234,13 @@ def worker_main(
                 return
             t0 = time.perf_counter()
             sched = pickle.loads(msg)
+            if isinstance(sched, DeferredBitmask):
+                continue  # the mask of a step that failed before it sampled
             error = None
             try:
-                out = worker.execute_model(sched)  # launched (CUDA), or done
+                out = worker.execute_model(sched, bitmask_source)  # launched (CUDA), or done
+            except _ShutDown:
+                return
             except Exception:
                 logger.exception("step %s failed", sched.step_id)
                 error = WorkerError(rank, traceback.format_exc())
