@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,39 @@ def test_tpot_and_goodput_counting():
     assert d["ttft_ms"]["p99"] == pytest.approx(summary.ttft_ms.p99)
     assert "Request goodput" in summary.format()
     assert ServeSummary.of(results, 2.0).goodput is None  # no SLO given: no goodput
+
+
+def _ms_rows(text: str) -> list[str]:
+    """The latency rows of a printed report, e.g. 'P99 TTFT', in order."""
+    return [line.split(" (ms):")[0] for line in text.splitlines() if " (ms):" in line]
+
+
+def test_serve_summary_prints_and_writes_the_chosen_metrics_and_percentiles():
+    """``--percentile-metrics``/``--metric-percentiles`` as vLLM's bench: the chosen metrics
+    (in vLLM's order) with mean, median and each percentile; the JSON keys vLLM writes."""
+    results = [_result(0.05, [0.01, 0.02]), _result(0.10, [0.03, 0.01]), _result(0.2, [0.04])]
+    s = ServeSummary.of(
+        results, 1.0, percentile_metrics=("e2el", "itl"), metric_percentiles=(50, 99.9)
+    )
+    stats = ("Mean", "Median", "P50", "P99.9")
+    assert _ms_rows(s.format()) == [f"{x} {m}" for m in ("ITL", "E2E") for x in stats]
+    d = s.to_dict()
+    json.dumps(d)
+    for m, summ in (("itl", s.itl_ms), ("e2el", s.e2e_ms)):
+        assert d[f"mean_{m}_ms"] == pytest.approx(summ.mean)
+        assert d[f"median_{m}_ms"] == pytest.approx(summ.median)
+        assert d[f"std_{m}_ms"] == pytest.approx(summ.std)
+        assert d[f"p50_{m}_ms"] == pytest.approx(summ.median)
+        assert d[f"p99.9_{m}_ms"] == pytest.approx(summ.p99, rel=0.01)
+    assert not [k for k in d if re.fullmatch(r"(mean|median|std|p[\d.]+)_(ttft|tpot)_ms", k)]
+    # The defaults print what pd-bench always printed: every metric, mean/median/p90/p99.
+    s = ServeSummary.of(results, 1.0)
+    stats = ("Mean", "Median", "P90", "P99")
+    metrics = ("TTFT", "TPOT", "ITL", "E2E")
+    assert _ms_rows(s.format()) == [f"{x} {m}" for m in metrics for x in stats]
+    d = s.to_dict()
+    assert d["p90_ttft_ms"] == pytest.approx(s.ttft_ms.p90) and "p99_e2el_ms" in d
+    assert d["ttft_ms"]["p99"] == pytest.approx(s.ttft_ms.p99)  # the summaries stay
 
 
 def test_serve_helpers_without_a_server():
@@ -337,6 +371,27 @@ def test_serve_against_a_node(tiny_node, tmp_path: Path):
 
 
 @pytest.mark.slow
+def test_serve_reports_the_chosen_percentiles_as_vllm_names_them(tiny_node, tmp_path: Path):
+    out = tmp_path / "pct.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.bench", "serve", "--base-url", tiny_node.url,
+         "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--num-warmup", "0",
+         "--no-progress", "--percentile-metrics", "itl,e2el", "--metric-percentiles",
+         "50,99.9", "--json", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr + tiny_node.logs()
+    stats = ("Mean", "Median", "P50", "P99.9")
+    assert _ms_rows(proc.stdout) == [f"{x} {m}" for m in ("ITL", "E2E") for x in stats]
+    s = json.loads(out.read_text())["summary"]
+    for m in ("itl", "e2el"):
+        for stat in ("mean", "median", "p50", "p99.9"):
+            assert s[f"{stat}_{m}_ms"] > 0, (stat, m, s)
+        assert s[f"std_{m}_ms"] >= 0
+    assert "p99_ttft_ms" not in s and "mean_tpot_ms" not in s and "p90_itl_ms" not in s
+
+
+@pytest.mark.slow
 def test_serve_counts_failed_requests_and_keeps_going(tiny_node, tmp_path: Path):
     out = tmp_path / "failed.json"
     proc = subprocess.run(
@@ -435,6 +490,16 @@ def test_serve_takes_vllm_bench_serve_spellings(tmp_path: Path):
     assert args.json.startswith(str(tmp_path)) and args.json.endswith(".json")
 
 
+def test_serve_takes_vllm_bench_serve_percentile_flags():
+    args = _bench_args()  # pd-bench's defaults: what it always printed
+    assert args.percentile_metrics == ["ttft", "tpot", "itl", "e2el"]
+    assert args.metric_percentiles == [90.0, 99.0]
+    args = _bench_args("--percentile-metrics", "e2el, ttft,e2el", "--metric-percentiles",
+                       "50,99.9,100")  # fmt: skip
+    assert args.percentile_metrics == ["e2el", "ttft"]
+    assert args.metric_percentiles == [50.0, 99.9, 100.0]
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -445,6 +510,11 @@ def test_serve_takes_vllm_bench_serve_spellings(tmp_path: Path):
         (["--random-prefix-len", "4", "--shared-prefix-len", "4"], "--random-prefix-len"),
         (["--no-such-flag"], "--no-such-flag"),
         (["--num-prompts", "x"], "--num-prompts"),
+        (["--percentile-metrics", "ttft,e2e"], "unknown metric 'e2e'"),
+        (["--percentile-metrics", "ttft,,itl"], "--percentile-metrics: empty"),
+        (["--metric-percentiles", "0"], "percentile 0 is not in (0, 100]"),
+        (["--metric-percentiles", "99,100.5"], "percentile 100.5 is not in (0, 100]"),
+        (["--metric-percentiles", "p99"], "'p99' is not a number"),
     ],
 )
 def test_a_bad_serve_flag_prints_the_serve_usage(argv: list[str], needle: str):

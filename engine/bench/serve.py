@@ -25,7 +25,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.bench.stats import RequestResult, ServeSummary
+from engine.bench.stats import (
+    DEFAULT_METRIC_PERCENTILES,
+    DEFAULT_PERCENTILE_METRICS,
+    PERCENTILE_METRICS,
+    RequestResult,
+    ServeSummary,
+    short_number,
+)
 from engine.bench.words import WORDS
 from engine.httpkit.sse_reader import SSEReader
 
@@ -138,10 +145,58 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("results")
     g.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT SLO, ms")
     g.add_argument("--slo-itl-ms", type=float, help="goodput: SLO on a request's largest ITL, ms")
+    g.add_argument(
+        "--percentile-metrics",
+        type=percentile_metrics_arg,
+        default=",".join(DEFAULT_PERCENTILE_METRICS),
+        metavar="M,...",
+        help="the latencies reported, as vLLM's bench: a comma list of "
+        f"{', '.join(PERCENTILE_METRICS)} (default: all; vLLM's: ttft,tpot,itl)",
+    )
+    g.add_argument(
+        "--metric-percentiles",
+        type=metric_percentiles_arg,
+        default=",".join(map(short_number, DEFAULT_METRIC_PERCENTILES)),
+        metavar="P,...",
+        help="the percentiles reported of each, in (0, 100], besides mean and median, as "
+        "vLLM's bench: a comma list, e.g. 50,99.9 (default: 90,99; vLLM's: 99)",
+    )
     g.add_argument("--json", metavar="PATH", help="write the summary and per-request results")
     g.add_argument("--plot", metavar="PATH.png", help="latency CDFs (TTFT, ITL, E2E); matplotlib")
     g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     add_vllm_bench_args(p)
+
+
+def _comma_list(flag: str, value: str) -> list[str]:
+    items = [x.strip() for x in value.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"{flag}: empty entry in {value!r}")
+    return list(dict.fromkeys(items))  # the first of each, in order
+
+
+def percentile_metrics_arg(value: str) -> list[str]:
+    """``--percentile-metrics ttft,itl`` -> ["ttft", "itl"] (vLLM's metric names)."""
+    metrics = _comma_list("--percentile-metrics", value)
+    for m in metrics:
+        if m not in PERCENTILE_METRICS:
+            raise argparse.ArgumentTypeError(
+                f"unknown metric {m!r}: choose from {', '.join(PERCENTILE_METRICS)}"
+            )
+    return metrics
+
+
+def metric_percentiles_arg(value: str) -> list[float]:
+    """``--metric-percentiles 50,99.9`` -> [50.0, 99.9]; each in (0, 100]."""
+    out = []
+    for item in _comma_list("--metric-percentiles", value):
+        try:
+            p = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a number") from None
+        if not 0 < p <= 100:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"percentile {item} is not in (0, 100]")
+        out.append(p)
+    return list(dict.fromkeys(out))
 
 
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -483,7 +538,10 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[ServeSummary, list[Re
 
         results = await asyncio.gather(*(one(i) for i in range(args.num_prompts)))
         duration = time.perf_counter() - t0
-    summary = ServeSummary.of(results, duration, args.slo_ttft_ms, args.slo_itl_ms)
+    summary = ServeSummary.of(
+        results, duration, args.slo_ttft_ms, args.slo_itl_ms,
+        args.percentile_metrics, args.metric_percentiles,
+    )  # fmt: skip
     return summary, list(results)
 
 

@@ -118,6 +118,24 @@ def count_good(
     return sum(meets_slo(r, slo_ttft_s, slo_itl_s) for r in results)
 
 
+# --percentile-metrics' names (vLLM's) -> (ServeSummary field, row abbreviation, title),
+# in the order vLLM prints them whatever order they are given in.
+PERCENTILE_METRICS = {
+    "ttft": ("ttft_ms", "TTFT", "Time to First Token"),
+    "tpot": ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
+    "itl": ("itl_ms", "ITL", "Inter-token Latency"),
+    "e2el": ("e2e_ms", "E2E", "End-to-end Latency"),
+}
+# pd-bench's defaults: what it always printed (vLLM's are ttft,tpot,itl and 99).
+DEFAULT_PERCENTILE_METRICS = tuple(PERCENTILE_METRICS)
+DEFAULT_METRIC_PERCENTILES = (90.0, 99.0)
+
+
+def short_number(v: float) -> str:
+    """99.0 -> '99', 99.9 -> '99.9': a percentile as vLLM's keys and rows spell it."""
+    return str(int(v)) if math.isfinite(v) and v == int(v) else str(v)
+
+
 @dataclass
 class ServeSummary:
     """Aggregate of one ``pd-bench serve`` run. Latency summaries are in milliseconds."""
@@ -140,6 +158,9 @@ class ServeSummary:
     good_requests: int | None = None
     goodput: float | None = None  # requests meeting every SLO / s
     errors: dict[str, int] = field(default_factory=dict)  # error message -> count
+    # The metrics and percentiles reported (--percentile-metrics, --metric-percentiles):
+    # metric -> [(percentile, ms)], in PERCENTILE_METRICS' order.
+    percentiles_ms: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -148,8 +169,22 @@ class ServeSummary:
         duration_s: float,
         slo_ttft_ms: float | None = None,
         slo_itl_ms: float | None = None,
+        percentile_metrics: Iterable[str] = DEFAULT_PERCENTILE_METRICS,
+        metric_percentiles: Sequence[float] = DEFAULT_METRIC_PERCENTILES,
     ) -> ServeSummary:
         ok = [r for r in results if r.ok]
+        samples_ms = {  # keyed as PERCENTILE_METRICS
+            "ttft": [r.ttft * 1e3 for r in ok if r.ttft is not None],
+            "tpot": [t * 1e3 for r in ok if (t := r.tpot) is not None],
+            "itl": [x * 1e3 for r in ok for x in r.itl],
+            "e2el": [r.e2e * 1e3 for r in ok if r.e2e is not None],
+        }
+        chosen = set(percentile_metrics)
+        percentiles_ms = {
+            m: [(float(p), percentile(xs, p)) for p in metric_percentiles]
+            for m, xs in samples_ms.items()
+            if m in chosen
+        }
         dur = duration_s if duration_s > 0 else math.nan
         tin = sum(r.prompt_tokens for r in ok)
         tout = sum(r.output_tokens for r in ok)
@@ -176,21 +211,32 @@ class ServeSummary:
             request_throughput=len(ok) / dur,
             output_throughput=tout / dur,
             total_token_throughput=(tin + tout) / dur,
-            ttft_ms=Summary.of(r.ttft for r in ok if r.ttft is not None).scaled(1e3),
-            tpot_ms=Summary.of(t for r in ok if (t := r.tpot) is not None).scaled(1e3),
-            itl_ms=Summary.of(x for r in ok for x in r.itl).scaled(1e3),
-            e2e_ms=Summary.of(r.e2e for r in ok if r.e2e is not None).scaled(1e3),
+            ttft_ms=Summary.of(samples_ms["ttft"]),
+            tpot_ms=Summary.of(samples_ms["tpot"]),
+            itl_ms=Summary.of(samples_ms["itl"]),
+            e2e_ms=Summary.of(samples_ms["e2el"]),
             slo_ttft_ms=slo_ttft_ms,
             slo_itl_ms=slo_itl_ms,
             good_requests=good,
             goodput=goodput,
             errors=errors,
+            percentiles_ms=percentiles_ms,
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field (a latency summary as a dict), and for the chosen metrics the keys of
+        vLLM's result JSON: ``mean_ttft_ms``, ``median_ttft_ms``, ``std_ttft_ms``,
+        ``p99_ttft_ms`` (one per chosen percentile)."""
         out: dict[str, Any] = {}
         for k, v in self.__dict__.items():
-            out[k] = v.to_dict() if isinstance(v, Summary) else _json_float(v)
+            if k != "percentiles_ms":
+                out[k] = v.to_dict() if isinstance(v, Summary) else _json_float(v)
+        for m, pcts in self.percentiles_ms.items():
+            s: Summary = getattr(self, PERCENTILE_METRICS[m][0])
+            for stat in ("mean", "median", "std"):
+                out[f"{stat}_{m}_ms"] = _json_float(getattr(s, stat))
+            for p, v in pcts:
+                out[f"p{short_number(p)}_{m}_ms"] = _json_float(v)
         return out
 
     def format(self) -> str:
@@ -215,24 +261,14 @@ class ServeSummary:
                 slos.append(f"max ITL<={self.slo_itl_ms:g}ms")
             lines.append(_row(f"Good requests ({', '.join(slos)}):", self.good_requests))
             lines.append(_row("Request goodput (req/s):", f"{self.goodput:.2f}"))
-        for title, s in (
-            ("Time to First Token", self.ttft_ms),
-            ("Time per Output Token (excl. 1st token)", self.tpot_ms),
-            ("Inter-token Latency", self.itl_ms),
-            ("End-to-end Latency", self.e2e_ms),
-        ):
-            short = title.split(" (")[0]
-            abbrev = {"Time to First Token": "TTFT", "Time per Output Token": "TPOT"}.get(
-                short, "ITL" if short.startswith("Inter") else "E2E"
-            )
+        for m, pcts in self.percentiles_ms.items():
+            attr, abbrev, title = PERCENTILE_METRICS[m]
+            s: Summary = getattr(self, attr)
             lines.append(f" {title} ".center(w, "-"))
-            for label, v in (
-                ("Mean", s.mean),
-                ("Median", s.median),
-                ("P90", s.p90),
-                ("P99", s.p99),
-            ):
-                lines.append(_row(f"{label} {abbrev} (ms):", f"{v:.2f}"))
+            lines.append(_row(f"Mean {abbrev} (ms):", f"{s.mean:.2f}"))
+            lines.append(_row(f"Median {abbrev} (ms):", f"{s.median:.2f}"))
+            for p, v in pcts:
+                lines.append(_row(f"P{short_number(p)} {abbrev} (ms):", f"{v:.2f}"))
         top = sorted(self.errors.items(), key=lambda kv: -kv[1])
         for msg, n in top[:5]:
             lines.append(f"error x{n}: {msg}")
