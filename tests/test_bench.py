@@ -130,6 +130,20 @@ def test_serve_summary_prints_and_writes_the_chosen_metrics_and_percentiles():
     assert d["ttft_ms"]["p99"] == pytest.approx(s.ttft_ms.p99)  # the summaries stay
 
 
+def test_serve_report_lines_fit_80_columns():
+    """The goodput rows fit the table (they ran past it) and a long error message wraps."""
+    msg = "HTTP 400: " + " ".join(f"token id {600 + i} is out of range" for i in range(6))
+    results = [_result(0.05, [0.01]), RequestResult(ok=False, error=msg)]
+    s = ServeSummary.of(results, 1.0, slo_ttft_ms=123456.5, slo_itl_ms=25000.25)
+    lines = s.format().splitlines()
+    assert max(map(len, lines)) <= 80, lines
+    width = len(lines[0])  # the ==== Serving Benchmark Result ==== line
+    assert all(len(line) <= width for line in lines if "error" not in line and line[0] != " ")
+    text = " ".join(s.format().split())
+    assert msg in text and "123456.5" in text and "25000.25" in text
+    assert "Request goodput (req/s):" in text
+
+
 def test_serve_helpers_without_a_server():
     from engine.bench.serve import _chunk_tokens, arrival_delays, make_prompts
 

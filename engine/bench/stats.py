@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -254,12 +255,11 @@ class ServeSummary:
             _row("Total token throughput (tok/s):", f"{self.total_token_throughput:.2f}"),
         ]
         if self.goodput is not None:
-            slos = []
             if self.slo_ttft_ms is not None:
-                slos.append(f"TTFT<={self.slo_ttft_ms:g}ms")
+                lines.append(_row("Goodput SLO, TTFT (ms):", short_number(self.slo_ttft_ms)))
             if self.slo_itl_ms is not None:
-                slos.append(f"max ITL<={self.slo_itl_ms:g}ms")
-            lines.append(_row(f"Good requests ({', '.join(slos)}):", self.good_requests))
+                lines.append(_row("Goodput SLO, largest ITL (ms):", short_number(self.slo_itl_ms)))
+            lines.append(_row("Good requests (met every SLO):", self.good_requests))
             lines.append(_row("Request goodput (req/s):", f"{self.goodput:.2f}"))
         for m, pcts in self.percentiles_ms.items():
             attr, abbrev, title = PERCENTILE_METRICS[m]
@@ -270,8 +270,10 @@ class ServeSummary:
             for p, v in pcts:
                 lines.append(_row(f"P{short_number(p)} {abbrev} (ms):", f"{v:.2f}"))
         top = sorted(self.errors.items(), key=lambda kv: -kv[1])
-        for msg, n in top[:5]:
-            lines.append(f"error x{n}: {msg}")
+        for msg, n in top[:5]:  # wrapped at 80 columns, not cut
+            lines += textwrap.wrap(
+                f"error x{n}: {msg}", 80, subsequent_indent="  ", break_on_hyphens=False
+            )
         if len(top) > 5:
             lines.append(f"... and {len(top) - 5} other error messages (see --json)")
         lines.append("=" * w)
