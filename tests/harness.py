@@ -144,6 +144,21 @@ def sse_events(resp: httpx.Response) -> list[Any]:
     return sse_data(resp.iter_lines())
 
 
+def sse_chunk_events(chunks: Iterable[str]) -> list[Any]:
+    """The JSON events of an SSE body that came in ``chunks`` (e.g. a proxy session's
+    ``events()``). A chunk may hold several events, or part of one: the chunks are
+    buffered and split at blank lines; an event's ``data:`` lines are joined (the SSE
+    rule). ``[DONE]``, comments and an event the body never ended are left out."""
+    *events, _unended = "".join(chunks).replace("\r\n", "\n").split("\n\n")
+    out = []
+    for event in events:
+        lines = event.split("\n")
+        data = "\n".join(x[5:].removeprefix(" ") for x in lines if x.startswith("data:"))
+        if data.startswith("{"):
+            out.append(json.loads(data))
+    return out
+
+
 def chat_stream_choices(url: str, body: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
     """``POST /v1/chat/completions`` of ``body`` streamed (the tiny model named): each
     choice's chunks (its ``choices`` entries) in order, by index. The stream must end with

@@ -1,11 +1,11 @@
-"""The harness itself: what a test's processes leave behind."""
+"""The harness itself: what a test's processes leave behind; its SSE parsing."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from harness import MODEL, child_context, child_process, first_message
+from harness import MODEL, child_context, child_process, first_message, sse_chunk_events
 
 
 @pytest.mark.slow
@@ -46,3 +46,16 @@ def test_first_message_names_a_child_that_died_before_it_was_ready():
     proc.start()
     proc.join(30)  # sent, then exited: the message still counts
     assert first_message(parent, proc, 120, "the child") == "ready"
+
+
+def test_sse_chunk_events_splits_the_stream_at_blank_lines_not_at_chunks():
+    """A proxy chunk may hold two events (a chat stream's role chunk and P's token), and an
+    event may arrive in two chunks: the events are the buffered stream's, not the chunks'."""
+    chunks = [
+        'data: {"a": 1}\n\ndata: {"b": 2}\n\n',  # two events in one chunk
+        'data: {"c"',  # one event in two chunks
+        ": 3}\n\n: a comment\n\ndata: [DONE]\n\n",
+        'data: {"never": "ended"}\n',  # no blank line: not an event
+    ]
+    assert sse_chunk_events(chunks) == [{"a": 1}, {"b": 2}, {"c": 3}]
+    assert sse_chunk_events(['data: {"a": 1}\r\n\r\n']) == [{"a": 1}]

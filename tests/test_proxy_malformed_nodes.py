@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from harness import sse_chunk_events
 
 from proxy.config import ProxyConfig
 from proxy.health import HealthChecker
@@ -315,8 +316,7 @@ async def _chat_stream(cfg: Any, pool: NodePool) -> tuple[list[int], list[dict[s
         finally:
             session.close()
             await legs.drain()
-    lines = (e for c in chunks for e in c.split("\n\n"))  # a chunk may hold several events
-    events = [json.loads(e[6:]) for e in lines if e.startswith("data: {")]
+    events = sse_chunk_events(chunks)  # a chunk may hold several events
     ids = [t for e in events for ch in e.get("choices", []) for t in ch.get("token_ids") or []]
     return ids, events
 

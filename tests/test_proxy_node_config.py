@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from harness import GREEDY as HTTP_GREEDY
-from harness import NIXL, Procs, assert_completes_with, metric
+from harness import NIXL, Procs, assert_completes_with, metric, sse_chunk_events
 from hf_models import random_prompt
 
 from proxy.config import ProxyConfig
@@ -143,7 +143,7 @@ async def _request(cfg: ProxyConfig, pool: NodePool, router: Router, stream: boo
                 return await asyncio.wait_for(session.complete(), 15)
             await asyncio.wait_for(session.start_stream(), 15)
             chunks = [c async for c in session.events()]
-            return [json.loads(c[6:]) for c in chunks if c.startswith("data: {")]
+            return sse_chunk_events(chunks)
         finally:
             session.close()
             await legs.drain()

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from harness import sse_chunk_events
 
 from proxy.config import ProxyConfig
 from proxy.legs import Attempt, Legs, UpstreamError
@@ -194,7 +195,7 @@ async def _stream_through_session(
             setup()
         await asyncio.wait_for(session.start_stream(), 20)
         chunks = [c async for c in session.events()]
-    events = [json.loads(c[6:]) for c in chunks if c.startswith("data: {")]
+    events = sse_chunk_events(chunks)
     ids = [t for e in events for ch in e.get("choices", []) for t in ch.get("token_ids") or []]
     return ids, events
 
