@@ -16,6 +16,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -504,11 +505,15 @@ def test_async_scheduling_steps_a_constrained_request_every_step(
 # -- live: a node, and P/D through the proxy ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pd(module_procs: Procs) -> tuple[PD, Proc]:
-    """A P/D pair behind a proxy, and a colocated node."""
-    pair = module_procs.pd(1, 1, "--num-blocks", "256", colocated=True)
-    return pair, module_procs.proxy([pair.p.url], [pair.d.url])
+@pytest.fixture(scope="module", params=["sync", "async"])
+def pd(module_procs: Procs, request: pytest.FixtureRequest) -> Iterator[tuple[PD, Proc]]:
+    """A P/D pair behind a proxy, and a colocated node; with ``async``, every node runs
+    ``--async-scheduling`` (D's constrained decodes get their masks after the token in
+    flight, P's first token included)."""
+    extra = ["--async-scheduling"] if request.param == "async" else []
+    pair = module_procs.pd(1, 1, "--num-blocks", "256", *extra, colocated=True)
+    yield pair, module_procs.proxy([pair.p.url], [pair.d.url])
+    module_procs.stop_all()  # the other mode's nodes start next
 
 
 def _post(url: str, path: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
