@@ -282,10 +282,10 @@ class EngineCore:
             fut = self.executor.execute_model(sched, non_block=True)
             self._in_flight = (sched, fut, time.perf_counter())  # type: ignore[assignment]
         outputs = self._wait_and_update(prev) if prev is not None else []
-        if not idle and sched.grammar_deferred:
-            # Its grammar rows follow tokens known only now: their mask goes while its
-            # forward runs (the workers sample once it arrives).
-            self.executor.sample_tokens(sched.step_id, self.scheduler.deferred_bitmask(sched))
+        if not idle and sched.sampling_deferred:
+            # Its grammar masks and bad words' bans follow tokens known only now: they go
+            # while its forward runs (the workers sample once they arrive).
+            self.executor.sample_tokens(self.scheduler.deferred_sampling(sched))
             outputs += self.scheduler.take_outputs()  # requests their grammar ended
         # Nothing sent, but the update of the step before may have made room (requests
         # it ended, blocks back): the next schedule may find work, so do not idle yet.

@@ -10,7 +10,12 @@ from hypothesis import HealthCheck, settings
 
 from engine.config import EngineConfig
 from engine.core.request import Request
-from engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
+from engine.core.scheduler_output import (
+    PLACEHOLDER_TOKEN_ID,
+    DeferredSampling,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from engine.worker.model_runner import placeholder_sources
 from engine.worker.request_states import RequestStates
 from kvconnector.noop import NoopConnectorScheduler
@@ -77,14 +82,21 @@ class PagedToyModel:
         self.prev_rows: dict[str, int] = {}
         self.placeholders = 0
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, so: SchedulerOutput, deferred: DeferredSampling | None = None
+    ) -> ModelRunnerOutput:
+        """``deferred``: a ``sampling_deferred`` step's bans, made after the step before's
+        update (the engine's ``sample_tokens``)."""
         so = pickle.loads(pickle.dumps(so))  # what a worker receives
+        assert so.sampling_deferred == (deferred is not None), "deferred bans: both or none"
+        late = deferred.bad_token_ids if deferred is not None else {}
         self.states.update(so)
         self.placeholders += sum(1 for q in so.seqs if q.token_ids[-1] == PLACEHOLDER_TOKEN_ID)
         for i, row in zip(*placeholder_sources(so.seqs, self.prev_rows), strict=True):
             so.seqs[i].token_ids[-1] = self.prev_ids[row]
         sampled: dict[str, int] = {}
         for seq in so.seqs:
+            bad = late.get(len(sampled), seq.bad_token_ids) if seq.samples else ()
             table = self.states.block_ids(seq.request_id).tolist()
             for j, token in enumerate(seq.token_ids):
                 pos = seq.start_pos + j
@@ -97,7 +109,7 @@ class PagedToyModel:
                         + self.cache[(table[pos // self.block_size], pos % self.block_size)]
                     ) % (2**61 - 1)
                 token = h % self.vocab
-                while token in seq.banned_token_ids or token in seq.bad_token_ids:
+                while token in seq.banned_token_ids or token in bad:
                     token = (token + 1) % self.vocab
                 sampled[seq.request_id] = token
         if sampled:  # as the model runner: a step that samples nothing keeps the last

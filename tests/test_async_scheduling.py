@@ -453,27 +453,27 @@ def test_a_held_output_waits_for_its_ids_or_the_next_step_whichever_comes_first(
     assert next_step_arrives(held(ready_after=0), _Conn(arrives_at=1))
 
 
-def test_a_worker_waiting_for_a_grammar_mask_takes_its_own_and_ends_with_the_engine():
-    """Rank 0 in a step sent with ``grammar_deferred``: the next message on its task pipe
-    is the step's mask; ``shutdown`` (or another step's mask) ends the wait, not a hang."""
+def test_a_worker_waiting_for_its_sampling_masks_takes_its_own_and_ends_with_the_engine():
+    """Rank 0 in a step sent with ``sampling_deferred``: the next message on its task pipe
+    is the step's masks; ``shutdown`` (or another step's mask) ends the wait, not a hang."""
     import multiprocessing as mp
     import os
 
-    from engine.core.scheduler_output import DeferredBitmask
-    from engine.worker.worker_proc import _ShutDown, wait_for_bitmask
+    from engine.core.scheduler_output import DeferredSampling
+    from engine.worker.worker_proc import _ShutDown, wait_for_deferred
 
     recv, send = mp.Pipe(duplex=False)
     try:
-        send.send_bytes(pickle.dumps(DeferredBitmask(5, [1, 2])))
-        assert wait_for_bitmask(recv, 5, os.getppid()) == [1, 2]
-        send.send_bytes(pickle.dumps(DeferredBitmask(4, None)))
-        with pytest.raises(RuntimeError, match="step 6 waited for its grammar mask"):
-            wait_for_bitmask(recv, 6, os.getppid())
+        send.send_bytes(pickle.dumps(DeferredSampling(5, [1, 2])))
+        assert wait_for_deferred(recv, 5, os.getppid()) == DeferredSampling(5, [1, 2])
+        send.send_bytes(pickle.dumps(DeferredSampling(4, None)))
+        with pytest.raises(RuntimeError, match="step 6 waited for its sampling masks"):
+            wait_for_deferred(recv, 6, os.getppid())
         send.send_bytes(b"shutdown")
         with pytest.raises(_ShutDown):
-            wait_for_bitmask(recv, 7, os.getppid())
+            wait_for_deferred(recv, 7, os.getppid())
         with pytest.raises(_ShutDown):  # nothing comes and the parent is not ours: gone
-            wait_for_bitmask(recv, 8, os.getppid() + 1)
+            wait_for_deferred(recv, 8, os.getppid() + 1)
     finally:
         recv.close()
         send.close()

@@ -4,8 +4,8 @@ length, vLLM's rule); a sequence's last id is banned in a step whose output so f
 with the rest of it (a one-token word: always). The output only, not the prompt (vLLM's).
 
 The rule through the real scheduler and the paged toy model (sync and async scheduling:
-a request with multi-token bad words is not scheduled ahead of its token in flight, the
-ban needs it); parsing and tokenizing; live node and P/D through the proxy in
+a request with multi-token bad words is scheduled ahead of its token in flight, and the
+ban, which needs it, goes to the workers after that token's update); parsing and tokenizing; live node and P/D through the proxy in
 ``tests/test_choices.py``."""
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ BLOCK = 4
 VOCAB = 40
 
 
-def _run(async_scheduling: bool, params: SamplingParams, prompt: list[int]) -> list[int]:
+def _run(
+    async_scheduling: bool,
+    params: SamplingParams,
+    prompt: list[int],
+    overlapped: list | None = None,
+) -> list[int]:
+    """The answer; ``overlapped`` gets, per step sent, whether one was in flight."""
     cfg = EngineConfig(
         model=ModelConfig(model="tiny", max_model_len=512, dtype="float32"),
         cache=CacheConfig(block_size=BLOCK),
@@ -45,13 +51,18 @@ def _run(async_scheduling: bool, params: SamplingParams, prompt: list[int]) -> l
         if not (s.has_work() or in_flight):
             return out
         so = s.schedule()
-        result = model.execute(so)
-        if async_scheduling:
+        if overlapped is not None and so.seqs:
+            overlapped.append(in_flight is not None)
+        if async_scheduling:  # as the engine: the step goes, then the one before updates
             if in_flight is not None:
                 out += [t for o in s.update_from_output(*in_flight) for t in o.new_token_ids]
+            deferred = s.deferred_sampling(so) if so.sampling_deferred else None
+            result = model.execute(so, deferred)
             in_flight = (so, result) if so.seqs or so.finished_request_ids else None
             if in_flight is not None:
                 continue
+        else:
+            result = model.execute(so)
         out += [t for o in s.update_from_output(so, result) for t in o.new_token_ids]
     raise AssertionError("no progress")
 
@@ -67,8 +78,11 @@ def test_a_banned_pair_never_follows_and_the_answer_is_the_same_up_to_it(async_s
     pair = _bigrams(free)[10]
     where = _bigrams(free).index(pair)
     params = SamplingParams(max_tokens=60, temperature=0, bad_words_token_ids=(pair,))
-    banned = _run(async_scheduling, params, prompt)
+    overlapped: list[bool] = []
+    banned = _run(async_scheduling, params, prompt, overlapped)
     assert pair not in _bigrams(banned)
+    # Async: every decode step goes while the one before is in flight (the ban follows).
+    assert sum(overlapped) == (len(overlapped) - 1 if async_scheduling else 0), overlapped
     assert banned[: where + 1] == free[: where + 1]  # the same until the pair would be
     assert banned[where + 1] != pair[1]
     assert banned == _run(not async_scheduling, params, prompt)
@@ -147,3 +161,40 @@ def test_the_output_is_read_from_where_it_starts():
     # The prompt's last ids and the output's first do not make a word (vLLM's rule).
     assert banned_by_bad_words(((1, 2),), [5, 1], start=2) == set()
     assert banned_by_bad_words(((1, 2),), [5, 1], start=1) == {2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("backend", "defer"), [("uni", "1"), ("mp", "1"), ("mp", "0")])
+def test_async_engine_bans_a_pair_every_step_as_the_sync_engine_does(backend, defer, monkeypatch):
+    """The real model and executors: under async scheduling the ban that follows the token
+    in flight reaches rank 0 after that token's update (the step already computing), and
+    the answers are the synchronous engine's."""
+    from engine.config import ParallelConfig
+    from engine.llm import LLM
+    from engine.worker.model_runner import DEFER_READBACK_ENV
+
+    monkeypatch.setenv(DEFER_READBACK_ENV, defer)
+    prompt = [3, 14, 15, 9, 26, 5]
+    with LLM(EngineConfig(cache=CacheConfig(num_blocks=64))) as sync:
+        (free,) = sync.generate([prompt], SamplingParams(max_tokens=40, temperature=0))
+        pairs = (_bigrams(free)[5], _bigrams(free)[20])
+        params = SamplingParams(max_tokens=40, temperature=0, bad_words_token_ids=pairs)
+        (want,) = sync.generate([prompt], params)
+    assert not set(pairs) & set(_bigrams(want)) and want != free
+    cfg = EngineConfig(
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(async_scheduling=True),
+        parallel=ParallelConfig(distributed_executor_backend=backend),
+    )
+    with LLM(cfg) as asyn:
+        core, overlapped = asyn.core, []
+        execute = core.executor.execute_model
+
+        def counting(sched: Any, non_block: bool = False) -> Any:
+            overlapped.append(len(core.scheduler._scheduled_reqs) == 2)  # one in flight
+            return execute(sched, non_block)
+
+        core.executor.execute_model = counting  # type: ignore[method-assign]
+        (got,) = asyn.generate([prompt], params)
+    assert got == want
+    assert len(overlapped) == 40 and sum(overlapped) == 39, overlapped

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine.config import CacheConfig, ConfigError, EngineConfig, ParallelConfig
-from engine.core.scheduler_output import SchedulerOutput, WorkerOutput
+from engine.core.scheduler_output import DeferredSampling, SchedulerOutput, WorkerOutput
 from engine.executor.uniproc import UniProcExecutor
 from engine.sampling_params import SamplingParams
 from engine.worker.pipe import WorkerError
@@ -266,41 +266,41 @@ class _SamplingWorker(_Worker):
     """Asks the step's deferred grammar mask, as ``ModelRunner.execute`` does, and returns
     it as the step's one sampled token."""
 
-    def execute_model(self, sched: SchedulerOutput, bitmask_source: Any = None) -> WorkerOutput:
-        mask = bitmask_source(sched.step_id) if sched.grammar_deferred else None
+    def execute_model(self, sched: SchedulerOutput, deferred_source: Any = None) -> WorkerOutput:
+        mask = deferred_source(sched.step_id).bitmask if sched.sampling_deferred else None
         return WorkerOutput(rank=0, sampled_token_ids={"r": mask})
 
 
-def test_a_step_whose_grammar_mask_comes_later_samples_with_the_mask_sent_for_it() -> None:
+def test_a_step_whose_masks_come_later_samples_with_the_ones_sent_for_it() -> None:
     ex = UniProcExecutor(EngineConfig(), lambda kv_bytes: 64, worker=_SamplingWorker())
     try:
         first = ex.execute_model(SchedulerOutput(step_id=1), non_block=True)
-        deferred = ex.execute_model(SchedulerOutput(step_id=2, grammar_deferred=True), True)
+        deferred = ex.execute_model(SchedulerOutput(step_id=2, sampling_deferred=True), True)
         assert ex.wait(first).sampled_token_ids == {"r": None}  # no wait for the later mask
-        ex.sample_tokens(2, 7)
+        ex.sample_tokens(DeferredSampling(2, 7))
         assert ex.wait(deferred).sampled_token_ids == {"r": 7}
     finally:
         ex.shutdown()
 
 
-def test_a_step_waiting_for_its_grammar_mask_ends_with_an_error_at_shutdown_or_its_deadline() -> (
-    None
-):
+def test_a_step_waiting_for_its_masks_ends_with_an_error_at_shutdown_or_its_deadline() -> None:
     ex = UniProcExecutor(EngineConfig(), lambda kv_bytes: 64, worker=_SamplingWorker())
-    fut = ex.execute_model(SchedulerOutput(step_id=1, grammar_deferred=True), non_block=True)
+    fut = ex.execute_model(SchedulerOutput(step_id=1, sampling_deferred=True), non_block=True)
     ex.shutdown()  # no mask ever sent: the step ends, shutdown does not hang
-    with pytest.raises(WorkerError, match="shut down before its grammar mask"):
+    with pytest.raises(WorkerError, match="shut down before its sampling masks"):
         fut.result(timeout=10)
 
     cfg = EngineConfig(parallel=ParallelConfig(step_timeout=0.2))
     ex = UniProcExecutor(cfg, lambda kv_bytes: 64, worker=_SamplingWorker())
     try:
-        fut = ex.execute_model(SchedulerOutput(step_id=1, grammar_deferred=True), True)
-        with pytest.raises(WorkerError, match="no grammar mask within"):
+        fut = ex.execute_model(SchedulerOutput(step_id=1, sampling_deferred=True), True)
+        with pytest.raises(WorkerError, match="no sampling masks within"):
             ex.wait(fut)
-        ex.sample_tokens(1, 3)  # too late: nobody waits for it, and nothing breaks
-        fut = ex.execute_model(SchedulerOutput(step_id=2, grammar_deferred=True), True)
-        ex.sample_tokens(1, 3)  # another step's mask: refused, not sampled with
+        ex.sample_tokens(
+            DeferredSampling(1, 3)
+        )  # too late: nobody waits for it, and nothing breaks
+        fut = ex.execute_model(SchedulerOutput(step_id=2, sampling_deferred=True), True)
+        ex.sample_tokens(DeferredSampling(1, 3))  # another step's mask: refused, not sampled with
         with pytest.raises(WorkerError, match="got step 1's"):
             ex.wait(fut)
     finally:

@@ -43,6 +43,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import (
     PLACEHOLDER_TOKEN_ID,
+    DeferredSampling,
     ModelRunnerOutput,
     ScheduledSeq,
     SchedulerOutput,
@@ -130,10 +131,15 @@ class Scheduler:
         self._num_sampling = 0
         self._grammar_rows: list[tuple[int, Request]] = []
         # Async scheduling: whether a row of this step samples after a token still in
-        # flight (its mask waits for that token's update: ``deferred_bitmask``), and the
-        # grammar rows of the steps sent whose masks are made later.
-        self._grammar_waits = False
-        self._deferred_rows: dict[int, list[tuple[int, Request]]] = {}
+        # flight with a grammar or bad words (its mask or ban waits for that token's
+        # update: ``deferred_sampling``); this step's rows with bad words that follow the
+        # last tokens; and the grammar and bad-word rows of the steps sent whose masks and
+        # bans are made later.
+        self._sampling_waits = False
+        self._bad_rows: list[tuple[int, Request]] = []
+        self._deferred_rows: dict[
+            int, tuple[list[tuple[int, Request]], list[tuple[int, Request]]]
+        ] = {}
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -224,19 +230,16 @@ class Scheduler:
 
         scheduled: dict[str, tuple[Request, int]] = {}
         self._num_sampling = 0
-        self._grammar_rows = []
-        self._grammar_waits = False
+        self._grammar_rows, self._bad_rows = [], []
+        self._sampling_waits = False
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_output_placeholders and (
-                req.sampling_params.bans_after_tokens or self._ends_with_pending(req)
-            ):
-                # Its sample in flight ends it: nothing to compute ahead. Or the next
-                # sample's bad words' ban needs that token (such requests are not scheduled
-                # ahead: every other step under async scheduling). A grammar's mask is made
-                # after that token's update instead (``deferred_bitmask``).
+            if req.num_output_placeholders and self._ends_with_pending(req):
+                # Its sample in flight ends it: nothing to compute ahead. (A next sample
+                # whose grammar mask or bad words' ban needs that token is scheduled: they
+                # are made after its update, ``deferred_sampling``.)
                 i += 1
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
@@ -293,21 +296,29 @@ class Scheduler:
         )
         self._scheduled_reqs[self._step] = scheduled
         self._finished_ids, self._preempted_ids = set(), set()
-        if self._grammar_waits:  # the workers sample it once the engine sends the mask
-            out.grammar_deferred = True
-            self._deferred_rows[out.step_id] = self._grammar_rows
+        if self._sampling_waits:  # the workers sample once the engine sends masks and bans
+            out.sampling_deferred = True
+            self._deferred_rows[out.step_id] = (self._grammar_rows, self._bad_rows)
         elif self._grammar_rows:
             out.grammar_bitmask = self._bitmask(self._grammar_rows)
-        self._grammar_rows = []
+        self._grammar_rows, self._bad_rows = [], []
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self.kv.block_ids)
         return out
 
-    def deferred_bitmask(self, sched: SchedulerOutput) -> np.ndarray | None:
-        """Async scheduling: the mask of a step sent with ``grammar_deferred``, once the
-        step before it was updated (the tokens its rows follow are known now); the engine
-        sends it to the workers, which sample with it. Requests that ended since get no
-        row (they sample in vain)."""
-        return self._bitmask(self._deferred_rows.pop(sched.step_id, []))
+    def deferred_sampling(self, sched: SchedulerOutput) -> DeferredSampling:
+        """Async scheduling: the masks and bans of a step sent with ``sampling_deferred``,
+        once the step before it was updated (the tokens its rows follow are known now);
+        the engine sends them to the workers, which sample with them. Requests that ended
+        since get none (they sample in vain)."""
+        grammar_rows, bad_rows = self._deferred_rows.pop(sched.step_id, ([], []))
+        bad = {
+            row: tuple(sorted(banned_by_bad_words(
+                req.sampling_params.bad_words_token_ids, req.all_token_ids, req.num_prompt_tokens
+            )))
+            for row, req in bad_rows
+            if req.status == RequestStatus.RUNNING
+        }  # fmt: skip
+        return DeferredSampling(sched.step_id, self._bitmask(grammar_rows), bad)
 
     def _bitmask(self, rows: list[tuple[int, Request]]) -> np.ndarray | None:
         """The masks of the rows whose grammar constrains the next token (not while an
@@ -464,10 +475,15 @@ class Scheduler:
         if samples and end - req.num_prompt_tokens < sp.min_tokens:
             seq.banned_token_ids = req.banned_token_ids
         if samples and sp.bad_words_token_ids:
-            bad = banned_by_bad_words(
-                sp.bad_words_token_ids, req.all_token_ids, req.num_prompt_tokens
-            )
-            seq.bad_token_ids = tuple(sorted(bad))
+            if req.num_output_placeholders and sp.bans_after_tokens:
+                # The ban follows the token in flight: made after its update.
+                self._bad_rows.append((self._num_sampling, req))
+                self._sampling_waits = True
+            else:
+                bad = banned_by_bad_words(
+                    sp.bad_words_token_ids, req.all_token_ids, req.num_prompt_tokens
+                )
+                seq.bad_token_ids = tuple(sorted(bad))
         if req.needs_prompt_logprobs:
             # Row p predicts the token at p + 1; the prompt tokens not computed yet (the
             # first has none) are predicted by rows len(prompt_logprobs) - 1 ...
@@ -485,7 +501,7 @@ class Scheduler:
                 # Its mask is this step's sampling row so far (none while it reasons: made
                 # with the others, once the token in flight, if any, is known).
                 self._grammar_rows.append((self._num_sampling, req))
-                self._grammar_waits |= req.num_output_placeholders > 0
+                self._sampling_waits |= req.num_output_placeholders > 0
             self._num_sampling += 1
             if self.async_scheduling:
                 req.num_output_placeholders += 1

@@ -72,10 +72,11 @@ class SchedulerOutput:
     # and those rows, in one int32 buffer (``engine/structured/matcher.py:fill_bitmask``;
     # rank 0's sampler applies it). None when no row samples under a grammar.
     grammar_bitmask: Any = None
-    # Async scheduling: a row samples after a token still in flight, so the mask is not
-    # known yet: the workers run the forward, then wait for a ``DeferredBitmask`` (sent
-    # once the step before was updated) before they sample (vLLM's ``sample_tokens``).
-    grammar_deferred: bool = False
+    # Async scheduling: a row samples after a token still in flight, and its grammar mask
+    # or bad words' ban follows that token: the workers run the forward, then wait for a
+    # ``DeferredSampling`` (sent once the step before was updated) before they sample
+    # (vLLM's ``sample_tokens``).
+    sampling_deferred: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -83,12 +84,16 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
-class DeferredBitmask:
-    """The grammar mask of a step sent with ``grammar_deferred`` (None: no row needs one
-    now), for the worker that samples it (rank 0)."""
+class DeferredSampling:
+    """What a step sent with ``sampling_deferred`` samples with, made after the step
+    before was updated, for the worker that samples (rank 0): the grammar masks (as
+    ``SchedulerOutput.grammar_bitmask``; None: no row has one now) and the bad words' ids
+    of the rows whose ban follows the output's last tokens (sampling row -> ids; they
+    replace those rows' ``ScheduledSeq.bad_token_ids``)."""
 
     step_id: int
     bitmask: Any = None
+    bad_token_ids: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass

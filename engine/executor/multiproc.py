@@ -25,7 +25,7 @@ from typing import Any
 
 from engine.config import ConfigError, EngineConfig
 from engine.core.scheduler_output import (
-    DeferredBitmask,
+    DeferredSampling,
     ModelRunnerOutput,
     SchedulerOutput,
     WorkerOutput,
@@ -156,13 +156,13 @@ class MultiprocExecutor:
             return result
         return self.wait(result)
 
-    def sample_tokens(self, step_id: int, bitmask: Any) -> None:
-        """The grammar mask of step ``step_id``, sent with ``grammar_deferred``: rank 0
-        (the one that samples) waits for it after the step's forward."""
+    def sample_tokens(self, deferred: DeferredSampling) -> None:
+        """The masks and bans of a step sent with ``sampling_deferred``: rank 0 (the one
+        that samples) waits for them after the step's forward."""
         if self.dead_reason is not None:
             return  # the step fails with the executor
         try:
-            self._task[0].send_bytes(pickle.dumps(DeferredBitmask(step_id, bitmask)))
+            self._task[0].send_bytes(pickle.dumps(deferred))
         except OSError as e:
             self._mark_dead(f"lost the pipe to a TP worker: {e}")
 

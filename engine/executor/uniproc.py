@@ -12,10 +12,10 @@ What differs from a worker process:
 - **Async scheduling**: ``execute_model(non_block=True)`` launches the step and returns a
   future that ``wait`` resolves (the sampled ids are read back then, after the next step
   was launched), as a worker holding an output does.
-- **A grammar mask made after the forward started** (a step sent with
-  ``grammar_deferred``): the step runs on a thread of its own (one, kept), which waits
+- **Masks and bans made after the forward started** (a step sent with
+  ``sampling_deferred``): the step runs on a thread of its own (one, kept), which waits
   for ``sample_tokens`` before it samples, while the engine updates the step before and
-  makes the mask; the next ``execute_model`` (or ``wait`` for that step) joins it.
+  makes them; the next ``execute_model`` (or ``wait`` for that step) joins it.
 - **Transfers between steps**: a watcher thread takes the worker loop's part -- while the
   connector is watching a transfer it calls ``progress`` every ``WATCH_INTERVAL_S`` and
   wakes the engine once when one completed. A lock keeps it and the steps apart (the
@@ -41,7 +41,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from engine.config import ConfigError, EngineConfig
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, WorkerOutput
+from engine.core.scheduler_output import (
+    DeferredSampling,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerOutput,
+)
 from engine.executor.aggregator import KVOutputAggregator
 from engine.executor.multiproc import WorkerDiedError
 from engine.worker.pipe import WorkerError
@@ -77,7 +82,7 @@ class UniProcExecutor:
         self._step_lock = threading.Lock()
         # Async scheduling: the futures of launched steps whose outputs wait for ``wait``.
         self._deferred: dict[Future[ModelRunnerOutput], tuple[WorkerOutput, float]] = {}
-        # A step waiting for its grammar mask on the step thread: the mask's queue, the
+        # A step waiting for its masks on the step thread: their queue, the
         # thread's task and the step's future.
         self._split: tuple[queue.SimpleQueue, Future[None], Future[ModelRunnerOutput]] | None
         self._split = None
@@ -140,14 +145,14 @@ class UniProcExecutor:
             self.aggregator.forget(ended)  # transfers that ended: no count outlives them
         t0 = time.perf_counter()
         fut: Future[ModelRunnerOutput] = Future()
-        if sched.grammar_deferred:  # async scheduling only: ``wait`` comes after the mask
-            assert non_block, "a step whose grammar mask comes later cannot block"
+        if sched.sampling_deferred:  # async scheduling only: ``wait`` comes after the mask
+            assert non_block, "a step whose masks come later cannot block"
             masks: queue.SimpleQueue = queue.SimpleQueue()
             if self._step_thread is None:
                 self._step_thread = ThreadPoolExecutor(
                     1, "tp0-step", initializer=self._init_step_thread
                 )
-            source = functools.partial(self._take_bitmask, masks)
+            source = functools.partial(self._take_deferred, masks)
             task = self._step_thread.submit(self._run, sched, fut, t0, True, source)
             self._split = (masks, task, fut)
             return fut
@@ -160,21 +165,21 @@ class UniProcExecutor:
         fut: Future[ModelRunnerOutput],
         t0: float,
         non_block: bool,
-        bitmask_source: Callable[[int], Any] | None = None,
+        deferred_source: Callable[[int], Any] | None = None,
     ) -> None:
-        """The step, through the worker; on the step thread (``bitmask_source``) the output
+        """The step, through the worker; on the step thread (``deferred_source``) the output
         is finished by ``wait``, on the engine's thread."""
         try:
             with self._step_lock:
-                if bitmask_source is None:
+                if deferred_source is None:
                     out = self.worker.execute_model(sched)  # launched (CUDA), or done
                 else:
-                    out = self.worker.execute_model(sched, bitmask_source)
+                    out = self.worker.execute_model(sched, deferred_source)
         except Exception:
             logger.exception("step %s failed", sched.step_id)
             fut.set_exception(WorkerError(0, traceback.format_exc()))
         else:
-            if non_block and (out.pending_sampled is not None or bitmask_source is not None):
+            if non_block and (out.pending_sampled is not None or deferred_source is not None):
                 self._deferred[fut] = (out, t0)  # read back in ``wait``
             else:
                 self._finish(fut, out, t0)
@@ -189,26 +194,27 @@ class UniProcExecutor:
         elif torch.cuda.is_initialized():
             torch.cuda.set_device("cuda:0")
 
-    def _take_bitmask(self, masks: queue.SimpleQueue, step_id: int) -> Any:
-        """On the step thread: the mask ``sample_tokens`` sends (a deadline: the step's)."""
+    def _take_deferred(self, masks: queue.SimpleQueue, step_id: int) -> DeferredSampling:
+        """On the step thread: what ``sample_tokens`` sends (a deadline: the step's)."""
         try:
             got = masks.get(timeout=self.step_timeout)
         except queue.Empty:
             raise RuntimeError(
-                f"step {step_id}: no grammar mask within {self.step_timeout:.0f}s"
+                f"step {step_id}: no sampling masks within {self.step_timeout:.0f}s"
             ) from None
         if got is None:
-            raise RuntimeError(f"step {step_id}: shut down before its grammar mask came")
-        sid, bitmask = got
-        if sid != step_id:
-            raise RuntimeError(f"step {step_id} waited for its grammar mask, got step {sid}'s")
-        return bitmask
+            raise RuntimeError(f"step {step_id}: shut down before its sampling masks came")
+        if got.step_id != step_id:
+            raise RuntimeError(
+                f"step {step_id} waited for its sampling masks, got step {got.step_id}'s"
+            )
+        return got
 
-    def sample_tokens(self, step_id: int, bitmask: Any) -> None:
-        """The grammar mask of step ``step_id``, sent with ``grammar_deferred``: the step
-        thread samples with it."""
+    def sample_tokens(self, deferred: DeferredSampling) -> None:
+        """The masks and bans of a step sent with ``sampling_deferred``: the step thread
+        samples with them."""
         if self._split is not None:
-            self._split[0].put((step_id, bitmask))
+            self._split[0].put(deferred)
 
     def _join_split(self, result: Future[ModelRunnerOutput] | None = None) -> None:
         """Wait for the step thread's step (only when it is ``result``'s, if given)."""

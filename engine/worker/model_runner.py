@@ -239,12 +239,13 @@ class ModelRunner:
         self,
         sched: SchedulerOutput,
         after_layer: Callable[[int], None] | None = None,
-        bitmask_source: Callable[[int], Any] | None = None,
+        deferred_source: Callable[[int], Any] | None = None,
     ) -> WorkerOutput:
         """Forward the step's tokens; returns the sampled tokens and the log probabilities
         asked for (rank 0 only; other ranks return an empty output). A step sent with
-        ``grammar_deferred`` asks ``bitmask_source(step_id)`` for its grammar mask after the
-        forward was launched, right before sampling (rank 0 only)."""
+        ``sampling_deferred`` asks ``deferred_source(step_id)`` for its grammar masks and
+        bad words' bans (a ``DeferredSampling``) after the forward was launched, right
+        before sampling (rank 0 only)."""
         assert self.kv_cache is not None, "init_kv_cache() first"
         seqs = sched.seqs
         fill = None
@@ -298,10 +299,12 @@ class ModelRunner:
             return out
         try:
             params = [self.requests.sampling_params(s.request_id) for s in sampled]
-            bitmask = sched.grammar_bitmask
-            if sched.grammar_deferred:
-                assert bitmask_source is not None, "a deferred grammar mask needs its source"
-                bitmask = bitmask_source(sched.step_id)
+            bitmask, bad = sched.grammar_bitmask, [s.bad_token_ids for s in sampled]
+            if sched.sampling_deferred:  # masks and bans that follow the token in flight
+                assert deferred_source is not None, "a deferred sampling step needs its source"
+                deferred = deferred_source(sched.step_id)
+                bitmask = deferred.bitmask
+                bad = [deferred.bad_token_ids.get(i, b) for i, b in enumerate(bad)]
             args = (
                 logits,
                 params,
@@ -309,7 +312,7 @@ class ModelRunner:
                 [s.banned_token_ids for s in sampled],
                 *self._penalty_args(sampled, params),
                 bitmask,
-                [s.bad_token_ids for s in sampled],
+                bad,
             )
             want = [i for i, sp in enumerate(params) if sp.logprobs is not None]  # type: ignore[union-attr]
             if self.async_scheduling:

@@ -45,7 +45,7 @@ class Worker:
         return self.connector.handshake_info()
 
     def execute_model(
-        self, sched: SchedulerOutput, bitmask_source: Callable[[int], Any] | None = None
+        self, sched: SchedulerOutput, deferred_source: Callable[[int], Any] | None = None
     ) -> WorkerOutput:
         """Run one step. Clearing the connector metadata is the step's last connector call,
         on every path: normal, nothing scheduled, and a forward that raises.
@@ -64,10 +64,10 @@ class Worker:
                 if sched.num_scheduled_tokens > 0:
                     if connector.wants_layer_hook():  # a pipelined push: pieces per layer
                         sampled = self.model_runner.execute(
-                            sched, connector.save_kv_layer, bitmask_source
+                            sched, connector.save_kv_layer, deferred_source
                         )
                     else:
-                        sampled = self.model_runner.execute(sched, None, bitmask_source)
+                        sampled = self.model_runner.execute(sched, None, deferred_source)
             except BaseException:
                 self._post_sends_of_failed_step()
                 raise

@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine.config import EngineConfig
-from engine.core.scheduler_output import DeferredBitmask, WorkerOutput
+from engine.core.scheduler_output import DeferredSampling, WorkerOutput
 from engine.worker.pipe import WAKE, WorkerError
 
 logger = logging.getLogger(__name__)
@@ -92,13 +92,14 @@ def next_step_arrives(held: WorkerOutput, task_conn: Connection) -> bool:
 
 
 class _ShutDown(Exception):
-    """The engine said shutdown (or went away) while a step waited for its grammar mask."""
+    """The engine said shutdown (or went away) while a step waited for its masks."""
 
 
-def wait_for_bitmask(task_conn: Connection, step_id: int, parent: int) -> object:
-    """Rank 0, in a step sent with ``grammar_deferred``: the step's grammar mask, the next
-    message the engine sends (after it updated the step before). Ends with the engine:
-    ``shutdown``, or its process gone (the engine's ``--step-timeout`` bounds the rest)."""
+def wait_for_deferred(task_conn: Connection, step_id: int, parent: int) -> DeferredSampling:
+    """Rank 0, in a step sent with ``sampling_deferred``: the step's grammar masks and
+    bans, the next message the engine sends (after it updated the step before). Ends
+    with the engine: ``shutdown``, or its process gone (the engine's ``--step-timeout``
+    bounds the rest)."""
     while not task_conn.poll(PARENT_CHECK_S):
         if os.getppid() != parent:
             raise _ShutDown("engine process went away")
@@ -106,9 +107,9 @@ def wait_for_bitmask(task_conn: Connection, step_id: int, parent: int) -> object
     if msg == b"shutdown":
         raise _ShutDown("shutdown")
     got = pickle.loads(msg)
-    if not isinstance(got, DeferredBitmask) or got.step_id != step_id:
-        raise RuntimeError(f"step {step_id} waited for its grammar mask, got {got!r:.200}")
-    return got.bitmask
+    if not isinstance(got, DeferredSampling) or got.step_id != step_id:
+        raise RuntimeError(f"step {step_id} waited for its sampling masks, got {got!r:.200}")
+    return got
 
 
 def send_output(result_conn: Connection, rank: int, out: WorkerOutput, t0: float) -> None:
@@ -203,13 +204,13 @@ def worker_main(
     def send(out: WorkerOutput, t0: float) -> None:
         send_output(result_conn, rank, out, t0)
 
-    def bitmask_source(step_id: int) -> object:
-        # The engine makes the mask from the step before's output: send that first.
+    def deferred_source(step_id: int) -> DeferredSampling:
+        # The engine makes the masks from the step before's output: send that first.
         nonlocal held
         if held is not None:
             send(*held)
             held = None
-        return wait_for_bitmask(task_conn, step_id, parent)
+        return wait_for_deferred(task_conn, step_id, parent)
 
     try:
         while True:
@@ -234,11 +235,11 @@ def worker_main(
                 return
             t0 = time.perf_counter()
             sched = pickle.loads(msg)
-            if isinstance(sched, DeferredBitmask):
+            if isinstance(sched, DeferredSampling):
                 continue  # the mask of a step that failed before it sampled
             error = None
             try:
-                out = worker.execute_model(sched, bitmask_source)  # launched (CUDA), or done
+                out = worker.execute_model(sched, deferred_source)  # launched (CUDA), or done
             except _ShutDown:
                 return
             except Exception:
