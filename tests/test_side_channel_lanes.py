@@ -12,7 +12,13 @@ from harness import free_port, wait_for
 
 import kvconnector.nixl.prefill_links as prefill_links
 import kvconnector.nixl.scheduler as nixl_scheduler
-from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.kv_cache_layout import KVCacheSpec
@@ -59,10 +65,36 @@ def test_lanes_are_bounded_per_peer_and_in_number():
             lanes.submit("a", release.wait)
         with pytest.raises(LaneFull, match="3 calls already queued"):
             lanes.submit("a", release.wait)
-        lanes.submit("b", lambda: None)
+        lanes.submit("b", release.wait, proven=True)
         with pytest.raises(LaneFull, match="2 peer lanes"):
-            lanes.submit("c", lambda: None)
+            lanes.submit("c", lambda: None, proven=True)
         assert lanes.refused == 2
+    finally:
+        release.set()
+        lanes.shutdown()
+
+
+def test_unproven_peers_share_a_few_lanes_and_idle_lanes_make_room():
+    """Peers that never proved themselves (addresses clients name) take at most
+    ``max_unproven`` lanes, so a proven peer still gets one; at a bound an idle lane is
+    ended rather than a call refused (it used to live on for ``idle_s``, 30 s)."""
+    lanes = PeerLanes(max_lanes=4, max_unproven=2)
+    release = threading.Event()
+    try:
+        lanes.submit("u1", release.wait)
+        lanes.submit("u2", release.wait)
+        with pytest.raises(LaneFull, match="2 lanes of unproven peers"):
+            lanes.submit("u3", release.wait)
+        assert lanes.submit("p1", lambda: "ok", proven=True).result(timeout=10) == "ok"
+        wait_for(lambda: lanes._lanes["p1"].idle(), 10, "p1's call to end")
+        lanes.submit("p2", release.wait, proven=True)
+        lanes.submit("p3", release.wait, proven=True)  # ends idle p1's lane: four in all
+        assert sorted(lanes._lanes) == ["p2", "p3", "u1", "u2"]
+        with pytest.raises(LaneFull, match="4 peer lanes"):
+            lanes.submit("p4", release.wait, proven=True)
+        # A peer that proves itself later leaves the unproven pool.
+        lanes.submit("u1", lambda: None, proven=True)
+        assert lanes.num_lanes(proven=False) == 1
     finally:
         release.set()
         lanes.shutdown()
@@ -154,3 +186,66 @@ def test_a_silent_prefill_peer_does_not_delay_reservations_to_a_healthy_one(monk
         silent.close(linger=0)
         ctx.term()
         time.sleep(0)
+
+
+def test_silent_prefill_addresses_a_client_names_leave_lanes_for_a_paired_prefill_node(
+    monkeypatch,
+):
+    """A client may name any allowed address as a decode leg's prefill node. 256 of them
+    that take the connection and never answer held every one of D's 256 lanes (each call
+    for its RPC timeout, then idle for 30 s): a reservation to the prefill node D is
+    paired with was refused at once (LaneFull; D recomputed). Addresses that never
+    completed a handshake now share a small pool of lanes; a paired one still gets a lane."""
+    monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 60.0)  # the silent calls stay stuck
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=2048),
+        # Room to start every request at once: those refused a lane recompute.
+        scheduler=SchedulerConfig(max_num_seqs=512),
+        kv_transfer=KVTransferConfig(
+            kv_connector="nixl", kv_role="consumer", kv_transfer_timeout=120, peer_ping_interval=0
+        ),
+    )
+    conn = nixl_scheduler.NixlConnectorScheduler(
+        cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
+    )
+    conn.set_worker_info([{"num_blocks": 2048}])
+    conn._lanes.idle_s = 0.1  # the paired node's lane ends soon after its call (30 s live)
+    sch = Scheduler(cfg, 2048, 2048, conn)
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # takes connections on every port, never answers
+    silent_addresses = [
+        f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}" for _ in range(256)
+    ]
+    healthy = HealthyPrefill(conn.compat)
+    try:
+
+        def add(rid: str, address: str) -> None:
+            params = KVTransferParams(
+                do_remote_prefill=True, transfer_id=rid, remote_side_channel=address
+            )
+            sch.add_request(
+                Request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=2), kv_transfer_params=params)
+            )
+
+        add("paired", healthy.address)
+        sch.schedule()
+        wait_for(lambda: conn.consumer.recvs["paired"].reserved, 30, "the first reservation")
+        wait_for(lambda: conn._lanes.num_lanes() == 0, 30, "the paired node's lane to idle out")
+
+        for i, address in enumerate(silent_addresses):
+            add(f"s{i}", address)
+        sch.schedule()
+        waiting = [f"s{i}" for i in range(256) if f"s{i}" in conn.consumer.recvs]
+        assert waiting, "no call to a silent address was made at all"
+
+        add("again", healthy.address)
+        sch.schedule()
+        assert "again" in conn.consumer.recvs, "the paired prefill node got no lane"
+        wait_for(lambda: conn.consumer.recvs["again"].reserved, 30, "the paired reservation")
+        assert not any(conn.consumer.recvs[rid].reserved for rid in waiting)
+    finally:
+        conn.shutdown()
+        healthy.server.close()
+        silent.close(linger=0)
+        ctx.term()

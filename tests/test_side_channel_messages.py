@@ -257,7 +257,7 @@ def test_a_ping_answered_with_a_refusal_or_garbage_counts_as_a_miss():
     from kvconnector.nixl.liveness import PeerLiveness
 
     class Inline:
-        def submit(self, peer, fn, *args):
+        def submit(self, peer, fn, *args, proven=False):
             fut: Future = Future()
             fut.set_result(fn(*args))
             return fut

@@ -69,8 +69,10 @@ class PeerLiveness:
             self._in_flight.update(todo)
         for address, incarnation in todo:
             # Pings have their own lane per peer: never queued behind slow reservations.
+            # Only peers that acknowledged a reservation are watched: proven ones.
             try:
-                self._lanes.submit(f"ping:{address}", self._ping, address, incarnation)
+                lane = f"ping:{address}"
+                self._lanes.submit(lane, self._ping, address, incarnation, proven=True)
             except LaneFull:
                 with self._lock:
                     self._in_flight.discard((address, incarnation))

@@ -102,6 +102,12 @@ class PrefillLinks:
         mac = hmac.new(self._key_secret, p_address.encode(), hashlib.sha256)
         return mac.hexdigest()[:32]
 
+    def paired(self, address: str) -> bool:
+        """The prefill node at ``address`` completed a handshake with this node (and is
+        remembered): it proved to be one, unlike any address a client may name."""
+        with self._lock:
+            return address in self.peers
+
     def forget(self, address: str, incarnation: str | None) -> None:
         """The prefill at ``address`` restarted: the next call handshakes with the new one.
         Under the lock."""

@@ -348,7 +348,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         )
         with self._lock:
             self.consumer.expect(recv)
-        if not self._submit(recv.p_address, self.links.reserve_job, recv):
+        proven = self.links.paired(recv.p_address)
+        if not self._submit(recv.p_address, self.links.reserve_job, recv, proven=proven):
             # Nothing was sent: P cannot hold this reservation, the blocks are free.
             self.consumer.fail(recv.request_id, "too many calls queued for prefill", safe=True)
 
@@ -578,7 +579,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self._notify_failed(res, why, safe=False)
         for p_addr, tid, nonce, rid in c.cancels:
             # Not sent: the quarantine keeps the blocks until its deadline.
-            self._submit(p_addr, self.links.cancel_job, p_addr, tid, nonce, rid, time.monotonic())
+            proven = self.links.paired(p_addr)
+            args = (p_addr, tid, nonce, rid, time.monotonic())
+            self._submit(p_addr, self.links.cancel_job, *args, proven=proven)
         return ConnectorEvents(
             failed_loads=c.failed_loads,
             free_blocks=p.free_blocks | c.free_blocks,
@@ -594,12 +597,17 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             safe=safe,
         )
         # Not sent: D's own deadline ends its wait.
-        self._submit(res.d_address, self._send_quietly, res.d_address, msg.to_wire())
+        with self._lock:
+            proven = self.service.ready(res.peer_key)
+        self._submit(res.d_address, self._send_quietly, res.d_address, msg.to_wire(), proven=proven)
 
-    def _submit(self, peer: str, fn: Any, *args: Any) -> bool:
-        """Queue a call on ``peer``'s lane; False (logged) when the lane is at its bound."""
+    def _submit(self, peer: str, fn: Any, *args: Any, proven: bool) -> bool:
+        """Queue a call on ``peer``'s lane; False (logged) when the lane is at its bound.
+        ``proven``: the peer paired with this node (a prefill node that answered its
+        handshake, a confirmed decode peer); peers a client named and that never did
+        share a few lanes (``lanes.PeerLanes``)."""
         try:
-            self._lanes.submit(peer, fn, *args)
+            self._lanes.submit(peer, fn, *args, proven=proven)
         except LaneFull as e:
             logger.warning("side channel: not calling %s: %s", peer, e)
             return False
