@@ -14,6 +14,7 @@ unguessable (docs/reliability.md, "Access").
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from typing import Any
@@ -26,11 +27,14 @@ import kvconnector.nixl.decode_peers as decode_peers
 import kvconnector.nixl.prefill_links as prefill_links
 import kvconnector.nixl.producer as producer_module
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from engine.core.request import Request
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import load_arch_config
+from engine.sampling_params import SamplingParams
 from kvconnector.nixl.messages import (
     Ack,
     Cancel,
+    CancelReply,
     Handshake,
     HandshakeReply,
     Ping,
@@ -50,6 +54,7 @@ from kvconnector.nixl.side_channel import (
     SideChannelNotSent,
     SideChannelServer,
 )
+from kvconnector.params import KVTransferParams
 
 SECRET_MD = b"nixl-agent-metadata: remote keys of this node's KV memory"
 
@@ -507,6 +512,100 @@ def test_cancels_from_strangers_are_not_remembered():
     assert p.cancel("t1", "n-stranger", None).state == "cancelled"
     assert not p.cancelled
     assert p.cancel("t1", "n-peer", "key").state == "cancelled" and "n-peer" in p.cancelled
+
+
+def cancel_at(p: NixlConnectorScheduler, tid: str, nonce: str, key: str) -> str:
+    """Send P a cancel over its side channel; the state it answers."""
+    reply = decode_reply(ask(p.address, Cancel(tid, nonce, key).to_wire()), CancelReply)
+    assert isinstance(reply, CancelReply), reply
+    return reply.state
+
+
+def prefill_leg(tid: str) -> Request:
+    params = KVTransferParams(do_remote_decode=True, transfer_id=tid)
+    return Request(f"leg-{tid}", [1, 2, 3], SamplingParams(max_tokens=1), kv_transfer_params=params)
+
+
+def test_a_flood_of_cancels_from_strangers_leaves_a_paired_peers_cancel_in_force(
+    conns, monkeypatch
+):
+    """D gave up on a leg before its reservation reached P: its cancel ends the leg at
+    once when it comes (and a prefill of it is not pushed). P remembers such cancels,
+    bounded -- and a cancel needs no pairing (a D whose handshake was refused sends it).
+    Cancels from senders P never paired with, past the bound, pushed the real D's out: its
+    leg then waited for a reservation until --kv-transfer-timeout."""
+    monkeypatch.setattr(producer_module, "MAX_CANCELLED", 64)
+    p, d = conns("producer", kv_reserve_first=True), conns("consumer")
+    paired(p, d)
+    key = d.links.pairing_key(p.address)
+    assert cancel_at(p, "leg-waits", "n-1", key) == "cancelled"
+    assert cancel_at(p, "leg-prefills", "n-2", key) == "cancelled"
+    for i in range(200):  # never paired: made-up keys and transfer ids
+        assert cancel_at(p, f"junk-{i}", f"n-junk-{i}", f"stranger-{i}") == "cancelled"
+
+    leg = prefill_leg("leg-waits")
+    assert p.delay_admission(leg)
+    assert "ended before" in p.take_events().failed_waiting.get(leg.request_id, "")
+    assert not p.producer.prefill_finished("leg-x", "leg-prefills", [0, 1], 5)
+    assert not p.producer.pending
+
+
+def test_a_peer_flooding_its_own_cancels_does_not_push_out_another_peers(conns, monkeypatch):
+    """A paired peer (without --kv-secret any local process pairs under its own key) may
+    cancel made-up reservations as fast as the side channel answers. The cancel a real D
+    sent before its reservation (they raced) must stay remembered: that reservation is
+    refused when it comes, as D freed its blocks."""
+    monkeypatch.setattr(producer_module, "MAX_CANCELLED", 64)
+    p, d, evil = conns("producer"), conns("consumer"), conns("consumer")
+    paired(p, d)
+    paired(p, evil)
+    assert cancel_at(p, "t1", "nonce-t1", d.links.pairing_key(p.address)) == "cancelled"
+    evil_key = evil.links.pairing_key(p.address)
+    for i in range(200):
+        assert cancel_at(p, f"evil-{i}", f"n-evil-{i}", evil_key) == "cancelled"
+    reply = decode_reply(ask(p.address, reserve_of(d, p, [1, 2])), Ack)
+    assert isinstance(reply, Refusal) and "cancelled" in reply.error
+
+
+def test_the_cancel_memory_evicts_only_from_the_largest_paired_peer_or_strangers(monkeypatch):
+    """Random adds, pops and expiries against the rule: paired peers' entries stay within
+    the bound, and one is evicted only from a peer holding the most; strangers' entries
+    stay within their share and evict only each other."""
+    monkeypatch.setattr(producer_module, "MAX_CANCELLED", 32)
+    rng = random.Random(7)
+    memory = producer_module.CancelMemory(lifetime=1000.0)
+    model: dict[str | None, list[str]] = {}  # owner -> keys, oldest first
+    owners = [None, "a", "b", "c", "d"]
+    for i in range(5000):
+        key = f"k{rng.randrange(400)}"
+        if rng.random() < 0.2:
+            memory.pop(key)
+            for keys in model.values():
+                if key in keys:
+                    keys.remove(key)
+            continue
+        owner = rng.choice(owners) if rng.random() < 0.5 else "a"  # "a" floods
+        for keys in model.values():
+            if key in keys:
+                keys.remove(key)
+        sizes = {o: len(k) for o, k in model.items() if o is not None}
+        memory.add(key, owner)
+        model.setdefault(owner, []).append(key)
+        lost = {o: [k for k in keys if k not in memory] for o, keys in model.items()}
+        for o, gone in lost.items():
+            if not gone:
+                continue
+            assert len(gone) == 1 and gone[0] == model[o][0], (i, o, gone)  # its oldest
+            if o is None:
+                assert owner is None  # only a stranger's cancel pushes out a stranger's
+            else:
+                assert owner is not None and sizes[o] == max(sizes.values()), (i, o, sizes)
+            model[o].pop(0)
+        assert sum(len(k) for o, k in model.items() if o is not None) <= 32
+        assert len(model.get(None, [])) <= 2
+        assert len(memory) == sum(map(len, model.values()))
+    memory.expire(time.monotonic() + 2000)
+    assert len(memory) == 0
 
 
 def test_tombstones_a_peer_leaves_at_will_are_bounded_but_not_one_whose_write_may_land(

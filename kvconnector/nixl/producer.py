@@ -27,7 +27,9 @@ from kvconnector.nixl.messages import Ack, CancelReply, Refusal
 
 logger = logging.getLogger(__name__)
 
-MAX_CANCELLED = 65536  # cancels of reservations P never held, remembered at most
+# Cancels of reservations P never held, remembered at most (each kind); senders P does not
+# pair with share 1/16 of it (``CancelMemory``).
+MAX_CANCELLED = 65536
 # Tombstones kept at most. A paired peer makes them at will (reserve, cancel, again); past
 # the bound the oldest one no WRITE may land for goes: it only fenced late messages about a
 # transfer that ended, and every wait they would start has its deadline.
@@ -79,14 +81,92 @@ class Tombstone:
     nonce: str | None  # the reservation it was for, if any
 
 
-def _expire_in_order(expiries: dict[str, float], now: float) -> None:
-    """Drop the expired entries of ``expiries`` (key -> expiry), which is in expiry order
-    (one lifetime for all, a re-added key moved to the end): stop at the first live one."""
-    while expiries:
-        key = next(iter(expiries))
-        if expiries[key] > now:
-            return
-        del expiries[key]
+class CancelMemory:
+    """Keys (nonces, transfer ids) of cancels P remembers, each for ``lifetime`` seconds,
+    bounded by ``MAX_CANCELLED``.
+
+    Who sent a cancel decides what its entry may push out. The bound is shared, and
+    senders may be strangers (a cancel needs no pairing: a D whose handshake was refused
+    sends one) or peers pairing under keys of their own: a flood of either must not evict
+    a real decode node's entries (its leg would wait to its timeout, its raced reservation
+    be accepted). So entries of senders P does not pair with (``owner`` None) share at
+    most 1/16 of the bound and push out only each other; at the bound, the paired peer
+    holding the most entries gives up its oldest (the sender itself on a tie).
+
+    In expiry order (one lifetime for all; a re-added key moves to the end): ``expire``
+    reads only what expired. Not thread-safe: the connector's lock guards it.
+    """
+
+    def __init__(self, lifetime: float) -> None:
+        self.lifetime = lifetime
+        self._expiry: dict[str, tuple[str | None, float]] = {}  # key -> (owner, expiry)
+        self._owned: dict[str | None, dict[str, None]] = {}  # owner -> its keys, oldest first
+        self._sizes: dict[int, set[str]] = {}  # n -> paired owners holding n entries
+        self._largest = 0  # the most entries a paired owner holds
+        self._paired = 0  # entries of paired owners
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._expiry
+
+    def add(self, key: str, owner: str | None) -> None:
+        """Remember ``key``, cancelled by ``owner`` (a paired peer's key; None: a sender P
+        does not pair with), making room within the owner's share."""
+        self.pop(key)  # (re)added last: the dict stays in expiry order
+        if owner is None:
+            strangers = self._owned.get(None, {})
+            if len(strangers) >= max(1, MAX_CANCELLED // 16):
+                self._remove(next(iter(strangers)))
+        elif self._paired >= MAX_CANCELLED:
+            biggest = self._sizes[self._largest]
+            victim = owner if owner in biggest else next(iter(biggest))
+            self._remove(next(iter(self._owned[victim])))
+        self._expiry[key] = (owner, time.monotonic() + self.lifetime)
+        self._owned.setdefault(owner, {})[key] = None
+        if owner is not None:
+            self._resize(owner, +1)
+
+    def pop(self, key: str, default: float | None = None) -> float | None:
+        """Forget ``key``; its expiry, or ``default`` when it is not remembered."""
+        entry = self._expiry.get(key)
+        if entry is None:
+            return default
+        self._remove(key)
+        return entry[1]
+
+    def expire(self, now: float) -> None:
+        while self._expiry:
+            key = next(iter(self._expiry))
+            if self._expiry[key][1] > now:
+                return
+            self._remove(key)
+
+    def _remove(self, key: str) -> None:
+        owner, _ = self._expiry.pop(key)
+        keys = self._owned[owner]
+        del keys[key]
+        if not keys:
+            del self._owned[owner]
+        if owner is not None:
+            self._resize(owner, -1)
+
+    def _resize(self, owner: str, step: int) -> None:
+        """``owner`` now holds ``step`` more entries: keep the owners by size (O(1))."""
+        new = len(self._owned.get(owner, ()))
+        old = new - step
+        self._paired += step
+        if old:
+            self._sizes[old].discard(owner)
+            if not self._sizes[old]:
+                del self._sizes[old]
+        if new:
+            self._sizes.setdefault(new, set()).add(owner)
+        if new > self._largest:
+            self._largest = new
+        elif old == self._largest and old not in self._sizes:
+            self._largest = new  # it held the most, alone; one less now (0: none left)
 
 
 class Producer:
@@ -96,12 +176,12 @@ class Producer:
         self.in_flight: dict[str, PendingSend] = {}  # P request id -> started send
         self.early: dict[str, Reservation] = {}  # transfer id -> reservation w/o prefill
         self.tombstones: dict[str, Tombstone] = {}  # transfer id -> how it ended
-        # nonces D cancelled before P held their reservation -> expiry: a reservation that
-        # arrives after its own cancel (the two raced) is refused, never written.
-        self.cancelled: dict[str, float] = {}
-        # transfer id -> expiry: D gave up before P prefilled (nor holds anything of it):
-        # a prefill leg still waiting for its reservation ends at once (delay_admission).
-        self.cancelled_legs: dict[str, float] = {}
+        # nonces D cancelled before P held their reservation: a reservation that arrives
+        # after its own cancel (the two raced) is refused, never written. Paired peers' only.
+        self.cancelled = CancelMemory(4 * timeout)
+        # transfer ids D gave up on before P prefilled (nor holds anything of it): a
+        # prefill leg still waiting for its reservation ends at once (delay_admission).
+        self.cancelled_legs = CancelMemory(2 * timeout)
         self.outcome = ProducerOutcome()
         self.sends_started = 0
 
@@ -239,9 +319,9 @@ class Producer:
             if self.tombstones[tid].expiry > now:
                 break
             del self.tombstones[tid]
-        # Up to MAX_CANCELLED each, a peer's to fill: read only what expired (every step).
-        _expire_in_order(self.cancelled_legs, now)
-        _expire_in_order(self.cancelled, now)
+        # Up to MAX_CANCELLED each, filled by peers and strangers: read only what expired.
+        self.cancelled_legs.expire(now)
+        self.cancelled.expire(now)
 
     def take_outcome(self) -> ProducerOutcome:
         out, self.outcome = self.outcome, ProducerOutcome()
@@ -307,11 +387,8 @@ class Producer:
         if held is None or held.nonce != nonce or held.peer_key != peer_key:
             # Not a reservation P holds (not arrived yet, or another one): nothing of it
             # was or will be written, and it is refused if it comes later.
-            if peer_key is not None:  # only a paired peer's, so strangers cannot flush it
-                if len(self.cancelled) >= MAX_CANCELLED:
-                    self.cancelled.pop(next(iter(self.cancelled)))  # the oldest
-                self.cancelled.pop(nonce, None)  # (re)added last: the dict stays in expiry order
-                self.cancelled[nonce] = time.monotonic() + 4 * self.timeout
+            if peer_key is not None:  # only a paired peer's: a stranger's nonce is made up
+                self.cancelled.add(nonce, peer_key)
             if held is None and send is not None:
                 # D gave up before its reservation got here (e.g. the handshake was
                 # refused): no reservation will come, drop the held prefill now.
@@ -320,11 +397,9 @@ class Producer:
                 self._tombstone(transfer_id, "cancelled by decode", None)
             elif held is None:
                 # ... before P prefilled: its leg, waiting for that reservation (or not
-                # here yet), need not wait any more. Bounded, as strangers may send it.
-                if len(self.cancelled_legs) >= MAX_CANCELLED:
-                    self.cancelled_legs.pop(next(iter(self.cancelled_legs)))  # the oldest
-                self.cancelled_legs.pop(transfer_id, None)  # (re)added last, as above
-                self.cancelled_legs[transfer_id] = time.monotonic() + 2 * self.timeout
+                # here yet), need not wait any more. Strangers may send it too (a D whose
+                # handshake was refused): within their own small share.
+                self.cancelled_legs.add(transfer_id, peer_key)
             # A reservation P holds under another nonce stays as it is: a delayed cancel
             # of an older reservation must not drop a newer one.
             return CancelReply("cancelled")
