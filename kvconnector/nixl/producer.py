@@ -27,8 +27,8 @@ from kvconnector.nixl.messages import Ack, CancelReply, Refusal
 
 logger = logging.getLogger(__name__)
 
-# Cancels of reservations P never held, remembered at most (each kind); senders P does not
-# pair with share 1/16 of it (``CancelMemory``).
+# Cancels of reservations P never held, remembered at most (each kind) for paired peers;
+# senders P does not pair with have a budget of their own, 1/16 of it (``CancelMemory``).
 MAX_CANCELLED = 65536
 # Tombstones kept at most. A paired peer makes them at will (reserve, cancel, again); past
 # the bound the oldest one no WRITE may land for goes: it only fenced late messages about a
@@ -83,15 +83,15 @@ class Tombstone:
 
 class CancelMemory:
     """Keys (nonces, transfer ids) of cancels P remembers, each for ``lifetime`` seconds,
-    bounded by ``MAX_CANCELLED``.
+    bounded by ``MAX_CANCELLED`` (paired peers') plus 1/16 of it (strangers').
 
     Who sent a cancel decides what its entry may push out. The bound is shared, and
     senders may be strangers (a cancel needs no pairing: a D whose handshake was refused
     sends one) or peers pairing under keys of their own: a flood of either must not evict
     a real decode node's entries (its leg would wait to its timeout, its raced reservation
-    be accepted). So entries of senders P does not pair with (``owner`` None) share at
-    most 1/16 of the bound and push out only each other; at the bound, the paired peer
-    holding the most entries gives up its oldest (the sender itself on a tie).
+    be accepted). So entries of senders P does not pair with (``owner`` None) have a
+    budget of their own and push out only each other; at the paired peers' bound, the
+    peer holding the most entries gives up its oldest (the sender itself on a tie).
 
     In expiry order (one lifetime for all; a re-added key moves to the end): ``expire``
     reads only what expired. Not thread-safe: the connector's lock guards it.
@@ -369,7 +369,8 @@ class Producer:
         was or will be written for that reservation; ``in_flight``: a WRITE may land.
         ``peer_key``: the paired decode peer it comes from, None from a sender P does not
         pair with (a D whose handshake failed): that only ends a hold no reservation came
-        for, and nothing of it is remembered."""
+        for (or a leg still waiting for one, within strangers' budget); its nonce is not
+        remembered."""
         started = self._started(transfer_id)
         if started is not None:
             res = started.reservation
