@@ -139,6 +139,12 @@ class HealthyPrefill:
         return Ack().to_wire()
 
 
+def _add_remote(sch: Scheduler, rid: str, address: str, prompt: list[int]) -> None:
+    """A decode leg whose prompt's KV the prefill node at ``address`` is to push."""
+    params = KVTransferParams(do_remote_prefill=True, transfer_id=rid, remote_side_channel=address)
+    sch.add_request(Request(rid, prompt, SamplingParams(max_tokens=2), kv_transfer_params=params))
+
+
 def test_a_silent_prefill_peer_does_not_delay_reservations_to_a_healthy_one(monkeypatch):
     """Twelve reservations to a prefill node that never answers, then one to a healthy
     node: the healthy one is acknowledged while the silent ones still wait. With one
@@ -162,20 +168,9 @@ def test_a_silent_prefill_peer_does_not_delay_reservations_to_a_healthy_one(monk
     silent.bind(silent_address)
     healthy = HealthyPrefill(conn.compat)
     try:
-
-        def add(rid: str, address: str) -> None:
-            params = KVTransferParams(
-                do_remote_prefill=True, transfer_id=rid, remote_side_channel=address
-            )
-            sch.add_request(
-                Request(
-                    rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=2), kv_transfer_params=params
-                )
-            )
-
         for i in range(12):
-            add(f"s{i}", silent_address)
-        add("h", healthy.address)
+            _add_remote(sch, f"s{i}", silent_address, [1, 2, 3, 4, 5])
+        _add_remote(sch, "h", healthy.address, [1, 2, 3, 4, 5])
         sch.schedule()
         wait_for(lambda: conn.consumer.recvs["h"].reserved, 30, "the healthy reservation")
         assert all(f"s{i}" in conn.consumer.recvs for i in range(12))
@@ -219,27 +214,18 @@ def test_silent_prefill_addresses_a_client_names_leave_lanes_for_a_paired_prefil
     ]
     healthy = HealthyPrefill(conn.compat)
     try:
-
-        def add(rid: str, address: str) -> None:
-            params = KVTransferParams(
-                do_remote_prefill=True, transfer_id=rid, remote_side_channel=address
-            )
-            sch.add_request(
-                Request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=2), kv_transfer_params=params)
-            )
-
-        add("paired", healthy.address)
+        _add_remote(sch, "paired", healthy.address, [1, 2, 3, 4])
         sch.schedule()
         wait_for(lambda: conn.consumer.recvs["paired"].reserved, 30, "the first reservation")
         wait_for(lambda: conn._lanes.num_lanes() == 0, 30, "the paired node's lane to idle out")
 
         for i, address in enumerate(silent_addresses):
-            add(f"s{i}", address)
+            _add_remote(sch, f"s{i}", address, [1, 2, 3, 4])
         sch.schedule()
         waiting = [f"s{i}" for i in range(256) if f"s{i}" in conn.consumer.recvs]
         assert waiting, "no call to a silent address was made at all"
 
-        add("again", healthy.address)
+        _add_remote(sch, "again", healthy.address, [1, 2, 3, 4])
         sch.schedule()
         assert "again" in conn.consumer.recvs, "the paired prefill node got no lane"
         wait_for(lambda: conn.consumer.recvs["again"].reserved, 30, "the paired reservation")
