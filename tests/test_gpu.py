@@ -76,15 +76,25 @@ def test_cuda_graph_decode_is_token_identical_to_eager_and_async(llama):
     params = [SamplingParams(max_tokens=8 + i, temperature=0.0) for i in range(24)]
     with LLM(_config(llama["path"], enforce_eager=True)) as llm:
         eager = llm.generate(prompts, params)
+    # Two-token bad words (a pair each request's eager answer holds): under async
+    # scheduling their bans follow the token in flight, so those steps go out with
+    # ``sampling_deferred`` and sample on the in-process executor's step thread.
+    banned = [
+        dataclasses.replace(sp, bad_words_token_ids=(tuple(out[2:4]),))
+        for sp, out in zip(params, eager, strict=True)
+    ]
     with LLM(_config(llama["path"])) as llm:
         graphs = llm.generate(prompts, params)
+        graphs_banned = llm.generate(prompts, banned)
     assert graphs == eager
+    assert graphs_banned != eager
     # Graphs with async scheduling: each replay's input is the token the step before
     # sampled (filled in on the worker), decoded while the engine updates.
     cfg = _config(llama["path"])
     cfg = cfg.replace(scheduler=dataclasses.replace(cfg.scheduler, async_scheduling=True))
     with LLM(cfg) as llm:
         assert llm.generate(prompts, params) == eager
+        assert llm.generate(prompts, banned) == graphs_banned
 
 
 def test_triton_engine_matches_reference_with_chunks_prefix_hits_and_preemption(llama):
