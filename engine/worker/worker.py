@@ -62,12 +62,12 @@ class Worker:
                 # Every step, tokens or not: the block tables' changes (finished requests).
                 self.model_runner.update_states(sched)
                 if sched.num_scheduled_tokens > 0:
+                    kwargs: dict[str, Any] = {}
                     if connector.wants_layer_hook():  # a pipelined push: pieces per layer
-                        sampled = self.model_runner.execute(
-                            sched, connector.save_kv_layer, deferred_source
-                        )
-                    else:
-                        sampled = self.model_runner.execute(sched, None, deferred_source)
+                        kwargs["after_layer"] = connector.save_kv_layer
+                    if sched.sampling_deferred:  # its masks come after the forward
+                        kwargs["deferred_source"] = deferred_source
+                    sampled = self.model_runner.execute(sched, **kwargs)
             except BaseException:
                 self._post_sends_of_failed_step()
                 raise
