@@ -223,6 +223,40 @@ def test_stop_string(node: Proc) -> None:
     _wait_idle(node)
 
 
+def test_a_stop_string_that_starts_within_min_tokens_and_ends_after_them_stops(
+    node: Proc,
+) -> None:
+    """vLLM's rule (v1 detokenizer): no stop string is looked for while the answer has at
+    most ``min_tokens`` tokens; after that each new text is searched with a look-back of
+    ``len(stop) - 1`` characters, so a stop string that starts in the first ``min_tokens``
+    tokens and ends after them matches. The tiny model's tokens are bytes: a two-character
+    stop at ``m - 1`` straddles ``min_tokens: m`` -- the text ends before it, in a stream
+    too (its first character, within min_tokens, was held back), and with
+    ``include_stop_str_in_output`` it ends after it. (The old rule looked for it in the
+    text after min_tokens alone: it matched later, or not at all.)"""
+    letters = list(range(ord("a"), ord("z") + 1))  # one character per token
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "allowed_token_ids": letters, **GREEDY}
+    text = _post(node, "/v1/completions", body).json()["choices"][0]["text"]
+    assert len(text) == 16 and text.isalpha(), text
+    m = 4
+    stop = text[m - 1 : m + 1]
+    want = {**body, "stop": [stop], "min_tokens": m}
+    out = _post(node, "/v1/completions", want).json()["choices"][0]
+    assert (out["text"], out["finish_reason"], out["stop_reason"]) == (text[: m - 1], "stop", stop)
+    kept = _post(node, "/v1/completions", {**want, "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == text[: m + 1]
+    _, events = _stream(node, "/v1/completions", {**want, "stream": True})
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == text[: m - 1], chunks
+    assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", stop)
+    # One that ends within min_tokens is not matched there: the first that ends after.
+    early = text[m - 2 : m]
+    out = _post(node, "/v1/completions", {**body, "stop": [early], "min_tokens": m}).json()
+    at = text.find(early, m - 1)
+    assert out["choices"][0]["text"] == (text[:at] if at >= 0 else text)
+    _wait_idle(node)
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_stop_token_is_in_token_ids_not_in_the_text(node: Proc, chat: bool) -> None:
     """vLLM's rule: the token that stopped the answer stays in ``token_ids``, its text is left

@@ -216,6 +216,24 @@ def test_min_tokens_counts_stop_strings_token_by_token_whatever_the_outputs_carr
     assert one[-1].stop_reason == each[-1].stop_reason == "H"
 
 
+def test_a_stop_string_may_start_within_min_tokens_and_end_after_them() -> None:
+    """vLLM's look-back: ``min_tokens`` 2, stop "iX", tokens H i X a: "i" is within
+    min_tokens, "X" after -- the answer is "H" (whether the outputs carry one id each or
+    all of them), and a stream held the "i" back; "Hi" ends within min_tokens: no match."""
+    ids = list(b"HiXa")
+    for body, want, reason in (
+        ({"stop": ["iX"], "min_tokens": 2}, "H", "iX"),
+        ({"stop": ["iX"], "min_tokens": 2, "include_stop_str_in_output": True}, "HiX", "iX"),
+        ({"stop": ["Hi"], "min_tokens": 2}, "HiXa", None),
+    ):
+        one = _steps(_job(body), [_out(ids, "length")])
+        each = _steps(_job(body), [_out([t]) for t in ids[:-1]] + [_out(ids[-1:], "length")])
+        assert _text(one) == _text(each) == want, (body, _text(one), _text(each))
+        assert one[-1].stop_reason == each[-1].stop_reason == reason
+        if reason == "iX":  # "i", within min_tokens, may begin "iX": held back
+            assert [s.text for s in each[:2]] == ["H", ""], each
+
+
 def test_a_decode_leg_whose_skipped_first_token_is_the_stop_token_shows_nothing() -> None:
     """D drops P's first token (``skip_first_token``) and that token, an incomplete UTF-8
     byte listed in stop_token_ids, stopped the answer: no text (its byte was flushed as

@@ -316,10 +316,11 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
                 ids = ids[1:]
                 lps = None if lps is None else lps[1:]
             shown = ids[:-1] if stop_token and ids and not keep_stop else ids
-            # Stop strings count once the answer has more than min_tokens tokens (vLLM),
-            # token by token: the first ``k`` shown here are within min_tokens (an output
-            # may carry several ids, merged for a slow reader: the text must not depend on
-            # that).
+            # Stop strings are looked for once the answer has more than min_tokens tokens
+            # (vLLM), token by token: the first ``k`` shown here are within min_tokens (an
+            # output may carry several ids, merged for a slow reader: the text must not
+            # depend on that). A stop string must end after them; it may start in them
+            # (the matcher holds back their text that may begin one).
             k = min(len(shown), max(0, job.params.min_tokens - (job.completion_tokens - len(ids))))
             text = ""
             if k:

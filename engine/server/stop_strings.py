@@ -9,6 +9,12 @@ class StopStringMatcher:
     ``feed`` returns the text that is safe to emit and whether a stop string was hit; on a
     hit the returned text ends right before the stop string (after it with ``include``),
     and ``matched`` is that stop string.
+
+    vLLM's rule (its v1 detokenizer, ``check_stop_strings``): a stop string must end in the
+    text just fed; it may start up to ``len(stop) - 1`` characters before it, in text fed
+    earlier -- with ``min_tokens``, text fed with ``check=False``, in which no stop string
+    is looked for. So one that starts within ``min_tokens`` and ends after it matches; one
+    that ends within it does not.
     """
 
     def __init__(self, stops: list[str], include: bool = False) -> None:
@@ -19,18 +25,22 @@ class StopStringMatcher:
         self.matched: str | None = None  # the stop string that was hit (``stop_reason``)
 
     def feed(self, new_text: str, final: bool = False, check: bool = True) -> tuple[str, bool]:
-        """``check=False``: not yet (``min_tokens``): the text passes, nothing is held."""
+        """``check=False``: within ``min_tokens``: no stop string may end in ``new_text``,
+        but what may begin one is held back as usual (one may end in later text)."""
         if not self._stops:
             return new_text, False
+        old = len(self._held)
         buf = self._held + new_text
-        if not check:
-            self._held = ""
-            return buf, False
-        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
-        if hits:
-            self._held = ""
-            at, self.matched = min(hits, key=lambda h: h[0])  # the first in the text
-            return buf[: at + len(self.matched) if self._include else at], True
+        if check:
+            # Only a stop that ends in ``new_text``: the held text has none that may match
+            # (looked for before, or within min_tokens).
+            hits = [
+                (i, s) for s in self._stops if (i := buf.find(s, max(0, old - len(s) + 1))) >= 0
+            ]
+            if hits:
+                self._held = ""
+                at, self.matched = min(hits, key=lambda h: h[0])  # the first in the text
+                return buf[: at + len(self.matched) if self._include else at], True
         if final:
             self._held = ""
             return buf, False
@@ -39,7 +49,7 @@ class StopStringMatcher:
         return buf[: len(buf) - hold], False
 
     def _partial_suffix_len(self, buf: str) -> int:
-        """The longest suffix of ``buf`` that begins a stop string (no stop is in ``buf``).
+        """The longest suffix of ``buf`` shorter than a stop string that begins it.
 
         Only suffixes starting with a stop's first character are tried, longest first:
         one ``startswith`` per candidate (it was one slice and a pass over every stop per
