@@ -45,9 +45,15 @@ def _refusal(engine: AsyncLLMEngine, rid: str, prompt: list[int], **kw) -> Inval
 def test_the_scheduler_refuses_bad_prompts(engine):
     err = _refusal(engine, "empty", [])
     assert (str(err), err.param) == ("the prompt is empty", "prompt")
-    err = _refusal(engine, "long", [1] * 64)
+    err = _refusal(engine, "long", [1] * 65)
     assert err.param == "prompt"
-    assert str(err) == "the prompt has 64 tokens; this model's maximum context length is 64 tokens"
+    assert str(err) == "the prompt has 65 tokens; this model's maximum context length is 64 tokens"
+
+
+def test_a_prompt_that_fills_the_context_gets_its_one_token(engine):
+    """As vLLM's engine: a prompt as long as the context is taken; its first sampled token
+    ends it at the context (what echo with max_tokens 0 needs: that token is left out)."""
+    assert len(asyncio.run(_collect(engine, "full", [1] * 64))) == 1
 
 
 def test_transfer_params_without_a_connector_are_refused(engine):

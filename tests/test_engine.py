@@ -97,11 +97,13 @@ def test_tp4_replicated_kv_heads_matches_tp1(reference):
 
 def test_a_cache_smaller_than_the_models_context_is_the_context():
     """4 blocks x 16 tokens: the engine serves 64-token contexts (tiny's config says 4096):
-    a longer prompt is refused naming the context, a longer answer is cut at it."""
+    a longer prompt is refused naming the context, a longer answer is cut at it (a prompt
+    that fills it gets one token, as in vLLM)."""
     cfg = EngineConfig(cache=CacheConfig(num_blocks=4, block_size=16))
     with LLM(cfg) as llm:
         with pytest.raises(InvalidRequestError, match="maximum context length is 64"):
-            llm.generate([[1] * 64], SamplingParams(max_tokens=1))
+            llm.generate([[1] * 65], SamplingParams(max_tokens=1))
+        assert len(llm.generate([[1] * 64], SamplingParams(max_tokens=5))[0]) == 1
         assert len(llm.generate([[1] * 40], SamplingParams(max_tokens=40))[0]) == 24
         # The engine still serves a request that fits.
         assert len(llm.generate([[1] * 10], SamplingParams(max_tokens=5))[0]) == 5

@@ -181,6 +181,40 @@ def test_stream_with_stop_string_matches_colocated(cluster: Cluster) -> None:
     assert events[-2]["choices"][0]["stop_reason"] == ref["choices"][0]["stop_reason"]
 
 
+def test_min_tokens_stop_strings_and_a_full_context_echo_match_colocated(cluster: Cluster) -> None:
+    """Through P/D as on a colocated node (vLLM's rules, docs/api.md): a stop string that
+    starts within ``min_tokens`` and ends after it stops the answer (P's first token is in
+    what D looks at); ``echo`` with ``max_tokens`` 0 takes a prompt that fills the context
+    (D alone serves it)."""
+    letters = list(range(ord("a"), ord("z") + 1))
+    body = {"prompt": "Once upon", "max_tokens": 12, "allowed_token_ids": letters, **GREEDY}
+    text = httpx.post(cluster.colo.url + "/v1/completions", json=body, timeout=60).json()
+    text = text["choices"][0]["text"]
+    body = {**body, "stop": [text[0:2]], "min_tokens": 1}  # starts in P's token
+    ref = httpx.post(cluster.colo.url + "/v1/completions", json=body, timeout=60).json()
+    assert ref["choices"][0]["text"] == "" and ref["choices"][0]["stop_reason"] == text[0:2]
+    got = httpx.post(cluster.proxy.url + "/v1/completions", json=body, timeout=60).json()
+    assert got["choices"][0]["text"] == "" and got["choices"][0]["stop_reason"] == text[0:2]
+    with httpx.stream(
+        "POST", cluster.proxy.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as resp:
+        events = sse_events(resp)
+    assert "".join(c["choices"][0]["text"] for c in events[:-1] if c["choices"]) == ""
+    assert events[-2]["choices"][0]["stop_reason"] == text[0:2]
+    card = httpx.get(cluster.colo.url + "/v1/models", timeout=10).json()["data"][0]
+    ids = [65 + i % 26 for i in range(card["max_model_len"])]
+    echo = {"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1, **GREEDY}
+    ref = httpx.post(cluster.colo.url + "/v1/completions", json=echo, timeout=120)
+    got = httpx.post(cluster.proxy.url + "/v1/completions", json=echo, timeout=120)
+    assert ref.status_code == got.status_code == 200, (ref.text[:300], got.text[:300])
+    r, g = ref.json(), got.json()
+    assert g["choices"][0]["text"] == r["choices"][0]["text"] == bytes(ids).decode()
+    assert g["choices"][0]["logprobs"]["tokens"] == r["choices"][0]["logprobs"]["tokens"]
+    assert g["usage"] == r["usage"] == {
+        "prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize("skip", ["proxy-skip", "node-skip"])
 def test_stop_token_ids_match_colocated(cluster: Cluster, skip: str) -> None:
     """A stop token's text is left out and ``stop_reason`` is its id, through the proxy as on

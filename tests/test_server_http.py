@@ -453,6 +453,39 @@ def test_context_length(node: Proc, max_model_len: int) -> None:
     assert _assert_error(resp, 400, "messages")["param"] == "messages"
 
 
+def test_echo_with_max_tokens_0_takes_a_prompt_as_long_as_the_context(
+    node: Proc, max_model_len: int
+) -> None:
+    """vLLM accepts ``echo`` with ``max_tokens`` 0 for a prompt of ``max_model_len`` tokens
+    (its length check counts the 0 requested tokens; the engine takes a prompt up to the
+    context): lm-evaluation-harness cuts a loglikelihood request to its ``max_length``, so
+    such prompts come. The answer is the prompt with its log probabilities; one token
+    longer is a 400 naming ``prompt``, as is ``max_tokens`` 1."""
+    ids = [65 + i % 26 for i in range(max_model_len)]
+    body = {"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1, **GREEDY}
+    resp = _post(node, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    choice = out["choices"][0]
+    assert choice["text"] == bytes(ids).decode() and choice["token_ids"] == []
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == max_model_len and lp["token_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("length", None)
+    assert out["usage"] == {
+        "prompt_tokens": max_model_len, "completion_tokens": 0, "total_tokens": max_model_len
+    }  # fmt: skip
+    # The same prompt cut by one token answers the same log probabilities for it.
+    short = _post(node, "/v1/completions", {**body, "prompt": ids[:-1]}).json()
+    assert short["choices"][0]["logprobs"]["tokens"] == lp["tokens"][:-1]
+    _, events = _stream(node, "/v1/completions", {**body, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == choice["text"]
+    for bad in ({**body, "prompt": [*ids, 65]}, {**body, "max_tokens": 1}):
+        err = _assert_error(_post(node, "/v1/completions", bad), 400, "prompt")
+        assert err["param"] == "prompt" and err["code"] == "context_length_exceeded", err
+    _wait_idle(node)
+
+
 def test_stream_errors_are_json_400(node: Proc) -> None:
     resp, _ = _stream(node, "/v1/completions", {"prompt": "x", "max_tokens": 0, "stream": True})
     _assert_error(resp, 400, "max_tokens")

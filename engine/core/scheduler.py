@@ -159,7 +159,10 @@ class Scheduler:
         n = request.num_prompt_tokens
         if n == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        if n >= self.max_model_len:
+        # A prompt may fill the context (vLLM's engine: longer is refused): its one
+        # sampled token ends it (a length) and is never computed, so it needs no room.
+        # The HTTP layer lets it through only for echo with max_tokens 0.
+        if n > self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens; this model's maximum context length is "
                 f"{self.max_model_len} tokens",

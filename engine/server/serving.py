@@ -303,8 +303,10 @@ class OpenAIServing:
         kv = req.kv_transfer_params
         if req.echo_without_generation:
             # vLLM's: the engine samples one token (it cannot stop before one), which the
-            # answer leaves out (``prompt_only``); the prompt must leave room for it.
-            resolve_max_tokens(1, len(ids), self.engine.max_model_len, param)
+            # answer leaves out (``prompt_only``). As vLLM's, the check counts the 0 tokens
+            # asked for: a prompt may fill the context (the engine takes one that long;
+            # its sampled token is never computed, so it needs no room).
+            resolve_max_tokens(0, len(ids), self.engine.max_model_len, param)
             max_tokens = 1
         elif kv is not None and kv.do_remote_decode:
             # A prefill leg computes the prompt and one token: this node's context bounds
