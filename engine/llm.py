@@ -46,7 +46,9 @@ class LLM:
         """Run the prompts (token ids) to completion together; returns output token ids.
         ``params``: one for all or one per prompt (None: ``get_default_sampling_params()``,
         as vLLM's ``LLM.generate``). ``priority``: one per prompt
-        (``--scheduling-policy priority``; vLLM's argument)."""
+        (``--scheduling-policy priority``; vLLM's argument). A request that ends with an
+        error raises ``RuntimeError`` (saying why); the call's other requests are aborted
+        first, so the engine is idle, its blocks free, for the next call."""
         if params is None:
             params = self.get_default_sampling_params()
         plist = params if isinstance(params, list) else [params] * len(prompts)
@@ -60,16 +62,31 @@ class LLM:
         done: set[str] = set()
         while len(done) < len(ids):
             outputs, _ = self.core.step()
+            failed = None
             for out in outputs:
                 results[out.request_id].extend(out.new_token_ids)
                 if out.finished:
-                    if out.finish_reason == "error":
-                        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                     done.add(out.request_id)
+                    if out.finish_reason == "error" and failed is None:
+                        failed = out
+            if failed is not None:
+                self._abandon([rid for rid in ids if rid not in done])
+                raise RuntimeError(f"request {failed.request_id} failed: {failed.error}")
         # Async scheduling: a step may still be in flight (one token too many for a request
         # that stopped); its update gives its blocks back. It has nothing for the caller.
         self.core.finish_in_flight()
         return [results[rid] for rid in ids]
+
+    def _abandon(self, ids: list[str]) -> None:
+        """A request of the call failed and ``generate`` raises: the call's unfinished
+        requests (``ids``) are aborted and the step in flight (async scheduling) is
+        updated, so their blocks are free and the next call starts from an idle engine
+        (their outputs would otherwise come to it). Finished ones are left alone (one
+        held for a KV push keeps its hold)."""
+        for rid in ids:
+            self.core.abort_request(rid)
+        self.core.finish_in_flight()
+        self.core.scheduler.take_outputs()  # the aborts' outputs: nobody reads them
 
     def stats(self) -> StatsGroup:
         return self.core.stats()

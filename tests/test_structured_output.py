@@ -374,6 +374,43 @@ def test_a_grammar_that_allows_no_next_token_ends_the_request_with_its_reason(ll
             assert why in str(e.value) and "internal error" not in str(e.value), e.value
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_that_fails_leaves_the_offline_engine_ready_for_the_next_call(
+    async_scheduling: bool,
+) -> None:
+    """``LLM.generate`` raises when one of its requests ends with an error (here its grammar
+    gets stuck after a token: under async scheduling that is found when the masks of the
+    step in flight are made, ``deferred_sampling``). The call's other requests are aborted
+    and the step in flight is updated before it raises: every block is free, and the next
+    call answers as a fresh engine does. (They were left running, with the step in flight:
+    the next call met their outputs, a KeyError, and its blocks stayed taken.)"""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    tok = ByteTokenizer()
+    letters = list(range(ord("a"), ord("z") + 1))
+    stuck = SamplingParams(  # 'a' is a letter; then only digits: none of them allowed
+        max_tokens=16, temperature=0.0, allowed_token_ids=letters,
+        structured_output=StructuredOutput.regex("a[0-9]+"),
+    )  # fmt: skip
+    free = SamplingParams(max_tokens=30, temperature=0.0)
+    prompts = [tok.encode("hi"), tok.encode("other")]
+    cfg = EngineConfig(
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(async_scheduling=async_scheduling),
+    )
+    with LLM(cfg) as llm:
+        want = llm.generate(prompts[1:], free)
+        with pytest.raises(RuntimeError, match="allowed_token_ids"):
+            llm.generate(prompts, [stuck, free])
+        stats = llm.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        assert stats["num_running"] == stats["num_waiting"] == 0
+        assert llm.generate(prompts[1:], free) == want
+
+
 def test_allowed_token_ids_that_cannot_start_the_structured_output_are_a_400() -> None:
     from types import SimpleNamespace
 
