@@ -22,7 +22,7 @@ from engine.config import TINY_MODEL, ConfigError, EngineConfig
 from engine.core.kv_cache_manager import cdiv
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.core.scheduler_output import DeferredSampling, ModelRunnerOutput, SchedulerOutput
 from engine.core.step_stats import StepStats
 from engine.executor import make_executor
 from engine.kv_cache_layout import KVCacheSpec
@@ -281,7 +281,15 @@ class EngineCore:
             self._last_dispatch = time.monotonic()
             fut = self.executor.execute_model(sched, non_block=True)
             self._in_flight = (sched, fut, time.perf_counter())  # type: ignore[assignment]
-        outputs = self._wait_and_update(prev) if prev is not None else []
+        try:
+            outputs = self._wait_and_update(prev) if prev is not None else []
+        except BaseException as e:
+            if not idle and sched.sampling_deferred:
+                # Its masks follow the step that failed: none will come. The workers end
+                # its wait now (the step fails), not at its deadline.
+                why = f"no sampling masks: step {prev[0].step_id} before it failed ({e!r:.200})"  # type: ignore[index]
+                self.executor.sample_tokens(DeferredSampling(sched.step_id, failed=why))
+            raise
         if not idle and sched.sampling_deferred:
             # Its grammar masks and bad words' bans follow tokens known only now: they go
             # while its forward runs (the workers sample once they arrive).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 
@@ -61,7 +62,11 @@ class LLM:
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         done: set[str] = set()
         while len(done) < len(ids):
-            outputs, _ = self.core.step()
+            try:
+                outputs, _ = self.core.step()
+            except Exception:
+                self._after_failed_step()
+                raise
             failed = None
             for out in outputs:
                 results[out.request_id].extend(out.new_token_ids)
@@ -87,6 +92,15 @@ class LLM:
             self.core.abort_request(rid)
         self.core.finish_in_flight()
         self.core.scheduler.take_outputs()  # the aborts' outputs: nobody reads them
+
+    def _after_failed_step(self) -> None:
+        """A step failed (``generate`` raises its error): the step still in flight (async
+        scheduling; it fails too when it waited for masks the failed step's update would
+        have made) is waited for, and every request ends, so every block is free and the
+        next call starts from an idle engine, not from steps whose KV was never written."""
+        with contextlib.suppress(Exception):
+            self.core.finish_in_flight()
+        self.core.fail_all("a step failed")
 
     def stats(self) -> StatsGroup:
         return self.core.stats()

@@ -469,6 +469,9 @@ def test_a_worker_waiting_for_its_sampling_masks_takes_its_own_and_ends_with_the
         send.send_bytes(pickle.dumps(DeferredSampling(4, None)))
         with pytest.raises(RuntimeError, match="step 6 waited for its sampling masks"):
             wait_for_deferred(recv, 6, os.getppid())
+        send.send_bytes(pickle.dumps(DeferredSampling(6, failed="step 5 before it failed")))
+        with pytest.raises(RuntimeError, match="step 6: step 5 before it failed"):
+            wait_for_deferred(recv, 6, os.getppid())  # none will come: the step fails
         send.send_bytes(b"shutdown")
         with pytest.raises(_ShutDown):
             wait_for_deferred(recv, 7, os.getppid())

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import CacheConfig, ConfigError, EngineConfig, ParallelConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig, ParallelConfig, SchedulerConfig
 from engine.core.scheduler_output import DeferredSampling, SchedulerOutput, WorkerOutput
 from engine.executor.uniproc import UniProcExecutor
 from engine.sampling_params import SamplingParams
@@ -305,3 +305,46 @@ def test_a_step_waiting_for_its_masks_ends_with_an_error_at_shutdown_or_its_dead
             ex.wait(fut)
     finally:
         ex.shutdown()
+
+
+def test_a_step_that_fails_before_a_deferred_step_leaves_no_wait_behind(monkeypatch) -> None:
+    """Async scheduling, the offline LLM in process: step N fails (its forward raises)
+    while step N+1, sent with ``sampling_deferred``, waits for masks that the update of
+    step N would have made. The failure ends that wait at once (the step N+1 fails too),
+    and every request of the call ends: ``generate`` raises, every block is free, and the
+    next call answers at once as a fresh engine does. (The step waited out its
+    ``--step-timeout``, 600 s by default, inside the next call, which then failed.)"""
+    from engine.llm import LLM
+    from engine.structured.spec import StructuredOutput
+    from engine.worker import model_runner
+
+    pytest.importorskip("llguidance")
+    execute, deferred_steps = model_runner.ModelRunner.execute, []
+
+    def failing(runner: Any, sched: SchedulerOutput, *args: Any) -> Any:
+        if sched.sampling_deferred:
+            deferred_steps.append(sched.step_id)
+            if len(deferred_steps) == 3:
+                raise RuntimeError("a forward that fails")
+        return execute(runner, sched, *args)
+
+    params = SamplingParams(
+        max_tokens=20, temperature=0.0, structured_output=StructuredOutput.regex("[a-z]{30}")
+    )
+    cfg = EngineConfig(
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(async_scheduling=True),
+        parallel=ParallelConfig(distributed_executor_backend="uni", step_timeout=30),
+    )
+    with LLM(cfg) as llm:
+        want = llm.generate([[5, 6, 7], [8, 9]], params)
+        monkeypatch.setattr(model_runner.ModelRunner, "execute", failing)
+        with pytest.raises(WorkerError, match="a forward that fails"):
+            llm.generate([[5, 6, 7], [8, 9]], params)
+        monkeypatch.setattr(model_runner.ModelRunner, "execute", execute)
+        stats = llm.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        t0 = time.monotonic()
+        assert llm.generate([[5, 6, 7], [8, 9]], params) == want
+        assert time.monotonic() - t0 < 10  # no step left waiting for its masks
+    assert [t.name for t in threading.enumerate()] == ["MainThread"]

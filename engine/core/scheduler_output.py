@@ -89,11 +89,14 @@ class DeferredSampling:
     before was updated, for the worker that samples (rank 0): the grammar masks (as
     ``SchedulerOutput.grammar_bitmask``; None: no row has one now) and the bad words' ids
     of the rows whose ban follows the output's last tokens (sampling row -> ids; they
-    replace those rows' ``ScheduledSeq.bad_token_ids``)."""
+    replace those rows' ``ScheduledSeq.bad_token_ids``). ``failed``: none will come (the
+    step before failed, so the tokens they follow are not known), and why: the step fails
+    with it instead of sampling."""
 
     step_id: int
     bitmask: Any = None
     bad_token_ids: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    failed: str | None = None
 
 
 @dataclass

@@ -208,6 +208,8 @@ class UniProcExecutor:
             raise RuntimeError(
                 f"step {step_id} waited for its sampling masks, got step {got.step_id}'s"
             )
+        if got.failed is not None:
+            raise RuntimeError(f"step {step_id}: {got.failed}")
         return got
 
     def sample_tokens(self, deferred: DeferredSampling) -> None:

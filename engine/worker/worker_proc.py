@@ -109,6 +109,8 @@ def wait_for_deferred(task_conn: Connection, step_id: int, parent: int) -> Defer
     got = pickle.loads(msg)
     if not isinstance(got, DeferredSampling) or got.step_id != step_id:
         raise RuntimeError(f"step {step_id} waited for its sampling masks, got {got!r:.200}")
+    if got.failed is not None:
+        raise RuntimeError(f"step {step_id}: {got.failed}")
     return got
 
 
