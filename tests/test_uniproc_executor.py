@@ -347,4 +347,4 @@ def test_a_step_that_fails_before_a_deferred_step_leaves_no_wait_behind(monkeypa
         t0 = time.monotonic()
         assert llm.generate([[5, 6, 7], [8, 9]], params) == want
         assert time.monotonic() - t0 < 10  # no step left waiting for its masks
-    assert [t.name for t in threading.enumerate()] == ["MainThread"]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("tp0")]
