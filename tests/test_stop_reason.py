@@ -257,3 +257,32 @@ def test_with_node_skip_first_token_a_first_token_inside_a_character_is_not_doub
     cs.decode_starts()
     rest = [cs.rewrite(d.chunk(s)) for s in d_steps]
     assert first + "".join(r["choices"][0]["text"] for r in rest if r) == "\u00e9!"
+
+
+def test_a_decode_leg_finds_a_stop_string_that_begins_in_the_skipped_first_token() -> None:
+    """D drops P's first token (the client has it: with ``--node-skip-first-token``, a
+    stream pre-streamed by P -- never with stop strings -- or a decode re-opened after the
+    client got tokens) but a stop string may begin in its text: stop "Hi", tokens H i X.
+    Colocated, the answer stops at "i" ("" before the stop); D stops there too, sending
+    nothing (the client's "H" came before), rather than running on past the stop string
+    as "iX..."."""
+    body = {"stop": ["Hi", "zz"], "max_tokens": 8}
+    ids = list(b"HiXa")
+    colocated = _steps(_job(body), [_out([t]) for t in ids])
+    assert _text(colocated) == "" and colocated[-1].stop_reason == "Hi"
+    for outputs in ([_out([t]) for t in ids], [_out(ids)]):
+        d = _steps(_skip_first(_job(body)), outputs)
+        assert _text(d) == "" and d[-1].finish_reason == "stop", d
+        assert d[-1].stop_reason == "Hi" and _ids(d)[0] == ord("i"), d
+    # Where the stop string begins after the first token, D's text is the colocated one's
+    # less that token's: "H" + "i" == "Hi" before "X!".
+    body = {"stop": ["X!"], "max_tokens": 8}
+    ids = list(b"HiX!a")
+    colocated = _steps(_job(body), [_out([t]) for t in ids])
+    d = _steps(_skip_first(_job(body)), [_out([t]) for t in ids])
+    assert _text(colocated) == "H" + _text(d) == "Hi" and d[-1].stop_reason == "X!"
+    # The first token's text may only begin a stop string that never comes: it is not
+    # sent again ("H" is the client's), the rest of the answer is.
+    body = {"stop": ["Hz"], "max_tokens": 4}
+    d = _steps(_skip_first(_job(body)), [_out([t]) for t in b"Hi!"] + [_out([33], "length")])
+    assert _text(d) == "i!!" and d[-1].finish_reason == "length", d

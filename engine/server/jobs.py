@@ -311,8 +311,11 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
             if skip_first and ids:
                 skip_first = False
                 if not (stop_token and len(ids) == 1 and not keep_stop):
-                    # Context for the text of later tokens; the client has its text.
-                    job.streamed_chars += len(detok.add(ids[:1]))
+                    # Context for the text of later tokens, and for a stop string that
+                    # begins in it; the client has its text.
+                    first_text = detok.add(ids[:1])
+                    job.streamed_chars += len(first_text)
+                    matcher.skip(first_text)
                 ids = ids[1:]
                 lps = None if lps is None else lps[1:]
             shown = ids[:-1] if stop_token and ids and not keep_stop else ids

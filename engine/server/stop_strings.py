@@ -15,6 +15,9 @@ class StopStringMatcher:
     earlier -- with ``min_tokens``, text fed with ``check=False``, in which no stop string
     is looked for. So one that starts within ``min_tokens`` and ends after it matches; one
     that ends within it does not.
+
+    ``skip``: text the client already has (a decode leg's first token, which the proxy got
+    from the prefill node): a stop string may begin in it, and it is never returned.
     """
 
     def __init__(self, stops: list[str], include: bool = False) -> None:
@@ -22,7 +25,18 @@ class StopStringMatcher:
         self._stops = [s for s in stops if s]
         self._include = include
         self._held = ""
+        self._sent = 0  # the first characters of ``_held`` the client already has (``skip``)
         self.matched: str | None = None  # the stop string that was hit (``stop_reason``)
+
+    def skip(self, text: str) -> None:
+        """``text`` is the answer's start, already with the client: kept (the part that
+        may begin a stop string) as context for later text, never returned."""
+        if not self._stops:
+            return
+        buf = self._held + text
+        hold = self._partial_suffix_len(buf)
+        self._held = buf[len(buf) - hold :]
+        self._sent = min(len(self._held), self._sent + len(text))
 
     def feed(self, new_text: str, final: bool = False, check: bool = True) -> tuple[str, bool]:
         """``check=False``: within ``min_tokens``: no stop string may end in ``new_text``,
@@ -40,13 +54,19 @@ class StopStringMatcher:
             if hits:
                 self._held = ""
                 at, self.matched = min(hits, key=lambda h: h[0])  # the first in the text
-                return buf[: at + len(self.matched) if self._include else at], True
+                return self._emit(buf, at + len(self.matched) if self._include else at), True
         if final:
             self._held = ""
-            return buf, False
+            return self._emit(buf, len(buf)), False
         hold = self._partial_suffix_len(buf)
         self._held = buf[len(buf) - hold :]
-        return buf[: len(buf) - hold], False
+        return self._emit(buf, len(buf) - hold), False
+
+    def _emit(self, buf: str, cut: int) -> str:
+        """``buf[:cut]`` without what the client already has (``skip``); a stop string
+        that began there leaves nothing to send (the client keeps that part of it)."""
+        sent, self._sent = self._sent, max(0, self._sent - cut)
+        return buf[sent:cut] if cut > sent else ""
 
     def _partial_suffix_len(self, buf: str) -> int:
         """The longest suffix of ``buf`` shorter than a stop string that begins it.
