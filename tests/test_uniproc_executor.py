@@ -321,12 +321,12 @@ def test_a_step_that_fails_before_a_deferred_step_leaves_no_wait_behind(monkeypa
     pytest.importorskip("llguidance")
     execute, deferred_steps = model_runner.ModelRunner.execute, []
 
-    def failing(runner: Any, sched: SchedulerOutput, *args: Any) -> Any:
+    def failing(runner: Any, sched: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
         if sched.sampling_deferred:
             deferred_steps.append(sched.step_id)
             if len(deferred_steps) == 3:
                 raise RuntimeError("a forward that fails")
-        return execute(runner, sched, *args)
+        return execute(runner, sched, *args, **kwargs)
 
     params = SamplingParams(
         max_tokens=20, temperature=0.0, structured_output=StructuredOutput.regex("[a-z]{30}")
