@@ -26,6 +26,13 @@
 #   every node's --kv-transfer-timeout), CHAOS_DEADLINE_S=180 (a request not ended by then
 #   is hung), CHAOS_UNSIGNED=1 (nodes without --kv-secret; default: a random secret)
 #   CHAOS_TP=2,2,2,2         TP of p1,p2,d1,d2 (unequal TP: the heterogeneous-TP connector)
+#   CHAOS_ASYNC=1            every node (the reference too) with --async-scheduling
+#                            (and PDSERVE_DEFER_READBACK=1)     (--async-scheduling)
+#   CHAOS_NODE_ARGS="--f v"  extra flags of every node, the reference too (--node-arg=--f,
+#                            repeatable; --node-env NAME=VALUE for the environment)
+#   CHAOS_STRUCTURED_RATE=0  share of requests with a structured output (--structured-rate)
+#   CHAOS_KILL_WORKER_RANK=-1, CHAOS_STOP_WORKER_RANK=0: the TP rank kill_worker and
+#                            stop_worker hit (rank 0 waits for the grammar masks)
 #   CHAOS_JSON=path          also write the summary as JSON there  (--json)
 #   CHAOS_LOGS_DIR=dir       keep every process's log there (default: a temporary
 #                            directory, removed at the end)        (--logs-dir)
@@ -34,6 +41,7 @@
 #   bash scripts/chaos.sh                                   # >= 600 requests, >= 20 minutes
 #   CHAOS_JSON=/tmp/chaos.json bash scripts/chaos.sh --duration 600
 #   CHAOS_FAULTS=side_channel,stop_worker bash scripts/chaos.sh --requests 100 --duration 0
+#   bash scripts/chaos.sh --async-scheduling --structured-rate 0.4 --kill-worker-rank 0
 #
 # Everything it starts is stopped by PID when it ends, also on failure or Ctrl-C.
 set -euo pipefail

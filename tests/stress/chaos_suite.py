@@ -27,6 +27,18 @@ fault is in, so each one meets load however slow the machine):
 Client aborts and reused request ids are part of every request mix (``--abort-rate``,
 ``--reuse-rate``).
 
+Other node set-ups: ``--node-arg=--FLAG`` (repeatable) and ``--node-env NAME=VALUE`` give
+every node, the colocated reference included, an extra flag or environment variable;
+``--async-scheduling`` is ``--node-arg=--async-scheduling`` with
+``--node-env PDSERVE_DEFER_READBACK=1`` (a worker holds a step's output until the next
+step is launched, as on CUDA). ``--structured-rate R`` gives a share R of the requests a
+structured output (``STRUCTURED``: two regexes, a ``guided_choice``, a JSON schema;
+greedy, so the reference is deterministic; nodes need llguidance); under async
+scheduling such a request's step goes to the workers with ``sampling_deferred`` and its
+grammar masks follow on rank 0's task pipe, so a fault can meet rank 0 waiting for them
+(``--kill-worker-rank 0`` makes ``kill_worker`` hit that rank; ``stop_worker`` stops
+rank 0 by default). A completed structured answer must also keep to its grammar.
+
 By default (``ChaosConfig.victims``) the faults that restart a node hit ``p1`` and ``d1``;
 ``p2`` and ``d2`` get the SIGSTOPs, so they (and the proxy) survive every round. Resident
 memory (VmRSS of each process tree, after the round, once idle) is compared between the
@@ -61,6 +73,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -97,6 +110,8 @@ from harness import (  # noqa: E402
 
 from kvconnector.nixl.side_channel import _request_mac  # noqa: E402
 
+# engine.worker.model_runner's switch (not imported here: that would load torch).
+DEFER_READBACK_ENV = "PDSERVE_DEFER_READBACK"
 FAULTS = ("kill_prefill", "kill_decode", "kill_worker", "stop_worker", "drain", "side_channel")
 MIB = 1 << 20
 
@@ -117,6 +132,62 @@ IDLE_GAUGES = (
     "vllm:kv_cache_usage_perc",
 )
 PROXY_IDLE_GAUGES = ("pdproxy_requests_inflight", "pdproxy_node_outstanding_requests")
+
+# Structured outputs of the workload (``--structured-rate``), spelled as vLLM clients do.
+# Greedy over ``tiny``'s byte tokens, so every answer is deterministic; some end by their
+# grammar (finish "stop") before ``max_tokens``, some are cut by it. ``STRUCTURED_CHECKS``:
+# whether an answer's text keeps to its grammar (``done``: the grammar ended it).
+STRUCTURED: tuple[dict[str, Any], ...] = (
+    {"structured_outputs": {"regex": "[a-z ]{6}"}},
+    {"structured_outputs": {"regex": "[a-z ]{40}"}},
+    {"guided_choice": ["red river", "blue sky over the lake", "green forest"]},
+    {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "chaos",
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "color": {"enum": ["red", "green", "blue"]},
+                        "ok": {"type": "boolean"},
+                    },
+                    "required": ["color", "ok"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    },
+)
+
+
+def _json_ok(text: str, done: bool) -> bool:
+    if not done:
+        return text.lstrip().startswith("{") or not text.strip()
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return False
+    return (
+        isinstance(v, dict)
+        and set(v) == {"color", "ok"}
+        and v["color"] in ("red", "green", "blue")
+        and isinstance(v["ok"], bool)
+    )
+
+
+STRUCTURED_CHECKS: tuple[Any, ...] = (
+    lambda t, done: re.fullmatch("[a-z ]{6}" if done else "[a-z ]{0,6}", t) is not None,
+    lambda t, done: re.fullmatch("[a-z ]{40}" if done else "[a-z ]{0,40}", t) is not None,
+    lambda t, done: any(
+        c == t if done else c.startswith(t) for c in STRUCTURED[2]["guided_choice"]
+    ),
+    _json_ok,
+)
+
+# A request shape, the key of its reference answer: (prompt, chat, max_tokens, structured:
+# an index into STRUCTURED, -1 for none).
+RefKey = tuple[int, bool, int, int]
 
 
 # -- configuration --------------------------------------------------------------------------
@@ -160,6 +231,15 @@ class ChaosConfig:
     kv_secret: str = field(default_factory=lambda: os.urandom(16).hex(), repr=False)  # "": unsigned
     json_path: str | None = None
     log_every_s: float = 30.0
+    # Every node, the colocated reference included: extra flags (e.g. "--async-scheduling")
+    # and environment (e.g. PDSERVE_DEFER_READBACK=1).
+    node_args: tuple[str, ...] = ()
+    node_env: dict[str, str] = field(default_factory=dict)
+    structured_rate: float = 0.0  # share of requests with a structured output (STRUCTURED)
+    # The TP rank kill_worker and stop_worker hit (-1: the last). Rank 0 samples: under
+    # async scheduling it is the one waiting for a step's grammar masks.
+    kill_worker_rank: int = -1
+    stop_worker_rank: int = 0
 
     def faults_for(self, round_no: int) -> tuple[str, ...]:
         if round_no == self.rounds and self.last_round_faults is not None:
@@ -315,6 +395,7 @@ class Cluster:
             str(cfg.shutdown_timeout),
             "--max-num-seqs",
             "32",
+            *cfg.node_args,
         ]
         nixl = [
             "--kv-connector",
@@ -330,7 +411,8 @@ class Cluster:
 
         def node(name: str, module: str, *extra: str) -> Node:
             args = [*common, "--tp", str(tp.get(name, tp["d1"])), *extra]
-            return Node(name, module, args, tmp, env if extra else None)
+            node_env = {**cfg.node_env, **(env if extra else {})}
+            return Node(name, module, args, tmp, node_env or None)
 
         self.prefill = [node(f"p{i}", "prefill_node", *nixl) for i in (1, 2)]
         self.decode = [node(f"d{i}", "decode_node", *nixl) for i in (1, 2)]
@@ -449,10 +531,11 @@ class Spec:
     label: str
     abort: tuple[str, float] | None  # ("events", k) or ("after_s", t): the client leaves
     burst: bool = False  # part of a fault's long-prompt burst
+    structured: int = -1  # an index into STRUCTURED; -1: none
 
     @property
-    def ref_key(self) -> tuple[int, bool, int]:
-        return (self.prompt, self.chat, self.max_tokens)
+    def ref_key(self) -> RefKey:
+        return (self.prompt, self.chat, self.max_tokens, self.structured)
 
 
 @dataclass
@@ -473,7 +556,8 @@ class Result:
     wrong_detail: str | None = None
     elapsed_s: float = 0.0
     burst: bool = False
-    ref_key: tuple[int, bool, int] = (0, False, 0)
+    ref_key: RefKey = (0, False, 0, -1)
+    finish: str | None = None  # a completed answer's finish reason
     ids: list[int] = field(default_factory=list, repr=False)  # what the client got
     text: str = field(default="", repr=False)
 
@@ -508,6 +592,9 @@ def make_specs(
             label = f"dup-{rng.randrange(3)}"
         else:
             label = f"chaos-r{round_no}-{i}"
+        structured = -1
+        if cfg.structured_rate > 0 and rng.random() < cfg.structured_rate:  # draws only then:
+            structured = rng.randrange(len(STRUCTURED))  # a seed's plain workload stays
         specs.append(
             Spec(
                 i,
@@ -519,6 +606,7 @@ def make_specs(
                 label,
                 abort,
                 burst=long_only,
+                structured=structured,
             )
         )
     return specs
@@ -532,6 +620,8 @@ def body_of(spec: Spec, prompts: list[str]) -> dict[str, Any]:
         body["prompt"] = prompts[spec.prompt]
     if spec.stream:
         body["stream"] = True
+    if spec.structured >= 0:
+        body.update(STRUCTURED[spec.structured])
     return body
 
 
@@ -548,9 +638,9 @@ def choice_text(choice: dict[str, Any], chat: bool) -> str:
 
 def compute_references(
     url: str,
-    keys: set[tuple[int, bool, int]],
+    keys: set[RefKey],
     prompts: list[str],
-    refs: dict[tuple[int, bool, int], tuple[list[int], str]],
+    refs: dict[RefKey, tuple[list[int], str]],
     concurrency: int = 8,
 ) -> None:
     """The colocated node's answer (token ids, text) of every request shape in ``keys``
@@ -558,12 +648,14 @@ def compute_references(
     runs after a round (the reference node idles during the chaos)."""
     keys = sorted(set(keys) - set(refs))
 
-    def one(key: tuple[int, bool, int]) -> None:
-        spec = Spec(0, 0, key[0], key[1], False, key[2], "chaos-ref", None)
+    def one(key: RefKey) -> None:
+        spec = Spec(0, 0, key[0], key[1], False, key[2], "chaos-ref", None, structured=key[3])
         resp = httpx.post(url + path_of(spec), json=body_of(spec, prompts), timeout=300)
         resp.raise_for_status()
         (choice,) = resp.json()["choices"]
-        assert choice["finish_reason"] == "length", choice
+        # ignore_eos: only a grammar ends an answer before max_tokens.
+        ends = ("length", "stop") if key[3] >= 0 else ("length",)
+        assert choice["finish_reason"] in ends, choice
         refs[key] = (list(choice["token_ids"]), choice_text(choice, key[1]))
 
     with ThreadPoolExecutor(concurrency) as pool:
@@ -646,7 +738,7 @@ def run_request(proxy_url: str, spec: Spec, prompts: list[str], deadline_s: floa
                     if not ended:
                         r.outcome, r.error = "broken", "stream ended without [DONE]"
                     elif finish in ("length", "stop"):
-                        r.outcome = "completed"
+                        r.outcome, r.finish = "completed", finish
                     else:
                         r.outcome, r.error = "errored", f"stream finished with {finish!r}"
                 elif r.outcome == "errored" and not ended:
@@ -703,7 +795,7 @@ def _classify_body(r: Result, status: int, raw: bytes, chat: bool, ids_out: list
         return
     ids_out.extend(choice.get("token_ids") or [])
     if choice.get("finish_reason") in ("length", "stop"):
-        r.outcome = "completed"
+        r.outcome, r.finish = "completed", choice["finish_reason"]
     else:
         r.outcome, r.error = "errored", f"200 finished with {choice.get('finish_reason')!r}"
 
@@ -727,6 +819,13 @@ def check_answer(r: Result, ref: tuple[list[int], str]) -> None:
         elif text != ref_text:
             r.wrong = True
             r.wrong_detail = f"text differs: got {text[:60]!r} want {ref_text[:60]!r}"
+        elif r.ref_key[3] >= 0 and not STRUCTURED_CHECKS[r.ref_key[3]](text, r.finish == "stop"):
+            # The reference broke the grammar too: both nodes' masks went wrong the same way.
+            r.wrong = True
+            r.wrong_detail = (
+                f"answer (the reference's too) breaks its structured output "
+                f"{STRUCTURED[r.ref_key[3]]} (finish {r.finish!r}): {text[:60]!r}"
+            )
     elif ids and ids != ref_ids[: len(ids)]:
         # A partial answer (error event, client left) must still be the reference's start.
         r.wrong = True
@@ -1184,7 +1283,7 @@ class ChaosRun:
         self.rng = random.Random(cfg.seed)
         self.cluster = Cluster(cfg, tmp)
         self.prompts = make_prompts(cfg.num_prompts, self.rng, cfg.long_bytes)
-        self.refs: dict[tuple[int, bool, int], tuple[list[int], str]] = {}
+        self.refs: dict[RefKey, tuple[list[int], str]] = {}
         self.results: list[Result] = []
         self.faults: list[dict[str, Any]] = []
         self.rounds: list[RoundReport] = []
@@ -1329,7 +1428,7 @@ class ChaosRun:
             node = victim()
             node.lock.acquire()
             loaded = self._wait_loaded(node)
-            worker = worker_pids(node.pid)[-1]
+            worker = _rank_pid(node, self.cfg.kill_worker_rank)
             os.kill(worker, signal.SIGKILL)
             rec = self.record_fault(name, round_no, node.name, worker=worker, **loaded)
 
@@ -1346,7 +1445,7 @@ class ChaosRun:
         if name == "stop_worker":
             node = victim()
             node.lock.acquire()
-            worker = worker_pids(node.pid)[0]
+            worker = _rank_pid(node, self.cfg.stop_worker_rank)
             length = self.cfg.stop_s or self.cfg.kv_transfer_timeout + 2
             os.kill(worker, signal.SIGSTOP)
             rec = self.record_fault(name, round_no, node.name, worker=worker, stopped_s=length)
@@ -1592,6 +1691,7 @@ class ChaosRun:
             "reused_ids": sum(r.label.startswith("dup-") for r in self.results),
             "streamed": sum(r.stream for r in self.results),
             "chat": sum(r.chat for r in self.results),
+            "structured": sum(r.ref_key[3] >= 0 for r in self.results),
             # Every request of the workload is valid: a 4xx other than 429 blames the client
             # for something it did not do.
             "client_blamed": [
@@ -1646,6 +1746,13 @@ def _fault_failed(f: dict[str, Any]) -> bool:
     return bool(sd and (sd.get("code") != 0 or sd.get("workers_left_behind")))
 
 
+def _rank_pid(node: Node, rank: int) -> int:
+    """The pid of TP worker ``rank`` of ``node`` (-1: the last; past the node's TP: the
+    last)."""
+    pids = worker_pids(node.pid)
+    return pids[min(rank, len(pids) - 1)] if rank >= 0 else pids[rank]
+
+
 def _error_kind(error: str | None) -> str:
     if not error:
         return "?"
@@ -1681,8 +1788,9 @@ def _wait(cond: Any, timeout: float) -> bool:
 def format_table(s: dict[str, Any]) -> str:
     lines = [
         f"chaos suite @ {s['commit']}: {s['requests']} requests in {s['duration_s']:.0f}s "
-        f"({s['streamed']} streamed, {s['chat']} chat, {s['client_abort_planned']} planned client "
-        f"aborts, {s['reused_ids']} with a reused X-Request-Id)",
+        f"({s['streamed']} streamed, {s['chat']} chat, {s.get('structured', 0)} with a structured "
+        f"output, {s['client_abort_planned']} planned client aborts, {s['reused_ids']} with a "
+        f"reused X-Request-Id)",
         "",
         "| round | requests | completed | errored | aborted | hung | broken | wrong | leaked | seconds |",  # noqa: E501
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -1720,6 +1828,9 @@ def format_table(s: dict[str, Any]) -> str:
         "",
         "faults injected: " + ", ".join(f"{k} × {v}" for k, v in sorted(s["faults"].items())),
     ]
+    if s["config"].get("node_args") or s["config"].get("node_env"):
+        env = " ".join(f"{k}={v}" for k, v in sorted(s["config"].get("node_env", {}).items()))
+        lines.append(f"every node: {' '.join(s['config'].get('node_args', ()))} {env}".rstrip())
     if s["errors"]:
         lines.append(
             "errors (clear): " + ", ".join(f"{k} × {v}" for k, v in sorted(s["errors"].items()))
@@ -1851,6 +1962,50 @@ def main(argv: list[str] | None = None) -> int:
         help="nodes without --kv-secret (default: a random secret for the run)",
     )
     ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        default=env("CHAOS_ASYNC") == "1",
+        help="every node (the reference too) with --async-scheduling, and "
+        f"{DEFER_READBACK_ENV}=1: workers hold a step's output until the next step is "
+        "launched, as on CUDA (env CHAOS_ASYNC=1)",
+    )
+    ap.add_argument(
+        "--node-arg",
+        action="append",
+        default=env("CHAOS_NODE_ARGS", "").split(),
+        metavar="FLAG",
+        help="an extra flag of every node, the reference too; repeatable; write it "
+        "--node-arg=--flag (env CHAOS_NODE_ARGS, space-separated)",
+    )
+    ap.add_argument(
+        "--node-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable of every node, the reference too; repeatable",
+    )
+    ap.add_argument(
+        "--kill-worker-rank",
+        type=int,
+        default=int(env("CHAOS_KILL_WORKER_RANK", "-1")),
+        help="the TP rank kill_worker SIGKILLs (default -1: the last; rank 0 samples and "
+        "waits for the grammar masks under async scheduling) (env CHAOS_KILL_WORKER_RANK)",
+    )
+    ap.add_argument(
+        "--stop-worker-rank",
+        type=int,
+        default=int(env("CHAOS_STOP_WORKER_RANK", "0")),
+        help="the TP rank stop_worker SIGSTOPs (default 0; -1: the last) "
+        "(env CHAOS_STOP_WORKER_RANK)",
+    )
+    ap.add_argument(
+        "--structured-rate",
+        type=float,
+        default=float(env("CHAOS_STRUCTURED_RATE", "0")),
+        help="share of requests with a structured output (a regex, a choice or a JSON "
+        "schema; nodes need llguidance) (env CHAOS_STRUCTURED_RATE; default 0)",
+    )
+    ap.add_argument(
         "--json", default=env("CHAOS_JSON"), help="write the summary here (env CHAOS_JSON)"
     )
     ap.add_argument(
@@ -1869,6 +2024,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = (set(faults) | set(last or ())) - set(FAULTS)
     if unknown:
         ap.error(f"--faults: unknown {sorted(unknown)}; known: {','.join(FAULTS)}")
+    node_args = list(a.node_arg)
+    node_env = {}
+    for kv in a.node_env:
+        name, eq, value = kv.partition("=")
+        if not eq or not name:
+            ap.error(f"--node-env: NAME=VALUE, got {kv!r}")
+        node_env[name] = value
+    if a.async_scheduling:
+        node_args += [] if "--async-scheduling" in node_args else ["--async-scheduling"]
+        node_env.setdefault(DEFER_READBACK_ENV, "1")
+    if not 0 <= a.structured_rate <= 1:
+        ap.error(f"--structured-rate: a share in [0, 1], got {a.structured_rate}")
     cfg = ChaosConfig(
         requests=a.requests,
         rounds=a.rounds,
@@ -1884,6 +2051,11 @@ def main(argv: list[str] | None = None) -> int:
         deadline_s=a.deadline,
         json_path=a.json,
         tp=tp,
+        node_args=tuple(node_args),
+        node_env=node_env,
+        structured_rate=a.structured_rate,
+        kill_worker_rank=a.kill_worker_rank,
+        stop_worker_rank=a.stop_worker_rank,
     )
     if a.unsigned:
         cfg.kv_secret = ""

@@ -8,6 +8,11 @@ of p2 and d2, side-channel bursts). Round 2 injects only what leaves every node 
 (aborts, reused ids, SIGSTOP, side-channel bursts). The resident memory of p2, d2 and the
 proxy, which run through both rounds, is compared between them.
 
+``CHAOS_SHORT_ASYNC=1`` runs it with every node (the reference too) started with
+``--async-scheduling`` (and ``PDSERVE_DEFER_READBACK=1``, outputs held as on CUDA) and a
+quarter of the requests with a structured output (their grammar masks follow each step on
+rank 0's pipe): opt-in, CI runs the synchronous form.
+
 Asserts 0 hung, 0 broken, 0 wrong, 0 leaked, no valid request answered with a 4xx, flat memory, and that every fault was
 injected as planned. The summary table is printed; ``CHAOS_JSON=path`` also writes it as
 JSON. The long form is ``scripts/chaos.sh``.
@@ -18,7 +23,14 @@ from __future__ import annotations
 import os
 
 import pytest
-from chaos_suite import FAULTS, ChaosConfig, failures, format_table, run_chaos
+from chaos_suite import (
+    DEFER_READBACK_ENV,
+    FAULTS,
+    ChaosConfig,
+    failures,
+    format_table,
+    run_chaos,
+)
 
 pytest.importorskip("nixl._api")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -27,6 +39,14 @@ RESTARTS = ("kill_prefill", "kill_decode", "kill_worker", "drain")
 
 
 def test_chaos_short_form(tmp_path):
+    extra = {}
+    if os.environ.get("CHAOS_SHORT_ASYNC") == "1":
+        pytest.importorskip("llguidance")
+        extra = {
+            "node_args": ("--async-scheduling",),
+            "node_env": {DEFER_READBACK_ENV: "1"},
+            "structured_rate": 0.25,
+        }
     cfg = ChaosConfig(
         requests=int(os.environ.get("CHAOS_SHORT_REQUESTS", "32")),  # ~110 s on 2 cores
         rounds=2,
@@ -36,11 +56,14 @@ def test_chaos_short_form(tmp_path):
         max_tokens=(4, 16),
         long_bytes=(200, 700),
         json_path=os.environ.get("CHAOS_JSON") or str(tmp_path / "chaos.json"),
+        **extra,
     )
     summary = run_chaos(cfg, tmp_path)
     print(format_table(summary))
     want = {f: 1 for f in RESTARTS} | {"side_channel": 4, "stop_worker": 2}
     assert summary["faults"] == want, summary["fault_log"]
     assert summary["client_abort_planned"] and summary["reused_ids"], summary
+    if extra:
+        assert summary["structured"], summary
     assert {"p2", "d2", "proxy"} <= set(summary["rss_growth"]), summary["rounds"]
     assert not failures(summary), "\n".join(failures(summary))
