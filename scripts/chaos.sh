@@ -31,6 +31,8 @@
 #   CHAOS_NODE_ARGS="--f v"  extra flags of every node, the reference too (--node-arg=--f,
 #                            repeatable; --node-env NAME=VALUE for the environment)
 #   CHAOS_STRUCTURED_RATE=0  share of requests with a structured output (--structured-rate)
+#   CHAOS_PLAIN_REFERENCE=1  the reference without those flags (a synchronous reference for
+#                            async nodes)                         (--plain-reference)
 #   CHAOS_KILL_WORKER_RANK=-1, CHAOS_STOP_WORKER_RANK=0: the TP rank kill_worker and
 #                            stop_worker hit (rank 0 waits for the grammar masks)
 #   CHAOS_JSON=path          also write the summary as JSON there  (--json)
@@ -41,7 +43,8 @@
 #   bash scripts/chaos.sh                                   # >= 600 requests, >= 20 minutes
 #   CHAOS_JSON=/tmp/chaos.json bash scripts/chaos.sh --duration 600
 #   CHAOS_FAULTS=side_channel,stop_worker bash scripts/chaos.sh --requests 100 --duration 0
-#   bash scripts/chaos.sh --async-scheduling --structured-rate 0.4 --kill-worker-rank 0
+#   bash scripts/chaos.sh --async-scheduling --structured-rate 0.4 --kill-worker-rank 0 \
+#       --plain-reference
 #
 # Everything it starts is stopped by PID when it ends, also on failure or Ctrl-C.
 set -euo pipefail

@@ -38,6 +38,8 @@ scheduling such a request's step goes to the workers with ``sampling_deferred`` 
 grammar masks follow on rank 0's task pipe, so a fault can meet rank 0 waiting for them
 (``--kill-worker-rank 0`` makes ``kill_worker`` hit that rank; ``stop_worker`` stops
 rank 0 by default). A completed structured answer must also keep to its grammar.
+``--plain-reference`` starts the reference without those flags and variables, so async
+nodes are checked against a synchronous reference (greedy answers are the same).
 
 By default (``ChaosConfig.victims``) the faults that restart a node hit ``p1`` and ``d1``;
 ``p2`` and ``d2`` get the SIGSTOPs, so they (and the proxy) survive every round. Resident
@@ -148,11 +150,8 @@ STRUCTURED: tuple[dict[str, Any], ...] = (
                 "name": "chaos",
                 "schema": {
                     "type": "object",
-                    "properties": {
-                        "color": {"enum": ["red", "green", "blue"]},
-                        "ok": {"type": "boolean"},
-                    },
-                    "required": ["color", "ok"],
+                    "properties": {"c": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
+                    "required": ["c", "ok"],
                     "additionalProperties": False,
                 },
             },
@@ -170,8 +169,8 @@ def _json_ok(text: str, done: bool) -> bool:
         return False
     return (
         isinstance(v, dict)
-        and set(v) == {"color", "ok"}
-        and v["color"] in ("red", "green", "blue")
+        and set(v) == {"c", "ok"}
+        and v["c"] in ("red", "blue")
         and isinstance(v["ok"], bool)
     )
 
@@ -240,6 +239,9 @@ class ChaosConfig:
     # async scheduling it is the one waiting for a step's grammar masks.
     kill_worker_rank: int = -1
     stop_worker_rank: int = 0
+    # The reference without node_args and node_env (async nodes against a synchronous
+    # reference, say); by default it gets them too.
+    plain_reference: bool = False
 
     def faults_for(self, round_no: int) -> tuple[str, ...]:
         if round_no == self.rounds and self.last_round_faults is not None:
@@ -395,7 +397,6 @@ class Cluster:
             str(cfg.shutdown_timeout),
             "--max-num-seqs",
             "32",
-            *cfg.node_args,
         ]
         nixl = [
             "--kv-connector",
@@ -409,14 +410,15 @@ class Cluster:
         env = {"PDSERVE_KV_SECRET": cfg.kv_secret}
         tp = dict(zip(("p1", "p2", "d1", "d2"), cfg.tp, strict=True))
 
-        def node(name: str, module: str, *extra: str) -> Node:
-            args = [*common, "--tp", str(tp.get(name, tp["d1"])), *extra]
-            node_env = {**cfg.node_env, **(env if extra else {})}
+        def node(name: str, module: str, *extra: str, plain: bool = False) -> Node:
+            own = () if plain else cfg.node_args
+            args = [*common, *own, "--tp", str(tp.get(name, tp["d1"])), *extra]
+            node_env = {**({} if plain else cfg.node_env), **(env if extra else {})}
             return Node(name, module, args, tmp, node_env or None)
 
         self.prefill = [node(f"p{i}", "prefill_node", *nixl) for i in (1, 2)]
         self.decode = [node(f"d{i}", "decode_node", *nixl) for i in (1, 2)]
-        self.reference = node("colocated", "decode_node")
+        self.reference = node("colocated", "decode_node", plain=cfg.plain_reference)
         self.proxy: Proc | None = None
         self.retired: list[Proc] = []
 
@@ -1830,7 +1832,8 @@ def format_table(s: dict[str, Any]) -> str:
     ]
     if s["config"].get("node_args") or s["config"].get("node_env"):
         env = " ".join(f"{k}={v}" for k, v in sorted(s["config"].get("node_env", {}).items()))
-        lines.append(f"every node: {' '.join(s['config'].get('node_args', ()))} {env}".rstrip())
+        who = "every node but the reference" if s["config"].get("plain_reference") else "every node"
+        lines.append(f"{who}: {' '.join(s['config'].get('node_args', ()))} {env}".rstrip())
     if s["errors"]:
         lines.append(
             "errors (clear): " + ", ".join(f"{k} × {v}" for k, v in sorted(s["errors"].items()))
@@ -1985,6 +1988,14 @@ def main(argv: list[str] | None = None) -> int:
         help="an environment variable of every node, the reference too; repeatable",
     )
     ap.add_argument(
+        "--plain-reference",
+        action="store_true",
+        default=env("CHAOS_PLAIN_REFERENCE") == "1",
+        help="the colocated reference without --node-arg, --node-env and "
+        "--async-scheduling (e.g. async nodes checked against a synchronous reference; "
+        "greedy answers are the same) (env CHAOS_PLAIN_REFERENCE=1)",
+    )
+    ap.add_argument(
         "--kill-worker-rank",
         type=int,
         default=int(env("CHAOS_KILL_WORKER_RANK", "-1")),
@@ -2055,6 +2066,7 @@ def main(argv: list[str] | None = None) -> int:
         node_env=node_env,
         structured_rate=a.structured_rate,
         kill_worker_rank=a.kill_worker_rank,
+        plain_reference=a.plain_reference,
         stop_worker_rank=a.stop_worker_rank,
     )
     if a.unsigned:
