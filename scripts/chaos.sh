@@ -20,7 +20,9 @@
 #   CHAOS_WAVE=100           requests per wave; every fault once per wave (--wave)
 #   CHAOS_CONCURRENCY=32     clients at once                       (--concurrency)
 #   CHAOS_FAULTS=all         comma-separated subset of kill_prefill,kill_decode,kill_worker,
-#                            stop_worker,drain,side_channel        (--faults)
+#                            stop_worker,drain,side_channel        (--faults); also
+#                            kill_engine (opt-in: SIGKILL of an engine process alone, its
+#                            workers must exit by themselves)
 #   CHAOS_LAST_ROUND_FAULTS  faults of the last round, if not the same (--last-round-faults)
 #   CHAOS_ABORT_RATE=0.2, CHAOS_REUSE_RATE=0.1, CHAOS_SEED=0, CHAOS_KV_TIMEOUT=3 (seconds,
 #   every node's --kv-transfer-timeout), CHAOS_DEADLINE_S=180 (a request not ended by then

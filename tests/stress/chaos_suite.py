@@ -23,6 +23,11 @@ fault is in, so each one meets load however slow the machine):
 * ``drain``          SIGTERM of a node under load (it drains, must exit 0), restarted.
 * ``side_channel``   a burst of malformed, forged and replayed side-channel messages to
                      every node (``fuzz_messages``).
+* ``kill_engine``    (opt-in: only when ``--faults`` names it) SIGKILL of a node's engine
+                     process alone, as an OOM kill would: its TP workers and fork server
+                     must exit by themselves within ``ORPHAN_GRACE_S`` (under async
+                     scheduling rank 0 may be waiting for a step's grammar masks); then
+                     it is restarted.
 
 Client aborts and reused request ids are part of every request mix (``--abort-rate``,
 ``--reuse-rate``).
@@ -115,6 +120,11 @@ from kvconnector.nixl.side_channel import _request_mac  # noqa: E402
 # engine.worker.model_runner's switch (not imported here: that would load torch).
 DEFER_READBACK_ENV = "PDSERVE_DEFER_READBACK"
 FAULTS = ("kill_prefill", "kill_decode", "kill_worker", "stop_worker", "drain", "side_channel")
+# Injected only when named (``--faults``): not part of the default set (nor of CI's).
+OPT_IN_FAULTS = ("kill_engine",)
+KNOWN_FAULTS = FAULTS + OPT_IN_FAULTS
+# How long a node's TP workers (and fork server) may outlive its SIGKILLed engine process.
+ORPHAN_GRACE_S = 30.0
 MIB = 1 << 20
 
 # Gauges that must read 0 on every node once the deadlines passed (besides a full pool).
@@ -209,6 +219,7 @@ class ChaosConfig:
             "kill_prefill": "p1",
             "kill_decode": "d1",
             "kill_worker": "d1|p1",
+            "kill_engine": "d1|p1",
             "drain": "p1|d1",
             "stop_worker": "p2|d2",
         }
@@ -1444,6 +1455,27 @@ class ChaosRun:
                 self._restart(node, rec)
 
             return self._background(node, recover, name)
+        if name == "kill_engine":
+            node = victim()
+            node.lock.acquire()
+            loaded = self._wait_loaded(node)
+            kids = descendants(node.pid)
+            os.kill(node.pid, signal.SIGKILL)  # the engine process only, not its tree
+            node.proc.proc.wait(10)  # type: ignore[union-attr]
+            node.exits.append({"incarnation": node.starts, "how": "SIGKILL engine", "code": -9})
+            rec = self.record_fault(name, round_no, node.name, processes_under=len(kids), **loaded)
+
+            def reap_and_restart() -> None:
+                t0 = time.monotonic()
+                left = wait_gone(kids, ORPHAN_GRACE_S)
+                rec["orphans_gone_after_s"] = round(time.monotonic() - t0, 1)
+                rec["orphans_left"] = len(left)
+                for k in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(k, signal.SIGKILL)
+                self._restart(node, rec)
+
+            return self._background(node, reap_and_restart, name)
         if name == "stop_worker":
             node = victim()
             node.lock.acquire()
@@ -1521,6 +1553,7 @@ class ChaosRun:
                 "stop_worker",
                 "side_channel",
                 "kill_worker",
+                "kill_engine",
                 "drain",
             )
             if f in faults
@@ -1742,7 +1775,7 @@ def _blames_client(r: Result) -> bool:
 
 
 def _fault_failed(f: dict[str, Any]) -> bool:
-    if f.get("error") or f.get("restart_error"):
+    if f.get("error") or f.get("restart_error") or f.get("orphans_left"):
         return True
     sd = f.get("shutdown")
     return bool(sd and (sd.get("code") != 0 or sd.get("workers_left_behind")))
@@ -1939,7 +1972,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--faults",
         default=env("CHAOS_FAULTS", ",".join(FAULTS)),
-        help=f"comma-separated subset of {','.join(FAULTS)} (env CHAOS_FAULTS)",
+        help=f"comma-separated subset of {','.join(KNOWN_FAULTS)} (default: all but "
+        f"{','.join(OPT_IN_FAULTS)}) (env CHAOS_FAULTS)",
     )
     ap.add_argument(
         "--last-round-faults",
@@ -2032,9 +2066,9 @@ def main(argv: list[str] | None = None) -> int:
         assert len(tp) == 4 and all(t >= 1 for t in tp)
     except (ValueError, AssertionError):
         ap.error(f"--tp: four sizes >= 1 (p1,p2,d1,d2), got {a.tp!r}")
-    unknown = (set(faults) | set(last or ())) - set(FAULTS)
+    unknown = (set(faults) | set(last or ())) - set(KNOWN_FAULTS)
     if unknown:
-        ap.error(f"--faults: unknown {sorted(unknown)}; known: {','.join(FAULTS)}")
+        ap.error(f"--faults: unknown {sorted(unknown)}; known: {','.join(KNOWN_FAULTS)}")
     node_args = list(a.node_arg)
     node_env = {}
     for kv in a.node_env:
