@@ -43,10 +43,20 @@ class WorkerDiedError(RuntimeError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def rendezvous_socket() -> socket.socket:
+    """The TP ranks' rendezvous (torch.distributed's TCP store): a loopback port bound and
+    listening from now on, which rank 0's store serves on (``master_listen_fd``). Held from
+    the pick on: a port picked, closed and bound again by rank 0 once it has imported torch
+    could meanwhile go to another process (EADDRINUSE: the node did not start), or to
+    another node's store (whose rendezvous rank 1 would join)."""
+    s = socket.socket()
+    try:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.listen(128)
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 class MultiprocExecutor:
@@ -73,7 +83,10 @@ class MultiprocExecutor:
         ]
         ctx = worker_context()
         env = dict(os.environ)
-        port = free_port()
+        self._rendezvous: socket.socket | None = (
+            rendezvous_socket() if self.world_size > 1 else None
+        )
+        port = self._rendezvous.getsockname()[1] if self._rendezvous is not None else 0
         self.procs: list[mp.process.BaseProcess] = []
         self._task: list[Connection] = []
         self._result: list[Connection] = []
@@ -82,7 +95,16 @@ class MultiprocExecutor:
             res_r, res_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=worker_entry,
-                args=(env, rank, self.world_size, config, port, task_r, res_w, log_level),
+                args=(
+                    env,
+                    rank,
+                    self.world_size,
+                    config,
+                    (port, self._rendezvous if rank == 0 else None),
+                    task_r,
+                    res_w,
+                    log_level,
+                ),
                 name=f"pdserve-tp{rank}",
                 daemon=True,
             )
@@ -101,6 +123,7 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
+        self._close_rendezvous()  # rank 0's store serves on its own copy of the socket
         self._threads = [
             threading.Thread(target=self._reader, args=(r,), daemon=True, name=f"tp{r}-reader")
             for r in range(self.world_size)
@@ -237,10 +260,16 @@ class MultiprocExecutor:
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 
+    def _close_rendezvous(self) -> None:
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
+
     def shutdown(self) -> None:
         if self._shutting_down:
             return
         self._shutting_down = True
+        self._close_rendezvous()
         for conn in self._task:
             with contextlib.suppress(OSError):
                 conn.send_bytes(b"shutdown")

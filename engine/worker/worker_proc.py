@@ -7,6 +7,7 @@ import logging
 import os
 import pickle
 import signal
+import socket
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -131,7 +132,7 @@ def worker_main(
     rank: int,
     world_size: int,
     config: EngineConfig,
-    dist_port: int,
+    rendezvous: tuple[int, socket.socket | None],
     task_conn: Connection,
     result_conn: Connection,
     log_level: str = "INFO",
@@ -168,12 +169,18 @@ def worker_main(
     if world_size > 1:
         import torch.distributed as dist
 
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{dist_port}",
-            rank=rank,
-            world_size=world_size,
+        # The engine's socket, bound before any rank started (rank 0 serves the store on
+        # it; ``multiproc.rendezvous_socket``): the port cannot be anyone else's. Left
+        # open while the worker lives (the store serves on that descriptor).
+        port, listening = rendezvous
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=rank == 0,
+            master_listen_fd=listening.fileno() if listening is not None else None,
         )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     from engine.model.parallel import init_tp
 
     init_tp(rank, world_size)
