@@ -114,7 +114,14 @@ def test_triton_engine_matches_reference_with_chunks_prefix_hits_and_preemption(
         with LLM(cfg) as llm:
             results[backend] = llm.generate(prompts, GREEDY)
             stats = llm.stats()
+            # A prompt that fills the context (echo with max_tokens 0 sends one): its one
+            # token, from a forward over every block of the cache's longest table.
+            full = random_prompt(llm.core.scheduler.max_model_len, 256, seed=7)
+            one = SamplingParams(max_tokens=1, temperature=0.0)
+            results[backend + " full"] = llm.generate([full], one)
         assert stats["num_preemptions_total"] > 0, "the test should exercise preemption"
+    assert len(results["triton full"][0]) == 1
+    assert results["triton full"] == results["reference full"]
     assert results["triton"] == results["reference"]
     assert results["triton"][: len(LENGTHS)] == llama["hf"]
 
