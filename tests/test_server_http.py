@@ -662,15 +662,16 @@ def test_two_requests_with_one_x_request_id_both_complete(node: Proc, max_model_
     ) as first:
         assert first.status_code == 200
         lines = first.iter_lines()
-        next(line for line in lines if line.startswith("data: {"))  # it is running
+        running = next(line for line in lines if line.startswith("data: {"))  # it is running
         second = _post(
             node, "/v1/completions", {**body, "stream": False, "max_tokens": 2}, headers=headers
         )
-        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        # (A chunk may carry several tokens: outputs are merged for a reader behind.)
+        events = [json.loads(x[6:]) for x in [running, *lines] if x.startswith("data: {")]
     assert second.status_code == 200, second.text
     assert second.json()["choices"][0]["finish_reason"] == "length"
     assert events[-1]["choices"][0]["finish_reason"] == "length"
-    assert 1 + sum(len(e["choices"][0]["token_ids"]) for e in events) == n
+    assert sum(len(e["choices"][0]["token_ids"]) for e in events) == n
     # The label is echoed; each request has its own engine id (the abort key).
     ids = {r.headers["x-pdserve-request-id"] for r in (first, second)}
     assert len(ids) == 2 and all(i.startswith("same-label-1-") for i in ids)
