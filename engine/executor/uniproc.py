@@ -49,7 +49,7 @@ from engine.core.scheduler_output import (
 )
 from engine.executor.aggregator import KVOutputAggregator
 from engine.executor.multiproc import WorkerDiedError
-from engine.worker.pipe import WorkerError
+from engine.worker.pipe import WorkerError, deferred_for
 
 logger = logging.getLogger(__name__)
 
@@ -204,13 +204,7 @@ class UniProcExecutor:
             ) from None
         if got is None:
             raise RuntimeError(f"step {step_id}: shut down before its sampling masks came")
-        if got.step_id != step_id:
-            raise RuntimeError(
-                f"step {step_id} waited for its sampling masks, got step {got.step_id}'s"
-            )
-        if got.failed is not None:
-            raise RuntimeError(f"step {step_id}: {got.failed}")
-        return got
+        return deferred_for(got, step_id)
 
     def sample_tokens(self, deferred: DeferredSampling) -> None:
         """The masks and bans of a step sent with ``sampling_deferred``: the step thread

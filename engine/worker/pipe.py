@@ -25,12 +25,30 @@ from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any
 
+from engine.core.scheduler_output import DeferredSampling
+
 MULTIPROC_METHOD_ENV = "PDSERVE_WORKER_MULTIPROC_METHOD"
 WORKER_NAME_PREFIX = "pdserve-tp"
 
 # Sent by a worker on its result pipe when a transfer completed between steps: the engine
 # runs the step that reports it at once (see ``engine.worker.worker_proc``).
 WAKE = b"wake"
+
+
+def deferred_for(got: object, step_id: int) -> DeferredSampling:
+    """What step ``step_id`` (sent with ``sampling_deferred``) waited for, checked: its own
+    ``DeferredSampling`` (anything else -- another step's -- raises), not a ``failed``
+    one (the step before failed: this one fails with it). Workers and the in-process
+    executor take the step's masks through it."""
+    if not isinstance(got, DeferredSampling):
+        raise RuntimeError(f"step {step_id} waited for its sampling masks, got {got!r:.200}")
+    if got.step_id != step_id:
+        raise RuntimeError(
+            f"step {step_id} waited for its sampling masks, got step {got.step_id}'s"
+        )
+    if got.failed is not None:
+        raise RuntimeError(f"step {step_id}: {got.failed}")
+    return got
 
 
 class WorkerError(Exception):

@@ -16,7 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import DeferredSampling, WorkerOutput
-from engine.worker.pipe import WAKE, WorkerError
+from engine.worker.pipe import WAKE, WorkerError, deferred_for
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +107,7 @@ def wait_for_deferred(task_conn: Connection, step_id: int, parent: int) -> Defer
     msg = task_conn.recv_bytes()
     if msg == b"shutdown":
         raise _ShutDown("shutdown")
-    got = pickle.loads(msg)
-    if not isinstance(got, DeferredSampling) or got.step_id != step_id:
-        raise RuntimeError(f"step {step_id} waited for its sampling masks, got {got!r:.200}")
-    if got.failed is not None:
-        raise RuntimeError(f"step {step_id}: {got.failed}")
-    return got
+    return deferred_for(pickle.loads(msg), step_id)
 
 
 def send_output(result_conn: Connection, rank: int, out: WorkerOutput, t0: float) -> None:
