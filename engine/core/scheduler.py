@@ -77,6 +77,16 @@ def _order(req: Request) -> tuple[int, float]:
     return req.priority, req.arrival_time
 
 
+def _bad_words_ban(req: Request) -> tuple[int, ...]:
+    """The ids ``bad_words`` ban for ``req``'s next sample, after its output so far."""
+    sp = req.sampling_params
+    return tuple(
+        sorted(
+            banned_by_bad_words(sp.bad_words_token_ids, req.all_token_ids, req.num_prompt_tokens)
+        )
+    )
+
+
 class _Start(enum.Enum):
     STARTED = enum.auto()  # running, or reserved for a remote load
     NO_ROOM = enum.auto()  # no blocks this step
@@ -315,12 +325,8 @@ class Scheduler:
         since get none (they sample in vain)."""
         grammar_rows, bad_rows = self._deferred_rows.pop(sched.step_id, ([], []))
         bad = {
-            row: tuple(sorted(banned_by_bad_words(
-                req.sampling_params.bad_words_token_ids, req.all_token_ids, req.num_prompt_tokens
-            )))
-            for row, req in bad_rows
-            if req.status == RequestStatus.RUNNING
-        }  # fmt: skip
+            row: _bad_words_ban(req) for row, req in bad_rows if req.status == RequestStatus.RUNNING
+        }
         return DeferredSampling(sched.step_id, self._bitmask(grammar_rows), bad)
 
     def _bitmask(self, rows: list[tuple[int, Request]]) -> np.ndarray | None:
@@ -483,10 +489,7 @@ class Scheduler:
                 self._bad_rows.append((self._num_sampling, req))
                 self._sampling_waits = True
             else:
-                bad = banned_by_bad_words(
-                    sp.bad_words_token_ids, req.all_token_ids, req.num_prompt_tokens
-                )
-                seq.bad_token_ids = tuple(sorted(bad))
+                seq.bad_token_ids = _bad_words_ban(req)
         if req.needs_prompt_logprobs:
             # Row p predicts the token at p + 1; the prompt tokens not computed yet (the
             # first has none) are predicted by rows len(prompt_logprobs) - 1 ...
