@@ -223,6 +223,81 @@ def test_a_pd_pair_with_in_process_ranks_answers_as_colocated(procs):
         wait_for(lambda n=node: n.metric("pdserve_kv_blocks_used") == 0, 30, f"{node.name} idle")
 
 
+@pytest.mark.slow
+def test_a_uni_node_under_concurrent_streams_and_drops_answers_as_an_mp_node(procs):
+    """The rank's forward in the HTTP server's process (it holds the GIL against the
+    server): 24 concurrent streamed requests (greedy and seeded) with 6 others dropped by
+    their clients mid-stream, while ``/health`` and ``/metrics`` are polled. Every kept
+    request streams the mp node's text, the server answers its polls throughout, and the
+    node ends with every block free."""
+    import asyncio
+    import json
+
+    import httpx
+    from harness import kv_pool_full, wait_for, wait_healthy, worker_pids
+
+    uni = procs.node("--num-blocks", "192", "--distributed-executor-backend", "uni", name="uni")
+    ref = procs.node("--num-blocks", "192", name="mp", wait=False)
+    wait_healthy(ref)
+    assert worker_pids(uni.proc.pid) == [] and len(worker_pids(ref.proc.pid)) == 1
+    bodies = [
+        {
+            "prompt": [3 + i % 200] * (1 + 23 * i % 150),
+            "max_tokens": 12 + i % 9,
+            "temperature": 0.0 if i % 2 else 0.8,
+            "seed": i,
+            "stream": True,
+        }
+        for i in range(24)
+    ]
+
+    async def run(url: str) -> tuple[list[str], list[int]]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+            async def streamed(body: dict[str, Any]) -> str:
+                text = []
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: {"):
+                            text.append(json.loads(line[6:])["choices"][0]["text"])
+                return "".join(text)
+
+            async def dropped(i: int) -> None:
+                body = {"prompt": [9 + i] * 60, "max_tokens": 300, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    seen = 0
+                    async for line in resp.aiter_lines():
+                        seen += line.startswith("data:")
+                        if seen > 2 + i:
+                            return  # the client goes away mid-stream
+
+            polls: list[int] = []
+            done = asyncio.Event()
+
+            async def poll() -> None:
+                while not done.is_set():
+                    for path in ("/health", "/metrics"):
+                        polls.append((await client.get(path, timeout=10)).status_code)
+                    await asyncio.sleep(0.05)
+
+            poller = asyncio.create_task(poll())
+            try:
+                texts = await asyncio.gather(
+                    *(streamed(b) for b in bodies), *(dropped(i) for i in range(6))
+                )
+            finally:
+                done.set()
+                await poller
+            return list(texts[: len(bodies)]), polls
+
+    want, _ = asyncio.run(run(ref.url))
+    got, polls = asyncio.run(run(uni.url))
+    assert got == want
+    assert polls and set(polls) == {200}
+    wait_for(lambda: kv_pool_full(uni.url), 30, "the uni node idle with every block free")
+
+
 def test_shutdown_frees_the_in_process_kv_cache_and_weights_while_the_llm_is_held():
     """``pd-bench offline`` keeps its ``LLM`` referenced after ``shutdown`` (and froze the
     heap: no cyclic GC of what existed then) and runs transformers next, on the same GPU:
