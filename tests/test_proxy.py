@@ -215,6 +215,43 @@ def test_min_tokens_stop_strings_and_a_full_context_echo_match_colocated(cluster
     }  # fmt: skip
 
 
+def test_stop_strings_one_token_completes_end_on_the_first_listed_as_colocated(
+    cluster: Cluster,
+) -> None:
+    """vLLM's rule (``check_stop_strings`` in its v1 detokenizer): when one token completes
+    several stop strings, the first in the ``stop`` list is the one -- ``stop_reason`` and
+    where the text ends -- wherever the others start. The tiny model's tokens are bytes:
+    ``[c, bc]`` where token ``c`` follows ``b`` ends the text before ``c``; ``[bc, c]``
+    before ``b``. Through P/D (D decodes after P's first token, and finds stop strings in
+    its text too; non-streamed and streamed) as on a colocated node."""
+    letters = list(range(ord("a"), ord("z") + 1))
+    # Seeded sampling (greedy repeats one letter): P and D draw what a colocated node does.
+    body = {"prompt": "Once upon", "max_tokens": 12, "allowed_token_ids": letters,
+            "temperature": 1.0, "seed": 11, "ignore_eos": True}  # fmt: skip
+    text = httpx.post(cluster.colo.url + "/v1/completions", json=body, timeout=60).json()
+    text = text["choices"][0]["text"]
+    # A letter that did not come before: neither stop string is found before it.
+    j = next((i for i in range(1, len(text)) if text[i] not in text[:i]), None)
+    assert j is not None, text
+    for stops, cut in (
+        ([text[j], text[j - 1 : j + 1]], j),
+        ([text[j - 1 : j + 1], text[j]], j - 1),
+    ):
+        req = {**body, "stop": stops}
+        want = (text[:cut], "stop", stops[0])
+        for url in (cluster.colo.url, cluster.proxy.url):
+            got = httpx.post(url + "/v1/completions", json=req, timeout=60).json()["choices"][0]
+            assert (got["text"], got["finish_reason"], got["stop_reason"]) == want, (url, got)
+            with httpx.stream(
+                "POST", url + "/v1/completions", json={**req, "stream": True}, timeout=60
+            ) as resp:
+                events = sse_events(resp)
+            chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+            streamed = "".join(c["text"] for c in chunks)
+            last = chunks[-1]
+            assert (streamed, last["finish_reason"], last["stop_reason"]) == want, (url, chunks)
+
+
 @pytest.mark.parametrize("skip", ["proxy-skip", "node-skip"])
 def test_stop_token_ids_match_colocated(cluster: Cluster, skip: str) -> None:
     """A stop token's text is left out and ``stop_reason`` is its id, through the proxy as on

@@ -386,8 +386,15 @@ def test_stop_final_flushes_held_text() -> None:
     assert _feed_all(["END"], ["abc", "EN"]) == ("abcEN", False)
 
 
-def test_stop_earliest_of_several() -> None:
-    assert _feed_all(["world", "lo"], ["hello world"]) == ("hel", True)
+def test_of_several_stops_in_one_piece_the_first_listed_is_the_one() -> None:
+    """vLLM's ``check_stop_strings``: the stop strings in the request's order, the first
+    found in the new text (with its look-back) wins, not the first in the text."""
+    m = StopStringMatcher(["world", "lo"])
+    assert m.feed("hello world", final=True) == ("hello ", True) and m.matched == "world"
+    m = StopStringMatcher(["lo", "world"])
+    assert m.feed("hello world", final=True) == ("hel", True) and m.matched == "lo"
+    m = StopStringMatcher(["b", "abc"], include=True)
+    assert m.feed("xab") == ("xab", True) and m.matched == "b"
     assert _feed_all(["\n"], ["line1", "\nline2"]) == ("line1", True)
 
 
@@ -446,12 +453,14 @@ def test_the_stop_matcher_holds_back_exactly_the_text_that_may_begin_a_stop() ->
         pieces = ["".join(rng.choice("abc") for _ in range(rng.randint(0, 4))) for _ in range(6)]
         m, text, out = StopStringMatcher(stops), "", ""
         for piece in pieces:
-            text += piece
+            old, text = len(text), text + piece
             emitted, hit = m.feed(piece)
             out += emitted
-            first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if first >= 0:
-                assert hit and out == text[:first], (stops, pieces)
+            # vLLM's check_stop_strings: the first listed stop that ends in the new text.
+            found = ((s, text.find(s, max(0, old - len(s) + 1))) for s in stops if piece)
+            first = next(((s, i) for s, i in found if i >= 0), None)
+            if first is not None:
+                assert hit and out == text[: first[1]] and m.matched == first[0], (stops, pieces)
                 break
             assert not hit and out == text[: len(text) - _naive_hold(text, stops)], (stops, pieces)
 

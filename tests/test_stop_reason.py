@@ -124,9 +124,43 @@ def test_a_stop_string_is_the_stop_reason() -> None:
     assert _text(steps) == "Hi[" and steps[-1].stop_reason == "i["
 
 
-def test_the_earliest_stop_string_in_the_text_is_the_stop_reason() -> None:
-    steps = _steps(_job({"stop": ["[", "i"]}), [_out([72, 105, 91])])
-    assert _text(steps) == "H" and steps[-1].stop_reason == "i"
+def test_the_stop_string_completed_first_is_the_stop_reason_whatever_the_outputs_carry() -> None:
+    """vLLM looks for stop strings in each step's new text (one token's): the one that
+    completes first, token by token, ends the answer -- also when an output carries several
+    tokens (merged for a slow reader): "H" with "i", not "Hi" with "[" (listed first), nor
+    "" with "Hi[" (which starts first in the text, but ends after "i" did)."""
+    for stops in (["[", "i"], ["Hi[", "i"]):
+        steps = _steps(_job({"stop": stops}), [_out([72, 105, 91])])
+        assert _text(steps) == "H" and steps[-1].stop_reason == "i", (stops, steps)
+
+
+@pytest.mark.parametrize(
+    "stops, text, reason",
+    [
+        (["i", "Hi"], "H", "i"),  # "i" is listed first: the text ends before it
+        (["Hi", "i"], "", "Hi"),
+        (["zz", "i", "Hi"], "H", "i"),
+    ],
+)
+def test_of_stop_strings_one_token_completes_the_first_listed_is_the_stop_reason(
+    stops: list[str], text: str, reason: str
+) -> None:
+    """vLLM's rule (``vllm/v1/engine/detokenizer.py``, ``check_stop_strings``): the stop
+    strings are tried in the request's order on the text a step added (with a look-back
+    of ``len(stop) - 1``); the first one found ends the answer and cuts the text, wherever
+    another one starts. Tokens H i X: "i" completes both "i" and "Hi". The same
+    streamed (one output a token), in one output, and on a decode leg that skips P's
+    first token (its text is the colocated one's less "H", the client's)."""
+    ids = list(b"HiXa")
+    for outputs in ([_out([t]) for t in ids], [_out(ids)]):
+        steps = _steps(_job({"stop": stops}), outputs)
+        assert (_text(steps), steps[-1].finish_reason) == (text, "stop"), (stops, steps)
+        assert steps[-1].stop_reason == reason, (stops, steps)
+        kept = _steps(_job({"stop": stops, "include_stop_str_in_output": True}), outputs)
+        assert _text(kept) == "Hi" and kept[-1].stop_reason == reason, (stops, kept)
+        # The client has "H": nothing more of the text (the colocated one is "H" or "").
+        d = _steps(_skip_first(_job({"stop": stops})), outputs)
+        assert _text(d) == "" and d[-1].stop_reason == reason, (stops, d)
 
 
 def test_a_stop_string_is_looked_for_without_the_stop_tokens_text() -> None:

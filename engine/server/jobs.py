@@ -319,21 +319,30 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
                 ids = ids[1:]
                 lps = None if lps is None else lps[1:]
             shown = ids[:-1] if stop_token and ids and not keep_stop else ids
-            # Stop strings are looked for once the answer has more than min_tokens tokens
-            # (vLLM), token by token: the first ``k`` shown here are within min_tokens (an
-            # output may carry several ids, merged for a slow reader: the text must not
-            # depend on that). A stop string must end after them; it may start in them
-            # (the matcher holds back their text that may begin one).
-            k = min(len(shown), max(0, job.params.min_tokens - (job.completion_tokens - len(ids))))
-            text = ""
-            if k:
-                text, _ = matcher.feed(detok.add(shown[:k]), check=False)
-            rest = detok.add(shown[k:]) if k < len(shown) else ""
-            if out.finished:
-                rest += detok.flush()  # text held back for an incomplete UTF-8 sequence
-            check = k < len(shown) or job.completion_tokens > job.params.min_tokens
-            rest, hit = matcher.feed(rest, final=out.finished, check=check)
-            text += rest
+            # Stop strings are looked for in each token's text, as vLLM's detokenizer does
+            # in each step's (one token): an output may carry several ids, merged for a
+            # slow reader, and the text must not depend on that -- when one token completes
+            # several, the first listed wins (the matcher), so the text fed at once is one
+            # token's. And only once the answer has more than min_tokens tokens (vLLM): a
+            # stop string must end after those; it may start in them (the matcher holds
+            # back their text that may begin one).
+            before = job.completion_tokens - len(ids)  # the answer's tokens before these
+            text, hit = "", False
+            for i, token in enumerate(shown):
+                last = i == len(shown) - 1
+                piece = detok.add([token])
+                if last and out.finished:
+                    piece += detok.flush()  # text held back for an incomplete UTF-8 sequence
+                check = before + i + 1 > job.params.min_tokens
+                piece, hit = matcher.feed(piece, final=last and out.finished, check=check)
+                text += piece
+                if hit:
+                    break
+            if not shown:
+                rest = detok.flush() if out.finished else ""
+                check = job.completion_tokens > job.params.min_tokens
+                rest, hit = matcher.feed(rest, final=out.finished, check=check)
+                text += rest
             kv_out = out.kv_transfer_params.to_dict() if out.kv_transfer_params else None
             extra = {"logprobs": lps, "prompt_logprobs": out.prompt_logprobs}
             if hit:

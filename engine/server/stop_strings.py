@@ -14,7 +14,9 @@ class StopStringMatcher:
     text just fed; it may start up to ``len(stop) - 1`` characters before it, in text fed
     earlier -- with ``min_tokens``, text fed with ``check=False``, in which no stop string
     is looked for. So one that starts within ``min_tokens`` and ends after it matches; one
-    that ends within it does not.
+    that ends within it does not. When several end in the text fed, the stop strings are
+    tried in the request's order and the first found is the one (vLLM's loop), wherever
+    another starts; so feed one token's text at a time, as vLLM's steps add it.
 
     ``skip``: text the client already has (a decode leg's first token, which the proxy got
     from the prefill node): a stop string may begin in it, and it is never returned.
@@ -47,14 +49,13 @@ class StopStringMatcher:
         buf = self._held + new_text
         if check:
             # Only a stop that ends in ``new_text``: the held text has none that may match
-            # (looked for before, or within min_tokens).
-            hits = [
-                (i, s) for s in self._stops if (i := buf.find(s, max(0, old - len(s) + 1))) >= 0
-            ]
-            if hits:
-                self._held = ""
-                at, self.matched = min(hits, key=lambda h: h[0])  # the first in the text
-                return self._emit(buf, at + len(self.matched) if self._include else at), True
+            # (looked for before, or within min_tokens). The first listed that is found.
+            for stop in self._stops:
+                at = buf.find(stop, max(0, old - len(stop) + 1))
+                if at >= 0:
+                    self._held = ""
+                    self.matched = stop
+                    return self._emit(buf, at + len(stop) if self._include else at), True
         if final:
             self._held = ""
             return self._emit(buf, len(buf)), False
