@@ -434,7 +434,8 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone_and_max_tokens_0_needs_echo(
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
         ({"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
-        ({"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
+        # The engine runs it with max_tokens 1 (vLLM's): min_tokens past 1 is vLLM's 400.
+        ({"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 2}, "min_tokens"),
         # Nothing is decoded: it is not a P/D leg (the proxy serves it on one node).
         ({**body, "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
         ({**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "t",
@@ -445,6 +446,13 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone_and_max_tokens_0_needs_echo(
         assert info.value.param == param, bad
         if bad.get("max_tokens") == 0 and param == "max_tokens":
             assert "'echo': true" in info.value.message, info.value.message
+    # vLLM accepts min_tokens 1 (its SamplingParams get max_tokens 1): it only bans EOS
+    # and the stop ids from the token the answer leaves out.
+    sp = parse_completion_request({**body, "min_tokens": 1}).sampling_params(1)
+    assert (sp.max_tokens, sp.min_tokens) == (1, 1)
+    with pytest.raises(APIError) as info:
+        parse_completion_request({**body, "min_tokens": 2})
+    assert "at most 1" in info.value.message, info.value.message
     # A transfer id alone (the proxy's decode-only request) is a plain request.
     alone = parse_completion_request({**body, "kv_transfer_params": {"transfer_id": "t"}})
     assert alone.echo_without_generation
@@ -635,6 +643,14 @@ def test_node_echo_with_max_tokens_0_answers_the_prompt_alone(node: Proc) -> Non
     plain = _post(node.url, "/v1/completions", {**ECHO_ONLY, "logprobs": None})
     assert [c["text"] for c in plain["choices"]] == [w["text"] for w in expected]
     assert all(c["logprobs"] is None for c in plain["choices"])
+    # min_tokens 1 (vLLM's max_tokens 1 takes it): the same answer; 2 is a 400 naming it.
+    _check_echo_only(_post(node.url, "/v1/completions", {**ECHO_ONLY, "min_tokens": 1}), expected)
+    resp = httpx.post(
+        node.url + "/v1/completions",
+        json={"model": MODEL, **ECHO_ONLY, "min_tokens": 2},
+        timeout=60,
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "min_tokens", resp.text
     # Without echo, max_tokens 0 is a 400 naming max_tokens (and saying what to do).
     resp = httpx.post(
         node.url + "/v1/completions",
@@ -838,8 +854,9 @@ def test_pd_echo_with_max_tokens_0_equals_colocated(pd: tuple[PD, Proc]) -> None
     _check_echo_only(got, expected)
     _close(_without_id(got), _without_id(ref))
     _check_echo_only(_echo_only_streamed(proxy.url), expected)
+    _check_echo_only(_post(proxy.url, "/v1/completions", {**ECHO_ONLY, "min_tokens": 1}), expected)
     # Each prompt's choice went to the decode node alone: no prefill leg, no KV.
-    assert modes() == (before[0] + 4, before[1])
+    assert modes() == (before[0] + 6, before[1])
     # Without echo, still the node's 400 (the proxy's own parser), before any node.
     resp = httpx.post(
         proxy.url + "/v1/completions", json={"model": MODEL, **ECHO_ONLY, "echo": False}

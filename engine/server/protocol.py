@@ -363,18 +363,28 @@ def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
     req.min_tokens = get_int(body, "min_tokens", 0)
     if req.min_tokens < 0:
         raise APIError(f"'min_tokens' must be >= 0, got {req.min_tokens}", param="min_tokens")
-    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+    if chat:
+        _parse_chat_logprobs(body, req)
+    else:
+        req.logprobs = _logprobs_count(body, "logprobs")
+        req.echo = get_bool(body, "echo", False)
+    if req.echo_without_generation:
+        # vLLM's: the engine runs it with max_tokens 1 (its SamplingParams check min_tokens
+        # against that), so 1 is taken -- it bans EOS and the stop ids from the token the
+        # answer leaves out.
+        if req.min_tokens > 1:
+            raise APIError(
+                f"'min_tokens' ({req.min_tokens}) must be at most 1 with 'echo' and "
+                "'max_tokens' 0 (the engine samples one token, which the answer leaves out)",
+                param="min_tokens",
+            )
+    elif req.max_tokens is not None and req.min_tokens > req.max_tokens:
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else ""
         raise APIError(
             f"'min_tokens' ({req.min_tokens}) must be at most "
             f"{name or 'max_tokens'} ({req.max_tokens})",
             param="min_tokens",
         )
-    if chat:
-        _parse_chat_logprobs(body, req)
-    else:
-        req.logprobs = _logprobs_count(body, "logprobs")
-        req.echo = get_bool(body, "echo", False)
 
     _reject_unsupported(body, chat=chat)
     try:
