@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse
 from engine.httpkit.auth import key_matches
 from engine.httpkit.body import read_body
 from engine.httpkit.errors import json_error
+from engine.log_limit import LogLimit
 from engine.server.json_body import parse_json_body
 from engine.server.request_fields import APIError
 from kvconnector.nixl.peers import PeerAllowlist
@@ -230,21 +231,4 @@ async def serve_registration(
         return json_error(e)
 
 
-class _LogLimit:
-    """At most one line per ``period`` seconds; ``take`` says how many were held back."""
-
-    def __init__(self, period: float = 1.0) -> None:
-        self.period = period
-        self._last = -period
-        self._quiet = 0
-
-    def take(self) -> int | None:
-        now = time.monotonic()
-        if now - self._last < self.period:
-            self._quiet += 1
-            return None
-        quiet, self._last, self._quiet = self._quiet, now, 0
-        return quiet
-
-
-_refusal_log = _LogLimit()  # a flood of unauthenticated posts must not flood the log
+_refusal_log = LogLimit(1.0)  # a flood of unauthenticated posts must not flood the log

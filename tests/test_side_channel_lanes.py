@@ -3,6 +3,8 @@ the calls to itself; calls to one peer run in order; every lane is bounded."""
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 
@@ -22,6 +24,7 @@ from engine.config import (
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.kv_cache_layout import KVCacheSpec
+from engine.log_limit import LogLimit
 from engine.model.config import load_arch_config
 from engine.sampling_params import SamplingParams
 from kvconnector.nixl.lanes import LaneFull, PeerLanes
@@ -235,3 +238,73 @@ def test_silent_prefill_addresses_a_client_names_leave_lanes_for_a_paired_prefil
         healthy.server.close()
         silent.close(linger=0)
         ctx.term()
+
+
+def _held_back(line: str) -> int:
+    """How many refusals a log line says it held back (0: it says none)."""
+    m = re.search(r"\((\d+) more refused", line)
+    return int(m.group(1)) if m else 0
+
+
+def test_a_flood_of_lane_refusals_logs_a_few_lines_the_first_one_and_what_it_held_back(
+    monkeypatch, caplog
+):
+    """Every call refused at a lane bound was logged at WARNING, one line each: a client
+    naming addresses that take the connection and never answer (a decode leg's prefill
+    node is any allowed address) filled D's log with a line per request. Now at most one
+    line per peer class (proven, unproven) per ``LANE_REFUSAL_LOG_S``: the first refusal is
+    logged at once, a proven peer's refusal is not held back behind the strangers' line,
+    and the next line says how many were held back (every refusal is accounted for)."""
+    monkeypatch.setattr(nixl_scheduler, "LANE_REFUSAL_LOG_S", 0.5)
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=64),
+        kv_transfer=KVTransferConfig(
+            kv_connector="nixl", kv_role="consumer", kv_transfer_timeout=60, peer_ping_interval=0
+        ),
+    )
+    conn = nixl_scheduler.NixlConnectorScheduler(
+        cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
+    )
+    conn._lanes.shutdown()
+    conn._lanes = PeerLanes(max_lanes=2, max_unproven=1)  # one lane each, both kept busy
+    busy = threading.Event()
+    caplog.set_level(logging.WARNING, logger=nixl_scheduler.__name__)
+
+    def lines(part: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if f"not calling {part}" in r.getMessage()]
+
+    try:
+        assert conn._submit("tcp://127.0.0.1:1", busy.wait, proven=False)
+        assert conn._submit("tcp://127.0.0.1:2", busy.wait, proven=True)
+        n = 500
+        start = time.monotonic()
+        for i in range(n):
+            assert not conn._submit(f"tcp://10.0.{i // 250}.{i % 250}:9", busy.wait, proven=False)
+        assert not conn._submit("tcp://127.0.0.1:3", busy.wait, proven=True)
+        took = time.monotonic() - start
+        strangers = lines("tcp://10.")
+        assert strangers[0].startswith("side channel: not calling tcp://10.0.0.0:9: "), strangers
+        assert "lanes of unproven peers in use" in strangers[0] and not _held_back(strangers[0])
+        assert len(strangers) <= 2 + took / 0.5, (len(strangers), took)  # was one per call
+        assert len(lines("tcp://127.0.0.1:3")) == 1  # the proven class has its own line
+        time.sleep(0.6)  # past the period: the next refusal is logged, with the count
+        assert not conn._submit("tcp://10.1.0.0:9", busy.wait, proven=False)
+        strangers = lines("tcp://10.")
+        assert strangers[-1].startswith("side channel: not calling tcp://10.1.0.0:9")
+        assert len(strangers) + sum(_held_back(line) for line in strangers) == n + 1, strangers
+    finally:
+        busy.set()
+        conn.shutdown()
+
+
+def test_a_log_limit_writes_the_first_line_and_counts_the_ones_it_held_back():
+    now = [100.0]
+    limit = LogLimit(10.0, clock=lambda: now[0])
+    assert limit.take() == 0  # the first line: written, nothing held back
+    assert [limit.take() for _ in range(5)] == [None] * 5
+    now[0] += 9.9
+    assert limit.take() is None
+    now[0] += 0.1  # a period after the last line written
+    assert limit.take() == 6
+    assert limit.take() is None

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError
 from engine.core.request import RequestStatus
+from engine.log_limit import LogLimit
 from engine.model.config import load_arch_config
 from engine.sampling_params import InvalidRequestError
 from engine.stats import StatsGroup
@@ -86,6 +87,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0  # the failure notices this node sends
+# Calls refused at a lane bound: one log line per peer class (proven, unproven) per this
+# many seconds, saying how many it held back (a client names the peers: one line per
+# refused call let it fill the log).
+LANE_REFUSAL_LOG_S = 10.0
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
@@ -136,6 +141,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._ended: list[str] = []  # nonces whose counts every rank must drop
         self._watching = False  # what the workers were last told (metadata ``watch``)
         self._lanes = PeerLanes()
+        # Keyed by ``proven``: strangers' refusals never hold back a proven peer's line.
+        self._refusal_logs = {p: LogLimit(LANE_REFUSAL_LOG_S) for p in (True, False)}
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
         secret = kvc.kv_secret.encode() or None
         self._client = SideChannelClient(secret=secret)
@@ -605,11 +612,17 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         """Queue a call on ``peer``'s lane; False (logged) when the lane is at its bound.
         ``proven``: the peer paired with this node (a prefill node that answered its
         handshake, a confirmed decode peer); peers a client named and that never did
-        share a few lanes (``lanes.PeerLanes``)."""
+        share a few lanes (``lanes.PeerLanes``). Refusals are logged at most once per
+        ``LANE_REFUSAL_LOG_S`` per class (proven or not), with a count of those held back."""
         try:
             self._lanes.submit(peer, fn, *args, proven=proven)
         except LaneFull as e:
-            logger.warning("side channel: not calling %s: %s", peer, e)
+            if (quiet := self._refusal_logs[proven].take()) is not None:
+                logger.warning(
+                    "side channel: not calling %s: %s%s", peer, e,
+                    f" ({quiet} more refused calls to {'' if proven else 'un'}proven peers "
+                    f"since the last such line, not logged)" if quiet else "",
+                )  # fmt: skip
             return False
         return True
 
