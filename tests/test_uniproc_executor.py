@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -423,3 +424,41 @@ def test_a_step_that_fails_before_a_deferred_step_leaves_no_wait_behind(monkeypa
         assert llm.generate([[5, 6, 7], [8, 9]], params) == want
         assert time.monotonic() - t0 < 10  # no step left waiting for its masks
     assert not [t.name for t in threading.enumerate() if t.name.startswith("tp0")]
+
+
+class _FailingSamplingWorker(_SamplingWorker):
+    """Its first step fails (the forward raises); later ones sample as ``_SamplingWorker``."""
+
+    def execute_model(self, sched: SchedulerOutput, deferred_source: Any = None) -> WorkerOutput:
+        if sched.step_id == 1:
+            raise IndexError("a forward that fails")
+        return super().execute_model(sched, deferred_source)
+
+
+def test_a_deferred_step_cancelled_after_a_failed_step_logs_one_line_not_a_traceback(
+    caplog,
+) -> None:
+    """Async scheduling: step 1 fails, and step 2, sent with ``sampling_deferred``, is
+    cancelled (the engine sends it a ``failed`` DeferredSampling: the masks that follow
+    step 1 will not come). Step 1's traceback is logged; step 2's failure is that one's
+    consequence: one line naming it, no traceback (a full one was logged for it too)."""
+    ex = UniProcExecutor(EngineConfig(), lambda kv_bytes: 64, worker=_FailingSamplingWorker())
+    caplog.set_level(logging.INFO, logger="engine.executor.uniproc")
+    try:
+        first = ex.execute_model(SchedulerOutput(step_id=1), non_block=True)
+        second = ex.execute_model(SchedulerOutput(step_id=2, sampling_deferred=True), True)
+        with pytest.raises(WorkerError, match="a forward that fails"):
+            ex.wait(first)
+        why = "no sampling masks: step 1 before it failed (WorkerError('...'))"
+        ex.sample_tokens(DeferredSampling(2, failed=why))
+        with pytest.raises(WorkerError, match="step 1 before it failed"):
+            ex.wait(second)
+    finally:
+        ex.shutdown()
+    records = [r for r in caplog.records if r.name == "engine.executor.uniproc"]
+    (failed,) = [r for r in records if "step 1 failed" in r.getMessage()]
+    assert failed.exc_info is not None and failed.exc_info[0] is IndexError
+    (cancelled,) = [r for r in records if "step 2" in r.getMessage()]
+    assert cancelled.exc_info is None and cancelled.stack_info is None, cancelled
+    assert "\n" not in cancelled.getMessage() and why in cancelled.getMessage()
+    assert len(records) == 2, [r.getMessage() for r in records]

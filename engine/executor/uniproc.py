@@ -21,7 +21,10 @@ What differs from a worker process:
   wakes the engine once when one completed. A lock keeps it and the steps apart (the
   connector is driven by one thread at a time, as in a worker process).
 - **A failed step** fails that step with ``WorkerError`` (as a worker's does); there is
-  no process to die, so nothing else marks the executor dead until ``shutdown``.
+  no process to die, so nothing else marks the executor dead until ``shutdown``. A step
+  sent with ``sampling_deferred`` that the engine then cancels (the step before failed:
+  its masks will not come) or that shutdown ends fails too, logged in one line: its
+  traceback would only show the wait it was in (the failed step's own is logged).
 - The process's torch intra-op threads are set to ``--worker-threads`` on CPU, and
   ``cuda:0`` (of the visible GPUs) is made the current device on CUDA.
 """
@@ -49,7 +52,7 @@ from engine.core.scheduler_output import (
 )
 from engine.executor.aggregator import KVOutputAggregator
 from engine.executor.multiproc import WorkerDiedError
-from engine.worker.pipe import WorkerError, deferred_for
+from engine.worker.pipe import StepCancelled, WorkerError, deferred_for
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +178,9 @@ class UniProcExecutor:
                     out = self.worker.execute_model(sched)  # launched (CUDA), or done
                 else:
                     out = self.worker.execute_model(sched, deferred_source)
+        except StepCancelled as e:  # the step before failed (its traceback was logged)
+            logger.warning("cancelled %s", e)
+            fut.set_exception(WorkerError(0, f"cancelled {e}"))
         except Exception:
             logger.exception("step %s failed", sched.step_id)
             fut.set_exception(WorkerError(0, traceback.format_exc()))
@@ -203,7 +209,7 @@ class UniProcExecutor:
                 f"step {step_id}: no sampling masks within {self.step_timeout:.0f}s"
             ) from None
         if got is None:
-            raise RuntimeError(f"step {step_id}: shut down before its sampling masks came")
+            raise StepCancelled(f"step {step_id}: shut down before its sampling masks came")
         return deferred_for(got, step_id)
 
     def sample_tokens(self, deferred: DeferredSampling) -> None:

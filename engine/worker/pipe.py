@@ -47,8 +47,14 @@ def deferred_for(got: object, step_id: int) -> DeferredSampling:
             f"step {step_id} waited for its sampling masks, got step {got.step_id}'s"
         )
     if got.failed is not None:
-        raise RuntimeError(f"step {step_id}: {got.failed}")
+        raise StepCancelled(f"step {step_id}: {got.failed}")
     return got
+
+
+class StepCancelled(RuntimeError):
+    """A step sent with ``sampling_deferred`` ends without sampling: its masks will not
+    come (the step before failed, or the executor is shutting down). It fails, but it is
+    another failure's consequence, not a fault of its own (no traceback worth logging)."""
 
 
 class WorkerError(Exception):
