@@ -16,7 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import DeferredSampling, WorkerOutput
-from engine.worker.pipe import WAKE, WorkerError, deferred_for
+from engine.worker.pipe import WAKE, StepCancelled, WorkerError, deferred_for
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +246,9 @@ def worker_main(
                 out = worker.execute_model(sched, deferred_source)  # launched (CUDA), or done
             except _ShutDown:
                 return
+            except StepCancelled as e:  # the step before failed: its traceback was logged
+                logger.warning("rank %d: cancelled %s", rank, e)
+                error = WorkerError(rank, f"cancelled {e}")
             except Exception:
                 logger.exception("step %s failed", sched.step_id)
                 error = WorkerError(rank, traceback.format_exc())
