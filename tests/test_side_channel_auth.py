@@ -4,6 +4,7 @@ talk to (``--kv-allowed-peers``; a decode leg cannot make D connect anywhere).""
 
 from __future__ import annotations
 
+import re
 import time
 
 import msgpack
@@ -319,3 +320,37 @@ def test_the_connector_logs_the_own_address_warning(caplog):
     with caplog.at_level("WARNING"):
         connector("consumer").shutdown()
     assert not any("is outside --kv-allowed-peers" in r.getMessage() for r in caplog.records)
+
+
+def test_a_flood_of_unsigned_requests_logs_a_few_lines_and_counts_every_refusal(
+    monkeypatch, caplog
+):
+    """Anyone who reaches the side-channel port can send unsigned messages: each was
+    logged at WARNING, so a flood filled the log. Now the first is logged at once, then at
+    most one line per ``REFUSAL_LOG_S`` saying how many were held back; every refusal is
+    counted (``refused``, exported as ``pdserve_engine_kv_side_channel_requests_refused_total``)."""
+    monkeypatch.setattr(sc, "REFUSAL_LOG_S", 0.3)
+    calls: list[dict] = []
+    srv = sc.SideChannelServer("127.0.0.1", 0, calls.append, secret=SECRET)
+    client = sc.SideChannelClient()
+    n = 200
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "refusing a request" in r.getMessage()]
+
+    try:
+        with caplog.at_level("WARNING", logger="kvconnector.nixl.side_channel"):
+            start = time.monotonic()
+            for i in range(n):
+                reply = client.request(srv.address, {"kind": "ping", "i": i}, timeout=5)
+                assert reply["code"] == "unauthenticated"
+            took = time.monotonic() - start
+            assert "--kv-secret" in lines()[0] and "more refused" not in lines()[0]
+            assert len(lines()) <= 2 + took / 0.3, (len(lines()), took)  # was one per request
+            time.sleep(0.4)  # past the period: the next is logged, with what was held back
+            client.request(srv.address, {"kind": "ping"}, timeout=5)
+        held = [int(m.group(1)) for x in lines() if (m := re.search(r"\((\d+) more", x))]
+        assert len(lines()) + sum(held) == n + 1, lines()
+        assert calls == [] and srv.refused == srv.refused_unauthenticated == n + 1
+    finally:
+        srv.close()

@@ -293,6 +293,8 @@ def test_a_flood_of_lane_refusals_logs_a_few_lines_the_first_one_and_what_it_hel
         strangers = lines("tcp://10.")
         assert strangers[-1].startswith("side channel: not calling tcp://10.1.0.0:9")
         assert len(strangers) + sum(_held_back(line) for line in strangers) == n + 1, strangers
+        # Every refusal counted (/metrics: pdserve_engine_kv_side_channel_calls_refused_total).
+        assert conn.stats()["kv_side_channel_calls_refused_total"] == n + 2
     finally:
         busy.set()
         conn.shutdown()

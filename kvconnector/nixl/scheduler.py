@@ -662,6 +662,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     self.service.handshake_failures + self.links.handshake_failures
                 ),
                 kv_checksum_failures_total=self.checksum_failures,
+                kv_side_channel_requests_refused_total=self._server.refused,
+                kv_side_channel_calls_refused_total=self._lanes.refused,
             )
             return StatsGroup(own, self._worker_stats)
 

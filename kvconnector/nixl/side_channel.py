@@ -44,6 +44,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from engine.log_limit import LogLimit
+
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
@@ -91,6 +93,9 @@ MAX_MESSAGE_BYTES = 64 << 20  # a bigger request drops its connection (ZMQ_MAXMS
 MAX_WIRE_ITEMS = 1 << 20
 REPLAY_WINDOW_S = 60.0  # a signed request older or newer than this is refused
 MAX_SEEN = 200_000  # request nonces remembered for replay checks (at most)
+# Refused requests (unsigned, forged, replayed: anyone who reaches the port can send them):
+# one log line per this many seconds at most, the next saying how many were held back.
+REFUSAL_LOG_S = 10.0
 
 
 def _mac(secret: bytes, *parts: bytes) -> bytes:
@@ -156,7 +161,9 @@ class SideChannelServer:
         self._handler = handler
         self._secret = secret or None
         self._replays = _ReplayGuard()
-        self.refused_unauthenticated = 0
+        self.refused = 0  # requests refused before the handler (signature, clock, replay)
+        self.refused_unauthenticated = 0  # of those, the ones not answered signed
+        self._refusal_log = LogLimit(REFUSAL_LOG_S)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._bind_error: BaseException | None = None
@@ -240,7 +247,13 @@ class SideChannelServer:
             else:
                 msg, nonce, refused = self._open(msg)
                 if refused is not None:
-                    logger.warning("side channel: refusing a request: %s", refused["error"])
+                    self.refused += 1
+                    if (quiet := self._refusal_log.take()) is not None:
+                        logger.warning(
+                            "side channel: refusing a request: %s%s", refused["error"],
+                            f" ({quiet} more refused since the last such line, not logged)"
+                            if quiet else "",
+                        )  # fmt: skip
                     if nonce is not None:  # signed, but not a message: a signed refusal
                         return self._seal(refused, nonce)
                     self.refused_unauthenticated += 1

@@ -29,6 +29,14 @@ class NixlSchedulerStats(Stats):
     kv_checksum_failures_total: int = counter(
         "Transfers whose KV failed its checksum on arrival (--kv-checksum)"
     )
+    kv_side_channel_requests_refused_total: int = counter(
+        "Side-channel requests refused before they were read: unsigned, forged, replayed or "
+        "out-of-window ones (--kv-secret)"
+    )
+    kv_side_channel_calls_refused_total: int = counter(
+        "Side-channel calls to peers not made: the peer's lane full, or too many peers "
+        "(the request's transfer ended at once)"
+    )
 
 
 @dataclass
