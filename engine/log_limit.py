@@ -9,6 +9,7 @@ many were (so none goes unaccounted for in the log, only unwritten).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,3 +35,28 @@ class LogLimit:
                 return None
             quiet, self._last, self._quiet = self._quiet, now, 0
             return quiet
+
+
+class LimitedLog:
+    """A logger's warnings that others can provoke, each kind (a fixed name chosen by the
+    code, never by a peer) at most once per ``period`` seconds; a line written after some
+    were held back ends with how many."""
+
+    def __init__(self, log: logging.Logger, period: float = 10.0) -> None:
+        self._log = log
+        self.period = period
+        self._limits: dict[str, LogLimit] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, kind: str, msg: str, *args: object) -> None:
+        with self._lock:
+            limit = self._limits.get(kind)
+            if limit is None:
+                limit = self._limits[kind] = LogLimit(self.period)
+        quiet = limit.take()
+        if quiet is None:
+            return
+        if quiet:
+            msg += " (%d more like it in the last %gs, not logged)"
+            args = (*args, quiet, self.period)
+        self._log.warning(msg, *args)

@@ -354,3 +354,38 @@ def test_a_flood_of_unsigned_requests_logs_a_few_lines_and_counts_every_refusal(
         assert calls == [] and srv.refused == srv.refused_unauthenticated == n + 1
     finally:
         srv.close()
+
+
+def test_floods_of_unreadable_malformed_or_refused_messages_log_one_line_per_kind(caplog):
+    """Without ``--kv-secret`` (the default) anyone who reaches a prefill node's side
+    channel is read: unreadable bytes, malformed messages, messages for the other role and
+    handshakes from peers outside ``--kv-allowed-peers`` each logged a warning per
+    message, so a flood filled the log. Now each kind logs its first at once and then at
+    most one line per 10 s; every message still gets its refusal."""
+    p = connector("producer", kv_allowed_peers="10.0.0.0/8")
+    shake = Handshake(
+        engine_id="d",
+        incarnation="i",
+        peer_key="d:i",
+        compat=p.compat,
+        ranks=({"num_blocks": 64},),
+        address="tcp://127.0.0.1:5600",
+    ).to_wire()
+    floods = {
+        "unreadable": msgpack.packb([1, 2]),
+        "malformed": msgpack.packb({"kind": "reserve", "transfer_id": 5}),
+        "other role": msgpack.packb({"kind": "transfer_failed", "v": 1}),
+        "allowlist": msgpack.packb(shake),
+    }
+    n = 40
+    try:
+        with caplog.at_level("WARNING"):
+            for payload in floods.values():
+                for _ in range(n):
+                    reply = raw_request(p.address, payload)
+                    assert reply.get("ok") is False or reply.get("kind") == "refusal", reply
+        lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(lines) <= 2 * len(floods), lines  # was n per kind
+        assert any("not in --kv-allowed-peers" in line for line in lines), lines
+    finally:
+        p.shutdown()

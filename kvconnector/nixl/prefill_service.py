@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from engine.log_limit import LimitedLog
 from kvconnector.nixl import tp_map
 from kvconnector.nixl.decode_peers import DecodePeer, DecodePeers
 from kvconnector.nixl.messages import (
@@ -46,6 +47,10 @@ from kvconnector.nixl.producer import Producer, Reservation
 from kvconnector.nixl.side_channel import SideChannelClient
 
 logger = logging.getLogger(__name__)
+# Handshake refusals: any address that reaches the side channel can ask for one (without
+# --kv-secret), so at most one line per this many seconds per kind, the next saying how
+# many were held back.
+REFUSAL_LOG_S = 10.0
 
 VERIFY_TIMEOUT_S = 2.0  # the ping of a new decode peer's claimed address
 
@@ -96,13 +101,16 @@ class PrefillService:
         self._closed = False
         self.handshakes = 0
         self.handshake_failures = 0
+        self._peer_log = LimitedLog(logger, REFUSAL_LOG_S)
 
     # -- messages (the side-channel server's thread) --------------------------------------
     def handshake(self, msg: Handshake) -> HandshakeReply | Refusal:
         if not self.allowed_peers.allows(msg.address):
             with self._lock:
                 self.handshake_failures += 1
-            logger.warning("refusing a handshake from %s: not in --kv-allowed-peers", msg.address)
+            self._peer_log.warning(
+                "allowlist", "refusing a handshake from %s: not in --kv-allowed-peers", msg.address
+            )
             return Refusal(
                 f"{msg.address} is not an allowed peer of this node (--kv-allowed-peers)"
             )
@@ -117,7 +125,9 @@ class PrefillService:
         if mismatch:
             with self._lock:
                 self.handshake_failures += 1
-            logger.warning("refusing handshake from %s: %s", msg.address, mismatch)
+            self._peer_log.warning(
+                "mismatch", "refusing handshake from %s: %s", msg.address, mismatch
+            )
             return Refusal(f"incompatible peer: {mismatch}")
         key = msg.peer_key
         claim = DecodePeer(
@@ -131,7 +141,9 @@ class PrefillService:
             verify, evicted, refused = self.peers.offer(key, claim, self.producer.peers_in_use())
             if refused is not None:
                 self.handshake_failures += 1
-                logger.warning("refusing handshake from %s: %s", msg.address, refused)
+                self._peer_log.warning(
+                    "refused", "refusing handshake from %s: %s", msg.address, refused
+                )
                 return Refusal(refused)
             for old in evicted:
                 self._forget_workers_peer(old)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError
 from engine.core.request import RequestStatus
-from engine.log_limit import LogLimit
+from engine.log_limit import LimitedLog, LogLimit
 from engine.model.config import load_arch_config
 from engine.sampling_params import InvalidRequestError
 from engine.stats import StatsGroup
@@ -91,6 +91,9 @@ RPC_TIMEOUT_S = 5.0  # the failure notices this node sends
 # many seconds, saying how many it held back (a client names the peers: one line per
 # refused call let it fill the log).
 LANE_REFUSAL_LOG_S = 10.0
+# Refusals of messages a peer sent (malformed, for the other role): each kind at most one
+# line per this many seconds -- without --kv-secret anyone who reaches the port is read.
+PEER_LOG_S = 10.0
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
@@ -143,6 +146,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._lanes = PeerLanes()
         # Keyed by ``proven``: strangers' refusals never hold back a proven peer's line.
         self._refusal_logs = {p: LogLimit(LANE_REFUSAL_LOG_S) for p in (True, False)}
+        self._peer_log = LimitedLog(logger, PEER_LOG_S)
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
         secret = kvc.kv_secret.encode() or None
         self._client = SideChannelClient(secret=secret)
@@ -400,7 +404,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             why = f"this is a prefill node: a {msg.KIND} goes to a decode node"
         else:
             return None
-        logger.warning("side channel: refusing a %s: %s", msg.KIND, why)
+        self._peer_log.warning("wrong role", "side channel: refusing a %s: %s", msg.KIND, why)
         return Refusal(why, code=Refusal.WRONG_ROLE)
 
     def _refuse_malformed(self, raw: dict[str, Any], error: MessageError) -> Refusal:
@@ -410,7 +414,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             with self._lock:
                 self.service.handshake_failures += 1
             return Refusal(f"incompatible peer: {mismatch}")
-        logger.warning("side channel: refusing a malformed message: %s", error)
+        self._peer_log.warning("malformed", "side channel: refusing a malformed message: %s", error)
         return Refusal(f"malformed message: {error}")
 
     # -- both sides ----------------------------------------------------------------------

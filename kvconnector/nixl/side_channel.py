@@ -44,7 +44,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from engine.log_limit import LogLimit
+from engine.log_limit import LimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,9 @@ MAX_MESSAGE_BYTES = 64 << 20  # a bigger request drops its connection (ZMQ_MAXMS
 MAX_WIRE_ITEMS = 1 << 20
 REPLAY_WINDOW_S = 60.0  # a signed request older or newer than this is refused
 MAX_SEEN = 200_000  # request nonces remembered for replay checks (at most)
-# Refused requests (unsigned, forged, replayed: anyone who reaches the port can send them):
-# one log line per this many seconds at most, the next saying how many were held back.
+# Lines a peer's bytes provoke (unreadable, unsigned, forged, replayed requests: anyone who
+# reaches the port can send them): each kind at most once per this many seconds, the next
+# saying how many were held back.
 REFUSAL_LOG_S = 10.0
 
 
@@ -163,7 +164,7 @@ class SideChannelServer:
         self._replays = _ReplayGuard()
         self.refused = 0  # requests refused before the handler (signature, clock, replay)
         self.refused_unauthenticated = 0  # of those, the ones not answered signed
-        self._refusal_log = LogLimit(REFUSAL_LOG_S)
+        self._peer_log = LimitedLog(logger, REFUSAL_LOG_S)  # lines a peer's bytes provoke
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._bind_error: BaseException | None = None
@@ -224,14 +225,18 @@ class SideChannelServer:
         # DEALER request: [identity, payload] (an empty delimiter frame is tolerated).
         payload_frames = [f for f in frames[1:] if f]
         if len(frames) < 2 or len(payload_frames) != 1:
-            logger.warning("side channel: malformed request (%d frames)", len(frames))
+            self._peer_log.warning(
+                "frames", "side channel: malformed request (%d frames)", len(frames)
+            )
             return None if len(frames) < 2 else _pack({"ok": False, "error": "malformed request"})
         try:
             msg = _unpack(payload_frames[0])
             if not isinstance(msg, dict):
                 raise TypeError(f"request must be a map, got {type(msg).__name__}")
         except Exception as exc:  # the peer's bytes, not our bug: one line, no traceback
-            logger.warning("side channel: unreadable request: %s: %s", type(exc).__name__, exc)
+            self._peer_log.warning(
+                "unreadable", "side channel: unreadable request: %s: %s", type(exc).__name__, exc
+            )
             return _pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         try:
             if self._secret is None:
@@ -248,12 +253,9 @@ class SideChannelServer:
                 msg, nonce, refused = self._open(msg)
                 if refused is not None:
                     self.refused += 1
-                    if (quiet := self._refusal_log.take()) is not None:
-                        logger.warning(
-                            "side channel: refusing a request: %s%s", refused["error"],
-                            f" ({quiet} more refused since the last such line, not logged)"
-                            if quiet else "",
-                        )  # fmt: skip
+                    self._peer_log.warning(
+                        "refused", "side channel: refusing a request: %s", refused["error"]
+                    )
                     if nonce is not None:  # signed, but not a message: a signed refusal
                         return self._seal(refused, nonce)
                     self.refused_unauthenticated += 1
