@@ -292,6 +292,31 @@ def rss_bytes(pid: int) -> int:
         return 0
 
 
+# Flags and environment variables whose values are credentials: hidden in the summary.
+_SECRET_FLAGS = ("--api-key", "--kv-secret", "--hf-token")
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|KEY|PASSWORD|CREDENTIAL", re.IGNORECASE)
+
+
+def public_config(cfg: ChaosConfig) -> dict[str, Any]:
+    """The run's configuration as the summary shows it (a summary is meant to be shared):
+    no side-channel secret, and the values of credential flags and environment variables
+    given with ``--node-arg`` / ``--node-env`` hidden."""
+    shown = {k: v for k, v in asdict(cfg).items() if k not in ("json_path", "kv_secret")}
+    args: list[str] = []
+    for i, arg in enumerate(cfg.node_args):
+        flag, eq, _ = arg.partition("=")
+        if eq and flag in _SECRET_FLAGS:
+            arg = f"{flag}=<hidden>"
+        elif i and cfg.node_args[i - 1] in _SECRET_FLAGS:
+            arg = "<hidden>"
+        args.append(arg)
+    shown["node_args"] = args
+    shown["node_env"] = {
+        k: "<hidden>" if _SECRET_NAME.search(k) else v for k, v in cfg.node_env.items()
+    }
+    return shown
+
+
 def git_commit() -> str:
     if os.environ.get("CHAOS_COMMIT"):  # a run from an exported tree (no .git)
         return os.environ["CHAOS_COMMIT"]
@@ -1695,10 +1720,9 @@ class ChaosRun:
     def summary(self) -> dict[str, Any]:
         cfg = self.cfg
         totals = Counter(r.outcome for r in self.results)
-        hidden = ("json_path", "kv_secret")
         return {
             "commit": git_commit(),
-            "config": {k: v for k, v in asdict(cfg).items() if k not in hidden},
+            "config": public_config(cfg),
             "signed_side_channel": bool(cfg.kv_secret),
             "requests": len(self.results),
             "completed": totals.get("completed", 0),

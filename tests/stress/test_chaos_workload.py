@@ -19,6 +19,7 @@ from chaos_suite import (
     check_answer,
     make_prompts,
     make_specs,
+    public_config,
 )
 
 from engine.server.chat_protocol import parse_chat_request
@@ -93,3 +94,28 @@ def test_node_flags_and_environment_reach_every_node(tmp_path: Path, plain: bool
     assert ("--async-scheduling" in ref.command()) is not plain
     assert ((ref.env or {}).get("PDSERVE_DEFER_READBACK") == "1") is not plain
     assert "PDSERVE_KV_SECRET" not in (ref.env or {})
+
+
+def test_the_summary_hides_secrets_passed_in_node_flags_or_environment():
+    """``--node-env HF_TOKEN=...`` or ``--node-arg=--api-key=...`` reached the JSON summary
+    (only the side-channel secret was hidden): a summary is meant to be shared."""
+    cfg = ChaosConfig(
+        node_args=("--api-key", "sk-flag", "--api-key=sk-eq", "--num-blocks", "200"),
+        node_env={"HF_TOKEN": "hf_abc", "PDSERVE_API_KEY": "k", "PDSERVE_DEFER_READBACK": "1"},
+    )
+    shown = public_config(cfg)
+    text = repr(shown)
+    for secret in ("sk-flag", "sk-eq", "hf_abc", "'k'", cfg.kv_secret):
+        assert secret not in text, secret
+    assert shown["node_args"] == [
+        "--api-key",
+        "<hidden>",
+        "--api-key=<hidden>",
+        "--num-blocks",
+        "200",
+    ]
+    assert shown["node_env"] == {
+        "HF_TOKEN": "<hidden>",
+        "PDSERVE_API_KEY": "<hidden>",
+        "PDSERVE_DEFER_READBACK": "1",
+    }
