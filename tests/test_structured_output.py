@@ -268,6 +268,48 @@ def test_the_bitmask_allows_what_the_grammar_allows_next_and_names_its_rows() ->
     assert not regex.accept(ord("c")) and regex.error
 
 
+def _walk(state: GrammarState, vocab: int, seed: int, limit: int = 200) -> list[int]:
+    """Tokens a random sampler under the grammar's mask picks until it is finished."""
+    rng = np.random.default_rng(seed)
+    out: list[int] = []
+    while not state.finished and len(out) < limit:
+        buf = fill_bitmask([(0, state)], vocab)
+        row = buf[: (vocab + 31) // 32].view(np.uint32)
+        allowed = [t for t in range(vocab) if (int(row[t // 32]) >> (t % 32)) & 1]
+        assert allowed, state.error
+        out.append(int(rng.choice(allowed)))
+        assert state.accept(out[-1]), state.error
+    return out
+
+
+def test_a_made_checkpoints_tokenizer_carries_a_schema_and_a_regex(tmp_path: Any) -> None:
+    # pd-bench make-model's tokenizer.json (the GPU check's model): llguidance could not
+    # read its word-level one (no decoder it knows, no encoding of the text a grammar
+    # forces), so no structured request ran on a made checkpoint.
+    from engine.bench.models import write_tokenizer
+    from engine.tokenizer import load_tokenizer
+
+    write_tokenizer(str(tmp_path), TINY_VOCAB, 2048)
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.decode(tok.encode("the city river", add_special_tokens=False)) == "the city river"
+    assert len(tok.encode("the city river", add_special_tokens=False)) == 3  # a word a token
+    compiler = GrammarCompiler(lambda: tok, TINY_VOCAB)
+    limit = json.dumps({**SCHEMA, "properties": {**SCHEMA["properties"], "n": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": [*SCHEMA["required"], "n"]})  # fmt: skip
+    for seed in range(5):
+        schema = _walk(
+            GrammarState(compiler.new_matcher(StructuredOutput.json_schema(limit))),
+            TINY_VOCAB,
+            seed,
+        )
+        value = json.loads(tok.decode(schema))
+        assert 0 <= value.pop("n") <= 999
+        _check_schema(json.dumps(value))
+        regex = _walk(
+            GrammarState(compiler.new_matcher(StructuredOutput.regex(REGEX))), TINY_VOCAB, seed
+        )
+        assert re.fullmatch(REGEX, tok.decode(regex)), tok.decode(regex)
+
+
 def test_the_sampler_applies_the_mask_first_and_min_tokens_yields_to_it() -> None:
     torch = pytest.importorskip("torch")
     from engine.sampling_params import SamplingParams

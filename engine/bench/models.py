@@ -2,8 +2,9 @@
 
 The directory holds what ``--model DIR`` needs: ``config.json``, ``*.safetensors``
 (the layout transformers ``save_pretrained`` writes, written directly: transformers is not
-imported, which alone is seconds of CPU) and a word-level ``tokenizer.json`` (pdserve
-nodes load a checkpoint's tokenizer at startup, so one is always written). Weights are
+imported, which alone is seconds of CPU) and a ``tokenizer.json`` with one token per word
+of ``WORDS`` and per ASCII character (pdserve nodes load a checkpoint's tokenizer at
+startup, so one is always written; structured outputs need one llguidance can use). Weights are
 drawn with std 0.02 (sane activations at any depth) and the LM head is scaled so greedy
 choices are not near-ties (a float32 run matches transformers token for token).
 """
@@ -215,21 +216,43 @@ def build_weights(
     return weights
 
 
+# One token per printable ASCII character (a space is METASPACE), so any ASCII text
+# encodes, one character a token where no word fits (a JSON object, a regex's match).
+METASPACE = "\u2581"
+CHARS = (METASPACE, *(chr(c) for c in range(33, 127)))
+
+
 def vocab_words(vocab: int) -> list[str]:
-    """Token strings: the special tokens, then ``WORDS``, then ``t<id>`` fillers."""
-    words = [*SPECIAL_TOKENS, *WORDS][:vocab]
-    words += [f"t{i}" for i in range(len(words), vocab)]
+    """Token strings: the special tokens, the characters, then ``WORDS`` and ``t<id>``
+    fillers, each a word with its leading space (``METASPACE``)."""
+    words = [*SPECIAL_TOKENS, *CHARS, *(METASPACE + w for w in WORDS)][:vocab]
+    words += [f"{METASPACE}t{i}" for i in range(len(words), vocab)]
     return words
 
 
 def write_tokenizer(out: str, vocab: int, max_len: int) -> None:
-    """A word-level ``tokenizer.json`` (whitespace split) with one token per model id."""
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers.models import WordLevel
+    """A SentencePiece-style ``tokenizer.json`` (unigram, as Llama 2's decodes) with one
+    token per model id: a text's words are one token each (``"the city"`` is ``▁the``,
+    ``▁city``), anything else one token per ASCII character (``<unk>`` past ASCII). Its
+    encoding is lossless for ASCII text, as llguidance needs for structured outputs (it
+    tokenizes the text a grammar forces); a word-level one was not."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import Unigram
 
-    vocab_map = {w: i for i, w in enumerate(vocab_words(vocab))}
-    tok = Tokenizer(WordLevel(vocab_map, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words = vocab_words(vocab)
+    n_special = len(SPECIAL_TOKENS)
+    # Log-probabilities: a word beats spelling it out; a special token is never picked.
+    scores = [0.0] * n_special + [-10.0 if len(w) == 1 else -1.0 for w in words[n_special:]]
+    tok = Tokenizer(Unigram(list(zip(words, scores, strict=True)), unk_id=0))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=METASPACE, prepend_scheme="always")
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace(METASPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     tok.save(os.path.join(out, "tokenizer.json"))
     cfg = {

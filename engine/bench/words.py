@@ -1,6 +1,6 @@
 """A fixed word list: random text prompts (``pd-bench serve --prompt-type text``) draw from
-it, and the word-level tokenizer ``pd-bench make-model`` writes starts its vocabulary with
-it, so against such a checkpoint one word is one token."""
+it, and the tokenizer ``pd-bench make-model`` writes has a token for each word, so against
+such a checkpoint one word is one token."""
 
 from __future__ import annotations
 
