@@ -310,6 +310,34 @@ def test_a_made_checkpoints_tokenizer_carries_a_schema_and_a_regex(tmp_path: Any
         assert re.fullmatch(REGEX, tok.decode(regex)), tok.decode(regex)
 
 
+def test_an_llguidance_taking_one_eos_id_is_given_the_first(
+    monkeypatch: Any, tmp_path: Any
+) -> None:
+    # llguidance before 1.7 (1.6.1 is the newest wheel for glibc 2.28) takes one EOS id:
+    # a list was a TypeError, so no checkpoint's tokenizer could be built there.
+    import llguidance
+
+    from engine.bench.models import write_tokenizer
+    from engine.structured.compiler import ll_tokenizer
+    from engine.tokenizer import load_tokenizer
+
+    real, given = llguidance.LLTokenizer, []
+
+    def one_eos(*args: Any, eos_token: Any = None, **kw: Any) -> Any:
+        if isinstance(eos_token, list):
+            raise TypeError(
+                "argument 'eos_token': 'list' object cannot be interpreted as an integer"
+            )
+        given.append(eos_token)
+        return real(*args, eos_token=eos_token, **kw)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", one_eos)
+    write_tokenizer(str(tmp_path), TINY_VOCAB, 2048)
+    tok = load_tokenizer(str(tmp_path))
+    monkeypatch.setattr(type(tok), "eos_token_ids", property(lambda self: [2, 5]))
+    assert ll_tokenizer(tok, TINY_VOCAB) is not None and given == [2]
+
+
 def test_the_sampler_applies_the_mask_first_and_min_tokens_yields_to_it() -> None:
     torch = pytest.importorskip("torch")
     from engine.sampling_params import SamplingParams

@@ -165,7 +165,16 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     as_json = getattr(tokenizer, "to_json", None)
     eos = list(tokenizer.eos_token_ids) or [0]
     if as_json is not None:
-        return llg.LLTokenizer(as_json(), n_vocab=vocab_size, eos_token=eos)
+        try:
+            return llg.LLTokenizer(as_json(), n_vocab=vocab_size, eos_token=eos)
+        except TypeError:  # llguidance < 1.7 takes one EOS id (1.6.1: glibc 2.28 wheels)
+            if len(eos) > 1:
+                logger.warning(
+                    "structured outputs: this llguidance takes one EOS id; a grammar's end "
+                    "allows %d, not the others of %s",
+                    eos[0], eos,
+                )  # fmt: skip
+            return llg.LLTokenizer(as_json(), n_vocab=vocab_size, eos_token=eos[0])
     return llg.LLTokenizer(llg.TokenizerWrapper(_BytesVocab(tokenizer, vocab_size)))
 
 
