@@ -249,6 +249,45 @@ def test_offline_single_stream_reports_ms_per_token(tmp_path: Path):
     assert report["prefill"]["achieved_tflops"] > 0
 
 
+@pytest.mark.slow
+def test_offline_structured_runs_sync_and_async_and_every_output_follows_its_spec(
+    tmp_path: Path,
+):
+    # The GPU check's structured row at toy size, on a made checkpoint as there.
+    pytest.importorskip("llguidance")
+    model = tmp_path / "tiny-llama"
+    pd_bench("make-model", "--out", str(model), "--preset", "tiny-llama")
+    for kind in ("json", "regex"):
+        out = tmp_path / f"{kind}.json"
+        proc = pd_bench(
+            "offline", "--model", str(model), "--structured", kind, "--num-prompts", "4",
+            "--input-len", "16", "--num-warmup", "0", "--json", str(out),
+        )  # fmt: skip
+        for row in ("output tok/s", "ms/token (TPOT mean)", "async/sync", "complete and valid"):
+            assert row in proc.stdout, proc.stdout
+        report = json.loads(out.read_text())
+        assert report["shape"]["output_len"] == 128  # --structured's default
+        s = report["structured"]
+        assert s["kind"] == kind and len(s["specs"]) == 4
+        assert s["async_over_sync"]["output_tokens_per_s"] > 0
+        assert s["async_over_sync"]["ms_per_output_token"] > 0
+        for mode in ("sync", "async"):
+            res = s[mode]["result"]
+            assert res["output_tokens_per_s"] > 0 and res["tpot_ms"]["mean"] > 0, mode
+            # Every grammar completes within 128 tokens: all end by it, all valid.
+            assert s[mode]["requests"] == s[mode]["complete"] == s[mode]["valid"] == 4
+            for spec, text in zip(s["specs"], s[mode]["outputs"], strict=True):
+                if kind == "regex":
+                    assert re.fullmatch(spec, text), (spec, text)
+                    continue
+                value = json.loads(text)
+                assert set(value) == {"id", "kind", "name", "ok"}, text
+                assert type(value["id"]) is int and 0 <= value["id"] <= 9999, text
+                assert value["kind"] in spec["properties"]["kind"]["enum"], text
+                assert isinstance(value["name"], str) and len(value["name"]) <= 16, text
+                assert isinstance(value["ok"], bool), text
+
+
 def test_offline_with_a_tp_the_model_cannot_split_exits_2_without_a_traceback():
     # The engine judges --tp against the model when it starts; its error came out of
     # pd-bench offline as a Python traceback (exit 1) instead of the usage and one line.

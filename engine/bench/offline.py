@@ -9,6 +9,13 @@ turns a measured prefill into a cache hit).
 ``--compare-hf`` runs the same prompts through transformers ``generate`` (greedy, batch,
 same dtype and device) in the same process after the engine is shut down, and prints the
 throughput ratio and, in float32, whether the first prompt's tokens agree.
+
+``--structured json|regex`` constrains every request's output (structured outputs,
+llguidance): each request its own small JSON schema or regex (``structured_specs``),
+compiled before the clock starts. The batch runs twice, on an engine without and one with
+``--async-scheduling`` (masks sent after the forward started, ``DeferredSampling``), and
+the report gives both and their ratio; every output that completed its grammar is checked
+against it (an invalid one exits 1).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import dataclasses
 import json
 import math
 import random
+import re
 import statistics
 import sys
 import time
@@ -33,6 +41,11 @@ WORKLOADS: dict[str, dict[str, int]] = {
     "prefill": {"num_prompts": 1, "input_len": 8000, "output_len": 1},
 }
 DEFAULT_SHAPE = {"num_prompts": 8, "input_len": 128, "output_len": 32}
+STRUCTURED_KINDS = ("json", "regex")
+# --structured's default --output-len: room for the longest object of a schema below
+# (69 characters, one token each at worst, but a byte each with a byte tokenizer: 117
+# bytes when its 16-character string is of 4-byte characters) or regex match (52).
+STRUCTURED_OUTPUT_LEN = 128
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -57,6 +70,14 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
         nargs=2,
         metavar=("LO", "HI"),
         help="prompt token ids are drawn from [LO, HI) (default: [3, vocab size))",
+    )
+    g.add_argument(
+        "--structured",
+        choices=STRUCTURED_KINDS,
+        help="constrain every output: json (each request its own schema: an object with an "
+        "integer, an enum, a string and a boolean) or regex; runs the batch without and with "
+        "--async-scheduling and reports both (needs llguidance; default --output-len "
+        f"{STRUCTURED_OUTPUT_LEN})",
     )
     g.add_argument("--num-warmup", type=int, default=1, help="warm-up runs (default: 1)")
     g.add_argument("--num-iters", type=int, default=1, help="measured runs (default: 1)")
@@ -85,6 +106,8 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
 
 def resolve_shape(args: argparse.Namespace) -> dict[str, int]:
     shape = dict(WORKLOADS[args.workload] if args.workload else DEFAULT_SHAPE)
+    if getattr(args, "structured", None) and not args.workload:
+        shape["output_len"] = STRUCTURED_OUTPUT_LEN
     for k in shape:
         if getattr(args, k, None) is not None:
             shape[k] = getattr(args, k)
@@ -97,6 +120,75 @@ def resolve_shape(args: argparse.Namespace) -> dict[str, int]:
 def random_prompts(n: int, length: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------
+# Structured outputs
+# ---------------------------------------------------------------------------------------
+
+
+def structured_specs(kind: str, n: int, seed: int) -> list[Any]:
+    """One grammar per request (seeded), each naming three words of its own, so each
+    request has its own compiled grammar. ``json``: a schema, an object of an integer in
+    [0, 9999], an enum of the three words, a string of at most 16 characters and a
+    boolean, all required, no other keys. ``regex``: one of the three words, ``-``, 1-4
+    digits, then four words of 1-8 letters after a space each."""
+    from engine.bench.words import WORDS
+
+    rng = random.Random(seed)
+    out: list[Any] = []
+    for _ in range(n):
+        words = rng.sample(WORDS, 3)
+        if kind == "json":
+            props = {
+                "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                "kind": {"enum": words},
+                "name": {"type": "string", "maxLength": 16},
+                "ok": {"type": "boolean"},
+            }
+            out.append(
+                {
+                    "type": "object",
+                    "properties": props,
+                    "required": list(props),
+                    "additionalProperties": False,
+                }
+            )
+        else:
+            out.append(f"({'|'.join(words)})-[0-9]{{1,4}}( [a-z]{{1,8}}){{4}}")
+    return out
+
+
+def structured_output(kind: str, spec: Any) -> Any:
+    from engine.structured.spec import StructuredOutput
+
+    if kind == "json":
+        return StructuredOutput.json_schema(spec)
+    return StructuredOutput.regex(spec)
+
+
+def structured_error(kind: str, spec: Any, text: str) -> str | None:
+    """Why ``text`` does not follow a spec of ``structured_specs`` (None: it does). The
+    schema is checked by hand (no jsonschema dependency)."""
+    if kind == "regex":
+        return None if re.fullmatch(spec, text) else f"{text!r} does not match {spec}"
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        return f"not JSON ({e}): {text!r}"
+    props = spec["properties"]
+    if not isinstance(value, dict) or set(value) != set(props):
+        return f"not an object of the keys {sorted(props)}: {text!r}"
+    n, name = value["id"], value["name"]
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 9999:
+        return f"id is not an integer in [0, 9999]: {text!r}"
+    if value["kind"] not in props["kind"]["enum"]:
+        return f"kind is not one of {props['kind']['enum']}: {text!r}"
+    if not isinstance(name, str) or len(name) > 16:
+        return f"name is not a string of at most 16 characters: {text!r}"
+    if not isinstance(value["ok"], bool):
+        return f"ok is not a boolean: {text!r}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -165,6 +257,7 @@ class RunResult:
     e2e: list[float]
     tokens: list[list[int]] = field(repr=False)
     steps: int = 0
+    finish_reasons: list[str | None] = field(default_factory=list, repr=False)
 
     def tpot(self) -> list[float]:
         return [
@@ -204,23 +297,35 @@ class _Ids:
         return f"bench-{cls.n}"
 
 
-def run_batch(core: Any, prompts: list[list[int]], output_len: int) -> RunResult:
+def run_batch(
+    core: Any,
+    prompts: list[list[int]],
+    output_len: int,
+    structured: list[Any] | None = None,
+) -> RunResult:
     """Add every prompt, step the engine until all finish; time each request's first token
-    and finish (to the step that produced it)."""
+    and finish (to the step that produced it). ``structured``: one ``StructuredOutput`` per
+    prompt (compiled before the clock starts)."""
     from engine.core.request import Request
     from engine.sampling_params import SamplingParams
 
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    sps = [sp] * len(prompts)
+    if structured is not None:
+        for so in structured:
+            core.grammars.compile(so)
+        sps = [dataclasses.replace(sp, structured_output=so) for so in structured]
     rids = [_Ids.next() for _ in prompts]
     index = {rid: i for i, rid in enumerate(rids)}
     tokens: list[list[int]] = [[] for _ in prompts]
     first: list[float | None] = [None] * len(prompts)
     done: list[float | None] = [None] * len(prompts)
+    reasons: list[str | None] = [None] * len(prompts)
     remaining = len(prompts)
     steps = 0
     t0 = time.perf_counter()
-    for rid, prompt in zip(rids, prompts, strict=True):
-        core.add_request(Request(rid, prompt, sp))
+    for rid, prompt, params in zip(rids, prompts, sps, strict=True):
+        core.add_request(Request(rid, prompt, params))
     while remaining:
         if not core.has_work():
             raise RuntimeError("the engine has no work left but requests did not finish")
@@ -239,6 +344,7 @@ def run_batch(core: Any, prompts: list[list[int]], output_len: int) -> RunResult
                 if out.finish_reason == "error":
                     raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 done[i] = now
+                reasons[i] = out.finish_reason
                 remaining -= 1
     ttft = [f if f is not None else math.nan for f in first]
     e2e = [d if d is not None else math.nan for d in done]
@@ -250,6 +356,7 @@ def run_batch(core: Any, prompts: list[list[int]], output_len: int) -> RunResult
         e2e=e2e,
         tokens=tokens,
         steps=steps,
+        finish_reasons=reasons,
     )
 
 
@@ -357,6 +464,209 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:{spec}}"
 
 
+@dataclass
+class EngineRun:
+    """One engine's warm-up and measured runs (``run_engine``)."""
+
+    dtype: str
+    executor: str
+    engine_start_s: float
+    num_blocks: int | None
+    arch: Any
+    runs: list[dict[str, Any]]
+    last: RunResult
+    last_prompts: list[list[int]]
+    step_split: dict[str, float] | None
+    structured: list[Any] | None = None  # the last run's specs (--structured)
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "executor": self.executor,
+            "engine_start_s": self.engine_start_s,
+            "num_blocks": self.num_blocks,
+        }
+
+
+def run_engine(
+    config: Any,
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    shape: dict[str, int],
+    structured: str | None = None,
+) -> EngineRun:
+    """Start an engine, run the warm-up and measured batches, shut it down.
+    ``structured``: a ``--structured`` kind, each request its own spec of it."""
+    from engine.config import ConfigError
+    from engine.llm import LLM
+
+    n, in_len, out_len = shape["num_prompts"], shape["input_len"], shape["output_len"]
+
+    def specs(seed: int) -> tuple[list[Any] | None, list[Any] | None]:
+        if structured is None:
+            return None, None
+        raw = structured_specs(structured, n, seed)
+        return raw, [structured_output(structured, spec) for spec in raw]
+
+    t_start = time.perf_counter()
+    try:
+        llm = LLM(config, log_level=args.log_level)
+    except ConfigError as e:  # what only the model or memory can judge (--tp, --num-blocks)
+        parser.error(str(e))
+    try:
+        core = llm.core
+        dtype = core.config.model.dtype  # resolved ("auto" -> a concrete dtype)
+        executor = core.config.parallel.distributed_executor_backend  # auto, resolved by LLM
+        engine_start_s = time.perf_counter() - t_start
+        freeze_startup_heap("pd-bench offline")  # as a node does: no full GC mid-run
+        vocab = core.arch.vocab_size
+        lo, hi = args.token_id_range or (min(3, vocab - 1), vocab)
+        if not 0 <= lo < hi <= vocab:
+            parser.error(f"--token-id-range: need 0 <= LO < HI <= vocab size {vocab}")
+        if in_len + out_len > core.max_model_len:
+            parser.error(
+                f"--input-len {in_len} + --output-len {out_len} exceed the model's context "
+                f"length {core.max_model_len} (lower them or raise --max-model-len; past the model's "
+                f"max_position_embeddings only with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"
+            )
+        for w in range(args.num_warmup):
+            seed = args.prompt_seed + 1_000_003 * (w + 1)
+            run_batch(core, random_prompts(n, in_len, lo, hi, seed), out_len, specs(seed)[1])
+        runs, last_prompts, last, raw = [], [], None, None
+        step_base = dataclasses.replace(core.step_stats)
+        for it in range(args.num_iters):
+            seed = args.prompt_seed + 7919 * it
+            prompts = random_prompts(n, in_len, lo, hi, seed)
+            raw, sos = specs(seed)
+            last = run_batch(core, prompts, out_len, sos)
+            short = [i for i, t in enumerate(last.tokens) if len(t) != out_len]
+            if short and structured is None:
+                print(f"warning: {len(short)} requests did not produce {out_len} tokens")
+            runs.append(last.numbers())
+            last_prompts = prompts
+        assert last is not None
+        # Where a measured step's time went: the engine's host work, the executor, the worker.
+        step_split = core.step_stats.per_step_ms(step_base)
+        return EngineRun(
+            dtype=dtype,
+            executor=executor,
+            engine_start_s=engine_start_s,
+            num_blocks=getattr(core, "num_blocks", None),
+            arch=core.arch,
+            runs=runs,
+            last=last,
+            last_prompts=last_prompts,
+            step_split=step_split,
+            structured=raw,
+        )
+    finally:
+        llm.shutdown()
+
+
+def run_structured(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    config: Any,
+    shape: dict[str, int],
+    report: dict[str, Any],
+) -> int:
+    """``--structured``: the same constrained batch on an engine without, then one with
+    ``--async-scheduling``; both reported, with their ratio. Exit 1 when an output that
+    completed its grammar does not follow it."""
+    from engine.structured.compiler import import_llguidance
+    from engine.tokenizer import load_tokenizer
+
+    kind = args.structured
+    try:
+        import_llguidance("--structured")
+    except ValueError as e:
+        parser.error(str(e))
+    tokenizer = load_tokenizer(config.model.model)
+    modes: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    bad: list[str] = []
+    last_specs: list[Any] = []
+    for mode, flag in (("sync", False), ("async", True)):
+        cfg = config.replace(scheduler=dataclasses.replace(config.scheduler, async_scheduling=flag))
+        eng = run_engine(cfg, args, parser, shape, kind)
+        if "dtype" not in report:
+            report.update(eng.header())
+        specs = eng.structured or []
+        reasons = eng.last.finish_reasons
+        complete = [i for i, r in enumerate(reasons) if r == "stop"]
+        invalid = []
+        for i in complete:
+            why = structured_error(kind, specs[i], tokenizer.decode(eng.last.tokens[i]))
+            if why is not None:
+                invalid.append(f"{mode} request {i}: {why}")
+        bad += invalid
+        result = _median_numbers(eng.runs)
+        modes[mode] = {
+            "result": result,
+            "iterations": eng.runs,
+            "step_ms": eng.step_split,
+            "engine_start_s": eng.engine_start_s,
+            "requests": len(reasons),
+            "complete": len(complete),
+            "valid": len(complete) - len(invalid),
+            "cut_by_max_tokens": sum(r == "length" for r in reasons),
+        }
+        modes[mode]["outputs"] = [tokenizer.decode(t) for t in eng.last.tokens]
+        outputs[mode] = eng.last.tokens
+        last_specs = specs  # the last measured run's, one per request (both modes alike)
+    sync, asyn = modes["sync"]["result"], modes["async"]["result"]
+
+    def ratio(a: Any, b: Any) -> float | None:
+        ok = isinstance(a, int | float) and isinstance(b, int | float) and b
+        return a / b if ok and math.isfinite(a) and math.isfinite(b) else None
+
+    ms = {m: modes[m]["result"]["tpot_ms"]["mean"] for m in modes}
+    same = sum(a == b for a, b in zip(outputs["sync"], outputs["async"], strict=True))
+    report["structured"] = {
+        "kind": kind,
+        **modes,
+        "async_over_sync": {
+            "output_tokens_per_s": ratio(asyn["output_tokens_per_s"], sync["output_tokens_per_s"]),
+            "ms_per_output_token": ratio(ms["async"], ms["sync"]),
+        },
+        "same_tokens": same,
+        "specs": last_specs,
+    }
+    report["result"] = sync  # the synchronous run's, as without --structured
+    report["step_ms"] = modes["sync"]["step_ms"]
+    r = report["structured"]["async_over_sync"]
+    n = shape["num_prompts"]
+    print(
+        f"structured {kind}: each request its own {'schema' if kind == 'json' else 'regex'}; "
+        f"{args.num_warmup} warm-up + {args.num_iters} measured run(s) per engine"
+    )
+    print(f"  {'':26}{'sync':>10}{'async':>10}{'async/sync':>12}")
+    print(
+        f"  {'output tok/s':26}{sync['output_tokens_per_s']:10.1f}"
+        f"{asyn['output_tokens_per_s']:10.1f}{_fmt(r['output_tokens_per_s'], '11.2f')}x"
+    )
+    print(
+        f"  {'ms/token (TPOT mean)':26}{_fmt(ms['sync'], '10.3f')}{_fmt(ms['async'], '10.3f')}"
+        f"{_fmt(r['ms_per_output_token'], '11.2f')}x"
+    )
+    print(f"  {'elapsed ms':26}{sync['elapsed_s'] * 1e3:10.1f}{asyn['elapsed_s'] * 1e3:10.1f}")
+    for key, label in (
+        ("valid", "complete and valid"),
+        ("cut_by_max_tokens", "cut by --output-len"),
+    ):
+        print(f"  {label:26}{modes['sync'][key]:>7}/{n:<2}{modes['async'][key]:>7}/{n:<2}")
+    print(f"  async tokens equal to sync's: {same}/{n}")
+    print(f"  example output: {modes['sync']['outputs'][0][:100]!r}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(_clean(report), f, indent=2)
+        print(f"wrote {args.json}")
+    for b in bad:
+        print(f"error: an output does not follow its structured output: {b}")
+    sys.stdout.flush()
+    return 1 if bad else 0
+
+
 def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from engine.config import ConfigError
     from engine.server.cli_args import config_from_args
@@ -369,6 +679,8 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     # One prefill step per prompt unless the user chose the token budget.
     if not hasattr(args, "max_num_batched_tokens") and in_len > 2048:
         args.max_num_batched_tokens = in_len
+    if args.compare_hf and args.structured:
+        parser.error("--compare-hf does not go with --structured")
     if args.compare_hf:
         try:
             import transformers  # noqa: F401
@@ -385,8 +697,6 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     device = config.parallel.device
     want_peak = args.matmul_peak if args.matmul_peak is not None else args.workload == "prefill"
 
-    from engine.llm import LLM
-
     report: dict[str, Any] = {
         "command": "offline",
         "workload": args.workload,
@@ -398,53 +708,17 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         f"device {device}, tp {config.parallel.tp}",
         flush=True,
     )
-    t_start = time.perf_counter()
-    try:
-        llm = LLM(config, log_level=args.log_level)
-    except ConfigError as e:  # what only the model or memory can judge (--tp, --num-blocks)
-        parser.error(str(e))
-    try:
-        core = llm.core
-        dtype = core.config.model.dtype  # resolved ("auto" -> a concrete dtype)
-        arch = core.arch
-        report["dtype"] = dtype
-        executor = core.config.parallel.distributed_executor_backend  # auto, resolved by LLM
-        report["executor"] = executor
-        report["engine_start_s"] = time.perf_counter() - t_start
-        freeze_startup_heap("pd-bench offline")  # as a node does: no full GC mid-run
-        report["num_blocks"] = getattr(core, "num_blocks", None)
-        vocab = arch.vocab_size
-        lo, hi = args.token_id_range or (min(3, vocab - 1), vocab)
-        if not 0 <= lo < hi <= vocab:
-            parser.error(f"--token-id-range: need 0 <= LO < HI <= vocab size {vocab}")
-        if in_len + out_len > core.max_model_len:
-            parser.error(
-                f"--input-len {in_len} + --output-len {out_len} exceed the model's context "
-                f"length {core.max_model_len} (lower them or raise --max-model-len; past the model's "
-                f"max_position_embeddings only with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"
-            )
-        for w in range(args.num_warmup):
-            seed = args.prompt_seed + 1_000_003 * (w + 1)
-            run_batch(core, random_prompts(n, in_len, lo, hi, seed), out_len)
-        runs, last_prompts, last = [], [], None
-        step_base = dataclasses.replace(core.step_stats)
-        for it in range(args.num_iters):
-            prompts = random_prompts(n, in_len, lo, hi, args.prompt_seed + 7919 * it)
-            last = run_batch(core, prompts, out_len)
-            short = [i for i, t in enumerate(last.tokens) if len(t) != out_len]
-            if short:
-                print(f"warning: {len(short)} requests did not produce {out_len} tokens")
-            runs.append(last.numbers())
-            last_prompts = prompts
-        assert last is not None
-        # Where a measured step's time went: the engine's host work, the executor, the worker.
-        step_split = core.step_stats.per_step_ms(step_base)
-    finally:
-        llm.shutdown()
-    result = _median_numbers(runs)
-    report["iterations"] = runs
+    if args.structured:
+        return run_structured(args, parser, config, shape, report)
+    eng = run_engine(config, args, parser, shape)
+    dtype, arch, executor, last, last_prompts = (
+        eng.dtype, eng.arch, eng.executor, eng.last, eng.last_prompts
+    )  # fmt: skip
+    report.update(eng.header())
+    result = _median_numbers(eng.runs)
+    report["iterations"] = eng.runs
     report["result"] = result
-    report["step_ms"] = step_split
+    report["step_ms"] = step_split = eng.step_split
 
     print(
         f"dtype {dtype}, executor {executor}, {args.num_warmup} warm-up + {args.num_iters} "
