@@ -18,13 +18,16 @@
 #   timeout_s). Steps run most valuable first; each one's limit is cut to what is left, and
 #   a step that no longer fits is recorded as `rc=budget` rather than started.
 # - GPU_CHECK_ONLY="key ..." runs only those steps (keys below: kernels model throughput
-#   latency async colocated pd gpu-tests prefill eager executor profile transfer multi-gpu), e.g. a rerun
-#   of what the budget cut. Steps that need the model build it when it is missing.
+#   latency async structured colocated pd gpu-tests prefill eager executor profile transfer
+#   multi-gpu), e.g. a rerun of what the budget cut. Steps that need the model build it
+#   when it is missing.
 # The summary is printed to stdout at the end (the tool's output tail) as well.
 #
 # Wheels in .whl/ (scripts/fetch_gpu_wheels.sh) are installed first into /tmp/site, for
 # hosts without nixl/pyzmq/starlette/uvicorn (the set also holds fastapi and pydantic, which
-# pdserve no longer imports: the list known to work there is kept whole).
+# pdserve no longer imports: the list known to work there is kept whole). llguidance
+# (structured outputs) is optional: without it the structured step is recorded as skipped,
+# with the reason, and the other steps run as ever.
 case "${1:-}" in
   -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   "") ;;
@@ -102,6 +105,7 @@ if [ "$SMOKE" = 1 ]; then
   DEV=(--device cpu --dtype float32); PRESET=tiny-llama
   THR=(--num-prompts 4 --input-len 32 --output-len 8); LAT=(--num-prompts 1 --input-len 32 --output-len 8)
   PRE=(--num-prompts 1 --input-len 256 --output-len 1); SERVE=(--num-prompts 8 --max-concurrency 4 --input-len 64 --output-len 8)
+  STRUCT=(--num-prompts 4 --input-len 32)  # --structured's own --output-len (128): the grammars complete
   LOW=(--num-prompts 4 --max-concurrency 1 --input-len 64 --output-len 4); OVERHEAD_N=10
   NODE=(--device cpu --dtype float32 --num-blocks 512); PD_NODE=("${NODE[@]}")
   PROF=(--device cpu --batch 4 --context 64 --prefill-tokens 128 --iters 4)
@@ -109,6 +113,7 @@ if [ "$SMOKE" = 1 ]; then
 else
   DEV=(--device cuda --dtype bfloat16); PRESET=llama-886m
   THR=(--workload throughput); LAT=(--workload latency); PRE=(--workload prefill)
+  STRUCT=(--workload throughput)
   SERVE=(--num-prompts 64 --max-concurrency 32 --input-len 1024 --output-len 64)
   LOW=(--num-prompts 16 --max-concurrency 1 --input-len 1024 --output-len 16)  # low load
   OVERHEAD_N=300
@@ -118,10 +123,19 @@ else
   XFER=(--device cuda --tokens 128 512 2048 8192 --tp 1 2)  # Llama-3-8B KV, VRAM, 3 GiB
   say "host: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$LOG"
+  say "$(ldd --version 2>&1 | head -1)"  # which manylinux wheels this host takes
 fi
 say "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), budget ${BUDGET}s, only '${ONLY}'"
 # What the steps import, from this host or the wheels: a missing one is named at once.
 step "preflight imports" 60 5 $PY -c "import starlette, uvicorn, httptools, zmq, nixl._api, torch, triton; print('imports ok')"
+# Optional: llguidance, for the structured step only (skipped with this reason without it).
+STRUCTURED_SKIP=""
+if LLG=$($PY -c "import importlib.metadata as m, llguidance; print(m.version('llguidance'))" 2>&1); then
+  say "llguidance $LLG"
+else
+  STRUCTURED_SKIP="llguidance not importable ($(echo "$LLG" | tail -n 1 | cut -c1-200))"
+  say "structured step: skipped, $STRUCTURED_SKIP"
+fi
 MODEL="$WORK/model-$PRESET"
 need_model() {  # build the benchmark model once (steps that need it call this first)
   [ -f "$MODEL/config.json" ] || step "make-model $PRESET" 120 20 $PY -m engine.bench make-model --out "$MODEL" --preset "$PRESET"
@@ -151,6 +165,20 @@ if selected async; then
   need_model
   step "offline throughput async" 120 40 "${B[@]}" "${THR[@]}" --async-scheduling --json "$WORK/offline_throughput_async.json"
   step "offline latency async" 90 30 "${B[@]}" "${LAT[@]}" --async-scheduling --json "$WORK/offline_latency_async.json"
+fi
+
+# Constrained decoding (each request its own JSON schema, llguidance): the same batch on
+# an engine without and one with --async-scheduling (the masks sent while the forward runs).
+if selected structured; then
+  if [ -n "$STRUCTURED_SKIP" ]; then
+    $PY -c 'import json, sys; json.dump({"skipped": sys.argv[1]}, open(sys.argv[2], "w"))' \
+      "$STRUCTURED_SKIP" "$WORK/offline_structured.json"
+    record "offline structured json" skipped
+    publish
+  else
+    need_model
+    step "offline structured json" 150 60 "${B[@]}" "${STRUCT[@]}" --structured json --json "$WORK/offline_structured.json"
+  fi
 fi
 
 # 3. HTTP: colocated node.

@@ -58,13 +58,17 @@ def test_gpu_check_smoke_runs_every_step_and_prints_the_target_table(tmp_path):
     assert "steps not ok: none" in summary, summary + log[-5000:]
     assert "steps not ok: none" in proc.stdout  # the summary is in the tool's output tail too
     rows = ("offline 32x512->128", "single stream", "colocated: ITL p99", "P/D: TTFT p50",
-            "low load 1x1024", "P/D pipelined", "a worker process")  # fmt: skip
+            "low load 1x1024", "P/D pipelined", "a worker process",
+            "structured JSON", "async / sync output tok/s")  # fmt: skip
     for row in rows:
         line = next(ln for ln in summary.splitlines() if row in ln)
         assert "missing" not in line, summary
     with tarfile.open(out / "results.tgz") as tar:
         members = {m.name.removeprefix("./"): m for m in tar.getmembers()}
-    for name in ("serve_colocated.json", "serve_pd.json", "offline_throughput.json"):
+    valid = next(ln for ln in summary.splitlines() if "outputs complete and valid" in ln)
+    assert "| 4 / 4 of 4 |" in valid, summary  # every constrained output followed its schema
+    for name in ("serve_colocated.json", "serve_pd.json", "offline_throughput.json",
+                 "offline_structured.json"):  # fmt: skip
         assert members[name].size > 0, sorted(members)
     # The multi-GPU test file ran (its placement tests; the GPU ones skip on CPU) and the
     # summary read its junit XML.
@@ -97,3 +101,27 @@ def test_gpu_check_only_runs_the_steps_named(tmp_path):
     names = [s.split(" rc=")[0] for s in steps]
     assert names == ["preflight imports", "make-model tiny-llama", "offline latency"]
     assert all(s.endswith("rc=0") for s in steps), steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gpu_check_without_llguidance_skips_the_structured_step_with_the_reason(tmp_path):
+    # The GPU host may lack llguidance (not in every wheel set): its step is skipped and
+    # says why; the preflight and the other steps are unaffected.
+    fake = tmp_path / "no_llguidance" / "llguidance"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    path = os.pathsep.join(p for p in (str(fake.parent), os.environ.get("PYTHONPATH")) if p)
+    proc, out = _run(tmp_path, 280, GPU_CHECK_ONLY="structured latency", PYTHONPATH=path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = (out / "steps.txt").read_text().splitlines()
+    assert steps == [
+        "preflight imports rc=0",
+        "make-model tiny-llama rc=0",
+        "offline latency rc=0",
+        "offline structured json rc=skipped",
+    ], steps
+    summary = (out / "summary.md").read_text()
+    row = next(ln for ln in summary.splitlines() if "structured JSON" in ln)
+    assert "skipped: llguidance not importable (ImportError: hidden by the test)" in row, row
+    assert "steps not ok: none" in summary and "steps skipped: offline structured" in summary
