@@ -18,7 +18,7 @@
 #   timeout_s). Steps run most valuable first; each one's limit is cut to what is left, and
 #   a step that no longer fits is recorded as `rc=budget` rather than started.
 # - GPU_CHECK_ONLY="key ..." runs only those steps (keys below: kernels model throughput
-#   latency async structured colocated pd gpu-tests prefill eager executor profile transfer
+#   latency async colocated pd gpu-tests prefill eager executor profile transfer structured
 #   multi-gpu), e.g. a rerun of what the budget cut. Steps that need the model build it
 #   when it is missing.
 # The summary is printed to stdout at the end (the tool's output tail) as well.
@@ -167,20 +167,6 @@ if selected async; then
   step "offline latency async" 90 30 "${B[@]}" "${LAT[@]}" --async-scheduling --json "$WORK/offline_latency_async.json"
 fi
 
-# Constrained decoding (each request its own JSON schema, llguidance): the same batch on
-# an engine without and one with --async-scheduling (the masks sent while the forward runs).
-if selected structured; then
-  if [ -n "$STRUCTURED_SKIP" ]; then
-    $PY -c 'import json, sys; json.dump({"skipped": sys.argv[1]}, open(sys.argv[2], "w"))' \
-      "$STRUCTURED_SKIP" "$WORK/offline_structured.json"
-    record "offline structured json" skipped
-    publish
-  else
-    need_model
-    step "offline structured json" 150 60 "${B[@]}" "${STRUCT[@]}" --structured json --json "$WORK/offline_structured.json"
-  fi
-fi
-
 # 3. HTTP: colocated node.
 if selected colocated && need_model && [ "$(left)" -ge 60 ]; then
   say "colocated node"
@@ -266,6 +252,21 @@ if selected profile; then
 fi
 # KV push P->D: the connector path vs raw NIXL vs a device-to-device copy, same bytes.
 selected transfer && step "transfer" 150 40 $PY -m engine.bench transfer "${XFER[@]}" --json "$WORK/transfer.json"
+
+# Constrained decoding (each request its own JSON schema, llguidance): the same batch on
+# an engine without and one with --async-scheduling (the masks sent while the forward runs).
+# Late: no target of the issues rests on it, and it starts two engines.
+if selected structured; then
+  if [ -n "$STRUCTURED_SKIP" ]; then
+    $PY -c 'import json, sys; json.dump({"skipped": sys.argv[1]}, open(sys.argv[2], "w"))' \
+      "$STRUCTURED_SKIP" "$WORK/offline_structured.json"
+    record "offline structured json" skipped
+    publish
+  else
+    need_model
+    step "offline structured json" 150 60 "${B[@]}" "${STRUCT[@]}" --structured json --json "$WORK/offline_structured.json"
+  fi
+fi
 
 # 7. Last (longest, least needed): TP ranks sharing the GPU over gloo (P/D 2->2, 1->2, 2->1
 # in VRAM) and, on a host with more GPUs, P and D on different ones; on CPU (SMOKE) only its
