@@ -11,7 +11,7 @@ same dtype and device) in the same process after the engine is shut down, and pr
 throughput ratio and, in float32, whether the first prompt's tokens agree.
 
 ``--structured json|regex`` constrains every request's output (structured outputs,
-llguidance): each request its own small JSON schema or regex (``structured_specs``),
+llguidance; ``offline_structured.py``): each request its own small JSON schema or regex,
 compiled before the clock starts. The batch runs twice, on an engine without and one with
 ``--async-scheduling`` (masks sent after the forward started, ``DeferredSampling``), and
 the report gives both and their ratio; every output that completed its grammar is checked
@@ -25,14 +25,20 @@ import dataclasses
 import json
 import math
 import random
-import re
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.bench.hf_baseline import first_prompt_match, run_hf
 from engine.bench.stats import Summary, _json_float
+from engine.bench.structured_specs import (
+    STRUCTURED_KINDS,
+    STRUCTURED_OUTPUT_LEN,
+    structured_output,
+    structured_specs,
+)
 from engine.heap import freeze_startup_heap
 
 WORKLOADS: dict[str, dict[str, int]] = {
@@ -41,11 +47,6 @@ WORKLOADS: dict[str, dict[str, int]] = {
     "prefill": {"num_prompts": 1, "input_len": 8000, "output_len": 1},
 }
 DEFAULT_SHAPE = {"num_prompts": 8, "input_len": 128, "output_len": 32}
-STRUCTURED_KINDS = ("json", "regex")
-# --structured's default --output-len: room for the longest object of a schema below
-# (69 characters, one token each at worst, but a byte each with a byte tokenizer: 117
-# bytes when its 16-character string is of 4-byte characters) or regex match (52).
-STRUCTURED_OUTPUT_LEN = 128
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -120,75 +121,6 @@ def resolve_shape(args: argparse.Namespace) -> dict[str, int]:
 def random_prompts(n: int, length: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
-
-
-# ---------------------------------------------------------------------------------------
-# Structured outputs
-# ---------------------------------------------------------------------------------------
-
-
-def structured_specs(kind: str, n: int, seed: int) -> list[Any]:
-    """One grammar per request (seeded), each naming three words of its own, so each
-    request has its own compiled grammar. ``json``: a schema, an object of an integer in
-    [0, 9999], an enum of the three words, a string of at most 16 characters and a
-    boolean, all required, no other keys. ``regex``: one of the three words, ``-``, 1-4
-    digits, then four words of 1-8 letters after a space each."""
-    from engine.bench.words import WORDS
-
-    rng = random.Random(seed)
-    out: list[Any] = []
-    for _ in range(n):
-        words = rng.sample(WORDS, 3)
-        if kind == "json":
-            props = {
-                "id": {"type": "integer", "minimum": 0, "maximum": 9999},
-                "kind": {"enum": words},
-                "name": {"type": "string", "maxLength": 16},
-                "ok": {"type": "boolean"},
-            }
-            out.append(
-                {
-                    "type": "object",
-                    "properties": props,
-                    "required": list(props),
-                    "additionalProperties": False,
-                }
-            )
-        else:
-            out.append(f"({'|'.join(words)})-[0-9]{{1,4}}( [a-z]{{1,8}}){{4}}")
-    return out
-
-
-def structured_output(kind: str, spec: Any) -> Any:
-    from engine.structured.spec import StructuredOutput
-
-    if kind == "json":
-        return StructuredOutput.json_schema(spec)
-    return StructuredOutput.regex(spec)
-
-
-def structured_error(kind: str, spec: Any, text: str) -> str | None:
-    """Why ``text`` does not follow a spec of ``structured_specs`` (None: it does). The
-    schema is checked by hand (no jsonschema dependency)."""
-    if kind == "regex":
-        return None if re.fullmatch(spec, text) else f"{text!r} does not match {spec}"
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        return f"not JSON ({e}): {text!r}"
-    props = spec["properties"]
-    if not isinstance(value, dict) or set(value) != set(props):
-        return f"not an object of the keys {sorted(props)}: {text!r}"
-    n, name = value["id"], value["name"]
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 9999:
-        return f"id is not an integer in [0, 9999]: {text!r}"
-    if value["kind"] not in props["kind"]["enum"]:
-        return f"kind is not one of {props['kind']['enum']}: {text!r}"
-    if not isinstance(name, str) or len(name) > 16:
-        return f"name is not a string of at most 16 characters: {text!r}"
-    if not isinstance(value["ok"], bool):
-        return f"ok is not a boolean: {text!r}"
-    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -361,90 +293,6 @@ def run_batch(
 
 
 # ---------------------------------------------------------------------------------------
-# transformers baseline
-# ---------------------------------------------------------------------------------------
-
-
-def run_hf(
-    model_dir: str,
-    dtype_name: str,
-    device: str,
-    prompts: list[list[int]],
-    output_len: int,
-    num_threads: int | None,
-) -> dict[str, Any]:
-    """transformers ``generate`` on the same prompts: greedy, exactly ``output_len`` new
-    tokens, one left-padded batch. Returns timing, throughput and the generated tokens."""
-    import torch
-    import transformers
-
-    if device == "cpu" and num_threads:
-        torch.set_num_threads(num_threads)
-    dtype = getattr(torch, dtype_name)
-    transformers.utils.logging.disable_progress_bar()
-    major = int(transformers.__version__.split(".")[0])
-    kw = {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
-    dev = "cuda:0" if device == "cuda" else device
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kw).to(dev).eval()
-
-    def batch(ps: list[list[int]]) -> tuple[Any, Any]:
-        width = max(len(p) for p in ps)
-        ids = torch.zeros(len(ps), width, dtype=torch.long)
-        mask = torch.zeros(len(ps), width, dtype=torch.long)
-        for i, p in enumerate(ps):  # left padding
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        return ids.to(dev), mask.to(dev)
-
-    def generate(ps: list[list[int]], n: int) -> Any:
-        ids, mask = batch(ps)
-        with torch.inference_mode():
-            return model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                pad_token_id=0,
-            )[:, ids.shape[1] :]
-
-    def sync() -> None:
-        if dev.startswith("cuda"):
-            torch.cuda.synchronize()
-
-    generate(prompts[:1], min(2, output_len))  # warm-up
-    sync()
-    t0 = time.perf_counter()
-    out = generate(prompts, output_len)
-    sync()
-    elapsed = time.perf_counter() - t0
-    tokens = out.tolist()
-    n_out = sum(len(t) for t in tokens)
-    n_in = sum(len(p) for p in prompts)
-    model = None  # free it before the caller goes on
-    if dev.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return {
-        "transformers_version": transformers.__version__,
-        "elapsed_s": elapsed,
-        "output_tokens": n_out,
-        "output_tokens_per_s": n_out / elapsed,
-        "total_tokens_per_s": (n_in + n_out) / elapsed,
-        "threads": torch.get_num_threads() if device == "cpu" else None,
-        "tokens": tokens,
-    }
-
-
-def first_prompt_match(a: list[int], b: list[int]) -> dict[str, Any]:
-    prefix = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        prefix += 1
-    return {"equal": a == b, "matching_prefix": prefix, "length": len(a)}
-
-
-# ---------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------
 
@@ -563,110 +411,6 @@ def run_engine(
         llm.shutdown()
 
 
-def run_structured(
-    args: argparse.Namespace,
-    parser: argparse.ArgumentParser,
-    config: Any,
-    shape: dict[str, int],
-    report: dict[str, Any],
-) -> int:
-    """``--structured``: the same constrained batch on an engine without, then one with
-    ``--async-scheduling``; both reported, with their ratio. Exit 1 when an output that
-    completed its grammar does not follow it."""
-    from engine.structured.compiler import import_llguidance
-    from engine.tokenizer import load_tokenizer
-
-    kind = args.structured
-    try:
-        import_llguidance("--structured")
-    except ValueError as e:
-        parser.error(str(e))
-    tokenizer = load_tokenizer(config.model.model)
-    modes: dict[str, dict[str, Any]] = {}
-    outputs: dict[str, list[list[int]]] = {}
-    bad: list[str] = []
-    last_specs: list[Any] = []
-    for mode, flag in (("sync", False), ("async", True)):
-        cfg = config.replace(scheduler=dataclasses.replace(config.scheduler, async_scheduling=flag))
-        eng = run_engine(cfg, args, parser, shape, kind)
-        if "dtype" not in report:
-            report.update(eng.header())
-        specs = eng.structured or []
-        reasons = eng.last.finish_reasons
-        complete = [i for i, r in enumerate(reasons) if r == "stop"]
-        invalid = []
-        for i in complete:
-            why = structured_error(kind, specs[i], tokenizer.decode(eng.last.tokens[i]))
-            if why is not None:
-                invalid.append(f"{mode} request {i}: {why}")
-        bad += invalid
-        result = _median_numbers(eng.runs)
-        modes[mode] = {
-            "result": result,
-            "iterations": eng.runs,
-            "step_ms": eng.step_split,
-            "engine_start_s": eng.engine_start_s,
-            "requests": len(reasons),
-            "complete": len(complete),
-            "valid": len(complete) - len(invalid),
-            "cut_by_max_tokens": sum(r == "length" for r in reasons),
-        }
-        modes[mode]["outputs"] = [tokenizer.decode(t) for t in eng.last.tokens]
-        outputs[mode] = eng.last.tokens
-        last_specs = specs  # the last measured run's, one per request (both modes alike)
-    sync, asyn = modes["sync"]["result"], modes["async"]["result"]
-
-    def ratio(a: Any, b: Any) -> float | None:
-        ok = isinstance(a, int | float) and isinstance(b, int | float) and b
-        return a / b if ok and math.isfinite(a) and math.isfinite(b) else None
-
-    ms = {m: modes[m]["result"]["tpot_ms"]["mean"] for m in modes}
-    same = sum(a == b for a, b in zip(outputs["sync"], outputs["async"], strict=True))
-    report["structured"] = {
-        "kind": kind,
-        **modes,
-        "async_over_sync": {
-            "output_tokens_per_s": ratio(asyn["output_tokens_per_s"], sync["output_tokens_per_s"]),
-            "ms_per_output_token": ratio(ms["async"], ms["sync"]),
-        },
-        "same_tokens": same,
-        "specs": last_specs,
-    }
-    report["result"] = sync  # the synchronous run's, as without --structured
-    report["step_ms"] = modes["sync"]["step_ms"]
-    r = report["structured"]["async_over_sync"]
-    n = shape["num_prompts"]
-    print(
-        f"structured {kind}: each request its own {'schema' if kind == 'json' else 'regex'}; "
-        f"{args.num_warmup} warm-up + {args.num_iters} measured run(s) per engine"
-    )
-    print(f"  {'':26}{'sync':>10}{'async':>10}{'async/sync':>12}")
-    print(
-        f"  {'output tok/s':26}{sync['output_tokens_per_s']:10.1f}"
-        f"{asyn['output_tokens_per_s']:10.1f}{_fmt(r['output_tokens_per_s'], '11.2f')}x"
-    )
-    print(
-        f"  {'ms/token (TPOT mean)':26}{_fmt(ms['sync'], '10.3f')}{_fmt(ms['async'], '10.3f')}"
-        f"{_fmt(r['ms_per_output_token'], '11.2f')}x"
-    )
-    print(f"  {'elapsed ms':26}{sync['elapsed_s'] * 1e3:10.1f}{asyn['elapsed_s'] * 1e3:10.1f}")
-    for key, label in (
-        ("valid", "complete and valid"),
-        ("cut_by_max_tokens", "cut by --output-len"),
-    ):
-        print(f"  {label:26}{modes['sync'][key]:>7}/{n:<2}{modes['async'][key]:>7}/{n:<2}")
-    print(f"  async tokens equal to sync's: {same}/{n}")
-    print(f"  example output: {modes['sync']['outputs'][0][:100]!r}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(_clean(report), f, indent=2)
-        print(f"wrote {args.json}")
-    for b in bad:
-        print(f"error: an output does not follow its structured output: {b}")
-    sys.stdout.flush()
-    return 1 if bad else 0
-
-
 def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from engine.config import ConfigError
     from engine.server.cli_args import config_from_args
@@ -709,6 +453,8 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         flush=True,
     )
     if args.structured:
+        from engine.bench.offline_structured import run_structured
+
         return run_structured(args, parser, config, shape, report)
     eng = run_engine(config, args, parser, shape)
     dtype, arch, executor, last, last_prompts = (
