@@ -352,6 +352,21 @@ def test_kv_transfer_config_maps_to_pdserves_flags(
     _parse("--kv-transfer-config", text, "--kv-connector", "nixl", role=role)
 
 
+def test_kv_transfer_config_as_a_mapping_in_a_config_file(tmp_path: Any) -> None:
+    # vLLM's --config turns a nested mapping into the flag's JSON; a vLLM config with
+    # 'kv-transfer-config:' as a mapping was "invalid value {...}" here (a new-user
+    # walkthrough of the README's --config).
+    path = tmp_path / "node.yaml"
+    path.write_text("kv-transfer-config:\n  kv_connector: NixlConnector\n  kv_role: kv_both\n")
+    config = _parse("--config", str(path), role="decode")[1]
+    assert (config.kv_transfer.kv_connector, config.kv_transfer.kv_role) == ("nixl", "both")
+    path.write_text(f"kv-transfer-config: '{NIXL_BOTH}'\n")  # JSON text, as before
+    assert _parse("--config", str(path))[1].kv_transfer.kv_role == "both"
+    path.write_text("max-num-seqs: {a: 1}\n")  # a flag that takes no JSON: still refused
+    with pytest.raises(SystemExit):
+        _parse("--config", str(path))
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [

@@ -416,6 +416,8 @@ def _file_value(action: argparse.Action, value: Any, path: str) -> Any:
         if not values or not all(isinstance(v, str | int | float) for v in values):
             raise bad
         return [str(v) for v in values]
+    if isinstance(value, dict) and action.metavar == "JSON":  # vLLM's nested mapping
+        value = json.dumps(value)
     if isinstance(value, bool | list | dict):
         raise bad
     if action.type is not None:
