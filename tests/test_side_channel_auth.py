@@ -309,11 +309,34 @@ def test_a_node_whose_own_side_channel_is_outside_its_allowlist_says_so_at_start
     assert own_address_refused("tcp://127.0.0.1:5600", default, "loopback") is None
     wide = PeerAllowlist.parse("192.0.2.0/24")
     assert own_address_refused("tcp://192.0.2.2:5600", wide, "192.0.2.0/24") is None
+    assert own_address_refused("tcp://192.0.2.2:5600", wide, "10.0.0.0/8") is None
+    narrow = PeerAllowlist.parse("10.0.0.0/8")
+    assert own_address_refused("tcp://192.0.2.2:5600", narrow, "10.0.0.0/8") is not None
+
+
+@pytest.mark.parametrize(
+    "own, spec",
+    [
+        ("tcp://prefill:5600", "decode"),  # scripts/deploy/compose.yaml's prefill node
+        ("tcp://192.0.2.1:5600", "192.0.2.2"),  # docs/deploy.md's docker run: the other host
+        ("tcp://192.0.2.1:5600", "192.0.2.2:5600,192.0.2.3"),
+        ("tcp://127.0.0.1:5600", "127.0.0.2"),
+    ],
+)
+def test_a_list_that_names_the_peers_does_not_warn_about_the_own_address(own, spec):
+    """A list naming the peers' hosts says nothing about this node's own address: P's
+    allowlist names the decode nodes, D's the prefill nodes. Such nodes pair (a walkthrough
+    of the compose file on one box: P pushed, D computed no prompt token), but each warned
+    at start that every prompt would be prefilled on the decode node, and the launch
+    scripts repeated it."""
+    from kvconnector.nixl.peers import own_address_refused
+
+    assert own_address_refused(own, PeerAllowlist.parse(spec), spec) is None
 
 
 def test_the_connector_logs_the_own_address_warning(caplog):
     with caplog.at_level("WARNING"):
-        conn = connector("consumer", kv_allowed_peers="10.9.9.9")  # not loopback
+        conn = connector("consumer", kv_allowed_peers="10.9.9.0/24")  # not loopback
         conn.shutdown()
     assert any("is outside --kv-allowed-peers" in r.getMessage() for r in caplog.records)
     caplog.clear()

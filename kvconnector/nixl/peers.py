@@ -130,8 +130,11 @@ def own_address_refused(own: str, allowlist: PeerAllowlist, spec: str) -> str | 
     allowlist (``spec``, as given): its peers advertise addresses like it (another host,
     or this host's non-loopback address when bound to ``0.0.0.0``), so every pairing
     would be refused and every prompt prefilled on D (through the proxy: answers stay
-    right, without disaggregation)."""
-    if allowlist.allows(own):
+    right, without disaggregation). Only for a list of networks (``loopback``, CIDRs): a
+    list that names hosts names the peers (P's the decode nodes, D's the prefill nodes),
+    and this node's own address need not be among them."""
+    names_peers = allowlist.host_ports or allowlist.hosts - {"localhost"}
+    if allowlist.allows(own) or names_peers:
         return None
     return (
         f"this node's side channel {own} is outside --kv-allowed-peers {spec!r}: peers "
