@@ -54,6 +54,15 @@ def test_vllm_names_carry_the_model_label():
     assert fams["vllm:prompt_tokens_total"][0] == "counter"
 
 
+def test_the_kv_cache_usage_under_vllms_older_name_too():
+    """vLLM's own Grafana dashboard (examples/online_serving/prometheus_grafana) and the
+    autoscalers written from it read ``vllm:gpu_cache_usage_perc`` (vLLM <= 0.10's name of
+    ``kv_cache_usage_perc``), as its TPOT panel reads ``time_per_output_token_seconds``,
+    which the nodes export: its "Cache Utilization" panel stayed empty (a walkthrough)."""
+    fams = _families(StatsGroup(SchedulerStats(kv_blocks_used=1, kv_blocks_free=3)))
+    assert fams["vllm:gpu_cache_usage_perc"] == ("gauge", {"model_name": "m1", "value": 0.25})
+
+
 def test_per_rank_stats_add_up_and_a_group_reads_by_name():
     a = NixlWorkerStats(kv_bytes_sent_total=10, kv_rank_transfers_done_total=1)
     b = NixlWorkerStats(kv_bytes_sent_total=5, kv_rank_transfers_done_total=1)

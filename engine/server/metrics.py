@@ -63,6 +63,9 @@ class EngineStatsCollector(Collector):
             yield _family(
                 "vllm:kv_cache_usage_perc", "gauge", "KV cache usage (1 = full)", ratio, model
             )
+            yield _family(  # vLLM <= 0.10's name, which vLLM's example dashboard reads
+                "vllm:gpu_cache_usage_perc", "gauge", "KV cache usage (1 = full)", ratio, model
+            )
         histograms = getattr(self._engine, "histograms", dict)()
         for name, hist in sorted(histograms.items()):
             value = hist.snapshot()
