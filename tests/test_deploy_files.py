@@ -396,6 +396,23 @@ def test_dockerfile_copies_what_exists() -> None:
     assert "**" in ignore and "!engine" in ignore and "!pyproject.toml" in ignore
 
 
+def test_the_image_serves_structured_outputs() -> None:
+    """vLLM's image answers response_format / guided_* / a named or "required" tool
+    choice; the default image here answered each with a 400 saying `pip install
+    'pdserve[structured]'`, which a container's user cannot follow (a walkthrough)."""
+    extras = re.search(r"^ARG EXTRAS=(\S*)$", DOCKERFILE.read_text(), re.M)
+    assert extras
+    assert {"nixl", "structured"} <= set(extras.group(1).split(","))
+    optional = re.search(
+        r"\[project\.optional-dependencies\](.*?)\n\[",
+        (REPO_ROOT / "pyproject.toml").read_text(),
+        re.S,
+    )
+    assert optional
+    for extra in extras.group(1).split(","):
+        assert re.search(rf"^{extra} = ", optional.group(1), re.M), extra
+
+
 # -- the Grafana dashboard -----------------------------------------------------------------------
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
