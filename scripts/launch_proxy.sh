@@ -4,6 +4,7 @@
 #
 #   scripts/launch_proxy.sh --prefill "http://10.0.0.1:8100 http://10.0.0.2:8100" \
 #       --decode "http://10.0.0.3:8200" [--port 8000] [--host 0.0.0.0] [-- extra flags]
+#   scripts/launch_proxy.sh --port 8000 -- --registration-key KEY   # nodes register
 #
 # Environment twins: PREFILL_URLS, DECODE_URLS (space or comma separated), PORT, HOST,
 # LOG_DIR, RUN_DIR, STARTUP_TIMEOUT (s), PYTHON. Any PDPROXY_* variable (PDPROXY_MAX_INFLIGHT,
@@ -32,10 +33,14 @@ while [[ $# -gt 0 ]]; do
     *) echo "unknown flag $1 (proxy flags go after --)" >&2; exit 2 ;;
   esac
 done
-[[ -n "$PREFILL_URLS" ]] || { echo "--prefill (or PREFILL_URLS) is required" >&2; exit 2; }
-[[ -n "$DECODE_URLS" ]] || { echo "--decode (or DECODE_URLS) is required" >&2; exit 2; }
+# Node lists are optional here: nodes may also be found by DNS (-- --prefill-dns ...) or
+# register (-- --registration-key ...), or P may be left out (-- --prefill-fallback); the
+# proxy refuses a role with none of these, naming each (its log tail is printed below).
 read -r -a PREFILL <<<"${PREFILL_URLS//,/ }"
 read -r -a DECODE <<<"${DECODE_URLS//,/ }"
+LISTS=()
+[[ ${#PREFILL[@]} -gt 0 ]] && LISTS+=(--prefill "${PREFILL[@]}")
+[[ ${#DECODE[@]} -gt 0 ]] && LISTS+=(--decode "${DECODE[@]}")
 
 mkdir -p "$LOG_DIR" "$RUN_DIR"
 LOG="$LOG_DIR/proxy-$PORT.log"
@@ -46,7 +51,7 @@ if [[ -f "$PIDFILE" ]] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
 fi
 
 nohup "$PYTHON" -m proxy serve --host "$HOST" --port "$PORT" \
-  --prefill "${PREFILL[@]}" --decode "${DECODE[@]}" "${EXTRA[@]}" >"$LOG" 2>&1 </dev/null &
+  "${LISTS[@]}" "${EXTRA[@]}" >"$LOG" 2>&1 </dev/null &
 PID=$!
 echo "$PID" >"$PIDFILE"
 
@@ -67,8 +72,8 @@ elif [[ $status == 2 ]]; then
     "see $URL/health" >&2
 fi
 echo "proxy listening on http://$HOST:$PORT (pid $PID; ready: $([[ $ready == 1 ]] && echo yes || echo no))"
-echo "  prefill: ${PREFILL[*]}"
-echo "  decode:  ${DECODE[*]}"
+echo "  prefill: ${PREFILL[*]:--}"
+echo "  decode:  ${DECODE[*]:--}"
 echo "  log: $LOG   pid file: $PIDFILE"
 if [[ -n "${PDPROXY_API_KEY:-}" ]]; then
   echo "  try: PDPROXY_API_KEY=... pd-proxy complete \"Hello\" --url http://$CHECK_HOST:$PORT --stream"

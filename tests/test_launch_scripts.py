@@ -20,12 +20,13 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def launch(script: str, tmp: Path, *args: str) -> tuple[str, int]:
+def launch(script: str, tmp: Path, *args: str, **extra_env: str) -> tuple[str, int]:
     env = {
         **os.environ,
         "PYTHON": sys.executable,
         "LOG_DIR": str(tmp / "logs"),
         "RUN_DIR": str(tmp / "run"),
+        **extra_env,
     }
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / script), *args],
@@ -90,3 +91,28 @@ def test_launch_scripts_bring_up_a_deployment(tmp_path: Path):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
     assert wait_gone(pids + kids, 60) == []
+
+
+def test_launch_proxy_without_node_lists_when_nodes_register(tmp_path: Path):
+    """docs/proxy.md: each role needs --prefill/--decode, its --*-dns, or
+    --registration-key (and no prefill node at all with --prefill-fallback). The script
+    refused all but the lists ("--prefill (or PREFILL_URLS) is required", exit 2) before
+    starting the proxy that would have taken them (a walkthrough of the registration docs)."""
+    port = free_port()
+    out, pid = launch(
+        "launch_proxy.sh", tmp_path, "--host", "127.0.0.1", "--port", str(port),
+        "--", "--registration-key", "reg-key", STARTUP_TIMEOUT="2",
+    )  # fmt: skip
+    try:
+        assert "ready: no" in out  # no node has registered yet
+        assert "prefill: -" in out and "decode:  -" in out
+        resp = httpx.post(
+            f"http://127.0.0.1:{port}/v1/nodes/register",
+            json={"role": "decode", "url": "http://127.0.0.1:1"},
+            headers={"Authorization": "Bearer reg-key"},
+            timeout=10,
+        )
+        assert resp.status_code == 200, resp.text
+    finally:
+        os.kill(pid, signal.SIGTERM)
+    assert wait_gone([pid], 30) == []
