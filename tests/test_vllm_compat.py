@@ -591,6 +591,26 @@ def test_vllms_side_channel_environment_sets_the_side_channel_below_the_flags(
     assert (kv.side_channel_host, kv.side_channel_port) == ("127.0.0.1", 0)  # the defaults
 
 
+def test_vllms_api_key_variable_sets_the_key_below_pdserves_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # `vllm serve` reads its key from VLLM_API_KEY when --api-key is not given; a vLLM
+    # deployment's environment (a Secret as VLLM_API_KEY) left a pdserve node without any
+    # key, open to every client, and nothing said so (a walkthrough of --api-key).
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
+    assert _parse()[0].api_key == "vllm-key"
+    assert _parse("--api-key", "flag-key")[0].api_key == "flag-key"  # the flag wins
+    path = tmp_path / "c.yaml"
+    path.write_text("api-key: file-key\n")
+    assert _parse("--config", str(path))[0].api_key == "file-key"
+    monkeypatch.setenv("PDSERVE_API_KEY", "pdserve-key")  # pdserve's own variable wins
+    assert _parse()[0].api_key == "pdserve-key"
+    monkeypatch.delenv("PDSERVE_API_KEY")
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert _parse()[0].api_key is None
+
+
 def test_default_sampling_params_are_the_checkpoints_generation_config(tmp_path: Any) -> None:
     from engine.generation_config import default_sampling_params
 

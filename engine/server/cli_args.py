@@ -146,7 +146,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("PDSERVE_API_KEY") or None,
         help="require 'Authorization: Bearer <key>' on every path but /health, /ping and /metrics "
-        "(default: $PDSERVE_API_KEY; unset: no key)",
+        "(default: $PDSERVE_API_KEY, else vLLM's $VLLM_API_KEY; unset: no key)",
     )
     group.add_argument(
         "--shutdown-timeout",
@@ -484,6 +484,10 @@ def vllm_environment(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
             out[dest] = int(value)
         else:
             out[dest] = value
+    # vLLM's key variable, below pdserve's own: a vLLM deployment's VLLM_API_KEY must not
+    # leave the node open.
+    if "api_key" in dests and env.get("VLLM_API_KEY") and not env.get("PDSERVE_API_KEY"):
+        out["api_key"] = env["VLLM_API_KEY"]
     return out
 
 
@@ -495,7 +499,8 @@ def parse_config(
     Settings of a ``--config`` file become the parser's defaults, so flags given on the
     command line win. A positional ``MODEL`` (``decode-node ORG/NAME``, vLLM's ``serve``
     spelling) is the same as ``--model``. vLLM's side-channel variables
-    (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``) are defaults below both."""
+    (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``) and ``VLLM_API_KEY`` are defaults below
+    both."""
     try:
         parser.set_defaults(**vllm_environment(parser, os.environ))
     except ConfigError as e:
