@@ -96,9 +96,9 @@ elif [[ $status == 2 ]]; then
   exit 1
 fi
 
-# The endpoint needs the node's key when it has one: $PDSERVE_API_KEY, or --api-key given
+# The endpoint needs the node's key when it has one: $PDSERVE_API_KEY ($VLLM_API_KEY), or --api-key given
 # after -- (the last one wins, as for the node).
-KEY="${PDSERVE_API_KEY:-}"
+KEY="${PDSERVE_API_KEY:-${VLLM_API_KEY:-}}"
 for ((i = 0; i < ${#EXTRA[@]}; i++)); do
   case "${EXTRA[i]}" in
     --api-key) KEY="${EXTRA[i + 1]:-}" ;;
