@@ -102,9 +102,13 @@ class DnsDiscovery:
             return e
 
     async def refresh(self) -> None:
-        """Resolve every name once and bring the pool in line."""
-        answers = await asyncio.gather(*(self._lookup(name) for _, name, _ in self.names))
-        for (role, name, port), addrs in zip(self.names, answers, strict=True):
+        """Resolve every name once and bring the pool in line. A name given for several
+        entries (both roles, or two ports) is looked up once: its answer serves each."""
+        unique = list(dict.fromkeys(name for _, name, _ in self.names))
+        results = await asyncio.gather(*(self._lookup(name) for name in unique))
+        answers = dict(zip(unique, results, strict=True))
+        for role, name, port in self.names:
+            addrs = answers[name]
             source = f"dns:{name}:{port}"
             if isinstance(addrs, Exception):
                 self.members.events["dns_error"] += 1

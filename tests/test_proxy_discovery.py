@@ -278,6 +278,28 @@ def test_dns_names_add_new_addresses_and_remove_vanished_ones() -> None:
     assert urls("decode") == ["http://10.0.0.9:8200"]
 
 
+def test_one_dns_name_for_both_roles_lists_each_roles_nodes() -> None:
+    """``--prefill-dns nodes:8100 --decode-dns nodes:8200`` (P and D on the same hosts, or
+    ``localhost`` on one box): the second entry's lookup was refused as "the lookup of
+    nodes from an earlier refresh still runs" -- the first entry's, of the same refresh --
+    at every refresh, so the proxy never found a decode node (a walkthrough of
+    --decode-dns). A name is looked up once per refresh and its answer serves each entry."""
+    asked: list[str] = []
+
+    def resolver(name: str) -> list[str]:
+        asked.append(name)
+        return ["10.0.0.1", "10.0.0.2"]
+
+    pool = NodePool((), ())
+    members = Membership(pool)
+    names = [("prefill", "nodes", 8100), ("decode", "nodes", 8200)]
+    dns = DnsDiscovery(members, names, resolver)  # type: ignore[arg-type]
+    asyncio.run(dns.refresh())
+    assert asked == ["nodes"] and members.events["dns_error"] == 0
+    assert sorted(n.url for n in pool.prefill) == ["http://10.0.0.1:8100", "http://10.0.0.2:8100"]
+    assert sorted(n.url for n in pool.decode) == ["http://10.0.0.1:8200", "http://10.0.0.2:8200"]
+
+
 # -- flags --------------------------------------------------------------------------------------------
 
 
