@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from harness import MODEL, PD, Proc, Procs, sse_events
+from harness import MODEL, PD, Proc, Procs, metric, sse_events
 
 from engine.server.chat_protocol import parse_chat_request
 from engine.server.protocol import check_structured, parse_completion_request
@@ -446,6 +446,53 @@ def test_a_grammar_that_allows_no_next_token_ends_the_request_with_its_reason(ll
 
 @pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_its_bad_words_or_its_own_limits_stop_ends_with_its_reason(
+    async_scheduling: bool,
+) -> None:
+    """A grammar whose every next token ``bad_words`` bans (at the start, or after a token:
+    a two-token word, whose ban under async scheduling is made with the deferred masks),
+    or whose matcher passes llguidance's limits when it takes a token the mask allowed
+    (``a{1000000}``: "too many expressions constructed"; a grammar that never ends: "Too
+    many items"), ends the request with its reason, as a stuck grammar does -- the node's
+    400 ``structured_output_stuck``. Found by a hostile-input round: the row of -inf drew
+    token 0, or the matcher refused the token it had allowed, and the answer was a 500
+    "internal error: output token N does not follow the structured output" (through the
+    proxy both nodes were then taken out of rotation: 503 for everyone)."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    tok = ByteTokenizer()
+    cases = [  # (structured output, bad words, what the error names)
+        (StructuredOutput.regex("a+"), ((97,),), "bad_words"),
+        (StructuredOutput.choice(["ab", "cd"]), ((97,), (99,)), "bad_words"),
+        (StructuredOutput.regex("ab"), ((97, 98),), "bad_words"),  # 'a', then 'b' banned
+        (StructuredOutput.regex("a{1000000}"), (), "too many expressions"),
+        (StructuredOutput.grammar('start: a\na: "x" a'), (), "Too many items"),
+    ]
+    cfg = EngineConfig(
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(async_scheduling=async_scheduling),
+    )
+    free = SamplingParams(max_tokens=12, temperature=0.0)
+    with LLM(cfg) as llm:
+        want = llm.generate([tok.encode("other")], free)
+        for so, bad, why in cases:
+            for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 1}):
+                params = SamplingParams(
+                    max_tokens=16, structured_output=so, bad_words_token_ids=bad, **sampling
+                )
+                with pytest.raises(RuntimeError) as e:
+                    llm.generate([tok.encode("hi")], params)
+                assert why in str(e.value) and "internal error" not in str(e.value), e.value
+                assert "\n" not in str(e.value)  # llguidance's reason on one line (logs)
+        stats = llm.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        assert llm.generate([tok.encode("other")], free) == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_request_that_fails_leaves_the_offline_engine_ready_for_the_next_call(
     async_scheduling: bool,
 ) -> None:
@@ -705,3 +752,35 @@ def test_live_bad_grammars_are_400s(pd: tuple[PD, Proc], through: str) -> None:
     ]:
         err = _post(url, "/v1/completions", body, status=400)["error"]
         assert err["param"] == param, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_live_a_grammar_its_bad_words_or_limits_stop_is_a_400_and_harms_no_one(
+    pd: tuple[PD, Proc], through: str
+) -> None:
+    """A grammar that ``bad_words`` leave no token, or that passes llguidance's limits on a
+    token its mask allowed, is the client's 400 ``structured_output_stuck`` (body and
+    stream); through the proxy no node is counted failed, and the next request is served.
+    (Each was a node's 500 "internal error"; the proxy took P and D out of rotation for
+    it, and the requests after it got 503 "no healthy prefill/decode pair".)"""
+    pair, proxy = pd
+    assert pair.colocated is not None
+    url = pair.colocated.url if through == "node" else proxy.url
+    ok = {"prompt": "hello", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    want = _post(pair.colocated.url, "/v1/completions", ok)["choices"][0]["token_ids"]
+    failures = metric(proxy.url, "pdproxy_node_failures_total")
+    for extra in [
+        {"guided_regex": "a+", "bad_words": ["a"]},
+        {"guided_choice": ["ab", "cd"], "bad_words": ["a", "c"], "temperature": 1.0},
+        {"guided_regex": "a{1000000}"},
+        {"guided_grammar": 'start: a\na: "x" a'},
+    ]:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 8, **extra, "stream": stream}
+            resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert resp.status_code == 400, (extra, resp.text)
+            assert resp.json()["error"]["code"] == "structured_output_stuck", resp.text
+            got = _post(url, "/v1/completions", ok)["choices"][0]["token_ids"]
+            assert got == want, extra
+    assert metric(proxy.url, "pdproxy_node_failures_total") == failures

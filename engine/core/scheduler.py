@@ -54,6 +54,7 @@ from engine.sampling_params import InvalidRequestError
 from engine.structured.matcher import (
     GrammarState,
     allows_any,
+    allows_any_but,
     bitmask_words,
     fill_bitmask,
 )
@@ -348,20 +349,29 @@ class Scheduler:
     def _end_stuck(self, bitmask: np.ndarray, reqs: list[Request]) -> None:
         """End (with why) each request whose grammar allows no next token it may take: its
         matcher is in its error state (a step past its lexer fuel, a schema that cannot go
-        on), or none of its ``allowed_token_ids`` is allowed. Its row of this step samples
+        on), none of its ``allowed_token_ids`` is allowed, or its ``bad_words`` ban every id
+        left (they hold where ``min_tokens`` yields). Its row of this step samples
         in vain (token 0 of a row of -inf; the grammar refused it: an "internal error")."""
         vocab = self.grammars.vocab_size  # type: ignore[union-attr]
         words = bitmask_words(vocab)
         for j, req in enumerate(reqs):
             grammar, ids = req.grammar, req.sampling_params.allowed_token_ids
             assert grammar is not None
+            mask = bitmask[j * words : (j + 1) * words]
+            allowed = grammar.allowed_ids(ids, vocab) if ids else None
             if grammar.matcher.is_error():
                 why = f"the structured output cannot go on: {grammar.error}"
-            elif ids and not allows_any(
-                bitmask[j * words : (j + 1) * words], grammar.allowed_ids(ids, vocab)
-            ):
+            elif allowed is not None and not allows_any(mask, allowed):
                 why = (
                     f"none of 'allowed_token_ids' is allowed by the structured output after "
+                    f"{req.num_output_tokens} tokens: the answer cannot go on"
+                )
+            elif req.sampling_params.bad_words_token_ids and not allows_any_but(
+                mask, _bad_words_ban(req), allowed
+            ):
+                # The bans are the step's (made from the same tokens as its mask).
+                why = (
+                    f"'bad_words' ban every token the structured output allows after "
                     f"{req.num_output_tokens} tokens: the answer cannot go on"
                 )
             else:
@@ -617,8 +627,18 @@ class Scheduler:
         self.request_metrics.token(req, time.monotonic())
         grammar = req.grammar
         if grammar is not None and not grammar.accept(token):
-            # Sampled under the grammar's mask (a prefill node's first token was checked
-            # when it landed): a refusal is a bug.
+            if not grammar.masked_out(token):
+                # Its mask allowed it (or, a prefill node's first token, ``allows`` did):
+                # the matcher's own limits stopped it (llguidance's lexer or item bounds,
+                # ``PARSER_LIMITS``), as a stuck grammar: the request's own doing.
+                why = (
+                    f"the structured output cannot go on after {req.num_output_tokens - 1} "
+                    f"tokens: {grammar.error}"
+                )
+                logger.info("request %s: %s", req.request_id, why)
+                self._finish(req, RequestStatus.FINISHED_ERROR, why, "structured_output_stuck")
+                return
+            # Sampled outside the grammar's mask: a bug.
             logger.error(
                 "request %s: output token %d is not allowed by its structured output (%s)",
                 req.request_id, token, grammar.error,

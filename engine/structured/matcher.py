@@ -13,6 +13,7 @@ reasoning ended: until then its rows sample freely and the matcher is not advanc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ class GrammarState:
     """One request's ``llguidance.LLMatcher``, advanced token by token (the content's
     tokens only, when the answer reasons: ``reasoning``)."""
 
-    __slots__ = ("_allowed", "_matched", "matcher", "reasoning")
+    __slots__ = ("_allowed", "_mask", "_matched", "matcher", "reasoning")
 
     def __init__(self, matcher: Any, reasoning: ReasoningTags | None = None) -> None:
         self.matcher = matcher
@@ -35,6 +36,9 @@ class GrammarState:
         # to open its reasoning (a token the grammar refuses is never consumed: llguidance
         # keeps its error state).
         self._matched = True
+        # The last mask made (``fill_mask``): whether a token the matcher refused was one
+        # it had allowed (its own limits stopped it) or not (sampled outside the mask).
+        self._mask: np.ndarray | None = None
 
     @property
     def constrains(self) -> bool:
@@ -92,6 +96,15 @@ class GrammarState:
             t = gate.next_start_token
             if t < mask.size * 32:
                 mask.view(np.uint32)[t >> 5] |= np.uint32(1 << (t & 31))
+        self._mask = mask
+
+    def masked_out(self, token: int) -> bool:
+        """Whether the last mask made did not allow ``token`` (False when none was made: a
+        prefill node's first token, checked with ``allows`` when it came)."""
+        mask = self._mask
+        if mask is None:
+            return False
+        return not allows_any(mask, np.asarray([token], dtype=np.int64))
 
     @property
     def finished(self) -> bool:
@@ -100,7 +113,8 @@ class GrammarState:
 
     @property
     def error(self) -> str:
-        return str(self.matcher.get_error())
+        """The matcher's error, on one line (it goes to clients and to log lines)."""
+        return " ".join(str(self.matcher.get_error()).split())[:500]
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -128,6 +142,16 @@ def allows_any(mask: np.ndarray, ids: np.ndarray) -> bool:
     int64 array of ids below the vocabulary size)."""
     words = mask.view(np.uint32)[ids >> 5]
     return bool(((words >> (ids & 31).astype(np.uint32)) & 1).any())
+
+
+def allows_any_but(mask: np.ndarray, banned: Sequence[int], ids: np.ndarray | None) -> bool:
+    """Whether one row's mask allows an id not in ``banned`` (and, unless None, in ``ids``,
+    as ``allows_any`` takes them)."""
+    row = mask.view(np.uint32).copy()
+    out = np.asarray(banned, dtype=np.int64)
+    out = out[(out >= 0) & (out < row.size * 32)]
+    np.bitwise_and.at(row, out >> 5, ~(np.uint32(1) << (out & 31).astype(np.uint32)))
+    return bool(row.any()) if ids is None else allows_any(row, ids)
 
 
 def allowed_ids_array(ids: list[int], vocab_size: int) -> np.ndarray:
