@@ -89,6 +89,57 @@ def test_hashed_uniform_is_in_the_open_unit_interval_and_looks_uniform():
     assert not math.isclose(float(u[0, 0]), float(u[1, 0]))
 
 
+# A (seed, position) whose hash at id 80 is the largest, 2**32 - 1 >> 8: in float32 its
+# uniform ``(h + 0.5) / 2**24`` rounded to 1.0 (found by a hostile-input round: ids with
+# hashes this high come up at about vocab / 2**24 of a row's steps -- ~1% on a 150k
+# vocabulary).
+TOP_SEED, TOP_POS, TOP_ID = 46881, 2, 80
+
+
+def test_the_largest_hash_is_still_below_one():
+    u = hashed_uniform(torch.tensor([position_seed(TOP_SEED, TOP_POS)]), 512)
+    assert float(u.max()) < 1 and int(u.argmax()) == TOP_ID
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"allowed_token_ids": list(range(48, 58))},
+        {"top_k": 1},
+        {"top_p": 1e-9},
+        {"min_p": 1.0},
+        {"logit_bias": {str(TOP_ID): -100}},
+        {"grammar": True},
+    ],
+)
+def test_a_masked_id_with_the_largest_uniform_is_never_drawn(fields):
+    """Its exponential was -log(1.0) = 0: ``p / E`` of a masked id (p = 0) was NaN, which
+    ``argmax`` takes: the id outside the mask was drawn -- outside ``allowed_token_ids``,
+    past top-k, top-p or min-p, against a grammar (the scheduler then failed the request:
+    a 500 "output token 80 does not follow the structured output")."""
+    import numpy as np
+
+    from engine.structured.matcher import bitmask_words
+
+    vocab = 512
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    logits[0, TOP_ID] = float(logits.min())  # the mask's and the filters' victim
+    fields = dict(fields)
+    grammar = None
+    if fields.pop("grammar", False):  # digits only, as ``guided_regex: "[0-9]"`` masks
+        grammar = np.zeros(bitmask_words(vocab) + 1, dtype=np.int32)
+        grammar.view(np.uint32)[1] = sum(1 << (d - 32) for d in range(48, 58))
+    if "logit_bias" in fields:
+        fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
+    sp = SamplingParams(temperature=1.0, seed=TOP_SEED, **fields)
+    (token,) = Sampler().sample(logits, [sp], [TOP_POS], grammar=grammar)
+    assert token != TOP_ID
+    if "allowed_token_ids" in fields or grammar is not None:
+        assert 48 <= token < 58
+    if fields.get("top_k") == 1 or "top_p" in fields or "min_p" in fields:
+        assert token == int(logits.argmax())
+
+
 @pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-6])
 def test_a_temperature_too_small_to_divide_by_samples_greedily(temperature):
     logits = _logits(3)

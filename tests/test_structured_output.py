@@ -784,3 +784,23 @@ def test_live_a_grammar_its_bad_words_or_limits_stop_is_a_400_and_harms_no_one(
             got = _post(url, "/v1/completions", ok)["choices"][0]["token_ids"]
             assert got == want, extra
     assert metric(proxy.url, "pdproxy_node_failures_total") == failures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_live_a_draw_at_the_largest_uniform_keeps_to_the_grammar(
+    pd: tuple[PD, Proc], through: str
+) -> None:
+    """Seed 46881 at position 2 (the prompt "hi": P's sample too) draws id 80 ('P') with
+    the sampler's largest uniform, which was exactly 1.0 in float32: the masked id's
+    ``0 / -log(1)`` was NaN and argmax took it (tests/test_sampler.py). The grammar's
+    answer was a 500 "output token 80 does not follow the structured output" (through the
+    proxy, the prefill node then out of rotation); ``allowed_token_ids`` answered 'P'."""
+    pair, proxy = pd
+    assert pair.colocated is not None
+    url = pair.colocated.url if through == "node" else proxy.url
+    digits = list(range(ord("0"), ord("9") + 1))
+    base = {"prompt": "hi", "max_tokens": 1, "temperature": 1.0, "seed": 46881}
+    for extra in ({"guided_regex": "[0-9]"}, {"allowed_token_ids": digits}):
+        (choice,) = _post(url, "/v1/completions", {**base, **extra})["choices"]
+        assert choice["text"].isdigit() and choice["token_ids"][0] in digits, choice

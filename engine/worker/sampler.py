@@ -52,6 +52,7 @@ from engine.worker.staging import HostStaging
 
 _MASK64 = (1 << 63) - 1
 _M32 = 0xFFFFFFFF
+_BELOW_ONE = 1.0 - 2.0**-24  # float32's largest value below 1
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -80,7 +81,11 @@ def hashed_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     j = torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :]  # [1, V]
     h = _fmix32(((j * 0x9E3779B1) & _M32) ^ lo)
     h = _fmix32(h ^ hi)
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # The largest hash's ``2**24 - 0.5`` rounds to 2**24 in float32: u = 1, whose
+    # exponential -log(u) = 0 made ``p / E`` NaN for a masked id (p = 0), and argmax takes
+    # NaN. float32's largest value below 1 instead (every other u is unchanged).
+    return u.clamp_(max=_BELOW_ONE)
 
 
 class Sampler:
