@@ -338,6 +338,31 @@ def test_an_llguidance_taking_one_eos_id_is_given_the_first(
     assert ll_tokenizer(tok, TINY_VOCAB) is not None and given == [2]
 
 
+def test_a_refused_token_is_told_apart_from_one_the_mask_allowed() -> None:
+    """What the scheduler reads when the matcher refuses a token: whether the last mask
+    allowed it (``masked_out``: the grammar's own limits stopped it, a 400, or a token
+    sampled outside the mask, a bug), whether a mask allows anything besides the bad
+    words' ban (``allows_any_but``), and the matcher's reason on one line."""
+    from engine.structured.matcher import allowed_ids_array, allows_any_but
+
+    compiler = _compiler()
+    fresh = GrammarState(compiler.new_matcher(StructuredOutput.regex("a{1000000}")))
+    assert not fresh.masked_out(ord("x"))  # no mask made yet (a prefill node's token)
+    buf = fill_bitmask([(0, fresh)], TINY_VOCAB)
+    assert fresh.masked_out(ord("x")) and not fresh.masked_out(ord("a"))
+    assert not fresh.accept(ord("a"))  # allowed, and past llguidance's limits
+    assert "too many" in fresh.error and "\n" not in fresh.error
+    words = (TINY_VOCAB + 31) // 32
+    state = GrammarState(compiler.new_matcher(StructuredOutput.choice(["ab", "cd"])))
+    buf = fill_bitmask([(0, state)], TINY_VOCAB)
+    mask = buf[:words]
+    assert allows_any_but(mask, [ord("a")], None)
+    assert not allows_any_but(mask, [ord("a"), ord("c")], None)
+    assert not allows_any_but(mask, [ord("c")], allowed_ids_array([ord("c"), 5], TINY_VOCAB))
+    assert allows_any_but(mask, [ord("c"), 10**6], allowed_ids_array([97], TINY_VOCAB))
+    assert list(buf[:words]) == list(mask)  # the step's mask itself is left as it was
+
+
 def test_the_sampler_applies_the_mask_first_and_min_tokens_yields_to_it() -> None:
     torch = pytest.importorskip("torch")
     from engine.sampling_params import SamplingParams
