@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 Resolver = Callable[[str], list[str]]
 LOOKUP_TIMEOUT_S = 10.0
 MAX_NODES_PER_NAME = 256
+# Labels of 1-63 characters (longer ones make getaddrinfo raise UnicodeError: IDNA).
 HOST_NAME = re.compile(
-    r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*\.?$"
+    r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?"
+    r"(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*\.?$"
 )
 
 
@@ -42,7 +44,10 @@ def parse_dns_name(text: str) -> tuple[str, int]:
     """``(name, port)`` of ``NAME:PORT``; ``ValueError`` otherwise."""
     name, sep, port = text.strip().rpartition(":")
     if not sep or not HOST_NAME.match(name.lower()) or not port.isdigit():
-        raise ValueError(f"{text!r:.80} is not NAME:PORT (e.g. pdserve-decode:8200)")
+        raise ValueError(
+            f"{text!r:.80} is not NAME:PORT (e.g. pdserve-decode:8200; a name's labels "
+            "are 1-63 characters)"
+        )
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"{text!r:.80}: the port must be in [1, 65535]")
     return name.lower(), int(port)
@@ -98,7 +103,7 @@ class DnsDiscovery:
             return TimeoutError(f"no answer within {LOOKUP_TIMEOUT_S:g} s")
         except NameNotFound:
             return []
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - OSError, or e.g. UnicodeError (IDNA): this name's failure alone
             return e
 
     async def refresh(self) -> None:

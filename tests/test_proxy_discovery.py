@@ -300,6 +300,36 @@ def test_one_dns_name_for_both_roles_lists_each_roles_nodes() -> None:
     assert sorted(n.url for n in pool.decode) == ["http://10.0.0.1:8200", "http://10.0.0.2:8200"]
 
 
+def test_a_name_whose_lookup_raises_anything_fails_alone() -> None:
+    """A fault round: ``--decode-dns localhost:PORT <64-letter label>.svc:80`` passed the
+    flag check, ``getaddrinfo`` raised ``UnicodeError`` (IDNA: label too long) for it, and
+    that error -- no ``OSError`` -- ended every refresh before any answer was applied, so
+    not even ``localhost``'s node was ever found (a traceback each interval). A lookup
+    that raises anything is that name's failed lookup; the flag refuses such a label."""
+
+    def resolver(name: str) -> list[str]:
+        if name == "bad":
+            raise UnicodeError("encoding with 'idna' codec failed (label too long)")
+        return ["10.0.0.1"]
+
+    pool = NodePool((), ())
+    members = Membership(pool)
+    names = [("prefill", "good", 8100), ("decode", "bad", 8200), ("decode", "good", 8200)]
+    dns = DnsDiscovery(members, names, resolver)  # type: ignore[arg-type]
+    asyncio.run(dns.refresh())
+    assert [n.url for n in pool.prefill] == ["http://10.0.0.1:8100"]
+    assert [n.url for n in pool.decode] == ["http://10.0.0.1:8200"]
+    assert members.events["dns_error"] == 1
+    label = "a" * 64
+    with pytest.raises(ValueError, match="label"):
+        parse_dns_name(f"{label}.svc:8200")
+    with pytest.raises(ProxyConfigError, match="^--decode-dns: "):
+        _proxy_cfg("--prefill", P, "--decode-dns", f"{label}.svc:8200")
+    assert parse_dns_name(f"{label[:63]}.svc:8200") == (f"{label[:63]}.svc", 8200)
+    with pytest.raises(APIError, match="host"):
+        parse_registration(json.dumps({"role": "decode", "url": f"http://{label}:8200"}).encode())
+
+
 # -- flags --------------------------------------------------------------------------------------------
 
 
