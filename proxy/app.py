@@ -26,7 +26,13 @@ from engine.httpkit.request_id import RequestIdMiddleware
 from kvconnector.nixl.peers import PeerAllowlist
 from proxy.config import ProxyConfig
 from proxy.discovery import DiscoveryLoop, Membership
-from proxy.dns import DnsDiscovery, Resolver, parse_dns_name, system_resolver
+from proxy.dns import (
+    MAX_NODES_PER_NAME,
+    DnsDiscovery,
+    Resolver,
+    parse_dns_name,
+    system_resolver,
+)
 from proxy.health import MAX_HEALTH_BODY_BYTES, HealthChecker
 from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
@@ -40,6 +46,14 @@ from proxy.validation import CHAT, COMPLETIONS
 logger = logging.getLogger(__name__)
 
 WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions"])
+
+
+def health_client_connections(cfg: ProxyConfig) -> int:
+    """The health client's connections: one check per node the proxy may hold at once
+    (static, registered, every address each DNS name may list), and some to spare."""
+    dns_names = len(cfg.prefill_dns) + len(cfg.decode_dns)
+    static = len(cfg.prefill) + len(cfg.decode)
+    return static + cfg.max_registered_nodes + dns_names * MAX_NODES_PER_NAME + 16
 
 
 def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FrontedApp:
@@ -79,8 +93,7 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> Fronted
             NodeClient(
                 timeout=cfg.health_timeout,
                 headers=node_auth,
-                # one check per node at once, every node the proxy may hold
-                max_connections=len(pool.all()) + cfg.max_registered_nodes + 16,
+                max_connections=health_client_connections(cfg),
                 max_body_bytes=MAX_HEALTH_BODY_BYTES,
             ) as health_client,
         ):
@@ -89,6 +102,7 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> Fronted
             def forget(node: Node) -> None:  # its idle connections, in both clients
                 client.forget(node.url)
                 health_client.forget(node.url)
+                health.forget(node)  # and its health call in flight
 
             members.on_removed = forget
             serving.legs, serving.client = Legs(client), client

@@ -118,6 +118,16 @@ class HealthChecker:
         node.set_healthy(True)
         self._check_templates(node)
 
+    def forget(self, node: Node) -> None:
+        """``node`` left the pool: its /health call still in flight is cancelled unless a
+        request is still on it (then it stays watched: ``NodePool.watched``). Each call
+        holds one of the client's connections for up to ``LATE_ANSWER_S``: nodes that
+        joined and left (registrations, DNS answers) used them all, and the checks of the
+        nodes in the pool waited past their deadline for one."""
+        call = self._calls.get(id(node))
+        if call is not None and node.outstanding == 0:
+            call.cancel()
+
     def _check_templates(self, node: Node) -> None:
         """Warn (once per pair) when ``node`` and a node of the other role render chats
         with different chat templates: each renders a chat itself, so a pair of them

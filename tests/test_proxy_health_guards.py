@@ -277,3 +277,63 @@ def test_a_node_that_answers_as_a_proxy_is_not_routed_to():
             assert not d.healthy and "a pd-proxy" in (d.last_error or "")
 
     asyncio.run(main())
+
+
+def test_nodes_that_left_do_not_keep_the_health_clients_connections():
+    """A fault round: a registration key's holder registered URLs that accept a connection
+    and never answer, deregistered them, and registered others. Each one's /health call
+    ran on for ``LATE_ANSWER_S`` (30 s) after its node left, holding one of the health
+    client's connections; three rounds of 249 used them all, and the real nodes' checks
+    waited for a connection past their deadline: every node out of rotation, the proxy
+    503 for half a minute. A node that leaves (with no request on it) has its call
+    cancelled."""
+    hung: list[str] = []
+
+    async def never(req):  # noqa: ANN001, ANN202
+        hung.append(req.path)
+        await asyncio.sleep(60)
+
+    async def node(req):  # noqa: ANN001, ANN202
+        if req.path == "/v1/models":
+            return answer(200, {"data": [{"id": "m"}]})
+        return answer(200, {**KV_INFO, "role": "consumer"} if "kv" in req.path else {})
+
+    async def main() -> None:
+        async with (
+            StandIn(never) as bad1,
+            StandIn(never) as bad2,
+            StandIn(node) as good,
+            NodeClient(timeout=0.5, max_connections=2) as client,
+        ):
+            pool = NodePool((), (good.url,))
+            checker = HealthChecker(pool, client, interval=1.0)
+            members = Membership(pool)
+            members.checker = checker.check_node
+            members.on_removed = checker.forget
+            for bad in (bad1, bad2):
+                members.add("decode", bad.url, "registered")
+            for _ in range(100):  # both calls sent, each on a connection of its own
+                if len(hung) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            for bad in (bad1, bad2):
+                assert members.drop(bad.url, "registered")
+            await checker.check_node(pool.decode[0])
+            assert pool.decode[0].ready, pool.decode[0].last_error
+            assert client.in_flight == 0
+            await checker.stop()
+
+    asyncio.run(main())
+
+
+def test_the_health_client_has_a_connection_for_every_node_dns_may_list():
+    """Its connections were sized for the static and registered nodes only: two DNS names
+    of 256 addresses each outnumbered them, and the checks of the nodes past the count
+    waited for a connection past their deadline."""
+    from proxy.app import health_client_connections
+    from proxy.config import ProxyConfig
+
+    cfg = ProxyConfig(prefill=("http://10.0.0.1:8100",), decode=(), decode_dns=("a:8200", "b:8200"))
+    assert health_client_connections(cfg) >= 1 + 2 * dns_module.MAX_NODES_PER_NAME + (
+        cfg.max_registered_nodes
+    )
