@@ -215,9 +215,9 @@ class ProxyServing:
     def models(self) -> JSONResponse:
         cards: list[dict[str, Any]] = []
         for name in self.pool.model_names():
-            lens = [  # the decode nodes hold prompt and answer (a P only the prompt)
+            lens = [  # the ready decode nodes hold prompt and answer (a P only the prompt)
                 n.max_model_len
-                for n in self.pool.nodes("decode")
+                for n in self.pool.ready("decode")
                 if name in (n.names or (n.model,)) and n.max_model_len
             ]
             cards.append(

@@ -200,6 +200,27 @@ def test_models_are_what_ready_nodes_serve():
     assert pool.model_names() == ["m"]
 
 
+def test_the_context_limit_clients_see_is_the_ready_decode_nodes():
+    """A fault round: ``/v1/models``' ``max_model_len`` was the least of every decode node
+    in the pool serving the name, ready or not -- a node registered in the wrong role (a
+    prefill node with a shorter context), one that failed its checks, or any registered
+    URL answering ``max_model_len: 2`` set the limit clients were told, while the proxy
+    itself checked requests against the ready nodes' (``NodePool.max_model_len``)."""
+    from starlette.testclient import TestClient
+
+    from proxy.app import build_app
+    from proxy.config import ProxyConfig
+
+    ready, misfit = "http://127.0.0.1:2", "http://127.0.0.1:3"
+    app = build_app(ProxyConfig(prefill=("http://127.0.0.1:1",), decode=(ready, misfit)))
+    pool = app.state.pool
+    for node, mml in zip(pool.decode, (4096, 2), strict=True):
+        node.update_info({"role": "consumer"}, {"data": [{"id": "m", "max_model_len": mml}]})
+    pool.decode[0].set_healthy(True)  # the other one failed its check: not ready
+    (card,) = TestClient(app).get("/v1/models").json()["data"]
+    assert (card["id"], card["max_model_len"]) == ("m", 4096) == ("m", pool.max_model_len())
+
+
 def test_checks_without_an_answer_are_counted_in_a_row_and_a_late_answer_ends_the_row():
     """The proxy gives a hung decode node up after ``--unreachable-checks`` checks in a
     row without an answer (``Attempt.d_gone``). Each miss counts (a check whose call is
