@@ -292,6 +292,16 @@ class ProxyConfig:
                     f"{url!r} is not a node base URL like http://10.0.0.1:8100",
                 )
             _require(len(set(urls)) == len(urls), role, "a node URL is listed twice")
+        # A discovered URL is one role (the same NAME:PORT for both shared one source: the
+        # decode entry found its addresses "listed" already, as prefill nodes: added none).
+        names = {parse_dns_name(n) for n in self.prefill_dns}
+        for entry in self.decode_dns:
+            _require(
+                parse_dns_name(entry) not in names,
+                "decode_dns",
+                f"{entry} is given for both roles (a node URL is one role: give each role "
+                "its own port)",
+            )
         _require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         _require(self.max_inflight >= 1, "max_inflight", "must be >= 1")
         _require(

@@ -89,6 +89,9 @@ class DnsDiscovery:
         self.resolver = resolver
         self._failing: set[str] = set()  # names whose last lookup failed (logged once)
         self._running: dict[str, asyncio.Future[list[str]]] = {}  # lookups past a deadline
+        # (source, URL) listed but a node of the other role: warned once, until it leaves
+        # the answer (a warning per address per refresh flooded the log).
+        self._conflicts: set[tuple[str, str]] = set()
 
     async def _lookup(self, name: str) -> list[str] | Exception:
         running = self._running.get(name)
@@ -134,6 +137,11 @@ class DnsDiscovery:
                 try:
                     self.members.add(role, url, source)
                 except RoleConflict as e:
-                    logger.warning("%s: %s; not added", source, e)
+                    if (source, url) not in self._conflicts:
+                        self._conflicts.add((source, url))
+                        logger.warning("%s: %s; not added", source, e)
+                else:
+                    self._conflicts.discard((source, url))
+            self._conflicts -= {(s, u) for s, u in self._conflicts if s == source and u not in urls}
             for url in sorted(listed - urls):
                 self.members.drop(url, source)

@@ -330,6 +330,42 @@ def test_a_name_whose_lookup_raises_anything_fails_alone() -> None:
         parse_registration(json.dumps({"role": "decode", "url": f"http://{label}:8200"}).encode())
 
 
+def test_a_dns_address_of_the_other_role_is_logged_once(caplog: pytest.LogCaptureFixture):
+    """A fault round: a DNS answer listing an address that is a node of the other role
+    (static, or registered) was refused at every refresh with a warning per address: 256
+    addresses, 256 log lines every ``--discovery-interval``. It is logged once per address
+    until that address stops conflicting."""
+    addrs = [f"10.0.0.{i}" for i in range(1, 4)]
+    pool = NodePool(tuple(f"http://{a}:8100" for a in addrs), ())
+    members = Membership(pool)
+    dns = DnsDiscovery(members, [("decode", "nodes", 8100)], lambda name: list(addrs))
+    with caplog.at_level("WARNING", logger="proxy.dns"):
+        for _ in range(3):
+            asyncio.run(dns.refresh())
+    assert len(pool.prefill) == 3 and pool.decode == []
+    conflicts = [r for r in caplog.records if "not added" in r.getMessage()]
+    assert len(conflicts) == 3, [r.getMessage() for r in conflicts]
+    caplog.clear()
+    addrs[:] = addrs[:1]  # two addresses leave the answer ...
+    asyncio.run(dns.refresh())
+    addrs[:] = [f"10.0.0.{i}" for i in range(1, 4)]  # ... and come back: said again
+    with caplog.at_level("WARNING", logger="proxy.dns"):
+        asyncio.run(dns.refresh())
+    assert len([r for r in caplog.records if "not added" in r.getMessage()]) == 2
+
+
+def test_one_name_and_port_for_both_roles_is_refused():
+    """A fault round: ``--prefill-dns nodes:8100 --decode-dns nodes:8100`` started; both
+    entries are the source ``dns:nodes:8100``, so the decode entry found its addresses
+    already "listed" (as prefill nodes) and silently added none: the proxy answered 503
+    "no healthy decode node" with no reason anywhere. A discovered URL is one role: the
+    same NAME:PORT in both roles is refused at start-up."""
+    with pytest.raises(ProxyConfigError, match="^--decode-dns: .*both"):
+        _proxy_cfg("--prefill-dns", "nodes:8100", "--decode-dns", "Nodes:8100")
+    cfg = _proxy_cfg("--prefill-dns", "nodes:8100", "--decode-dns", "nodes:8200")
+    assert cfg.decode_dns == ("nodes:8200",)
+
+
 # -- flags --------------------------------------------------------------------------------------------
 
 
