@@ -26,6 +26,11 @@ prompt) compute it once: a request whose next ``MIN_SHARED_PREFIX_TOKENS`` or mo
 tokens (full blocks) a step not finished yet computes for another request waits -- the
 requests behind it pass -- until that step is done, and then starts from the prefix cache
 (SGLang's in-batch prefix caching; vLLM computes such prompts once per request).
+
+What a step's sampling rows are constrained to beyond their parameters -- structured
+outputs' grammar masks, ``bad_words``' bans, made after the token in flight when they
+follow it -- is ``constraints.py``'s (``SamplingConstraints``); a request it finds stuck
+is ended here, as every request is.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from engine.bad_words import banned_by_bad_words
 from engine.config import EngineConfig
+from engine.core.constraints import SamplingConstraints, Stuck
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import (
@@ -51,18 +56,10 @@ from engine.core.scheduler_output import (
 from engine.core.scheduler_stats import RequestMetrics, SchedulerStats
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import InvalidRequestError
-from engine.structured.matcher import (
-    GrammarState,
-    allows_any,
-    allows_any_but,
-    bitmask_words,
-    fill_bitmask,
-)
+from engine.structured.matcher import GrammarState
 from kvconnector.base import KV_NOT_RESERVED, KVConnectorScheduler
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from engine.structured.compiler import GrammarCompiler
     from kvconnector.params import KVTransferParams
 
@@ -76,16 +73,6 @@ MIN_SHARED_PREFIX_TOKENS = 32
 def _order(req: Request) -> tuple[int, float]:
     """--scheduling-policy priority: who goes first (the smaller)."""
     return req.priority, req.arrival_time
-
-
-def _bad_words_ban(req: Request) -> tuple[int, ...]:
-    """The ids ``bad_words`` ban for ``req``'s next sample, after its output so far."""
-    sp = req.sampling_params
-    return tuple(
-        sorted(
-            banned_by_bad_words(sp.bad_words_token_ids, req.all_token_ids, req.num_prompt_tokens)
-        )
-    )
 
 
 class _Start(enum.Enum):
@@ -136,21 +123,10 @@ class Scheduler:
         self.generation_tokens_total = 0
         self.num_preemptions_total = 0
         self.request_metrics = RequestMetrics(max_model_len)
-        # Structured outputs: the compiler of their grammars; this step's sampling rows so
-        # far and the ones among them with a grammar (``_scheduled``).
+        # Structured outputs: the compiler of their grammars (a request's matcher, at
+        # admission); the sampling rows' grammar masks and bad words' bans.
         self.grammars = grammars
-        self._num_sampling = 0
-        self._grammar_rows: list[tuple[int, Request]] = []
-        # Async scheduling: whether a row of this step samples after a token still in
-        # flight with a grammar or bad words (its mask or ban waits for that token's
-        # update: ``deferred_sampling``); this step's rows with bad words that follow the
-        # last tokens; and the grammar and bad-word rows of the steps sent whose masks and
-        # bans are made later.
-        self._sampling_waits = False
-        self._bad_rows: list[tuple[int, Request]] = []
-        self._deferred_rows: dict[
-            int, tuple[list[tuple[int, Request]], list[tuple[int, Request]]]
-        ] = {}
+        self.constraints = SamplingConstraints(grammars)
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -243,9 +219,7 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
 
         scheduled: dict[str, tuple[Request, int]] = {}
-        self._num_sampling = 0
-        self._grammar_rows, self._bad_rows = [], []
-        self._sampling_waits = False
+        self.constraints.begin_step()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -310,12 +284,7 @@ class Scheduler:
         )
         self._scheduled_reqs[self._step] = scheduled
         self._finished_ids, self._preempted_ids = set(), set()
-        if self._sampling_waits:  # the workers sample once the engine sends masks and bans
-            out.sampling_deferred = True
-            self._deferred_rows[out.step_id] = (self._grammar_rows, self._bad_rows)
-        elif self._grammar_rows:
-            out.grammar_bitmask = self._bitmask(self._grammar_rows)
-        self._grammar_rows, self._bad_rows = [], []
+        self._end_stuck(self.constraints.end_step(out))  # masks, or sampling_deferred
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self.kv.block_ids)
         return out
 
@@ -323,59 +292,15 @@ class Scheduler:
         """Async scheduling: the masks and bans of a step sent with ``sampling_deferred``,
         once the step before it was updated (the tokens its rows follow are known now);
         the engine sends them to the workers, which sample with them. Requests that ended
-        since get none (they sample in vain)."""
-        grammar_rows, bad_rows = self._deferred_rows.pop(sched.step_id, ([], []))
-        bad = {
-            row: _bad_words_ban(req) for row, req in bad_rows if req.status == RequestStatus.RUNNING
-        }
-        return DeferredSampling(sched.step_id, self._bitmask(grammar_rows), bad)
+        since get none (they sample in vain); those that cannot go on end here."""
+        deferred, stuck = self.constraints.deferred(sched.step_id)
+        self._end_stuck(stuck)
+        return deferred
 
-    def _bitmask(self, rows: list[tuple[int, Request]]) -> np.ndarray | None:
-        """The masks of the rows whose grammar constrains the next token (not while an
-        answer reasons), or None; ends the requests that cannot go on."""
-        rows = [
-            (row, req)
-            for row, req in rows
-            if req.status == RequestStatus.RUNNING
-            and req.grammar is not None
-            and req.grammar.constrains
-        ]
-        if not rows:
-            return None
-        bitmask = fill_bitmask([(row, req.grammar) for row, req in rows], self.grammars.vocab_size)  # type: ignore[misc, union-attr]
-        self._end_stuck(bitmask, [req for _, req in rows])
-        return bitmask
-
-    def _end_stuck(self, bitmask: np.ndarray, reqs: list[Request]) -> None:
-        """End (with why) each request whose grammar allows no next token it may take: its
-        matcher is in its error state (a step past its lexer fuel, a schema that cannot go
-        on), none of its ``allowed_token_ids`` is allowed, or its ``bad_words`` ban every id
-        left (they hold where ``min_tokens`` yields). Its row of this step samples
-        in vain (token 0 of a row of -inf; the grammar refused it: an "internal error")."""
-        vocab = self.grammars.vocab_size  # type: ignore[union-attr]
-        words = bitmask_words(vocab)
-        for j, req in enumerate(reqs):
-            grammar, ids = req.grammar, req.sampling_params.allowed_token_ids
-            assert grammar is not None
-            mask = bitmask[j * words : (j + 1) * words]
-            allowed = grammar.allowed_ids(ids, vocab) if ids else None
-            if grammar.matcher.is_error():
-                why = f"the structured output cannot go on: {grammar.error}"
-            elif allowed is not None and not allows_any(mask, allowed):
-                why = (
-                    f"none of 'allowed_token_ids' is allowed by the structured output after "
-                    f"{req.num_output_tokens} tokens: the answer cannot go on"
-                )
-            elif req.sampling_params.bad_words_token_ids and not allows_any_but(
-                mask, _bad_words_ban(req), allowed
-            ):
-                # The bans are the step's (made from the same tokens as its mask).
-                why = (
-                    f"'bad_words' ban every token the structured output allows after "
-                    f"{req.num_output_tokens} tokens: the answer cannot go on"
-                )
-            else:
-                continue
+    def _end_stuck(self, stuck: list[Stuck]) -> None:
+        """End (with why) each request whose grammar allows no next token it may take
+        (``SamplingConstraints``); its row of this step samples in vain."""
+        for req, why in stuck:
             logger.info("request %s: %s", req.request_id, why)
             self._finish(req, RequestStatus.FINISHED_ERROR, why, "structured_output_stuck")
 
@@ -409,7 +334,7 @@ class Scheduler:
                 self.kv.pool.free(blocks)
         self._free_after.clear()
         self._scheduled_reqs.clear()
-        self._deferred_rows.clear()
+        self.constraints.forget_steps_in_flight()
         self.kv.forget_steps_in_flight()
 
     def _ends_with_pending(self, req: Request) -> bool:
@@ -493,13 +418,6 @@ class Scheduler:
         # Outputs before this sample (placeholders included) below min_tokens: mask.
         if samples and end - req.num_prompt_tokens < sp.min_tokens:
             seq.banned_token_ids = req.banned_token_ids
-        if samples and sp.bad_words_token_ids:
-            if req.num_output_placeholders and sp.bans_after_tokens:
-                # The ban follows the token in flight: made after its update.
-                self._bad_rows.append((self._num_sampling, req))
-                self._sampling_waits = True
-            else:
-                seq.bad_token_ids = _bad_words_ban(req)
         if req.needs_prompt_logprobs:
             # Row p predicts the token at p + 1; the prompt tokens not computed yet (the
             # first has none) are predicted by rows len(prompt_logprobs) - 1 ...
@@ -513,12 +431,7 @@ class Scheduler:
                 seq.prompt_logprobs = sp.prompt_logprobs or 0
         req.num_computed_tokens = end
         if samples:
-            if req.grammar is not None:
-                # Its mask is this step's sampling row so far (none while it reasons: made
-                # with the others, once the token in flight, if any, is known).
-                self._grammar_rows.append((self._num_sampling, req))
-                self._sampling_waits |= req.num_output_placeholders > 0
-            self._num_sampling += 1
+            self.constraints.add_row(req, seq)  # its grammar mask, bad words' ban
             if self.async_scheduling:
                 req.num_output_placeholders += 1
         return seq

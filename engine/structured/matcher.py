@@ -3,8 +3,9 @@
 The engine process keeps one ``GrammarState`` per structured request (``Request.grammar``)
 and advances it with every output token the request gets -- sampled here, or sampled by
 a prefill node and received with the KV -- in ``Scheduler._append``. Each step the
-scheduler fills one bitmask for the rows that sample under a grammar (``fill_bitmask``)
-and sends it with the step; rank 0's sampler applies it.
+scheduler's ``SamplingConstraints`` (``engine/core/constraints.py``) fills one bitmask for
+the rows that sample under a grammar (``fill_bitmask``), which goes with the step; rank
+0's sampler applies it.
 
 An answer with reasoning (``SamplingParams.reasoning_tags``) is constrained only once its
 reasoning ended: until then its rows sample freely and the matcher is not advanced
