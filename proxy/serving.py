@@ -18,7 +18,7 @@ from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.drain import Drainer
 from engine.httpkit.errors import json_error
 from engine.httpkit.sse import SSEResponse
-from engine.server.protocol import check_structured
+from engine.server.request_checks import check_structured
 from engine.server.request_fields import APIError
 from proxy import choices
 from proxy.config import ProxyConfig

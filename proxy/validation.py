@@ -1,10 +1,11 @@
 """Request checks the proxy makes before any node is touched.
 
-The field-level validation is the node's own (``engine.server.protocol``), imported, so
-the proxy and the nodes accept exactly the same requests. On top of it the proxy checks
-what it can without a tokenizer: the model name and ``max_tokens`` against the context
-length (the prompt's own length is checked by the nodes, which answer 400 and are not
-retried). The prompt's ``PromptKey`` (``proxy/prefix.py``) is computed here too.
+The field-level validation is the node's own (``engine.server.protocol`` and its
+neighbours ``field_parsers`` and ``request_checks``), imported, so the proxy and the nodes
+accept exactly the same requests. On top of it the proxy checks what it can without a
+tokenizer: the model name and ``max_tokens`` against the context length (the prompt's own
+length is checked by the nodes, which answer 400 and are not retried). The prompt's
+``PromptKey`` (``proxy/prefix.py``) is computed here too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 from engine.server.chat_protocol import parse_chat_request
 from engine.server.json_body import parse_json_body
-from engine.server.protocol import BaseRequest, check_model, parse_completion_request
+from engine.server.protocol import BaseRequest, parse_completion_request
+from engine.server.request_checks import check_model
 from engine.server.request_fields import APIError
 from proxy.prefix import PromptKey, prompt_key
 

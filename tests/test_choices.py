@@ -24,7 +24,8 @@ from harness import GREEDY, MODEL, PD, Proc, Procs, node_idle, sse_data, sse_eve
 from engine.httpkit.fanout import gather_or_cancel, merge_bodies, merge_streams, sum_usage
 from engine.httpkit.sse import SSEResponse
 from engine.server.chat_protocol import parse_chat_request
-from engine.server.protocol import MAX_CHOICES, parse_completion_request
+from engine.server.field_parsers import MAX_CHOICES
+from engine.server.protocol import parse_completion_request
 from engine.server.request_fields import APIError
 from proxy.validation import validate_request
 

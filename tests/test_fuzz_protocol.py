@@ -29,14 +29,12 @@ from engine.server.chat_protocol import (
     parse_generation_prompt,
     parse_messages,
 )
+from engine.server.field_parsers import CHAT_FIELDS, COMPLETION_FIELDS
 from engine.server.json_body import parse_json_body
-from engine.server.protocol import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    BaseRequest,
+from engine.server.protocol import BaseRequest, parse_completion_request
+from engine.server.request_checks import (
     check_model,
     check_token_ids,
-    parse_completion_request,
     resolve_max_tokens,
     truncate_prompt,
 )

@@ -8,17 +8,15 @@ import pytest
 
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.server.chat_protocol import parse_chat_request
-from engine.server.json_body import parse_json_body
-from engine.server.protocol import (
+from engine.server.field_parsers import (
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    check_model,
-    check_token_ids,
-    parse_completion_request,
-    resolve_max_tokens,
 )
+from engine.server.json_body import parse_json_body
+from engine.server.protocol import parse_completion_request
+from engine.server.request_checks import check_model, check_token_ids, resolve_max_tokens
 from engine.server.request_fields import APIError, error_body
 from engine.server.stop_strings import StopStringMatcher
 from kvconnector.params import KVTransferParams

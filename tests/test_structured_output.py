@@ -25,7 +25,8 @@ import pytest
 from harness import MODEL, PD, Proc, Procs, metric, sse_events
 
 from engine.server.chat_protocol import parse_chat_request
-from engine.server.protocol import check_structured, parse_completion_request
+from engine.server.protocol import parse_completion_request
+from engine.server.request_checks import check_structured
 from engine.server.request_fields import APIError
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.matcher import GrammarState, fill_bitmask

@@ -8,12 +8,8 @@ import json
 from typing import Any
 
 from engine.sampling_params import InvalidRequestError
-from engine.server.protocol import (
-    CHAT_ROLES,
-    ChatCompletionRequest,
-    parse_common,
-    parse_max_tokens,
-)
+from engine.server.field_parsers import parse_max_tokens
+from engine.server.protocol import ChatCompletionRequest, parse_common
 from engine.server.request_fields import (
     APIError,
     bad_type,
@@ -23,6 +19,8 @@ from engine.server.request_fields import (
     unsupported,
 )
 from engine.tools.spec import ToolCalling, parse_tool_calling
+
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 def _message_content(content: Any, i: int) -> str:

@@ -1,31 +1,44 @@
 """OpenAI-compatible requests: the typed request objects, the fields every request shares
-(sampling, stops, logprobs, structured outputs, ``n``), ``/v1/completions`` bodies, and
-the checks that need engine facts (served name, context length, vocabulary).
+(sampling, stops, logprobs, structured outputs, ``n``: ``parse_common``) and
+``/v1/completions`` bodies.
 
 Its neighbours: ``request_fields`` (``APIError`` and the typed field getters),
-``chat_protocol`` (``/v1/chat/completions`` bodies), ``json_body`` (a body as JSON, before
-any parser), ``stop_strings`` (stop strings in streamed text). Everything here is pure (no
-engine, no I/O) so it can be unit-tested directly. Errors are raised as ``APIError``
-carrying the HTTP status and an OpenAI error body whose ``param`` names the offending
-field.
+``field_parsers`` (the parsers of single fields, their bounds, and which fields each
+endpoint knows or refuses unless neutral), ``request_checks`` (the checks after the parse
+that need engine facts: served name, context length, vocabulary), ``chat_protocol``
+(``/v1/chat/completions`` bodies), ``json_body`` (a body as JSON, before any parser),
+``stop_strings`` (stop strings in streamed text). Everything here is pure (no engine, no
+I/O) so it can be unit-tested directly. Errors are raised as ``APIError`` carrying the HTTP
+status and an OpenAI error body whose ``param`` names the offending field.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.bad_words import MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS
 from engine.sampling_params import (
-    MAX_ALLOWED_TOKEN_IDS,
     MAX_TEMPERATURE,
     PENALTY_RANGE,
     REPETITION_PENALTY_RANGE,
     InvalidRequestError,
     SamplingParams,
-    check_max_tokens,
+)
+from engine.server.field_parsers import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    MAX_CHOICES,
+    logprobs_count,
+    parse_allowed_token_ids,
+    parse_bad_words,
+    parse_chat_logprobs,
+    parse_logit_bias,
+    parse_max_tokens,
+    parse_n,
+    parse_stop,
+    parse_stop_token_ids,
+    reject_unsupported,
 )
 from engine.server.request_fields import (
     APIError,
@@ -34,14 +47,9 @@ from engine.server.request_fields import (
     get_float,
     get_int,
     is_int,
-    is_number,
     require_object,
-    type_name,
-    unsupported,
 )
-from engine.structured.compiler import StructuredOutputUnavailable, check_structured_output
 from engine.structured.reasoning import ReasoningTags
-from engine.structured.spec import FIELDS as STRUCTURED_FIELDS
 from engine.structured.spec import (
     StructuredOutput,
     UnsupportedStructuredKey,
@@ -51,20 +59,6 @@ from engine.tools.spec import ToolCalling
 from kvconnector.params import KVTransferParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# Bounds of a request's stop lists (OpenAI allows 4 stop strings; vLLM has no bound).
-# Each output token is checked against them, and with min_tokens the stop ids are masked
-# in every step: unbounded, one request set the pace of every request on its node.
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 4096  # all stop strings together
-MAX_STOP_TOKEN_IDS = 1024
-# logit_bias entries: added to every step's logits of the request (OpenAI's bound is lower).
-MAX_LOGIT_BIAS = 1024
-LOGIT_BIAS_CLAMP = 100.0  # each bias is clamped to [-100, 100] (vLLM, OpenAI's range)
-CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
-# Choices of one request: ``n`` times the prompts of a batch (OpenAI's bound on ``n``).
-# Each is its own engine request (a P/D pair through the proxy).
-MAX_CHOICES = 128
-INT64_MAX = 2**63 - 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -264,7 +258,7 @@ def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
         raise APIError(f"'top_k' must be -1 (disabled) or >= 1, got {top_k}", param="top_k")
     req.top_k = top_k
     req.seed = get_int(body, "seed", None)
-    _parse_n(body, req)
+    parse_n(body, req)
     req.truncate_prompt_tokens = get_int(body, "truncate_prompt_tokens", None)
     req.return_tokens_as_token_ids = get_bool(body, "return_tokens_as_token_ids", False)
     req.return_token_ids = get_bool(body, "return_token_ids", False)
@@ -272,9 +266,9 @@ def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
     # vLLM's; no effect: the detokenizers never put spaces between special tokens (vLLM's
     # fast-tokenizer detokenizer ignores it too). Its type is still checked.
     get_bool(body, "spaces_between_special_tokens", True)
-    req.prompt_logprobs = _logprobs_count(body, "prompt_logprobs")
+    req.prompt_logprobs = logprobs_count(body, "prompt_logprobs")
     req.priority = get_int(body, "priority", 0)
-    req.bad_words = _parse_bad_words(body.get("bad_words"))
+    req.bad_words = parse_bad_words(body.get("bad_words"))
     keep = req.truncate_prompt_tokens
     if keep is not None and keep < 1 and keep != -1:
         raise APIError(
@@ -283,36 +277,8 @@ def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
             param="truncate_prompt_tokens",
         )
 
-    stop = body.get("stop")
-    if stop is None:
-        req.stop = []
-    elif isinstance(stop, str):
-        req.stop = [stop] if stop else []
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        req.stop = [s for s in stop if s]
-    else:
-        raise bad_type("stop", "a string or an array of strings", stop)
-    # Every token of the request is checked against them on the node's event loop.
-    if len(req.stop) > MAX_STOP_STRINGS or sum(map(len, req.stop)) > MAX_STOP_CHARS:
-        raise APIError(
-            f"'stop' may hold at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} "
-            f"characters in all, got {len(req.stop)} of {sum(map(len, req.stop))}",
-            param="stop",
-        )
-
-    ids = body.get("stop_token_ids")
-    if ids is None:
-        req.stop_token_ids = []
-    elif isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids):
-        req.stop_token_ids = list(ids)
-    else:
-        raise bad_type("stop_token_ids", "an array of non-negative integers", ids)
-    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # masked in every step (min_tokens)
-        raise APIError(
-            f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, "
-            f"got {len(req.stop_token_ids)}",
-            param="stop_token_ids",
-        )
+    req.stop = parse_stop(body)
+    req.stop_token_ids = parse_stop_token_ids(body)
     req.ignore_eos = get_bool(body, "ignore_eos", False)
     req.include_stop_str_in_output = get_bool(body, "include_stop_str_in_output", False)
 
@@ -345,8 +311,8 @@ def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
     if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
         raise bad_type("user", "a string", body["user"])
 
-    req.logit_bias = _parse_logit_bias(body.get("logit_bias"))
-    req.allowed_token_ids = _parse_allowed_token_ids(body.get("allowed_token_ids"))
+    req.logit_bias = parse_logit_bias(body.get("logit_bias"))
+    req.allowed_token_ids = parse_allowed_token_ids(body.get("allowed_token_ids"))
     req.min_p = get_float(body, "min_p", 0.0)
     if not 0.0 <= req.min_p <= 1.0:
         raise APIError(f"'min_p' must be in [0, 1], got {req.min_p}", param="min_p")
@@ -364,9 +330,9 @@ def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
     if req.min_tokens < 0:
         raise APIError(f"'min_tokens' must be >= 0, got {req.min_tokens}", param="min_tokens")
     if chat:
-        _parse_chat_logprobs(body, req)
+        req.logprobs = parse_chat_logprobs(body)
     else:
-        req.logprobs = _logprobs_count(body, "logprobs")
+        req.logprobs = logprobs_count(body, "logprobs")
         req.echo = get_bool(body, "echo", False)
     if req.echo_without_generation:
         # vLLM's: the engine runs it with max_tokens 1 (its SamplingParams check min_tokens
@@ -386,7 +352,7 @@ def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
             param="min_tokens",
         )
 
-    _reject_unsupported(body, chat=chat)
+    reject_unsupported(body, chat=chat)
     try:
         req.structured_output = parse_structured_output(body)
     except UnsupportedStructuredKey as e:
@@ -405,205 +371,6 @@ def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
     req.ignored_fields = tuple(
         k for k in body if k not in (CHAT_FIELDS if chat else COMPLETION_FIELDS)
     )
-
-
-def _parse_logit_bias(bias: Any) -> dict[int, float]:
-    """OpenAI's ``logit_bias``: ``{"<token id>": bias}``, biases clamped to [-100, 100].
-    (Whether the ids are in the vocabulary is checked by the node, which knows it.)"""
-    if bias is None:
-        return {}
-    what = "an object mapping token ids to numbers"
-    if not isinstance(bias, dict):
-        raise bad_type("logit_bias", what, bias)
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise APIError(
-            f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
-            param="logit_bias",
-        )
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        # Keys are decimal token ids ("50256"); 19 digits at most keeps them 64-bit.
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19):
-            raise APIError(
-                f"'logit_bias' keys must be token ids (non-negative integers), got {key!r:.40}",
-                param="logit_bias",
-            )
-        if not is_number(value):
-            raise APIError(
-                f"'logit_bias' values must be numbers, got {type_name(value)} {value!r:.40} "
-                f"for token {key}",
-                param="logit_bias",
-                code="invalid_type",
-            )
-        out[int(key)] = max(-LOGIT_BIAS_CLAMP, min(LOGIT_BIAS_CLAMP, float(value)))
-    return out
-
-
-def _parse_allowed_token_ids(ids: Any) -> list[int] | None:
-    """vLLM's ``allowed_token_ids``: a list of token ids; null or empty is every id (the
-    field's neutral value before it was supported; vLLM refuses an empty list). (Whether
-    the ids are in the vocabulary is checked by the node, which knows it.)"""
-    if ids is None or ids == []:
-        return None
-    if not isinstance(ids, list):
-        raise bad_type("allowed_token_ids", "an array of non-negative integers", ids)
-    if len(ids) > MAX_ALLOWED_TOKEN_IDS:  # before the items: a long list is refused at once
-        raise APIError(
-            f"'allowed_token_ids' may hold at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}",
-            param="allowed_token_ids",
-        )
-    if not all(is_int(t) and t >= 0 for t in ids):
-        raise bad_type("allowed_token_ids", "an array of non-negative integers", ids)
-    return list(ids)
-
-
-def _parse_bad_words(words: Any) -> tuple[str, ...]:
-    """vLLM's ``bad_words``: a list of words (null or empty: none), each with a character
-    besides white space, at most ``MAX_BAD_WORDS`` of ``MAX_BAD_WORDS_CHARS`` in all."""
-    if words is None or words == []:
-        return ()
-    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-        raise bad_type("bad_words", "an array of strings", words)
-    if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > MAX_BAD_WORDS_CHARS:
-        raise APIError(
-            f"'bad_words' may hold at most {MAX_BAD_WORDS} words of {MAX_BAD_WORDS_CHARS} "
-            f"characters in all, got {len(words)} of {sum(map(len, words))}",
-            param="bad_words",
-        )
-    if not all(w.strip() for w in words):
-        raise APIError("'bad_words' may not hold an empty or blank word", param="bad_words")
-    return tuple(words)
-
-
-def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
-    """A log-probability count: >= 0 (a node's --max-logprobs bounds it: ``check_logprobs``)."""
-    value = get_int(body, name, None)
-    if value is not None and value < 0:
-        raise APIError(f"'{name}' must be >= 0, got {value}", param=name)
-    return value
-
-
-def check_logprobs(req: BaseRequest, limit: int, chat: bool) -> None:
-    """The request's log-probability counts within a node's ``--max-logprobs``."""
-    asked = [("top_logprobs" if chat else "logprobs", req.logprobs)]
-    asked.append(("prompt_logprobs", req.prompt_logprobs))
-    for name, k in asked:
-        if k is not None and k > limit:
-            raise APIError(
-                f"'{name}' is {k}, more than this server allows (--max-logprobs {limit})",
-                param=name,
-            )
-
-
-def _parse_chat_logprobs(body: dict[str, Any], req: BaseRequest) -> None:
-    wanted = get_bool(body, "logprobs", False)
-    top = _logprobs_count(body, "top_logprobs")
-    if top and not wanted:
-        raise APIError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
-    req.logprobs = (top or 0) if wanted else None
-
-
-# Fields vLLM knows that would change the answer, refused unless at their neutral value
-# (so a client relying on them is told, not silently ignored): name -> (is neutral, what).
-def _neutral_none(v: Any) -> bool:
-    return v is None or v == [] or v == {}
-
-
-_VLLM_FIELDS: dict[str, tuple[Any, str]] = {
-    "use_beam_search": (lambda v: v in (None, False), "= true (no beam search)"),
-    "length_penalty": (lambda v: v in (None, 1, 1.0), "other than 1"),
-    "logits_processors": (_neutral_none, ""),
-}
-_VLLM_CHAT_FIELDS: dict[str, tuple[Any, str]] = {
-    "documents": (_neutral_none, ""),
-}
-
-COMMON_FIELDS = frozenset(
-    {
-        "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-        "stop_token_ids", "ignore_eos", "stream", "stream_options", "kv_transfer_params",
-        "user", "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
-        "logit_bias", "min_p", "min_tokens", "logprobs", "include_stop_str_in_output",
-        "truncate_prompt_tokens", "return_tokens_as_token_ids", "return_token_ids",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "prompt_logprobs", "priority", "bad_words",
-        "allowed_token_ids", *STRUCTURED_FIELDS, *_VLLM_FIELDS,
-    }
-)  # fmt: skip
-# Every field each endpoint knows: supported, or refused at a value that would matter.
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix"}
-CHAT_FIELDS = COMMON_FIELDS | {
-    "messages", "max_completion_tokens", "chat_template_kwargs", "chat_template",
-    "top_logprobs", "tools",
-    "add_generation_prompt", "continue_final_message", "echo", "parallel_tool_calls",
-    "functions", "tool_choice", "function_call", *_VLLM_CHAT_FIELDS,
-}  # fmt: skip
-
-
-def _reject_vllm_fields(body: dict[str, Any], fields: dict[str, tuple[Any, str]]) -> None:
-    for name, (neutral, what) in fields.items():
-        if name in body and not neutral(body[name]):
-            raise unsupported(name, what)
-
-
-def _parse_n(body: dict[str, Any], req: BaseRequest) -> None:
-    """``n`` choices per prompt, at most ``MAX_CHOICES`` choices in all; ``best_of`` only
-    as ``n`` (all the choices drawn are returned)."""
-    n = get_int(body, "n", 1)
-    if n < 1:
-        raise APIError(f"'n' must be at least 1, got {n}", param="n")
-    req.n = n
-    best_of = get_int(body, "best_of", None)
-    if best_of is not None and best_of != n:
-        raise unsupported("best_of", f"= {best_of} (only best_of = n, here {n})")
-    choices = req.num_choices
-    if choices > MAX_CHOICES:
-        batch = getattr(req, "batch", None)
-        what = f"{len(batch)} prompts x n = {n}" if batch else f"n = {n}"
-        raise APIError(
-            f"a request may ask for at most {MAX_CHOICES} choices, got {choices} ({what})",
-            param="n" if n > 1 or not batch else "prompt",
-        )
-    if req.seed is not None and req.seed + n - 1 > INT64_MAX:
-        raise APIError(
-            f"'seed' + n - 1 must fit in a signed 64-bit integer (choice j samples with "
-            f"seed + j), got seed {req.seed} with n = {n}",
-            param="seed",
-        )
-
-
-def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
-    _reject_vllm_fields(body, _VLLM_FIELDS)
-    if chat:
-        _reject_vllm_fields(body, _VLLM_CHAT_FIELDS)
-    else:
-        if body.get("suffix") not in (None, ""):
-            raise unsupported("suffix", "")
-
-
-def check_structured(so: StructuredOutput | None) -> None:
-    """A request's structured output checked (its grammar is valid, within the limits):
-    a 400 naming its field otherwise, and when ``llguidance`` is missing. Not part of the
-    parse (it may take milliseconds: callers run it off the event loop); cached."""
-    if so is None:
-        return
-    try:
-        check_structured_output(so)
-    except StructuredOutputUnavailable as e:
-        raise APIError(str(e), param=e.param, code="unsupported_parameter") from e
-    except InvalidRequestError as e:
-        raise APIError(str(e), param=e.param, code="invalid_structured_output") from e
-
-
-def parse_max_tokens(body: dict[str, Any], name: str, default: int | None) -> int | None:
-    value = get_int(body, name, default)
-    if value is not None:
-        try:
-            check_max_tokens(value, name)
-        except InvalidRequestError as e:
-            raise APIError(str(e), param=e.param) from e
-    return value
 
 
 def _parse_prompt(body: dict[str, Any], req: CompletionRequest) -> None:
@@ -669,69 +436,3 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             param="kv_transfer_params",
         )
     return req
-
-
-# ---------------------------------------------------------------------------------------
-# Checks that need engine facts (served name, context length, vocabulary size)
-# ---------------------------------------------------------------------------------------
-
-
-def check_model(requested: str | None, served: str | Sequence[str]) -> None:
-    """``requested`` (a request's ``model``) is one of the ``served`` names, or None."""
-    names = [served] if isinstance(served, str) else list(served)
-    if requested is not None and requested not in names:
-        raise APIError(
-            f"The model '{requested}' does not exist; this server serves "
-            + ", ".join(f"'{n}'" for n in names),
-            param="model",
-            code="model_not_found",
-        )
-
-
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context
-    length; None: all). More than the context is a 400, as vLLM answers."""
-    if keep is None:
-        return ids
-    keep = max_model_len if keep == -1 else keep
-    if keep > max_model_len:
-        raise APIError(
-            f"'truncate_prompt_tokens' ({keep}) is greater than this model's context length "
-            f"({max_model_len})",
-            param="truncate_prompt_tokens",
-        )
-    return ids[-keep:] if len(ids) > keep else ids
-
-
-def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
-    for t in token_ids:
-        if not 0 <= t < vocab_size:
-            raise APIError(
-                f"token id {t} in '{param}' is out of range [0, {vocab_size})", param=param
-            )
-
-
-def resolve_max_tokens(
-    max_tokens: int | None, prompt_len: int, max_model_len: int, prompt_param: str = "prompt"
-) -> int:
-    """Check the context budget and return the completion budget.
-
-    ``max_tokens=None`` (chat without a limit) means "the rest of the context".
-    """
-    if prompt_len <= 0:
-        raise APIError(f"'{prompt_param}' must not be empty", param=prompt_param)
-    if prompt_len >= max_model_len and max_tokens is None:
-        max_tokens = 1  # report the prompt as the problem below
-    if max_tokens is None:
-        return max_model_len - prompt_len
-    total = prompt_len + max_tokens
-    if total > max_model_len:
-        where = "messages" if prompt_param == "messages" else "prompt"
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {total} tokens ({prompt_len} in the {where}, {max_tokens} for the "
-            f"completion). Please reduce the length of the {where} or completion.",
-            param=prompt_param if prompt_len >= max_model_len else "max_tokens",
-            code="context_length_exceeded",
-        )
-    return max_tokens

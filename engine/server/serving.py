@@ -34,14 +34,12 @@ from engine.server.jobs import Job, Step, engine_error, generate_steps, prompt_o
 from engine.server.json_body import parse_json_body
 from engine.server.logprobs import TokenIdStrings, TokenStrings
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import (
-    BaseRequest,
-    CompletionRequest,
+from engine.server.protocol import BaseRequest, CompletionRequest, parse_completion_request
+from engine.server.request_checks import (
     check_logprobs,
     check_model,
     check_structured,
     check_token_ids,
-    parse_completion_request,
     resolve_max_tokens,
     truncate_prompt,
 )

@@ -32,7 +32,7 @@ from engine.server.chat_protocol import (
 )
 from engine.server.engine_client import EngineClient
 from engine.server.json_body import parse_json_body
-from engine.server.protocol import check_model, check_token_ids
+from engine.server.request_checks import check_model, check_token_ids
 from engine.server.request_fields import APIError
 from engine.tokenizer import compile_chat_template, continue_final_message
 

@@ -23,7 +23,8 @@ from chaos_suite import (
 )
 
 from engine.server.chat_protocol import parse_chat_request
-from engine.server.protocol import check_structured, parse_completion_request
+from engine.server.protocol import parse_completion_request
+from engine.server.request_checks import check_structured
 
 # Complete answers of each shape (what greedy ``tiny`` answers, in two cases), and answers
 # that break it.

@@ -1,0 +1,105 @@
+"""Checks of a parsed request made after the parse, with what the parser does not know:
+the node's facts (served names, context length, vocabulary size, ``--max-logprobs``) and a
+structured output's grammar (compiled: milliseconds, so callers run it off the event loop).
+
+The node's HTTP layer (``serving``, ``tokenize``) and the proxy (``proxy/validation.py``,
+``proxy/serving.py``) call them on what ``protocol`` and ``chat_protocol`` parsed. Each
+error is an ``APIError`` whose ``param`` names the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.sampling_params import InvalidRequestError
+from engine.server.protocol import BaseRequest
+from engine.server.request_fields import APIError
+from engine.structured.compiler import StructuredOutputUnavailable, check_structured_output
+from engine.structured.spec import StructuredOutput
+
+
+def check_model(requested: str | None, served: str | Sequence[str]) -> None:
+    """``requested`` (a request's ``model``) is one of the ``served`` names, or None."""
+    names = [served] if isinstance(served, str) else list(served)
+    if requested is not None and requested not in names:
+        raise APIError(
+            f"The model '{requested}' does not exist; this server serves "
+            + ", ".join(f"'{n}'" for n in names),
+            param="model",
+            code="model_not_found",
+        )
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context
+    length; None: all). More than the context is a 400, as vLLM answers."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    if keep > max_model_len:
+        raise APIError(
+            f"'truncate_prompt_tokens' ({keep}) is greater than this model's context length "
+            f"({max_model_len})",
+            param="truncate_prompt_tokens",
+        )
+    return ids[-keep:] if len(ids) > keep else ids
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    for t in token_ids:
+        if not 0 <= t < vocab_size:
+            raise APIError(
+                f"token id {t} in '{param}' is out of range [0, {vocab_size})", param=param
+            )
+
+
+def resolve_max_tokens(
+    max_tokens: int | None, prompt_len: int, max_model_len: int, prompt_param: str = "prompt"
+) -> int:
+    """Check the context budget and return the completion budget.
+
+    ``max_tokens=None`` (chat without a limit) means "the rest of the context".
+    """
+    if prompt_len <= 0:
+        raise APIError(f"'{prompt_param}' must not be empty", param=prompt_param)
+    if prompt_len >= max_model_len and max_tokens is None:
+        max_tokens = 1  # report the prompt as the problem below
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    total = prompt_len + max_tokens
+    if total > max_model_len:
+        where = "messages" if prompt_param == "messages" else "prompt"
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {total} tokens ({prompt_len} in the {where}, {max_tokens} for the "
+            f"completion). Please reduce the length of the {where} or completion.",
+            param=prompt_param if prompt_len >= max_model_len else "max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def check_logprobs(req: BaseRequest, limit: int, chat: bool) -> None:
+    """The request's log-probability counts within a node's ``--max-logprobs``."""
+    asked = [("top_logprobs" if chat else "logprobs", req.logprobs)]
+    asked.append(("prompt_logprobs", req.prompt_logprobs))
+    for name, k in asked:
+        if k is not None and k > limit:
+            raise APIError(
+                f"'{name}' is {k}, more than this server allows (--max-logprobs {limit})",
+                param=name,
+            )
+
+
+def check_structured(so: StructuredOutput | None) -> None:
+    """A request's structured output checked (its grammar is valid, within the limits):
+    a 400 naming its field otherwise, and when ``llguidance`` is missing. Not part of the
+    parse (it may take milliseconds: callers run it off the event loop); cached."""
+    if so is None:
+        return
+    try:
+        check_structured_output(so)
+    except StructuredOutputUnavailable as e:
+        raise APIError(str(e), param=e.param, code="unsupported_parameter") from e
+    except InvalidRequestError as e:
+        raise APIError(str(e), param=e.param, code="invalid_structured_output") from e
