@@ -806,7 +806,10 @@ def test_live_a_grammar_its_bad_words_or_limits_stop_is_a_400_and_harms_no_one(
             body = {"model": MODEL, "prompt": "x", "max_tokens": 8, **extra, "stream": stream}
             resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
             assert resp.status_code == 400, (extra, resp.text)
-            assert resp.json()["error"]["code"] == "structured_output_stuck", resp.text
+            err = resp.json()["error"]
+            assert err["code"] == "structured_output_stuck", resp.text
+            # The field whose grammar could not go on (was null).
+            assert err["param"] == next(k for k in extra if k.startswith("guided_")), err
             got = _post(url, "/v1/completions", ok)["choices"][0]["token_ids"]
             assert got == want, extra
     assert metric(proxy.url, "pdproxy_node_failures_total") == failures

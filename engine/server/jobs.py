@@ -217,10 +217,25 @@ class Job:
         return body
 
 
-def engine_error(engine: EngineClient, message: str | None, code: str | None = None) -> APIError:
+def step_error(engine: EngineClient, job: Job, step: Any) -> APIError:
+    """``engine_error`` for ``job``'s step that ended with an error (None: no step came);
+    a stuck structured output names the request's field that asked for it."""
+    so = job.params.structured_output
+    return engine_error(
+        engine,
+        step.error if step is not None else None,
+        step.error_code if step is not None else None,
+        param=so.param if so is not None else None,
+    )
+
+
+def engine_error(
+    engine: EngineClient, message: str | None, code: str | None = None, param: str | None = None
+) -> APIError:
     """503 when the engine is dead (with why), a 409 for a prefill leg no decode node
     reserved (``KV_NOT_RESERVED``), a 400 for a structured output its request's own
-    constraints left without a next token, else a 500 carrying ``message``."""
+    constraints left without a next token (naming ``param``, the field that asked for
+    it), else a 500 carrying ``message``."""
     if not engine.healthy:
         reason = engine.dead_reason or message or "engine is not running"
         return APIError(
@@ -231,7 +246,7 @@ def engine_error(engine: EngineClient, message: str | None, code: str | None = N
         )
     if code == "structured_output_stuck":  # the request's own constraints leave no token
         return APIError(message or code, status_code=400, err_type="invalid_request_error",
-                        code=code)  # fmt: skip
+                        param=param, code=code)  # fmt: skip
     if code == KV_NOT_RESERVED:
         return APIError(message or code, status_code=409, err_type="invalid_request_error",
                         param="kv_transfer_params", code=code)  # fmt: skip

@@ -30,7 +30,7 @@ from engine.reasoning.output import ReasoningOutput
 from engine.sampling_params import MAX_LOGPROBS, InvalidRequestError
 from engine.server.chat_protocol import check_request_template, parse_chat_request
 from engine.server.engine_client import EngineClient
-from engine.server.jobs import Job, Step, engine_error, generate_steps, prompt_only
+from engine.server.jobs import Job, Step, engine_error, generate_steps, prompt_only, step_error
 from engine.server.json_body import parse_json_body
 from engine.server.logprobs import TokenIdStrings, TokenStrings
 from engine.server.metrics import ServerMetrics
@@ -409,9 +409,7 @@ class OpenAIServing:
         if first is None or first.finish_reason == "error":
             await steps.aclose()  # type: ignore[attr-defined]
             self._finish(job, "error")
-            raise engine_error(
-                self.engine, first.error if first else None, first.error_code if first else None
-            )
+            raise step_error(self.engine, job, first)
 
         async def cleanup() -> None:  # a client gone before the stream's first byte
             await steps.aclose()  # type: ignore[attr-defined]
@@ -440,7 +438,7 @@ class OpenAIServing:
                     break
         self._finish(job, last.finish_reason or "error")
         if last.finish_reason == "error":
-            raise engine_error(self.engine, last.error, last.error_code)
+            raise step_error(self.engine, job, last)
         return job.response("".join(texts), ids, last, entries, prompt)
 
     async def _stream(
@@ -454,7 +452,7 @@ class OpenAIServing:
             while step is not None:
                 if step.finish_reason == "error":
                     reason = "error"
-                    yield sse_event(engine_error(self.engine, step.error, step.error_code).body())
+                    yield sse_event(step_error(self.engine, job, step).body())
                     break
                 yield sse_event(job.chunk(step))
                 if step.finish_reason is not None:
@@ -515,9 +513,7 @@ class OpenAIServing:
             bad = next((f for f in firsts if f is None or f.finish_reason == "error"), False)
             if bad is not False:
                 self._finish(jobs[firsts.index(bad)], "error")  # the others: aborted below
-                raise engine_error(
-                    self.engine, bad.error if bad else None, bad.error_code if bad else None
-                )
+                raise step_error(self.engine, jobs[firsts.index(bad)], bad)
             streaming = True
             return SSEResponse(self._stream_many(jobs, firsts, steps, n), on_close=cleanup)
         except ClientDisconnected:
@@ -557,7 +553,7 @@ class OpenAIServing:
         while step is not None:
             if step.finish_reason == "error":
                 self._finish(job, "error")
-                yield engine_error(self.engine, step.error, step.error_code)
+                yield step_error(self.engine, job, step)
                 return
             yield job.chunk(step)
             if step.finish_reason is not None:
