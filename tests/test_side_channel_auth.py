@@ -174,18 +174,22 @@ def test_a_decode_leg_naming_a_peer_outside_the_allowlist_is_refused_before_any_
         d.shutdown()
 
 
+def _loopback_handshake(p: NixlConnectorScheduler) -> Handshake:
+    """A decode node's handshake from a loopback address, compatible with ``p``."""
+    return Handshake(
+        engine_id="d",
+        incarnation="i",
+        peer_key="d:i",
+        compat=p.compat,
+        ranks=({"num_blocks": 64},),
+        address="tcp://127.0.0.1:5600",
+    )
+
+
 def test_a_prefill_node_refuses_handshakes_from_peers_outside_its_allowlist():
     p = connector("producer", kv_allowed_peers="10.0.0.0/8")
     try:
-        shake = Handshake(
-            engine_id="d",
-            incarnation="i",
-            peer_key="d:i",
-            compat=p.compat,
-            ranks=({"num_blocks": 64},),
-            address="tcp://127.0.0.1:5600",
-        )
-        reply = decode_reply(p._handle(shake.to_wire()), HandshakeReply)
+        reply = decode_reply(p._handle(_loopback_handshake(p).to_wire()), HandshakeReply)
         assert isinstance(reply, Refusal) and "--kv-allowed-peers" in reply.error
         assert not p.service.peers
     finally:
@@ -386,14 +390,7 @@ def test_floods_of_unreadable_malformed_or_refused_messages_log_one_line_per_kin
     message, so a flood filled the log. Now each kind logs its first at once and then at
     most one line per 10 s; every message still gets its refusal."""
     p = connector("producer", kv_allowed_peers="10.0.0.0/8")
-    shake = Handshake(
-        engine_id="d",
-        incarnation="i",
-        peer_key="d:i",
-        compat=p.compat,
-        ranks=({"num_blocks": 64},),
-        address="tcp://127.0.0.1:5600",
-    ).to_wire()
+    shake = _loopback_handshake(p).to_wire()
     floods = {
         "unreadable": msgpack.packb([1, 2]),
         "malformed": msgpack.packb({"kind": "reserve", "transfer_id": 5}),

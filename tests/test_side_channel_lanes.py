@@ -148,21 +148,31 @@ def _add_remote(sch: Scheduler, rid: str, address: str, prompt: list[int]) -> No
     sch.add_request(Request(rid, prompt, SamplingParams(max_tokens=2), kv_transfer_params=params))
 
 
+def _decode_connector(
+    num_blocks: int, timeout: float = 60, max_num_seqs: int = 64
+) -> tuple[EngineConfig, nixl_scheduler.NixlConnectorScheduler]:
+    """A decode node's scheduler-side connector (tiny model, no liveness pings)."""
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+        kv_transfer=KVTransferConfig(
+            kv_connector="nixl",
+            kv_role="consumer",
+            kv_transfer_timeout=timeout,
+            peer_ping_interval=0,
+        ),
+    )
+    spec = KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
+    return cfg, nixl_scheduler.NixlConnectorScheduler(cfg, spec)
+
+
 def test_a_silent_prefill_peer_does_not_delay_reservations_to_a_healthy_one(monkeypatch):
     """Twelve reservations to a prefill node that never answers, then one to a healthy
     node: the healthy one is acknowledged while the silent ones still wait. With one
     shared 8-thread pool it waited until the silent node's calls timed out."""
     monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 20.0)
-    cfg = EngineConfig(
-        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
-        cache=CacheConfig(block_size=4, num_blocks=256),
-        kv_transfer=KVTransferConfig(
-            kv_connector="nixl", kv_role="consumer", kv_transfer_timeout=60, peer_ping_interval=0
-        ),
-    )
-    conn = nixl_scheduler.NixlConnectorScheduler(
-        cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
-    )
+    cfg, conn = _decode_connector(256)
     conn.set_worker_info([{"num_blocks": 256}])
     sch = Scheduler(cfg, 256, 256, conn)
     ctx = zmq.Context()
@@ -195,18 +205,8 @@ def test_silent_prefill_addresses_a_client_names_leave_lanes_for_a_paired_prefil
     paired with was refused at once (LaneFull; D recomputed). Addresses that never
     completed a handshake now share a small pool of lanes; a paired one still gets a lane."""
     monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 60.0)  # the silent calls stay stuck
-    cfg = EngineConfig(
-        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
-        cache=CacheConfig(block_size=4, num_blocks=2048),
-        # Room to start every request at once: those refused a lane recompute.
-        scheduler=SchedulerConfig(max_num_seqs=512),
-        kv_transfer=KVTransferConfig(
-            kv_connector="nixl", kv_role="consumer", kv_transfer_timeout=120, peer_ping_interval=0
-        ),
-    )
-    conn = nixl_scheduler.NixlConnectorScheduler(
-        cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
-    )
+    # Room to start every request at once: those refused a lane recompute.
+    cfg, conn = _decode_connector(2048, timeout=120, max_num_seqs=512)
     conn.set_worker_info([{"num_blocks": 2048}])
     conn._lanes.idle_s = 0.1  # the paired node's lane ends soon after its call (30 s live)
     sch = Scheduler(cfg, 2048, 2048, conn)
@@ -256,16 +256,7 @@ def test_a_flood_of_lane_refusals_logs_a_few_lines_the_first_one_and_what_it_hel
     logged at once, a proven peer's refusal is not held back behind the strangers' line,
     and the next line says how many were held back (every refusal is accounted for)."""
     monkeypatch.setattr(nixl_scheduler, "LANE_REFUSAL_LOG_S", 0.5)
-    cfg = EngineConfig(
-        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
-        cache=CacheConfig(block_size=4, num_blocks=64),
-        kv_transfer=KVTransferConfig(
-            kv_connector="nixl", kv_role="consumer", kv_transfer_timeout=60, peer_ping_interval=0
-        ),
-    )
-    conn = nixl_scheduler.NixlConnectorScheduler(
-        cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
-    )
+    cfg, conn = _decode_connector(64)
     conn._lanes.shutdown()
     conn._lanes = PeerLanes(max_lanes=2, max_unproven=1)  # one lane each, both kept busy
     busy = threading.Event()
