@@ -57,12 +57,7 @@ def parse_stop(body: dict[str, Any]) -> list[str]:
     else:
         raise bad_type("stop", "a string or an array of strings", stop)
     # Every token of the request is checked against them on the node's event loop.
-    if len(out) > MAX_STOP_STRINGS or sum(map(len, out)) > MAX_STOP_CHARS:
-        raise APIError(
-            f"'stop' may hold at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} "
-            f"characters in all, got {len(out)} of {sum(map(len, out))}",
-            param="stop",
-        )
+    _check_strings_bound("stop", out, "strings", MAX_STOP_STRINGS, MAX_STOP_CHARS)
     return out
 
 
@@ -140,12 +135,7 @@ def parse_bad_words(words: Any) -> tuple[str, ...]:
         return ()
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
         raise bad_type("bad_words", "an array of strings", words)
-    if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > MAX_BAD_WORDS_CHARS:
-        raise APIError(
-            f"'bad_words' may hold at most {MAX_BAD_WORDS} words of {MAX_BAD_WORDS_CHARS} "
-            f"characters in all, got {len(words)} of {sum(map(len, words))}",
-            param="bad_words",
-        )
+    _check_strings_bound("bad_words", words, "words", MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS)
     if not all(w.strip() for w in words):
         raise APIError("'bad_words' may not hold an empty or blank word", param="bad_words")
     return tuple(words)
@@ -260,3 +250,17 @@ def parse_max_tokens(body: dict[str, Any], name: str, default: int | None) -> in
         except InvalidRequestError as e:
             raise APIError(str(e), param=e.param) from e
     return value
+
+
+def _check_strings_bound(
+    name: str, values: list[str], what: str, max_count: int, max_chars: int
+) -> None:
+    """A 400 naming ``name`` when ``values`` hold more than ``max_count`` strings or more
+    than ``max_chars`` characters in all."""
+    chars = sum(map(len, values))
+    if len(values) > max_count or chars > max_chars:
+        raise APIError(
+            f"'{name}' may hold at most {max_count} {what} of {max_chars} characters in all, "
+            f"got {len(values)} of {chars}",
+            param=name,
+        )
