@@ -14,7 +14,13 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from engine.httpkit.fanout import gather_or_cancel, merge_bodies, merge_streams, sum_usage
+from engine.httpkit.fanout import (
+    gather_or_cancel,
+    merge_bodies,
+    merge_streams,
+    opened_in_index_order,
+    sum_usage,
+)
 from engine.httpkit.sse import SSE_DONE, sse_event
 from proxy.session import PassThrough, Session
 
@@ -61,8 +67,11 @@ async def _events(session: Session) -> AsyncIterator[tuple[str, bool]]:
 async def events_all(sessions: list[Session], n: int) -> AsyncIterator[str]:
     """The merged SSE body; always ends with [DONE]."""
     failed = False
-    async with contextlib.aclosing(merge_streams([_events(s) for s in sessions])) as merged:
-        async for _, (event, is_error) in merged:
+    merged = merge_streams([_events(s) for s in sessions])
+    # The choices open in index order, as vLLM's (each choice's leg answers when it does).
+    ordered = opened_in_index_order(merged, urgent=lambda item: item[1])
+    async with contextlib.aclosing(merged), contextlib.aclosing(ordered):
+        async for _, (event, is_error) in ordered:
             yield event
             if is_error:
                 failed = True

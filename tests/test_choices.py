@@ -15,14 +15,22 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 from harness import GREEDY, MODEL, PD, Proc, Procs, node_idle, sse_data, sse_events
+from openai.types.chat import ChatCompletionChunk
 
-from engine.httpkit.fanout import gather_or_cancel, merge_bodies, merge_streams, sum_usage
-from engine.httpkit.sse import SSEResponse
+from engine.httpkit.fanout import (
+    gather_or_cancel,
+    merge_bodies,
+    merge_streams,
+    opened_in_index_order,
+    sum_usage,
+)
+from engine.httpkit.sse import SSE_DONE, SSEResponse, sse_event
 from engine.server.chat_protocol import parse_chat_request
 from engine.server.field_parsers import MAX_CHOICES
 from engine.server.protocol import parse_completion_request
@@ -602,3 +610,63 @@ def test_a_stream_whose_client_left_before_its_first_byte_still_runs_its_cleanup
     response = SSEResponse(body(), on_close=on_close)
     asyncio.run(asyncio.wait_for(response(scope, receive, send), 10))
     assert closed == [True] and started == []
+
+
+def test_a_stream_of_choices_opens_them_in_index_order_as_vllm_and_the_openai_stream_helper_need() -> (
+    None
+):
+    """vLLM sends every choice's first chunk (the role) in index order before any other;
+    the ``openai`` package's ``chat.completions.stream`` helper relies on it (a choice
+    first seen before a lower one is an ``IndexError`` in its accumulator). Through the
+    proxy each choice is its own P/D pair, so choice 1's first chunk may arrive first."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    from proxy.choices import events_all
+
+    def chunk(i: int, delta: dict[str, Any], finish: str | None = None) -> str:
+        c = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+        body = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "choices": [c]}  # fmt: skip
+        return sse_event(body)
+
+    class FakeSession:
+        def __init__(self, i: int, wait: float) -> None:
+            self.index, self.wait, self.outcome, self.usage = i, wait, "ok", None
+            self.req = SimpleNamespace(parsed=SimpleNamespace(include_usage=False))
+
+        async def events(self) -> AsyncIterator[str]:
+            await asyncio.sleep(self.wait)  # choice 1's leg answers first
+            yield chunk(self.index, {"role": "assistant", "content": ""})
+            yield chunk(self.index, {"content": f"c{self.index}"})
+            yield chunk(self.index, {}, "stop")
+            yield SSE_DONE
+
+    async def main() -> list[str]:
+        sessions: Any = [FakeSession(0, 0.2), FakeSession(1, 0.0)]
+        return [e async for e in events_all(sessions, 2)]
+
+    events = asyncio.run(asyncio.wait_for(main(), 10))
+    chunks = [c for c in sse_data(ln for e in events for ln in e.splitlines()) if c != "DONE"]
+    firsts = list(dict.fromkeys(c["choices"][0]["index"] for c in chunks))
+    assert firsts == [0, 1]
+    state = ChatCompletionStreamState()
+    for c in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(c))
+    done = state.get_final_completion()
+    assert [(ch.index, ch.message.content) for ch in done.choices] == [(0, "c0"), (1, "c1")]
+
+
+def test_held_back_choices_keep_their_order_and_an_urgent_item_passes_at_once() -> None:
+    async def items(pairs: list[tuple[int, str]]) -> AsyncIterator[tuple[int, str]]:
+        for p in pairs:
+            yield p
+
+    async def run(pairs: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        ordered = opened_in_index_order(items(pairs), urgent=lambda s: s == "err")
+        return [p async for p in ordered]
+
+    got = asyncio.run(run([(2, "a"), (1, "b"), (2, "c"), (0, "d"), (1, "e")]))
+    assert got == [(0, "d"), (1, "b"), (2, "a"), (2, "c"), (1, "e")]
+    assert asyncio.run(run([(1, "a"), (1, "err")])) == [(1, "err"), (1, "a")]
+    # A child that never yields does not hold the others back past the end.
+    assert asyncio.run(run([(2, "a"), (1, "b")])) == [(1, "b"), (2, "a")]

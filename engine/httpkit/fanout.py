@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -83,6 +83,31 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
                 yield i, item
     finally:
         await _cancel_and_wait(tasks)
+
+
+async def opened_in_index_order(
+    merged: AsyncIterator[tuple[int, T]], urgent: Callable[[T], bool] = lambda _: False
+) -> AsyncIterator[tuple[int, T]]:
+    """``merged``'s ``(child index, item)`` pairs with child ``i``'s items held back until
+    children ``0 .. i-1`` have each passed one, so the children open in index order (each
+    one's own order kept): vLLM sends every choice's first chunk in index order, and the
+    ``openai`` package's stream helpers file a choice first seen before a lower one in the
+    wrong place (or fail). An ``urgent`` item (a failure that ends the stream) passes at
+    once; what is still held when ``merged`` ends follows in index order."""
+    opened = 0
+    held: dict[int, list[T]] = {}
+    async for i, item in merged:
+        if i < opened or urgent(item):
+            yield i, item
+            continue
+        held.setdefault(i, []).append(item)
+        while opened in held:
+            for x in held.pop(opened):
+                yield opened, x
+            opened += 1
+    for i in sorted(held):
+        for x in held[i]:
+            yield i, x
 
 
 def sum_usage(usages: Sequence[dict[str, Any] | None], n: int) -> dict[str, int]:

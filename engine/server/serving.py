@@ -20,7 +20,13 @@ from engine.httpkit.admission import Admission, overloaded_body
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.errors import json_error
-from engine.httpkit.fanout import gather_or_cancel, merge_bodies, merge_streams, sum_usage
+from engine.httpkit.fanout import (
+    gather_or_cancel,
+    merge_bodies,
+    merge_streams,
+    opened_in_index_order,
+    sum_usage,
+)
 from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.sse import SSE_DONE, SSEResponse, sse_event
 from engine.outputs import Logprobs
@@ -572,8 +578,11 @@ class OpenAIServing:
         ]
         try:
             failed = False
-            async with contextlib.aclosing(merge_streams(chunks)) as merged:
-                async for _, chunk in merged:
+            merged = merge_streams(chunks)
+            # The choices open in index order, as vLLM's (the openai package relies on it).
+            ordered = opened_in_index_order(merged, urgent=lambda c: isinstance(c, APIError))
+            async with contextlib.aclosing(merged), contextlib.aclosing(ordered):
+                async for _, chunk in ordered:
                     if isinstance(chunk, APIError):
                         failed = True
                         yield sse_event(chunk.body())
