@@ -265,6 +265,41 @@ def test_a_request_chat_template_needs_trust_request_chat_template() -> None:
         assert resp.status_code == 200, resp.text
 
 
+def test_reasoning_effort_is_a_chat_template_variable_as_vllm_passes_it() -> None:
+    """vLLM's ``reasoning_effort`` (the ``openai`` package sends it): one of its values or
+    null, passed to a Jinja chat template as ``reasoning_effort`` (over a
+    ``chat_template_kwargs`` one, as vLLM merges them); a template without the variable,
+    and the built-in one, are unchanged. Another value is a 400 naming it, as vLLM's."""
+    from engine.tokenizer import load_tokenizer
+    from proxy.validation import CHAT, validate_request
+
+    own = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}[{{ reasoning_effort }}]"
+    engine = ScriptedEngine(tokenizer=load_tokenizer("tiny", own))
+    client = _client(engine)
+    for body, want in (
+        ({"reasoning_effort": "low"}, b"<hi>[low]"),
+        ({"reasoning_effort": None}, b"<hi>[]"),
+        ({"chat_template_kwargs": {"reasoning_effort": "high"}}, b"<hi>[high]"),
+        ({"reasoning_effort": "none", "chat_template_kwargs": {"reasoning_effort": "x"}},
+         b"<hi>[none]"),
+    ):  # fmt: skip
+        resp = client.post("/v1/chat/completions", json={"messages": MSGS, **body})
+        assert resp.status_code == 200, resp.text
+        assert engine.seen[-1][0] == list(want)
+    plain = ScriptedEngine()  # the built-in template: accepted, no variable to set
+    resp = _client(plain).post(
+        "/v1/chat/completions", json={"messages": MSGS, "reasoning_effort": "medium"}
+    )
+    assert resp.status_code == 200, resp.text
+    for bad in ("bogus", 3, True):
+        body = {"messages": MSGS, "reasoning_effort": bad}
+        resp = client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "reasoning_effort"
+        with pytest.raises(Exception) as info:  # the proxy answers the same 400
+            validate_request(CHAT, json.dumps(body).encode(), ["m"], None)
+        assert getattr(info.value, "param", None) == "reasoning_effort"
+
+
 def test_the_proxy_passes_a_request_chat_template_to_the_nodes() -> None:
     from proxy.validation import CHAT, validate_request
 

@@ -21,6 +21,8 @@ from engine.server.request_fields import (
 from engine.tools.spec import ToolCalling, parse_tool_calling
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+# vLLM's values of ``reasoning_effort`` (its ChatCompletionRequest's Literal).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def _message_content(content: Any, i: int) -> str:
@@ -169,6 +171,28 @@ def check_request_template(template: str | None, trusted: bool) -> None:
         )
 
 
+def parse_reasoning_effort(body: dict[str, Any]) -> str | None:
+    """vLLM's ``reasoning_effort``: null or one of ``REASONING_EFFORTS`` (a 400 naming it
+    otherwise, as vLLM's validation answers)."""
+    value = body.get("reasoning_effort")
+    if value is not None and value not in REASONING_EFFORTS:
+        raise APIError(
+            f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)} or null, "
+            f"got {value!r:.40}",
+            param="reasoning_effort",
+        )
+    return value
+
+
+def template_kwargs(req: ChatCompletionRequest, jinja: bool) -> dict[str, Any]:
+    """The chat template's extra variables: ``chat_template_kwargs``, and on a Jinja
+    template ``reasoning_effort`` when the request sets it (vLLM passes it so, over a
+    ``chat_template_kwargs`` one; the built-in template has no variables)."""
+    if jinja and req.reasoning_effort is not None:
+        return {**req.chat_template_kwargs, "reasoning_effort": req.reasoning_effort}
+    return req.chat_template_kwargs
+
+
 def parse_generation_prompt(body: dict[str, Any]) -> tuple[bool, bool]:
     """``(add_generation_prompt, continue_final_message)``: vLLM's fields. Continuing the
     final message means no new assistant header (the default then); asking for both is
@@ -192,6 +216,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     req.chat_template_kwargs = parse_chat_template_kwargs(body)
     req.chat_template = parse_chat_template(body, req.chat_template_kwargs)
     req.add_generation_prompt, req.continue_final_message = parse_generation_prompt(body)
+    req.reasoning_effort = parse_reasoning_effort(body)
     mct = parse_max_tokens(body, "max_completion_tokens", None)
     mt = parse_max_tokens(body, "max_tokens", None)
     req.max_tokens = mct if mct is not None else mt

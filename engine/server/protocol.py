@@ -230,6 +230,9 @@ class ChatCompletionRequest(BaseRequest):
     # vLLM's chat ``echo``: the final message's text, put before the answer, when that
     # message is in the answer's role ("" otherwise, or without echo).
     chat_echo: str = ""
+    # vLLM's ``reasoning_effort``: a Jinja chat template's ``reasoning_effort`` variable
+    # (over a ``chat_template_kwargs`` one); None: not set.
+    reasoning_effort: str | None = None
 
 
 def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:

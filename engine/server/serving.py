@@ -34,7 +34,11 @@ from engine.reasoning import PARSERS as REASONING_PARSERS
 from engine.reasoning import parser_class as reasoning_parser_class
 from engine.reasoning.output import ReasoningOutput
 from engine.sampling_params import MAX_LOGPROBS, InvalidRequestError
-from engine.server.chat_protocol import check_request_template, parse_chat_request
+from engine.server.chat_protocol import (
+    check_request_template,
+    parse_chat_request,
+    template_kwargs,
+)
 from engine.server.engine_client import EngineClient
 from engine.server.jobs import Job, Step, engine_error, generate_steps, prompt_only, step_error
 from engine.server.json_body import parse_json_body
@@ -239,7 +243,9 @@ class OpenAIServing:
                 render_chat(
                     tok,
                     req.messages,
-                    req.chat_template_kwargs,
+                    template_kwargs(
+                        req, req.chat_template is not None or tok.supports_template_kwargs
+                    ),
                     req.add_generation_prompt,
                     req.continue_final_message,
                     req.tools.template_tools() if req.tools is not None else None,
