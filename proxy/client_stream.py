@@ -1,10 +1,11 @@
 """What a streamed client answer is made of: P's first chunk, then D's events rewritten.
 
-``ClientStream`` is the formatting half of a streamed ``Session`` (the other half runs the
-pairs, waits and retries): the proxy's id and ``created`` on every event, the assistant
-role once (chat), D's repeat of P's first token dropped (``Skipper``: unless D dropped it
-itself, ``--node-skip-first-token``) with its log-probability entry, and what the client
-has (for replays, and for the router when it remembers what nodes cache). A stream moved
+``ClientStream`` is the formatting part of a streamed ``Session`` (``proxy/session.py``
+runs the pairs, waits and retries; ``proxy/decode_relay.py`` reads D's stream and hands its
+events here): the proxy's id and ``created`` on every event, the assistant role once
+(chat), D's repeat of P's first token dropped (``Skipper``: unless D dropped it itself,
+``--node-skip-first-token``) with its log-probability entry, and what the client has (for
+replays, and for the router when it remembers what nodes cache). A stream moved
 to another pair after its decode node failed mid-answer (``--migration-limit``) replays
 the answer: what the client already has is checked token by token and dropped
 (``Skipper`` with ``expect``); a replay that differs ends the stream (``Diverged``).

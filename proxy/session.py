@@ -21,12 +21,6 @@ than "none") or, on a decode node with a reasoning parser (its ``/v1/kv_transfer
 says so), into reasoning and content -- D parses the whole answer, P's token included
 (often ``<think>``): they stream from D alone.
 
-Log probabilities: D does not compute what P did -- the first token (it arrives with the
-KV) and, with ``echo``, the prompt's entries -- and answers them with a null log
-probability; they are filled here from P's answer (the same tokens at the same indices,
-``engine.server.logprobs.fill_missing``). A pre-streamed first token carries P's entry,
-and D's entry for it is dropped with the token.
-
 A node that answers with load (429, or 503 ``overloaded``) is healthy: it stays in
 rotation, and the request moves to another node of that role that this request has not
 tried; when none is left, the client gets the node's answer and its ``Retry-After``.
@@ -42,7 +36,9 @@ the first token can be checked. Answers teach the router (prompt token counts; w
 decode node now caches).
 
 How a streamed answer is written for the client (ids, role, the first token dropped
-from D's stream) is ``proxy/client_stream.py``; this module runs the pairs.
+from D's stream) is ``proxy/client_stream.py``; how D's answer is read and relayed, with
+the log probabilities D leaves null filled from P's answer, is ``proxy/decode_relay.py``;
+this module runs the pairs.
 """
 
 from __future__ import annotations
@@ -56,25 +52,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.httpkit.sse import SSE_DONE, sse_event
-from engine.server.logprobs import fill_missing, has_missing, num_entries
 from engine.server.request_fields import APIError, error_body
 from kvconnector.base import transfer_seed
 from proxy.answers import parse_completion
 from proxy.client_stream import ClientStream, Diverged, first_tokens
 from proxy.config import ProxyConfig
-from proxy.decode_events import DecodeEvents
+from proxy.decode_relay import DecodeRelay
 from proxy.legs import Attempt, Legs, UpstreamError
 from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeHTTPError, NodeResponse
 from proxy.prefix import answer_suffix
 from proxy.router import NoHealthyNode, PairRefused, Route, Router
 from proxy.validation import ProxyRequest
-from proxy.waiting import wait_watched
 
 logger = logging.getLogger(__name__)
-
-# How long D's stream may wait for P's answer to fill the log probabilities D left null.
-LOGPROBS_WAIT_S = 30.0
 
 
 class PassThrough(Exception):
@@ -105,7 +96,6 @@ class Session:
         (``proxy/choices.py``): its stream's usage chunk is kept in ``usage``, not sent."""
         self.req, self.request_id, self.cfg = req, request_id, cfg
         self.index = index
-        self.usage: dict[str, Any] | None = None
         self.router, self.legs, self.metrics = router, legs, metrics
         self.arrival = time.monotonic()
         self.created = int(time.time())
@@ -133,14 +123,8 @@ class Session:
             or (tools is not None and tools.parses_calls)
         )
         self.prestream = req.stream and not req.parsed.stop and not self.shaped_by_d
-        self._lp_seen = 0  # log-prob entries of D's stream seen so far
-        self._p_answer: tuple[Attempt, Any] | None = None  # P's answer, per attempt
         self.first_chunk: str | None = None
         self._first_tid: str | None = None  # the transfer whose P sampled the first chunk
-        self._d_sent = False  # some of D's stream reached the client
-        self._last = 0.0  # when the client last got tokens (inter-token latency)
-        self._d_events: DecodeEvents | None = None  # D's stream, read ahead or not
-        self._d_events_for: Attempt | None = None  # the attempt whose stream it is
         self.ttft_seen = False
         self.outcome = "pending"  # "ok", "error" (reported to the client) or still pending
         self._closed = False
@@ -152,11 +136,20 @@ class Session:
         self.out = ClientStream(
             req, request_id, self.created, cfg.node_skip_first_token, index or 0
         )
+        self.relay = DecodeRelay(
+            req, request_id, self.out, router, metrics, poll_s=cfg.health_interval,
+            keep_usage=index is not None, on_token=self._saw_first_token,
+        )  # fmt: skip
 
     # -- shared ----------------------------------------------------------------------------
     @property
     def response_id(self) -> str:
         return self.out.response_id
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The stream's usage chunk, kept when this session is one choice of several."""
+        return self.relay.usage
 
     def _launch(self, allow_decode_only: bool = True) -> Attempt:
         """Start the next pair (or decode node alone); raises APIError 503 when no pair is
@@ -293,9 +286,7 @@ class Session:
         if self.current is not None:
             self.current.release()
             self.current = None
-        if self._d_events is not None:
-            self._d_events.close()
-            self._d_events = self._d_events_for = None
+        self.relay.close()
         if not self._closed:
             self._closed = True
             elapsed = time.monotonic() - self.arrival
@@ -333,10 +324,10 @@ class Session:
             self._saw_first_token()
             body.pop("kv_transfer_params", None)
             body["id"] = self.response_id
-            self._lp_seen = 0
-            await self._fill_logprobs(body)
+            self.relay.restart()
+            await self.relay.fill_logprobs(body, attempt)
             if self.req.parsed.prompt_logprobs is not None:
-                await self._fill_prompt_logprobs(body)
+                await self.relay.fill_prompt_logprobs(body, attempt)
             self.outcome = "ok"
             self.router.observe_usage(self.req.key, body)
             if self._keep_answer:
@@ -391,7 +382,7 @@ class Session:
                     raise attempt.d_task.exception()  # type: ignore[misc]
                 elif whole_from_d:
                     if peek is None:
-                        peek = asyncio.ensure_future(self._events_of(attempt).until_token())
+                        peek = asyncio.ensure_future(self.relay.events_of(attempt).until_token())
                     waits.add(peek)
                 await asyncio.wait(
                     waits, timeout=self.cfg.health_interval, return_when=asyncio.FIRST_COMPLETED
@@ -399,7 +390,7 @@ class Session:
                 if p_task.done():
                     break
                 if peek is not None and peek.done():
-                    events = self._events_of(attempt)
+                    events = self.relay.events_of(attempt)
                     if not events.ahead_has_token():
                         # Nothing went to the client yet: another pair may serve it.
                         raise UpstreamError(
@@ -453,16 +444,6 @@ class Session:
         # Shielded: giving D up must not cancel its leg here (``release`` does that).
         attempt.d_stream = await attempt.watched(asyncio.shield(attempt.d_task))
         return attempt.d_stream
-
-    def _events_of(self, attempt: Attempt) -> DecodeEvents:
-        """D's event stream of ``attempt`` (whose D leg answered), made once per attempt."""
-        if self._d_events is None or self._d_events_for is not attempt:
-            if self._d_events is not None:
-                self._d_events.close()
-            attempt.d_stream = attempt.d_task.result()
-            events = DecodeEvents(attempt.d_stream, attempt.d_gone, attempt.poll_s)
-            self._d_events, self._d_events_for = events, attempt
-        return self._d_events
 
     def _first_chunk(self, p_body: dict[str, Any]) -> str:
         self.router.observe_usage(self.req.key, p_body)
@@ -530,11 +511,11 @@ class Session:
         D's stream failing before any of it reached the client reruns the request: on a
         pair that agrees on P's first token when that was streamed, else on any route.
         Failing after some of it did, the stream moves (``--migration-limit``)."""
-        self._last = time.monotonic()
+        self.relay.tokens_sent()
         try:
             if self.first_chunk is not None:
                 yield self.first_chunk
-                self._last = time.monotonic()
+                self.relay.tokens_sent()
             self.out.decode_starts()
             assert self.current is not None
             try:
@@ -548,10 +529,12 @@ class Session:
                     await self._reopen_after_first_token()
             while True:
                 assert self.current is not None
-                events = self._events_of(self.current)
-                self._lp_seen, self._d_sent = 0, False
+                events = self.relay.events_of(self.current)
+                self.relay.restart()
                 try:
-                    async for chunk in self._relay(events):
+                    async for chunk in self.relay.relay(events, self.current):
+                        if self.relay.d_error:  # D's own error event, the relay's last
+                            self.outcome = "error"
                         yield chunk
                     if not events.done and self.outcome != "error":
                         raise UpstreamError(
@@ -560,7 +543,7 @@ class Session:
                     break
                 except (UpstreamError, NodeHTTPError) as e:
                     whole = self.out.sent_ids is None  # D's stream is the whole answer
-                    migrating = self._d_sent or self.out.has_decode_part
+                    migrating = self.relay.sent or self.out.has_decode_part
                     if migrating and (
                         self.out.finished
                         or self.migrations >= self.cfg.migration_limit
@@ -629,95 +612,3 @@ class Session:
             yield SSE_DONE
         finally:
             self.close()
-
-    async def _relay(self, events: DecodeEvents) -> AsyncIterator[str]:
-        """D's events, rewritten for the client (``_d_sent`` once one is yielded); D's
-        error event is forwarded and ends the relay (``outcome`` "error")."""
-        async for obj in events:
-            if "error" in obj:
-                self.metrics.errors.labels("stream_error").inc()
-                logger.warning("request %s: decode reported %s", self.request_id, obj)
-                self.outcome = "error"
-                self._d_sent = True
-                yield sse_event(obj)
-                return
-            if isinstance(obj.get("usage"), dict) and not obj.get("choices"):  # the last
-                self.router.observe_usage(self.req.key, obj)
-                if self.index is not None:
-                    self.usage = obj["usage"]  # the request's is the sum of its choices'
-                    continue
-            if self.req.parsed.logprobs is not None:
-                await self._fill_logprobs(obj)
-            out = self.out.rewrite(obj)
-            if out is None:
-                continue
-            n = len(out["choices"][0].get("token_ids") or []) if out["choices"] else 0
-            if n:
-                self._saw_first_token()
-                now = time.monotonic()
-                self.metrics.itl.observe((now - self._last) / n)
-                self._last = now
-            self._d_sent = True
-            yield sse_event(out)
-
-    async def _fill_logprobs(self, body: dict[str, Any]) -> None:
-        """Fill the log-prob entries D left null (what P computed) from P's answer; the
-        body is D's answer, or the next chunk of D's stream."""
-        try:
-            logprobs = body["choices"][0].get("logprobs")
-        except (KeyError, IndexError, TypeError, AttributeError):
-            return
-        chat = self.req.chat
-        start, self._lp_seen = self._lp_seen, self._lp_seen + num_entries(logprobs, chat)
-        if has_missing(logprobs, chat, start, echo=bool(self.req.parsed.echo)):
-            source = await self._prefill_logprobs()
-            if source is not None:
-                fill_missing(logprobs, source, chat, start)
-
-    async def _prefill_logprobs(self) -> Any:
-        """P's ``logprobs`` of the current attempt (None if it has no P leg or P's answer
-        did not come: D's entries then stay null)."""
-        with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
-            return (await self._prefill_answer())["choices"][0].get("logprobs")
-        return None
-
-    async def _fill_prompt_logprobs(self, body: dict[str, Any]) -> None:
-        """vLLM's ``prompt_logprobs`` (not streamed): D did not compute the prompt (its
-        entries are null); P's answer has them, for the same prompt tokens."""
-        where: Any = body if self.req.chat else (body.get("choices") or [{}])[0]
-        mine = where.get("prompt_logprobs") if isinstance(where, dict) else None
-        if not isinstance(mine, list) or any(e is not None for e in mine[1:]):
-            return  # D computed them itself (it prefilled the prompt)
-        with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
-            p_body = await self._prefill_answer()
-            theirs = (p_body if self.req.chat else p_body["choices"][0])["prompt_logprobs"]
-            if isinstance(theirs, list) and len(theirs) == len(mine):
-                where["prompt_logprobs"] = theirs
-
-    async def _prefill_answer(self) -> Any:
-        """P's answer of the current attempt (None if it has no P leg or the answer did not
-        come)."""
-        attempt = self.current
-        if attempt is None:
-            return None
-        if self._p_answer is not None and self._p_answer[0] is attempt:
-            return self._p_answer[1]
-        task = getattr(attempt, "p_task", None)
-        source = None
-        if task is not None:
-            # P's answer usually came before D's first token; else wait for it, up to
-            # LOGPROBS_WAIT_S, and no longer once P is unreachable (a hung P never answers).
-            p = attempt.p
-
-            def stop() -> BaseException | None:
-                return TimeoutError() if p is not None and p.unreachable else None
-
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(LOGPROBS_WAIT_S):
-                    await wait_watched(task, stop, self.cfg.health_interval)
-            if task.done() and not task.cancelled() and task.exception() is None:
-                source = task.result()
-            else:
-                logger.warning("request %s: no prefill answer for logprobs", self.request_id)
-        self._p_answer = (attempt, source)
-        return source
