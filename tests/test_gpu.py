@@ -206,3 +206,71 @@ def test_the_triton_forward_of_a_mixed_step_never_synchronizes_with_the_host():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_an_async_decode_step_launches_while_the_step_before_it_runs():
+    """Async scheduling with deferred read-back: step N+1 is packed, staged, filled with
+    step N's samples on the device and replayed (a decode graph) while step N still runs,
+    and its ids come back later. A sleep kernel queued behind step N keeps the device busy:
+    any wait hidden in that path (a staging slot reused before its copy ran, a host read in
+    the sampler, a read-back buffer) makes the host wait for the sleep, and the launch
+    returns late with its ids already there."""
+    import time
+
+    from engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledSeq, SchedulerOutput
+    from engine.worker.model_runner import ModelRunner
+
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", dtype="bfloat16"),
+        cache=CacheConfig(num_blocks=64),
+        parallel=ParallelConfig(device="cuda"),
+        scheduler=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=256, async_scheduling=True
+        ),
+    )
+    runner = ModelRunner(cfg, 0, 1, "cuda")
+    runner.init_kv_cache(64)
+    assert runner.graphs is not None and runner.defer_readback
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1, repetition_penalty=1.2),
+    ]
+    prompts = [list(range(1, 20)), list(range(30, 42))]
+    tables = [[1, 2], [3, 4]]
+
+    def step(i: int, starts: list[int]):
+        first = i == 0
+        seqs = [
+            ScheduledSeq(
+                f"r{j}",
+                prompts[j] if first else [PLACEHOLDER_TOKEN_ID],
+                starts[j],
+                tables[j] if first else [],
+                params[j] if first else None,
+                penalty_token_ids=prompts[j] if first and j == 1 else None,
+                num_prompt_tokens=len(prompts[j]),
+                num_blocks=len(tables[j]),
+                new_table=first,
+                samples=True,
+            )
+            for j in range(2)
+        ]
+        sched = SchedulerOutput(i, seqs)
+        runner.update_states(sched)
+        return runner.execute(sched)
+
+    starts = [len(p) for p in prompts]
+    step(0, [0, 0]).resolve_sampled()  # the prefill; then one decode to warm every buffer
+    step(1, starts).resolve_sampled()
+    out2 = step(2, [s + 1 for s in starts])  # step N, in flight
+    torch.cuda._sleep(int(2e9))  # ~1 s more of step N on the device
+    t0 = time.perf_counter()
+    out3 = step(3, [s + 2 for s in starts])  # step N+1: its placeholders are N's samples
+    launch_s = time.perf_counter() - t0
+    assert out3.pending_sampled is not None
+    in_flight = not out3.pending_sampled[1].ready()
+    assert in_flight and launch_s < 0.5, f"step N+1's launch waited for step N ({launch_s:.2f} s)"
+    for out in (out2, out3):
+        ids = out.resolve_sampled().sampled_token_ids
+        assert set(ids) == {"r0", "r1"}
+        assert all(0 <= t < runner.arch.vocab_size for t in ids.values())
