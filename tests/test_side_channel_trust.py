@@ -15,6 +15,7 @@ unguessable (docs/reliability.md, "Access").
 from __future__ import annotations
 
 import random
+import socket
 import threading
 import time
 from typing import Any
@@ -26,7 +27,7 @@ from harness import free_port, wait_for
 import kvconnector.nixl.decode_peers as decode_peers
 import kvconnector.nixl.prefill_links as prefill_links
 import kvconnector.nixl.producer as producer_module
-from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig, KVTransferConfig, ModelConfig
 from engine.core.request import Request
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import load_arch_config
@@ -316,18 +317,35 @@ def test_nothing_is_pushed_to_a_peer_before_its_address_answered_as_it(conns):
     assert not p.build_connector_meta(None, lambda rid: []).sends  # type: ignore[arg-type]
 
 
+def _bound(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
+
+
 def test_a_decode_node_restarted_at_the_same_address_replaces_the_old_one(conns):
     p = conns("producer")
     port = free_port()
     first = conns("consumer", side_channel_port=port)
     paired(p, first)
     first.shutdown()
+    # ZMQ releases the port a moment after the socket closed (on a loaded box, long
+    # enough for the first attempt to find it taken): held here for a moment, so the
+    # restart below always meets a taken port first.
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    wait_for(lambda: _bound(blocker, port), 10, "the side-channel port to be free")
+    blocker.listen()
+    threading.Timer(0.5, blocker.close).start()
     started: list[NixlConnectorScheduler] = []
 
     def restart() -> bool:
-        try:  # ZMQ releases the port a moment after the socket closed
+        try:
             started.append(conns("consumer", side_channel_port=port))
-        except SideChannelError:
+        except ConfigError as e:  # "--side-channel-port: ... in use"
+            assert isinstance(e.__cause__, SideChannelError), e
             return False
         return True
 
