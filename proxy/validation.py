@@ -72,9 +72,7 @@ def validate_request(
         )
     limit = max_model_len
     if limit is not None and parsed.max_tokens is not None and parsed.max_tokens >= limit:
-        name = "max_tokens"
-        if endpoint == CHAT and body.get("max_completion_tokens") is not None:
-            name = "max_completion_tokens"
+        name = parsed.max_tokens_param
         raise APIError(
             f"'{name}' is {parsed.max_tokens}, but this model's maximum context length "
             f"is {limit} tokens: the prompt's tokens plus '{name}' must fit in it",

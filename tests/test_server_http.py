@@ -440,6 +440,12 @@ def test_context_length(node: Proc, max_model_len: int) -> None:
     err = _assert_error(resp, 400, "max_tokens")
     assert f"maximum context length is {max_model_len} tokens" in err["message"]
     assert err["code"] == "context_length_exceeded"
+    # Chat's max_completion_tokens is named as sent (the node said max_tokens; the proxy
+    # named it right).
+    messages = [{"role": "user", "content": "hello"}]
+    body = {"messages": messages, "max_completion_tokens": max_model_len}
+    err = _assert_error(_post(node, "/v1/chat/completions", body), 400, "max_completion_tokens")
+    assert err["code"] == "context_length_exceeded"
     # A prompt as long as the context (ids, then text) leaves no room for the completion.
     resp = _post(node, "/v1/completions", {"prompt": [65] * max_model_len, "max_tokens": 1})
     assert _assert_error(resp, 400, "prompt")["param"] == "prompt"

@@ -220,6 +220,8 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     mct = parse_max_tokens(body, "max_completion_tokens", None)
     mt = parse_max_tokens(body, "max_tokens", None)
     req.max_tokens = mct if mct is not None else mt
+    if mct is not None:
+        req.max_tokens_param = "max_completion_tokens"
     parse_common(body, req, chat=True)
     req.tools = parse_tools(body)
     try:

@@ -72,6 +72,7 @@ class BaseRequest:
 
     model: str | None = None
     max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the field it came from (chat: or max_completion_tokens)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -348,10 +349,9 @@ def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
                 param="min_tokens",
             )
     elif req.max_tokens is not None and req.min_tokens > req.max_tokens:
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else ""
+        name = req.max_tokens_param
         raise APIError(
-            f"'min_tokens' ({req.min_tokens}) must be at most "
-            f"{name or 'max_tokens'} ({req.max_tokens})",
+            f"'min_tokens' ({req.min_tokens}) must be at most {name} ({req.max_tokens})",
             param="min_tokens",
         )
 

@@ -54,11 +54,16 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt"
 
 
 def resolve_max_tokens(
-    max_tokens: int | None, prompt_len: int, max_model_len: int, prompt_param: str = "prompt"
+    max_tokens: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    prompt_param: str = "prompt",
+    max_tokens_param: str = "max_tokens",
 ) -> int:
     """Check the context budget and return the completion budget.
 
-    ``max_tokens=None`` (chat without a limit) means "the rest of the context".
+    ``max_tokens=None`` (chat without a limit) means "the rest of the context";
+    ``max_tokens_param``: the field it came from, named by the error.
     """
     if prompt_len <= 0:
         raise APIError(f"'{prompt_param}' must not be empty", param=prompt_param)
@@ -73,7 +78,7 @@ def resolve_max_tokens(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {total} tokens ({prompt_len} in the {where}, {max_tokens} for the "
             f"completion). Please reduce the length of the {where} or completion.",
-            param=prompt_param if prompt_len >= max_model_len else "max_tokens",
+            param=prompt_param if prompt_len >= max_model_len else max_tokens_param,
             code="context_length_exceeded",
         )
     return max_tokens

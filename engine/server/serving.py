@@ -325,7 +325,7 @@ class OpenAIServing:
             max_tokens = req.max_tokens or 1
         else:
             max_tokens = resolve_max_tokens(
-                req.max_tokens, len(ids), self.engine.max_model_len, param
+                req.max_tokens, len(ids), self.engine.max_model_len, param, req.max_tokens_param
             )
             cap = self.sampling_defaults.get("max_tokens")  # generation config's max_new_tokens
             max_tokens = min(max_tokens, cap) if cap else max_tokens
