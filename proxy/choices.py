@@ -22,7 +22,8 @@ from engine.httpkit.fanout import (
     sum_usage,
 )
 from engine.httpkit.sse import SSE_DONE, sse_event
-from proxy.session import PassThrough, Session
+from proxy.retries import PassThrough
+from proxy.session import Session
 
 
 async def _each(

@@ -27,8 +27,9 @@ from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeClient, NodeHTTPError
 from proxy.nodes import NodePool
+from proxy.retries import PassThrough
 from proxy.router import Router
-from proxy.session import PassThrough, Session
+from proxy.session import Session
 from proxy.validation import CHAT, validate_request
 
 logger = logging.getLogger(__name__)

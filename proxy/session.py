@@ -3,7 +3,8 @@
 Non-streaming: P and D are called concurrently; D's answer (all tokens, the first one
 included) is the client's. Streaming: as soon as P answers, its first token goes to the
 client; D's stream follows with that token dropped (by D itself with
-``skip_first_token``, else here), so each token is sent exactly once.
+``skip_first_token``, else by ``proxy/client_stream.py``), so each token is sent exactly
+once.
 
 A pair failing (connection error, timeout, 5xx) before any of D's tokens reached the
 client is retried on another pair (``max_retries``). If P's first token was already
@@ -30,15 +31,16 @@ without pre-streaming, so that its refusal can still be the client's 429.
 
 The router may send an attempt to a decode node alone (``--disagg-min-prompt-tokens``;
 always for echo without generation, ``echo`` with ``max_tokens`` 0, which decodes
-nothing and needs no KV): it prefills the prompt itself and its answer (or stream) is the client's, as with stop
-strings. A retry after P's first token was streamed always takes a P/D pair, so that
-the first token can be checked. Answers teach the router (prompt token counts; what the
-decode node now caches).
+nothing and needs no KV): it prefills the prompt itself and its answer (or stream) is the
+client's, as with stop strings. A retry after P's first token was streamed always takes a
+P/D pair, so that the first token can be checked. Answers teach the router (prompt token
+counts; what the decode node now caches).
 
 How a streamed answer is written for the client (ids, role, the first token dropped
 from D's stream) is ``proxy/client_stream.py``; how D's answer is read and relayed, with
 the log probabilities D leaves null filled from P's answer, is ``proxy/decode_relay.py``;
-this module runs the pairs.
+what a failed attempt leads to (another pair, a node left out, D alone, the node's answer
+for the client) is ``proxy/retries.py``; this module runs the pairs.
 """
 
 from __future__ import annotations
@@ -62,23 +64,11 @@ from proxy.legs import Attempt, Legs, UpstreamError
 from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeHTTPError, NodeResponse
 from proxy.prefix import answer_suffix
+from proxy.retries import PassThrough, Retries
 from proxy.router import NoHealthyNode, PairRefused, Route, Router
 from proxy.validation import ProxyRequest
 
 logger = logging.getLogger(__name__)
-
-
-class PassThrough(Exception):
-    """A node refused the request (4xx, or overloaded): answer the client with the node's
-    error (and ``headers``, e.g. its ``Retry-After``)."""
-
-    def __init__(
-        self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(body.get("error", {}).get("message", ""))
-        self.status = status
-        self.body = body
-        self.headers = headers or {}
 
 
 class Session:
@@ -99,15 +89,13 @@ class Session:
         self.router, self.legs, self.metrics = router, legs, metrics
         self.arrival = time.monotonic()
         self.created = int(time.time())
-        self.attempts = 0
-        self.node_failures = 0
-        self.only_no_room = True  # every pair failed for want of room (409 not reserved)
         self.migrations = 0  # streams moved on after D failed mid-answer
-        self.excluded: set[str] = set()
-        # The next attempt without a prefill node. Echo without generation (``echo``,
-        # ``max_tokens`` 0) decodes nothing: no KV to move, D computes the prompt (and its
-        # log probabilities) alone and answers as a colocated node.
-        self.decode_alone = req.parsed.echo_without_generation
+        # What a failed attempt leads to, and the next routes' exclusions. Echo without
+        # generation (``echo``, ``max_tokens`` 0) decodes nothing: no KV to move, D computes
+        # the prompt (and its log probabilities) alone and answers as a colocated node.
+        self.retries = Retries(
+            request_id, cfg, router, metrics, decode_alone=req.parsed.echo_without_generation
+        )
         self.current: Attempt | None = None
         self.route: Route | None = None
         # Streaming state.
@@ -157,9 +145,9 @@ class Session:
         try:
             route = self.router.plan(
                 self.req.key,
-                self.excluded,
+                self.retries.excluded,
                 allow_decode_only=allow_decode_only,
-                decode_alone=self.decode_alone,
+                decode_alone=self.retries.decode_alone,
             )
         except NoHealthyNode as e:
             raise APIError(
@@ -168,7 +156,7 @@ class Session:
                 err_type="server_error",
                 code="no_healthy_nodes",
             ) from e
-        self.attempts += 1
+        self.retries.attempts += 1
         self.route = route
         p, d = route.prefill, route.decode
         if self.req.chat and d.reasoning_parser is not None:
@@ -190,7 +178,7 @@ class Session:
         if p is not None:
             logger.info(
                 "request %s: %s via prefill %s + decode %s (attempt %d, transfer %s)",
-                self.request_id, self.req.endpoint, p.url, d.url, self.attempts,
+                self.request_id, self.req.endpoint, p.url, d.url, self.retries.attempts,
                 self.current.transfer_id,
             )  # fmt: skip
         else:
@@ -198,7 +186,7 @@ class Session:
                 "request %s: %s on decode %s alone, prompt ~%.0f tokens, ~%.0f cached there "
                 "(attempt %d, transfer %s)",
                 self.request_id, self.req.endpoint, d.url, route.prompt_tokens or 0,
-                route.decode_cached_tokens or 0, self.attempts, self.current.transfer_id,
+                route.decode_cached_tokens or 0, self.retries.attempts, self.current.transfer_id,
             )  # fmt: skip
         return self.current
 
@@ -210,71 +198,6 @@ class Session:
         if self.route is not None and self.req.key is not None:
             suffix = answer_suffix(self.req.key, text, ids, calls, reasoned)
             self.router.answered(self.route, self.req.key, suffix)
-
-    def _failed(self, attempt: Attempt, err: UpstreamError, migrating: bool = False) -> None:
-        """Clean up a failed pair; raise unless another attempt is allowed (``migrating``:
-        the stream moves on under ``--migration-limit``, not ``--max-retries``)."""
-        attempt.release()
-        if err.overloaded:
-            err.node.mark_overloaded()
-            self._overloaded(err)
-            return
-        if err.params_refused and attempt.p is not None and err.node is attempt.d:
-            # D cannot pair with P (P's side channel is not in its --kv-allowed-peers, it
-            # has no KV connector): both nodes are fine, the router stops pairing them, and
-            # the request goes to another pair or to D alone. Not a retry: each refusal
-            # takes a pair out of the routes.
-            self.router.refuse_pair(attempt.p, attempt.d, err.detail, attempt.pair_key)
-            return
-        if err.not_reserved:  # the pair failed, not P: try without P, P stays healthy
-            logger.info("request %s: %s", self.request_id, err)
-        elif err.params_refused is not None:  # the proxy's parameters: never the client's
-            logger.warning("request %s: %s", self.request_id, err)
-            err.node.mark_failed(err.detail)
-        elif not err.node_fault:
-            logger.info("request %s refused by %s", self.request_id, err)
-            raise PassThrough(err.status or 400, err.body or error_body(str(err)))
-        else:
-            logger.warning("request %s: %s", self.request_id, err)
-            err.node.mark_failed(err.detail)
-        self.excluded.add(err.node.url)
-        if err.not_reserved:  # no other prefill node: D prefills by itself, as it just did
-            self.decode_alone = not self.router.has_other("prefill", self.excluded)
-        if not migrating:
-            self.node_failures += 1
-        self.only_no_room = self.only_no_room and err.not_reserved
-        if self.node_failures > self.cfg.max_retries:
-            if self.only_no_room:  # no decode node could take the KV in time: load, not a fault
-                logger.info("request %s: no pair had room: %s", self.request_id, err)
-                message = (
-                    f"the request found no room on {self.attempts} prefill/decode pair(s): no "
-                    "decode node reserved blocks for its KV in time; retry later"
-                )
-                raise PassThrough(
-                    503,
-                    error_body(message, "server_error", code="overloaded"),
-                    {"Retry-After": "1"},
-                ) from err
-            raise APIError(
-                f"the request failed on {self.attempts} prefill/decode pair(s); last error: {err}",
-                status_code=502,
-                err_type="server_error",
-                code="upstream_error",
-            ) from err
-        self.metrics.retries.labels(err.node.role).inc()
-
-    def _overloaded(self, err: UpstreamError) -> None:
-        """A node answered with load: try another node of its role that this request has
-        not tried; when none is left, raise the node's answer for the client."""
-        node = err.node
-        self.excluded.add(node.url)
-        if self.router.has_other(node.role, self.excluded):
-            logger.info("request %s: %s; trying another %s node", self.request_id, err, node.role)
-            self.metrics.retries.labels(node.role).inc()
-            return
-        logger.info("request %s: every %s node is overloaded: %s", self.request_id, node.role, err)
-        body = err.body or error_body(str(err), "rate_limit_error", code="overloaded")
-        raise PassThrough(err.status or 429, body, {"Retry-After": err.retry_after or "1"})
 
     def _saw_first_token(self) -> None:
         if not self.ttft_seen:
@@ -296,7 +219,7 @@ class Session:
             outcome = self.outcome if self.outcome != "pending" else "ended without an answer"
             logger.info(
                 "request %s finished: %s after %d attempt(s), %.3f s",
-                self.request_id, outcome, self.attempts, elapsed,
+                self.request_id, outcome, self.retries.attempts, elapsed,
             )  # fmt: skip
 
     # -- non-streaming ---------------------------------------------------------------------
@@ -308,7 +231,7 @@ class Session:
                 try:
                     resp = await attempt.wait_decode()
                 except UpstreamError as e:
-                    if e.node is not attempt.p or not self._d_may_answer_alone(attempt, e):
+                    if e.node is not attempt.p or not self.retries.d_may_answer_alone(attempt, e):
                         raise
                     resp = await self._decode_despite_prefill(attempt, e)
                 raw = await attempt.watched(resp.aread())
@@ -316,10 +239,10 @@ class Session:
                 attempt.d.mark_answered()
                 body = parse_completion(raw)
             except UpstreamError as e:
-                self._failed(attempt, e)
+                self.retries.failed(attempt, e)
                 continue
             except (NodeHTTPError, ValueError) as e:
-                self._failed(attempt, UpstreamError(attempt.d, f"reading the answer: {e}"))
+                self.retries.failed(attempt, UpstreamError(attempt.d, f"reading the answer: {e}"))
                 continue
             self._saw_first_token()
             body.pop("kv_transfer_params", None)
@@ -356,7 +279,7 @@ class Session:
                     await attempt.wait_decode()
                 return
             except UpstreamError as e:
-                self._failed(attempt, e)
+                self.retries.failed(attempt, e)
 
     async def _first_token(self, attempt: Attempt) -> dict[str, Any] | None:
         """P's answer, whose first token goes to the client before D's stream; or None:
@@ -413,7 +336,7 @@ class Session:
                         )  # fmt: skip
                         return None
             err = None if p_task.cancelled() else p_task.exception()
-            if whole_from_d and self._d_may_answer_alone(attempt, err):
+            if whole_from_d and self.retries.d_may_answer_alone(attempt, err):
                 assert isinstance(err, UpstreamError)
                 await self._decode_despite_prefill(attempt, err)
                 return None
@@ -422,19 +345,8 @@ class Session:
             if peek is not None and not peek.done():
                 peek.cancel()  # a read in flight stays with the stream (see DecodeEvents)
 
-    def _d_may_answer_alone(self, attempt: Attempt, err: BaseException | None) -> bool:
-        """P's leg failed as a node (connection broken, 5xx: a dead P), D's leg is still
-        going, and no other P is ready to retry on: D recomputes the prompt when its KV
-        does not come, as for a hung P, so its stream can be the whole answer."""
-        if not isinstance(err, UpstreamError) or not err.node_fault or err.not_reserved:
-            return False
-        if attempt.d_task.done() and attempt.d_task.exception() is not None:
-            return False
-        assert attempt.p is not None
-        return not self.router.has_other("prefill", self.excluded | {attempt.p.url})
-
     async def _decode_despite_prefill(self, attempt: Attempt, err: UpstreamError) -> NodeResponse:
-        """P failed (``_d_may_answer_alone``): P leaves the rotation, and D's answer (its
+        """P failed (``Retries.d_may_answer_alone``): P leaves the rotation, and D's answer (its
         headers come with its first token) is awaited, watched for a hung D."""
         err.node.mark_failed(err.detail)
         logger.warning(
@@ -460,11 +372,11 @@ class Session:
         self._seed_from(self._first_tid)
         while True:
             try:
-                attempt = self._launch(allow_decode_only=self.decode_alone)
+                attempt = self._launch(allow_decode_only=self.retries.decode_alone)
             except APIError as e:
                 if not isinstance(e.__cause__, PairRefused):
                     raise
-                self.decode_alone = True  # every later rerun too: no pair will be found
+                self.retries.decode_alone = True  # every later rerun too: no pair will be found
                 continue
             if attempt.decode_only:
                 self.out.whole_answer_next()
@@ -472,7 +384,7 @@ class Session:
                 try:
                     return await attempt.wait_decode()
                 except UpstreamError as e:
-                    self._failed(attempt, e)
+                    self.retries.failed(attempt, e)
                     continue
             try:
                 first = await attempt.wait_prefill(poll_s=self.cfg.health_interval)
@@ -482,7 +394,7 @@ class Session:
                     raise Diverged(f"first token {ids!r:.40} for {self.out.sent_ids!r:.40}")
                 return await attempt.wait_decode()
             except UpstreamError as e:
-                self._failed(attempt, e)
+                self.retries.failed(attempt, e)
 
     async def _reopen_whole(self, tid: str) -> NodeResponse:
         """D failed while its stream was the client's whole answer (not pre-streamed):
@@ -497,7 +409,7 @@ class Session:
             try:
                 return await attempt.wait_decode()
             except UpstreamError as e:
-                self._failed(attempt, e)
+                self.retries.failed(attempt, e)
 
     def _seed_from(self, tid: str | None) -> None:
         """Reruns of an unseeded request sample with the seed transfer ``tid`` drew from."""
@@ -522,7 +434,7 @@ class Session:
                 await self.current.wait_decode()
             except UpstreamError as e:
                 tid = self.current.transfer_id
-                self._failed(self.current, e)
+                self.retries.failed(self.current, e)
                 if self.out.sent_ids is None:
                     await self._reopen_whole(tid)
                 else:
@@ -566,7 +478,7 @@ class Session:
                             "request %s: %s before its first token; rerunning",
                             self.request_id, e,
                         )  # fmt: skip
-                    self._failed(self.current, e, migrating=migrating)
+                    self.retries.failed(self.current, e, migrating=migrating)
                     self.out.decode_starts()
                     if whole:
                         await self._reopen_whole(tid)

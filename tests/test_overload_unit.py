@@ -213,8 +213,9 @@ def test_a_stream_to_decode_nodes_that_just_refused_for_load_gets_the_429_even_w
     from proxy.metrics import ProxyMetrics
     from proxy.node_client import NodeClient
     from proxy.nodes import NodePool
+    from proxy.retries import PassThrough
     from proxy.router import Router
-    from proxy.session import PassThrough, Session
+    from proxy.session import Session
     from proxy.validation import COMPLETIONS, validate_request
     from tests.standin_http import SeenRequest, StandIn, answer
 

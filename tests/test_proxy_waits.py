@@ -760,7 +760,7 @@ def test_every_pair_failing_because_no_decode_node_reserved_in_time_is_a_503_to_
     were too full to reserve blocks within --kv-transfer-timeout): that is load, so the
     client gets 503 with Retry-After, not 502 upstream_error (found by a fault round: a
     decode node killed under load, the other full)."""
-    from proxy.session import PassThrough
+    from proxy.retries import PassThrough
 
     async def not_reserved(req: SeenRequest) -> bytes:
         body = {"error": {"message": "no decode node reserved blocks within 4 s",
