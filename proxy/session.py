@@ -32,9 +32,10 @@ without pre-streaming, so that its refusal can still be the client's 429.
 The router may send an attempt to a decode node alone (``--disagg-min-prompt-tokens``;
 always for echo without generation, ``echo`` with ``max_tokens`` 0, which decodes
 nothing and needs no KV): it prefills the prompt itself and its answer (or stream) is the
-client's, as with stop strings. A retry after P's first token was streamed always takes a
-P/D pair, so that the first token can be checked. Answers teach the router (prompt token
-counts; what the decode node now caches).
+client's, as with stop strings. A retry after P's first token was streamed takes a P/D
+pair that agrees on that token where one accepts; else D alone reruns it, its whole
+answer checked against what the client has (``_reopen_after_first_token``). Answers teach
+the router (prompt token counts; what the decode node now caches).
 
 How a streamed answer is written for the client (ids, role, the first token dropped
 from D's stream) is ``proxy/client_stream.py``; how D's answer is read and relayed, with
