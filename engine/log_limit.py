@@ -10,6 +10,7 @@ many were (so none goes unaccounted for in the log, only unwritten).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -60,3 +61,12 @@ class LimitedLog:
             msg += " (%d more like it in the last %gs, not logged)"
             args = (*args, quiet, self.period)
         self._log.warning(msg, *args)
+
+
+_HELD_BACK = re.compile(r"\((\d+) more like it in the last ")
+
+
+def held_back(line: str) -> int:
+    """How many lines a line written by ``LimitedLog`` says it held back (0: none)."""
+    m = _HELD_BACK.search(line)
+    return int(m.group(1)) if m else 0

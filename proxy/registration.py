@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse
 from engine.httpkit.auth import key_matches
 from engine.httpkit.body import read_body
 from engine.httpkit.errors import json_error
-from engine.log_limit import LogLimit
+from engine.log_limit import LimitedLog
 from engine.server.json_body import parse_json_body
 from engine.server.request_fields import APIError
 from kvconnector.nixl.peers import PeerAllowlist
@@ -223,12 +223,11 @@ async def serve_registration(
     except APIError as e:
         members.events["refused"] += 1  # every one is counted; the log is rate-limited
         client = request.client.host if request.client else "?"
-        if (quiet := _refusal_log.take()) is not None:
-            logger.warning(
-                "%s from %s refused (%d): %s%s", path, client, e.status_code, e.message,
-                f" ({quiet} more refused, not logged)" if quiet else "",
-            )  # fmt: skip
+        _refusal_log.warning(
+            "refused", "%s from %s refused (%d): %s", path, client, e.status_code, e.message
+        )
         return json_error(e)
 
 
-_refusal_log = LogLimit(1.0)  # a flood of unauthenticated posts must not flood the log
+# A flood of unauthenticated posts must not flood the log.
+_refusal_log = LimitedLog(logger, 1.0)

@@ -4,7 +4,6 @@ the calls to itself; calls to one peer run in order; every lane is bounded."""
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 
@@ -24,7 +23,7 @@ from engine.config import (
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.kv_cache_layout import KVCacheSpec
-from engine.log_limit import LogLimit
+from engine.log_limit import LogLimit, held_back
 from engine.model.config import load_arch_config
 from engine.sampling_params import SamplingParams
 from kvconnector.nixl.lanes import LaneFull, PeerLanes
@@ -240,12 +239,6 @@ def test_silent_prefill_addresses_a_client_names_leave_lanes_for_a_paired_prefil
         ctx.term()
 
 
-def _held_back(line: str) -> int:
-    """How many refusals a log line says it held back (0: it says none)."""
-    m = re.search(r"\((\d+) more refused", line)
-    return int(m.group(1)) if m else 0
-
-
 def test_a_flood_of_lane_refusals_logs_a_few_lines_the_first_one_and_what_it_held_back(
     monkeypatch, caplog
 ):
@@ -276,14 +269,14 @@ def test_a_flood_of_lane_refusals_logs_a_few_lines_the_first_one_and_what_it_hel
         took = time.monotonic() - start
         strangers = lines("tcp://10.")
         assert strangers[0].startswith("side channel: not calling tcp://10.0.0.0:9: "), strangers
-        assert "lanes of unproven peers in use" in strangers[0] and not _held_back(strangers[0])
+        assert "lanes of unproven peers in use" in strangers[0] and not held_back(strangers[0])
         assert len(strangers) <= 2 + took / 0.5, (len(strangers), took)  # was one per call
         assert len(lines("tcp://127.0.0.1:3")) == 1  # the proven class has its own line
         time.sleep(0.6)  # past the period: the next refusal is logged, with the count
         assert not conn._submit("tcp://10.1.0.0:9", busy.wait, proven=False)
         strangers = lines("tcp://10.")
         assert strangers[-1].startswith("side channel: not calling tcp://10.1.0.0:9")
-        assert len(strangers) + sum(_held_back(line) for line in strangers) == n + 1, strangers
+        assert len(strangers) + sum(held_back(line) for line in strangers) == n + 1, strangers
         # Every refusal counted (/metrics: pdserve_engine_kv_side_channel_calls_refused_total).
         assert conn.stats()["kv_side_channel_calls_refused_total"] == n + 2
     finally:

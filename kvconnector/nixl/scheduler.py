@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError
 from engine.core.request import RequestStatus
-from engine.log_limit import LimitedLog, LogLimit
+from engine.log_limit import LimitedLog
 from engine.model.config import load_arch_config
 from engine.sampling_params import InvalidRequestError
 from engine.stats import StatsGroup
@@ -145,7 +145,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._watching = False  # what the workers were last told (metadata ``watch``)
         self._lanes = PeerLanes()
         # Keyed by ``proven``: strangers' refusals never hold back a proven peer's line.
-        self._refusal_logs = {p: LogLimit(LANE_REFUSAL_LOG_S) for p in (True, False)}
+        self._lane_log = LimitedLog(logger, LANE_REFUSAL_LOG_S)  # kinds: proven, unproven
         self._peer_log = LimitedLog(logger, PEER_LOG_S)
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
         secret = kvc.kv_secret.encode() or None
@@ -621,12 +621,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         try:
             self._lanes.submit(peer, fn, *args, proven=proven)
         except LaneFull as e:
-            if (quiet := self._refusal_logs[proven].take()) is not None:
-                logger.warning(
-                    "side channel: not calling %s: %s%s", peer, e,
-                    f" ({quiet} more refused calls to {'' if proven else 'un'}proven peers "
-                    f"since the last such line, not logged)" if quiet else "",
-                )  # fmt: skip
+            kind = "proven" if proven else "unproven"
+            self._lane_log.warning(kind, "side channel: not calling %s: %s", peer, e)
             return False
         return True
 
