@@ -106,7 +106,8 @@ class DnsDiscovery:
             return TimeoutError(f"no answer within {LOOKUP_TIMEOUT_S:g} s")
         except NameNotFound:
             return []
-        except Exception as e:  # noqa: BLE001 - OSError, or e.g. UnicodeError (IDNA): this name's failure alone
+        # OSError, or e.g. UnicodeError (IDNA): this name's failure alone.
+        except Exception as e:  # noqa: BLE001
             return e
 
     async def refresh(self) -> None:

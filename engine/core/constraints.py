@@ -125,7 +125,9 @@ class SamplingConstraints:
         ]
         if not rows:
             return None, []
-        bitmask = fill_bitmask([(row, req.grammar) for row, req in rows], self.grammars.vocab_size)  # type: ignore[misc, union-attr]
+        assert self.grammars is not None  # a request has a grammar only where it compiles
+        states = [(row, req.grammar) for row, req in rows if req.grammar is not None]
+        bitmask = fill_bitmask(states, self.grammars.vocab_size)
         return bitmask, self._stuck(bitmask, [req for _, req in rows])
 
     def _stuck(self, bitmask: np.ndarray, reqs: list[Request]) -> list[Stuck]:

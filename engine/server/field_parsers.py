@@ -142,7 +142,8 @@ def parse_bad_words(words: Any) -> tuple[str, ...]:
 
 
 def logprobs_count(body: dict[str, Any], name: str) -> int | None:
-    """A log-probability count: >= 0 (a node's --max-logprobs bounds it: ``request_checks.check_logprobs``)."""
+    """A log-probability count: >= 0 (a node's --max-logprobs bounds it:
+    ``request_checks.check_logprobs``)."""
     value = get_int(body, name, None)
     if value is not None and value < 0:
         raise APIError(f"'{name}' must be >= 0, got {value}", param=name)
