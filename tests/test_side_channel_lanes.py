@@ -245,10 +245,10 @@ def test_a_flood_of_lane_refusals_logs_a_few_lines_the_first_one_and_what_it_hel
     """Every call refused at a lane bound was logged at WARNING, one line each: a client
     naming addresses that take the connection and never answer (a decode leg's prefill
     node is any allowed address) filled D's log with a line per request. Now at most one
-    line per peer class (proven, unproven) per ``LANE_REFUSAL_LOG_S``: the first refusal is
+    line per peer class (proven, unproven) per ``PEER_LOG_S``: the first refusal is
     logged at once, a proven peer's refusal is not held back behind the strangers' line,
     and the next line says how many were held back (every refusal is accounted for)."""
-    monkeypatch.setattr(nixl_scheduler, "LANE_REFUSAL_LOG_S", 0.5)
+    monkeypatch.setattr(nixl_scheduler, "PEER_LOG_S", 0.5)
     cfg, conn = _decode_connector(64)
     conn._lanes.shutdown()
     conn._lanes = PeerLanes(max_lanes=2, max_unproven=1)  # one lane each, both kept busy

@@ -47,10 +47,6 @@ from kvconnector.nixl.producer import Producer, Reservation
 from kvconnector.nixl.side_channel import SideChannelClient
 
 logger = logging.getLogger(__name__)
-# Handshake refusals: any address that reaches the side channel can ask for one (without
-# --kv-secret), so at most one line per this many seconds per kind, the next saying how
-# many were held back.
-REFUSAL_LOG_S = 10.0
 
 VERIFY_TIMEOUT_S = 2.0  # the ping of a new decode peer's claimed address
 
@@ -101,7 +97,9 @@ class PrefillService:
         self._closed = False
         self.handshakes = 0
         self.handshake_failures = 0
-        self._peer_log = LimitedLog(logger, REFUSAL_LOG_S)
+        # Handshake refusals: any address that reaches the side channel can ask for one
+        # (without --kv-secret): one line per kind per 10 s, the next counting the rest.
+        self._peer_log = LimitedLog(logger)
 
     # -- messages (the side-channel server's thread) --------------------------------------
     def handshake(self, msg: Handshake) -> HandshakeReply | Refusal:

@@ -87,12 +87,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0  # the failure notices this node sends
-# Calls refused at a lane bound: one log line per peer class (proven, unproven) per this
-# many seconds, saying how many it held back (a client names the peers: one line per
-# refused call let it fill the log).
-LANE_REFUSAL_LOG_S = 10.0
-# Refusals of messages a peer sent (malformed, for the other role): each kind at most one
-# line per this many seconds -- without --kv-secret anyone who reaches the port is read.
+# Lines others can provoke, each kind at most once per this many seconds (the next says
+# how many were held back): calls refused at a lane bound, per peer class (a client names
+# the peers), and refusals of messages a peer sent (malformed, for the other role; without
+# --kv-secret anyone who reaches the port is read).
 PEER_LOG_S = 10.0
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
@@ -145,7 +143,6 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._watching = False  # what the workers were last told (metadata ``watch``)
         self._lanes = PeerLanes()
         # Keyed by ``proven``: strangers' refusals never hold back a proven peer's line.
-        self._lane_log = LimitedLog(logger, LANE_REFUSAL_LOG_S)  # kinds: proven, unproven
         self._peer_log = LimitedLog(logger, PEER_LOG_S)
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
         secret = kvc.kv_secret.encode() or None
@@ -617,12 +614,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         ``proven``: the peer paired with this node (a prefill node that answered its
         handshake, a confirmed decode peer); peers a client named and that never did
         share a few lanes (``lanes.PeerLanes``). Refusals are logged at most once per
-        ``LANE_REFUSAL_LOG_S`` per class (proven or not), with a count of those held back."""
+        ``PEER_LOG_S`` per class (proven or not), with a count of those held back."""
         try:
             self._lanes.submit(peer, fn, *args, proven=proven)
         except LaneFull as e:
-            kind = "proven" if proven else "unproven"
-            self._lane_log.warning(kind, "side channel: not calling %s: %s", peer, e)
+            kind = "lane refused, proven" if proven else "lane refused, unproven"
+            self._peer_log.warning(kind, "side channel: not calling %s: %s", peer, e)
             return False
         return True
 
