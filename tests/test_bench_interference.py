@@ -125,7 +125,7 @@ def test_layout_report_headline_ratios_and_table():
     itl_row = next(ln for ln in table if ln.startswith("| ITL p99, ongoing"))
     assert itl_row.endswith("| 10.0 | 200.0 | 0.05 |")
     assert any("TTFT <= 400 ms, max ITL <= 100 ms" in ln for ln in table)
-    json.dumps(ib._clean(report))  # JSON-safe (NaN written as null)
+    json.dumps(ib.json_safe(report))  # JSON-safe (NaN written as null)
 
     one = _report(colocated=colo)  # a single layout: no ratio column
     assert one["ratios"] == {}

@@ -71,7 +71,7 @@ from engine.bench.interference_report import (
     ratios,
 )
 from engine.bench.serve import add_api_key_arg, auth_headers
-from engine.bench.stats import RequestResult, _json_float
+from engine.bench.stats import RequestResult, json_safe
 
 NEVER_DISAGGREGATE = 1_000_000_000  # --disagg-min-prompt-tokens: every prompt is "short"
 
@@ -574,16 +574,6 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def _clean(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    if isinstance(x, float):
-        return _json_float(x)
-    return x
-
-
 def run_interference(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     resolve(args)
     try:
@@ -648,7 +638,7 @@ def run_interference(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             print(f"{name}: error x{n}: {msg}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(_clean(report), f, indent=1)
+            json.dump(json_safe(report), f, indent=1)
         print(f"wrote {args.json}")
     if args.plot and plot_interference(report, args.plot):
         print(f"wrote {args.plot}")

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.bench.stats import RequestResult, ServeSummary, Summary, _json_float
+from engine.bench.stats import RequestResult, ServeSummary, Summary, _json_float, ratio
 
 LAYOUTS = ("pd", "colocated")
 LAYOUT_TITLES = {"pd": "P/D (1 P + 1 D)", "colocated": "colocated (2 nodes)"}
@@ -56,13 +56,6 @@ def goodput(
     if s.good_requests is None:  # no SLO: every completed request is good
         return s.completed, s.request_throughput
     return s.good_requests, s.goodput if s.goodput is not None else math.nan
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    """a / b, or None when either is missing or not finite, or b is 0."""
-    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)) or b == 0:
-        return None
-    return a / b
 
 
 @dataclass

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.bench.hf_baseline import first_prompt_match, run_hf
-from engine.bench.stats import Summary, _json_float
+from engine.bench.stats import Summary, json_safe
 from engine.bench.structured_specs import (
     STRUCTURED_KINDS,
     STRUCTURED_OUTPUT_LEN,
@@ -541,17 +541,7 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(_clean(report), f, indent=2)
+            json.dump(json_safe(report), f, indent=2)
         print(f"wrote {args.json}")
     sys.stdout.flush()
     return 0
-
-
-def _clean(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, float):
-        return _json_float(obj)
-    return obj

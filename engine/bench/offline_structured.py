@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from typing import Any
 
-from engine.bench.offline import _clean, _fmt, _median_numbers, run_engine
+from engine.bench.offline import _fmt, _median_numbers, run_engine
+from engine.bench.stats import json_safe, ratio
 from engine.bench.structured_specs import structured_error
 
 
@@ -69,10 +69,6 @@ def run_structured(
         last_specs = specs  # the last measured run's, one per request (both modes alike)
     sync, asyn = modes["sync"]["result"], modes["async"]["result"]
 
-    def ratio(a: Any, b: Any) -> float | None:
-        ok = isinstance(a, int | float) and isinstance(b, int | float) and b
-        return a / b if ok and math.isfinite(a) and math.isfinite(b) else None
-
     ms = {m: modes[m]["result"]["tpot_ms"]["mean"] for m in modes}
     same = sum(a == b for a, b in zip(outputs["sync"], outputs["async"], strict=True))
     report["structured"] = {
@@ -112,7 +108,7 @@ def run_structured(
     print(f"  example output: {modes['sync']['outputs'][0][:100]!r}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(_clean(report), f, indent=2)
+            json.dump(json_safe(report), f, indent=2)
         print(f"wrote {args.json}")
     for b in bad:
         print(f"error: an output does not follow its structured output: {b}")

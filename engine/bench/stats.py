@@ -72,6 +72,25 @@ def _json_float(v: float) -> float | None:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def json_safe(obj: Any) -> Any:
+    """``obj`` as ``json.dump`` writes it to a strict reader: NaN/inf as null, at any depth
+    (tuples as lists, keys as strings)."""
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, float):
+        return _json_float(obj)
+    return obj
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or not finite, or b is 0."""
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)) or b == 0:
+        return None
+    return a / b
+
+
 @dataclass
 class RequestResult:
     """What one benchmark request measured. Times in seconds (``perf_counter`` based)."""

@@ -60,7 +60,7 @@ import uuid
 from dataclasses import asdict
 from typing import Any
 
-from engine.bench.stats import _json_float
+from engine.bench.stats import json_safe
 from engine.bench.transfer_ranks import DTYPE_BYTES, BenchError, Geometry, RankProcs
 
 PATHS = ("connector", "raw", "copy")
@@ -509,18 +509,8 @@ def run_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     }
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(_clean(report), f, indent=1)
+            json.dump(json_safe(report), f, indent=1)
         print(f"wrote {args.json}")
     if args.plot and plot_transfer(report, args.plot):
         print(f"wrote {args.plot}")
     return 0 if report["all_data_ok"] else 1
-
-
-def _clean(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    if isinstance(x, float):
-        return _json_float(x)
-    return x
