@@ -297,7 +297,7 @@ def run_batch(
 # ---------------------------------------------------------------------------------------
 
 
-def _median_numbers(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def median_numbers(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The per-key median over measured runs of the top-level numbers (the last run's
     nested summaries)."""
     out = dict(runs[-1])
@@ -308,7 +308,7 @@ def _median_numbers(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _fmt(v: float | None, spec: str = ".1f") -> str:
+def fmt_number(v: float | None, spec: str = ".1f") -> str:
     return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:{spec}}"
 
 
@@ -461,7 +461,7 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         eng.dtype, eng.arch, eng.executor, eng.last, eng.last_prompts
     )  # fmt: skip
     report.update(eng.header())
-    result = _median_numbers(eng.runs)
+    result = median_numbers(eng.runs)
     report["iterations"] = eng.runs
     report["result"] = result
     report["step_ms"] = step_split = eng.step_split
@@ -477,10 +477,10 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     print(f"  total throughput        {result['total_tokens_per_s']:10.1f} tok/s (prompt + output)")
     print(f"  requests                {result['requests_per_s']:10.2f} req/s")
     print(
-        f"  TTFT mean/median        {_fmt(result['ttft_ms']['mean'])} / "
-        f"{_fmt(result['ttft_ms']['median'])} ms"
+        f"  TTFT mean/median        {fmt_number(result['ttft_ms']['mean'])} / "
+        f"{fmt_number(result['ttft_ms']['median'])} ms"
     )
-    print(f"  TPOT mean               {_fmt(result['tpot_ms']['mean'], '.3f')} ms/token")
+    print(f"  TPOT mean               {fmt_number(result['tpot_ms']['mean'], '.3f')} ms/token")
     if step_split:
         print(
             f"  per step (mean of {step_split['steps']:.0f})  schedule "
@@ -489,7 +489,9 @@ def run_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         )
     if n == 1:
         print(f"  single-stream TTFT      {result['single_ttft_ms']:10.2f} ms")
-        print(f"  ms per output token     {_fmt(result['ms_per_output_token'], '10.3f')} (decode)")
+        print(
+            f"  ms per output token     {fmt_number(result['ms_per_output_token'], '10.3f')} (decode)"
+        )
         print(f"  prefill                 {result['prefill_tokens_per_s']:10.1f} tok/s")
         flops = prefill_flops(arch, in_len)
         achieved = flops["total"] / (result["single_ttft_ms"] / 1e3)

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from engine.bench.offline import _fmt, _median_numbers, run_engine
+from engine.bench.offline import fmt_number, median_numbers, run_engine
 from engine.bench.stats import json_safe, ratio
 from engine.bench.structured_specs import structured_error
 
@@ -53,7 +53,7 @@ def run_structured(
             if why is not None:
                 invalid.append(f"{mode} request {i}: {why}")
         bad += invalid
-        result = _median_numbers(eng.runs)
+        result = median_numbers(eng.runs)
         modes[mode] = {
             "result": result,
             "iterations": eng.runs,
@@ -92,11 +92,11 @@ def run_structured(
     print(f"  {'':26}{'sync':>10}{'async':>10}{'async/sync':>12}")
     print(
         f"  {'output tok/s':26}{sync['output_tokens_per_s']:10.1f}"
-        f"{asyn['output_tokens_per_s']:10.1f}{_fmt(r['output_tokens_per_s'], '11.2f')}x"
+        f"{asyn['output_tokens_per_s']:10.1f}{fmt_number(r['output_tokens_per_s'], '11.2f')}x"
     )
     print(
-        f"  {'ms/token (TPOT mean)':26}{_fmt(ms['sync'], '10.3f')}{_fmt(ms['async'], '10.3f')}"
-        f"{_fmt(r['ms_per_output_token'], '11.2f')}x"
+        f"  {'ms/token (TPOT mean)':26}{fmt_number(ms['sync'], '10.3f')}{fmt_number(ms['async'], '10.3f')}"
+        f"{fmt_number(r['ms_per_output_token'], '11.2f')}x"
     )
     print(f"  {'elapsed ms':26}{sync['elapsed_s'] * 1e3:10.1f}{asyn['elapsed_s'] * 1e3:10.1f}")
     for key, label in (
