@@ -23,14 +23,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from chaos_suite import (
-    DEFER_READBACK_ENV,
-    FAULTS,
-    ChaosConfig,
-    failures,
-    format_table,
-    run_chaos,
-)
+from chaos_config import DEFER_READBACK_ENV, FAULTS, ChaosConfig
+from chaos_report import failures, format_table
+from chaos_suite import run_chaos
 
 pytest.importorskip("nixl._api")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -9,18 +9,9 @@ import random
 from pathlib import Path
 
 import pytest
-from chaos_suite import (
-    STRUCTURED,
-    STRUCTURED_CHECKS,
-    ChaosConfig,
-    Cluster,
-    Result,
-    body_of,
-    check_answer,
-    make_prompts,
-    make_specs,
-    public_config,
-)
+from chaos_cluster import Cluster
+from chaos_config import STRUCTURED, STRUCTURED_CHECKS, ChaosConfig, public_config
+from chaos_workload import Result, body_of, check_answer, make_prompts, make_specs
 
 from engine.server.chat_protocol import parse_chat_request
 from engine.server.protocol import parse_completion_request

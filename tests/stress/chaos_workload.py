@@ -1,0 +1,371 @@
+"""The chaos suite's workload: prompts, the request mix (``Spec``), one client's request
+and how it ended (``Result``), and the check of an answer against the colocated
+reference."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+from chaos_config import STRUCTURED, STRUCTURED_CHECKS, ChaosConfig, RefKey
+from harness import (
+    GREEDY,
+    MODEL,
+)
+
+# -- the workload ---------------------------------------------------------------------------
+
+
+_TEXT = """
+the of and to in is was for on that with as by at from his it an were are which this be
+river game home place state number best great old large line public last right city court
+stone road hill lake forest sea wind rain snow sun moon star sky cloud fire earth metal
+wood glass paper cloth bread milk fruit seed tree flower grass leaf root branch animal
+"""
+WORDS = _TEXT.split()
+
+
+def make_prompts(
+    n: int, rng: random.Random, long_bytes: tuple[int, int] = (300, 1400)
+) -> list[str]:
+    """``n`` prompts: a third short (~10-60 bytes), a third medium (~150-400), a third long
+    (~900-2000, the long ones share a 600-byte prefix in pairs: prefix-cache hits on D)."""
+
+    def text(nbytes: int) -> str:
+        words: list[str] = []
+        while sum(len(w) + 1 for w in words) < nbytes:
+            words.append(rng.choice(WORDS))
+        return " ".join(words)
+
+    prompts = []
+    shared = [text(600) for _ in range(max(1, n // 6))]
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            prompts.append(text(rng.randint(10, 60)))
+        elif kind == 1:
+            prompts.append(text(rng.randint(150, 400)))
+        else:
+            prompts.append(shared[(i // 3) % len(shared)] + " " + text(rng.randint(*long_bytes)))
+    return prompts
+
+
+@dataclass
+class Spec:
+    """One client request of the workload."""
+
+    index: int
+    round: int
+    prompt: int  # index into the prompt pool
+    chat: bool
+    stream: bool
+    max_tokens: int
+    label: str
+    abort: tuple[str, float] | None  # ("events", k) or ("after_s", t): the client leaves
+    burst: bool = False  # part of a fault's long-prompt burst
+    structured: int = -1  # an index into STRUCTURED; -1: none
+
+    @property
+    def ref_key(self) -> RefKey:
+        return (self.prompt, self.chat, self.max_tokens, self.structured)
+
+
+@dataclass
+class Result:
+    index: int
+    round: int
+    label: str
+    chat: bool
+    stream: bool
+    max_tokens: int
+    prompt_len: int
+    planned_abort: str | None
+    outcome: str = "pending"  # completed | errored | aborted | hung | broken
+    status: int | None = None
+    error: str | None = None
+    tokens: int = 0
+    wrong: bool = False
+    wrong_detail: str | None = None
+    elapsed_s: float = 0.0
+    burst: bool = False
+    ref_key: RefKey = (0, False, 0, -1)
+    finish: str | None = None  # a completed answer's finish reason
+    ids: list[int] = field(default_factory=list, repr=False)  # what the client got
+    text: str = field(default="", repr=False)
+
+    def public(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ids"], d["text"] = d["ids"][:16], d["text"][:80]
+        return d
+
+
+def make_specs(
+    cfg: ChaosConfig,
+    rng: random.Random,
+    round_no: int,
+    start: int,
+    n: int,
+    num_prompts: int,
+    long_only: bool = False,
+) -> list[Spec]:
+    specs = []
+    for i in range(start, start + n):
+        prompt = rng.randrange(num_prompts)
+        if long_only:
+            prompt = rng.choice([k for k in range(num_prompts) if k % 3 == 2])
+        stream = rng.random() < 0.5
+        abort = None
+        if rng.random() < cfg.abort_rate:
+            if stream and rng.random() < 0.6:
+                abort = ("events", float(rng.randint(0, 6)))
+            else:
+                abort = ("after_s", round(rng.uniform(0.02, 2.0), 3))
+        if rng.random() < cfg.reuse_rate:
+            label = f"dup-{rng.randrange(3)}"
+        else:
+            label = f"chaos-r{round_no}-{i}"
+        structured = -1
+        if cfg.structured_rate > 0 and rng.random() < cfg.structured_rate:  # draws only then:
+            structured = rng.randrange(len(STRUCTURED))  # a seed's plain workload stays
+        specs.append(
+            Spec(
+                i,
+                round_no,
+                prompt,
+                rng.random() < 0.15,
+                stream,
+                rng.choice(cfg.max_tokens),
+                label,
+                abort,
+                burst=long_only,
+                structured=structured,
+            )
+        )
+    return specs
+
+
+def body_of(spec: Spec, prompts: list[str]) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": spec.max_tokens, **GREEDY}
+    if spec.chat:
+        body["messages"] = [{"role": "user", "content": prompts[spec.prompt]}]
+    else:
+        body["prompt"] = prompts[spec.prompt]
+    if spec.stream:
+        body["stream"] = True
+    if spec.structured >= 0:
+        body.update(STRUCTURED[spec.structured])
+    return body
+
+
+def path_of(spec: Spec) -> str:
+    return "/v1/chat/completions" if spec.chat else "/v1/completions"
+
+
+def choice_text(choice: dict[str, Any], chat: bool) -> str:
+    if not chat:
+        return choice.get("text") or ""
+    part = choice.get("message") or choice.get("delta") or {}
+    return part.get("content") or ""
+
+
+def compute_references(
+    url: str,
+    keys: set[RefKey],
+    prompts: list[str],
+    refs: dict[RefKey, tuple[list[int], str]],
+    concurrency: int = 8,
+) -> None:
+    """The colocated node's answer (token ids, text) of every request shape in ``keys``
+    not in ``refs`` yet. Greedy answers do not depend on when they are computed, so this
+    runs after a round (the reference node idles during the chaos)."""
+    keys = sorted(set(keys) - set(refs))
+
+    def one(key: RefKey) -> None:
+        spec = Spec(0, 0, key[0], key[1], False, key[2], "chaos-ref", None, structured=key[3])
+        resp = httpx.post(url + path_of(spec), json=body_of(spec, prompts), timeout=300)
+        resp.raise_for_status()
+        (choice,) = resp.json()["choices"]
+        # ignore_eos: only a grammar ends an answer before max_tokens.
+        ends = ("length", "stop") if key[3] >= 0 else ("length",)
+        assert choice["finish_reason"] in ends, choice
+        refs[key] = (list(choice["token_ids"]), choice_text(choice, key[1]))
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(one, k) for k in keys]:
+            f.result()
+
+
+def run_request(proxy_url: str, spec: Spec, prompts: list[str], deadline_s: float) -> Result:
+    r = Result(
+        spec.index,
+        spec.round,
+        spec.label,
+        spec.chat,
+        spec.stream,
+        spec.max_tokens,
+        len(prompts[spec.prompt]),
+        f"{spec.abort[0]}={spec.abort[1]}" if spec.abort else None,
+        burst=spec.burst,
+        ref_key=spec.ref_key,
+    )
+    start = time.monotonic()
+    ids: list[int] = []
+    text = ""
+    leave_after_s = spec.abort[1] if spec.abort and spec.abort[0] == "after_s" else None
+    leave_after_events = int(spec.abort[1]) if spec.abort and spec.abort[0] == "events" else None
+    read_timeout = leave_after_s if leave_after_s is not None else deadline_s
+    timeout = httpx.Timeout(read_timeout, connect=10, write=10, pool=10)
+    headers = {"X-Request-Id": spec.label}
+    url = proxy_url + path_of(spec)
+    try:
+        with (
+            httpx.Client(timeout=timeout) as client,
+            client.stream("POST", url, json=body_of(spec, prompts), headers=headers) as resp,
+        ):
+            r.status = resp.status_code
+            if not spec.stream or resp.status_code != 200:
+                raw = _read_within(resp, start, leave_after_s, deadline_s)
+                _classify_body(r, resp.status_code, raw, spec.chat, ids_out=ids)
+                if r.outcome == "completed":
+                    text = _json_text(raw, spec.chat)
+            else:
+                events = 0
+                finish = None
+                ended = False
+                for line in resp.iter_lines():
+                    if time.monotonic() - start > deadline_s:
+                        r.outcome, r.error = "hung", f"stream still open after {deadline_s}s"
+                        break
+                    if leave_after_s is not None and time.monotonic() - start > leave_after_s:
+                        r.outcome = "aborted"
+                        break
+                    if not line:
+                        continue
+                    if not line.startswith("data: "):
+                        r.outcome, r.error = "broken", f"not an SSE data line: {line[:80]!r}"
+                        break
+                    data = line[6:]
+                    if data == "[DONE]":
+                        ended = True
+                        break
+                    try:
+                        ev = json.loads(data)
+                    except ValueError:
+                        r.outcome, r.error = "broken", f"event not JSON: {data[:80]!r}"
+                        break
+                    if "error" in ev:
+                        r.outcome = "errored"
+                        err = ev["error"] or {}
+                        r.error = f"event {err.get('code')}: {str(err.get('message'))[:160]}"
+                        continue  # [DONE] must follow
+                    for c in ev.get("choices", []):
+                        ids.extend(c.get("token_ids") or [])
+                        text += choice_text(c, spec.chat)
+                        finish = c.get("finish_reason") or finish
+                    events += 1
+                    if leave_after_events is not None and events >= leave_after_events:
+                        r.outcome = "aborted"
+                        break
+                if r.outcome == "pending":
+                    if not ended:
+                        r.outcome, r.error = "broken", "stream ended without [DONE]"
+                    elif finish in ("length", "stop"):
+                        r.outcome, r.finish = "completed", finish
+                    else:
+                        r.outcome, r.error = "errored", f"stream finished with {finish!r}"
+                elif r.outcome == "errored" and not ended:
+                    r.outcome = "broken"
+                    r.error = (r.error or "") + " (no [DONE] after the error event)"
+    except httpx.TimeoutException as e:
+        if leave_after_s is not None and time.monotonic() - start < deadline_s:
+            r.outcome = "aborted"
+        else:
+            r.outcome, r.error = "hung", f"{type(e).__name__} after {time.monotonic() - start:.0f}s"
+    except httpx.HTTPError as e:
+        r.outcome, r.error = "broken", f"{type(e).__name__}: {e}"[:200]
+    r.elapsed_s = round(time.monotonic() - start, 2)
+    r.tokens = len(ids)
+    r.ids, r.text = ids, text
+    return r
+
+
+def _read_within(
+    resp: httpx.Response, start: float, leave_after_s: float | None, deadline_s: float
+) -> bytes:
+    chunks = []
+    for chunk in resp.iter_bytes():
+        chunks.append(chunk)
+        if time.monotonic() - start > deadline_s:
+            raise httpx.ReadTimeout("deadline")
+    return b"".join(chunks)
+
+
+def _json_text(raw: bytes, chat: bool) -> str:
+    return choice_text(json.loads(raw)["choices"][0], chat)
+
+
+def _classify_body(r: Result, status: int, raw: bytes, chat: bool, ids_out: list[int]) -> None:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        r.outcome, r.error = "broken", f"{status} body not JSON: {raw[:120]!r}"
+        return
+    if status != 200:
+        err = body.get("error") if isinstance(body, dict) else None
+        if isinstance(err, dict) and err.get("message"):
+            r.outcome, r.error = (
+                "errored",
+                f"{status} {err.get('code')}: {str(err['message'])[:160]}",
+            )
+        else:
+            r.outcome, r.error = "broken", f"{status} without an error body: {raw[:120]!r}"
+        return
+    try:
+        (choice,) = body["choices"]
+    except (KeyError, TypeError, ValueError):
+        r.outcome, r.error = "broken", f"200 without one choice: {raw[:120]!r}"
+        return
+    ids_out.extend(choice.get("token_ids") or [])
+    if choice.get("finish_reason") in ("length", "stop"):
+        r.outcome, r.finish = "completed", choice["finish_reason"]
+    else:
+        r.outcome, r.error = "errored", f"200 finished with {choice.get('finish_reason')!r}"
+
+
+def check_answer(r: Result, ref: tuple[list[int], str]) -> None:
+    """Marks ``r`` wrong when its answer is not the reference's (or, for a partial answer,
+    not the start of it)."""
+    ids, text = r.ids, r.text
+    ref_ids, ref_text = ref
+    if r.outcome == "completed":
+        if ids != ref_ids:
+            r.wrong = True
+            at = next(
+                (i for i, (a, b) in enumerate(zip(ids, ref_ids, strict=False)) if a != b),
+                min(len(ids), len(ref_ids)),
+            )
+            r.wrong_detail = (
+                f"tokens differ at {at}: got {ids[at : at + 6]} want {ref_ids[at : at + 6]} "
+                f"(got {len(ids)} tokens, want {len(ref_ids)})"
+            )
+        elif text != ref_text:
+            r.wrong = True
+            r.wrong_detail = f"text differs: got {text[:60]!r} want {ref_text[:60]!r}"
+        elif r.ref_key[3] >= 0 and not STRUCTURED_CHECKS[r.ref_key[3]](text, r.finish == "stop"):
+            # The reference broke the grammar too: both nodes' masks went wrong the same way.
+            r.wrong = True
+            r.wrong_detail = (
+                f"answer (the reference's too) breaks its structured output "
+                f"{STRUCTURED[r.ref_key[3]]} (finish {r.finish!r}): {text[:60]!r}"
+            )
+    elif ids and ids != ref_ids[: len(ids)]:
+        # A partial answer (error event, client left) must still be the reference's start.
+        r.wrong = True
+        r.wrong_detail = (
+            f"partial answer is not a prefix of the reference: {ids[:8]} vs {ref_ids[:8]}"
+        )
