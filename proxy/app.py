@@ -23,6 +23,7 @@ from engine.httpkit.direct import FrontedApp
 from engine.httpkit.drain import Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers
 from engine.httpkit.request_id import RequestIdMiddleware
+from engine.responses_api.route import serve_responses
 from kvconnector.nixl.peers import PeerAllowlist
 from proxy.config import ProxyConfig
 from proxy.discovery import DiscoveryLoop, Membership
@@ -45,7 +46,7 @@ from proxy.validation import CHAT, COMPLETIONS
 
 logger = logging.getLogger(__name__)
 
-WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions"])
+WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 
 
 def health_client_connections(cfg: ProxyConfig) -> int:
@@ -140,10 +141,17 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> Fronted
     async def chat_completions(request: Request) -> Response:
         return await serving.generate(request, CHAT)
 
-    # Every request passes the kit's middlewares (request id, API key, drain); the two
+    async def responses(request: Request) -> Response:  # as a chat request, translated
+        return await serve_responses(request, chat_completions, cfg.max_request_bytes)
+
+    # Every request passes the kit's middlewares (request id, API key, drain); the
     # generation routes are then served past the router's layers (engine/httpkit/direct.py).
     app.set_front(
-        {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
+        {
+            "/v1/completions": completions,
+            "/v1/chat/completions": chat_completions,
+            "/v1/responses": responses,
+        },
         lambda inner: cfg.cors.wrap(
             RequestIdMiddleware(ApiKeyMiddleware(DrainMiddleware(inner, drainer), keys, open_paths))
         ),

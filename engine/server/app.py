@@ -22,17 +22,19 @@ from engine.httpkit.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drainer, DrainMiddl
 from engine.httpkit.errors import install_error_handlers
 from engine.httpkit.listen import DEFAULT_MAX_REQUEST_BYTES
 from engine.httpkit.request_id import RequestIdMiddleware
+from engine.responses_api.route import serve_responses
 from engine.sampling_params import MAX_LOGPROBS
 from engine.server.engine_client import EngineClient
 from engine.server.metrics import ServerMetrics
 from engine.server.serving import OpenAIServing
 from engine.server.tokenize import TokenizeServing
 
-WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions"])
+WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 ROUTES = frozenset(
     [
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/responses",
         "/v1/models",
         "/v1/abort",
         "/health",
@@ -109,12 +111,19 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await serving.chat_completions(request)
 
+    async def responses(request: Request) -> Response:  # as a chat request, translated
+        return await serve_responses(request, serving.chat_completions, max_request_bytes)
+
     # Every request passes the kit's middlewares (request id outermost: ids on every
-    # answer; admission inside drain and API key); the two generation routes are then
+    # answer; admission inside drain and API key); the generation routes are then
     # served past the router's layers (engine/httpkit/direct.py).
     keys = (api_key,) if api_key else ()
     app.set_front(
-        {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
+        {
+            "/v1/completions": completions,
+            "/v1/chat/completions": chat_completions,
+            "/v1/responses": responses,
+        },
         lambda inner: (cors or CorsPolicy()).wrap(
             RequestIdMiddleware(
                 ApiKeyMiddleware(

@@ -1,0 +1,161 @@
+"""A chat completion translated into a Responses API ``response`` object: its output
+items (reasoning, then the message, then function calls), status and usage."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engine.responses_api.request import ResponseEcho
+
+
+def response_id(chat_id: Any) -> str:
+    """``resp_<id>`` from a chat completion's ``chatcmpl-<id>``."""
+    text = str(chat_id or "")
+    return "resp_" + (text.removeprefix("chatcmpl-") or "0")
+
+
+def text_logprobs(chat_logprobs: Any) -> list[dict[str, Any]]:
+    """A chat choice's ``logprobs`` as an ``output_text``'s (the same entries, as a list)."""
+    if not isinstance(chat_logprobs, dict):
+        return []
+    out = []
+    for e in chat_logprobs.get("content") or []:
+        top = [
+            {"token": t.get("token"), "logprob": t.get("logprob"), "bytes": t.get("bytes")}
+            for t in e.get("top_logprobs") or []
+        ]
+        out.append(
+            {
+                "token": e.get("token"),
+                "logprob": e.get("logprob"),
+                "bytes": e.get("bytes"),
+                "top_logprobs": top,
+            }
+        )
+    return out
+
+
+def usage(chat_usage: Any) -> dict[str, Any] | None:
+    """Chat ``usage`` in the Responses API's names. Reasoning tokens are not counted apart
+    (``reasoning_tokens`` 0; they are in ``output_tokens``)."""
+    if not isinstance(chat_usage, dict):
+        return None
+    details = chat_usage.get("prompt_tokens_details") or {}
+    prompt = chat_usage.get("prompt_tokens") or 0
+    completion = chat_usage.get("completion_tokens") or 0
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {
+            "cached_tokens": details.get("cached_tokens") or 0,
+            "cache_write_tokens": 0,
+        },
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage.get("total_tokens") or prompt + completion,
+    }
+
+
+def reasoning_item(rid: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {
+        "id": "rs_" + rid,
+        "type": "reasoning",
+        "summary": [],
+        "content": content,
+        "status": status,
+    }
+
+
+def message_item(
+    rid: str, text: str, status: str, logprobs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    content = [] if status == "in_progress" else [output_text(text, logprobs)]
+    return {
+        "id": "msg_" + rid,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
+
+
+def output_text(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def function_call_item(
+    rid: str, index: int, call_id: Any, name: Any, arguments: str, status: str
+) -> dict[str, Any]:
+    return {
+        "id": f"fc_{rid}_{index}",
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def error_of(error: Any) -> dict[str, str]:
+    """A stream's error event as a failed response's ``error``: OpenAI's codes are a
+    closed list, so ``rate_limit_exceeded`` for an overloaded server and ``server_error``
+    for the rest; the server's own code follows the message."""
+    err = error if isinstance(error, dict) else {}
+    code = err.get("code") or err.get("type")
+    message = str(err.get("message") or "the response failed")
+    overloaded = code in ("overloaded", "too_many_requests", "rate_limit_error")
+    return {
+        "code": "rate_limit_exceeded" if overloaded else "server_error",
+        "message": f"{message} ({code})" if code and code != "server_error" else message,
+    }
+
+
+def status_of(finish_reason: Any) -> tuple[str, dict[str, Any] | None]:
+    """A response's ``status`` and ``incomplete_details`` from its choice's finish reason."""
+    if finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+def envelope(echo: ResponseEcho, rid: str, model: Any, created: Any, status: str) -> dict[str, Any]:
+    """A ``response`` object without output yet (``response.created``'s)."""
+    return {
+        "id": response_id(rid),
+        "object": "response",
+        "created_at": created if created is not None else int(time.time()),
+        "status": status,
+        "model": model if model is not None else "",
+        "output": [],
+        "error": None,
+        "incomplete_details": None,
+        "usage": None,
+        **echo.fields(),
+    }
+
+
+def response_object(echo: ResponseEcho, chat: dict[str, Any]) -> dict[str, Any]:
+    """The ``response`` object of chat completion body ``chat`` (one choice)."""
+    rid = str(chat.get("id") or "").removeprefix("chatcmpl-") or "0"
+    (choice,) = chat.get("choices") or [{}]
+    message = choice.get("message") or {}
+    finish = choice.get("finish_reason")
+    status, incomplete = status_of(finish)
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        items.append(reasoning_item(rid, message["reasoning_content"], "completed"))
+    calls = message.get("tool_calls") or []
+    text = message.get("content") or ""
+    if text or not (calls or items):  # an empty answer is an empty message
+        lp = text_logprobs(choice.get("logprobs"))
+        items.append(message_item(rid, text, status, lp))
+    for i, call in enumerate(calls):
+        fn = call.get("function") or {}
+        items.append(
+            function_call_item(
+                rid, i, call.get("id"), fn.get("name"), fn.get("arguments") or "", "completed"
+            )
+        )
+    body = envelope(echo, rid, chat.get("model"), chat.get("created"), status)
+    body.update(output=items, incomplete_details=incomplete, usage=usage(chat.get("usage")))
+    return body

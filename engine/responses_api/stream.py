@@ -1,0 +1,237 @@
+"""A chat completion stream translated into the Responses API's events.
+
+``ResponsesStream`` is fed the chat stream's chunks in order (``feed``), then its end
+(``finish``: the ``[DONE]``) or its failure (an error event: ``fail``), and answers the
+events each one makes. The events follow OpenAI's order: ``response.created`` and
+``response.in_progress`` first; each output item is opened (``output_item.added``, a
+content part), grows by deltas (reasoning text, output text, function-call arguments)
+and is closed (the ``.done`` events) before the next one opens; last comes
+``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it,
+``response.failed`` after an error) with the whole ``response`` object. ``sse`` frames
+an event (``event:`` + ``data:``; no ``[DONE]`` follows, as OpenAI's).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.responses_api import output as out
+from engine.responses_api.request import ResponseEcho
+
+Event = dict[str, Any]
+
+
+def sse(event: Event) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+class _Item:
+    """One output item being streamed: its kind, index in ``output`` and what it holds."""
+
+    def __init__(self, kind: str, index: int, call: int = -1) -> None:
+        self.kind, self.index, self.call = kind, index, call
+        self.text = ""
+        self.logprobs: list[dict[str, Any]] = []
+        self.call_id: Any = None
+        self.name: Any = None
+        self.body: dict[str, Any] = {}
+
+
+class ResponsesStream:
+    def __init__(self, echo: ResponseEcho) -> None:
+        self.echo = echo
+        self.seq = 0
+        self.rid = "0"
+        self.model: Any = None
+        self.created: Any = None
+        self.started = False
+        self.ended = False
+        self.items: list[_Item] = []
+        self.open: _Item | None = None
+        self.finish_reason: Any = None
+        self.usage: Any = None
+        self.pending_logprobs: list[dict[str, Any]] = []  # tokens whose text is not out yet
+
+    # -- framing ------------------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> Event:
+        event = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return event
+
+    def _response(self, status: str) -> dict[str, Any]:
+        return out.envelope(self.echo, self.rid, self.model, self.created, status)
+
+    # -- the chat stream ----------------------------------------------------------------------
+    def feed(self, chunk: dict[str, Any]) -> list[Event]:
+        """The events of one chat chunk (an error event: ``fail``)."""
+        if self.ended:
+            return []
+        if "error" in chunk:
+            return self.fail(chunk.get("error"))
+        events = self._start(chunk) if not self.started else []
+        for choice in chunk.get("choices") or []:
+            events += self._choice(choice)
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        return events
+
+    def _start(self, chunk: dict[str, Any]) -> list[Event]:
+        self.started = True
+        self.rid = str(chunk.get("id") or "").removeprefix("chatcmpl-") or "0"
+        self.model, self.created = chunk.get("model"), chunk.get("created")
+        return [
+            self._event("response.created", response=self._response("in_progress")),
+            self._event("response.in_progress", response=self._response("in_progress")),
+        ]
+
+    def _choice(self, choice: dict[str, Any]) -> list[Event]:
+        events: list[Event] = []
+        delta = choice.get("delta") or {}
+        self.pending_logprobs += out.text_logprobs(choice.get("logprobs"))
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if reasoning:
+            item, events = self._item("reasoning", events)
+            item.text += reasoning
+            events.append(
+                self._event("response.reasoning_text.delta", item_id=item.body["id"],
+                            output_index=item.index, content_index=0, delta=reasoning)
+            )  # fmt: skip
+        content = delta.get("content")
+        if content:
+            item, events = self._item("message", events)
+            lp, self.pending_logprobs = self.pending_logprobs, []
+            item.text += content
+            item.logprobs += lp
+            events.append(
+                self._event("response.output_text.delta", item_id=item.body["id"],
+                            output_index=item.index, content_index=0, delta=content, logprobs=lp)
+            )  # fmt: skip
+        for call in delta.get("tool_calls") or []:
+            events += self._tool_call(call)
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+        return events
+
+    def _tool_call(self, call: dict[str, Any]) -> list[Event]:
+        index = call.get("index", 0)
+        fn = call.get("function") or {}
+        item = next((i for i in self.items if i.kind == "call" and i.call == index), None)
+        events: list[Event] = []
+        if item is None:
+            events += self._close()
+            item = self._add("call", index)
+            item.call_id, item.name = call.get("id"), fn.get("name")
+            item.body = out.function_call_item(
+                self.rid, index, item.call_id, item.name, "", "in_progress"
+            )
+            events.append(
+                self._event("response.output_item.added", output_index=item.index,
+                            item=dict(item.body))
+            )  # fmt: skip
+        args = fn.get("arguments") or ""
+        if args:
+            item.text += args
+            events.append(
+                self._event("response.function_call_arguments.delta", item_id=item.body["id"],
+                            output_index=item.index, delta=args)
+            )  # fmt: skip
+        return events
+
+    def _add(self, kind: str, call: int = -1) -> _Item:
+        item = _Item(kind, len(self.items), call)
+        self.items.append(item)
+        self.open = item
+        return item
+
+    def _item(self, kind: str, events: list[Event]) -> tuple[_Item, list[Event]]:
+        """The open item of ``kind``, opened now (the open one closed first) if need be."""
+        if self.open is not None and self.open.kind == kind:
+            return self.open, events
+        events = events + self._close()
+        item = self._add(kind)
+        if kind == "reasoning":
+            item.body = out.reasoning_item(self.rid, "", "in_progress")
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item.body = out.message_item(self.rid, "", "in_progress", [])
+            part = out.output_text("", [])
+        item_id = item.body["id"]
+        events.append(
+            self._event("response.output_item.added", output_index=item.index,
+                        item=dict(item.body))
+        )  # fmt: skip
+        events.append(
+            self._event("response.content_part.added", item_id=item_id,
+                        output_index=item.index, content_index=0, part=part)
+        )  # fmt: skip
+        return item, events
+
+    def _close(self) -> list[Event]:
+        """The ``.done`` events of the open item (none open: none)."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        at = {"item_id": item.body["id"], "output_index": item.index}
+        if item.kind == "call":
+            item.body = out.function_call_item(
+                self.rid, item.call, item.call_id, item.name, item.text, "completed"
+            )
+            return [
+                self._event("response.function_call_arguments.done", **at,
+                            arguments=item.text, name=item.name),
+                self._event("response.output_item.done", output_index=item.index,
+                            item=item.body),
+            ]  # fmt: skip
+        if item.kind == "reasoning":
+            item.body = out.reasoning_item(self.rid, item.text, "completed")
+            part: dict[str, Any] = {"type": "reasoning_text", "text": item.text}
+            done = self._event("response.reasoning_text.done", **at, content_index=0,
+                               text=item.text)  # fmt: skip
+        else:
+            item.logprobs += self.pending_logprobs
+            self.pending_logprobs = []
+            item.body = out.message_item(self.rid, item.text, status, item.logprobs)
+            part = out.output_text(item.text, item.logprobs)
+            done = self._event("response.output_text.done", **at, content_index=0,
+                               text=item.text, logprobs=item.logprobs)  # fmt: skip
+        return [
+            done,
+            self._event("response.content_part.done", **at, content_index=0, part=part),
+            self._event("response.output_item.done", output_index=item.index, item=item.body),
+        ]
+
+    # -- the end --------------------------------------------------------------------------------
+    def finish(self) -> list[Event]:
+        """The chat stream's ``[DONE]``: the open item closed, then the final event."""
+        if self.ended:
+            return []
+        events = [] if self.started else self._start({})
+        if not self.items:  # nothing was said: an empty message, as a body has
+            _, events = self._item("message", events)
+        events += self._close()
+        self.ended = True
+        status, incomplete = out.status_of(self.finish_reason)
+        response = self._response(status)
+        response.update(
+            output=[i.body for i in self.items],
+            incomplete_details=incomplete,
+            usage=out.usage(self.usage),
+        )
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return events + [self._event(kind, response=response)]
+
+    def fail(self, error: Any) -> list[Event]:
+        """An error in the chat stream: ``response.failed`` carrying it."""
+        if self.ended:
+            return []
+        events = [] if self.started else self._start({})
+        self.ended = True
+        response = self._response("failed")
+        response.update(
+            output=[i.body for i in self.items],
+            error=out.error_of(error),
+            usage=out.usage(self.usage),
+        )
+        return events + [self._event("response.failed", response=response)]

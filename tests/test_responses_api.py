@@ -1,0 +1,361 @@
+"""The Responses API (``POST /v1/responses``) in process: a request translated into a
+chat request (each refusal a 400 naming the Responses field), a chat body into a
+``response`` object, a chat stream into typed events that add up to the same object, and
+both checked against the ``openai`` SDK's own models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from starlette.responses import JSONResponse
+
+from engine.responses_api.output import response_object
+from engine.responses_api.request import to_chat
+from engine.responses_api.route import answer, events, responses_param
+from engine.responses_api.stream import ResponsesStream
+from engine.server.request_fields import APIError
+
+openai_types = pytest.importorskip("openai.types.responses")
+pydantic = pytest.importorskip("pydantic")
+EVENT = pydantic.TypeAdapter(openai_types.ResponseStreamEvent)
+
+
+def _err(body: dict[str, Any]) -> APIError:
+    with pytest.raises(APIError) as e:
+        to_chat(body)
+    return e.value
+
+
+def test_string_input_is_one_user_message_after_the_instructions():
+    chat, echo = to_chat(
+        {"model": "m", "input": "hi", "instructions": "be brief", "max_output_tokens": 5}
+    )
+    assert chat == {
+        "model": "m",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+    }
+    assert echo.instructions == "be brief" and echo.max_output_tokens == 5
+    fields = echo.fields()
+    assert fields["store"] is False and fields["tool_choice"] == "auto"
+    assert fields["text"] == {"format": {"type": "text"}}
+
+
+def test_input_items_become_chat_messages_with_tool_calls_on_the_assistant_turn():
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    chat, _ = to_chat(
+        {
+            "input": [
+                {"role": "developer", "content": "rules"},
+                {"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "let me see"}]},
+                call,
+                {**call, "call_id": "c2"},
+                {"type": "function_call_output", "call_id": "c1", "output": "one"},
+                {"type": "function_call_output", "call_id": "c2",
+                 "output": [{"type": "input_text", "text": "two"}]},
+            ]
+        }
+    )  # fmt: skip
+    fn = {"name": "f", "arguments": "{}"}
+    assert chat["messages"] == [
+        {"role": "developer", "content": "rules"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "let me see", "tool_calls": [
+            {"id": "c1", "type": "function", "function": fn},
+            {"id": "c2", "type": "function", "function": fn},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+    ]  # fmt: skip
+    # A function call with no assistant turn before it opens one.
+    chat, _ = to_chat({"input": [{"role": "user", "content": "x"}, call]})
+    assert chat["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": fn}]}  # fmt: skip
+
+
+def test_sampling_fields_pass_and_chat_only_fields_do_not():
+    chat, echo = to_chat(
+        {
+            "input": "x", "temperature": 0.5, "top_p": 0.9, "seed": 3, "ignore_eos": True,
+            "stream": True, "messages": [{"role": "user", "content": "smuggled"}], "n": 4,
+            "max_tokens": 99,
+        }
+    )  # fmt: skip
+    assert chat["messages"] == [{"role": "user", "content": "x"}]
+    assert (chat["temperature"], chat["top_p"], chat["seed"], chat["ignore_eos"]) == (
+        0.5, 0.9, 3, True,
+    )  # fmt: skip
+    assert "n" not in chat and "max_tokens" not in chat
+    assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
+    assert echo.ignored_fields == ("messages", "n", "max_tokens")
+
+
+def test_tools_tool_choice_text_format_reasoning_and_logprobs_translate():
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    chat, echo = to_chat(
+        {
+            "input": "x",
+            "tools": [{"type": "function", "name": "f", "parameters": schema, "strict": True}],
+            "tool_choice": {"type": "function", "name": "f"},
+            "parallel_tool_calls": False,
+            "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}},
+            "reasoning": {"effort": "low"},
+            "include": ["message.output_text.logprobs"],
+            "top_logprobs": 2,
+        }
+    )
+    assert chat["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}
+    ]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert chat["parallel_tool_calls"] is False
+    assert chat["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "s", "schema": schema},
+    }
+    assert chat["reasoning_effort"] == "low"
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 2
+    assert echo.reasoning == {"effort": "low", "summary": None}
+    assert to_chat({"input": "x", "text": {"format": {"type": "json_object"}}})[0][
+        "response_format"
+    ] == {"type": "json_object"}
+    assert "logprobs" not in to_chat({"input": "x", "include": ["reasoning.encrypted_content"]})[0]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "background": True}, "background"),
+        ({}, "input"),
+        ({"input": []}, "input"),
+        ({"input": 7}, "input"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]},
+         "input[0].output"),
+        ({"input": "x", "instructions": 5}, "instructions"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "max_output_tokens": "9"}, "max_output_tokens"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "tools": {"type": "function"}}, "tools"),
+        ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice.type"),
+        ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
+        ({"input": "x", "reasoning": "high"}, "reasoning"),
+        ({"input": "x", "include": "logprobs"}, "include"),
+        ({"input": "x", "top_logprobs": -1}, "top_logprobs"),
+        ({"input": "x", "truncation": "middle"}, "truncation"),
+        ({"input": "x", "metadata": ["a"]}, "metadata"),
+        ({"input": "x", "stream": "yes"}, "stream"),
+    ],
+)  # fmt: skip
+def test_refusals_name_the_responses_field(body, param):
+    e = _err(body)
+    assert e.status_code == 400 and e.param == param, (e.param, e.message)
+
+
+def test_chat_errors_are_renamed_to_responses_fields():
+    assert responses_param("messages[3].content") == "input"
+    assert responses_param("max_tokens") == "max_output_tokens"
+    assert responses_param("response_format.json_schema.schema") == "text.format.schema"
+    assert responses_param("tools[2].function.name") == "tools[2].name"
+    assert responses_param("reasoning_effort") == "reasoning.effort"
+    assert responses_param("temperature") == "temperature"
+    assert responses_param(None) is None
+    _, echo = to_chat({"input": "x"})
+    body = {"error": {"message": "'tools[0].function.name' must be", "type": "invalid_request_error",
+                      "param": "tools[0].function.name", "code": None}}  # fmt: skip
+    resp = answer(JSONResponse(body, status_code=400, headers={"x-keep": "1"}), echo)
+    out = json.loads(resp.body)
+    assert resp.status_code == 400 and resp.headers["x-keep"] == "1"
+    assert out["error"]["param"] == "tools[0].name"
+    assert out["error"]["message"] == "'tools[0].name' must be"
+
+
+def _chat_body(message: dict[str, Any], finish: str = "stop") -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-abc",
+        "object": "chat.completion",
+        "created": 7,
+        "model": "m",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+                  "prompt_tokens_details": {"cached_tokens": 4}},
+    }  # fmt: skip
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+
+
+def test_response_object_holds_reasoning_then_message_then_calls():
+    _, echo = to_chat({"input": "x", "max_output_tokens": 9})
+    msg = {"role": "assistant", "reasoning_content": "hmm", "content": "yes", "tool_calls": [CALL]}
+    r = response_object(echo, _chat_body(msg))
+    openai_types.Response.model_validate(r)
+    assert r["id"] == "resp_abc" and r["status"] == "completed" and r["created_at"] == 7
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message", "function_call"]
+    assert r["output"][0]["content"] == [{"type": "reasoning_text", "text": "hmm"}]
+    assert r["output"][1]["content"][0]["text"] == "yes"
+    assert r["output"][2] | {} == {
+        "id": "fc_abc_0", "type": "function_call", "call_id": "call_1", "name": "f",
+        "arguments": '{"a":1}', "status": "completed",
+    }  # fmt: skip
+    assert r["usage"] == {
+        "input_tokens": 5, "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},
+        "output_tokens": 9,
+        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 14,
+    }  # fmt: skip
+    assert r["max_output_tokens"] == 9 and r["store"] is False
+    # Calls alone: no message; an empty answer: one empty message; cut: incomplete.
+    only_calls = response_object(echo, _chat_body({"content": None, "tool_calls": [CALL]}))
+    assert [o["type"] for o in only_calls["output"]] == ["function_call"]
+    empty = response_object(echo, _chat_body({"content": ""}))
+    assert [o["content"][0]["text"] for o in empty["output"]] == [""]
+    cut = response_object(echo, _chat_body({"content": "ab"}, "length"))
+    assert cut["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut["output"][0]["status"] == "incomplete"
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish, **extra}
+    return {"id": "chatcmpl-abc", "created": 7, "model": "m", "choices": [choice]}
+
+
+def _stream(chunks: list[dict[str, Any]], echo: Any) -> list[dict[str, Any]]:
+    s = ResponsesStream(echo)
+    out = [e for c in chunks for e in s.feed(c)] + s.finish()
+    for e in out:
+        EVENT.validate_python(e)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    return out
+
+
+def test_a_stream_adds_up_to_the_body():
+    _, echo = to_chat({"input": "x"})
+    usage = _chat_body({})["usage"]
+    chunks = [
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"reasoning_content": "hm"}),
+        _chunk({"reasoning_content": "m"}),
+        _chunk({"content": "ye"}),
+        _chunk({"content": "s"}),
+        _chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                "function": {"name": "f", "arguments": '{"a"'}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ":1}"}}]}, "tool_calls"),
+        {"id": "chatcmpl-abc", "created": 7, "model": "m", "choices": [], "usage": usage},
+    ]  # fmt: skip
+    evs = _stream(chunks, echo)
+    assert [e["type"] for e in evs] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    final = evs[-1]["response"]
+    msg = {"role": "assistant", "reasoning_content": "hmm", "content": "yes", "tool_calls": [CALL]}
+    body = response_object(echo, _chat_body(msg, "tool_calls"))
+    assert final == body
+    assert [e["output_index"] for e in evs if e["type"] == "response.output_item.done"] == [0, 1, 2]
+
+
+def test_a_cut_stream_ends_incomplete_and_an_empty_one_with_an_empty_message():
+    _, echo = to_chat({"input": "x", "max_output_tokens": 2})
+    evs = _stream(
+        [_chunk({"role": "assistant", "content": ""}), _chunk({"content": "ab"}, "length")], echo
+    )
+    assert evs[-1]["type"] == "response.incomplete"
+    assert evs[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert evs[-1]["response"] == response_object(echo, _chat_body({"content": "ab"}, "length")) | {
+        "usage": None
+    }
+    empty = _stream([_chunk({"role": "assistant", "content": ""}, "stop")], echo)
+    assert [o["type"] for o in empty[-1]["response"]["output"]] == ["message"]
+
+
+def test_logprobs_follow_the_text_they_belong_to():
+    _, echo = to_chat({"input": "x", "top_logprobs": 1})
+    lp = {"content": [{"token": "a", "logprob": -1.0, "bytes": [97], "top_logprobs": []}]}
+    evs = _stream([_chunk({"content": ""}, logprobs=lp), _chunk({"content": "a"})], echo)
+    deltas = [e for e in evs if e["type"] == "response.output_text.delta"]
+    assert [d["logprobs"][0]["token"] for d in deltas] == ["a"]
+    assert evs[-1]["response"]["output"][0]["content"][0]["logprobs"][0]["logprob"] == -1.0
+
+
+def _run_events(pieces: list[str]) -> list[dict[str, Any]]:
+    _, echo = to_chat({"input": "x"})
+
+    async def chunks():
+        for p in pieces:
+            yield p
+
+    async def collect():
+        return [e async for e in events(chunks(), echo)]
+
+    out = []
+    for frame in asyncio.run(collect()):
+        kind, data = frame.split("\n")[:2]
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        out.append(event)
+    return out
+
+
+def test_sse_frames_split_anywhere_are_read_whole():
+    text = (
+        "".join(
+            f"data: {json.dumps(c)}\n\n"
+            for c in [
+                _chunk({"role": "assistant", "content": ""}),
+                _chunk({"content": "hi"}, "stop"),
+            ]
+        )
+        + "data: [DONE]\n\n"
+    )
+    pieces = [text[i : i + 7] for i in range(0, len(text), 7)]
+    evs = _run_events(pieces)
+    assert evs[-1]["type"] == "response.completed"
+    assert evs[-1]["response"]["output"][0]["content"][0]["text"] == "hi"
+
+
+def test_an_error_event_fails_the_response_and_a_cut_stream_fails_too():
+    err = {
+        "error": {"message": "engine unavailable", "type": "server_error", "code": "engine_dead"}
+    }
+    first = f"data: {json.dumps(_chunk({'content': 'a'}))}\n\n"
+    evs = _run_events([first, f"data: {json.dumps(err)}\n\n", "data: [DONE]\n\n"])
+    assert evs[-1]["type"] == "response.failed"
+    assert evs[-1]["response"]["error"] == {
+        "code": "server_error",
+        "message": "engine unavailable (engine_dead)",
+    }
+    assert [e["type"] for e in evs].count("response.failed") == 1
+    cut = _run_events([first])
+    assert cut[-1]["type"] == "response.failed"
+    assert cut[-1]["response"]["error"]["message"] == "the stream ended early"
+    nothing = _run_events([])  # cut before its first chunk
+    assert [e["type"] for e in nothing] == [
+        "response.created", "response.in_progress", "response.failed",
+    ]  # fmt: skip
+    for e in evs + cut + nothing:
+        EVENT.validate_python(e)
