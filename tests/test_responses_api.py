@@ -159,6 +159,10 @@ def test_tools_tool_choice_text_format_reasoning_and_logprobs_translate():
         ({"input": "x", "top_logprobs": -1}, "top_logprobs"),
         ({"input": "x", "truncation": "middle"}, "truncation"),
         ({"input": "x", "metadata": ["a"]}, "metadata"),
+        ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata.k"),
+        ({"input": "x", "metadata": {"k": 1}}, "metadata.k"),
         ({"input": "x", "stream": "yes"}, "stream"),
     ],
 )  # fmt: skip

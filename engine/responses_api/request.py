@@ -44,6 +44,7 @@ KNOWN_FIELDS = frozenset(SAMPLING_FIELDS) | frozenset(ECHOED_FIELDS)
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +109,7 @@ def to_chat(body: Any) -> tuple[dict[str, Any], ResponseEcho]:
     text = _text(body, chat)
     reasoning = _reasoning(body, chat)
     _logprobs(body, chat)
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise bad_type("metadata", "an object", metadata)
+    metadata = _metadata(body.get("metadata"))
     truncation = get_str(body, "truncation") or "disabled"
     if truncation not in ("disabled", "auto"):
         raise APIError(
@@ -135,6 +134,32 @@ def to_chat(body: Any) -> tuple[dict[str, Any], ResponseEcho]:
         ignored_fields=tuple(k for k in body if k not in KNOWN_FIELDS),
     )
     return chat, echo
+
+
+def _metadata(metadata: Any) -> dict[str, str] | None:
+    """OpenAI's limits: at most 16 pairs, keys up to 64 characters, values strings up to
+    512 (it is repeated in every ``response`` object a stream sends)."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise bad_type("metadata", "an object", metadata)
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise APIError(
+            f"'metadata' may hold at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+            param="metadata",
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise APIError(
+                f"'metadata' keys are at most {MAX_METADATA_KEY} characters, got {len(key)}",
+                param="metadata",
+            )
+        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
+            raise APIError(
+                f"'metadata.{key}' must be a string of at most {MAX_METADATA_VALUE} characters",
+                param=f"metadata.{key}",
+            )
+    return metadata
 
 
 def _refuse_stored_state(body: dict[str, Any]) -> None:
