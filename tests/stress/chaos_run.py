@@ -90,19 +90,7 @@ class ChaosRun:
         try:
             r = run_request(self.cluster.proxy.url, spec, self.prompts, self.cfg.deadline_s)
         except Exception as e:  # the client itself failed: report it, do not lose the request
-            r = Result(
-                spec.index,
-                spec.round,
-                spec.label,
-                spec.chat,
-                spec.stream,
-                spec.max_tokens,
-                0,
-                None,
-                outcome="broken",
-                error=f"client error {e!r}",
-                ref_key=spec.ref_key,
-            )
+            r = Result.of(spec, 0, None, outcome="broken", error=f"client error {e!r}")
         with self.lock:
             self.results.append(r)
         return r

@@ -98,6 +98,14 @@ class Result:
     ids: list[int] = field(default_factory=list, repr=False)  # what the client got
     text: str = field(default="", repr=False)
 
+    @classmethod
+    def of(cls, spec: Spec, prompt_len: int, planned_abort: str | None, **kw: Any) -> Result:
+        """The result of ``spec``'s request, before it ran."""
+        return cls(
+            spec.index, spec.round, spec.label, spec.chat, spec.stream, spec.max_tokens,
+            prompt_len, planned_abort, ref_key=spec.ref_key, **kw,
+        )  # fmt: skip
+
     def public(self) -> dict[str, Any]:
         d = asdict(self)
         d["ids"], d["text"] = d["ids"][:16], d["text"][:80]
@@ -201,17 +209,11 @@ def compute_references(
 
 
 def run_request(proxy_url: str, spec: Spec, prompts: list[str], deadline_s: float) -> Result:
-    r = Result(
-        spec.index,
-        spec.round,
-        spec.label,
-        spec.chat,
-        spec.stream,
-        spec.max_tokens,
+    r = Result.of(
+        spec,
         len(prompts[spec.prompt]),
         f"{spec.abort[0]}={spec.abort[1]}" if spec.abort else None,
         burst=spec.burst,
-        ref_key=spec.ref_key,
     )
     start = time.monotonic()
     ids: list[int] = []
