@@ -36,7 +36,8 @@ class _NodeCollector(Collector):
         labels = ["role", "url"]
         outstanding = GaugeMetricFamily(
             f"{PREFIX}_node_outstanding_requests",
-            "Requests in flight on each node through this proxy",
+            "Requests in flight on each node through this proxy (a node that left: until "
+            "they end; one that joined again at its URL counts those from before)",
             labels=labels,
         )
         healthy = GaugeMetricFamily(
@@ -50,9 +51,11 @@ class _NodeCollector(Collector):
             "Requests that failed on each node (connection error or 5xx)",
             labels=labels,
         )
-        for n in self._pool.all():
+        # Nodes that left with requests still on them too, until their last one ends (then
+        # their series go: no labels kept for nodes long gone).
+        for n in [*self._pool.all(), *self._pool.leaving()]:
             key = [n.role, n.url]
-            outstanding.add_metric(key, float(n.outstanding))
+            outstanding.add_metric(key, float(n.in_flight))
             healthy.add_metric(key, 1.0 if n.ready else 0.0)
             served.add_metric(key, float(n.requests_total))
             failures.add_metric(key, float(n.failures_total))

@@ -74,6 +74,21 @@ class Node:
     # ``--unreachable-checks`` of them with no bytes from it since (``Attempt.d_gone``).
     unreachable_checks: int = 0
     unreachable_since: float | None = None
+    # The node that left the pool at this URL (same role) with requests still on it, when
+    # this one joined after it (``NodePool.add``): its requests are this URL's too.
+    previous: Node | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight through this proxy on this node's URL: its own, and those
+        still running from before it left and joined again (``previous``). What least-load
+        routing, ``/health`` and the metrics count: a node that rejoins with requests still
+        running is not idle."""
+        n, prev = self.outstanding, self.previous
+        while prev is not None:
+            n += prev.outstanding
+            prev = prev.previous
+        return n
 
     @property
     def ready(self) -> bool:
@@ -213,8 +228,11 @@ class NodePool:
         return next((n for n in self.all() if n.url == url), None)
 
     def add(self, role: Role, url: str, source: str) -> Node:
-        """A new node (not yet health-checked, so not routable)."""
+        """A new node (not yet health-checked, so not routable). When a node of that role
+        left at this URL with requests still on it, the new one counts them too
+        (``Node.in_flight``)."""
         node = Node(url, role, sources={source}, on_reset=self._on_reset)
+        node.previous = self._last_departed(role, url)
         self.nodes(role).append(node)
         logger.info("%s node %s joined (%s)", role, url, source)
         return node
@@ -234,7 +252,30 @@ class NodePool:
         were still on them (a node that hangs after leaving must still be found hung:
         ``Attempt.d_gone`` reads its checks), until their last request ends."""
         self._departed = [n for n in self._departed if n.outstanding > 0]
+        for n in [*self.all(), *self._departed]:
+            if n.previous is not None and n.previous.in_flight == 0:
+                n.previous = None  # their requests ended: nothing to carry
         return [*self.all(), *self._departed]
+
+    def _last_departed(self, role: Role, url: str) -> Node | None:
+        """The latest node of ``role`` that left at ``url`` with requests still on it."""
+        for n in reversed(self._departed):
+            if n.role == role and n.url == url and n.in_flight > 0:
+                return n
+        return None
+
+    def leaving(self) -> list[Node]:
+        """Nodes that left the pool with requests still on them, one per role and URL (the
+        latest, counting the earlier ones: ``Node.in_flight``), while no node of that role
+        is in the pool at the URL (whose ``in_flight`` counts them then): shown in
+        ``/health`` and the metrics until their last request ends."""
+        present = {(n.role, n.url) for n in self.all()}
+        out: dict[tuple[str, str], Node] = {}
+        for n in reversed(self._departed):
+            key = (n.role, n.url)
+            if key not in present and key not in out and n.in_flight > 0:
+                out[key] = n
+        return list(reversed(out.values()))
 
     def all(self) -> list[Node]:
         return [*self.prefill, *self.decode]

@@ -77,8 +77,8 @@ class LeastOutstanding:
         self.last_reason = "least_load"
 
     def choose(self, role: Role, candidates: Sequence[Node], key: PromptKey | None = None) -> Node:
-        least = min(n.outstanding for n in candidates)
-        tied = [n for n in candidates if n.outstanding == least]
+        least = min(n.in_flight for n in candidates)
+        tied = [n for n in candidates if n.in_flight == least]
         turn = self._turn.get(role, 0)
         self._turn[role] = turn + 1
         return tied[turn % len(tied)]
@@ -118,7 +118,7 @@ class CacheAware:
         self.last_reason = "load"
 
     def imbalanced(self, candidates: Sequence[Node]) -> bool:
-        loads = [n.outstanding for n in candidates]
+        loads = [n.in_flight for n in candidates]
         hi, lo = max(loads), min(loads)
         return hi - lo > self.balance_abs and hi > lo * self.balance_rel
 

@@ -240,16 +240,18 @@ class ProxyServing:
             return JSONResponse(
                 {"status": "draining", "in_flight": drainer.in_flight}, 503, PROXY_HEADERS
             )
+        leaving = pool.leaving()
         nodes = {
             role: [
                 {
                     "url": n.url,
                     "healthy": n.ready,
-                    "outstanding": n.outstanding,
+                    "state": "leaving" if n.removed else "ready" if n.ready else "unhealthy",
+                    "outstanding": n.in_flight,
                     "error": n.last_error,
                     "sources": sorted(n.sources),
                 }  # fmt: skip
-                for n in pool.nodes(role)
+                for n in [*pool.nodes(role), *(n for n in leaving if n.role == role)]
             ]
             for role in ("prefill", "decode")
         }

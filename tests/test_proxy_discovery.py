@@ -688,9 +688,14 @@ def test_sigterm_deregisters_and_the_request_in_flight_finishes(setup: Setup) ->
         lines = resp.iter_lines()
         first = [next(lines) for _ in range(4)]
         d.proc.send_signal(signal.SIGTERM)  # drains: the request finishes; deregisters
-        wait_for(lambda: nodes(a) == [], 10, "the node to deregister")  # not a 30 s expiry
+        # Out of the pool at once (not a 30 s expiry), shown leaving while its request runs.
+        wait_for(lambda: [n["state"] for n in nodes(a)] == ["leaving"], 10, "deregistered")
+        (entry,) = nodes(a)
+        assert (entry["outstanding"], entry["healthy"], entry["sources"]) == (1, False, [])
+        assert metric(a.url, "pdproxy_node_outstanding_requests", {"url": d.url}) == 1
         events = sse_data(first + list(lines))
     assert events[-1] == "DONE" and all("error" not in e for e in events[:-1]), events[-3:]
+    wait_for(lambda: nodes(a) == [], 10, "the node that left to be gone")  # its request ended
     assert stream_ids(events[:-1]) == direct
     d.stop()
     setup.d = None
