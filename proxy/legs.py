@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from engine.httpkit.admission import OVERLOADED_CODE
@@ -242,10 +242,19 @@ class Attempt:
         self.pair_key: tuple[Any, ...] | None = None  # ``Router.pair_key`` at the start
         self.poll_s, self.d_checks = poll_s, d_checks
         self._aborted = False
+        # Called once, by the first ``release``, with whether P answered its leg and whether
+        # D finished the answer (the router learns what the nodes now hold).
+        self.on_release: Callable[[bool, bool], None] | None = None
 
     @property
     def decode_only(self) -> bool:
         return self.p is None
+
+    @property
+    def prefill_served(self) -> bool:
+        """P answered its leg (it computed the prompt)."""
+        t = self.p_task
+        return t is not None and t.done() and not t.cancelled() and t.exception() is None
 
     def d_gone(self) -> UpstreamError | None:
         """D is hung (a connection that stays open but never answers; a dead node's
@@ -316,6 +325,9 @@ class Attempt:
 
         Never awaits, so it is safe in ``finally`` blocks of cancelled tasks.
         """
+        if self.on_release is not None:
+            on_release, self.on_release = self.on_release, None
+            on_release(self.prefill_served, self.finished)
         p_running = self.p_task is not None and not self.p_task.done()
         for task in (self.p_task, self.d_task):
             if task is None:

@@ -14,7 +14,9 @@ A key is cut into blocks of ``CHAR_BLOCK`` characters (``ID_BLOCK`` ids) and eac
 block gets a hash chained with its predecessor's, as the engine's prefix cache hashes
 full KV blocks (``engine/core/kv_cache_manager.py``): block *i*'s hash stands for the
 whole prefix up to it, and a partial last block is never matched. ``PrefixIndex`` keeps,
-per node, the hashes of what was routed there in LRU order with a cap; a prompt's
+per node, the hashes of what the node served in LRU order with a cap (a prompt routed
+there counts as on its way until its request ends: kept when the node served it,
+forgotten when it did not -- a refused pair, a refused request, a client that left); a prompt's
 blocks are touched last block first, so a prefix is always more recent than its
 extensions and eviction trims prompts from their ends, never leaves a hole in a chain.
 A node that goes out of rotation or restarts loses its entries (``drop``).
@@ -27,7 +29,7 @@ A node that goes out of rotation or restarts loses its entries (``drop``).
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -147,27 +149,54 @@ def answer_suffix(
 
 
 class PrefixIndex:
-    """Per node, the block hashes of the prompts routed to it: LRU, at most
-    ``max_blocks`` per node."""
+    """Per node, the block hashes of the prompts it served: LRU, at most ``max_blocks``
+    per node; and those of the prompts on their way to it (``begin``: routed there, not
+    yet served), matched as held until their request ends (``end``), so that requests
+    sharing a prefix follow each other to a node before the first one is done."""
 
     def __init__(self, max_blocks: int) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be >= 1")
         self.max_blocks = max_blocks
         self._nodes: dict[str, OrderedDict[int, None]] = {}
+        # url -> block hash -> requests on their way with it; ``_epoch``: drops of the url
+        # (a ``begin`` from before a drop ends without touching what came after it).
+        self._pending: dict[str, Counter[int]] = {}
+        self._epoch: Counter[str] = Counter()
         self.evicted_total = 0
 
     def match(self, url: str, key: PromptKey) -> int:
-        """How many leading blocks of ``key`` ``url`` holds, as far as the proxy knows."""
-        blocks = self._nodes.get(url)
-        if not blocks:
-            return 0
+        """How many leading blocks of ``key`` ``url`` holds (or is being sent), as far as
+        the proxy knows."""
+        blocks = self._nodes.get(url) or {}
+        pending = self._pending.get(url) or {}
         n = 0
         for h in key.hashes:
-            if h not in blocks:
+            if h not in blocks and h not in pending:
                 break
             n += 1
         return n
+
+    def begin(self, url: str, key: PromptKey) -> int:
+        """A request with ``key`` was routed to ``url``: matched from now on, until
+        ``end``; returns the ticket ``end`` takes."""
+        if key.hashes:
+            self._pending.setdefault(url, Counter()).update(key.hashes)
+        return self._epoch[url]
+
+    def end(self, url: str, key: PromptKey, ticket: int, served: bool) -> None:
+        """The request ``begin`` gave ``ticket`` for ended; ``served``: ``url`` computed (or
+        received) its prompt, which it now holds (``insert``)."""
+        pending = self._pending.get(url)
+        if pending is not None and ticket == self._epoch[url] and key.hashes:
+            pending.subtract(key.hashes)
+            for h in key.hashes:
+                if pending.get(h, 1) <= 0:
+                    del pending[h]
+            if not pending:
+                del self._pending[url]
+        if served:
+            self.insert(url, key)
 
     def insert(self, url: str, key: PromptKey) -> None:
         """Record that ``url`` computed (or received) ``key``'s blocks."""
@@ -189,13 +218,17 @@ class PrefixIndex:
             self.evicted_total += over
 
     def drop(self, url: str) -> None:
-        """Forget everything about ``url`` (it restarted, or its cache is unknown)."""
+        """Forget everything about ``url`` (it restarted, or its cache is unknown), the
+        prompts on their way to it too."""
         self._nodes.pop(url, None)
+        if self._pending.pop(url, None) is not None:
+            self._epoch[url] += 1
 
     def size(self, url: str) -> int:
-        """Blocks remembered for ``url``."""
-        blocks = self._nodes.get(url)
-        return len(blocks) if blocks else 0
+        """Blocks remembered for ``url``, those of prompts on their way to it included."""
+        blocks = self._nodes.get(url) or {}
+        pending = self._pending.get(url) or {}
+        return len(blocks) + sum(1 for h in pending if h not in blocks)
 
     def total(self) -> int:
         return sum(len(b) for b in self._nodes.values())

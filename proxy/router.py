@@ -18,7 +18,10 @@ request's ``PromptKey``), return one. ``--routing``:
 disaggregation): when the prompt minus the prefix that decode node already holds is
 shorter than ``--disagg-min-prompt-tokens`` (estimated, ``proxy/prefix.py``), the decode
 node serves the request alone, no prefill leg; else a prefill node is picked too.
-Every routed prompt is recorded in the index under the nodes that got it. A prefill node
+A routed prompt counts in the index as on its way to the nodes that got it (so that
+requests sharing a prefix follow each other before the first is done) and is kept there
+only for the nodes that served it (``finish``: P answered its leg, D finished the answer);
+a refused pair, a request a node refused or failed, a client that left leave nothing. A prefill node
 whose side channel the decode node refused (``refuse_pair``: not in D's
 ``--kv-allowed-peers``) is not paired with it; when D refuses every ready prefill node, D
 serves the request alone (mode ``peer_refused``).
@@ -30,7 +33,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from proxy.config import ProxyConfig
@@ -147,6 +150,10 @@ class Route:
     decode: Node
     prompt_tokens: float | None = None  # the estimate the decision used
     decode_cached_tokens: float | None = None  # of them, held by the decode node
+    # The prompt on its way to the nodes in the prefix index (``PrefixIndex.begin``'s
+    # tickets, by URL) until ``Router.finish``.
+    key: PromptKey | None = field(default=None, repr=False)
+    tickets: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
     def decode_only(self) -> bool:
@@ -335,10 +342,24 @@ class Router:
                 logger.info("a prefill node is ready again: disaggregating")
         self.modes[mode] += 1
         if self.index is not None and key is not None:
-            self.index.insert(d.url, key)
-            if route.prefill is not None:
-                self.index.insert(route.prefill.url, key)
+            route.key = key
+            for node in (d, route.prefill):
+                if node is not None:
+                    route.tickets[node.url] = self.index.begin(node.url, key)
         return route
+
+    def finish(self, route: Route, prefill_served: bool, decode_served: bool) -> None:
+        """The attempt ``route`` planned ended: each node that served it (P answered its
+        leg, D finished the answer) now holds the prompt; the others are no longer said to
+        be getting it. Once per route."""
+        tickets, route.tickets = route.tickets, {}
+        if self.index is None or route.key is None:
+            return
+        for node, ok in ((route.decode, decode_served), (route.prefill, prefill_served)):
+            if node is not None and node.url in tickets:
+                # Not for a node that left or failed meanwhile (its entries were dropped).
+                ok = ok and not node.removed and node.healthy
+                self.index.end(node.url, route.key, tickets[node.url], ok)
 
     def answered(self, route: Route, key: PromptKey | None, suffix: Any) -> None:
         """The decode node finished: it caches the prompt and the answer (``suffix``)."""

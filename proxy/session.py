@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -173,6 +174,7 @@ class Session:
             poll_s=self.cfg.health_interval, d_checks=self.cfg.unreachable_checks,
         )  # fmt: skip
         self.current.prestream = prestream
+        self.current.on_release = functools.partial(self.router.finish, route)
         # The pair as it was now: a refusal is remembered for these nodes, not for a
         # restart of one that the health checks saw meanwhile.
         self.current.pair_key = self.router.pair_key(p, d) if p is not None else None
