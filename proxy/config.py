@@ -292,6 +292,23 @@ class ProxyConfig:
                     f"{url!r} is not a node base URL like http://10.0.0.1:8100",
                 )
             _require(len(set(urls)) == len(urls), role, "a node URL is listed twice")
+            for url in urls:
+                _require(
+                    "%25" not in url,
+                    role,
+                    f"{url!r}: write an IPv6 zone id as the proxy's own interface name, "
+                    f"unescaped: {url.replace('%25', '%', 1)} (the %25 form never resolves)",
+                )
+        # A URL is one role, as for registration and --*-dns (below): the same node given as
+        # both would be two nodes at one address, paired with itself.
+        both = {u.lower() for u in self.prefill} & {u.lower() for u in self.decode}
+        _require(
+            not both,
+            "decode",
+            f"{', '.join(sorted(both))} is given for both roles (a node URL is one role); a "
+            "node that serves either leg (kv_both) is given in one role, and to serve "
+            "requests on nodes alone give them as --decode with --prefill-fallback",
+        )
         # A discovered URL is one role (the same NAME:PORT for both shared one source: the
         # decode entry found its addresses "listed" already, as prefill nodes: added none).
         names = {parse_dns_name(n) for n in self.prefill_dns}

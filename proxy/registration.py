@@ -72,6 +72,12 @@ def normalize_node_url(text: str) -> str:
     if port is None or not 1 <= port <= 65535:
         raise ValueError(f"{text!r:.80}: give the port (http://host:PORT), in [1, 65535]")
     host = parts.hostname or ""
+    if "%" in host:
+        raise ValueError(
+            f"{text!r:.80}: no IPv6 zone id (%interface): it names an interface of the host "
+            "that wrote the URL, not one the proxy reaches the node through; advertise a "
+            "global or unique-local address or a host name (the node's --advertise-url)"
+        )
     try:
         addr = ipaddress.ip_address(host)
     except ValueError:

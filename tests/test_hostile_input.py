@@ -114,8 +114,9 @@ def test_health_answers_while_a_huge_prompt_is_checked(node):
 
 @pytest.fixture(scope="module")
 def proxy(module_procs: Procs, node: Proc) -> Proc:
-    """A proxy in front of the node (routing does not matter: these requests end before)."""
-    p = module_procs.proxy([node.url], [node.url], wait=False)
+    """A proxy in front of the node (routing does not matter: these requests end before;
+    a URL is one role, so the decode node is an address nothing answers at)."""
+    p = module_procs.proxy([node.url], ["http://127.0.0.1:9"], wait=False)
     deadline = time.monotonic() + 60
     while True:  # serving, healthy or not
         try:

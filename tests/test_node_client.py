@@ -357,7 +357,7 @@ def test_a_prefill_answer_without_a_token_is_an_upstream_error_not_a_first_token
 
     async def main() -> None:
         async with StandIn(prefill) as p, NodeClient(timeout=10) as c:
-            cfg = ProxyConfig(prefill=(p.url,), decode=(p.url,))
+            cfg = ProxyConfig(prefill=(p.url,), decode=("http://127.0.0.1:9",))
             node = NodePool(cfg.prefill, cfg.decode).nodes("prefill")[0]
             req = validate_request(COMPLETIONS, b'{"prompt": "x", "max_tokens": 2}', ["m"], None)
             with pytest.raises(UpstreamError, match="without a token"):

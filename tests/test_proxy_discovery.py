@@ -129,6 +129,18 @@ def test_a_registration_body_nested_past_the_parser_is_a_400(raw: bytes) -> None
     assert e.value.status_code == 400, e.value.message
 
 
+@pytest.mark.parametrize("url", ["http://[fe80::1%eth0]:8200", "http://[fe80::1%25eth0]:8200"])
+def test_a_registered_ipv6_url_with_a_zone_id_is_refused_naming_the_fix(url: str) -> None:
+    """An IPv6 zone id (``%eth0``) names an interface of the host that wrote the URL: the
+    node's, which says nothing about the proxy's (RFC 6874's ``%25eth0`` form never even
+    resolved: every health check failed). Refused, saying what to advertise instead."""
+    raw = json.dumps({"role": "decode", "url": url}).encode()
+    with pytest.raises(APIError) as e:
+        parse_registration(raw)
+    assert (e.value.status_code, e.value.param) == (400, "url")
+    assert "zone id" in e.value.message and "--advertise-url" in e.value.message, e.value.message
+
+
 # -- membership: nodes by source -------------------------------------------------------------------
 
 
@@ -366,6 +378,28 @@ def test_one_name_and_port_for_both_roles_is_refused():
     assert cfg.decode_dns == ("nodes:8200",)
 
 
+def test_one_static_url_for_both_roles_is_refused_naming_the_fix() -> None:
+    """``--prefill X --decode X`` was accepted while the same NAME:PORT for both roles, or
+    registering X in the other role, is refused: X became two nodes at one address (each
+    health-checked, each routed to; a P and a D that may be paired with themselves, the
+    KV pushed from a node to itself). A URL is one role at start-up too."""
+    for p, d in (("http://a:8100", "http://a:8100"), ("http://a:8100", "http://A:8100")):
+        with pytest.raises(ProxyConfigError, match="^--decode: .*both roles.*--prefill-fallback"):
+            _proxy_cfg("--prefill", p, "--decode", d)
+    cfg = _proxy_cfg("--prefill", "http://a:8100", "--decode", "http://a:8200")
+    assert (cfg.prefill, cfg.decode) == (("http://a:8100",), ("http://a:8200",))
+
+
+def test_a_static_url_with_an_escaped_zone_id_is_refused_naming_the_written_form() -> None:
+    """``%25eth0`` (RFC 6874's form) reaches the resolver as written and never resolves;
+    the proxy's own interface written ``%eth0`` works (it is the proxy's to name)."""
+    with pytest.raises(ProxyConfigError, match=r"^--decode: .*\[fe80::1%eth0\]:8200"):
+        _proxy_cfg("--prefill", P, "--decode", "http://[fe80::1%25eth0]:8200")
+    assert _proxy_cfg("--prefill", P, "--decode", "http://[fe80::1%eth0]:8200").decode == (
+        "http://[fe80::1%eth0]:8200",
+    )
+
+
 # -- flags --------------------------------------------------------------------------------------------
 
 
@@ -440,6 +474,7 @@ def test_node_registration_flags_are_checked_before_the_engine_starts(
         (["--register-with", proxy, "--registration-key", KEY, "--advertise-url", "http://0.0.0.0:1"], "--advertise-url"),
         (["--register-with", proxy, "--registration-key", KEY, "--registration-interval", "0"], "--registration-interval"),
         (["--advertise-url", "http://10.0.0.2:8200"], "--register-with"),
+        (["--register-with", proxy, "--registration-key", KEY, "--advertise-url", "http://[fe80::1%eth0]:1"], "--advertise-url"),
     ]  # fmt: skip
     for argv, flag in cases:
         with pytest.raises(SystemExit) as e:
