@@ -81,7 +81,7 @@ def test_the_proxy_answers_ping_like_health() -> None:
     from proxy.app import build_app as build_proxy
     from proxy.config import ProxyConfig
 
-    cfg = ProxyConfig(prefill=("http://127.0.0.1:9",), decode=("http://127.0.0.1:9",),
+    cfg = ProxyConfig(prefill=("http://127.0.0.1:9",), decode=("http://127.0.0.1:10",),
                       health_interval=60.0, health_timeout=1.0, api_key="k")  # fmt: skip
     app = build_proxy(cfg)
     with TestClient(app) as client:
