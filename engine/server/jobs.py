@@ -89,8 +89,9 @@ class Job:
     def endpoint(self) -> str:
         return "chat" if self.chat else "completions"
 
-    def usage(self) -> dict[str, int]:
-        p, c = len(self.prompt_ids), self.completion_tokens
+    def usage(self, before_tokens: bool = False) -> dict[str, int]:
+        """``before_tokens``: the usage of a chunk before any token (a stream's role chunk)."""
+        p, c = len(self.prompt_ids), 0 if before_tokens else self.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def envelope(self, choices: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
@@ -167,7 +168,9 @@ class Job:
             self._prompt_ids_sent = True
             self._add_prompt_ids(body, choice)
         if self.req.include_usage:
-            body["usage"] = self.usage() if self.req.continuous_usage else None
+            # The role chunk carries no tokens: 0 so far (vLLM's); the others count the
+            # choice's tokens up to theirs.
+            body["usage"] = self.usage(first) if self.req.continuous_usage else None
         if step.kv_transfer_params is not None:
             body["kv_transfer_params"] = step.kv_transfer_params
         return body

@@ -1,0 +1,75 @@
+"""Chat tool calling and reasoning on hostile and OpenAI-shaped input, on a fake engine
+(``test_reasoning.ScriptedEngine``: every request answers a scripted text): the usage a
+stream's role chunk reports, the finish reason of a call a stop string cut, and the
+history messages vLLM and OpenAI clients send (``arguments`` null, ``refusal`` parts,
+tool calls of another type)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+from test_reasoning import ScriptedEngine
+
+from engine.server.app import build_app
+
+MSG = [{"role": "user", "content": "hi"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
+
+
+def _client(text: str, per_output: int = 3, **kw: Any) -> TestClient:
+    engine = ScriptedEngine(text, per_output)
+    return TestClient(build_app(engine, tool_call_parser="hermes", **kw))  # type: ignore[arg-type]
+
+
+def _chat(client: TestClient, status: int = 200, **body: Any) -> dict[str, Any]:
+    resp = client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 64, **body})
+    assert resp.status_code == status, resp.text
+    return resp.json()
+
+
+def _chunks(client: TestClient, **body: Any) -> list[dict[str, Any]]:
+    body = {"messages": MSG, "max_tokens": 64, **body, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def _prompt(client: TestClient, messages: list[dict[str, Any]]) -> str:
+    resp = client.post("/tokenize", json={"messages": messages})
+    assert resp.status_code == 200, resp.text
+    return bytes(resp.json()["tokens"]).decode()
+
+
+# -- continuous usage: the role chunk has no tokens -----------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("tools", [{}, {"tools": TOOLS, "tool_choice": "auto"}])
+def test_continuous_usage_counts_the_tokens_streamed_so_far(n: int, tools: dict) -> None:
+    """vLLM's rule: each chunk's usage counts its choice's tokens up to it; the role
+    chunk, which carries none, says 0 (it said the first output's count)."""
+    client = _client("hello there", per_output=2)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _chunks(client, n=n, stream_options=opts, **tools)
+    seen: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        i = choice["index"]
+        seen[i] = seen.get(i, 0) + len(choice["token_ids"])
+        if "role" in choice["delta"]:
+            assert choice["token_ids"] == []
+        assert chunk["usage"]["completion_tokens"] == seen[i], chunk
+    assert chunks[-1]["usage"]["completion_tokens"] == n * len("hello there")
