@@ -73,3 +73,49 @@ def test_continuous_usage_counts_the_tokens_streamed_so_far(n: int, tools: dict)
             assert choice["token_ids"] == []
         assert chunk["usage"]["completion_tokens"] == seen[i], chunk
     assert chunks[-1]["usage"]["completion_tokens"] == n * len("hello there")
+
+
+# -- a stop string inside a tool call --------------------------------------------------------------
+
+CALL = '<tool_call>{"name": "get", "arguments": {"q": "xyz"}}</tool_call>'
+ARRAY = '[{"name":"get","parameters":{"q":"xyz"}}]'
+
+
+def _calls(message: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+
+
+def _streamed(chunks: list[dict[str, Any]]) -> tuple[list[tuple[str, str]], str | None]:
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            for call in choice["delta"].get("tool_calls") or []:
+                one = calls.setdefault(call["index"], ["", ""])
+                one[0] += call.get("function", {}).get("name") or ""
+                one[1] += call["function"].get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    return [(a, b) for _, (a, b) in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize(
+    ("text", "choice", "stop", "calls", "finish"),
+    [
+        # A stop string cut the call's arguments: the engine's "stop" (stop_reason names
+        # the string), not "tool_calls" -- the call is not whole (it was "tool_calls").
+        (CALL, "auto", "y", [("get", '{"q": "x')], "stop"),
+        (ARRAY, "required", "y", [("get", '{"q":"x')], "stop"),
+        # A stop string past the calls leaves them whole: "tool_calls".
+        (CALL + " then", "auto", "then", [("get", '{"q": "xyz"}')], "tool_calls"),
+        (ARRAY, "required", "]", [("get", '{"q":"xyz"}')], "tool_calls"),
+    ],
+)
+def test_a_stop_string_inside_a_call_keeps_the_engines_finish_reason(
+    text: str, choice: str, stop: str, calls: list[tuple[str, str]], finish: str
+) -> None:
+    client = _client(text, per_output=1)
+    body = {"tools": TOOLS, "tool_choice": choice, "stop": [stop]}
+    (got,) = _chat(client, **body)["choices"]
+    assert (_calls(got["message"]), got["finish_reason"]) == (calls, finish)
+    assert got["stop_reason"] == stop
+    assert _streamed(_chunks(client, **body)) == (calls, finish)

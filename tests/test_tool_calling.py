@@ -631,10 +631,10 @@ def test_hermes_stream_deltas_add_up_as_an_openai_client_adds_them() -> None:
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in acc] == SAMPLE_CALLS
     assert args_deltas > 10  # streamed, not sent whole
     assert out.finish_reason("stop") == "tool_calls"
-    # An answer cut (max_tokens) inside a call's arguments says so.
+    # An answer cut (max_tokens, a stop string, EOS) inside a call's arguments says so.
     cut = ToolOutput(tc, HermesToolParser())
     cut.message('<tool_call>{"name": "f", "arguments": {"a": ')
-    assert cut.finish_reason("length") == "length" and cut.finish_reason("stop") == "tool_calls"
+    assert cut.finish_reason("length") == "length" and cut.finish_reason("stop") == "stop"
     done = ToolOutput(tc, HermesToolParser())
     done.message(SAMPLE + " and more text, cut")
     assert done.finish_reason("length") == "tool_calls"

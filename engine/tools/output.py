@@ -12,7 +12,8 @@ body).
 
 ``finish_reason`` follows vLLM: named keeps the engine's; "required" is ``"tool_calls"``
 when the answer ended by itself (``"stop"``); "auto" is ``"tool_calls"`` when a call was
-parsed (``"length"`` when ``max_tokens`` cut a call's arguments).
+parsed. A call cut off (``max_tokens``, a stop string inside its arguments) keeps the
+engine's reason (``"length"``, ``"stop"``).
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ class RequiredCalls(ToolParser):
         return out
 
     def finish(self) -> list[ToolDelta]:
-        return []  # an element cut off (max_tokens): its arguments are what was sent
+        # An element cut off (max_tokens, a stop string): its arguments are what was sent.
+        self.cut = self._mode == "args" and self._elem is not None
+        return []
 
     def _char(self, c: str) -> ToolDelta | None:
         before, depth = self._nesting.depth, self._nesting.step(c)
@@ -184,9 +187,12 @@ class ToolOutput:
         return {"role": "assistant", "content": content or None, "tool_calls": self.calls}
 
     def finish_reason(self, reason: str) -> str:
-        if self.choice == "required" and reason == "stop" and self.calls:
-            return "tool_calls"
-        if self.choice not in ("named", "required") and self.calls:
-            # "auto": a call cut off by max_tokens keeps "length" (its arguments are cut).
-            return "length" if reason == "length" and self.parser.cut else "tool_calls"
-        return reason
+        """The choice's ``finish_reason`` for the engine's ``reason``. A call cut off
+        (``max_tokens``, or a stop string inside its arguments) keeps the engine's reason
+        ("length", "stop" with the string as ``stop_reason``): "tool_calls" says the calls
+        are whole."""
+        if not self.calls or self.choice == "named" or self.parser.cut:
+            return reason
+        if self.choice == "required":
+            return "tool_calls" if reason == "stop" else reason
+        return "tool_calls"
