@@ -119,3 +119,49 @@ def test_a_stop_string_inside_a_call_keeps_the_engines_finish_reason(
     assert (_calls(got["message"]), got["finish_reason"]) == (calls, finish)
     assert got["stop_reason"] == stop
     assert _streamed(_chunks(client, **body)) == (calls, finish)
+
+
+# -- history messages as clients send them ---------------------------------------------------------
+
+
+def _history(call: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        *MSG,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+
+
+def test_a_history_calls_null_arguments_are_an_empty_object() -> None:
+    """vLLM's rule (``_postprocess_messages``): null, absent and "" arguments are ``{}``."""
+    client = _client("ok")
+    prompts = []
+    for args in ({"arguments": None}, {}, {"arguments": ""}, {"arguments": "{}"}):
+        call = {"id": "c1", "type": "function", "function": {"name": "get", **args}}
+        prompts.append(_prompt(client, _history(call)))
+        _chat(client, messages=_history(call))
+    assert len(set(prompts)) == 1 and '"arguments": {}' in prompts[0]
+
+
+def test_a_history_call_of_another_type_is_a_400_naming_it() -> None:
+    """vLLM: "chat completions only support assistant tool_calls of type 'function'"."""
+    client = _client("ok")
+    call = {"id": "c1", "type": "custom", "function": {"name": "get", "arguments": "{}"}}
+    err = _chat(client, 400, messages=_history(call))["error"]
+    assert err["param"] == "messages[1].tool_calls[0].type" and "'function'" in err["message"]
+    untyped = {"id": "c1", "function": {"name": "get", "arguments": "{}"}}  # vLLM's default
+    _chat(client, messages=_history(untyped))
+
+
+def test_an_assistant_refusal_part_is_its_text() -> None:
+    """OpenAI's assistant content parts are ``text`` and ``refusal`` (vLLM reads both as
+    text); another type stays a 400 naming it."""
+    client = _client("ok")
+    refusal = {"type": "refusal", "refusal": "I cannot help with that."}
+    messages = [*MSG, {"role": "assistant", "content": [refusal]}, *MSG]
+    assert "I cannot help with that." in _prompt(client, messages)
+    _chat(client, messages=messages)
+    bad = [*MSG, {"role": "assistant", "content": [{"type": "refusal", "refusal": 3}]}, *MSG]
+    assert _chat(client, 400, messages=bad)["error"]["param"] == "messages[1].content[0].refusal"
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]
+    assert _chat(client, 400, messages=audio)["error"]["param"] == "messages[0].content[0].type"

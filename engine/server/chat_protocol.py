@@ -23,6 +23,9 @@ from engine.tools.spec import ToolCalling, parse_tool_calling
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 # vLLM's values of ``reasoning_effort`` (its ChatCompletionRequest's Literal).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# Content parts that are text, each in the key its type names: OpenAI's ``text`` and an
+# assistant's ``refusal`` (vLLM reads a refusal as text too).
+TEXT_PARTS = ("text", "refusal")
 
 
 def _message_content(content: Any, i: int) -> str:
@@ -34,11 +37,12 @@ def _message_content(content: Any, i: int) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict):
                 raise bad_type(f"{where}[{j}]", "an object", part)
-            if part.get("type") != "text":
-                raise unsupported(f"{where}[{j}].type", f"= {part.get('type')!r} (only 'text')")
-            text = part.get("text")
+            kind = part.get("type")
+            if kind not in TEXT_PARTS:
+                raise unsupported(f"{where}[{j}].type", f"= {kind!r:.40} (only 'text', 'refusal')")
+            text = part.get(kind)
             if not isinstance(text, str):
-                raise bad_type(f"{where}[{j}].text", "a string", text)
+                raise bad_type(f"{where}[{j}].{kind}", "a string", text)
             parts.append(text)
         return "\n".join(parts)
     raise bad_type(where, "a string or an array of content parts", content)
@@ -94,7 +98,9 @@ def _message_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's ``tool_calls`` (the history of tool use) for the chat
     template: each ``{"id", "type": "function", "function": {"name", "arguments"}}``, its
     arguments (JSON text) parsed into an object as vLLM does for Hugging Face templates
-    (they render ``arguments | tojson``); text that is not a JSON object stays text."""
+    (they render ``arguments | tojson``); text that is not a JSON object stays text;
+    null, absent or blank arguments are ``{}`` and a ``type`` other than "function" a 400
+    (vLLM's ``_postprocess_messages``)."""
     if not isinstance(calls, list):
         raise bad_type(where, "an array of tool calls", calls)
     out: list[dict[str, Any]] = []
@@ -102,10 +108,18 @@ def _message_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         at = f"{where}[{j}]"
         if not isinstance(call, dict):
             raise bad_type(at, "an object", call)
+        if call.get("type", "function") != "function":
+            raise APIError(
+                f"'{at}.type' must be 'function' (chat completions call functions), "
+                f"got {call.get('type')!r:.40}",
+                param=f"{at}.type",
+            )
         fn = call.get("function")
         if not isinstance(fn, dict):
             raise bad_type(f"{at}.function", "an object with a 'name'", fn)
-        name, args = fn.get("name"), fn.get("arguments", "{}")
+        name, args = fn.get("name"), fn.get("arguments")
+        if args is None:
+            args = {}
         if not isinstance(name, str):
             raise bad_type(f"{at}.function.name", "a string", name)
         if isinstance(args, str):
