@@ -914,6 +914,32 @@ def test_live_auto_and_none_answer_content(pd: tuple[Any, Any], through: str) ->
             assert got["token_ids"] == _post(ref, body)["choices"][0]["token_ids"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_live_continuous_usage_counts_the_tokens_streamed_so_far(
+    pd: tuple[Any, Any], through: str
+) -> None:
+    """A parsed answer's stream (D's whole, through the proxy) with
+    ``continuous_usage_stats``: the role chunk says 0 completion tokens (vLLM's; it said
+    the first output's), each later chunk its choice's tokens so far."""
+    import httpx
+    from harness import MODEL, sse_events
+
+    _, url = _target(pd, through)
+    body = {"model": MODEL, "messages": _MSG, "tools": TOOLS, "tool_choice": "required",
+            "max_tokens": 8, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        events = sse_events(resp)
+    assert events[-1] == "DONE"
+    seen = {0: 0, 1: 0}
+    for e in events[:-2]:
+        (choice,) = e["choices"]
+        seen[choice["index"]] += len(choice["token_ids"])
+        assert e["usage"]["completion_tokens"] == seen[choice["index"]], e
+    assert seen == {0: 8, 1: 8} and events[-2]["usage"]["completion_tokens"] == 16
+
+
 # "auto" with a regex that makes the random model write hermes calls (a structured output
 # is allowed with "auto"): the parser sees them as it would a real model's.
 HERMES_REGEX = (
