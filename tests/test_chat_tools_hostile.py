@@ -1,5 +1,5 @@
 """Chat tool calling and reasoning on hostile and OpenAI-shaped input, on a fake engine
-(``test_reasoning.ScriptedEngine``: every request answers a scripted text): the usage a
+(``scripted_engine.ScriptedEngine``: every request answers a scripted text): the usage a
 stream's role chunk reports, the finish reason of a call a stop string cut, and the
 history messages vLLM and OpenAI clients send (``arguments`` null, ``refusal`` parts,
 tool calls of another type)."""
@@ -10,8 +10,8 @@ import json
 from typing import Any
 
 import pytest
+from scripted_engine import ScriptedEngine
 from starlette.testclient import TestClient
-from test_reasoning import ScriptedEngine
 
 from engine.server.app import build_app
 
