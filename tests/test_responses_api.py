@@ -363,3 +363,77 @@ def test_an_error_event_fails_the_response_and_a_cut_stream_fails_too():
     ]  # fmt: skip
     for e in evs + cut + nothing:
         EVENT.validate_python(e)
+
+
+# -- the node's route, on an engine answering scripted text ---------------------------------------
+
+
+def _node(text: str, **kw: Any) -> Any:
+    from scripted_engine import ScriptedEngine
+    from starlette.testclient import TestClient
+
+    from engine.server.app import build_app
+
+    return TestClient(build_app(ScriptedEngine(text), **kw))  # type: ignore[arg-type]
+
+
+def _both(client: Any, **body: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The body and the stream's events of one request (each checked by the SDK's models)."""
+    body = {"model": "m", "input": "2 + 2?", "max_output_tokens": 64, **body}
+    resp = client.post("/v1/responses", json=body)
+    assert resp.status_code == 200, resp.text
+    whole = resp.json()
+    openai_types.Response.model_validate(whole)
+    with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        frames = [f for f in resp.read().decode().split("\n\n") if f]
+    evs = [json.loads(f.split("\n")[1].removeprefix("data: ")) for f in frames]
+    for e in evs:
+        EVENT.validate_python(e)
+    return whole, evs
+
+
+def _shape(r: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [
+        (o["type"], [c.get("text") for c in o.get("content") or []], o.get("name"),
+         o.get("arguments"), o.get("status"))
+        for o in r["output"]
+    ]  # fmt: skip
+
+
+def test_a_node_answers_reasoning_then_text_streamed_or_not():
+    client = _node("<think>\nadd them</think>\n\nIt is 4.", reasoning_parser="qwen3")
+    whole, evs = _both(client)
+    assert _shape(whole) == [
+        ("reasoning", ["\nadd them"], None, None, "completed"),
+        ("message", ["\n\nIt is 4."], None, None, "incomplete"),
+    ]
+    assert whole["status"] == "incomplete"  # the scripted engine ends with "length"
+    assert evs[-1]["type"] == "response.incomplete"
+    assert _shape(evs[-1]["response"]) == _shape(whole)
+    assert evs[-1]["response"]["usage"] == whole["usage"]
+
+
+def test_a_node_answers_a_parsed_tool_call_as_a_function_call_item():
+    call = '<tool_call>\n{"name": "get", "arguments": {"q": "x"}}\n</tool_call>'
+    client = _node(call, tool_call_parser="hermes")
+    tools = [{"type": "function", "name": "get",
+              "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]  # fmt: skip
+    whole, evs = _both(client, tools=tools, tool_choice="auto")
+    assert _shape(whole) == [("function_call", [], "get", '{"q": "x"}', "completed")]
+    assert _shape(evs[-1]["response"]) == _shape(whole)
+    kinds = [e["type"] for e in evs]
+    assert "response.function_call_arguments.done" in kinds
+    assert "response.output_text.delta" not in kinds
+
+
+def test_a_node_refuses_before_the_engine_and_names_the_responses_field():
+    client = _node("never")
+    resp = client.post("/v1/responses", json={"model": "m", "input": "x", "max_output_tokens": 0})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "max_output_tokens"
+    resp = client.post("/v1/responses", json={"model": "nope", "input": "x"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "model_not_found"
+    resp = client.post("/v1/responses", content=b"{not json")
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json"
