@@ -165,3 +165,22 @@ def test_an_assistant_refusal_part_is_its_text() -> None:
     assert _chat(client, 400, messages=bad)["error"]["param"] == "messages[1].content[0].refusal"
     audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]
     assert _chat(client, 400, messages=audio)["error"]["param"] == "messages[0].content[0].type"
+
+
+# -- a prefill leg's context-length refusal ---------------------------------------------------
+
+
+def test_a_prefill_legs_context_refusal_counts_the_clients_max_tokens():
+    # The proxy passes the client's body to P, which computes one token: a prompt too long
+    # for the context is refused naming what the client asked for, as D would, not the
+    # one token P computes (through the proxy either leg's 400 may reach the client).
+    client = _client("never")
+    long = [{"role": "user", "content": "x" * 5000}]  # the scripted engine's context: 4096
+    kv = {"do_remote_decode": True, "transfer_id": "t-1"}
+    for legs in ({}, {"kv_transfer_params": kv}):
+        resp = client.post("/v1/chat/completions",
+                           json={"messages": long, "max_tokens": 50, **legs})  # fmt: skip
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+        assert "50 for the completion" in err["message"], err["message"]

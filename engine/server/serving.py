@@ -320,8 +320,17 @@ class OpenAIServing:
             max_tokens = 1
         elif kv is not None and kv.do_remote_decode:
             # A prefill leg computes the prompt and one token: this node's context bounds
-            # the prompt; the answer's budget is the decode node's to check.
-            resolve_max_tokens(1, len(ids), self.engine.max_model_len, param)
+            # the prompt; the answer's budget is the decode node's to check. A prompt that
+            # does not fit is refused with the client's numbers, as D would refuse it (a
+            # client behind a proxy may get either leg's 400).
+            try:
+                resolve_max_tokens(1, len(ids), self.engine.max_model_len, param)
+            except APIError:
+                resolve_max_tokens(
+                    req.max_tokens, len(ids), self.engine.max_model_len, param,
+                    req.max_tokens_param,
+                )  # fmt: skip
+                raise
             max_tokens = req.max_tokens or 1
         else:
             max_tokens = resolve_max_tokens(
