@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from engine.bad_words import tokenize_bad_words
 from engine.generation_config import apply_defaults
 from engine.httpkit.admission import Admission, overloaded_body
+from engine.httpkit.big_json import json_response, off_loop
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.errors import json_error
@@ -421,7 +422,7 @@ class OpenAIServing:
         try:
             if not job.req.stream:
                 body = await race_disconnect(request, self._collect(job, steps))
-                return JSONResponse(body, headers={ENGINE_ID_HEADER: job.request_id})
+                return await json_response(body, headers={ENGINE_ID_HEADER: job.request_id})
             first = await race_disconnect(request, anext(steps, None))
         except ClientDisconnected:
             logger.info("request %s: client disconnected, aborted", job.request_id)
@@ -460,7 +461,9 @@ class OpenAIServing:
         self._finish(job, last.finish_reason or "error")
         if last.finish_reason == "error":
             raise step_error(self.engine, job, last)
-        return job.response("".join(texts), ids, last, entries, prompt)
+        # Off the loop: with log probabilities it may be millions of entries.
+        text = "".join(texts)
+        return await off_loop(job.response, text, ids, last, entries, prompt)
 
     async def _stream(
         self, job: Job, first: Step, steps: AsyncIterator[Step]
@@ -529,7 +532,7 @@ class OpenAIServing:
             if not jobs[0].req.stream:
                 work = [self._collect(job, s) for job, s in zip(jobs, steps, strict=True)]
                 bodies = await race_disconnect(request, gather_or_cancel(work))
-                return JSONResponse(merge_bodies(bodies, n))
+                return await json_response(merge_bodies(bodies, n))
             firsts = await race_disconnect(request, gather_or_cancel([anext(s, None) for s in steps]))  # fmt: skip
             bad = next((f for f in firsts if f is None or f.finish_reason == "error"), False)
             if bad is not False:

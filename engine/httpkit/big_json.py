@@ -1,0 +1,86 @@
+"""JSON answers that may be large (log probabilities of long prompts and outputs, for many
+choices), rendered in a worker thread and in pieces.
+
+One ``json.dumps`` of a 45 MB answer is one C call that holds the GIL for most of a second:
+run on the event loop, or even in a thread, every other client of the server (``/health``,
+streams) waits that long. ``render_json`` renders long lists a piece at a time, so the
+thread doing it lets the loop run between pieces; ``json_response`` runs it in a thread
+(``off_loop``: one at a time, as the node builds each choice's answer).
+The bytes are those of Starlette's ``JSONResponse``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+from starlette.responses import Response
+
+# Items of a long list rendered per ``json.dumps`` call (an item of an answer's long lists
+# is one token's entry: ~2 ms a piece).
+ITEMS_PER_PIECE = 256
+
+T = TypeVar("T")
+
+# One answer built or rendered at a time per event loop: several CPU-bound threads beside
+# the loop's would take the GIL from it in turn for far longer than one does.
+_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = (
+    weakref.WeakKeyDictionary()
+)
+
+_dumps = functools.partial(
+    json.dumps, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+)
+
+
+def render_json(obj: Any) -> bytes:
+    """``obj`` as JSONResponse renders it, with no single ``json.dumps`` over more than
+    ``ITEMS_PER_PIECE`` items of a list (dicts and short lists of containers are walked)."""
+    out: list[str] = []
+    _render(obj, out)
+    return "".join(out).encode()
+
+
+def _render(obj: Any, out: list[str]) -> None:
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+        out.append("{")
+        for i, (key, value) in enumerate(obj.items()):
+            out.append(("," if i else "") + _dumps(key) + ":")
+            _render(value, out)
+        out.append("}")
+    elif isinstance(obj, list | tuple) and len(obj) > ITEMS_PER_PIECE:
+        pieces = (
+            _dumps(obj[i : i + ITEMS_PER_PIECE])[1:-1] for i in range(0, len(obj), ITEMS_PER_PIECE)
+        )
+        out.append("[" + ",".join(pieces) + "]")
+    elif isinstance(obj, list | tuple) and any(isinstance(x, dict | list | tuple) for x in obj):
+        out.append("[")  # a short list of containers (choices): each may be large
+        for i, item in enumerate(obj):
+            if i:
+                out.append(",")
+            _render(item, out)
+        out.append("]")
+    else:
+        out.append(_dumps(obj))
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread, one such call at a time on this event loop."""
+    loop = asyncio.get_running_loop()
+    limiter = _limiters.get(loop)
+    if limiter is None:
+        limiter = _limiters[loop] = anyio.CapacityLimiter(1)
+    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+
+async def json_response(
+    body: Any, status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """A ``JSONResponse`` of ``body`` rendered by ``render_json`` in a worker thread."""
+    content = await off_loop(render_json, body)
+    return Response(content, status_code, headers, media_type="application/json")
