@@ -2,6 +2,7 @@
 
 - ``sse.py`` — server-sent-event framing and a streaming response that always closes its
   generator.
+- ``big_json.py`` — large JSON answers rendered (and built, parsed) off the event loop.
 - ``disconnect.py`` — racing a handler's work against the client going away.
 - ``request_id.py`` — the ``X-Request-Id`` rule (one sanitiser) and the ASGI middleware
   that assigns, echoes and times it.
