@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from engine.httpkit.admission import OVERLOADED_CODE
-from engine.httpkit.big_json import off_loop
+from engine.httpkit.big_json import parse_off_loop
 from engine.httpkit.request_id import REQUEST_ID_HEADER
 from kvconnector.base import KV_NOT_RESERVED
 from kvconnector.params import KVTransferParams
@@ -159,7 +159,7 @@ class Legs:
             if resp.status_code != 200:
                 raise await _error_from_response(node, resp)
             try:
-                data = await off_loop(parse_completion, resp.content)  # may be large
+                data = await parse_off_loop(parse_completion, resp.content)  # may be large
             except MalformedAnswer as e:
                 raise UpstreamError(node, f"malformed prefill response: {e}", status=502) from e
             choice = data["choices"][0]

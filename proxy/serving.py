@@ -13,7 +13,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.httpkit.big_json import json_response
+from engine.httpkit.big_json import json_response, may_be_large
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.drain import Drainer
@@ -154,7 +154,7 @@ class ProxyServing:
             if not req.stream:
                 work = session.complete() if k == 1 else choices.complete_all(sessions, n)
                 body = await race_disconnect(request, work)
-                return answer(await json_response(body))  # may be large: off the loop
+                return answer(await json_response(body, large=may_be_large(req.parsed)))
             start = session.start_stream() if k == 1 else choices.start_all(sessions, n)
             await race_disconnect(request, start)
             streaming = True

@@ -55,7 +55,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.httpkit.big_json import off_loop
+from engine.httpkit.big_json import parse_off_loop
 from engine.httpkit.sse import SSE_DONE, sse_event
 from engine.server.request_fields import APIError, error_body
 from kvconnector.base import transfer_seed
@@ -241,7 +241,7 @@ class Session:
                 raw = await attempt.watched(resp.aread())
                 attempt.finished = True
                 attempt.d.mark_answered()
-                body = await off_loop(parse_completion, raw)  # may be large
+                body = await parse_off_loop(parse_completion, raw)  # may be large
             except UpstreamError as e:
                 self.retries.failed(attempt, e)
                 continue

@@ -78,9 +78,29 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
 
+# An answer shorter than this is parsed on the loop (~10 ms at most): no thread hop, and no
+# await between a node's answer and what it says for the common, small answer.
+PARSE_ON_LOOP_BYTES = 1 << 20
+
+
+async def parse_off_loop(parse: Callable[[bytes], T], raw: bytes) -> T:
+    """``parse(raw)``: on the loop when ``raw`` is short, else ``off_loop`` (one
+    ``json.loads`` of a 5 MB answer holds the GIL ~0.1 s; several in a row, longer)."""
+    if len(raw) < PARSE_ON_LOOP_BYTES:
+        return parse(raw)
+    return await off_loop(parse, raw)
+
+
+def may_be_large(req: Any) -> bool:
+    """Whether a parsed request's answer may be large: it asked for log probabilities
+    (``logprobs``, ``top_logprobs``, ``prompt_logprobs``; ``echo`` with them)."""
+    return req.logprobs is not None or req.prompt_logprobs is not None
+
+
 async def json_response(
-    body: Any, status_code: int = 200, headers: dict[str, str] | None = None
+    body: Any, status_code: int = 200, headers: dict[str, str] | None = None, large: bool = True
 ) -> Response:
-    """A ``JSONResponse`` of ``body`` rendered by ``render_json`` in a worker thread."""
-    content = await off_loop(render_json, body)
+    """A ``JSONResponse`` of ``body``; ``large``: rendered by ``render_json`` in a worker
+    thread (else on the loop, as small answers are: none of them waits behind a large one)."""
+    content = await off_loop(render_json, body) if large else _dumps(body).encode()
     return Response(content, status_code, headers, media_type="application/json")

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from engine.bad_words import tokenize_bad_words
 from engine.generation_config import apply_defaults
 from engine.httpkit.admission import Admission, overloaded_body
-from engine.httpkit.big_json import json_response, off_loop
+from engine.httpkit.big_json import json_response, may_be_large, off_loop
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected, race_disconnect
 from engine.httpkit.errors import json_error
@@ -422,7 +422,8 @@ class OpenAIServing:
         try:
             if not job.req.stream:
                 body = await race_disconnect(request, self._collect(job, steps))
-                return await json_response(body, headers={ENGINE_ID_HEADER: job.request_id})
+                headers = {ENGINE_ID_HEADER: job.request_id}
+                return await json_response(body, headers=headers, large=may_be_large(job.req))
             first = await race_disconnect(request, anext(steps, None))
         except ClientDisconnected:
             logger.info("request %s: client disconnected, aborted", job.request_id)
@@ -461,8 +462,10 @@ class OpenAIServing:
         self._finish(job, last.finish_reason or "error")
         if last.finish_reason == "error":
             raise step_error(self.engine, job, last)
-        # Off the loop: with log probabilities it may be millions of entries.
         text = "".join(texts)
+        if not may_be_large(job.req):
+            return job.response(text, ids, last, entries, prompt)
+        # Off the loop: with log probabilities it may be millions of entries.
         return await off_loop(job.response, text, ids, last, entries, prompt)
 
     async def _stream(
@@ -532,7 +535,8 @@ class OpenAIServing:
             if not jobs[0].req.stream:
                 work = [self._collect(job, s) for job, s in zip(jobs, steps, strict=True)]
                 bodies = await race_disconnect(request, gather_or_cancel(work))
-                return await json_response(merge_bodies(bodies, n))
+                large = may_be_large(jobs[0].req)
+                return await json_response(merge_bodies(bodies, n), large=large)
             firsts = await race_disconnect(request, gather_or_cancel([anext(s, None) for s in steps]))  # fmt: skip
             bad = next((f for f in firsts if f is None or f.finish_reason == "error"), False)
             if bad is not False:
