@@ -677,3 +677,39 @@ def test_the_offline_llm_samples_with_the_checkpoints_defaults(tmp_path: Any) ->
         out = llm.generate(prompt)  # vLLM's LLM.generate without sampling params
         assert out == llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5))
         assert len(out[0]) == 5
+
+
+def test_reasoning_effort_sets_enable_thinking_unless_the_request_does() -> None:
+    """vLLM's mapping (its PR 43401): a request's ``reasoning_effort`` gives the template
+    ``enable_thinking`` -- false for "none", true otherwise -- unless
+    ``chat_template_kwargs`` sets it; the reasoning parser follows the same value (qwen3:
+    no thinking, no split)."""
+    from scripted_engine import ScriptedEngine as Scripted
+    from starlette.testclient import TestClient
+
+    from engine.server.app import build_app
+    from engine.tokenizer import load_tokenizer
+
+    own = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}[{{ reasoning_effort }}|{{ enable_thinking }}]"  # noqa: E501
+    engine = ScriptedEngine(tokenizer=load_tokenizer("tiny", own))
+    client = _client(engine)
+    for body, want in (
+        ({"reasoning_effort": "low"}, b"<hi>[low|True]"),
+        ({"reasoning_effort": "none"}, b"<hi>[none|False]"),
+        ({}, b"<hi>[|]"),
+        ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+         b"<hi>[none|True]"),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, b"<hi>[|False]"),
+    ):  # fmt: skip
+        resp = client.post("/v1/chat/completions", json={"messages": MSGS, **body})
+        assert resp.status_code == 200, resp.text
+        assert engine.seen[-1][0] == list(want), bytes(engine.seen[-1][0])
+    answer = "<think>\nadd them</think>\n\nIt is 4."
+    qwen3 = TestClient(build_app(Scripted(answer), reasoning_parser="qwen3"))  # type: ignore[arg-type]
+    for effort, reasoning, content in (
+        ("high", "\nadd them", "\n\nIt is 4."),
+        ("none", None, answer),
+    ):
+        body = {"messages": MSGS, "max_tokens": 64, "reasoning_effort": effort}
+        msg = qwen3.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert (msg.get("reasoning_content"), msg["content"]) == (reasoning, content)

@@ -198,12 +198,24 @@ def parse_reasoning_effort(body: dict[str, Any]) -> str | None:
     return value
 
 
+def thinking_kwargs(req: Any) -> dict[str, Any]:
+    """A chat request's ``chat_template_kwargs`` with vLLM's ``enable_thinking`` from its
+    ``reasoning_effort`` (false for "none", true for the others) where the request does
+    not set it itself: what the template renders and the reasoning parser follows."""
+    kwargs: dict[str, Any] = getattr(req, "chat_template_kwargs", {})
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None and "enable_thinking" not in kwargs:
+        return {**kwargs, "enable_thinking": effort != "none"}
+    return kwargs
+
+
 def template_kwargs(req: ChatCompletionRequest, jinja: bool) -> dict[str, Any]:
     """The chat template's extra variables: ``chat_template_kwargs``, and on a Jinja
-    template ``reasoning_effort`` when the request sets it (vLLM passes it so, over a
-    ``chat_template_kwargs`` one; the built-in template has no variables)."""
+    template, when the request sets ``reasoning_effort``, that (vLLM passes it so, over a
+    ``chat_template_kwargs`` one) and ``enable_thinking`` (``thinking_kwargs``); the
+    built-in template has no variables."""
     if jinja and req.reasoning_effort is not None:
-        return {**req.chat_template_kwargs, "reasoning_effort": req.reasoning_effort}
+        return {**thinking_kwargs(req), "reasoning_effort": req.reasoning_effort}
     return req.chat_template_kwargs
 
 

@@ -39,6 +39,7 @@ from engine.server.chat_protocol import (
     check_request_template,
     parse_chat_request,
     template_kwargs,
+    thinking_kwargs,
 )
 from engine.server.engine_client import EngineClient
 from engine.server.jobs import Job, Step, engine_error, generate_steps, prompt_only, step_error
@@ -296,8 +297,7 @@ class OpenAIServing:
         """Whether a chat request's answer is split into reasoning and content."""
         if self.reasoning_parser is None:
             return False
-        kwargs = getattr(req, "chat_template_kwargs", {})
-        return reasoning_parser_class(self.reasoning_parser).applies(kwargs)
+        return reasoning_parser_class(self.reasoning_parser).applies(thinking_kwargs(req))
 
     def _jobs(
         self, request: Request, chat: bool, choices: list[tuple[BaseRequest, list[int]]]
