@@ -145,6 +145,9 @@ class ChaosConfig:
     node_args: tuple[str, ...] = ()
     node_env: dict[str, str] = field(default_factory=dict)
     structured_rate: float = 0.0  # share of requests with a structured output (STRUCTURED)
+    # Share of requests asked as POST /v1/responses (chat's conversation; checked against
+    # the chat's reference by text).
+    responses_rate: float = 0.0
     # The TP rank kill_worker and stop_worker hit (-1: the last). Rank 0 samples: under
     # async scheduling it is the one waiting for a step's grammar masks.
     kill_worker_rank: int = -1

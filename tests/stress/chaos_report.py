@@ -80,8 +80,8 @@ def format_table(s: dict[str, Any]) -> str:
     lines = [
         f"chaos suite @ {s['commit']}: {s['requests']} requests in {s['duration_s']:.0f}s "
         f"({s['streamed']} streamed, {s['chat']} chat, {s.get('structured', 0)} with a structured "
-        f"output, {s['client_abort_planned']} planned client aborts, {s['reused_ids']} with a "
-        f"reused X-Request-Id)",
+        f"output, {s.get('responses', 0)} as /v1/responses, {s['client_abort_planned']} "
+        f"planned client aborts, {s['reused_ids']} with a reused X-Request-Id)",
         "",
         "| round | requests | completed | errored | aborted | hung | broken | wrong | leaked | seconds |",  # noqa: E501
         "|---|---|---|---|---|---|---|---|---|---|",

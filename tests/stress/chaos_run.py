@@ -291,6 +291,7 @@ class ChaosRun:
             "streamed": sum(r.stream for r in self.results),
             "chat": sum(r.chat for r in self.results),
             "structured": sum(r.ref_key[3] >= 0 for r in self.results),
+            "responses": sum(r.responses for r in self.results),
             # Every request of the workload is valid: a 4xx other than 429 blames the client
             # for something it did not do.
             "client_blamed": [

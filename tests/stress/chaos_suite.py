@@ -45,6 +45,10 @@ grammar masks follow on rank 0's task pipe, so a fault can meet rank 0 waiting f
 rank 0 by default). A completed structured answer must also keep to its grammar.
 ``--plain-reference`` starts the reference without those flags and variables, so async
 nodes are checked against a synchronous reference (greedy answers are the same).
+``--responses-rate R`` asks a share R of the requests as ``POST /v1/responses`` (a chat
+conversation, its JSON schema as ``text.format``; ``chaos_responses.py``): checked
+against the chat reference by text (the Responses API gives no token ids), a stream's
+deltas against its final response object.
 
 By default (``ChaosConfig.victims``) the faults that restart a node hit ``p1`` and ``d1``;
 ``p2`` and ``d2`` get the SIGSTOPs, so they (and the proxy) survive every round. Resident
@@ -233,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         "schema; nodes need llguidance) (env CHAOS_STRUCTURED_RATE; default 0)",
     )
     ap.add_argument(
+        "--responses-rate",
+        type=float,
+        default=float(env("CHAOS_RESPONSES_RATE", "0")),
+        help="share of requests asked as POST /v1/responses (a chat conversation; checked "
+        "against the chat reference by its text) (env CHAOS_RESPONSES_RATE; default 0)",
+    )
+    ap.add_argument(
         "--json", default=env("CHAOS_JSON"), help="write the summary here (env CHAOS_JSON)"
     )
     ap.add_argument(
@@ -261,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.async_scheduling:
         node_args += [] if "--async-scheduling" in node_args else ["--async-scheduling"]
         node_env.setdefault(DEFER_READBACK_ENV, "1")
-    if not 0 <= a.structured_rate <= 1:
-        ap.error(f"--structured-rate: a share in [0, 1], got {a.structured_rate}")
+    for name, share in (("structured", a.structured_rate), ("responses", a.responses_rate)):
+        if not 0 <= share <= 1:
+            ap.error(f"--{name}-rate: a share in [0, 1], got {share}")
     cfg = ChaosConfig(
         requests=a.requests,
         rounds=a.rounds,
@@ -281,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         node_args=tuple(node_args),
         node_env=node_env,
         structured_rate=a.structured_rate,
+        responses_rate=a.responses_rate,
         kill_worker_rank=a.kill_worker_rank,
         plain_reference=a.plain_reference,
         stop_worker_rank=a.stop_worker_rank,

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 from chaos_config import STRUCTURED, STRUCTURED_CHECKS, ChaosConfig, RefKey
+from chaos_responses import ResponsesStream, body_outcome, responses_body
 from harness import (
     GREEDY,
     MODEL,
@@ -69,6 +70,7 @@ class Spec:
     abort: tuple[str, float] | None  # ("events", k) or ("after_s", t): the client leaves
     burst: bool = False  # part of a fault's long-prompt burst
     structured: int = -1  # an index into STRUCTURED; -1: none
+    responses: bool = False  # a chat as POST /v1/responses (checked against the chat's answer)
 
     @property
     def ref_key(self) -> RefKey:
@@ -97,13 +99,14 @@ class Result:
     finish: str | None = None  # a completed answer's finish reason
     ids: list[int] = field(default_factory=list, repr=False)  # what the client got
     text: str = field(default="", repr=False)
+    responses: bool = False  # asked as /v1/responses: no token ids, checked by its text
 
     @classmethod
     def of(cls, spec: Spec, prompt_len: int, planned_abort: str | None, **kw: Any) -> Result:
         """The result of ``spec``'s request, before it ran."""
         return cls(
             spec.index, spec.round, spec.label, spec.chat, spec.stream, spec.max_tokens,
-            prompt_len, planned_abort, ref_key=spec.ref_key, **kw,
+            prompt_len, planned_abort, ref_key=spec.ref_key, responses=spec.responses, **kw,
         )  # fmt: skip
 
     def public(self) -> dict[str, Any]:
@@ -154,10 +157,17 @@ def make_specs(
                 structured=structured,
             )
         )
+        # Draws only with a share set (a seed's workload without it stays the same).
+        if cfg.responses_rate > 0 and rng.random() < cfg.responses_rate:
+            spec = specs[-1]
+            if spec.structured < 0 or "response_format" in STRUCTURED[spec.structured]:
+                spec.chat = spec.responses = True
     return specs
 
 
 def body_of(spec: Spec, prompts: list[str]) -> dict[str, Any]:
+    if spec.responses:
+        return responses_body(prompts[spec.prompt], spec.max_tokens, spec.stream, spec.structured)
     body: dict[str, Any] = {"model": MODEL, "max_tokens": spec.max_tokens, **GREEDY}
     if spec.chat:
         body["messages"] = [{"role": "user", "content": prompts[spec.prompt]}]
@@ -171,6 +181,8 @@ def body_of(spec: Spec, prompts: list[str]) -> dict[str, Any]:
 
 
 def path_of(spec: Spec) -> str:
+    if spec.responses:
+        return "/v1/responses"
     return "/v1/chat/completions" if spec.chat else "/v1/completions"
 
 
@@ -232,9 +244,18 @@ def run_request(proxy_url: str, spec: Spec, prompts: list[str], deadline_s: floa
             r.status = resp.status_code
             if not spec.stream or resp.status_code != 200:
                 raw = _read_within(resp, start, leave_after_s, deadline_s)
-                _classify_body(r, resp.status_code, raw, spec.chat, ids_out=ids)
-                if r.outcome == "completed":
-                    text = _json_text(raw, spec.chat)
+                if spec.responses and resp.status_code == 200:
+                    r.outcome, detail, text = body_outcome(json.loads(raw))
+                    r.finish, r.error = (
+                        (detail, None) if r.outcome == "completed" else (None, detail)
+                    )
+                else:
+                    _classify_body(r, resp.status_code, raw, spec.chat, ids_out=ids)
+                    if r.outcome == "completed":
+                        text = _json_text(raw, spec.chat)
+            elif spec.responses:
+                text = _read_responses_stream(r, resp, start, deadline_s, leave_after_s,
+                                              leave_after_events)  # fmt: skip
             else:
                 events = 0
                 finish = None
@@ -296,6 +317,46 @@ def run_request(proxy_url: str, spec: Spec, prompts: list[str], deadline_s: floa
     return r
 
 
+def _read_responses_stream(
+    r: Result,
+    resp: httpx.Response,
+    start: float,
+    deadline_s: float,
+    leave_after_s: float | None,
+    leave_after_events: int | None,
+) -> str:
+    """A /v1/responses stream read into ``r`` (as a chat stream is); its text."""
+    stream, events = ResponsesStream(), 0
+    for line in resp.iter_lines():
+        if time.monotonic() - start > deadline_s:
+            r.outcome, r.error = "hung", f"stream still open after {deadline_s}s"
+            return stream.text
+        if leave_after_s is not None and time.monotonic() - start > leave_after_s:
+            r.outcome = "aborted"
+            return stream.text
+        if not line or line.startswith("event: "):
+            continue
+        wrong = stream.feed(line[6:]) if line.startswith("data: ") else f"not SSE: {line[:80]!r}"
+        if wrong is not None:
+            r.outcome, r.error = "broken", wrong
+            return stream.text
+        events += 1
+        if stream.ended:
+            break
+        if leave_after_events is not None and events >= leave_after_events:
+            r.outcome = "aborted"
+            return stream.text
+    if not stream.ended:
+        r.outcome, r.error = "broken", "stream ended without its final event"
+    elif stream.error is not None:
+        r.outcome, r.error = "errored", stream.error
+    elif stream.final_text != stream.text:
+        r.outcome, r.error = "broken", "the final response's text is not the deltas'"
+    else:
+        r.outcome, r.finish = "completed", stream.finish
+    return stream.text
+
+
 def _read_within(
     resp: httpx.Response, start: float, leave_after_s: float | None, deadline_s: float
 ) -> bytes:
@@ -344,6 +405,8 @@ def check_answer(r: Result, ref: tuple[list[int], str]) -> None:
     not the start of it)."""
     ids, text = r.ids, r.text
     ref_ids, ref_text = ref
+    if r.responses:  # no token ids: the text
+        ids, ref_ids = list(text.encode()), list(ref_text.encode())
     if r.outcome == "completed":
         if ids != ref_ids:
             r.wrong = True

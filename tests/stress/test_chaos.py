@@ -12,6 +12,7 @@ proxy, which run through both rounds, is compared between them.
 ``--async-scheduling`` (and ``PDSERVE_DEFER_READBACK=1``, outputs held as on CUDA) and a
 quarter of the requests with a structured output (their grammar masks follow each step on
 rank 0's pipe): opt-in, CI runs the synchronous form, a tenth of its requests structured.
+Either way some requests are asked as `POST /v1/responses` (`--responses-rate`).
 
 Asserts 0 hung, 0 broken, 0 wrong, 0 leaked, no valid request answered with a 4xx, flat memory, and that every fault was
 injected as planned. The summary table is printed; ``CHAOS_JSON=path`` also writes it as
@@ -35,13 +36,14 @@ RESTARTS = ("kill_prefill", "kill_decode", "kill_worker", "drain")
 
 def test_chaos_short_form(tmp_path):
     # A tenth of the requests with a structured output: the grammar path under the faults.
-    extra: dict = {"structured_rate": 0.1}
+    extra: dict = {"structured_rate": 0.1, "responses_rate": 0.15}
     if os.environ.get("CHAOS_SHORT_ASYNC") == "1":
         pytest.importorskip("llguidance")
         extra = {
             "node_args": ("--async-scheduling",),
             "node_env": {DEFER_READBACK_ENV: "1"},
             "structured_rate": 0.25,
+            "responses_rate": 0.15,
         }
     cfg = ChaosConfig(
         requests=int(os.environ.get("CHAOS_SHORT_REQUESTS", "32")),  # ~110 s on 2 cores
@@ -59,6 +61,6 @@ def test_chaos_short_form(tmp_path):
     want = {f: 1 for f in RESTARTS} | {"side_channel": 4, "stop_worker": 2}
     assert summary["faults"] == want, summary["fault_log"]
     assert summary["client_abort_planned"] and summary["reused_ids"], summary
-    assert summary["structured"], summary
+    assert summary["structured"] and summary["responses"], summary
     assert {"p2", "d2", "proxy"} <= set(summary["rss_growth"]), summary["rounds"]
     assert not failures(summary), "\n".join(failures(summary))

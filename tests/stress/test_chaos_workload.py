@@ -5,6 +5,7 @@ else, and the extra node flags reach every node (the reference too, unless
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -111,3 +112,49 @@ def test_the_summary_hides_secrets_passed_in_node_flags_or_environment():
         "PDSERVE_API_KEY": "<hidden>",
         "PDSERVE_DEFER_READBACK": "1",
     }
+
+
+def test_a_responses_share_asks_chats_as_the_responses_api_and_checks_their_text():
+    from chaos_responses import ResponsesStream, body_outcome
+    from chaos_workload import path_of
+
+    from engine.responses_api.request import to_chat
+
+    cfg = ChaosConfig(responses_rate=1.0, structured_rate=0.5)
+    specs = make_specs(cfg, random.Random(0), 1, 0, 40, 6)
+    asked = [s for s in specs if s.responses]
+    # Every chat of the workload but those with a structured output the Responses API
+    # cannot spell (regexes, a choice): those stay chats.
+    assert asked and all(s.chat for s in asked)
+    assert all(s.structured < 0 or "response_format" in STRUCTURED[s.structured] for s in asked)
+    assert any(s.structured >= 0 for s in asked)
+    prompts = make_prompts(6, random.Random(1))
+    for spec in asked:
+        assert path_of(spec) == "/v1/responses"
+        chat, _ = to_chat(body_of(spec, prompts))  # what a node serves it as
+        parse_chat_request(chat)
+        assert chat["messages"] == [{"role": "user", "content": prompts[spec.prompt]}]
+        assert spec.ref_key == (spec.prompt, True, spec.max_tokens, spec.structured)
+    # Read back: a body, and a stream whose deltas must add up to its final response.
+    done = {"object": "response", "status": "incomplete",
+            "output": [{"type": "message", "content": [{"type": "output_text", "text": "ab"}]}]}  # fmt: skip
+    assert body_outcome(done) == ("completed", "length", "ab")
+    assert body_outcome({"object": "response", "status": "failed"})[0] == "errored"
+    stream = ResponsesStream()
+    for ev in ({"type": "response.created"}, {"type": "response.output_text.delta", "delta": "ab"},
+               {"type": "response.incomplete", "response": done}):  # fmt: skip
+        assert stream.feed(json.dumps(ev)) is None
+    assert (stream.ended, stream.finish, stream.text, stream.final_text) == (
+        True,
+        "length",
+        "ab",
+        "ab",
+    )
+    assert stream.feed("[DONE]") is not None  # no [DONE] on this API
+    # Checked by text against the chat reference.
+    r = Result(0, 1, "x", True, False, 4, 1, None, outcome="completed", text="ab", responses=True)
+    check_answer(r, ([1, 2], "ab"))
+    assert not r.wrong
+    r.text = "ac"
+    check_answer(r, ([1, 2], "ab"))
+    assert r.wrong
