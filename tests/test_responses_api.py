@@ -357,11 +357,14 @@ def test_an_error_event_fails_the_response_and_a_cut_stream_fails_too():
     cut = _run_events([first])
     assert cut[-1]["type"] == "response.failed"
     assert cut[-1]["response"]["error"]["message"] == "the stream ended early"
+    odd = _run_events([f"data: {json.dumps({'choices': {'0': 1}})}\n\n", "data: [DONE]\n\n"])
+    assert [e["type"] for e in odd][-1] == "response.failed"  # a shape never sent: failed
+    assert [e["type"] for e in odd].count("response.failed") == 1
     nothing = _run_events([])  # cut before its first chunk
     assert [e["type"] for e in nothing] == [
         "response.created", "response.in_progress", "response.failed",
     ]  # fmt: skip
-    for e in evs + cut + nothing:
+    for e in evs + cut + odd + nothing:
         EVENT.validate_python(e)
 
 

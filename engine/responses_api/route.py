@@ -149,7 +149,12 @@ async def events(chunks: AsyncIterator[Any], echo: ResponseEcho) -> AsyncIterato
                     except ValueError:
                         logger.warning("a chat stream event is not JSON: %.80r", data)
                         continue
-                    for event in stream.feed(chunk) if isinstance(chunk, dict) else ():
+                    try:
+                        made = stream.feed(chunk) if isinstance(chunk, dict) else []
+                    except Exception:  # a chunk of a shape never sent: the response fails
+                        logger.exception("a chat stream chunk could not be translated")
+                        made = stream.fail({"message": "internal error", "code": "server_error"})
+                    for event in made:
                         yield sse(event)
         # A chat stream always ends with [DONE]; one cut before it failed.
         for event in stream.fail({"message": "the stream ended early", "code": "server_error"}):
