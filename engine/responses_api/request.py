@@ -44,6 +44,10 @@ KNOWN_FIELDS = frozenset(SAMPLING_FIELDS) | frozenset(ECHOED_FIELDS)
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
+TOOL_KEYS = ("name", "description", "parameters", "strict")
+SCHEMA_FORMAT_KEYS = ("name", "schema", "strict", "description")
+VERBOSITIES = ("low", "medium", "high")
+SUMMARIES = ("auto", "concise", "detailed")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
@@ -101,8 +105,9 @@ def to_chat(body: Any) -> tuple[dict[str, Any], ResponseEcho]:
     tools = _tools(body)
     if tools:
         chat["tools"] = tools
+    tool_choice: Any = "auto"
     if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        chat["tool_choice"], tool_choice = _tool_choice(body["tool_choice"])
     parallel = get_bool(body, "parallel_tool_calls", True)
     if "parallel_tool_calls" in body:
         chat["parallel_tool_calls"] = parallel
@@ -121,8 +126,10 @@ def to_chat(body: Any) -> tuple[dict[str, Any], ResponseEcho]:
         max_output_tokens=max_output,
         temperature=body.get("temperature"),
         top_p=body.get("top_p"),
-        tools=list(body.get("tools") or []),
-        tool_choice=body.get("tool_choice") or "auto",
+        # What the request set and nothing more: keys a client adds change nothing, and
+        # a copy of them in every lifecycle event let one request stall the event loop.
+        tools=[{"type": "function", **t["function"]} for t in tools],
+        tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         text=text,
         reasoning=reasoning,
@@ -275,47 +282,56 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise unsupported(
                 f"tools[{i}].type", f"= {tool.get('type')!r:.40} (function tools only)"
             )
-        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        fn = {k: tool[k] for k in TOOL_KEYS if k in tool}
         out.append({"type": "function", "function": fn})
     return out
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(choice: Any) -> tuple[Any, Any]:
+    """``tool_choice`` as chat's, and as the ``response`` object repeats it."""
     if isinstance(choice, str):
-        return choice  # none / auto / required: chat's own check
+        return choice, choice  # none / auto / required: chat's own check
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_type("tool_choice.name", "a function's name", name)
+        return {"type": "function", "function": {"name": name}}, {"type": "function", "name": name}
     if isinstance(choice, dict):
         raise unsupported("tool_choice.type", f"= {choice.get('type')!r:.40} (function only)")
     raise bad_type("tool_choice", "a string or an object", choice)
 
 
 def _text(body: dict[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
-    """``text.format`` as chat's ``response_format``; the echoed ``text``."""
+    """``text.format`` as chat's ``response_format``; the echoed ``text`` (its known keys)."""
     text = body.get("text")
     if text is None:
         return {"format": {"type": "text"}}
     if not isinstance(text, dict):
         raise bad_type("text", "an object", text)
+    echo: dict[str, Any] = {"format": {"type": "text"}}
+    verbosity = text.get("verbosity")
+    if verbosity is not None:
+        if verbosity not in VERBOSITIES:
+            raise bad_type("text.verbosity", f"one of {', '.join(VERBOSITIES)}", verbosity)
+        echo["verbosity"] = verbosity
     fmt = text.get("format")
     if fmt is None:
-        return {**text, "format": {"type": "text"}}
+        return echo
     if not isinstance(fmt, dict):
         raise bad_type("text.format", "an object", fmt)
     kind = fmt.get("type")
     if kind == "json_object":
         chat["response_format"] = {"type": "json_object"}
+        echo["format"] = {"type": "json_object"}
     elif kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise bad_type("text.format.schema", "an object", fmt.get("schema"))
-        keys = ("name", "schema", "strict", "description")
-        chat["response_format"] = {
-            "type": "json_schema",
-            "json_schema": {k: fmt[k] for k in keys if k in fmt},
-        }
+        spec = {k: fmt[k] for k in SCHEMA_FORMAT_KEYS if k in fmt}
+        chat["response_format"] = {"type": "json_schema", "json_schema": spec}
+        echo["format"] = {"type": "json_schema", **spec}
     elif kind != "text":
         raise unsupported("text.format.type", f"= {kind!r:.40} (text, json_object or json_schema)")
-    return text
+    return echo
 
 
 def _reasoning(body: dict[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
@@ -326,7 +342,10 @@ def _reasoning(body: dict[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
         raise bad_type("reasoning", "an object", reasoning)
     if reasoning.get("effort") is not None:
         chat["reasoning_effort"] = reasoning["effort"]
-    return {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")}
+    summary = reasoning.get("summary")
+    if summary is not None and summary not in SUMMARIES:
+        raise bad_type("reasoning.summary", f"one of {', '.join(SUMMARIES)}", summary)
+    return {"effort": reasoning.get("effort"), "summary": summary}
 
 
 def _logprobs(body: dict[str, Any], chat: dict[str, Any]) -> None:
