@@ -23,7 +23,6 @@ from engine.httpkit.direct import FrontedApp
 from engine.httpkit.drain import Drainer, DrainMiddleware
 from engine.httpkit.errors import install_error_handlers
 from engine.httpkit.request_id import RequestIdMiddleware
-from engine.responses_api.route import serve_responses
 from kvconnector.nixl.peers import PeerAllowlist
 from proxy.config import ProxyConfig
 from proxy.discovery import DiscoveryLoop, Membership
@@ -40,6 +39,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeClient
 from proxy.nodes import Node, NodePool, Role
 from proxy.registration import DEREGISTER_PATH, REGISTER_PATH, Registry, serve_registration
+from proxy.responses import serve as serve_proxy_responses
 from proxy.router import Router
 from proxy.serving import ProxyServing
 from proxy.validation import CHAT, COMPLETIONS
@@ -142,7 +142,7 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> Fronted
         return await serving.generate(request, CHAT)
 
     async def responses(request: Request) -> Response:  # as a chat request, translated
-        return await serve_responses(request, chat_completions, cfg.max_request_bytes)
+        return await serve_proxy_responses(serving, request)
 
     # Every request passes the kit's middlewares (request id, API key, drain); the
     # generation routes are then served past the router's layers (engine/httpkit/direct.py).

@@ -66,20 +66,18 @@ class ProxyServing:
         self.legs: Legs | None = None  # set by the app's lifespan
         self.client: NodeClient | None = None
 
-    async def generate(self, request: Request, endpoint: str) -> Response:
-        """A completion or chat request: refuse at ``--max-inflight`` (429, before the body
-        is read: requests being read count too), validate (400) before any node is
-        touched, then serve it on a P/D pair as JSON or a stream."""
-        cfg, pool, metrics = self.cfg, self.pool, self.metrics
-        rid = request.state.request_id
-        path = "chat" if endpoint == CHAT else "completions"
+    def count(self, label: str, resp: Response, kind: str | None = None) -> Response:
+        """``resp`` counted in ``pdproxy_requests_total`` under endpoint ``label`` (and in
+        the errors by ``kind``)."""
+        self.metrics.requests.labels(label, str(resp.status_code)).inc()
+        if kind is not None:
+            self.metrics.errors.labels(kind).inc()
+        return resp
 
-        def answer(resp: Response, kind: str | None = None) -> Response:
-            metrics.requests.labels(path, str(resp.status_code)).inc()
-            if kind is not None:
-                metrics.errors.labels(kind).inc()
-            return resp
-
+    def admit(self, label: str) -> Response | None:
+        """The 429 of a request past ``--max-inflight`` (counted under ``label``); None when
+        it is admitted: it then holds a reading slot, given back by ``generate``."""
+        cfg = self.cfg
         if self.inflight + self.reading >= cfg.max_inflight:
             err = APIError(
                 f"the proxy is at its limit of {cfg.max_inflight} requests in flight; retry later",
@@ -87,8 +85,29 @@ class ProxyServing:
                 err_type="rate_limit_error",
                 code="too_many_requests",
             )
-            return answer(json_error(err, {"Retry-After": "1"}), "overloaded")
+            return self.count(label, json_error(err, {"Retry-After": "1"}), "overloaded")
         self.reading += 1  # until it is in flight (no await between) or refused
+        return None
+
+    async def generate(
+        self, request: Request, endpoint: str, label: str | None = None, admitted: bool = False
+    ) -> Response:
+        """A completion or chat request: refuse at ``--max-inflight`` (429, before the body
+        is read: requests being read count too), validate (400) before any node is
+        touched, then serve it on a P/D pair as JSON or a stream. ``admitted``: the
+        caller's ``admit`` holds its reading slot already (``/v1/responses``, which reads
+        the body before it is a chat request); ``label``: its endpoint in the metrics."""
+        cfg, pool, metrics = self.cfg, self.pool, self.metrics
+        rid = request.state.request_id
+        path = label or ("chat" if endpoint == CHAT else "completions")
+
+        def answer(resp: Response, kind: str | None = None) -> Response:
+            return self.count(path, resp, kind)
+
+        if not admitted:
+            refused = self.admit(path)
+            if refused is not None:
+                return refused
         try:
             limit = cfg.max_model_len or pool.max_model_len()
             raw = await read_body(request, cfg.max_request_bytes)
