@@ -164,6 +164,11 @@ def test_tools_tool_choice_text_format_reasoning_and_logprobs_translate():
         ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata.k"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata.k"),
         ({"input": "x", "stream": "yes"}, "stream"),
+        ({"input": "x", "store": "yes"}, "store"),
+        ({"input": "x", "max_tool_calls": "3"}, "max_tool_calls"),
+        ({"input": "x", "stream_options": True}, "stream_options"),
+        ({"input": "x", "service_tier": 1}, "service_tier"),
+        ({"input": "x", "user": "u" * 513}, "user"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_responses_field(body, param):

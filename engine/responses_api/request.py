@@ -49,6 +49,8 @@ SCHEMA_FORMAT_KEYS = ("name", "schema", "strict", "description")
 VERBOSITIES = ("low", "medium", "high")
 SUMMARIES = ("auto", "concise", "detailed")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+# ``user`` (an end-user id; OpenAI's safety_identifier and prompt_cache_key are 64): at most.
+MAX_USER_CHARS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,7 @@ def to_chat(body: Any) -> tuple[dict[str, Any], ResponseEcho]:
     a 400 ``APIError`` naming the Responses field that is wrong or not supported."""
     body = require_object(body)
     _refuse_stored_state(body)
+    _check_accepted(body)
     chat: dict[str, Any] = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     if "model" in body:
         chat["model"] = body["model"]
@@ -167,6 +170,23 @@ def _metadata(metadata: Any) -> dict[str, str] | None:
                 param=f"metadata.{key}",
             )
     return metadata
+
+
+def _check_accepted(body: dict[str, Any]) -> None:
+    """The types of the fields accepted and changing nothing here (a client's mistake in
+    them is still told), and ``user``'s length (it is repeated in every response object
+    a stream sends)."""
+    get_bool(body, "store", True)
+    get_int(body, "max_tool_calls")
+    for name in ("service_tier", "prompt_cache_key", "safety_identifier"):
+        get_str(body, name)
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise bad_type("stream_options", "an object", body["stream_options"])
+    user = get_str(body, "user")
+    if user is not None and len(user) > MAX_USER_CHARS:
+        raise APIError(
+            f"'user' is at most {MAX_USER_CHARS} characters, got {len(user)}", param="user"
+        )
 
 
 def _refuse_stored_state(body: dict[str, Any]) -> None:
