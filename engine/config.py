@@ -39,6 +39,13 @@ def is_repo_id(model: str) -> bool:
     return bool(_REPO_ID_RE.match(model)) and ".." not in model and not model.endswith(".")
 
 
+# The most log-probability entries one request's answer may hold, all its choices together
+# (``--max-logprob-entries``, nodes and proxy): an answer is held whole in memory (~300
+# bytes an entry while it is built and rendered), so 10M entries is ~3 GB. A request of one
+# choice is never refused by it (its own bound is the context x (``--max-logprobs`` + 1)).
+DEFAULT_MAX_LOGPROB_ENTRIES = 10_000_000
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = field(
@@ -98,6 +105,16 @@ class ModelConfig:
             "it); -1: the vocabulary size"
         },
     )
+    max_logprob_entries: int = field(
+        default=DEFAULT_MAX_LOGPROB_ENTRIES,
+        metadata={
+            "help": "the most log-probability entries the answer of a request with several "
+            "choices (n, a batch of prompts) may hold, all choices together: per choice, each "
+            "prompt token's prompt_logprobs + 1 and each output token's (up to max_tokens; "
+            "with echo, each prompt token's too) logprobs + 1; more is a 400. Bounds the "
+            "memory one answer takes (~300 bytes an entry)"
+        },
+    )
     generation_config: str = field(
         default="auto",
         metadata={
@@ -133,6 +150,11 @@ class ModelConfig:
             self.max_logprobs >= -1,
             "max_logprobs",
             f"must be >= 0, or -1 (the vocabulary size), got {self.max_logprobs}",
+        )
+        require(
+            self.max_logprob_entries >= 1,
+            "max_logprob_entries",
+            f"must be >= 1, got {self.max_logprob_entries}",
         )
         require(
             self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config),

@@ -23,7 +23,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: JSON config files only
     tomllib = None  # type: ignore[assignment]
 
-from engine.config import ConfigError, flag_name, require
+from engine.config import DEFAULT_MAX_LOGPROB_ENTRIES, ConfigError, flag_name, require
 from engine.httpkit.cors import CORS_HELP, CorsPolicy, cors_list
 from kvconnector.nixl.peers import PeerAllowlist
 from proxy.dns import parse_dns_name
@@ -160,6 +160,15 @@ class ProxyConfig:
     max_request_bytes: int = field(
         default=16 * 1024 * 1024,
         metadata={"help": "largest request body accepted; larger ones get 413"},
+    )
+    max_logprob_entries: int = field(
+        default=DEFAULT_MAX_LOGPROB_ENTRIES,
+        metadata={
+            "help": "the most log-probability entries the answer of a request with several "
+            "choices (n, a batch of prompts) may hold, all choices together (as on the nodes; "
+            "without a tokenizer a prompt counts a token per byte of its text, at most the "
+            "context); more is a 400"
+        },
     )
     shutdown_timeout: float = field(
         default=30.0,
@@ -346,6 +355,7 @@ class ProxyConfig:
         )
         _require(self.max_connections >= 1, "max_connections", "must be >= 1")
         _require(self.max_request_bytes >= 1, "max_request_bytes", "must be >= 1")
+        _require(self.max_logprob_entries >= 1, "max_logprob_entries", "must be >= 1")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0 seconds")
         _require(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
         _require(self.routing in ROUTING_POLICIES, "routing", f"must be one of {ROUTING_POLICIES}")

@@ -112,11 +112,14 @@ class ProxyServing:
             limit = cfg.max_model_len or pool.max_model_len()
             raw = await read_body(request, cfg.max_request_bytes)
             if len(raw) <= INLINE_VALIDATION_BYTES:  # microseconds: no thread hop
-                req = validate_request(endpoint, raw, pool.model_names(), limit)
+                req = validate_request(
+                    endpoint, raw, pool.model_names(), limit, cfg.max_logprob_entries
+                )
             else:  # off the event loop: a huge body must not stall the other clients' streams
                 req = await anyio.to_thread.run_sync(
-                    validate_request, endpoint, raw, pool.model_names(), limit
-                )
+                    validate_request, endpoint, raw, pool.model_names(), limit,
+                    cfg.max_logprob_entries,
+                )  # fmt: skip
             if req.parsed.structured_output is not None:  # a grammar check: off the loop
                 await anyio.to_thread.run_sync(check_structured, req.parsed.structured_output)
         except APIError as e:

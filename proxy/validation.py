@@ -16,7 +16,11 @@ from typing import Any
 from engine.server.chat_protocol import parse_chat_request
 from engine.server.json_body import parse_json_body
 from engine.server.protocol import BaseRequest, parse_completion_request
-from engine.server.request_checks import check_model
+from engine.server.request_checks import (
+    check_logprob_entries,
+    check_model,
+    logprob_entries,
+)
 from engine.server.request_fields import APIError
 from proxy.prefix import PromptKey, prompt_key
 
@@ -49,10 +53,22 @@ class ProxyRequest:
         return self.parsed.stream
 
 
+# Tokens a chat template may add to what the request's body holds (role headers, a default
+# system prompt): the proxy has no tokenizer, so a chat prompt's size is bounded from above.
+CHAT_TEMPLATE_TOKENS = 1024
+# Special tokens a tokenizer may add to a completion prompt's text (BOS, a dummy prefix).
+SPECIAL_TOKENS = 8
+
+
 def validate_request(
-    endpoint: str, raw: bytes, model_names: list[str], max_model_len: int | None
+    endpoint: str,
+    raw: bytes,
+    model_names: list[str],
+    max_model_len: int | None,
+    max_logprob_entries: int | None = None,
 ) -> ProxyRequest:
-    """Parse and check one request; raises ``APIError`` (400) naming the problem."""
+    """Parse and check one request; raises ``APIError`` (400) naming the problem.
+    ``max_logprob_entries``: ``--max-logprob-entries`` (None: not checked)."""
     body = parse_json_body(raw)
     parsed = parse_chat_request(body) if endpoint == CHAT else parse_completion_request(body)
     if parsed.kv_transfer_params is not None:
@@ -87,7 +103,41 @@ def validate_request(
     # Hashed here, off the event loop (a prompt may be megabytes).
     if parsed.num_choices == 1:
         return ProxyRequest(endpoint, body, parsed, prompt_key(parsed))
-    return ProxyRequest(endpoint, body, parsed, None, _children(endpoint, body, parsed))
+    req = ProxyRequest(endpoint, body, parsed, None, _children(endpoint, body, parsed))
+    if max_logprob_entries is not None and (
+        parsed.logprobs is not None or parsed.prompt_logprobs is not None
+    ):
+        entries = _logprob_entries_bound(req, len(raw), limit)
+        check_logprob_entries(
+            parsed, parsed.n, len(req.children), entries, max_logprob_entries, req.chat
+        )
+    return req
+
+
+def _logprob_entries_bound(req: ProxyRequest, raw_bytes: int, limit: int | None) -> int:
+    """At most how many log-probability entries the choices' answers hold, without a
+    tokenizer: a token is at least a byte of the prompt's text (plus a few special ones; a
+    chat template's own text: ``CHAT_TEMPLATE_TOKENS``), a prompt at most the context long,
+    and an answer at most ``max_tokens`` (else the context: ``limit`` - 1)."""
+    total = 0
+    bounds: dict[int, int] = {}  # a prompt's bound, once for its n choices
+    for j, child in enumerate(req.children):
+        one = child.parsed
+        tokens = bounds.get(j // req.parsed.n)
+        if tokens is None:
+            if req.chat:
+                tokens = raw_bytes + CHAT_TEMPLATE_TOKENS
+            elif one.prompt_token_ids is not None:  # type: ignore[attr-defined]
+                tokens = len(one.prompt_token_ids)  # type: ignore[attr-defined]
+            else:
+                tokens = len((one.prompt_text or "").encode()) + SPECIAL_TOKENS  # type: ignore[attr-defined]
+            for cap in (limit, one.truncate_prompt_tokens):
+                if cap is not None and cap > 0:
+                    tokens = min(tokens, cap)
+            bounds[j // req.parsed.n] = tokens
+        out = one.max_tokens if one.max_tokens is not None else max(0, (limit or 1) - 1)
+        total += logprob_entries(one, tokens, out)
+    return total
 
 
 def _children(endpoint: str, body: dict[str, Any], parsed: BaseRequest) -> list[ProxyRequest]:

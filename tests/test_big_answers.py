@@ -150,3 +150,115 @@ def test_the_proxys_huge_answer_does_not_stall_its_event_loop() -> None:
     # Unfixed: parsing the 16 node answers (~5.6 MB each) and rendering the merged ~90 MB
     # body held the proxy's loop ~45% of the time; now its longest wait is one parse.
     assert worst < 0.4 * took, (worst, took)
+
+
+# -- a bound on the log probabilities one answer holds (--max-logprob-entries) -----------------
+
+
+class OneTokenEngine(PromptLogprobsEngine):
+    """A 32k-context stand-in answering one token without log probabilities (cheap, so a
+    request the bound should refuse is answered quickly when it is not); counts requests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.max_model_len, self.started = 32768, 0
+
+    async def generate(self, request_id: str, prompt: list[int], *a: Any, **kw: Any) -> AsyncIterator[Any]:  # fmt: skip
+        self.started += 1
+        yield RequestOutput(request_id, [105], True, "length")
+
+
+def _post(app: Any, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://n") as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(main())
+
+
+def test_a_node_refuses_choices_whose_log_probabilities_pass_the_bound() -> None:
+    """n = 16 with ``logprobs: 20`` and ``max_tokens`` 30,000 on a 32k-context model may
+    answer 16 x 30k x 21 = 10M entries (~3 GB held while built): a 400 naming ``n``, the
+    flag and the fix, before any choice starts. Realistic requests are left alone."""
+    engine = OneTokenEngine()
+    app = build_app(engine)  # type: ignore[arg-type]
+    body = {"prompt": "hello", "n": 16, "logprobs": 20, "max_tokens": 30000}
+    resp = _post(app, "/v1/completions", body)
+    # Unfixed: 200 (each choice could have generated 32k tokens with 21 entries each).
+    assert resp.status_code == 400, resp.text[:300]
+    err = resp.json()["error"]
+    assert err["param"] == "n" and "--max-logprob-entries 10000000" in err["message"]
+    assert "'logprobs' 20" in err["message"] and "fewer choices" in err["message"]
+    assert engine.started == 0
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 16,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }  # fmt: skip  (no max_tokens: the rest of the context)
+    err = _post(app, "/v1/chat/completions", chat).json()["error"]
+    assert err["param"] == "n" and "'top_logprobs' 20" in err["message"]
+    assert _post(app, "/v1/chat/completions", {**chat, "top_logprobs": 5}).status_code == 200
+    batch = {"prompt": ["a", "b"], "max_tokens": 16000, "logprobs": 20, "echo": True}
+    assert _post(app, "/v1/completions", {**batch, "n": 16}).json()["error"]["param"] == "n"
+    err = _post(app, "/v1/completions", {**batch, "prompt": ["a"] * 40}).json()["error"]
+    assert err["param"] == "prompt"
+    for ok in (
+        {"prompt": "hello", "n": 128, "logprobs": 20},  # max_tokens 16, the default
+        {"prompt": "hello", "n": 16, "logprobs": 20, "max_tokens": 4000},
+        {"prompt": "hello", "logprobs": 20, "echo": True, "prompt_logprobs": 20},  # one choice
+        {"prompt": "hello", "n": 128},  # no log probabilities
+    ):
+        assert _post(app, "/v1/completions", ok).status_code == 200, ok
+    small = build_app(OneTokenEngine(), max_logprob_entries=1000)  # type: ignore[arg-type]
+    body = {"prompt": "hello", "n": 2, "logprobs": 0, "max_tokens": 600}
+    assert _post(small, "/v1/completions", body).status_code == 400
+
+
+def test_the_proxy_refuses_choices_whose_log_probabilities_pass_the_bound() -> None:
+    """The proxy splits the choices over its nodes (each leg has ``n`` = 1, which no node
+    refuses): it checks the whole request before any node is touched, a prompt counted
+    as at most a token per byte of its text (it has no tokenizer)."""
+    from standin_http import SeenRequest, StandIn, answer
+
+    from proxy.app import build_app as build_proxy
+    from proxy.config import ProxyConfig
+
+    one = {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+           "choices": [{"index": 0, "text": "i", "finish_reason": "length"}],
+           "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}  # fmt: skip
+
+    async def node(req: SeenRequest) -> bytes:
+        if req.path == "/v1/models":
+            return answer(200, {"data": [{"id": "m", "max_model_len": 32768}]})
+        return answer(200, one if req.path == "/v1/completions" else {"status": "ok"})
+
+    async def main() -> tuple[list[httpx.Response], int]:
+        async with StandIn(node) as d:
+            cfg = ProxyConfig(prefill=(), decode=(d.url,), prefill_fallback=True)
+            app = build_proxy(cfg)
+            async with app.router.lifespan_context(app):
+                for n in app.state.pool.all():
+                    n.update_info({"role": "consumer"}, {"data": [{"id": "m", "max_model_len": 32768}]})  # fmt: skip
+                    n.set_healthy(True)
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://p") as c:
+                    bodies = (
+                        {"prompt": "hello", "n": 16, "logprobs": 20, "max_tokens": 30000},
+                        {"prompt": "hello", "n": 16, "logprobs": 20, "max_tokens": 4000},
+                        {"prompt": "h" * 4000, "n": 16, "prompt_logprobs": 20, "max_tokens": 1},
+                    )
+                    seen = len(d.seen)
+                    out = [await c.post("/v1/completions", json=b) for b in bodies[:1]]
+                    completions = sum(r.path == "/v1/completions" for r in d.seen[seen:])
+                    out += [await c.post("/v1/completions", json=b) for b in bodies[1:]]
+                    return out, completions
+
+    (refused, *fine), completions = asyncio.run(main())
+    # Unfixed: 200, its 16 choices sent to the decode node.
+    assert refused.status_code == 400, refused.text[:300]
+    err = refused.json()["error"]
+    assert err["param"] == "n" and "--max-logprob-entries 10000000" in err["message"]
+    assert completions == 0
+    assert [r.status_code for r in fine] == [200, 200], [r.text[:200] for r in fine]

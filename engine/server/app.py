@@ -14,6 +14,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.config import DEFAULT_MAX_LOGPROB_ENTRIES
 from engine.httpkit.admission import Admission, AdmissionMiddleware
 from engine.httpkit.auth import ApiKeyMiddleware
 from engine.httpkit.cors import CorsPolicy
@@ -59,6 +60,7 @@ def build_app(
     log_requests: bool = True,
     sampling_defaults: dict[str, Any] | None = None,
     max_logprobs: int = MAX_LOGPROBS,
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
     served_model_names: list[str] | None = None,
     model_root: str | None = None,
     cors: CorsPolicy | None = None,
@@ -76,6 +78,8 @@ def build_app(
     request's start and end logged at INFO (``--disable-log-requests``: DEBUG).
     ``sampling_defaults``: of requests that do not set them (``--generation-config``);
     ``max_logprobs``: the most a request may ask (``--max-logprobs``);
+    ``max_logprob_entries``: the most entries a request of several choices may be answered
+    (``--max-logprob-entries``);
     ``served_model_names``: every name a request's ``model`` may give (default: the
     engine's ``model_name``), each with a card in ``/v1/models`` whose ``root`` is
     ``model_root`` (vLLM's: the ``--model`` given; default: the engine's name). ``cors``: which browser
@@ -86,6 +90,7 @@ def build_app(
     serving = OpenAIServing(
         engine, metrics, max_request_bytes, tool_call_parser, reasoning_parser,
         trust_request_chat_template, log_requests, sampling_defaults, max_logprobs, names,
+        max_logprob_entries,
     )  # fmt: skip
     tokenize_serving = TokenizeServing(
         engine, max_request_bytes, trust_request_chat_template, names

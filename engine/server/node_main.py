@@ -222,6 +222,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             log_requests=args.log_requests,
             sampling_defaults=defaults,
             max_logprobs=engine.max_logprobs,
+            max_logprob_entries=config.model.max_logprob_entries,
             served_model_names=list(engine.config.model.served_names),
             model_root=model_root,
             cors=cors,

@@ -96,6 +96,45 @@ def check_logprobs(req: BaseRequest, limit: int, chat: bool) -> None:
             )
 
 
+def logprob_entries(req: BaseRequest, prompt_tokens: int, max_tokens: int) -> int:
+    """The most log-probability entries one choice's answer may hold: each prompt token's
+    ``prompt_logprobs`` + 1 (the token and its alternatives), with ``logprobs`` each output
+    token's (and, with ``echo``, each prompt token's) ``logprobs`` + 1."""
+    entries = 0
+    if req.prompt_logprobs is not None:
+        entries += prompt_tokens * (req.prompt_logprobs + 1)
+    if req.logprobs is not None:
+        echoed = prompt_tokens if req.echo else 0
+        entries += (echoed + max_tokens) * (req.logprobs + 1)
+    return entries
+
+
+def check_logprob_entries(
+    req: BaseRequest, n: int, choices: int, entries: int, limit: int, chat: bool
+) -> None:
+    """A 400 when a request of several ``choices`` (``n`` per prompt) would answer more
+    than ``limit`` log-probability entries (``entries``, all choices together), naming what
+    to lower."""
+    if choices <= 1 or entries <= limit:
+        return
+    asked = [
+        f"'{name}' {k}"
+        for name, k in (
+            ("prompt_logprobs", req.prompt_logprobs),
+            ("top_logprobs" if chat else "logprobs", req.logprobs),
+        )
+        if k is not None
+    ]
+    raise APIError(
+        f"the answer's {choices} choices would hold up to {entries} log-probability entries "
+        f"({', '.join(asked)}: each token's alternatives + 1, per prompt token and per "
+        f"output token up to 'max_tokens'), more than this server allows "
+        f"(--max-logprob-entries {limit}): ask for fewer choices ('n', or fewer prompts), "
+        "fewer alternatives, or a smaller 'max_tokens'",
+        param="n" if n > 1 else "prompt",
+    )
+
+
 def check_structured(so: StructuredOutput | None) -> None:
     """A request's structured output checked (its grammar is valid, within the limits):
     a 400 naming its field otherwise, and when ``llguidance`` is missing. Not part of the

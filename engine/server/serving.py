@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.bad_words import tokenize_bad_words
+from engine.config import DEFAULT_MAX_LOGPROB_ENTRIES
 from engine.generation_config import apply_defaults
 from engine.httpkit.admission import Admission, overloaded_body
 from engine.httpkit.big_json import json_response, may_be_large, off_loop
@@ -48,10 +49,12 @@ from engine.server.logprobs import TokenIdStrings, TokenStrings
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import BaseRequest, CompletionRequest, parse_completion_request
 from engine.server.request_checks import (
+    check_logprob_entries,
     check_logprobs,
     check_model,
     check_structured,
     check_token_ids,
+    logprob_entries,
     resolve_max_tokens,
     truncate_prompt,
 )
@@ -103,6 +106,7 @@ class OpenAIServing:
         sampling_defaults: dict[str, Any] | None = None,
         max_logprobs: int = MAX_LOGPROBS,
         served_names: list[str] | None = None,
+        max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
     ) -> None:
         """``tool_call_parser``: the parser of "auto" tool choice (``--enable-auto-tool-choice
         --tool-call-parser NAME``); None: such requests are refused (vLLM's rule).
@@ -115,7 +119,8 @@ class OpenAIServing:
         requests that do not set them, and ``max_tokens`` a cap on every answer
         (``--generation-config``). ``max_logprobs``: ``--max-logprobs``.
         ``served_names``: every name a request's ``model`` may give (default: the
-        engine's ``model_name``)."""
+        engine's ``model_name``). ``max_logprob_entries``: the most log-probability entries
+        the answer of a request with several choices may hold (``--max-logprob-entries``)."""
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"unknown tool call parser {tool_call_parser!r}")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -129,6 +134,7 @@ class OpenAIServing:
         self.request_log_level = logging.INFO if log_requests else logging.DEBUG
         self.sampling_defaults = dict(sampling_defaults or {})
         self.max_logprobs = max_logprobs
+        self.max_logprob_entries = max_logprob_entries
         self.served_names = served_names or [engine.model_name]
         self.engine = engine
         self.metrics = metrics
@@ -171,7 +177,7 @@ class OpenAIServing:
         async def handle() -> Response:
             raw = await self._body(request)
             n, choices = await anyio.to_thread.run_sync(self._prepare_completion, raw)
-            return await self._run(request, self._jobs(request, False, choices), n)
+            return await self._run(request, self._jobs(request, False, choices, n), n)
 
         return await self._guarded(request, handle)
 
@@ -179,7 +185,7 @@ class OpenAIServing:
         async def handle() -> Response:
             raw = await self._body(request)
             n, choices = await anyio.to_thread.run_sync(self._prepare_chat, raw)
-            return await self._run(request, self._jobs(request, True, choices), n)
+            return await self._run(request, self._jobs(request, True, choices, n), n)
 
         return await self._guarded(request, handle)
 
@@ -300,12 +306,24 @@ class OpenAIServing:
         return reasoning_parser_class(self.reasoning_parser).applies(thinking_kwargs(req))
 
     def _jobs(
-        self, request: Request, chat: bool, choices: list[tuple[BaseRequest, list[int]]]
+        self,
+        request: Request,
+        chat: bool,
+        choices: list[tuple[BaseRequest, list[int]]],
+        n: int = 1,
     ) -> list[Job]:
-        """Every choice's job, all checked before any starts (one too long: a 400, no work)."""
-        return [
+        """Every choice's job, all checked before any starts (one too long: a 400, no work;
+        all together answering more log probabilities than ``--max-logprob-entries``: a 400)."""
+        jobs = [
             self._job(request, chat, req, ids, index) for index, (req, ids) in enumerate(choices)
         ]
+        first = jobs[0].req
+        if len(jobs) > 1 and (first.logprobs is not None or first.prompt_logprobs is not None):
+            entries = sum(
+                logprob_entries(j.req, len(j.prompt_ids), j.params.max_tokens) for j in jobs
+            )
+            check_logprob_entries(first, n, len(jobs), entries, self.max_logprob_entries, chat)
+        return jobs
 
     def _job(
         self, request: Request, chat: bool, req: BaseRequest, ids: list[int], index: int = 0
