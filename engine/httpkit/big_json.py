@@ -36,26 +36,35 @@ _limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLi
 _dumps = functools.partial(
     json.dumps, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
 )
+_event_dumps = functools.partial(json.dumps, separators=(",", ":"))  # ``sse_event``'s
 
 
 def render_json(obj: Any) -> bytes:
     """``obj`` as JSONResponse renders it, with no single ``json.dumps`` over more than
     ``ITEMS_PER_PIECE`` items of a list (dicts and short lists of containers are walked)."""
     out: list[str] = []
-    _render(obj, out)
+    _render(obj, out, _dumps)
     return "".join(out).encode()
 
 
-def _render(obj: Any, out: list[str]) -> None:
+def render_event(obj: Any) -> str:
+    """``sse_event(obj)``, rendered as ``render_json`` renders (in pieces)."""
+    out: list[str] = ["data: "]
+    _render(obj, out, _event_dumps)
+    out.append("\n\n")
+    return "".join(out)
+
+
+def _render(obj: Any, out: list[str], dumps: Callable[[Any], str]) -> None:
     if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
         out.append("{")
         for i, (key, value) in enumerate(obj.items()):
-            out.append(("," if i else "") + _dumps(key) + ":")
-            _render(value, out)
+            out.append(("," if i else "") + dumps(key) + ":")
+            _render(value, out, dumps)
         out.append("}")
     elif isinstance(obj, list | tuple) and len(obj) > ITEMS_PER_PIECE:
         pieces = (
-            _dumps(obj[i : i + ITEMS_PER_PIECE])[1:-1] for i in range(0, len(obj), ITEMS_PER_PIECE)
+            dumps(obj[i : i + ITEMS_PER_PIECE])[1:-1] for i in range(0, len(obj), ITEMS_PER_PIECE)
         )
         out.append("[" + ",".join(pieces) + "]")
     elif isinstance(obj, list | tuple) and any(isinstance(x, dict | list | tuple) for x in obj):
@@ -63,10 +72,10 @@ def _render(obj: Any, out: list[str]) -> None:
         for i, item in enumerate(obj):
             if i:
                 out.append(",")
-            _render(item, out)
+            _render(item, out, dumps)
         out.append("]")
     else:
-        out.append(_dumps(obj))
+        out.append(dumps(obj))
 
 
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:

@@ -124,6 +124,12 @@ class Job:
         c.update(logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason, token_ids=ids)
         return c
 
+    @property
+    def echoes_logprobs(self) -> bool:
+        """Whether the next stream chunk echoes the prompt with its log probabilities (one
+        entry per prompt token: the one large chunk of a stream)."""
+        return self.echo_text is not None and not self._echoed and self.req.logprobs is not None
+
     def _echo(self, text: str, ids: list[int], entries: Logprobs, prompt: Logprobs | None) -> Any:
         """Completions with echo: the prompt's text, ids and entries before the answer's,
         the first time only (a stream echoes in its first chunk with tokens)."""
