@@ -592,9 +592,9 @@ class OpenAIServing:
     async def _chunks(
         self, job: Job, first: Step, steps: AsyncIterator[Step]
     ) -> AsyncIterator[Any]:
-        """One choice's stream chunks; an ``APIError`` as its last item if it failed."""
+        """One choice's stream events; an ``APIError`` as its last item if it failed."""
         if job.chat:
-            yield job.chunk(Step("", []), first=True)
+            yield sse_event(job.chunk(Step("", []), first=True))
         step: Step | None = first
         while step is not None:
             if step.finish_reason == "error":
