@@ -475,6 +475,9 @@ def test_node_registration_flags_are_checked_before_the_engine_starts(
         (["--register-with", proxy, "--registration-key", KEY, "--registration-interval", "0"], "--registration-interval"),
         (["--advertise-url", "http://10.0.0.2:8200"], "--register-with"),
         (["--register-with", proxy, "--registration-key", KEY, "--advertise-url", "http://[fe80::1%eth0]:1"], "--advertise-url"),
+        # The listening address it would advertise without --advertise-url: a zone id names
+        # the node's own interface (every registration got 400; the node kept serving).
+        (["--register-with", proxy, "--registration-key", KEY, "--host", "fe80::1%eth0"], "--advertise-url"),
     ]  # fmt: skip
     for argv, flag in cases:
         with pytest.raises(SystemExit) as e:

@@ -138,6 +138,17 @@ def registration_flags(
             f"--advertise-url: required with --register-with when --host is {args.host!r}: "
             "give the URL proxies reach this node at (e.g. http://$(POD_IP):8200)"
         )
+    else:
+        # The listening address is advertised: checked as the proxies will check it (a
+        # zone id, ``fe80::1%eth0``, names this host's interface: every registration got
+        # 400 while the node served on). Port 0 is picked at bind time: any port checks.
+        try:
+            normalize_node_url(listen_url(args.host, args.port or 1))
+        except ValueError as e:
+            parser.error(
+                f"--advertise-url: required with --register-with when --host is "
+                f"{args.host!r}, which proxies cannot be given: {e}"
+            )
     return proxies, advertise
 
 
