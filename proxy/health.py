@@ -123,10 +123,14 @@ class HealthChecker:
         request is still on it (then it stays watched: ``NodePool.watched``). Each call
         holds one of the client's connections for up to ``LATE_ANSWER_S``: nodes that
         joined and left (registrations, DNS answers) used them all, and the checks of the
-        nodes in the pool waited past their deadline for one."""
+        nodes in the pool waited past their deadline for one. Its pairs' chat template
+        warnings are forgotten (a node joining at its URL again is warned about afresh)."""
         call = self._calls.get(id(node))
         if call is not None and node.outstanding == 0:
             call.cancel()
+        # (Kept for every URL ever seen, they grew without bound with DNS or registration churn.)
+        at = 0 if node.role == "prefill" else 2  # (P url, P template, D url, D template)
+        self._template_warned = {k for k in self._template_warned if k[at] != node.url}
 
     def _check_templates(self, node: Node) -> None:
         """Warn (once per pair) when ``node`` and a node of the other role render chats

@@ -216,6 +216,7 @@ class NodePool:
         self.decode = [Node(url.rstrip("/"), "decode") for url in decode]
         self.prefill_fallback = prefill_fallback  # decode nodes alone when no P is ready
         self._on_reset: Callable[[Node], None] | None = None
+        self._on_removed: list[Callable[[Node], None]] = []  # ``add_on_removed``
         self._departed: list[Node] = []  # removed, maybe still serving requests (``watched``)
 
     def set_on_reset(self, callback: Callable[[Node], None]) -> None:
@@ -223,6 +224,12 @@ class NodePool:
         self._on_reset = callback
         for n in self.all():
             n.on_reset = callback
+
+    def add_on_removed(self, callback: Callable[[Node], None]) -> None:
+        """Call ``callback`` with each node that leaves the pool for good (``remove``):
+        what is remembered by URL goes with it, so that nodes joining and leaving (DNS
+        answers, registrations) leave nothing behind."""
+        self._on_removed.append(callback)
 
     def get(self, url: str) -> Node | None:
         return next((n for n in self.all() if n.url == url), None)
@@ -245,6 +252,8 @@ class NodePool:
         node.healthy = False
         logger.info("%s node %s left: %s", node.role, node.url, reason)
         node._reset()
+        for callback in self._on_removed:
+            callback(node)
         self._departed.append(node)
 
     def watched(self) -> list[Node]:

@@ -28,6 +28,7 @@ A node that goes out of rotation or restarts loses its entries (``drop``).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -159,10 +160,13 @@ class PrefixIndex:
             raise ValueError("max_blocks must be >= 1")
         self.max_blocks = max_blocks
         self._nodes: dict[str, OrderedDict[int, None]] = {}
-        # url -> block hash -> requests on their way with it; ``_epoch``: drops of the url
-        # (a ``begin`` from before a drop ends without touching what came after it).
+        # url -> block hash -> requests on their way with it; ``_epoch``: the ticket of
+        # each url's ``_pending`` entry, new (never seen before) each time one is made, so
+        # a ``begin`` from before a drop ends without touching what came after it. Both
+        # hold only urls with requests on their way (nothing of nodes long gone).
         self._pending: dict[str, Counter[int]] = {}
-        self._epoch: Counter[str] = Counter()
+        self._epoch: dict[str, int] = {}
+        self._tickets = itertools.count(1)
         self.evicted_total = 0
 
     def match(self, url: str, key: PromptKey) -> int:
@@ -180,21 +184,24 @@ class PrefixIndex:
     def begin(self, url: str, key: PromptKey) -> int:
         """A request with ``key`` was routed to ``url``: matched from now on, until
         ``end``; returns the ticket ``end`` takes."""
-        if key.hashes:
-            self._pending.setdefault(url, Counter()).update(key.hashes)
+        if not key.hashes:
+            return 0  # nothing on its way: ``end`` has nothing to take back
+        if url not in self._pending:
+            self._pending[url], self._epoch[url] = Counter(), next(self._tickets)
+        self._pending[url].update(key.hashes)
         return self._epoch[url]
 
     def end(self, url: str, key: PromptKey, ticket: int, served: bool) -> None:
         """The request ``begin`` gave ``ticket`` for ended; ``served``: ``url`` computed (or
         received) its prompt, which it now holds (``insert``)."""
         pending = self._pending.get(url)
-        if pending is not None and ticket == self._epoch[url] and key.hashes:
+        if pending is not None and ticket == self._epoch.get(url) and key.hashes:
             pending.subtract(key.hashes)
             for h in key.hashes:
                 if pending.get(h, 1) <= 0:
                     del pending[h]
-            if not pending:
-                del self._pending[url]
+            if not pending:  # every request of this ticket ended
+                del self._pending[url], self._epoch[url]
         if served:
             self.insert(url, key)
 
@@ -221,8 +228,8 @@ class PrefixIndex:
         """Forget everything about ``url`` (it restarted, or its cache is unknown), the
         prompts on their way to it too."""
         self._nodes.pop(url, None)
-        if self._pending.pop(url, None) is not None:
-            self._epoch[url] += 1
+        self._pending.pop(url, None)
+        self._epoch.pop(url, None)  # its tickets end nothing now (the next begin: a new one)
 
     def size(self, url: str) -> int:
         """Blocks remembered for ``url``, those of prompts on their way to it included."""

@@ -185,6 +185,7 @@ class Router:
         self._parser_warned: set[tuple[Any, ...]] = set()  # pairs refused for their parsers
         if index is not None:
             pool.set_on_reset(self._node_reset)
+        pool.add_on_removed(self._node_left)
 
     @classmethod
     def from_config(cls, pool: NodePool, cfg: ProxyConfig) -> Router:
@@ -215,6 +216,12 @@ class Router:
         if self.index is not None and self.index.size(node.url):
             logger.info("%s node %s: forgetting its cached prefixes", node.role, node.url)
             self.index.drop(node.url)
+
+    def _node_left(self, node: Node) -> None:
+        """``node`` left the pool: its pairs' parser warnings go (a node joining at its URL
+        again is warned about afresh)."""
+        at = 0 if node.role == "prefill" else 2  # (P url, P parser, D url, D parser)
+        self._parser_warned = {k for k in self._parser_warned if k[at] != node.url}
 
     @staticmethod
     def pair_key(p: Node, d: Node) -> tuple[Any, ...]:

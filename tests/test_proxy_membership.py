@@ -12,14 +12,18 @@ sent it more); a node that left with requests on it vanished from ``/health`` an
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from engine.httpkit.drain import Drainer
 from proxy.config import ProxyConfig
 from proxy.discovery import Membership
+from proxy.health import HealthChecker
 from proxy.metrics import ProxyMetrics
+from proxy.node_client import NodeClient
 from proxy.nodes import Node, NodePool
-from proxy.router import LeastOutstanding, Router
+from proxy.prefix import PrefixIndex, PromptKey
+from proxy.router import CacheAware, LeastOutstanding, Route, Router
 from proxy.serving import ProxyServing
 
 D1, D2 = "http://10.0.0.2:8200", "http://10.0.0.3:8200"
@@ -117,3 +121,80 @@ def test_a_node_that_left_idle_is_gone_at_once() -> None:
     _ready(members.add("decode", D1, "registered"))
     members.drop(D1, "registered")
     assert _health(pool)["decode"] == [] and _gauge(pool, D1) is None
+
+
+# -- what is remembered per URL goes with a node that leaves ---------------------------------
+#
+# Found by a review of membership: a warning's "once per pair" record and the prefix
+# index's drop count were kept for every URL ever seen, so DNS answers or registrations
+# that keep changing (pods of rollouts, autoscaling) grew them without bound.
+
+CHURN = 200  # URLs that join and leave, one after another
+
+
+def _churn(members: Membership, each: Callable[[Node], None]) -> None:
+    """``CHURN`` decode nodes join, get ``each`` done to them, and leave."""
+    for i in range(CHURN):
+        url = f"http://10.1.{i // 250}.{i % 250}:8200"
+        node = _ready(members.add("decode", url, "registered"))
+        each(node)
+        members.drop(url, "registered")
+
+
+def test_parser_warnings_are_forgotten_with_the_node_that_left() -> None:
+    pool = NodePool(("http://10.0.0.1:8100",), ())
+    p = _ready(pool.prefill[0])
+    router = Router(pool)
+    members = Membership(pool)
+
+    def differ(d: Node) -> None:
+        d.reasoning_parser = "deepseek_r1"
+        assert router.refuses(d, p)  # warned once for the pair
+
+    _churn(members, differ)
+    assert len(router._parser_warned) <= 1
+
+
+def test_template_warnings_are_forgotten_with_the_node_that_left() -> None:
+    pool = NodePool(("http://10.0.0.1:8100",), ())
+    p = _ready(pool.prefill[0])
+    p.chat_template = "aaaa"
+    checker = HealthChecker(pool, NodeClient(timeout=1.0), interval=1.0)
+    members = Membership(pool)
+    members.on_removed = checker.forget  # as the app wires it
+
+    def differ(d: Node) -> None:
+        d.chat_template = "bbbb"
+        checker._check_templates(d)  # warned once for the pair
+
+    _churn(members, differ)
+    assert len(checker._template_warned) <= 1
+
+
+def test_the_prefix_index_keeps_nothing_of_nodes_that_left_with_prompts_on_their_way() -> None:
+    pool = NodePool(("http://10.0.0.1:8100",), ())
+    _ready(pool.prefill[0])
+    index = PrefixIndex(1 << 12)
+    router = Router(pool, CacheAware(index), index=index)
+    members = Membership(pool)
+    key = PromptKey.of("text", "x" * 1000)
+    routes: list[Route] = []
+
+    def route(d: Node) -> None:
+        routes.append(router.plan(key))  # on its way to D when D leaves
+
+    _churn(members, route)
+    for r in routes:
+        router.finish(r, True, False)
+    assert len(index._epoch) <= 1
+    assert index.total() <= len(key.hashes)  # what P served, no more
+
+
+def test_a_ticket_from_before_a_drop_does_not_end_a_later_request() -> None:
+    index = PrefixIndex(1 << 12)
+    key = PromptKey.of("text", "y" * 1000)
+    old = index.begin(D1, key)
+    index.drop(D1)  # the node left (or restarted) with the request on it
+    index.begin(D1, key)  # the node at that URL again, a new request on its way
+    index.end(D1, key, old, served=False)  # the old request ends
+    assert index.match(D1, key) == len(key.hashes)  # the new one still counts
