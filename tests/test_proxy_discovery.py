@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import signal
 import socket
 import sys
@@ -40,6 +42,7 @@ from harness import (
     stream_ids,
     wait_for,
     wait_healthy,
+    worker_pids,
 )
 
 from engine.server.request_fields import APIError
@@ -717,20 +720,35 @@ def test_a_registration_that_stops_heartbeating_expires(setup: Setup) -> None:
 
 @pytest.mark.slow
 def test_sigterm_deregisters_and_the_request_in_flight_finishes(setup: Setup) -> None:
+    """The request cannot end before the test has seen the node leaving: D's TP worker is
+    stopped (SIGSTOP) while D's server, which handles SIGTERM and deregisters, runs on,
+    and goes on once the test has looked. (Not reading the stream holds nothing back: on
+    loopback the sockets between D, the proxy and the client hold MBs; a 200-token stream
+    read on could end before the first look, and the node was never seen leaving.)"""
     a, d = setup.a, setup.decode()
     body = {"prompt": "Once upon a time", "max_tokens": 200, "stream": True, **GREEDY}
     direct = complete(d.url, {**body, "stream": False}).json()["choices"][0]["token_ids"]
     removed = metric(a.url, "pdproxy_discovery_events_total", {"event": "removed"})
+    workers = worker_pids(d.proc.pid)
+    assert workers, "the decode node's TP worker"
     with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         first = [next(lines) for _ in range(4)]
-        d.proc.send_signal(signal.SIGTERM)  # drains: the request finishes; deregisters
-        # Out of the pool at once (not a 30 s expiry), shown leaving while its request runs.
-        wait_for(lambda: [n["state"] for n in nodes(a)] == ["leaving"], 10, "deregistered")
-        (entry,) = nodes(a)
-        assert (entry["outstanding"], entry["healthy"], entry["sources"]) == (1, False, [])
-        assert metric(a.url, "pdproxy_node_outstanding_requests", {"url": d.url}) == 1
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)  # no more tokens until SIGCONT
+        try:
+            d.proc.send_signal(signal.SIGTERM)  # drains: the request finishes; deregisters
+            # Out of the pool at once (not a 30 s expiry), shown leaving while its request
+            # runs.
+            wait_for(lambda: [n["state"] for n in nodes(a)] == ["leaving"], 10, "deregistered")
+            (entry,) = nodes(a)
+            assert (entry["outstanding"], entry["healthy"], entry["sources"]) == (1, False, [])
+            assert metric(a.url, "pdproxy_node_outstanding_requests", {"url": d.url}) == 1
+        finally:
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):  # a failed test: maybe gone
+                    os.kill(pid, signal.SIGCONT)
         events = sse_data(first + list(lines))
     assert events[-1] == "DONE" and all("error" not in e for e in events[:-1]), events[-3:]
     wait_for(lambda: nodes(a) == [], 10, "the node that left to be gone")  # its request ended
