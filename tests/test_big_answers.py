@@ -8,29 +8,25 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
+from scripted_engine import StubEngine
 
 from engine.httpkit.big_json import render_event, render_json
 from engine.httpkit.sse import sse_event
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.server.app import build_app
-from engine.tokenizer import ByteTokenizer
 
 PROMPT_TOKENS = 4000
 TOP = 20
 
 
-class PromptLogprobsEngine:
+class PromptLogprobsEngine(StubEngine):
     """Every request answers one token, with ``TOP`` alternatives for each prompt token."""
 
     def __init__(self) -> None:
-        self.model_name, self.max_model_len, self.vocab_size = "m", 4096, 512
-        self.tokenizer = ByteTokenizer()
-        self.healthy, self.dead_reason = True, None
-        self.grammars = SimpleNamespace(compile=lambda so: None)
+        super().__init__()
         top_ids = tuple(range(TOP))
         top_lps = tuple(-0.5 - i for i in range(TOP))
         self.entry = TokenLogprob(104, -1.25, top_ids, top_lps, 3)
@@ -38,15 +34,6 @@ class PromptLogprobsEngine:
     async def generate(self, request_id: str, prompt: list[int], *a: Any, **kw: Any) -> AsyncIterator[Any]:  # fmt: skip
         entries = [None, *[self.entry] * (len(prompt) - 1)]
         yield RequestOutput(request_id, [105], True, "length", prompt_logprobs=entries)
-
-    async def abort(self, request_id: str) -> None:
-        return None
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-    def kv_info(self) -> dict[str, Any]:
-        return {"engine_id": "e"}
 
 
 async def _worst_loop_gap_during(work: Any) -> tuple[Any, float, float]:

@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 import pytest
-from scripted_engine import ScriptedEngine
+from scripted_engine import ScriptedEngine, chat, chat_chunks
 from starlette.testclient import TestClient
 
 from engine.reasoning import PARSERS, ReasoningParser, parser_class
@@ -177,18 +177,11 @@ def _client(text: str, reasoning_parser: str | None, **kw: Any) -> TestClient:
 
 
 def _chat(client: TestClient, status: int = 200, **body: Any) -> dict[str, Any]:
-    resp = client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 64, **body})
-    assert resp.status_code == status, resp.text
-    return resp.json()
+    return chat(client, MSG, status, **body)
 
 
 def _chat_stream(client: TestClient, **body: Any) -> list[dict[str, Any]]:
-    body = {"messages": MSG, "max_tokens": 64, **body, "stream": True}
-    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        assert resp.status_code == 200
-        lines = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
+    return chat_chunks(client, MSG, **body)
 
 
 ANSWER = "<think>\nadd them</think>\n\nIt is 4."
