@@ -132,8 +132,11 @@ class RefusingDecode:
         return answer(200, D_ANSWER)
 
 
-async def _request(cfg: ProxyConfig, pool: NodePool, router: Router, stream: bool) -> Any:
-    raw = json.dumps({"prompt": "x", "max_tokens": 3, "stream": stream}).encode()
+async def _request(
+    cfg: ProxyConfig, pool: NodePool, router: Router, stream: bool, prompt: str = "x"
+) -> Any:
+    """One completion of ``prompt`` through a proxy session: its body, or its events."""
+    raw = json.dumps({"prompt": prompt, "max_tokens": 3, "stream": stream}).encode()
     req = validate_request(COMPLETIONS, raw, ["tiny"], None)
     async with NodeClient(timeout=20) as client:
         legs = Legs(client)

@@ -12,41 +12,21 @@ to it).
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
-from harness import sse_chunk_events
-
 from proxy.config import ProxyConfig
-from proxy.legs import Legs
-from proxy.metrics import ProxyMetrics
-from proxy.node_client import NodeClient
 from proxy.nodes import NodePool
 from proxy.prefix import PrefixIndex, PromptKey
 from proxy.router import Router
-from proxy.session import Session
-from proxy.validation import COMPLETIONS, validate_request
 from tests.standin_http import SeenRequest, StandIn, answer
-from tests.test_proxy_node_config import D_ANSWER, RefusingDecode
+from tests.test_proxy_node_config import D_ANSWER, RefusingDecode, _request
 from tests.test_proxy_waits import PREFILL_ANSWER, _node, _ready_pool
 
 LONG = "".join(f"word{i} " for i in range(200))
 
 
 async def _serve(cfg: ProxyConfig, pool: NodePool, router: Router, stream: bool) -> Any:
-    raw = json.dumps({"prompt": LONG, "max_tokens": 3, "stream": stream}).encode()
-    req = validate_request(COMPLETIONS, raw, ["tiny"], None)
-    async with NodeClient(timeout=20) as client:
-        legs = Legs(client)
-        session = Session(req, "r", cfg, router, legs, ProxyMetrics(pool))
-        try:
-            if not stream:
-                return await asyncio.wait_for(session.complete(), 15)
-            await asyncio.wait_for(session.start_stream(), 15)
-            return sse_chunk_events([c async for c in session.events()])
-        finally:
-            session.close()
-            await legs.drain()
+    return await _request(cfg, pool, router, stream, LONG)
 
 
 def _prefix_router(pool: NodePool) -> Router:
