@@ -23,10 +23,10 @@ async def serve(serving: ProxyServing, request: Request) -> Response:
         return refused
     handed = False  # the reading slot is the chat request's once it starts
 
-    async def chat(req: Request) -> Response:
+    async def chat(req: Request, max_bytes: int) -> Response:
         nonlocal handed
         handed = True
-        return await serving.generate(req, CHAT, label=LABEL, admitted=True)
+        return await serving.generate(req, CHAT, LABEL, admitted=True, max_bytes=max_bytes)
 
     try:
         resp = await serve_responses(request, chat, serving.cfg.max_request_bytes)

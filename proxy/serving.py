@@ -90,13 +90,20 @@ class ProxyServing:
         return None
 
     async def generate(
-        self, request: Request, endpoint: str, label: str | None = None, admitted: bool = False
+        self,
+        request: Request,
+        endpoint: str,
+        label: str | None = None,
+        admitted: bool = False,
+        max_bytes: int | None = None,
     ) -> Response:
         """A completion or chat request: refuse at ``--max-inflight`` (429, before the body
         is read: requests being read count too), validate (400) before any node is
         touched, then serve it on a P/D pair as JSON or a stream. ``admitted``: the
         caller's ``admit`` holds its reading slot already (``/v1/responses``, which reads
-        the body before it is a chat request); ``label``: its endpoint in the metrics."""
+        the body before it is a chat request); ``label``: its endpoint in the metrics;
+        ``max_bytes``: the body's size cap when not ``--max-request-bytes`` (its translated
+        body, whose client's body passed the cap)."""
         cfg, pool, metrics = self.cfg, self.pool, self.metrics
         rid = request.state.request_id
         path = label or ("chat" if endpoint == CHAT else "completions")
@@ -110,7 +117,7 @@ class ProxyServing:
                 return refused
         try:
             limit = cfg.max_model_len or pool.max_model_len()
-            raw = await read_body(request, cfg.max_request_bytes)
+            raw = await read_body(request, max_bytes or cfg.max_request_bytes)
             if len(raw) <= INLINE_VALIDATION_BYTES:  # microseconds: no thread hop
                 req = validate_request(
                     endpoint, raw, pool.model_names(), limit, cfg.max_logprob_entries

@@ -445,3 +445,18 @@ def test_a_node_refuses_before_the_engine_and_names_the_responses_field():
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "model_not_found"
     resp = client.post("/v1/responses", content=b"{not json")
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json"
+
+
+def test_a_body_within_the_size_cap_is_not_refused_for_its_translation():
+    """The chat body a Responses body translates into may be longer (each message's
+    wrapping; non-ASCII text was written as \\u escapes, 6 bytes for a 2-byte "é"): it
+    is not held to the cap again, which the client's own body passed."""
+    client = _node("ok", max_request_bytes=2000)
+    for text in ("é" * 600, "x" * 1900):
+        raw = json.dumps({"model": "m", "input": text}, ensure_ascii=False).encode()
+        assert len(raw) <= 2000
+        resp = client.post("/v1/responses", content=raw)
+        assert resp.status_code == 200, resp.text
+    too_big = json.dumps({"model": "m", "input": "x" * 2000}).encode()
+    resp = client.post("/v1/responses", content=too_big)
+    assert resp.status_code == 413 and "2000 bytes" in resp.json()["error"]["message"]

@@ -31,7 +31,9 @@ from engine.server.request_fields import APIError
 
 logger = logging.getLogger(__name__)
 
-ChatHandler = Callable[[Request], Awaitable[Response]]
+# The app's chat handler: the request carrying the translated body, and the size cap to read
+# it with (``--max-request-bytes``, or the translated body's size when that is larger).
+ChatHandler = Callable[[Request, int], Awaitable[Response]]
 # Bodies up to this size are translated on the event loop (microseconds); larger ones in
 # a worker thread, so a huge ``input`` does not stall the other clients' streams.
 INLINE_BYTES = 64 * 1024
@@ -64,7 +66,8 @@ def responses_param(param: Any) -> Any:
 
 def _translate(raw: bytes) -> tuple[bytes, ResponseEcho]:
     chat, echo = to_chat(parse_json_body(raw))
-    return json.dumps(chat).encode(), echo
+    # Compact and not ASCII-escaped: a "\u00e9" is 6 bytes where the client sent 2.
+    return json.dumps(chat, ensure_ascii=False, separators=(",", ":")).encode(), echo
 
 
 def _with_body(request: Request, raw: bytes) -> Request:
@@ -98,7 +101,9 @@ async def serve_responses(request: Request, chat: ChatHandler, max_bytes: int) -
     if echo.ignored_fields:
         shown = ", ".join(repr(n[:40]) for n in echo.ignored_fields[:20])
         logger.warning("a /v1/responses request has fields that are ignored: %s", shown)
-    resp = await chat(_with_body(request, chat_raw))
+    # The client's body passed the cap; its translation may be longer (each message's
+    # wrapping, the stream's options) and is not refused for it.
+    resp = await chat(_with_body(request, chat_raw), max(max_bytes, len(chat_raw)))
     return answer(resp, echo)
 
 

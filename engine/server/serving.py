@@ -167,8 +167,8 @@ class OpenAIServing:
             self._id_strings = TokenIdStrings(self.engine.tokenizer)
         return self._id_strings
 
-    async def _body(self, request: Request) -> bytes:
-        return await read_body(request, self.max_request_bytes)
+    async def _body(self, request: Request, max_bytes: int | None = None) -> bytes:
+        return await read_body(request, max_bytes or self.max_request_bytes)
 
     # -- endpoints ----------------------------------------------------------------------------
     # Parsing, validation and tokenization run in a worker thread: a huge body (a long token
@@ -181,9 +181,12 @@ class OpenAIServing:
 
         return await self._guarded(request, handle)
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, request: Request, max_bytes: int | None = None) -> Response:
+        """``max_bytes``: the body's size cap when not ``--max-request-bytes`` (a translated
+        ``/v1/responses`` body)."""
+
         async def handle() -> Response:
-            raw = await self._body(request)
+            raw = await self._body(request, max_bytes)
             n, choices = await anyio.to_thread.run_sync(self._prepare_chat, raw)
             return await self._run(request, self._jobs(request, True, choices, n), n)
 
