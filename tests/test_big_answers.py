@@ -276,3 +276,32 @@ def test_the_first_chunk_of_an_echoed_stream_does_not_stall_the_event_loop() -> 
         assert len(lp["tokens"]) == PROMPT_TOKENS + 1 and len(lp["top_logprobs"][1]) == TOP + 1
         # Unfixed (n = 1): the first chunk was one block of the loop (~90% of the time).
         assert worst < 0.4 * took, (n, worst, took)
+
+
+class OutputLogprobsEngine(PromptLogprobsEngine):
+    """Every request answers ``max_tokens`` tokens at once, each with ``TOP`` alternatives."""
+
+    async def generate(self, request_id: str, prompt: list[int], params: Any, *a: Any, **kw: Any) -> AsyncIterator[Any]:  # fmt: skip
+        n = params.max_tokens
+        yield RequestOutput(request_id, [104] * n, True, "length", new_logprobs=[self.entry] * n)
+
+
+def test_a_large_responses_answer_does_not_stall_the_event_loop() -> None:
+    """``/v1/responses`` with ``top_logprobs`` of a long output (a ~4 MB answer): the chat
+    answer is not parsed back from its bytes (one ``json.loads`` held the GIL ~0.4 s) and
+    the response object is built and rendered off the loop, in pieces."""
+    app = build_app(OutputLogprobsEngine())  # type: ignore[arg-type]
+    body = {"model": "m", "input": "hi", "max_output_tokens": PROMPT_TOKENS, "top_logprobs": TOP}
+
+    async def main() -> tuple[httpx.Response, float, float]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://n") as client:
+            return await _worst_loop_gap_during(client.post("/v1/responses", json=body))
+
+    resp, worst, took = asyncio.run(main())
+    assert resp.status_code == 200, resp.text[:300]
+    (message,) = resp.json()["output"]
+    logprobs = message["content"][0]["logprobs"]
+    assert len(logprobs) == PROMPT_TOKENS and len(logprobs[7]["top_logprobs"]) == TOP
+    # Unfixed: parsed, translated and rendered on the loop (over half of the time).
+    assert worst < 0.4 * took, (worst, took)

@@ -12,10 +12,12 @@ The bytes are those of Starlette's ``JSONResponse``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import json
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -26,6 +28,14 @@ from starlette.responses import Response
 ITEMS_PER_PIECE = 256
 
 T = TypeVar("T")
+
+# Set while a caller will translate the answer (``/v1/responses``): ``json_response`` then
+# keeps the object it rendered (``JSONAnswer.obj``), which the caller reads instead of
+# parsing MBs back (one ``json.loads`` of a 3.5 MB answer holds the GIL ~0.4 s, thread or
+# not). Off otherwise: the object would live as long as the bytes being sent.
+_keep_objects: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "big_json_keep_objects", default=False
+)
 
 # One answer built or rendered at a time per event loop: several CPU-bound threads beside
 # the loop's would take the GIL from it in turn for far longer than one does.
@@ -106,10 +116,29 @@ def may_be_large(req: Any) -> bool:
     return req.logprobs is not None or req.prompt_logprobs is not None
 
 
+class JSONAnswer(Response):
+    """A rendered JSON answer; ``obj``: the object rendered, inside ``keeping_objects``."""
+
+    obj: Any = None
+
+
+@contextlib.contextmanager
+def keeping_objects() -> Iterator[None]:
+    """``json_response`` answers keep the object they render (``JSONAnswer.obj``)."""
+    token = _keep_objects.set(True)
+    try:
+        yield
+    finally:
+        _keep_objects.reset(token)
+
+
 async def json_response(
     body: Any, status_code: int = 200, headers: dict[str, str] | None = None, large: bool = True
 ) -> Response:
     """A ``JSONResponse`` of ``body``; ``large``: rendered by ``render_json`` in a worker
     thread (else on the loop, as small answers are: none of them waits behind a large one)."""
     content = await off_loop(render_json, body) if large else _dumps(body).encode()
-    return Response(content, status_code, headers, media_type="application/json")
+    resp = JSONAnswer(content, status_code, headers, media_type="application/json")
+    if _keep_objects.get():
+        resp.obj = body
+    return resp

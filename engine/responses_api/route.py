@@ -20,6 +20,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message
 
+from engine.httpkit.big_json import (
+    PARSE_ON_LOOP_BYTES,
+    JSONAnswer,
+    keeping_objects,
+    off_loop,
+    render_json,
+)
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected
 from engine.httpkit.errors import json_error
@@ -103,25 +110,36 @@ async def serve_responses(request: Request, chat: ChatHandler, max_bytes: int) -
         logger.warning("a /v1/responses request has fields that are ignored: %s", shown)
     # The client's body passed the cap; its translation may be longer (each message's
     # wrapping, the stream's options) and is not refused for it.
-    resp = await chat(_with_body(request, chat_raw), max(max_bytes, len(chat_raw)))
+    with keeping_objects():  # the answer's object: not parsed back from its bytes
+        resp = await chat(_with_body(request, chat_raw), max(max_bytes, len(chat_raw)))
+    if not isinstance(resp, StreamingResponse) and len(resp.body) >= PARSE_ON_LOOP_BYTES:
+        # A large answer (log probabilities of a long output: MBs) is translated and
+        # rendered off the event loop, in pieces, as the chat handler built it.
+        return await off_loop(answer, resp, echo, True)
     return answer(resp, echo)
 
 
-def answer(resp: Response, echo: ResponseEcho) -> Response:
-    """The chat handler's answer ``resp`` as the Responses API's."""
+def answer(resp: Response, echo: ResponseEcho, large: bool = False) -> Response:
+    """The chat handler's answer ``resp`` as the Responses API's (``large``: rendered in
+    pieces, ``render_json``: this runs in a worker thread)."""
     headers = {k: v for k, v in resp.headers.items() if k not in _DROPPED_HEADERS}
     if isinstance(resp, StreamingResponse):
         if resp.status_code == 200:
             resp.body_iterator = events(resp.body_iterator, echo)
         return resp
+    body = resp.obj if isinstance(resp, JSONAnswer) else None
     try:
-        body = json.loads(resp.body) if resp.body else None
+        if body is None:
+            body = json.loads(resp.body) if resp.body else None
     except ValueError:
         return resp
     if not isinstance(body, dict):
         return resp
     if resp.status_code == 200:
-        return JSONResponse(response_object(echo, body), headers=headers)
+        obj = response_object(echo, body)
+        if large:
+            return Response(render_json(obj), headers=headers, media_type="application/json")
+        return JSONResponse(obj, headers=headers)
     err = body.get("error")
     if isinstance(err, dict) and isinstance(err.get("param"), str):
         chat, named = err["param"], responses_param(err["param"])
