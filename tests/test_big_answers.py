@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -20,6 +20,8 @@ from engine.server.app import build_app
 
 PROMPT_TOKENS = 4000
 TOP = 20
+# The share of a request's time the event loop may be held at once.
+HELD = 0.4
 
 
 class PromptLogprobsEngine(StubEngine):
@@ -59,6 +61,19 @@ async def _worst_loop_gap_during(work: Any) -> tuple[Any, float, float]:
     return result, worst, took
 
 
+def _least_held(
+    run: Callable[[], tuple[Any, float, float]], tries: int = 3
+) -> tuple[Any, float, float]:
+    """``run()`` (an answer, the loop's longest wait, the time taken) until the loop was
+    not held for ``HELD`` of the time, at most ``tries`` times: a busy machine may
+    deschedule the ticker once, while code that blocks the loop holds it on every try."""
+    for _ in range(tries):
+        result, worst, took = run()
+        if worst < HELD * took:
+            break
+    return result, worst, took
+
+
 def test_a_huge_answer_does_not_stall_the_event_loop() -> None:
     app = build_app(PromptLogprobsEngine())  # type: ignore[arg-type]
     body = {"prompt": "h" * PROMPT_TOKENS, "max_tokens": 1, "prompt_logprobs": TOP, "n": 8}
@@ -68,13 +83,13 @@ def test_a_huge_answer_does_not_stall_the_event_loop() -> None:
         async with httpx.AsyncClient(transport=transport, base_url="http://n") as client:
             return await _worst_loop_gap_during(client.post("/v1/completions", json=body))
 
-    resp, worst, took = asyncio.run(main())
+    resp, worst, took = _least_held(lambda: asyncio.run(main()))
     assert resp.status_code == 200, resp.text[:300]
     choices = resp.json()["choices"]
     assert len(choices) == 8 and all(len(c["prompt_logprobs"]) == PROMPT_TOKENS for c in choices)
     assert choices[3]["prompt_logprobs"][1]["104"]["rank"] == 3
     # Unfixed: dumping the ~45 MB answer was one block of the loop (~45% of the time).
-    assert worst < 0.4 * took, (worst, took)
+    assert worst < HELD * took, (worst, took)
 
 
 def test_render_json_is_json_dumps_as_starlette_renders_it() -> None:
@@ -131,14 +146,14 @@ def test_the_proxys_huge_answer_does_not_stall_its_event_loop() -> None:
                 async with httpx.AsyncClient(transport=transport, base_url="http://p") as c:
                     return await _worst_loop_gap_during(c.post("/v1/completions", json=body))
 
-    resp, worst, took = asyncio.run(main())
+    resp, worst, took = _least_held(lambda: asyncio.run(main()))
     assert resp.status_code == 200, resp.text[:300]
     choices = resp.json()["choices"]
     assert [c["index"] for c in choices] == list(range(16))
     assert choices[7]["prompt_logprobs"][5]["3"]["rank"] == 4
     # Unfixed: parsing the 16 node answers (~5.6 MB each) and rendering the merged ~90 MB
     # body held the proxy's loop ~45% of the time; now its longest wait is one parse.
-    assert worst < 0.4 * took, (worst, took)
+    assert worst < HELD * took, (worst, took)
 
 
 # -- a bound on the log probabilities one answer holds (--max-logprob-entries) -----------------
@@ -267,7 +282,7 @@ def test_the_first_chunk_of_an_echoed_stream_does_not_stall_the_event_loop() -> 
     body = {"prompt": "h" * PROMPT_TOKENS, "max_tokens": 1, "logprobs": TOP, "echo": True,
             "stream": True}  # fmt: skip
     for n in (1, 4):
-        resp, worst, took = asyncio.run(main({**body, "n": n}))
+        resp, worst, took = _least_held(lambda n=n: asyncio.run(main({**body, "n": n})))
         assert resp.status_code == 200, resp.text[:300]
         events = [json.loads(e[6:]) for e in resp.text.split("\n\n") if e[6:7] == "{"]
         firsts = {e["choices"][0]["index"]: e["choices"][0] for e in reversed(events)}
@@ -275,7 +290,7 @@ def test_the_first_chunk_of_an_echoed_stream_does_not_stall_the_event_loop() -> 
         lp = firsts[n - 1]["logprobs"]
         assert len(lp["tokens"]) == PROMPT_TOKENS + 1 and len(lp["top_logprobs"][1]) == TOP + 1
         # Unfixed (n = 1): the first chunk was one block of the loop (~90% of the time).
-        assert worst < 0.4 * took, (n, worst, took)
+        assert worst < HELD * took, (n, worst, took)
 
 
 class OutputLogprobsEngine(PromptLogprobsEngine):
@@ -298,10 +313,10 @@ def test_a_large_responses_answer_does_not_stall_the_event_loop() -> None:
         async with httpx.AsyncClient(transport=transport, base_url="http://n") as client:
             return await _worst_loop_gap_during(client.post("/v1/responses", json=body))
 
-    resp, worst, took = asyncio.run(main())
+    resp, worst, took = _least_held(lambda: asyncio.run(main()))
     assert resp.status_code == 200, resp.text[:300]
     (message,) = resp.json()["output"]
     logprobs = message["content"][0]["logprobs"]
     assert len(logprobs) == PROMPT_TOKENS and len(logprobs[7]["top_logprobs"]) == TOP
     # Unfixed: parsed, translated and rendered on the loop (over half of the time).
-    assert worst < 0.4 * took, (worst, took)
+    assert worst < HELD * took, (worst, took)
