@@ -237,6 +237,20 @@ def test_response_object_holds_reasoning_then_message_then_calls():
     assert cut["status"] == "incomplete"
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
     assert cut["output"][0]["status"] == "incomplete"
+    # Text, then a call the length cut: the message was whole, as a stream says; the call not.
+    both = response_object(echo, _chat_body({"content": "ab", "tool_calls": [CALL]}, "length"))
+    assert [o["status"] for o in both["output"]] == ["completed", "incomplete"]
+    _, streamed = to_chat({"input": "x"})
+    evs = _stream(
+        [_chunk({"content": "ab"}),
+         _chunk({"tool_calls": [{"index": 0, **CALL}]}, "length")], streamed,
+    )  # fmt: skip
+    assert (
+        evs[-1]["response"]["output"]
+        == response_object(streamed, _chat_body({"content": "ab", "tool_calls": [CALL]}, "length"))[
+            "output"
+        ]
+    )
 
 
 def _chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:

@@ -148,13 +148,20 @@ def response_object(echo: ResponseEcho, chat: dict[str, Any]) -> dict[str, Any]:
     text = message.get("content") or ""
     if text or not (calls or items):  # an empty answer is an empty message
         lp = text_logprobs(choice.get("logprobs"))
-        items.append(message_item(rid, text, status, lp))
+        # Cut by the length: the last item only (text before calls was whole, as a
+        # stream says when the first call opens).
+        items.append(message_item(rid, text, "completed" if calls else status, lp))
     for i, call in enumerate(calls):
         fn = call.get("function") or {}
         items.append(
             function_call_item(
-                rid, i, call.get("id"), fn.get("name"), fn.get("arguments") or "", "completed"
-            )
+                rid,
+                i,
+                call.get("id"),
+                fn.get("name"),
+                fn.get("arguments") or "",
+                status if i == len(calls) - 1 else "completed",
+            )  # fmt: skip
         )
     body = envelope(echo, rid, chat.get("model"), chat.get("created"), status)
     body.update(output=items, incomplete_details=incomplete, usage=usage(chat.get("usage")))

@@ -176,7 +176,7 @@ class ResponsesStream:
         at = {"item_id": item.body["id"], "output_index": item.index}
         if item.kind == "call":
             item.body = out.function_call_item(
-                self.rid, item.call, item.call_id, item.name, item.text, "completed"
+                self.rid, item.call, item.call_id, item.name, item.text, status
             )
             return [
                 self._event("response.function_call_arguments.done", **at,
