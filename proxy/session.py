@@ -488,7 +488,11 @@ class Session:
                         await self._reopen_whole(tid)
                     else:
                         await self._reopen_after_first_token()
-            if events.done:
+            if self.relay.d_error:
+                # D's own error event ended the stream (never "ok", whatever followed it).
+                if self.migrations:
+                    self.metrics.migrations.labels("failed").inc()
+            elif events.done:
                 # The last chunk: the connection stays reusable. Its wait is bounded (the
                 # answer is whole: a D hanging now only costs the connection).
                 with contextlib.suppress(TimeoutError):
@@ -523,6 +527,8 @@ class Session:
         except Exception:  # a fault of the proxy's own: the client still gets an end
             logger.exception("request %s: the stream failed", self.request_id)
             self.metrics.errors.labels("stream_error").inc()
+            if self.migrations and self.outcome != "ok":  # "ok": counted as resumed
+                self.metrics.migrations.labels("failed").inc()
             self.outcome = "error"
             yield sse_event(error_body("internal error in the proxy", "server_error", None))
             yield SSE_DONE

@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+from harness import sse_chunk_events
+
 from kvconnector.base import transfer_seed
-from proxy.client_stream import Skipper
+from proxy.client_stream import ClientStream, Skipper
 from tests.standin_http import SeenRequest, answer, chunked
 from tests.test_proxy_waits import (
     PREFILL_ANSWER,
@@ -18,6 +21,7 @@ from tests.test_proxy_waits import (
     _chunk,
     _p_and_ds,
     _p_and_two_d,
+    _session,
     _sse,
     _stream_through_session,
     _token,
@@ -195,3 +199,63 @@ def test_an_echoed_stream_broken_mid_answer_is_not_moved() -> None:
     ids, events, _ = _run(d2, fields={"echo": True}, migration_limit=1)
     assert ids == [7, 8, 9] and "error" in events[-1], events
     assert d2.seen == []
+
+
+def _migrations(text: str) -> dict[str, float]:
+    """``pdproxy_stream_migrations_total`` by outcome, from a scrape's ``text``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        s.labels["outcome"]: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "pdproxy_stream_migrations_total"
+    }
+
+
+@pytest.mark.parametrize("end", ["decode-error-event", "proxy-fault"])
+def test_a_moved_stream_that_ends_in_an_error_counts_as_a_failed_migration(
+    end: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream moved to D2, whose replay went on past what the client had (token 10),
+    then D2's own error event (and [DONE]) ended it, or the proxy's own fault did: the
+    client's stream ends with the error, the session's outcome is "error" (D2's [DONE]
+    after its error event does not make it "ok"), and the move counts as ``failed``.
+    It counted in no outcome of ``pdproxy_stream_migrations_total`` (found by a review:
+    resumed + diverged + failed fell short of the streams that moved)."""
+    error = {"error": {"message": "engine died", "type": "server_error"}}
+
+    async def d2(req: SeenRequest) -> bytes:
+        return chunked(200, _sse(*(_token(i) for i in (7, 8, 9, 10)), error, _token(11)))
+
+    if end == "proxy-fault":
+        rewrite = ClientStream.rewrite
+
+        def faulty(self: ClientStream, obj: dict[str, Any]) -> Any:
+            if obj.get("choices") and obj["choices"][0].get("token_ids") == [11]:
+                raise RuntimeError("a fault of the proxy's own")
+            return rewrite(self, obj)
+
+        monkeypatch.setattr(ClientStream, "rewrite", faulty)
+        error = {"error": {"message": "x", "type": "server_error"}}  # the proxy's, not D2's
+
+        async def d2(req: SeenRequest) -> bytes:  # noqa: F811 - the tokens only
+            return chunked(200, _sse(*(_token(i) for i in (7, 8, 9, 10, 11))))
+
+    async def check(cfg: Any, pool: Any) -> None:
+        async with _session(cfg, pool, stream=True, max_tokens=5, temperature=0.8) as s:
+            await asyncio.wait_for(s.start_stream(), 20)
+            events = sse_chunk_events([c async for c in s.events()])
+            assert s.migrations == 1 and s.outcome == "error", (s.outcome, events)
+            ids = [t for e in events for c in e.get("choices", []) for t in c["token_ids"]]
+            assert ids == [7, 8, 9, 10] and "error" in events[-1], events
+            counts = _migrations(s.metrics.render().decode())
+            assert counts == {"resumed": 0, "diverged": 0, "failed": 1}, counts
+
+    async def main() -> None:
+        async with _p_and_two_d(_prefill, _d1_breaks_after_three, d2, migration_limit=1) as (
+            cfg, pool, _,
+        ):  # fmt: skip
+            await check(cfg, pool)
+
+    asyncio.run(main())
