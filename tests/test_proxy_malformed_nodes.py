@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from harness import sse_chunk_events
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import ProxyConfig
 from proxy.health import HealthChecker
@@ -26,6 +27,7 @@ from tests.test_proxy_waits import (
     _node,
     _p_and_two_d,
     _ready_pool,
+    _session,
     _sse,
     _stream_through_session,
     _token,
@@ -390,3 +392,36 @@ def test_the_proxy_logs_each_requests_end(caplog: pytest.LogCaptureFixture) -> N
     assert len(ends) == 2 and all(
         e.startswith("request r finished: ok after 1 attempt") for e in ends
     ), ends
+
+
+@pytest.mark.parametrize("prestream", [True, False], ids=["prestreamed", "whole-from-d"])
+def test_a_decode_error_event_followed_by_done_leaves_the_request_failed(prestream: bool) -> None:
+    """D streams a token, its own error event, then [DONE]: the client gets the error and
+    [DONE]; the session's outcome stays "error" (a review asked whether D's [DONE] made it
+    "ok": the relay ends at the error event and never reads the [DONE]), counted once as
+    ``stream_error``; D reported the failure itself, so it stays in rotation."""
+    error = {"error": {"message": "engine died", "type": "server_error"}}
+
+    async def decode(req: SeenRequest) -> bytes:
+        return chunked(200, _sse(_token(7), _token(8), error))
+
+    async def main() -> None:
+        fields = {} if prestream else {"stop": ["zz"]}
+        async with (
+            _one_pair(_prefill, decode) as (cfg, pool),
+            _session(cfg, pool, stream=True, **fields) as s,
+        ):
+            await asyncio.wait_for(s.start_stream(), 20)
+            events = sse_chunk_events([c async for c in s.events()])
+            assert events[-1] == error and s.outcome == "error", (s.outcome, events)
+            scrape = text_string_to_metric_families(s.metrics.render().decode())
+            errors = {
+                x.labels["kind"]: x.value
+                for fam in scrape
+                for x in fam.samples
+                if x.name == "pdproxy_request_errors_total"
+            }
+            assert errors["stream_error"] == 1 and errors["client_disconnect"] == 0, errors
+            assert pool.nodes("decode")[0].healthy and pool.nodes("prefill")[0].healthy
+
+    asyncio.run(main())
