@@ -191,6 +191,12 @@ def test_a_stream_whose_prefill_node_hangs_is_answered_by_the_decode_node(setup:
             wait_for(lambda d=d: kv_pool_full(d.url), 30, "decode pool free")
     wait_healthy(setup.p, timeout=30)
     wait_for(lambda: kv_pool_full(setup.p.url), 60, "prefill pool free")
+    # Back in ``fast``'s rotation too (its next health check): the next test streams there.
+    wait_for(lambda: _prefill_ready(setup.fast), 30, "the prefill node back in rotation")
+
+
+def _prefill_ready(proxy: Proc) -> bool:
+    return all(n["healthy"] for n in httpx.get(proxy.url + "/health", timeout=5).json()["prefill"])
 
 
 def test_a_decode_node_that_hangs_mid_stream_ends_the_stream_with_an_error(setup: Setup) -> None:
