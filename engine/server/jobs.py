@@ -15,6 +15,7 @@ from engine.httpkit import openai
 from engine.outputs import Logprobs
 from engine.reasoning.output import ReasoningOutput
 from engine.sampling_params import SamplingParams
+from engine.server.answer_text import AnswerText
 from engine.server.engine_client import EngineClient
 from engine.server.logprobs import (
     TokenStrings,
@@ -25,7 +26,6 @@ from engine.server.logprobs import (
 )
 from engine.server.protocol import BaseRequest
 from engine.server.request_fields import APIError
-from engine.server.stop_strings import StopStringMatcher
 from engine.tools.output import ToolOutput
 from kvconnector.base import KV_NOT_RESERVED
 
@@ -270,13 +270,6 @@ async def abort_quietly(engine: EngineClient, request_id: str) -> None:
         logger.warning("abort of request %s failed", request_id, exc_info=True)
 
 
-def _stop_token_reason(token: int, params: SamplingParams, eos_token_id: int | None) -> int | None:
-    """``stop_reason`` of an answer a token stopped (vLLM's rule): None for the tokenizer's
-    EOS (unless ``ignore_eos``), else the id (a ``stop_token_ids`` entry, or another EOS id
-    of the model's generation config: vLLM counts those as stop token ids)."""
-    return None if token == eos_token_id and not params.ignore_eos else token
-
-
 async def prompt_only(job: Job, steps: AsyncIterator[Step]) -> AsyncIterator[Step]:
     """vLLM's echo without generation (``echo`` with ``max_tokens`` 0): ``steps`` of an
     engine request run with ``max_tokens`` 1 (an engine samples at least one token) as
@@ -305,14 +298,13 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
     finish reason "stop") stays in the token ids but its text is left out, unless
     ``include_stop_str_in_output`` (vLLM's detokenizer does the same); stop strings are
     checked on the text without it."""
-    keep_stop = job.req.include_stop_str_in_output
-    matcher = StopStringMatcher(job.req.stop, include=keep_stop)
-    eos_token_id = getattr(detok.tokenizer, "eos_token_id", None)
-    last_id: int | None = None
-    finished = False
     # The proxy already streamed the first token it got from the prefill node.
     kv = job.req.kv_transfer_params
-    skip_first = kv is not None and kv.skip_first_token
+    answer = AnswerText(
+        detok, job.params, job.req.stop, job.req.include_stop_str_in_output,
+        skip_first=kv is not None and kv.skip_first_token,
+    )  # fmt: skip
+    finished = False
     outputs = engine.generate(
         job.request_id,
         job.prompt_ids,
@@ -324,67 +316,27 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
     )
     try:
         async for out in outputs:
-            ids = list(out.new_token_ids)
-            lps = out.new_logprobs
-            if ids and job.first_token_at is None:
+            if out.new_token_ids and job.first_token_at is None:
                 job.first_token_at = time.monotonic()
-            job.completion_tokens += len(ids)
-            last_id = ids[-1] if ids else last_id
-            # The engine stopped on a token (stop strings are found below, in the text).
-            stop_token = out.finished and out.finish_reason == "stop" and not out.ended_by_grammar
-            if skip_first and ids:
-                skip_first = False
-                if not (stop_token and len(ids) == 1 and not keep_stop):
-                    # Context for the text of later tokens, and for a stop string that
-                    # begins in it; the client has its text.
-                    first_text = detok.add(ids[:1])
-                    job.streamed_chars += len(first_text)
-                    matcher.skip(first_text)
-                ids = ids[1:]
-                lps = None if lps is None else lps[1:]
-            shown = ids[:-1] if stop_token and ids and not keep_stop else ids
-            # Stop strings are looked for in each token's text, as vLLM's detokenizer does
-            # in each step's (one token): an output may carry several ids, merged for a
-            # slow reader, and the text must not depend on that -- when one token completes
-            # several, the first listed wins (the matcher), so the text fed at once is one
-            # token's. And only once the answer has more than min_tokens tokens (vLLM): a
-            # stop string must end after those; it may start in them (the matcher holds
-            # back their text that may begin one).
-            before = job.completion_tokens - len(ids)  # the answer's tokens before these
-            text, hit = "", False
-            for i, token in enumerate(shown):
-                last = i == len(shown) - 1
-                piece = detok.add([token])
-                if last and out.finished:
-                    piece += detok.flush()  # text held back for an incomplete UTF-8 sequence
-                check = before + i + 1 > job.params.min_tokens
-                piece, hit = matcher.feed(piece, final=last and out.finished, check=check)
-                text += piece
-                if hit:
-                    break
-            if not shown:
-                rest = detok.flush() if out.finished else ""
-                check = job.completion_tokens > job.params.min_tokens
-                rest, hit = matcher.feed(rest, final=out.finished, check=check)
-                text += rest
+            job.completion_tokens += len(out.new_token_ids)
+            piece = answer.add(out)
+            job.streamed_chars += len(piece.skipped_text)
+            text, ids = piece.text, piece.token_ids
             kv_out = out.kv_transfer_params.to_dict() if out.kv_transfer_params else None
-            extra = {"logprobs": lps, "prompt_logprobs": out.prompt_logprobs}
-            if hit:
+            extra = {"logprobs": piece.logprobs, "prompt_logprobs": out.prompt_logprobs}
+            if piece.stop_hit:
                 finished = out.finished
                 yield Step(
-                    text, ids, "stop", kv_transfer_params=kv_out, stop_reason=matcher.matched,
+                    text, ids, "stop", kv_transfer_params=kv_out, stop_reason=piece.stop_reason,
                     **extra,
                 )  # fmt: skip
                 return
             if out.finished:
                 finished = True
-                reason = out.finish_reason or "stop"
-                why = None
-                if stop_token and last_id is not None:
-                    why = _stop_token_reason(last_id, job.params, eos_token_id)
                 yield Step(
-                    text, ids, reason, out.error, kv_out, out.error_code, **extra, stop_reason=why
-                )
+                    text, ids, out.finish_reason or "stop", out.error, kv_out, out.error_code,
+                    **extra, stop_reason=piece.stop_reason,
+                )  # fmt: skip
                 return
             if text or ids:
                 yield Step(text, ids, **extra)
