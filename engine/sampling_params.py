@@ -97,9 +97,26 @@ class SamplingParams:
     # vLLM's ``bad_words``, as token id sequences (``engine.bad_words``): a sequence's last
     # id is not sampled where the output ends with the rest of it.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Text-level fields (vLLM's), read by the offline ``LLM`` (``engine/llm.py``) and not by
+    # the engine: ``n`` answers per prompt (answer ``j`` seeded ``seed + j``, as a node's);
+    # ``stop`` strings (one string or a list) end the answer, left out of its text unless
+    # ``include_stop_str_in_output``; ``skip_special_tokens`` in the text. A node takes
+    # these from the request's fields (``server/jobs.py``).
+    n: int = 1
+    stop: list[str] | str | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         check_max_tokens(self.max_tokens)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError("stop must be a string or a list of strings", "stop")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise InvalidRequestError("n must be an integer of at least 1", "n")
         if self.min_tokens < 0:
             raise InvalidRequestError("min_tokens must be >= 0", "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):

@@ -44,7 +44,7 @@ def main() -> None:
                 prompt = [rng.randint(1, 255) for _ in range(args.prompt_len)]
                 before = llm.stats()["prompt_tokens_total"]
                 t = time.perf_counter()
-                llm.generate([prompt] * args.n, params)
+                llm.generate_token_ids([prompt] * args.n, params)
                 times[mode].append(time.perf_counter() - t)
                 tokens[mode].append(llm.stats()["prompt_tokens_total"] - before)
     for mode in ("on", "off"):

@@ -314,8 +314,8 @@ def _generate(cfg: EngineConfig) -> dict[str, Any]:
 
     prompts = _engine_prompts()
     with LLM(cfg) as llm:
-        greedy = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
-        seeded = llm.generate(
+        greedy = llm.generate_token_ids(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+        seeded = llm.generate_token_ids(
             prompts,
             [
                 SamplingParams(max_tokens=8 + i, temperature=0.8, seed=7 + i, min_tokens=i % 3)

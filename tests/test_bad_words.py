@@ -176,10 +176,10 @@ def test_async_engine_bans_a_pair_every_step_as_the_sync_engine_does(backend, de
     monkeypatch.setenv(DEFER_READBACK_ENV, defer)
     prompt = [3, 14, 15, 9, 26, 5]
     with LLM(EngineConfig(cache=CacheConfig(num_blocks=64))) as sync:
-        (free,) = sync.generate([prompt], SamplingParams(max_tokens=40, temperature=0))
+        (free,) = sync.generate_token_ids([prompt], SamplingParams(max_tokens=40, temperature=0))
         pairs = (_bigrams(free)[5], _bigrams(free)[20])
         params = SamplingParams(max_tokens=40, temperature=0, bad_words_token_ids=pairs)
-        (want,) = sync.generate([prompt], params)
+        (want,) = sync.generate_token_ids([prompt], params)
     assert not set(pairs) & set(_bigrams(want)) and want != free
     cfg = EngineConfig(
         cache=CacheConfig(num_blocks=64),
@@ -195,6 +195,6 @@ def test_async_engine_bans_a_pair_every_step_as_the_sync_engine_does(backend, de
             return execute(sched, non_block)
 
         core.executor.execute_model = counting  # type: ignore[method-assign]
-        (got,) = asyn.generate([prompt], params)
+        (got,) = asyn.generate_token_ids([prompt], params)
     assert got == want
     assert len(overlapped) == 40 and sum(overlapped) == 39, overlapped

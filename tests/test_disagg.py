@@ -37,8 +37,8 @@ def checkpoint(tmp_path_factory) -> dict:
     hf = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
     base = EngineConfig(model=ModelConfig(model=str(path)), cache=CacheConfig(num_blocks=256))
     with LLM(base) as llm:
-        colocated = llm.generate(prompts, GREEDY)
-        seeded = llm.generate(prompts, SEEDED)
+        colocated = llm.generate_token_ids(prompts, GREEDY)
+        seeded = llm.generate_token_ids(prompts, SEEDED)
     return {
         "path": str(path),
         "prompts": prompts,
@@ -128,7 +128,7 @@ def test_64_concurrent_requests_leave_no_state(checkpoint):
         assert len(res["tokens"]) == 64
         assert all(len(t) == 8 for t in res["tokens"])
         with LLM(base) as llm:
-            assert res["tokens"] == llm.generate(
+            assert res["tokens"] == llm.generate_token_ids(
                 prompts, SamplingParams(max_tokens=8, temperature=0)
             )
         for eng in (p, d):
@@ -172,7 +172,7 @@ def test_incompatible_peer_is_refused(policy, mismatch):
         if policy == "recompute":
             assert final.error is None
             with LLM(EngineConfig(cache=CacheConfig(num_blocks=64))) as llm:
-                assert res["tokens"][0] == llm.generate([prompt], GREEDY)[0]
+                assert res["tokens"][0] == llm.generate_token_ids([prompt], GREEDY)[0]
             assert d.stats()["prompt_tokens_total"] == 40  # computed locally
         else:
             assert final.finish_reason == "error"
@@ -260,7 +260,7 @@ def test_handshake_wait_does_not_stall_other_requests(monkeypatch):
         assert done["waits"] > done["local"]
         assert d.stats()["kv_loads_failed_total"] == 1  # then recomputed locally
         with LLM(EngineConfig(cache=CacheConfig(num_blocks=64))) as llm:
-            assert tokens["waits"] == llm.generate([prompt], GREEDY)[0]
+            assert tokens["waits"] == llm.generate_token_ids([prompt], GREEDY)[0]
     finally:
         d.shutdown()
         silent.close(linger=0)
@@ -304,7 +304,7 @@ def test_unseeded_sampling_agrees_between_prefill_and_a_recomputing_decode():
         assert out["d"][0] == out["p"][0]
         with LLM(base) as llm:
             seeded = dataclasses.replace(sampled, seed=transfer_seed("tx-9"))
-            assert out["d"] == llm.generate([prompt], seeded)[0]
+            assert out["d"] == llm.generate_token_ids([prompt], seeded)[0]
     finally:
         p.shutdown()
         d.shutdown()

@@ -85,8 +85,8 @@ def test_ucxx_disaggregated_output_matches_colocated(tp):
     )
     prompts = [random_prompt(n, 256, seed=n) for n in LENGTHS]
     with LLM(base) as llm:
-        colocated = llm.generate(prompts, GREEDY)
-        seeded = llm.generate(prompts, SEEDED)
+        colocated = llm.generate_token_ids(prompts, GREEDY)
+        seeded = llm.generate_token_ids(prompts, SEEDED)
     p = EngineCore(ucxx_config(base, "producer"))
     d = EngineCore(ucxx_config(base, "consumer"))
     try:
@@ -128,7 +128,7 @@ def test_ucxx_heterogeneous_tp_matches_colocated(tp_p, tp_d, kv_checksum):
         prompts = [random_prompt(n, 256, seed=n) for n in (9, 40, 77)]
         res = disagg_generate(p, d, prompts, GREEDY, timeout=180)
         with LLM(base) as llm:
-            assert res["tokens"] == llm.generate(prompts, GREEDY)
+            assert res["tokens"] == llm.generate_token_ids(prompts, GREEDY)
         ds = d.stats()
         assert ds["prompt_tokens_total"] == 0 and ds["kv_checksum_failures_total"] == 0
         _assert_clean(p, d)
@@ -146,7 +146,7 @@ def test_ucxx_48_concurrent_requests_leave_no_state():
         params = SamplingParams(max_tokens=6, temperature=0)
         res = disagg_generate(p, d, prompts, params)
         with LLM(base) as llm:
-            assert res["tokens"] == llm.generate(prompts, params)
+            assert res["tokens"] == llm.generate_token_ids(prompts, params)
         assert d.stats()["prompt_tokens_total"] == 0
         assert p.stats()["kv_rank_transfers_done_total"] == 48
         _assert_clean(p, d)

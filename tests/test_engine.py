@@ -27,8 +27,10 @@ def reference() -> dict:
     cfg = EngineConfig(cache=CacheConfig(num_blocks=512, enable_prefix_caching=False))
     prompts = _prompts(10)
     with LLM(cfg) as llm:
-        alone = [llm.generate([p], GREEDY)[0] for p in prompts]
-        seeded = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.8, seed=7))
+        alone = [llm.generate_token_ids([p], GREEDY)[0] for p in prompts]
+        seeded = llm.generate_token_ids(
+            prompts, SamplingParams(max_tokens=16, temperature=0.8, seed=7)
+        )
     return {"prompts": prompts, "alone": alone, "seeded": seeded}
 
 
@@ -39,7 +41,7 @@ def test_batched_chunked_and_preempting_engine_matches_single_runs(reference):
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
     )
     with LLM(cfg) as llm:
-        out = llm.generate(reference["prompts"], GREEDY)
+        out = llm.generate_token_ids(reference["prompts"], GREEDY)
         stats = llm.stats()
     assert out == reference["alone"]
     assert stats["num_preemptions_total"] > 0, "the test should exercise preemption"
@@ -50,9 +52,9 @@ def test_prefix_cache_hits_give_same_tokens(reference):
     cfg = EngineConfig(cache=CacheConfig(num_blocks=512, enable_prefix_caching=True))
     p = reference["prompts"]
     with LLM(cfg) as llm:
-        first = llm.generate(p, GREEDY)
+        first = llm.generate_token_ids(p, GREEDY)
         before = llm.stats()["prompt_tokens_total"]
-        again = llm.generate(p, GREEDY)
+        again = llm.generate_token_ids(p, GREEDY)
         computed_again = llm.stats()["prompt_tokens_total"] - before
         assert llm.stats()["kv_blocks_free"] == 512
     assert first == reference["alone"] and again == reference["alone"]
@@ -66,7 +68,7 @@ def test_one_prompt_sent_four_times_at_once_is_computed_once(reference):
     want = reference["alone"][5]
     cfg = EngineConfig(cache=CacheConfig(num_blocks=512, enable_prefix_caching=True))
     with LLM(cfg) as llm:
-        out = llm.generate([prompt] * 4, GREEDY)
+        out = llm.generate_token_ids([prompt] * 4, GREEDY)
         computed = llm.stats()["prompt_tokens_total"]
     assert out == [want] * 4
     assert computed <= len(prompt) + 3 * 16, computed
@@ -75,8 +77,8 @@ def test_one_prompt_sent_four_times_at_once_is_computed_once(reference):
 def test_tp2_matches_tp1_and_seeded_sampling_is_reproducible(reference):
     cfg = EngineConfig(cache=CacheConfig(num_blocks=256), parallel=ParallelConfig(tp=2))
     with LLM(cfg) as llm:
-        greedy = llm.generate(reference["prompts"], GREEDY)
-        seeded = llm.generate(
+        greedy = llm.generate_token_ids(reference["prompts"], GREEDY)
+        seeded = llm.generate_token_ids(
             reference["prompts"], SamplingParams(max_tokens=16, temperature=0.8, seed=7)
         )
     assert greedy == reference["alone"]
@@ -90,7 +92,7 @@ def test_tp4_replicated_kv_heads_matches_tp1(reference):
     (``ModelArchConfig.kv_head_range``) in a one-head KV cache; tokens match TP=1."""
     cfg = EngineConfig(cache=CacheConfig(num_blocks=256), parallel=ParallelConfig(tp=4))
     with LLM(cfg) as llm:
-        greedy = llm.generate(reference["prompts"], GREEDY)
+        greedy = llm.generate_token_ids(reference["prompts"], GREEDY)
         assert llm.stats()["kv_blocks_free"] == 256
     assert greedy == reference["alone"]
 
@@ -102,11 +104,11 @@ def test_a_cache_smaller_than_the_models_context_is_the_context():
     cfg = EngineConfig(cache=CacheConfig(num_blocks=4, block_size=16))
     with LLM(cfg) as llm:
         with pytest.raises(InvalidRequestError, match="maximum context length is 64"):
-            llm.generate([[1] * 65], SamplingParams(max_tokens=1))
-        assert len(llm.generate([[1] * 64], SamplingParams(max_tokens=5))[0]) == 1
-        assert len(llm.generate([[1] * 40], SamplingParams(max_tokens=40))[0]) == 24
+            llm.generate_token_ids([[1] * 65], SamplingParams(max_tokens=1))
+        assert len(llm.generate_token_ids([[1] * 64], SamplingParams(max_tokens=5))[0]) == 1
+        assert len(llm.generate_token_ids([[1] * 40], SamplingParams(max_tokens=40))[0]) == 24
         # The engine still serves a request that fits.
-        assert len(llm.generate([[1] * 10], SamplingParams(max_tokens=5))[0]) == 5
+        assert len(llm.generate_token_ids([[1] * 10], SamplingParams(max_tokens=5))[0]) == 5
 
 
 def test_hung_worker_turns_into_an_error_not_a_hang():
@@ -125,7 +127,7 @@ def test_hung_worker_turns_into_an_error_not_a_hang():
         os.kill(stopped, signal.SIGSTOP)  # alive but stuck
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match="did not finish a step"):
-            llm.generate([[1, 2, 3]], GREEDY)
+            llm.generate_token_ids([[1, 2, 3]], GREEDY)
         assert time.monotonic() - start < 30
     finally:
         os.kill(stopped, signal.SIGCONT)
@@ -139,4 +141,4 @@ def test_a_step_that_raises_in_a_worker_fails_with_the_workers_traceback():
 
     cfg = EngineConfig(cache=CacheConfig(num_blocks=16), parallel=ParallelConfig(step_timeout=120))
     with LLM(cfg) as llm, pytest.raises(WorkerError, match="IndexError"):
-        llm.generate([[10**6]], SamplingParams(max_tokens=2))  # no such embedding row
+        llm.generate_token_ids([[10**6]], SamplingParams(max_tokens=2))  # no such embedding row

@@ -79,8 +79,9 @@ def test_engine_on_the_triton_backend_matches_the_reference_backend(monkeypatch)
             scheduler=SchedulerConfig(max_num_batched_tokens=32),
         )
         with LLM(cfg) as llm:
-            first = llm.generate(prompts, params)
-            again = llm.generate(prompts[:2], params)  # full-block prefixes are cached now
+            first = llm.generate_token_ids(prompts, params)
+            # Full-block prefixes are cached now.
+            again = llm.generate_token_ids(prompts[:2], params)
             computed = llm.stats()["prompt_tokens_total"]
         assert computed < sum(len(p) for p in prompts + prompts[:2]) - 2 * BS
         out[backend] = first + again

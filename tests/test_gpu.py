@@ -66,7 +66,7 @@ def llama(tmp_path_factory) -> dict:
 def test_fp32_greedy_with_graphs_matches_transformers(checkpoint):
     with LLM(_config(checkpoint["path"])) as llm:
         assert llm.core.config.model.attention_backend == "auto"
-        out = llm.generate(checkpoint["prompts"], GREEDY)
+        out = llm.generate_token_ids(checkpoint["prompts"], GREEDY)
     assert out == checkpoint["hf"]
 
 
@@ -75,7 +75,7 @@ def test_cuda_graph_decode_is_token_identical_to_eager_and_async(llama):
     prompts = [random_prompt(5 + 7 * i, 256, seed=100 + i) for i in range(24)]
     params = [SamplingParams(max_tokens=8 + i, temperature=0.0) for i in range(24)]
     with LLM(_config(llama["path"], enforce_eager=True)) as llm:
-        eager = llm.generate(prompts, params)
+        eager = llm.generate_token_ids(prompts, params)
     # Two-token bad words (a pair each request's eager answer holds): under async
     # scheduling their bans follow the token in flight, so those steps go out with
     # ``sampling_deferred`` and sample on the in-process executor's step thread.
@@ -84,8 +84,8 @@ def test_cuda_graph_decode_is_token_identical_to_eager_and_async(llama):
         for sp, out in zip(params, eager, strict=True)
     ]
     with LLM(_config(llama["path"])) as llm:
-        graphs = llm.generate(prompts, params)
-        graphs_banned = llm.generate(prompts, banned)
+        graphs = llm.generate_token_ids(prompts, params)
+        graphs_banned = llm.generate_token_ids(prompts, banned)
     assert graphs == eager
     assert graphs_banned != eager
     # Graphs with async scheduling: each replay's input is the token the step before
@@ -93,8 +93,8 @@ def test_cuda_graph_decode_is_token_identical_to_eager_and_async(llama):
     cfg = _config(llama["path"])
     cfg = cfg.replace(scheduler=dataclasses.replace(cfg.scheduler, async_scheduling=True))
     with LLM(cfg) as llm:
-        assert llm.generate(prompts, params) == eager
-        assert llm.generate(prompts, banned) == graphs_banned
+        assert llm.generate_token_ids(prompts, params) == eager
+        assert llm.generate_token_ids(prompts, banned) == graphs_banned
 
 
 def test_triton_engine_matches_reference_with_chunks_prefix_hits_and_preemption(llama):
@@ -112,13 +112,13 @@ def test_triton_engine_matches_reference_with_chunks_prefix_hits_and_preemption(
     for backend in ("reference", "triton"):
         cfg = tight.replace(model=dataclasses.replace(tight.model, attention_backend=backend))
         with LLM(cfg) as llm:
-            results[backend] = llm.generate(prompts, GREEDY)
+            results[backend] = llm.generate_token_ids(prompts, GREEDY)
             stats = llm.stats()
             # A prompt that fills the context (echo with max_tokens 0 sends one): its one
             # token, from a forward over every block of the cache's longest table.
             full = random_prompt(llm.core.scheduler.max_model_len, 256, seed=7)
             one = SamplingParams(max_tokens=1, temperature=0.0)
-            results[backend + " full"] = llm.generate([full], one)
+            results[backend + " full"] = llm.generate_token_ids([full], one)
         assert stats["num_preemptions_total"] > 0, "the test should exercise preemption"
     assert len(results["triton full"][0]) == 1
     assert results["triton full"] == results["reference full"]

@@ -154,7 +154,7 @@ def test_prefill_and_decode_with_different_tp_match_colocated(
         prompts = [random_prompt(n, 256, seed=n) for n in (9, 40, 77)]
         res = disagg_generate(p, d, prompts, GREEDY, timeout=180)
         with LLM(base) as llm:
-            assert res["tokens"] == llm.generate(prompts, GREEDY)
+            assert res["tokens"] == llm.generate_token_ids(prompts, GREEDY)
         assert all(f.error is None for f in res["final"])
         ds, ps = d.stats(), p.stats()
         assert ds["prompt_tokens_total"] == 0  # decoded from the pushed KV

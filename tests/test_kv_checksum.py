@@ -89,12 +89,12 @@ def test_a_block_corrupted_in_flight_is_never_decoded_from(monkeypatch, mode, co
         d_stats = d.stats()
         if not corrupt:
             with LLM(base) as llm:
-                assert res["tokens"] == llm.generate(prompts, GREEDY)
+                assert res["tokens"] == llm.generate_token_ids(prompts, GREEDY)
             assert d_stats["kv_checksum_failures_total"] == 0
             assert d_stats["prompt_tokens_total"] == 0  # decoded from the pushed KV
         elif policy == "recompute":
             with LLM(base) as llm:
-                assert res["tokens"] == llm.generate(prompts, GREEDY)
+                assert res["tokens"] == llm.generate_token_ids(prompts, GREEDY)
             assert d_stats["kv_checksum_failures_total"] == len(prompts)
             assert d_stats["prompt_tokens_total"] == sum(len(x) for x in prompts)  # recomputed
         else:

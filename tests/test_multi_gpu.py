@@ -183,7 +183,9 @@ def one_gpu_engines():
             parallel=ParallelConfig(device=DEVICE),
         )
         with LLM(base) as llm:
-            colocated = {pair: llm.generate(_pair_prompts(*pair), GREEDY_PARAMS) for pair in PAIRS}
+            colocated = {
+                pair: llm.generate_token_ids(_pair_prompts(*pair), GREEDY_PARAMS) for pair in PAIRS
+            }
         try:
             for role, tp in (("producer", 1), ("producer", 2), ("consumer", 1), ("consumer", 2)):
                 cfg = base.replace(parallel=ParallelConfig(device=DEVICE, tp=tp))

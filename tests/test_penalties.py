@@ -131,7 +131,7 @@ def test_greedy_with_penalties_equals_the_step_by_step_reference_in_every_schedu
     }
     for name, sched in schedules.items():
         with LLM(_config(path, **sched)) as llm:
-            got = llm.generate(prompts, [sp, plain, sp])
+            got = llm.generate_token_ids(prompts, [sp, plain, sp])
             assert got == want, name
             if name == "preempted":
                 assert llm.core.stats()["num_preemptions_total"] > 0
@@ -159,7 +159,7 @@ def test_pd_with_penalties_answers_what_a_colocated_engine_answers():
         ):
             res = disagg_generate(p, d, prompts, sp, tag=f"t{sp.temperature}", timeout=180)
             with LLM(base) as llm:
-                assert res["tokens"] == llm.generate(prompts, sp)
+                assert res["tokens"] == llm.generate_token_ids(prompts, sp)
         assert d.stats()["prompt_tokens_total"] == 0
     finally:
         p.shutdown()

@@ -147,7 +147,7 @@ def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp, tp_d
     try:
         base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
         with LLM(base) as llm:
-            want = [llm.generate(prompts, sp) for sp in (GREEDY, SEEDED)]
+            want = [llm.generate_token_ids(prompts, sp) for sp in (GREEDY, SEEDED)]
         for sp, tokens in zip((GREEDY, SEEDED), want, strict=True):
             res = _pd(p, d, prompts, sp)
             assert res["tokens"] == tokens, sp
@@ -182,7 +182,7 @@ def test_async_scheduling_pipelined_push_carries_the_first_token(group, monkeypa
     prompts = [random_prompt(n, 256, seed=n) for n in (5, 32, 90)]
     base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
     with LLM(base) as llm:
-        want = llm.generate(prompts, SEEDED)
+        want = llm.generate_token_ids(prompts, SEEDED)
     base = base.replace(scheduler=SchedulerConfig(async_scheduling=True))
     p = EngineCore(nixl_config(base, "producer", kv_layer_group_size=group))
     d = EngineCore(nixl_config(base, "consumer"))
@@ -206,7 +206,7 @@ def test_a_prefill_killed_mid_pipeline_leaves_decode_recomputing_the_right_token
     prompts = [random_prompt(70, 256, seed=70)]
     base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
     with LLM(base) as llm:
-        want = llm.generate(prompts, GREEDY)
+        want = llm.generate_token_ids(prompts, GREEDY)
     timeout = 2.0
     monkeypatch.setenv("PDSERVE_FAULT_DIE_MID_PIPELINE", "1")
     p = EngineCore(nixl_config(base, "producer", kv_layer_group_size=GROUP,
@@ -262,7 +262,7 @@ def test_a_decode_prefix_hit_shrinks_a_pipelined_push():
     longer = first + random_prompt(30, 256, seed=30)
     base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
     with LLM(base) as llm:
-        want = llm.generate([first, longer], GREEDY)
+        want = llm.generate_token_ids([first, longer], GREEDY)
     p, d = _engines(1)
     try:
         assert _pd(p, d, [first], GREEDY)["tokens"] == want[:1]
@@ -289,7 +289,7 @@ def test_a_prefill_leg_waits_briefly_for_its_reservation_so_that_it_can_pipeline
     try:
         base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
         with LLM(base) as llm:
-            want = llm.generate(prompts, GREEDY)
+            want = llm.generate_token_ids(prompts, GREEDY)
         res = _pd(p, d, prompts, GREEDY, reserve_first=False)
         assert res["tokens"] == want
         assert p.stats()["kv_pipelined_transfers_total"] == 1

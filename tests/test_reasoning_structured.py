@@ -420,7 +420,7 @@ def _generate(cfg: Any, prompts: list[str]) -> list[str]:
         for i in range(len(prompts))
     ]
     with LLM(cfg) as llm:
-        outs = llm.generate([tok.encode(p) for p in prompts], params)
+        outs = llm.generate_token_ids([tok.encode(p) for p in prompts], params)
         if cfg.cache.num_blocks < 64:
             assert llm.stats()["num_preemptions_total"] > 0, "the test should preempt"
     return [tok.decode(ids) for ids in outs]

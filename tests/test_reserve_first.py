@@ -232,7 +232,7 @@ def test_a_full_prefill_node_and_a_full_decode_node_do_not_wait_on_each_other(re
             return
         run_until([p, d], lambda: len(done) == 2, on_output, timeout=60)
         with LLM(base) as llm:
-            want = llm.generate([prompts["A"], prompts["B"]], GREEDY)
+            want = llm.generate_token_ids([prompts["A"], prompts["B"]], GREEDY)
         assert [done["A"], done["B"]] == want
         ds = d.stats()
         assert ds["kv_loads_failed_total"] == 0 and ds["prompt_tokens_total"] == 0  # pushed

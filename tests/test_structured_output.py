@@ -412,7 +412,9 @@ def _gen(llm: Any, prompts: list[str], so: StructuredOutput | None, **kw: Any) -
         )
         for i in range(len(prompts))
     ]
-    return [tok.decode(ids) for ids in llm.generate([tok.encode(p) for p in prompts], params)]
+    return [
+        tok.decode(ids) for ids in llm.generate_token_ids([tok.encode(p) for p in prompts], params)
+    ]
 
 
 @pytest.mark.slow
@@ -502,19 +504,19 @@ def test_a_grammar_its_bad_words_or_its_own_limits_stop_ends_with_its_reason(
     )
     free = SamplingParams(max_tokens=12, temperature=0.0)
     with LLM(cfg) as llm:
-        want = llm.generate([tok.encode("other")], free)
+        want = llm.generate_token_ids([tok.encode("other")], free)
         for so, bad, why in cases:
             for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 1}):
                 params = SamplingParams(
                     max_tokens=16, structured_output=so, bad_words_token_ids=bad, **sampling
                 )
                 with pytest.raises(RuntimeError) as e:
-                    llm.generate([tok.encode("hi")], params)
+                    llm.generate_token_ids([tok.encode("hi")], params)
                 assert why in str(e.value) and "internal error" not in str(e.value), e.value
                 assert "\n" not in str(e.value)  # llguidance's reason on one line (logs)
         stats = llm.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        assert llm.generate([tok.encode("other")], free) == want
+        assert llm.generate_token_ids([tok.encode("other")], free) == want
 
 
 @pytest.mark.slow
@@ -545,13 +547,13 @@ def test_a_request_that_fails_leaves_the_offline_engine_ready_for_the_next_call(
         scheduler=SchedulerConfig(async_scheduling=async_scheduling),
     )
     with LLM(cfg) as llm:
-        want = llm.generate(prompts[1:], free)
+        want = llm.generate_token_ids(prompts[1:], free)
         with pytest.raises(RuntimeError, match="allowed_token_ids"):
-            llm.generate(prompts, [stuck, free])
+            llm.generate_token_ids(prompts, [stuck, free])
         stats = llm.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
         assert stats["num_running"] == stats["num_waiting"] == 0
-        assert llm.generate(prompts[1:], free) == want
+        assert llm.generate_token_ids(prompts[1:], free) == want
 
 
 def test_allowed_token_ids_that_cannot_start_the_structured_output_are_a_400() -> None:
@@ -657,7 +659,7 @@ def test_async_scheduling_steps_a_constrained_request_every_step(
         for i, so in enumerate(["[a-z]{40}", None, "[0-9]{5}"])
     ]
     with LLM(EngineConfig(cache=CacheConfig(num_blocks=64))) as sync:
-        want = sync.generate(prompts, params)
+        want = sync.generate_token_ids(prompts, params)
     cfg = EngineConfig(
         cache=CacheConfig(num_blocks=64),
         scheduler=SchedulerConfig(async_scheduling=True),
@@ -673,7 +675,7 @@ def test_async_scheduling_steps_a_constrained_request_every_step(
             return execute(sched, non_block)
 
         core.executor.execute_model = counting  # type: ignore[method-assign]
-        got = asyn.generate(prompts, params)
+        got = asyn.generate_token_ids(prompts, params)
     assert got == want
     assert [len(ids) for ids in got] == [40, 40, 5]
     assert tok.decode(got[2]).isdigit()

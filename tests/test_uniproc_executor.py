@@ -179,7 +179,7 @@ def test_the_offline_llm_runs_its_one_rank_in_process_with_mp_tokens():
             return (
                 type(llm.core.executor).__name__,
                 llm.core.executor.pids,
-                llm.generate(prompts, params),
+                llm.generate_token_ids(prompts, params),
             )
 
     kind, pids, tokens = run("auto")
@@ -311,7 +311,7 @@ def test_shutdown_frees_the_in_process_kv_cache_and_weights_while_the_llm_is_hel
     cfg = EngineConfig(cache=CacheConfig(num_blocks=64))
     llm = LLM(cfg)
     runner = llm.core.executor.worker.model_runner
-    llm.generate([[1, 2, 3] * 10], SamplingParams(max_tokens=4))
+    llm.generate_token_ids([[1, 2, 3] * 10], SamplingParams(max_tokens=4))
     kv = weakref.ref(runner.kv_cache)
     weight = weakref.ref(next(runner.model.parameters()))
     del runner
@@ -413,15 +413,15 @@ def test_a_step_that_fails_before_a_deferred_step_leaves_no_wait_behind(monkeypa
         parallel=ParallelConfig(distributed_executor_backend="uni", step_timeout=30),
     )
     with LLM(cfg) as llm:
-        want = llm.generate([[5, 6, 7], [8, 9]], params)
+        want = llm.generate_token_ids([[5, 6, 7], [8, 9]], params)
         monkeypatch.setattr(model_runner.ModelRunner, "execute", failing)
         with pytest.raises(WorkerError, match="a forward that fails"):
-            llm.generate([[5, 6, 7], [8, 9]], params)
+            llm.generate_token_ids([[5, 6, 7], [8, 9]], params)
         monkeypatch.setattr(model_runner.ModelRunner, "execute", execute)
         stats = llm.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
         t0 = time.monotonic()
-        assert llm.generate([[5, 6, 7], [8, 9]], params) == want
+        assert llm.generate_token_ids([[5, 6, 7], [8, 9]], params) == want
         assert time.monotonic() - t0 < 10  # no step left waiting for its masks
     assert not [t.name for t in threading.enumerate() if t.name.startswith("tp0")]
 

@@ -674,8 +674,8 @@ def test_the_offline_llm_samples_with_the_checkpoints_defaults(tmp_path: Any) ->
     with LLM(cfg) as llm:
         assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
         prompt = [[1, 5, 6, 7]]
-        out = llm.generate(prompt)  # vLLM's LLM.generate without sampling params
-        assert out == llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5))
+        out = llm.generate_token_ids(prompt)  # vLLM's LLM.generate without sampling params
+        assert out == llm.generate_token_ids(prompt, SamplingParams(temperature=0.0, max_tokens=5))
         assert len(out[0]) == 5
 
 

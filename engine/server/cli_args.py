@@ -31,7 +31,7 @@ def config_sections() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig)}
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+def unwrap_optional(tp: Any) -> tuple[Any, bool]:
     if get_origin(tp) in (Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
         if len(args) == 1 and len(get_args(tp)) == 2:
@@ -70,7 +70,7 @@ human_readable_int.__name__ = "size"  # argparse's "invalid size value: 'x'"
 
 
 def _add_field(group: Any, f: dataclasses.Field[Any], tp: Any) -> None:
-    tp, _ = _unwrap_optional(tp)
+    tp, _ = unwrap_optional(tp)
     help_text = f.metadata.get("help", "") + _default_text(f)
     kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
     if tp is bool:
