@@ -5,6 +5,7 @@ being served meanwhile (an in-process node app, a stand-in engine)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -12,11 +13,14 @@ from typing import Any
 
 import httpx
 from scripted_engine import StubEngine
+from standin_http import SeenRequest, StandIn, answer
 
 from engine.httpkit.big_json import render_event, render_json
 from engine.httpkit.sse import sse_event
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.server.app import build_app
+from proxy.app import build_app as build_proxy
+from proxy.config import ProxyConfig
 
 PROMPT_TOKENS = 4000
 TOP = 20
@@ -61,6 +65,31 @@ async def _worst_loop_gap_during(work: Any) -> tuple[Any, float, float]:
     return result, worst, took
 
 
+@contextlib.asynccontextmanager
+async def _client_of(app: Any, base: str = "http://n") -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of ``app``, in process."""
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url=base) as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def _proxy_over(
+    node: Any, max_model_len: int
+) -> AsyncIterator[tuple[httpx.AsyncClient, StandIn]]:
+    """A client of an in-process proxy whose one decode node (ready, ``max_model_len``
+    long) is the stand-in ``node``; and the stand-in."""
+    async with StandIn(node) as d:
+        app = build_proxy(ProxyConfig(prefill=(), decode=(d.url,), prefill_fallback=True))
+        async with app.router.lifespan_context(app):
+            models = {"data": [{"id": "m", "max_model_len": max_model_len}]}
+            for n in app.state.pool.all():
+                n.update_info({"role": "consumer"}, models)
+                n.set_healthy(True)
+            async with _client_of(app, "http://p") as client:
+                yield client, d
+
+
 def _least_held(
     run: Callable[[], tuple[Any, float, float]], tries: int = 3
 ) -> tuple[Any, float, float]:
@@ -79,8 +108,7 @@ def test_a_huge_answer_does_not_stall_the_event_loop() -> None:
     body = {"prompt": "h" * PROMPT_TOKENS, "max_tokens": 1, "prompt_logprobs": TOP, "n": 8}
 
     async def main() -> tuple[httpx.Response, float, float]:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://n") as client:
+        async with _client_of(app) as client:
             return await _worst_loop_gap_during(client.post("/v1/completions", json=body))
 
     resp, worst, took = _least_held(lambda: asyncio.run(main()))
@@ -110,10 +138,6 @@ def test_render_json_is_json_dumps_as_starlette_renders_it() -> None:
 def test_the_proxys_huge_answer_does_not_stall_its_event_loop() -> None:
     """The proxy merges its choices' answers (each a node's) and renders the whole body off
     its event loop too (a stand-in decode node serving alone, ``--prefill-fallback``)."""
-    from standin_http import SeenRequest, StandIn, answer
-
-    from proxy.app import build_app as build_proxy
-    from proxy.config import ProxyConfig
 
     entry = {str(i): {"logprob": -0.5 - i, "rank": i + 1, "decoded_token": "é"} for i in range(TOP)}  # fmt: skip
     choice = {"index": 0, "text": "i", "finish_reason": "length", "token_ids": [105]}
@@ -135,16 +159,8 @@ def test_the_proxys_huge_answer_does_not_stall_its_event_loop() -> None:
     body = {"prompt": "h" * PROMPT_TOKENS, "max_tokens": 1, "prompt_logprobs": TOP, "n": 16}
 
     async def main() -> tuple[httpx.Response, float, float]:
-        async with StandIn(node) as d:
-            cfg = ProxyConfig(prefill=(), decode=(d.url,), prefill_fallback=True)
-            app = build_proxy(cfg)
-            async with app.router.lifespan_context(app):
-                for n in app.state.pool.all():
-                    n.update_info({"role": "consumer"}, {"data": [{"id": "m", "max_model_len": 4096}]})  # fmt: skip
-                    n.set_healthy(True)
-                transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(transport=transport, base_url="http://p") as c:
-                    return await _worst_loop_gap_during(c.post("/v1/completions", json=body))
+        async with _proxy_over(node, 4096) as (c, _):
+            return await _worst_loop_gap_during(c.post("/v1/completions", json=body))
 
     resp, worst, took = _least_held(lambda: asyncio.run(main()))
     assert resp.status_code == 200, resp.text[:300]
@@ -174,8 +190,7 @@ class OneTokenEngine(PromptLogprobsEngine):
 
 def _post(app: Any, path: str, body: dict[str, Any]) -> httpx.Response:
     async def main() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://n") as client:
+        async with _client_of(app) as client:
             return await client.post(path, json=body)
 
     return asyncio.run(main())
@@ -224,10 +239,6 @@ def test_the_proxy_refuses_choices_whose_log_probabilities_pass_the_bound() -> N
     """The proxy splits the choices over its nodes (each leg has ``n`` = 1, which no node
     refuses): it checks the whole request before any node is touched, a prompt counted
     as at most a token per byte of its text (it has no tokenizer)."""
-    from standin_http import SeenRequest, StandIn, answer
-
-    from proxy.app import build_app as build_proxy
-    from proxy.config import ProxyConfig
 
     one = {"id": "c", "object": "text_completion", "created": 1, "model": "m",
            "choices": [{"index": 0, "text": "i", "finish_reason": "length"}],
@@ -239,25 +250,17 @@ def test_the_proxy_refuses_choices_whose_log_probabilities_pass_the_bound() -> N
         return answer(200, one if req.path == "/v1/completions" else {"status": "ok"})
 
     async def main() -> tuple[list[httpx.Response], int]:
-        async with StandIn(node) as d:
-            cfg = ProxyConfig(prefill=(), decode=(d.url,), prefill_fallback=True)
-            app = build_proxy(cfg)
-            async with app.router.lifespan_context(app):
-                for n in app.state.pool.all():
-                    n.update_info({"role": "consumer"}, {"data": [{"id": "m", "max_model_len": 32768}]})  # fmt: skip
-                    n.set_healthy(True)
-                transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(transport=transport, base_url="http://p") as c:
-                    bodies = (
-                        {"prompt": "hello", "n": 16, "logprobs": 20, "max_tokens": 30000},
-                        {"prompt": "hello", "n": 16, "logprobs": 20, "max_tokens": 4000},
-                        {"prompt": "h" * 4000, "n": 16, "prompt_logprobs": 20, "max_tokens": 1},
-                    )
-                    seen = len(d.seen)
-                    out = [await c.post("/v1/completions", json=b) for b in bodies[:1]]
-                    completions = sum(r.path == "/v1/completions" for r in d.seen[seen:])
-                    out += [await c.post("/v1/completions", json=b) for b in bodies[1:]]
-                    return out, completions
+        async with _proxy_over(node, 32768) as (c, d):
+            bodies = (
+                {"prompt": "hello", "n": 16, "logprobs": 20, "max_tokens": 30000},
+                {"prompt": "hello", "n": 16, "logprobs": 20, "max_tokens": 4000},
+                {"prompt": "h" * 4000, "n": 16, "prompt_logprobs": 20, "max_tokens": 1},
+            )
+            seen = len(d.seen)
+            out = [await c.post("/v1/completions", json=b) for b in bodies[:1]]
+            completions = sum(r.path == "/v1/completions" for r in d.seen[seen:])
+            out += [await c.post("/v1/completions", json=b) for b in bodies[1:]]
+            return out, completions
 
     (refused, *fine), completions = asyncio.run(main())
     # Unfixed: 200, its 16 choices sent to the decode node.
@@ -275,8 +278,7 @@ def test_the_first_chunk_of_an_echoed_stream_does_not_stall_the_event_loop() -> 
     app = build_app(PromptLogprobsEngine())  # type: ignore[arg-type]
 
     async def main(body: dict[str, Any]) -> tuple[httpx.Response, float, float]:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://n") as client:
+        async with _client_of(app) as client:
             return await _worst_loop_gap_during(client.post("/v1/completions", json=body))
 
     body = {"prompt": "h" * PROMPT_TOKENS, "max_tokens": 1, "logprobs": TOP, "echo": True,
@@ -309,8 +311,7 @@ def test_a_large_responses_answer_does_not_stall_the_event_loop() -> None:
     body = {"model": "m", "input": "hi", "max_output_tokens": PROMPT_TOKENS, "top_logprobs": TOP}
 
     async def main() -> tuple[httpx.Response, float, float]:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://n") as client:
+        async with _client_of(app) as client:
             return await _worst_loop_gap_during(client.post("/v1/responses", json=body))
 
     resp, worst, took = _least_held(lambda: asyncio.run(main()))
