@@ -210,3 +210,21 @@ def test_bad_keywords_are_refused_before_an_engine_starts() -> None:
         LLM(model="tiny", enable_chunked_prefill=False)
     with pytest.raises(ConfigError, match="tokenizer"):
         LLM(model="tiny", tokenizer="org/other")
+
+
+def test_out_of_vocabulary_prompt_ids_are_refused_and_the_engine_stays_usable(llm: LLM) -> None:
+    """vLLM's: a prompt id outside [0, vocab) is a ValueError at submission, not a failed
+    step (an out-of-range embedding index; on CUDA a device assert); the call's other
+    prompts never start, the next call runs."""
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    vocab = llm.core.arch.vocab_size
+    for bad in ([1, vocab], [-1, 5], {"prompt_token_ids": [vocab + 7]}):
+        with pytest.raises(ValueError, match="out of range"):
+            llm.generate(["abc", bad], greedy)  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="out of range"):
+            llm.generate_token_ids([[97], bad if isinstance(bad, list) else [vocab]], greedy)
+    assert not llm.core.has_work()
+    assert (
+        llm.generate("abc", greedy)[0].outputs[0].token_ids
+        == llm.generate_token_ids([list(b"abc")], greedy)[0]
+    )

@@ -131,9 +131,9 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Admit a request. The one place that checks a request against this node -- its id
-        not in use, its prompt neither empty nor too long for the context, its blocks --
-        whoever submits it (HTTP layer or offline caller); the HTTP layer checks the
-        request's shape. Raises ``InvalidRequestError``."""
+        not in use, its prompt neither empty, outside the vocabulary nor too long for the
+        context, its blocks -- whoever submits it (HTTP layer or offline caller); the HTTP
+        layer checks the request's shape. Raises ``InvalidRequestError``."""
         rid = request.request_id
         if request.priority and not self.by_priority:
             raise InvalidRequestError(
@@ -146,6 +146,16 @@ class Scheduler:
         n = request.num_prompt_tokens
         if n == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        # vLLM's processor's check: an id past the embedding fails the step (on CUDA a
+        # device assert). The HTTP layer checked its token-id prompts; the offline LLM's
+        # are checked here.
+        ids = request.prompt_token_ids
+        vocab = self.vocab_size
+        if vocab is not None and not 0 <= min(ids) <= max(ids) < vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise InvalidRequestError(
+                f"token id {bad} in the prompt is out of range [0, {vocab})", "prompt"
+            )
         # A prompt may fill the context (vLLM's engine: longer is refused): its one
         # sampled token ends it (a length) and is never computed, so it needs no room.
         # The HTTP layer lets it through only for echo with max_tokens 0.
