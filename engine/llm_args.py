@@ -39,20 +39,44 @@ def config_keywords() -> dict[str, tuple[str, dataclasses.Field[Any], Any]]:
     return out
 
 
-def _value(f: dataclasses.Field[Any], tp: Any, value: Any) -> Any:
-    """``value`` as the field's flag would read it: a choice's other spellings, vLLM's
-    sizes for a token count, a list as a tuple."""
-    tp, _ = unwrap_optional(tp)
+def _value(key: str, f: dataclasses.Field[Any], tp: Any, value: Any) -> Any:
+    """``value`` as the field's flag would read it: a choice's other spellings (a torch
+    dtype by its name), vLLM's sizes for a token count, a list or a string as a tuple;
+    then checked against the field's type (a ``ConfigError`` naming ``key``: the config's
+    own checks compare values, and a wrong type failed them naming nothing)."""
+    tp, optional = unwrap_optional(tp)
+    if get_origin(tp) is Literal and type(value).__module__ == "torch":  # torch.bfloat16
+        value = str(value).removeprefix("torch.")
     if get_origin(tp) is Literal and isinstance(value, str):
-        return f.metadata.get("value_aliases", {}).get(value, value)
-    if tp is int and f.metadata.get("human_readable") and isinstance(value, str):
+        value = f.metadata.get("value_aliases", {}).get(value, value)
+    elif tp is int and f.metadata.get("human_readable") and isinstance(value, str):
         try:
-            return human_readable_int(value)
+            value = human_readable_int(value)
         except ValueError as e:
             raise ConfigError(f"{f.name}: {e}") from None
-    if get_origin(tp) is tuple and get_args(tp) == (str, ...) and isinstance(value, list):
-        return tuple(value)
+    elif get_origin(tp) is tuple and get_args(tp) == (str, ...) and isinstance(value, list | str):
+        value = (value,) if isinstance(value, str) else tuple(value)  # vLLM's: str or list
+    if not (value is None and optional) and not _is(tp, value):
+        want = (
+            "one of " + ", ".join(map(repr, get_args(tp)))
+            if get_origin(tp) is Literal
+            else getattr(tp, "__name__", str(tp))
+        )
+        raise ConfigError(f"{key}={value!r:.60}: must be {want}")
     return value
+
+
+def _is(tp: Any, value: Any) -> bool:
+    """Whether ``value`` is of the config field type ``tp`` (bool is no number here)."""
+    if get_origin(tp) is Literal:
+        return value in get_args(tp)
+    if get_origin(tp) is tuple:
+        return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
 
 
 def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
@@ -76,7 +100,7 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         if f.name in given:
             raise TypeError(f"LLM() got {f.name} twice (as {given[f.name]} and {key})")
         given[f.name] = key
-        sections[section][f.name] = _value(f, tp, value)
+        sections[section][f.name] = _value(key, f, tp, value)
     _vllm_only(kwargs, sections)
     built = {name: cls(**sections[name]) for name, cls in config_sections().items()}
     return EngineConfig(**built)

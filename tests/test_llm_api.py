@@ -228,3 +228,31 @@ def test_out_of_vocabulary_prompt_ids_are_refused_and_the_engine_stays_usable(ll
         llm.generate("abc", greedy)[0].outputs[0].token_ids
         == llm.generate_token_ids([list(b"abc")], greedy)[0]
     )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"block_size": "x"}, "block_size"),
+        ({"max_num_seqs": None}, "max_num_seqs"),
+        ({"max_num_seqs": "8"}, "max_num_seqs"),
+        ({"enforce_eager": "yes"}, "enforce_eager"),
+        ({"seed": "x"}, "seed"),
+        ({"dtype": "float7"}, "dtype"),
+        ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization"),
+        ({"tensor_parallel_size": 1.0}, "tensor_parallel_size"),
+    ],
+)
+def test_a_keywords_bad_type_is_a_config_error_naming_it(
+    kwargs: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=named):
+        engine_config("tiny", device="cpu", **kwargs)
+
+
+def test_vllms_other_value_types_dtype_and_served_model_name() -> None:
+    import torch
+
+    assert engine_config("tiny", dtype=torch.bfloat16).model.dtype == "bfloat16"
+    assert engine_config("tiny", dtype=torch.half).model.dtype == "float16"
+    assert engine_config("tiny", served_model_name="a").model.served_model_name == ("a",)
