@@ -175,7 +175,7 @@ class LLM:
         error raises ``RuntimeError`` (saying why); the call's other requests are aborted
         first, so the engine is idle, its blocks free, for the next call."""
         plist = self._params(params, len(prompts))
-        prios = priority if priority is not None else [0] * len(prompts)
+        prios = self._priorities(priority, len(prompts))
         reqs = [
             Request(f"llm-{next(self._ids)}", prompt, sp, priority=prio)
             for prompt, sp, prio in zip(prompts, plist, prios, strict=True)
@@ -215,6 +215,14 @@ class LLM:
             raise ValueError(f"{len(plist)} sampling params for {count} prompts")
         return plist
 
+    @staticmethod
+    def _priorities(priority: list[int] | None, count: int) -> list[int]:
+        if priority is None:
+            return [0] * count
+        if len(priority) != count:
+            raise ValueError(f"{len(priority)} priorities for {count} prompts (priority)")
+        return list(priority)
+
     def _generate_text(
         self,
         items: list[tuple[str | None, list[int]]],
@@ -226,7 +234,7 @@ class LLM:
         from engine.tokenizer import IncrementalDetokenizer
 
         plist = self._params(params, len(items))
-        prios = priority if priority is not None else [0] * len(items)
+        prios = self._priorities(priority, len(items))
         tok = self.tokenizer
         reqs: list[Request] = []
         answers: dict[str, Answer] = {}

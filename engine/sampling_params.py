@@ -113,9 +113,12 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        if not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, list | tuple) or not all(
+            isinstance(s, str) for s in self.stop
+        ):
             raise InvalidRequestError("stop must be a string or a list of strings", "stop")
-        if not isinstance(self.n, int) or self.n < 1:
+        self.stop = list(self.stop)
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise InvalidRequestError("n must be an integer of at least 1", "n")
         if self.min_tokens < 0:
             raise InvalidRequestError("min_tokens must be >= 0", "min_tokens")

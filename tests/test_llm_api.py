@@ -256,3 +256,17 @@ def test_vllms_other_value_types_dtype_and_served_model_name() -> None:
     assert engine_config("tiny", dtype=torch.bfloat16).model.dtype == "bfloat16"
     assert engine_config("tiny", dtype=torch.half).model.dtype == "float16"
     assert engine_config("tiny", served_model_name="a").model.served_model_name == ("a",)
+
+
+def test_a_priority_list_of_the_wrong_length_is_named(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=1), priority=[0])
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate_token_ids([[97], [98]], SamplingParams(max_tokens=1), priority=[0])
+    assert not llm.core.has_work()
+
+
+def test_sampling_params_bad_stop_and_n_name_the_field() -> None:
+    for kwargs in ({"stop": 5}, {"stop": ["a", 1]}, {"n": True}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            SamplingParams(**kwargs)
