@@ -324,3 +324,30 @@ def test_a_large_responses_answer_is_translated_whole() -> None:
     # check could not tell them apart. On an idle machine: 0.06-0.15 s of ~0.85 s, was
     # 0.43-0.51 s (docs/reliability.md).
     del worst, took
+
+
+def test_a_large_responses_answer_is_rendered_once(monkeypatch: Any) -> None:
+    """A large ``/v1/responses`` answer is rendered once, as the response object: the chat
+    handler's answer is handed over as an object, not rendered first (a measure of the work
+    done that does not depend on the machine's load)."""
+    rendered: list[int] = []
+
+    def counting(obj: Any) -> bytes:
+        out = render_json(obj)
+        rendered.append(len(out))
+        return out
+
+    monkeypatch.setattr("engine.httpkit.big_json.render_json", counting)
+    monkeypatch.setattr("engine.responses_api.route.render_json", counting)
+    app = build_app(OutputLogprobsEngine())  # type: ignore[arg-type]
+    body = {"model": "m", "input": "hi", "max_output_tokens": PROMPT_TOKENS, "top_logprobs": TOP}
+
+    async def main() -> httpx.Response:
+        async with _client_of(app) as client:
+            return await client.post("/v1/responses", json=body)
+
+    resp = asyncio.run(main())
+    assert resp.status_code == 200, resp.text[:300]
+    assert resp.json()["object"] == "response"
+    # Unfixed: the chat body (~4 MB) was rendered, its bytes dropped, then the response.
+    assert rendered == [len(resp.content)], rendered

@@ -30,9 +30,9 @@ ITEMS_PER_PIECE = 256
 T = TypeVar("T")
 
 # Set while a caller will translate the answer (``/v1/responses``): ``json_response`` then
-# keeps the object it rendered (``JSONAnswer.obj``), which the caller reads instead of
-# parsing MBs back (one ``json.loads`` of a 3.5 MB answer holds the GIL ~0.4 s, thread or
-# not). Off otherwise: the object would live as long as the bytes being sent.
+# hands over the object unrendered (``JSONAnswer.obj``; the caller renders what it makes of
+# it) instead of rendering bytes that would be dropped or parsed back (one ``json.loads`` of
+# a 3.5 MB answer holds the GIL ~0.4 s, thread or not).
 _keep_objects: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "big_json_keep_objects", default=False
 )
@@ -117,14 +117,17 @@ def may_be_large(req: Any) -> bool:
 
 
 class JSONAnswer(Response):
-    """A rendered JSON answer; ``obj``: the object rendered, inside ``keeping_objects``."""
+    """A JSON answer: rendered, or inside ``keeping_objects`` its object ``obj`` unrendered
+    (no body) and whether it may be ``large`` (the caller renders it as ``render_json``
+    does, off the loop, when so)."""
 
     obj: Any = None
+    large: bool = False
 
 
 @contextlib.contextmanager
 def keeping_objects() -> Iterator[None]:
-    """``json_response`` answers keep the object they render (``JSONAnswer.obj``)."""
+    """``json_response`` answers carry their object unrendered (``JSONAnswer.obj``)."""
     token = _keep_objects.set(True)
     try:
         yield
@@ -136,9 +139,11 @@ async def json_response(
     body: Any, status_code: int = 200, headers: dict[str, str] | None = None, large: bool = True
 ) -> Response:
     """A ``JSONResponse`` of ``body``; ``large``: rendered by ``render_json`` in a worker
-    thread (else on the loop, as small answers are: none of them waits behind a large one)."""
-    content = await off_loop(render_json, body) if large else _dumps(body).encode()
-    resp = JSONAnswer(content, status_code, headers, media_type="application/json")
+    thread (else on the loop, as small answers are: none of them waits behind a large one).
+    Inside ``keeping_objects``: not rendered, ``body`` carried as ``obj``."""
     if _keep_objects.get():
-        resp.obj = body
-    return resp
+        resp = JSONAnswer(b"", status_code, headers, media_type="application/json")
+        resp.obj, resp.large = body, large
+        return resp
+    content = await off_loop(render_json, body) if large else _dumps(body).encode()
+    return JSONAnswer(content, status_code, headers, media_type="application/json")

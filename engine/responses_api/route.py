@@ -110,11 +110,15 @@ async def serve_responses(request: Request, chat: ChatHandler, max_bytes: int) -
         logger.warning("a /v1/responses request has fields that are ignored: %s", shown)
     # The client's body passed the cap; its translation may be longer (each message's
     # wrapping, the stream's options) and is not refused for it.
-    with keeping_objects():  # the answer's object: not parsed back from its bytes
+    with keeping_objects():  # the answer's object, unrendered: rendered once, translated
         resp = await chat(_with_body(request, chat_raw), max(max_bytes, len(chat_raw)))
-    if not isinstance(resp, StreamingResponse) and len(resp.body) >= PARSE_ON_LOOP_BYTES:
+    if isinstance(resp, JSONAnswer) and resp.obj is not None:
+        large = resp.large
+    else:  # an answer made elsewhere (a refusal): bytes, parsed back when long
+        large = not isinstance(resp, StreamingResponse) and len(resp.body) >= PARSE_ON_LOOP_BYTES
+    if large:
         # A large answer (log probabilities of a long output: MBs) is translated and
-        # rendered off the event loop, in pieces, as the chat handler built it.
+        # rendered off the event loop, in pieces, as the chat handler would have.
         return await off_loop(answer, resp, echo, True)
     return answer(resp, echo)
 
@@ -133,7 +137,10 @@ def answer(resp: Response, echo: ResponseEcho, large: bool = False) -> Response:
             body = json.loads(resp.body) if resp.body else None
     except ValueError:
         return resp
-    if not isinstance(body, dict):
+    if not isinstance(body, dict):  # passed on as it is (rendered, if it was carried)
+        if isinstance(resp, JSONAnswer) and resp.obj is not None:
+            content = render_json(body)
+            return Response(content, resp.status_code, headers, media_type="application/json")
         return resp
     if resp.status_code == 200:
         obj = response_object(echo, body)
