@@ -20,6 +20,7 @@ from engine.server.request_fields import (
     get_int,
     get_str,
     require_object,
+    text_of_parts,
     unsupported,
 )
 
@@ -43,7 +44,8 @@ KNOWN_FIELDS = frozenset(SAMPLING_FIELDS) | frozenset(ECHOED_FIELDS)
 # ``include`` values that change the answer here; the others are accepted and ignored.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 INPUT_ROLES = ("user", "system", "developer", "assistant")
-TEXT_PARTS = ("input_text", "output_text", "text")
+# Content parts that are text (their text under "text").
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text"}
 TOOL_KEYS = ("name", "description", "parameters", "strict")
 SCHEMA_FORMAT_KEYS = ("name", "schema", "strict", "description")
 VERBOSITIES = ("low", "medium", "high")
@@ -258,25 +260,7 @@ def _messages(items: Any) -> list[dict[str, Any]]:
 
 
 def _content(content: Any, where: str, name: str = "content") -> str:
-    where = f"{where}.{name}"
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_type(where, "a string or an array of content parts", content)
-    texts: list[str] = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise bad_type(f"{where}[{j}]", "an object", part)
-        kind = part.get("type")
-        if kind not in TEXT_PARTS:
-            raise unsupported(
-                f"{where}[{j}].type", f"= {kind!r:.40} (text models take input_text only)"
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise bad_type(f"{where}[{j}].text", "a string", text)
-        texts.append(text)
-    return "\n".join(texts)
+    return text_of_parts(content, f"{where}.{name}", TEXT_PARTS, "text models take input_text only")
 
 
 def _required_str(item: dict[str, Any], name: str, where: str) -> str:

@@ -16,6 +16,7 @@ from engine.server.request_fields import (
     get_bool,
     get_str,
     require_object,
+    text_of_parts,
     unsupported,
 )
 from engine.tools.spec import ToolCalling, parse_tool_calling
@@ -25,27 +26,11 @@ CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # Content parts that are text, each in the key its type names: OpenAI's ``text`` and an
 # assistant's ``refusal`` (vLLM reads a refusal as text too).
-TEXT_PARTS = ("text", "refusal")
+TEXT_PARTS = {"text": "text", "refusal": "refusal"}
 
 
 def _message_content(content: Any, i: int) -> str:
-    where = f"messages[{i}].content"
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts: list[str] = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict):
-                raise bad_type(f"{where}[{j}]", "an object", part)
-            kind = part.get("type")
-            if kind not in TEXT_PARTS:
-                raise unsupported(f"{where}[{j}].type", f"= {kind!r:.40} (only 'text', 'refusal')")
-            text = part.get(kind)
-            if not isinstance(text, str):
-                raise bad_type(f"{where}[{j}].{kind}", "a string", text)
-            parts.append(text)
-        return "\n".join(parts)
-    raise bad_type(where, "a string or an array of content parts", content)
+    return text_of_parts(content, f"messages[{i}].content", TEXT_PARTS, "only 'text', 'refusal'")
 
 
 def _parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:

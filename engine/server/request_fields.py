@@ -132,6 +132,29 @@ def unsupported(name: str, detail: str) -> APIError:
     return APIError(f"{what} is not supported", param=name, code="unsupported_parameter")
 
 
+def text_of_parts(content: Any, where: str, kinds: dict[str, str], only: str) -> str:
+    """A message's ``content`` at ``where``: a string, or an array of text parts joined by
+    newlines, each ``{"type": kind, kinds[kind]: "..."}``; another part type is a 400
+    saying ``only`` (which types are taken)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_type(where, "a string or an array of content parts", content)
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise bad_type(f"{where}[{j}]", "an object", part)
+        kind = part.get("type")
+        key = kinds.get(kind) if isinstance(kind, str) else None
+        if key is None:
+            raise unsupported(f"{where}[{j}].type", f"= {kind!r:.40} ({only})")
+        text = part.get(key)
+        if not isinstance(text, str):
+            raise bad_type(f"{where}[{j}].{key}", "a string", text)
+        texts.append(text)
+    return "\n".join(texts)
+
+
 def require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(
