@@ -55,7 +55,8 @@ def check_max_tokens(value: object, name: str = "max_tokens") -> int:
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    # None: up to the context (``max_model_len`` less the prompt; vLLM's), set at admission.
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = -1  # -1: disabled
     top_p: float = 1.0
@@ -108,7 +109,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        check_max_tokens(self.max_tokens)
+        if self.max_tokens is not None:
+            check_max_tokens(self.max_tokens)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -117,6 +119,8 @@ class SamplingParams:
             isinstance(s, str) for s in self.stop
         ):
             raise InvalidRequestError("stop must be a string or a list of strings", "stop")
+        if any(not s for s in self.stop):  # vLLM's check: "" would match everywhere
+            raise InvalidRequestError("stop cannot contain an empty string", "stop")
         self.stop = list(self.stop)
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise InvalidRequestError("n must be an integer of at least 1", "n")

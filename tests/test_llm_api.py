@@ -270,3 +270,23 @@ def test_sampling_params_bad_stop_and_n_name_the_field() -> None:
     for kwargs in ({"stop": 5}, {"stop": ["a", 1]}, {"n": True}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             SamplingParams(**kwargs)
+
+
+def test_max_tokens_none_runs_to_the_context_as_vllms(llm: LLM) -> None:
+    """vLLM's ``SamplingParams(max_tokens=None)``: the answer may run to the end of the
+    context (``max_model_len`` less the prompt)."""
+    sp = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate(["abc"], sp)
+    prompt_len = len(out.prompt_token_ids)
+    assert len(out.outputs[0].token_ids) == 512 - prompt_len
+    assert out.outputs[0].finish_reason == "length"
+    (ids,) = llm.generate_token_ids([[97, 98]], sp)
+    assert len(ids) == 510
+    assert sp.max_tokens is None  # the caller's params are not changed
+    assert not llm.core.has_work()
+
+
+def test_an_empty_stop_string_is_refused_as_vllm_refuses_it() -> None:
+    for stop in ("", ["a", ""]):
+        with pytest.raises(ValueError, match="stop"):
+            SamplingParams(stop=stop)

@@ -36,6 +36,7 @@ is ended here, as every request is.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import logging
 import time
@@ -185,6 +186,10 @@ class Scheduler:
                 raise InvalidRequestError("this engine has no structured outputs", so.param)
             matcher = self.grammars.new_matcher(so)
             request.grammar = GrammarState(matcher, request.sampling_params.reasoning_tags)
+        if request.sampling_params.max_tokens is None:  # vLLM's: up to the context
+            request.sampling_params = dataclasses.replace(
+                request.sampling_params, max_tokens=max(1, self.max_model_len - n)
+            )
         self.connector.prepare_request(request)  # P/D policy: may set max_tokens and seed
         total = min(n + request.sampling_params.max_tokens, self.max_model_len)
         if self.kv.blocks_needed(total) > self.kv.num_blocks:
