@@ -320,3 +320,22 @@ def test_a_decode_leg_finds_a_stop_string_that_begins_in_the_skipped_first_token
     body = {"stop": ["Hz"], "max_tokens": 4}
     d = _steps(_skip_first(_job(body)), [_out([t]) for t in b"Hi!"] + [_out([33], "length")])
     assert _text(d) == "i!!" and d[-1].finish_reason == "length", d
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_strings_answer_is_the_same_whatever_the_outputs_carry(include: bool) -> None:
+    """An output may carry several tokens (merged for a slow reader; async scheduling): a
+    stop string completed within it ends the answer's ids, log probabilities and usage at
+    the token that completed it, as when every token came alone -- not at whatever else
+    the output carried (the answer would depend on the reader's speed)."""
+    body = {"stop": ["i["], "include_stop_str_in_output": include, "logprobs": 1}
+    alone = [_out([72], logprobs=True), _out([105], logprobs=True), _out([91], logprobs=True)]
+    merged = [_out([72, 105, 91, 33, 34], logprobs=True)]
+    answers = []
+    for outputs in (alone, merged):
+        job = _job(body)
+        steps = _steps(job, outputs)
+        lps = [e.token_id for s in steps for e in (s.logprobs or [])]
+        answers.append((_text(steps), _ids(steps), lps, job.completion_tokens))
+    assert answers[0] == answers[1]
+    assert answers[1][1] == [72, 105, 91] and answers[1][3] == 3

@@ -33,8 +33,8 @@ class TextPiece:
     """What one engine output adds to the answer."""
 
     text: str
-    # The output's ids (less a skipped first token), all of them even when a stop string
-    # ended the answer within them (vLLM's).
+    # The output's ids (less a skipped first token); when a stop string ended the answer
+    # within them, up to the one that completed it (as if each token came alone).
     token_ids: list[int]
     logprobs: Logprobs | None
     # A stop string ended the answer (``text`` ends before it, or after with
@@ -45,6 +45,8 @@ class TextPiece:
     stop_reason: str | int | None = None
     # ``skip_first``: the text of the first token, which the client already has.
     skipped_text: str = ""
+    # The output's ids after the one that completed a stop string: not the answer's.
+    dropped: int = 0
 
 
 class AnswerText:
@@ -96,7 +98,7 @@ class AnswerText:
         # may begin one).
         before = self.num_tokens - len(ids)  # the answer's tokens before these
         min_tokens = self.params.min_tokens
-        text, hit = "", False
+        text, hit, kept = "", False, len(ids)
         for i, token in enumerate(shown):
             last = i == len(shown) - 1
             piece = self.detok.add([token])
@@ -107,6 +109,7 @@ class AnswerText:
             )
             text += piece
             if hit:
+                kept = i + 1
                 break
         if not shown:
             rest = self.detok.flush() if out.finished else ""
@@ -115,7 +118,9 @@ class AnswerText:
             )
             text += rest
         if hit:
-            return TextPiece(text, ids, lps, True, self.matcher.matched, skipped)
+            dropped = len(ids) - kept
+            ids, lps = ids[:kept], None if lps is None else lps[:kept]
+            return TextPiece(text, ids, lps, True, self.matcher.matched, skipped, dropped)
         why = None
         if stop_token and self.last_id is not None:
             why = stop_token_reason(self.last_id, self.params, self.eos_token_id)

@@ -320,6 +320,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
                 job.first_token_at = time.monotonic()
             job.completion_tokens += len(out.new_token_ids)
             piece = answer.add(out)
+            job.completion_tokens -= piece.dropped  # past a stop string: not the answer's
             job.streamed_chars += len(piece.skipped_text)
             text, ids = piece.text, piece.token_ids
             kv_out = out.kv_transfer_params.to_dict() if out.kv_transfer_params else None
