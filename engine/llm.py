@@ -143,7 +143,7 @@ class LLM:
         del use_tqdm
         convs = [messages] if not messages or isinstance(messages[0], dict) else messages
         tok, items = self.tokenizer, []
-        for conv in convs:
+        for c, conv in enumerate(convs):
             body = {"messages": conv, "chat_template_kwargs": chat_template_kwargs,
                     "chat_template": chat_template, "tools": tools}  # fmt: skip
             try:
@@ -156,7 +156,8 @@ class LLM:
                     calling.template_tools() if calling is not None else None, template,
                 )  # fmt: skip
             except APIError as e:
-                raise ValueError(str(e)) from None
+                where = f"conversation {c}: " if len(convs) > 1 else ""
+                raise ValueError(where + str(e)) from None
             items.append((text, list(tok.encode(text, add_special_tokens=False))))
         return self._generate_text(items, sampling_params, None)
 

@@ -290,3 +290,13 @@ def test_an_empty_stop_string_is_refused_as_vllm_refuses_it() -> None:
     for stop in ("", ["a", ""]):
         with pytest.raises(ValueError, match="stop"):
             SamplingParams(stop=stop)
+
+
+def test_a_bad_message_of_a_later_conversation_names_its_conversation(llm: LLM) -> None:
+    good = [{"role": "user", "content": "hi"}]
+    bad = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]
+    with pytest.raises(ValueError, match=r"^conversation 1: 'messages\[1\]\.role'"):
+        llm.chat([good, bad])
+    with pytest.raises(ValueError, match=r"^'messages\[1\]\.role'"):  # one conversation
+        llm.chat(bad)
+    assert not llm.core.has_work()
