@@ -25,14 +25,22 @@ _END = object()  # the stream ended (with or without [DONE]: see ``done``)
 
 
 def carries_token(obj: Any) -> bool:
-    """An event D would not send before its first token: one with tokens, an error, or a
-    finish."""
+    """An event D would not send before its first token: one with tokens (or their text,
+    should a node leave ``token_ids`` out: the look-ahead must not hold the answer), an
+    error, or a finish. A chat stream's role chunk is none."""
     if not isinstance(obj, dict):
         return True
     if "error" in obj:
         return True
     for choice in obj.get("choices") or ():
-        if isinstance(choice, dict) and (choice.get("token_ids") or choice.get("finish_reason")):
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("token_ids") or choice.get("finish_reason") or choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(
+            delta.get(k) for k in ("content", "reasoning_content", "tool_calls")
+        ):
             return True
     return False
 
@@ -100,6 +108,15 @@ class DecodeEvents:
             and "error" not in obj
             for obj in self._ahead
         )
+
+    def ahead_error_event(self) -> dict[str, Any] | None:
+        """D's error event, when it ended the look-ahead before any token; else None."""
+        if self.ahead_has_token():
+            return None
+        for obj in self._ahead:
+            if isinstance(obj, dict) and "error" in obj:
+                return obj
+        return None
 
     def ahead_error(self) -> str:
         """What ended the look-ahead without a token: a broken read's error, D's error

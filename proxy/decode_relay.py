@@ -3,8 +3,10 @@
 ``DecodeRelay`` is the reading half of a ``Session`` (``proxy/session.py`` runs the pairs,
 waits, retries and migrations; ``proxy/client_stream.py`` formats the events): it opens
 D's event stream once per attempt (``events_of``; the stream a look-ahead for D's first
-token read stays the one relayed), and relays each event: D's error event is forwarded
-and ends the relay (``d_error``), the usage chunk of one choice of several is kept
+token read stays the one relayed; read to that token before the client's headers when
+D's stream is the whole answer, ``until_first_token``: a failure before it is the
+attempt's), and relays each event: D's error event is forwarded and ends the relay
+(``d_error``), the usage chunk of one choice of several is kept
 (``usage``: the request's is the sum of its choices'), every other event is rewritten by
 ``ClientStream`` (dropped when nothing of it is left to send), and a token's inter-token
 latency is observed.
@@ -32,7 +34,7 @@ from engine.httpkit.sse import sse_event
 from engine.server.logprobs import fill_missing, has_missing, num_entries
 from proxy.client_stream import ClientStream
 from proxy.decode_events import DecodeEvents
-from proxy.legs import Attempt
+from proxy.legs import Attempt, UpstreamError, event_error
 from proxy.metrics import ProxyMetrics
 from proxy.router import Router
 from proxy.validation import ProxyRequest
@@ -82,6 +84,28 @@ class DecodeRelay:
             events = DecodeEvents(attempt.d_stream, attempt.d_gone, attempt.poll_s)
             self._events, self._events_for = events, attempt
         return self._events
+
+    async def until_first_token(self, attempt: Attempt) -> None:
+        """Read D's stream of ``attempt`` ahead to its first token (watched for a hung D):
+        the client's headers wait for it, so that a failure before it is still an HTTP
+        answer or a retry (``check_first_token``), never a 200 stream holding only an
+        error. The events read stay the relay's first."""
+        await self.events_of(attempt).until_token()
+        self.check_first_token(attempt)
+
+    def check_first_token(self, attempt: Attempt) -> None:
+        """Raise ``UpstreamError`` if D's stream of ``attempt``, read ahead, failed before
+        its first token: D's error event as the HTTP answer it stands for
+        (``legs.event_error``), or the read that broke, or the stream's end."""
+        events = self.events_of(attempt)
+        if events.ahead_has_token():
+            return
+        event = events.ahead_error_event()
+        if event is not None:
+            raise event_error(attempt.d, event)
+        raise UpstreamError(
+            attempt.d, f"the stream failed before its first token: {events.ahead_error()}"
+        )
 
     def tokens_sent(self) -> None:
         """The client got tokens now (P's first chunk; the start of the stream): the next

@@ -12,7 +12,9 @@ the legs' requests on both nodes. A leg
 that fails raises ``UpstreamError``; ``node_fault`` tells a node failure (connection
 error, timeout, 5xx: retry elsewhere) from a refusal of the request (4xx: the client's);
 ``overloaded`` marks a load answer (429, or 503 with ``code: overloaded``): the node is
-healthy but busy, neither a failure of the node nor the client's fault.
+healthy but busy, neither a failure of the node nor the client's fault. D's error event
+that comes before its first token is such an error too, of the status it stands for
+(``event_error``).
 """
 
 from __future__ import annotations
@@ -109,6 +111,36 @@ async def _error_from_response(node: Node, resp: NodeResponse) -> UpstreamError:
     detail = body["error"].get("message") if body else raw[:200].decode("utf-8", "replace")
     return UpstreamError(node, f"HTTP {resp.status_code}: {detail}", status=resp.status_code,
                          body=body, retry_after=resp.headers.get("retry-after"))  # fmt: skip
+
+
+def event_status(error: dict[str, Any]) -> int:
+    """The HTTP status an error event stands for: its ``code`` when that is one (vLLM's
+    and SGLang's events carry the status there), else by its ``type`` and ``code`` as a
+    node answers them (``invalid_request_error`` 400, ``rate_limit_error`` 429, 503
+    ``overloaded``); anything else is the node's failure (500)."""
+    code, kind = error.get("code"), error.get("type")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code
+    if kind == "invalid_request_error":
+        return 400
+    if kind == "rate_limit_error":
+        return 429
+    return 503 if code == OVERLOADED_CODE else 500
+
+
+def event_error(node: Node, event: dict[str, Any]) -> UpstreamError:
+    """D's error event that came before any token, as the error of the HTTP answer it
+    stands for (``event_status``): nothing of the answer reached the client, so it is
+    handled as that answer would be -- retried elsewhere, passed through as the node's
+    refusal, moved for load."""
+    error = event.get("error")
+    if not isinstance(error, dict):  # ``{"error": "text"}``: no type to tell by
+        error = {"message": str(error)[:200], "type": "server_error", "param": None, "code": None}
+        event = {"error": error}
+    status = event_status(error)
+    message = str(error.get("message"))[:200]
+    return UpstreamError(node, f"error event {status} before its first token: {message}",
+                         status=status, body=event)  # fmt: skip
 
 
 class Legs:

@@ -7,7 +7,10 @@ client; D's stream follows with that token dropped (by D itself with
 once.
 
 A pair failing (connection error, timeout, 5xx) before any of D's tokens reached the
-client is retried on another pair (``max_retries``). If P's first token was already
+client is retried on another pair (``max_retries``). When D's stream is the whole answer
+the client's headers wait for D's first token (``DecodeRelay.until_first_token``): an
+error event before it is D's answer of the status it stands for (``legs.event_error``:
+retried, or the client's 4xx passed through), never a 200 stream holding only an error. If P's first token was already
 streamed, the retried pair must produce the same first token (always so for greedy or
 seeded sampling), else the client gets an error event. Once D's tokens flow, a failure
 ends the stream with ``data: {"error": ...}`` and ``data: [DONE]``: never a silently
@@ -270,7 +273,10 @@ class Session:
 
     # -- streaming -------------------------------------------------------------------------
     async def start_stream(self) -> None:
-        """Run pairs until the first bytes for the client are known (or raise)."""
+        """Run pairs until the first bytes for the client are known (or raise): P's first
+        token, or D's when D's stream is the whole answer -- its headers wait for it, so
+        that D failing before it (its error event too) is retried or answered with an
+        HTTP status, never a 200 stream holding only the error."""
         while True:
             attempt = self._launch()
             try:
@@ -279,8 +285,10 @@ class Session:
                     if first is not None:
                         self.first_chunk = self._first_chunk(first)
                         self._first_tid = attempt.transfer_id
+                        return
                 else:
                     await attempt.wait_decode()
+                await self.relay.until_first_token(attempt)
                 return
             except UpstreamError as e:
                 self.retries.failed(attempt, e)
@@ -314,16 +322,13 @@ class Session:
                 await asyncio.wait(
                     waits, timeout=self.cfg.health_interval, return_when=asyncio.FIRST_COMPLETED
                 )
+                if peek is not None and peek.done():
+                    # D's stream failed before its first token (and P's, if it came, is
+                    # not sent): nothing went to the client, another pair may serve it.
+                    self.relay.check_first_token(attempt)
                 if p_task.done():
                     break
                 if peek is not None and peek.done():
-                    events = self.relay.events_of(attempt)
-                    if not events.ahead_has_token():
-                        # Nothing went to the client yet: another pair may serve it.
-                        raise UpstreamError(
-                            attempt.d,
-                            f"the stream failed before its first token: {events.ahead_error()}",
-                        )
                     logger.info(
                         "request %s: decode node's first token came before the prefill "
                         "answer; streaming the decode node's answer", self.request_id,

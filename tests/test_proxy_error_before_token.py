@@ -1,0 +1,434 @@
+"""A decode node's error before its first token, as a client of the proxy sees it.
+
+No byte of the answer has gone to the client yet, so the proxy has not sent its headers
+either: D's error event there is handled as D's answer of that error as an HTTP status
+would be -- a failure of D retried on another node (502 ``upstream_error`` once
+``--max-retries`` is spent), the client's own fault passed through as its 4xx with D's
+body, load moved to a node not tried (429 with ``Retry-After`` when none is left) --
+never a 200 stream holding only the error. Once tokens went out, an error stays an
+error event. The proxy runs in process (its app, health checks included) over stand-in
+nodes on loopback; chat completions, completions and /v1/responses, streamed and not
+(a node answers a non-streamed request's error with its HTTP status: the same outcome).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from harness import sse_chunk_events, wait_for
+from scripted_engine import ScriptedEngine, StubEngine, TemplateBytes
+
+from engine.httpkit.serve import bind_socket, make_server
+from engine.outputs import RequestOutput
+from engine.server.app import build_app as build_node
+from proxy.app import build_app
+from proxy.config import ProxyConfig
+from proxy.decode_events import carries_token
+from proxy.nodes import NodePool
+from tests.standin_http import SeenRequest, StandIn, answer, chunked
+
+pytestmark = pytest.mark.timeout(60)
+
+Leg = Callable[[SeenRequest], Any]
+SERVER = {"error": {"message": "engine failed", "type": "server_error", "param": None,
+                    "code": None}}  # fmt: skip
+CLIENT = {"error": {"message": "the grammar leaves no token", "type": "invalid_request_error",
+                    "param": "response_format", "code": "structured_output_stuck"}}  # fmt: skip
+VLLM_400 = {"error": {"message": "bad schema", "type": "BadRequestError", "param": None,
+                      "code": 400}}  # vLLM's and SGLang's events carry the status  # fmt: skip
+LOAD = {"error": {"message": "busy", "type": "rate_limit_error", "param": None,
+                  "code": "overloaded"}}  # fmt: skip
+ENDPOINTS = {
+    "completions": ("/v1/completions", {"prompt": "x", "max_tokens": 3}),
+    "chat": ("/v1/chat/completions",
+             {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}),
+    "responses": ("/v1/responses", {"input": "x", "max_output_tokens": 3}),
+}  # fmt: skip
+WHOLE = {"disagg_min_prompt_tokens": 10**6}  # D alone: its stream is the whole answer
+ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "token_ids": [], "finish_reason": None}], "model": "tiny"}  # fmt: skip
+
+
+def _chat(req: SeenRequest) -> bool:
+    return req.path == "/v1/chat/completions"
+
+
+def _choice(chat: bool, ids: list[int], text: str, finish: str | None, key: str) -> Any:
+    body = {key: {"role": "assistant", "content": text}} if chat else {"text": text}
+    return {"index": 0, "token_ids": ids, "finish_reason": finish, **body}
+
+
+def _events(*events: Any) -> bytes:
+    return chunked(200, [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"])  # fmt: skip
+
+
+async def good(req: SeenRequest) -> bytes:
+    """D's answer: tokens 7, 8, 9 ("t7t8t9")."""
+    chat = _chat(req)
+    if not req.json().get("stream"):
+        choice = _choice(chat, [7, 8, 9], "t7t8t9", "length", "message")
+        return answer(200, {"choices": [choice], "model": "tiny"})
+    toks = [{"choices": [_choice(chat, [i], f"t{i}", "length" if i == 9 else None, "delta")],
+             "model": "tiny"} for i in (7, 8, 9)]  # fmt: skip
+    return _events(*([ROLE] if chat else []), *toks)
+
+
+def error_first(event: dict[str, Any], status: int, delay: float = 0.0) -> Leg:
+    """D failing before its first token: a stream opened (200; chat: its role chunk) whose
+    first event is ``event``; a non-streamed request answered ``status`` with it; after
+    ``delay`` seconds."""
+
+    async def leg(req: SeenRequest) -> bytes:
+        await asyncio.sleep(delay)
+        if not req.json().get("stream"):
+            return answer(status, event)
+        return _events(*([ROLE] if _chat(req) else []), event)
+
+    return leg
+
+
+def _prefill(delay: float = 0.0) -> Leg:
+    async def leg(req: SeenRequest) -> bytes:
+        await asyncio.sleep(delay)
+        choice = _choice(_chat(req), [7], "t7", "length", "message")
+        return answer(200, {"choices": [choice], "kv_transfer_params": {"first_token": 7},
+                            "model": "tiny"})  # fmt: skip
+
+    return leg
+
+
+def _node(role: str, leg: Leg) -> Any:
+    """A stand-in node of ``role`` ("producer", "consumer"): healthy, its facts, aborts
+    answered; its completions by ``leg``."""
+
+    async def handler(req: SeenRequest) -> Any:
+        if req.path == "/health":
+            return answer(200, {"status": "ok"})
+        if req.path == "/v1/models":
+            return answer(200, {"data": [{"id": "tiny", "max_model_len": 4096}]})
+        if req.path == "/v1/kv_transfer_info":
+            return answer(200, {"role": role, "side_channel": "tcp://127.0.0.1:1"})
+        if req.path == "/v1/abort":
+            return answer(200, {})
+        return await leg(req)
+
+    return handler
+
+
+@contextlib.asynccontextmanager
+async def proxy_over(
+    decodes: list[Any], prefill: Leg | None = None, **cfg_kw: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, list[StandIn], Any]]:
+    """A client of an in-process proxy over one P and a D per entry of ``decodes`` (a leg,
+    a whole handler with ``("handler", h)``, or the URL of a node; round robin: the first
+    attempt goes to the first); the D's stand-ins and the proxy's node pool."""
+    async with contextlib.AsyncExitStack() as stack:
+        p = await stack.enter_async_context(StandIn(_node("producer", prefill or _prefill())))
+        ds, urls = [], []
+        for d in decodes:
+            if isinstance(d, str):
+                urls.append(d)
+                continue
+            handler = d[1] if isinstance(d, tuple) else _node("consumer", d)
+            ds.append(await stack.enter_async_context(StandIn(handler)))
+            urls.append(ds[-1].url)
+        cfg = ProxyConfig(
+            prefill=(p.url,), decode=tuple(urls), routing="round_robin",
+            health_interval=0.2, **cfg_kw,
+        )  # fmt: skip
+        app = build_app(cfg)
+        await stack.enter_async_context(app.router.lifespan_context(app))
+        transport = httpx.ASGITransport(app=app)
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(transport=transport, base_url="http://proxy", timeout=30)
+        )
+        yield client, ds, app.state.pool
+
+
+def asked(d: StandIn) -> int:
+    """How many completions ``d`` was asked for."""
+    return len([r for r in d.seen if r.path.startswith(("/v1/completions", "/v1/chat"))])
+
+
+async def post(client: httpx.AsyncClient, endpoint: str, stream: bool, **fields: Any) -> Any:
+    path, body = ENDPOINTS[endpoint]
+    return await client.post(path, json={"model": "tiny", **body, "stream": stream, **fields})
+
+
+def answer_text(endpoint: str, resp: httpx.Response) -> tuple[str, list[Any]]:
+    """The answer's text and its error events (a Responses stream's ``response.failed``)."""
+    if resp.headers["content-type"].startswith("application/json"):
+        body = resp.json()
+        if endpoint == "responses":
+            return body["output"][0]["content"][0]["text"], []
+        choice = body["choices"][0]
+        return (choice["message"]["content"] if endpoint == "chat" else choice["text"]), []
+    events = sse_chunk_events([resp.text])
+    if endpoint == "responses":
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        return text, [e for e in events if e["type"] == "response.failed"]
+    errors = [e for e in events if "error" in e]
+    pieces = [c.get("delta", {}).get("content") if endpoint == "chat" else c.get("text")
+              for e in events for c in e.get("choices", [])]  # fmt: skip
+    return "".join(p or "" for p in pieces), errors
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_a_decode_failure_before_any_token_is_retried_on_another_decode_node(
+    endpoint: str, stream: bool
+) -> None:
+    """D1 fails the request before its first token (its stream's first event is an error;
+    not streamed: its 500): the request moves to D2, whose answer the client gets whole,
+    without an error (streamed, it was a 200 stream holding only D1's error)."""
+
+    async def main() -> tuple[httpx.Response, list[int]]:
+        async with proxy_over([error_first(SERVER, 500), good], **WHOLE) as (client, ds, _):
+            resp = await post(client, endpoint, stream)
+            return resp, [asked(d) for d in ds]
+
+    resp, seen = asyncio.run(main())
+    assert resp.status_code == 200, resp.text
+    assert answer_text(endpoint, resp) == ("t7t8t9", []), resp.text
+    assert seen == [1, 1]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_a_decode_failure_before_any_token_on_every_node_is_a_502(
+    endpoint: str, stream: bool
+) -> None:
+    """Every D fails before its first token: once --max-retries is spent the client gets
+    the proxy's 502 ``upstream_error`` as a JSON error body, not a 200 stream."""
+
+    async def main() -> tuple[httpx.Response, list[int]]:
+        legs = [error_first(SERVER, 500), error_first(SERVER, 500)]
+        async with proxy_over(legs, **WHOLE) as (client, ds, _):
+            resp = await post(client, endpoint, stream)
+            return resp, [asked(d) for d in ds]
+
+    resp, seen = asyncio.run(main())
+    assert resp.status_code == 502, resp.text
+    assert resp.json()["error"]["code"] == "upstream_error", resp.text
+    assert "engine failed" in resp.json()["error"]["message"]
+    assert seen == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "mode", ["whole", "prefill-slow", "json"], ids=["d-whole", "prefill-slow", "json"]
+)
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_the_clients_error_before_any_token_is_its_4xx(endpoint: str, mode: str) -> None:
+    """D refuses the request itself before its first token (an ``invalid_request_error``
+    event): the client gets that 400 with D's body, whether D's stream was the whole
+    answer or came before a slow P's first token; no other node is asked and D stays in
+    rotation (it was a 200 stream holding the error, or -- P slow -- D taken out of
+    rotation and the request retried on D2)."""
+    cfg = {} if mode == "prefill-slow" else WHOLE
+    prefill = _prefill(3.0 if mode == "prefill-slow" else 0.0)
+
+    async def main() -> tuple[httpx.Response, list[int], bool]:
+        async with proxy_over([error_first(CLIENT, 400), good], prefill, **cfg) as (c, ds, pool):
+            resp = await post(c, endpoint, mode != "json")
+            return resp, [asked(d) for d in ds], pool.nodes("decode")[0].healthy
+
+    resp, seen, healthy = asyncio.run(main())
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    param = "text.format" if endpoint == "responses" else "response_format"
+    assert err == {**CLIENT["error"], "param": param}, err
+    assert seen == [1, 0] and healthy
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_an_error_event_that_carries_its_status_is_answered_with_it(endpoint: str) -> None:
+    """vLLM's and SGLang's streams carry the HTTP status in the error's ``code``: an event
+    with 400 there before any token is the client's 400, D's body passed through."""
+
+    async def main() -> tuple[httpx.Response, list[int]]:
+        async with proxy_over([error_first(VLLM_400, 400), good], **WHOLE) as (client, ds, _):
+            resp = await post(client, endpoint, True)
+            return resp, [asked(d) for d in ds]
+
+    resp, seen = asyncio.run(main())
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == "bad schema" and seen == [1, 0]
+
+
+def test_a_load_error_before_any_token_on_every_node_is_a_429_with_retry_after() -> None:
+    """Each D answers with load in its stream before any token: the request tries every
+    D (not counted as retries, the nodes stay in rotation), then the client gets the
+    429 and ``Retry-After``."""
+
+    async def main() -> tuple[httpx.Response, list[int], list[bool]]:
+        legs = [error_first(LOAD, 429)] * 3
+        async with proxy_over(legs, **WHOLE) as (client, ds, pool):
+            resp = await post(client, "chat", True)
+            return resp, [asked(d) for d in ds], [n.healthy for n in pool.nodes("decode")]
+
+    resp, seen, healthy = asyncio.run(main())
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "1", resp.text
+    assert resp.json()["error"]["message"] == "busy"
+    assert seen == [1, 1, 1] and all(healthy)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_an_error_after_the_first_token_stays_an_error_event(endpoint: str) -> None:
+    """P's first token reached the client (the 200 with it), then D fails before its own
+    first token: the stream holds P's token, then D's error event and [DONE]."""
+
+    async def main() -> httpx.Response:
+        # D's error comes after P's answer (P answers at once).
+        async with proxy_over([error_first(SERVER, 500, delay=0.5), good]) as (client, _, _):
+            return await post(client, endpoint, True)
+
+    resp = asyncio.run(main())
+    assert resp.status_code == 200, resp.text
+    text, errors = answer_text(endpoint, resp)
+    assert text == "t7" and errors == [SERVER], resp.text
+    assert resp.text.endswith("data: [DONE]\n\n")
+
+
+def test_a_decode_node_that_hangs_before_its_first_token_is_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """D1 opens its stream (a chat stream's role chunk) and then hangs, its health checks
+    unanswered too: the wait for its first token ends once D1 misses its checks, and the
+    request moves to D2 -- the client gets D2's answer, not D1's role chunk and an error
+    event."""
+    import proxy.legs
+
+    monkeypatch.setattr(proxy.legs, "MIN_HUNG_S", 0.5)
+    hung = asyncio.Event()
+
+    async def stalled(req: SeenRequest) -> Any:
+        if req.path == "/health" and hung.is_set():
+            await asyncio.sleep(30)
+        if req.path != "/v1/chat/completions":
+            return await _node("consumer", good)(req)
+
+        async def pieces() -> AsyncIterator[bytes]:
+            role = f"data: {json.dumps(ROLE)}\n\n".encode()
+            yield b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            yield f"{len(role):x}\r\n".encode() + role + b"\r\n"
+            hung.set()
+            await asyncio.sleep(30)
+
+        return pieces()
+
+    async def main() -> tuple[httpx.Response, list[int], float]:
+        decodes = [("handler", stalled), good]
+        async with proxy_over(decodes, health_timeout=0.5, **WHOLE) as (client, ds, _):
+            wall = time.monotonic()
+            resp = await post(client, "chat", True)
+            return resp, [asked(d) for d in ds], time.monotonic() - wall
+
+    resp, seen, took = asyncio.run(main())
+    assert resp.status_code == 200, resp.text
+    assert answer_text("chat", resp) == ("t7t8t9", []), resp.text
+    assert seen == [1, 1] and took < 20
+
+
+class FailingEngine(StubEngine):
+    """Fails every request before its first token: an engine fault, or (``code``
+    ``structured_output_stuck``) the request's own."""
+
+    def __init__(self, code: str | None = None) -> None:
+        super().__init__(TemplateBytes())
+        self.code, self.model_name = code, "tiny"
+
+    async def generate(self, request_id: str, *args: Any, **kw: Any) -> AsyncIterator[Any]:
+        yield RequestOutput(request_id, [], True, "error", error="engine failed",
+                            error_code=self.code)  # fmt: skip
+
+
+@contextlib.contextmanager
+def node_served(engine: Any) -> Iterator[str]:
+    """A node's app over ``engine``, served by uvicorn on a loopback port (its own thread
+    and loop): its URL."""
+    sock = bind_socket("127.0.0.1", 0)
+    srv = make_server(build_node(engine), log_level="WARNING", banner="", own_signals=True)
+    thread = threading.Thread(target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: srv.started, 30, "the node to serve")
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_real_decode_node_answers_a_failure_before_any_token_with_its_status(
+    endpoint: str,
+) -> None:
+    """A node's own server never opens a stream before its first token: an engine that
+    fails the request first is the node's 500 (or its 400 when the request is at fault),
+    so through the proxy the client gets the retry on another node, or the 400 -- as
+    before this change (the error events above are other servers' and the exception)."""
+    scripted = ScriptedEngine("t7t8t9")
+    scripted.model_name = "tiny"
+    with (
+        node_served(FailingEngine()) as broken,
+        node_served(FailingEngine("structured_output_stuck")) as refusing,
+        node_served(scripted) as fine,
+    ):
+
+        async def main(decodes: list[Any]) -> httpx.Response:
+            async with proxy_over(decodes, **WHOLE) as (client, _, _):
+                return await post(client, endpoint, True)
+
+        retried = asyncio.run(main([broken, fine]))
+        refused = asyncio.run(main([refusing, fine]))
+    assert retried.status_code == 200, retried.text
+    assert answer_text(endpoint, retried) == ("t7t8t9", []), retried.text
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "structured_output_stuck", refused.text
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (SERVER["error"], 500),
+        (CLIENT["error"], 400),
+        (VLLM_400["error"], 400),
+        ({"message": "timeout", "type": "GatewayTimeout", "code": 504}, 504),
+        ({"message": "x", "type": "BadRequestError", "code": True}, 500),  # not a status
+        ({"message": "x", "type": "server_error", "code": 200}, 500),
+        ({"message": "full", "type": "server_error", "code": "overloaded"}, 503),
+        (LOAD["error"], 429),
+    ],
+)
+def test_an_error_event_stands_for_the_status_it_names(error: dict[str, Any], status: int) -> None:
+    from proxy.legs import event_status
+
+    assert event_status(error) == status
+
+
+def test_an_error_event_without_an_object_is_the_nodes_failure() -> None:
+    from proxy.legs import event_error
+
+    node = NodePool((), ("http://127.0.0.1:1",)).nodes("decode")[0]
+    err = event_error(node, {"error": "it broke"})
+    assert err.status == 500 and err.node_fault
+    assert err.body == {"error": {"message": "it broke", "type": "server_error", "param": None,
+                                  "code": None}}  # fmt: skip
+
+
+def test_the_look_ahead_stops_at_the_answers_first_text_even_without_token_ids() -> None:
+    """A role chunk is no token; a piece of the answer is one, ``token_ids`` or not (the
+    client's headers wait for it: a node that leaves the ids out must not hold them)."""
+    assert not carries_token(ROLE)
+    for choice in ({"index": 0, "text": "a"}, {"index": 0, "delta": {"content": "a"}},
+                   {"index": 0, "delta": {"tool_calls": [{"index": 0}]}},
+                   {"index": 0, "delta": {"reasoning_content": "hm"}}):  # fmt: skip
+        assert carries_token({"choices": [choice]}), choice
