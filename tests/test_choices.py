@@ -101,6 +101,14 @@ def test_usage_counts_each_prompt_once_and_every_choices_tokens() -> None:
         "completion_tokens": 11,
         "total_tokens": 22,
     }
+    # Reasoning tokens (a chat answer on a node with a reasoning parser): summed when every
+    # choice counted them; else the request has no count to give.
+    counted = [{**u, "completion_tokens_details": {"reasoning_tokens": u["completion_tokens"] - 1}}
+               for u in usages]  # fmt: skip
+    assert sum_usage(counted, 2)["completion_tokens_details"] == {"reasoning_tokens": 7}
+    assert "completion_tokens_details" not in sum_usage([*counted[:3], usages[3]], 2)
+    bad = {**usages[3], "completion_tokens_details": {"reasoning_tokens": "4"}}
+    assert "completion_tokens_details" not in sum_usage([*counted[:3], bad], 2)
     bodies = [{"id": "x", "choices": [{"index": 0, "text": t}], "usage": u} for t, u in zip("abcd", usages, strict=True)]  # fmt: skip
     merged = merge_bodies(bodies, 2)
     assert [(c["index"], c["text"]) for c in merged["choices"]] == list(enumerate("abcd"))

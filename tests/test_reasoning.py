@@ -19,9 +19,11 @@ import pytest
 from scripted_engine import ScriptedEngine, chat, chat_chunks
 from starlette.testclient import TestClient
 
+from engine.outputs import RequestOutput
 from engine.reasoning import PARSERS, ReasoningParser, parser_class
 from engine.reasoning.base import ReasoningDelta
 from engine.reasoning.output import ReasoningOutput
+from engine.reasoning.tokens import ReasoningTokens, TagIds
 from engine.server.app import build_app
 from engine.server.chat_protocol import parse_chat_request
 from engine.structured.reasoning import ReasoningTags
@@ -99,6 +101,53 @@ def test_the_registry_names_the_parsers() -> None:
     assert sorted(PARSERS) == ["deepseek_r1", "qwen3"]
     with pytest.raises(KeyError):
         parser_class("nope")
+
+
+# -- the reasoning tokens, counted on the ids (engine/reasoning/tokens.py) -------------------------
+
+BYTE_TAGS = TagIds(start=tuple(b"<think>"), end=tuple(b"</think>"))
+
+
+def _count(cls: type[ReasoningParser], ids: list[int], size: int, tags: TagIds = BYTE_TAGS) -> int:
+    counter = ReasoningTokens(tags, cls.initial)
+    for i in range(0, len(ids), size):
+        before = counter.count
+        counter.feed(ids[i : i + size])
+        assert counter.count >= before  # a stream's usage never counts back
+    counter.finish()
+    return counter.count
+
+
+@pytest.mark.parametrize("cls, text, reasoning, content", CASES)
+def test_the_count_is_the_reasoning_parts_tokens(
+    cls: type[ReasoningParser], text: str, reasoning: str | None, content: str | None
+) -> None:
+    """The byte tokenizer spells each tag as the tokenizer writes it: the tokens counted are
+    the reasoning text's bytes, whatever pieces the ids come in."""
+    for size in (1, 2, 3, 8, 100):
+        assert _count(cls, list(text.encode()), size) == len((reasoning or "").encode()), size
+
+
+def test_the_count_with_one_token_tags_and_no_reasoning_part() -> None:
+    tags = TagIds(start=(900,), end=(901,))  # DeepSeek R1's and Qwen3's: special tokens
+    assert _count(R1, [5, 6, 901, 7], 1, tags) == 2
+    assert _count(R1, [900, 5, 901, 7, 900, 8], 2, tags) == 1
+    assert _count(R1, [5, 900, 6], 1, tags) == 3  # only a leading <think> is dropped
+    assert _count(Q3, [5, 900, 6, 7, 901, 8, 900, 9], 3, tags) == 2
+    assert _count(Q3, [5, 901, 6], 1, tags) == 0
+    counter = ReasoningTokens(tags, "after")  # qwen3 without thinking: all content
+    counter.feed([900, 5, 901])
+    assert counter.count == 0
+    # A cut end tag is not counted while it may still be the tag; at the end it is text.
+    counter = ReasoningTokens(BYTE_TAGS, "reasoning")
+    counter.feed(list(b"ab</thi"))
+    assert counter.count == 2
+    counter.finish()
+    assert counter.count == 7
+    with pytest.raises(ValueError):
+        TagIds(start=(), end=(1,))
+    with pytest.raises(ValueError):
+        ReasoningTokens(tags, "nope")
 
 
 # -- one chat choice's message and deltas (engine/reasoning/output.py) ----------------------------
@@ -215,11 +264,53 @@ def test_each_choice_has_its_own_parser() -> None:
     client = _client(ANSWER, "deepseek_r1")
     body = _chat(client, n=3)
     assert [c["message"]["reasoning_content"] for c in body["choices"]] == ["\nadd them"] * 3
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3 * 9}
     chunks = _chat_stream(client, n=2)
     for i in range(2):
         deltas = [c["choices"][0]["delta"] for c in chunks
                   if c["choices"] and c["choices"][0]["index"] == i]  # fmt: skip
         assert _added(deltas[1:])["reasoning_content"] == "\nadd them"
+
+
+class _EndsWithEOS(ScriptedEngine):
+    """The scripted answer, then EOS: the engine's "stop" on a token whose text is left out."""
+
+    async def generate(self, request_id: str, *args: Any, **kw: Any) -> Any:
+        async for out in super().generate(request_id, *args, **kw):
+            if out.finished:
+                out.finished, out.finish_reason = False, None
+                yield out
+                eos = self.tokenizer.eos_token_id
+                yield RequestOutput(request_id, [eos], True, "stop", new_logprobs=None)
+                return
+            yield out
+
+
+def test_the_usage_counts_the_reasoning_tokens_as_they_come() -> None:
+    """``completion_tokens_details.reasoning_tokens`` (vLLM's): the reasoning part's tokens,
+    the tags and a stop token whose text is left out in no part; a stream's usage chunks
+    count them so far; none without a reasoning parser or for completions."""
+    text = "I add.</think>4"  # deepseek_r1: 6 tokens of reasoning, 8 of tag, 1 of content
+    app = build_app(_EndsWithEOS(text), reasoning_parser="deepseek_r1")  # type: ignore[arg-type]
+    client = TestClient(app)
+    body = _chat(client)
+    assert body["choices"][0]["message"]["reasoning_content"] == "I add."
+    assert body["usage"]["completion_tokens"] == len(text) + 1  # EOS is a token
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 6}
+    cut = TestClient(build_app(_EndsWithEOS("thinking"), reasoning_parser="deepseek_r1"))  # type: ignore[arg-type]
+    assert _chat(cut)["usage"]["completion_tokens_details"] == {"reasoning_tokens": 8}  # not EOS
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _chat_stream(client, stream_options=opts)
+    counts = [c["usage"]["completion_tokens_details"]["reasoning_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6
+    assert chunks[-1]["usage"]["completion_tokens"] == len(text) + 1
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert _chat(_client(ANSWER, "qwen3"), **off)["usage"]["completion_tokens_details"] == {
+        "reasoning_tokens": 0  # a node with a parser counts; this answer has no reasoning part
+    }
+    assert "completion_tokens_details" not in _chat(_client(ANSWER, None))["usage"]
+    resp = _client(ANSWER, "deepseek_r1").post("/v1/completions", json={"prompt": "hi"})
+    assert "completion_tokens_details" not in resp.json()["usage"]
 
 
 def test_without_the_flag_or_without_thinking_the_answer_is_content() -> None:

@@ -110,13 +110,24 @@ async def opened_in_index_order(
             yield i, x
 
 
-def sum_usage(usages: Sequence[dict[str, Any] | None], n: int) -> dict[str, int]:
+def _reasoning_tokens(usage: dict[str, Any] | None) -> int | None:
+    details = (usage or {}).get("completion_tokens_details")
+    value = details.get("reasoning_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def sum_usage(usages: Sequence[dict[str, Any] | None], n: int) -> dict[str, Any]:
     """The request's usage from its choices' (prompt-major, ``n`` per prompt): each
-    prompt's tokens once (vLLM's count), every choice's completion tokens."""
+    prompt's tokens once (vLLM's count), every choice's completion tokens, and their
+    reasoning tokens (``completion_tokens_details``) when every choice counted them."""
     prompt = sum(int((u or {}).get("prompt_tokens") or 0) for u in usages[::n])
     completion = sum(int((u or {}).get("completion_tokens") or 0) for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}  # fmt: skip
+    counted = [r for r in map(_reasoning_tokens, usages) if r is not None]
+    if usages and len(counted) == len(usages):
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(counted)}
+    return out
 
 
 def merge_bodies(bodies: Sequence[dict[str, Any]], n: int) -> dict[str, Any]:

@@ -45,6 +45,9 @@ class TextPiece:
     stop_reason: str | int | None = None
     # ``skip_first``: the text of the first token, which the client already has.
     skipped_text: str = ""
+    # The output's last id stopped the answer (EOS, a ``stop_token_ids`` entry) and its
+    # text is left out: in neither of a chat answer's parts (reasoning, content).
+    stop_token_hidden: bool = False
     # The output's ids after the one that completed a stop string: not the answer's.
     dropped: int = 0
 
@@ -78,6 +81,7 @@ class AnswerText:
         self.last_id = ids[-1] if ids else self.last_id
         # The engine stopped on a token (stop strings are found below, in the text).
         stop_token = out.finished and out.finish_reason == "stop" and not out.ended_by_grammar
+        hidden = stop_token and bool(ids) and not self.keep_stop
         skipped = ""
         if self.skip_first and ids:
             self.skip_first = False
@@ -120,8 +124,11 @@ class AnswerText:
         if hit:
             dropped = len(ids) - kept
             ids, lps = ids[:kept], None if lps is None else lps[:kept]
-            return TextPiece(text, ids, lps, True, self.matcher.matched, skipped, dropped)
+            matched = self.matcher.matched
+            return TextPiece(
+                text, ids, lps, True, matched, skipped, hidden and not dropped, dropped
+            )
         why = None
         if stop_token and self.last_id is not None:
             why = stop_token_reason(self.last_id, self.params, self.eos_token_id)
-        return TextPiece(text, ids, lps, False, why, skipped)
+        return TextPiece(text, ids, lps, False, why, skipped, hidden)

@@ -14,6 +14,7 @@ import anyio
 from engine.httpkit import openai
 from engine.outputs import Logprobs
 from engine.reasoning.output import ReasoningOutput
+from engine.reasoning.tokens import ReasoningTokens
 from engine.sampling_params import SamplingParams
 from engine.server.answer_text import AnswerText
 from engine.server.engine_client import EngineClient
@@ -82,6 +83,9 @@ class Job:
     # A chat choice on a node with a reasoning parser (``--reasoning-parser``): its text
     # becomes reasoning and content (the content part going on to ``tools``, if set).
     reasoning: ReasoningOutput | None = None
+    # A chat choice on a node with a reasoning parser (not a prefill leg's): its reasoning
+    # tokens, counted on its ids (the usage's ``completion_tokens_details``, vLLM's).
+    reasoning_tokens: ReasoningTokens | None = None
     # With return_token_ids, a stream's first chunk carried the prompt's ids.
     _prompt_ids_sent: bool = False
 
@@ -89,10 +93,14 @@ class Job:
     def endpoint(self) -> str:
         return "chat" if self.chat else "completions"
 
-    def usage(self, before_tokens: bool = False) -> dict[str, int]:
+    def usage(self, before_tokens: bool = False) -> dict[str, Any]:
         """``before_tokens``: the usage of a chunk before any token (a stream's role chunk)."""
         p, c = len(self.prompt_ids), 0 if before_tokens else self.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        if self.reasoning_tokens is not None:
+            r = 0 if before_tokens else self.reasoning_tokens.count
+            usage["completion_tokens_details"] = {"reasoning_tokens": r}
+        return usage
 
     def envelope(self, choices: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
         return openai.envelope(self.label, self.chat, stream, self.created, self.model, choices)
@@ -321,6 +329,12 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
             job.completion_tokens += len(out.new_token_ids)
             piece = answer.add(out)
             job.completion_tokens -= piece.dropped  # past a stop string: not the answer's
+            if job.reasoning_tokens is not None:  # the whole answer's ids, P's first included
+                new = list(out.new_token_ids)
+                new = new[: len(new) - piece.dropped]  # none past a stop string
+                job.reasoning_tokens.feed(new[:-1] if piece.stop_token_hidden else new)
+                if out.finished or piece.stop_hit:
+                    job.reasoning_tokens.finish()
             job.streamed_chars += len(piece.skipped_text)
             text, ids = piece.text, piece.token_ids
             kv_out = out.kv_transfer_params.to_dict() if out.kv_transfer_params else None

@@ -35,6 +35,7 @@ from engine.outputs import Logprobs
 from engine.reasoning import PARSERS as REASONING_PARSERS
 from engine.reasoning import parser_class as reasoning_parser_class
 from engine.reasoning.output import ReasoningOutput
+from engine.reasoning.tokens import ReasoningTokens, TagIds
 from engine.sampling_params import MAX_LOGPROBS, InvalidRequestError
 from engine.server.chat_protocol import (
     check_request_template,
@@ -151,6 +152,12 @@ class OpenAIServing:
         assert self.reasoning_parser is not None
         parser = reasoning_parser_class(self.reasoning_parser)
         return ReasoningTags.of(parser, self.engine.tokenizer)
+
+    @functools.cached_property
+    def reasoning_tag_ids(self) -> TagIds:
+        """The reasoning tags in this node's token ids, both of them (tokenized once): an
+        answer's reasoning tokens are counted between them."""
+        return TagIds.of(self.engine.tokenizer)
 
     @property
     def strings(self) -> TokenStrings:
@@ -371,10 +378,19 @@ class OpenAIServing:
         ):
             # A prefill leg's answer (one token, for the proxy) stays plain content.
             calls = ToolOutput(tools, new_parser(tools, self.tool_call_parser))
-        reasoning = None
-        if chat and self._reasons(req) and not (kv is not None and kv.do_remote_decode):
-            assert self.reasoning_parser is not None
-            reasoning = ReasoningOutput(reasoning_parser_class(self.reasoning_parser)(), calls)
+        reasoning, counted = None, None
+        if (
+            chat
+            and self.reasoning_parser is not None
+            and not (kv is not None and kv.do_remote_decode)
+        ):
+            # A prefill leg's answer (one token, for the proxy) is neither split nor counted.
+            parser = reasoning_parser_class(self.reasoning_parser)
+            if self._reasons(req):
+                reasoning = ReasoningOutput(parser(), calls)
+            counted = ReasoningTokens(
+                self.reasoning_tag_ids, parser.initial if reasoning else "after"
+            )
         return Job(
             chat=chat,
             request_id=engine_request_id(label),
@@ -388,6 +404,7 @@ class OpenAIServing:
             index=index,
             tools=calls,
             reasoning=reasoning,
+            reasoning_tokens=counted,
         )
 
     def _finish(self, job: Job, reason: str) -> None:
