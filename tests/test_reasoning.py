@@ -503,3 +503,28 @@ def test_live_deepseek_r1_answers_are_reasoning_and_pd_equals_colocated(
             "response_format": {"type": "json_object"}}  # fmt: skip
     (choice,) = _post(url, body)["choices"]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through", ["node", "proxy"])
+def test_live_responses_count_the_reasoning_tokens(pd: tuple[Any, Any], through: str) -> None:
+    """``POST /v1/responses``: every token of a deepseek_r1 answer is reasoning (the random
+    model never writes </think>; EOS ignored): ``reasoning_tokens`` is ``output_tokens``,
+    streamed and not; through the proxy the decode node's count, as a colocated node's."""
+    openai = pytest.importorskip("openai")
+    from harness import MODEL
+
+    pair, proxy = pd
+    url = pair.colocated.url if through == "node" else proxy.url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    ask = {"model": MODEL, "input": "what is 2 + 2?", "max_output_tokens": 9,
+           "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    r = client.responses.create(**ask)
+    assert [o.type for o in r.output] == ["reasoning"]
+    assert r.usage.output_tokens == 9 == r.usage.output_tokens_details.reasoning_tokens
+    events = list(client.responses.create(stream=True, **ask))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.usage == r.usage
+    chat = _post(url, {"messages": [{"role": "user", "content": "what is 2 + 2?"}],
+                       "max_tokens": 9, "temperature": 0, "ignore_eos": True})  # fmt: skip
+    assert chat["usage"]["completion_tokens_details"] == {"reasoning_tokens": 9}

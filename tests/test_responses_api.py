@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from starlette.responses import JSONResponse
 
-from engine.responses_api.output import response_object
+from engine.responses_api.output import response_object, usage
 from engine.responses_api.request import to_chat
 from engine.responses_api.route import answer, events, responses_param
 from engine.responses_api.stream import ResponsesStream
@@ -474,3 +474,50 @@ def test_a_body_within_the_size_cap_is_not_refused_for_its_translation():
     too_big = json.dumps({"model": "m", "input": "x" * 2000}).encode()
     resp = client.post("/v1/responses", content=too_big)
     assert resp.status_code == 413 and "2000 bytes" in resp.json()["error"]["message"]
+
+
+def test_the_usage_repeats_the_nodes_reasoning_count_and_nothing_else():
+    """A node's ``completion_tokens_details.reasoning_tokens`` (through the proxy: over
+    the network) is repeated when it is a count; anything else is 0, never passed on."""
+    base = {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+    for details, want in [
+        ({"reasoning_tokens": 4}, 4),
+        ({"reasoning_tokens": 0}, 0),
+        (None, 0),  # a node without a reasoning parser: no reasoning part
+        ({"reasoning_tokens": -2}, 0),
+        ({"reasoning_tokens": "4"}, 0),
+        ({"reasoning_tokens": True}, 0),
+        ({"reasoning_tokens": 2.5}, 0),
+        ("4", 0),
+    ]:
+        got = usage({**base, "completion_tokens_details": details})
+        assert got is not None and got["output_tokens_details"] == {"reasoning_tokens": want}
+        assert got["output_tokens"] == 9
+
+
+@pytest.mark.parametrize(
+    "parser, text, reasoning",
+    [
+        ("qwen3", "<think>\nadd them</think>\n\nIt is 4.", "\nadd them"),
+        ("qwen3", "Sure. <think>why</think> 4", "why"),  # text before <think>: content
+        ("qwen3", "no tags at all", ""),
+        ("deepseek_r1", "I should add.</think>It is 4.", "I should add."),
+        ("deepseek_r1", "<think>hm</think>4", "hm"),  # a leading <think> is no reasoning
+        ("deepseek_r1", "cut off while thinking", "cut off while thinking"),
+    ],
+)
+def test_a_node_counts_the_reasoning_tokens_apart(parser: str, text: str, reasoning: str):
+    """``output_tokens_details.reasoning_tokens``: the answer's tokens in its reasoning part
+    (the byte tokenizer: one token a byte; the tags in none), streamed or not; the chat
+    answer's usage says it as vLLM's does (``completion_tokens_details``)."""
+    client = _node(text, reasoning_parser=parser)
+    whole, evs = _both(client)
+    want = len(reasoning.encode())
+    assert whole["usage"]["output_tokens"] == len(text.encode())
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": want}
+    assert evs[-1]["response"]["usage"] == whole["usage"]
+    got = [o["content"][0]["text"] for o in whole["output"] if o["type"] == "reasoning"]
+    assert got == ([reasoning] if reasoning else [])
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 64}
+    chat = client.post("/v1/chat/completions", json=body).json()
+    assert chat["usage"]["completion_tokens_details"] == {"reasoning_tokens": want}

@@ -36,14 +36,24 @@ def text_logprobs(chat_logprobs: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _count(obj: Any, key: str) -> int:
+    """``obj[key]`` when it is a count (an int, not negative), else 0: the usage comes
+    from a node (through the proxy, over the network) and is repeated, never trusted."""
+    value = obj.get(key) if isinstance(obj, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
 def usage(chat_usage: Any) -> dict[str, Any] | None:
-    """Chat ``usage`` in the Responses API's names. Reasoning tokens are not counted apart
-    (``reasoning_tokens`` 0; they are in ``output_tokens``)."""
+    """Chat ``usage`` in the Responses API's names. ``reasoning_tokens``: the node's count
+    (``completion_tokens_details``: its answer's tokens in the reasoning part, counted on
+    the token ids; a part of ``output_tokens``); 0 from a node that counts none (no
+    ``--reasoning-parser``: no reasoning part)."""
     if not isinstance(chat_usage, dict):
         return None
     details = chat_usage.get("prompt_tokens_details") or {}
     prompt = chat_usage.get("prompt_tokens") or 0
     completion = chat_usage.get("completion_tokens") or 0
+    reasoning = _count(chat_usage.get("completion_tokens_details"), "reasoning_tokens")
     return {
         "input_tokens": prompt,
         "input_tokens_details": {
@@ -51,7 +61,7 @@ def usage(chat_usage: Any) -> dict[str, Any] | None:
             "cache_write_tokens": 0,
         },
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": chat_usage.get("total_tokens") or prompt + completion,
     }
 
