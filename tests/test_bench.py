@@ -170,6 +170,65 @@ def test_serve_helpers_without_a_server():
     assert _chunk_tokens({"choices": [], "usage": {"completion_tokens": 3}}) == 0
 
 
+def _read_responses(events: list[object]) -> RequestResult:
+    """``engine.bench.responses.read_events`` on a scripted stream (each event a JSON
+    ``data:`` line after its ``event:`` line, as a node sends them)."""
+    import asyncio
+
+    from engine.bench.responses import read_events
+
+    async def lines():
+        for e in events:
+            kind = e.get("type", "x") if isinstance(e, dict) else "x"
+            yield f"event: {kind}"
+            yield "data: " + json.dumps(e)
+            yield ""
+
+    r = RequestResult(prompt_tokens=5)
+    asyncio.run(read_events(lines(), r, 0.0))
+    return r
+
+
+def test_serve_times_a_responses_stream_on_its_deltas_and_counts_its_usage():
+    def delta(kind: str, text: str) -> dict:
+        return {"type": f"response.{kind}.delta", "delta": text}
+
+    usage = {"input_tokens": 11, "output_tokens": 7, "total_tokens": 18,
+             "output_tokens_details": {"reasoning_tokens": 2}}  # fmt: skip
+    final = {"type": "response.incomplete", "response": {"status": "incomplete", "usage": usage}}
+    r = _read_responses([
+        {"type": "response.created", "response": {}},
+        delta("reasoning_text", "hm"), delta("output_text", "a"), delta("output_text", ""),
+        {"type": "response.output_text.done", "text": "ab"}, delta("output_text", "b"),
+        delta("function_call_arguments", "{}"), final, delta("output_text", "after the end"),
+    ])  # fmt: skip
+    assert r.ok and r.error is None
+    assert r.ttft is not None and r.ttft > 0 and len(r.itl) == 3  # 4 deltas with text
+    assert r.output_tokens == 7 == r.usage_completion_tokens and r.prompt_tokens == 11
+    assert r.e2e is not None and r.e2e >= r.ttft and r.tpot is not None
+    completed = {**final, "type": "response.completed"}
+    assert _read_responses([delta("output_text", "a"), completed]).ok
+    # Failures: the server's error, a stream cut before its end, no usage, no text.
+    failed = {"type": "response.failed",
+              "response": {"error": {"code": "server_error", "message": "boom"}}}  # fmt: skip
+    for events, why in [
+        ([delta("output_text", "a"), failed], "stream error: boom"),
+        ([{"type": "error", "message": "x", "error": {"message": "overloaded"}}],
+         "stream error: overloaded"),
+        ([{"error": {"message": "bad"}}], "stream error: bad"),  # a chat-style error event
+        ([delta("output_text", "a")], "without response.completed"),
+        ([delta("output_text", "a"), {"type": "response.completed", "response": {}}],
+         "no usage.output_tokens"),
+        ([delta("output_text", "a"), {"type": "response.completed", "response": {
+            "usage": {"output_tokens": "7"}}}], "no usage.output_tokens"),
+        ([delta("output_text", "a"), {"type": "response.completed", "response": "x"}],
+         "without response.completed"),
+        (["junk", 3, completed], "no text received (7 output tokens)"),
+    ]:  # fmt: skip
+        r = _read_responses(events)
+        assert not r.ok and r.error is not None and why in r.error, (events, r.error)
+
+
 def test_prefill_flops_formula():
     from engine.bench.offline import prefill_flops
     from engine.model.config import ModelArchConfig
@@ -387,10 +446,18 @@ sys.exit(rc)
 
 
 @pytest.mark.slow
-def test_serve_against_a_node(tiny_node, tmp_path: Path):
+@pytest.mark.parametrize("backend", ["openai", "openai-responses"])
+def test_serve_against_a_node(tiny_node, tmp_path: Path, backend: str):
+    """Completions (token-id prompts, tokens counted from each chunk's ids) and the
+    Responses API (text prompts, timed on its deltas, tokens from its final usage)."""
     out, png = tmp_path / "serve.json", tmp_path / "cdf.png"
+    # The random model's tokens past the bytes decode to no text, which the Responses API
+    # does not stream: its answers here are letters, one delta a token.
+    letters = {"allowed_token_ids": list(range(ord("a"), ord("z") + 1))}
+    extra = ["--extra-body", json.dumps(letters)] if backend == "openai-responses" else []
     proc = subprocess.run(
         [sys.executable, "-c", _SERVE_IN_PROCESS, "serve", "--base-url", tiny_node.url,
+         "--backend", backend, *extra,
          "--num-prompts", "4", "--max-concurrency", "2", "--input-len", "32",
          "--output-len", "6", "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000",
          "--json", str(out), "--plot", str(png)],
@@ -403,7 +470,11 @@ def test_serve_against_a_node(tiny_node, tmp_path: Path):
     s = report["summary"]
     assert s["completed"] == 4 and s["failed"] == 0
     assert s["good_requests"] == 4 and s["goodput"] > 0
-    assert s["total_input_tokens"] == 4 * 32 and s["total_output_tokens"] == 4 * 6
+    assert s["total_output_tokens"] == 4 * 6
+    if backend == "openai":
+        assert s["total_input_tokens"] == 4 * 32
+    else:  # 32 words and the chat template, as the node's usage counts them
+        assert s["total_input_tokens"] > 4 * 32
     assert s["output_throughput"] > 0 and s["ttft_ms"]["median"] > 0
     # A chunk may carry several tokens when the node merges outputs its reader has not
     # taken yet (a loaded box): at most one gap per token after the first.
@@ -524,6 +595,12 @@ def _bench_args(*argv: str):
     return args
 
 
+def _prompt(ids: list[int]):
+    from engine.bench.serve import Prompt
+
+    return Prompt(ids, len(ids))
+
+
 def test_serve_takes_vllm_bench_serve_spellings(tmp_path: Path):
     """A `vllm bench serve` command line's flags, mapped to pd-bench's."""
     args = _bench_args(
@@ -538,6 +615,14 @@ def test_serve_takes_vllm_bench_serve_spellings(tmp_path: Path):
     assert (args.input_len, args.shared_prefix_len, args.output_len) == (120, 20, 7)
     assert args.num_warmup == 2 and args.no_progress and args.model == "m"
     assert args.slo_ttft_ms == 250 and args.json == str(tmp_path / "r.json")
+    args = _bench_args("--backend", "openai-responses")
+    assert args.endpoint == "/v1/responses"
+    from engine.bench.serve import request_body
+
+    args.extra_body = {"top_p": 0.5}
+    body = request_body(args, "m", _prompt([5, 6]))
+    assert body == {"model": "m", "input": "5 6", "max_output_tokens": 64, "temperature": 0.0,
+                    "ignore_eos": True, "stream": True, "top_p": 0.5}  # fmt: skip
     args = _bench_args("--backend", "vllm", "--save-result", "--result-dir", str(tmp_path))
     assert args.endpoint == "/v1/completions" and args.base_url == "http://127.0.0.1:8000"
     assert args.json.startswith(str(tmp_path)) and args.json.endswith(".json")
@@ -560,6 +645,7 @@ def test_serve_takes_vllm_bench_serve_percentile_flags():
         (["--random-range-ratio", "0.5"], "--random-range-ratio"),
         (["--goodput", "tpot:50"], "--goodput"),
         (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "--backend"),
+        (["--backend", "openai-responses", "--endpoint", "/v1/chat/completions"], "--backend"),
         (["--random-prefix-len", "4", "--shared-prefix-len", "4"], "--random-prefix-len"),
         (["--no-such-flag"], "--no-such-flag"),
         (["--num-prompts", "x"], "--num-prompts"),

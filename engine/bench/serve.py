@@ -5,8 +5,10 @@ Requests are streamed (``stream: true``, greedy, ``ignore_eos``, ``max_tokens``)
 SSE chunk is timed on arrival. Per request: TTFT (send -> first chunk carrying a token),
 ITL (the gaps between successive chunks carrying tokens; pdserve sends one token per
 chunk, and a chunk's tokens are counted from its ``token_ids``), TPOT ((E2E - TTFT) /
-(tokens - 1)) and E2E. Arrivals are Poisson at ``--request-rate`` (``inf``: all at once),
-at most ``--max-concurrency`` in flight.
+(tokens - 1)) and E2E. The Responses API (``/v1/responses``) is timed on its text
+deltas, its tokens counted from its final usage (``engine/bench/responses.py``).
+Arrivals are Poisson at ``--request-rate`` (``inf``: all at once), at most
+``--max-concurrency`` in flight.
 
 This module imports no torch and no engine code that does, so it runs on a machine that
 only has the proxy installed.
@@ -25,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine.bench.responses import RESPONSES_ENDPOINT, is_responses, read_events, responses_body
 from engine.bench.stats import (
     DEFAULT_METRIC_PERCENTILES,
     DEFAULT_PERCENTILE_METRICS,
@@ -77,7 +80,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--endpoint",
         default=None,
-        help="/v1/completions (default) or /v1/chat/completions",
+        help="/v1/completions (default), /v1/chat/completions or /v1/responses",
     )
     g.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     g.add_argument(
@@ -122,7 +125,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["ids", "text"],
         default="ids",
         help="ids: random token-id lists of --input-len tokens (exact); text: --input-len "
-        "random words (the token count is the server's; chat endpoints always use text)",
+        "random words (the token count is the server's; chat and responses always use text)",
     )
     g.add_argument(
         "--token-id-range",
@@ -201,7 +204,14 @@ def metric_percentiles_arg(value: str) -> list[float]:
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 _BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
-                      "openai-chat": CHAT_ENDPOINT}  # fmt: skip
+                      "openai-chat": CHAT_ENDPOINT,
+                      "openai-responses": RESPONSES_ENDPOINT}  # fmt: skip
+
+
+def takes_text(endpoint: str) -> bool:
+    """Whether an endpoint's prompts are text (chat messages, a response's input): never
+    token ids."""
+    return endpoint.rstrip("/").endswith("chat/completions") or is_responses(endpoint)
 
 
 def add_vllm_bench_args(p: argparse.ArgumentParser) -> None:
@@ -236,7 +246,8 @@ def add_vllm_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--backend",
         choices=sorted(_BACKEND_ENDPOINTS),
-        help="openai-chat: --endpoint /v1/chat/completions; vllm, openai: /v1/completions",
+        help="openai-chat: --endpoint /v1/chat/completions; openai-responses (pd-bench's "
+        "name; vLLM's bench has none): /v1/responses; vllm, openai: /v1/completions",
     )
     g.add_argument("--host", help="with --port: --base-url http://HOST:PORT")
     g.add_argument("--port", type=int, help="with --host: --base-url http://HOST:PORT")
@@ -344,7 +355,17 @@ def arrival_delays(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
+def _text(prompt: Prompt) -> str:
+    return prompt.prompt if isinstance(prompt.prompt, str) else " ".join(map(str, prompt.prompt))
+
+
 def request_body(args: argparse.Namespace, model: str | None, prompt: Prompt) -> dict[str, Any]:
+    if is_responses(args.endpoint):
+        body = responses_body(
+            _text(prompt), model, args.output_len, args.temperature, args.ignore_eos
+        )
+        body.update(args.extra_body or {})
+        return body
     body: dict[str, Any] = {
         "max_tokens": args.output_len,
         "temperature": args.temperature,
@@ -355,10 +376,7 @@ def request_body(args: argparse.Namespace, model: str | None, prompt: Prompt) ->
     if model:
         body["model"] = model
     if args.endpoint.rstrip("/").endswith("chat/completions"):
-        text = (
-            prompt.prompt if isinstance(prompt.prompt, str) else " ".join(map(str, prompt.prompt))
-        )
-        body["messages"] = [{"role": "user", "content": text}]
+        body["messages"] = [{"role": "user", "content": _text(prompt)}]
     else:
         body["prompt"] = prompt.prompt
     if args.extra_body:
@@ -407,6 +425,9 @@ async def _stream(client: Any, url: str, body: dict[str, Any], r: RequestResult)
             r.error = f"HTTP {resp.status_code}: {_error_message(raw)}"
             if resp.status_code == 401:
                 r.error += f" ({AUTH_HINT})"
+            return
+        if is_responses(url):
+            await read_events(resp.aiter_lines(), r, start)
             return
         events = SSEReader(resp.aiter_lines())
         async for chunk in events:
@@ -496,7 +517,7 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[ServeSummary, list[Re
     conc = args.max_concurrency or args.num_prompts
     limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=conc + 4)
     timeout = httpx.Timeout(args.timeout, connect=min(30.0, args.timeout))
-    kind = "text" if args.endpoint.rstrip("/").endswith("chat/completions") else args.prompt_type
+    kind = "text" if takes_text(args.endpoint) else args.prompt_type
     shared = (args.shared_prefix_len, args.num_prefixes)
     prompts = make_prompts(
         args.num_prompts, args.input_len, kind, tuple(args.token_id_range), args.seed, *shared
@@ -628,7 +649,7 @@ def _report_args(args: argparse.Namespace) -> dict[str, Any]:
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     validate(args, parser)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
-    text = args.prompt_type == "text" or args.endpoint.rstrip("/").endswith("chat/completions")
+    text = args.prompt_type == "text" or takes_text(args.endpoint)
     # Text prompts are --input-len words: their token count is the server's (the summary's
     # "Total input tokens" is from the answers' usage).
     inputs = f"{args.input_len} words" if text else f"{args.input_len} tokens"

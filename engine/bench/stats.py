@@ -98,7 +98,7 @@ class RequestResult:
     ok: bool = False
     error: str | None = None
     prompt_tokens: int = 0  # as sent, or as the server's usage reported
-    output_tokens: int = 0  # tokens received (token_ids of the streamed chunks)
+    output_tokens: int = 0  # tokens received (the chunks' token_ids; /v1/responses: its usage)
     ttft: float | None = None  # send -> first chunk with a token
     itl: list[float] = field(default_factory=list)  # gaps between successive token chunks
     e2e: float | None = None  # send -> end of stream
