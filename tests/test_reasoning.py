@@ -528,3 +528,17 @@ def test_live_responses_count_the_reasoning_tokens(pd: tuple[Any, Any], through:
     chat = _post(url, {"messages": [{"role": "user", "content": "what is 2 + 2?"}],
                        "max_tokens": 9, "temperature": 0, "ignore_eos": True})  # fmt: skip
     assert chat["usage"]["completion_tokens_details"] == {"reasoning_tokens": 9}
+
+
+def test_reasoning_tokens_end_at_a_stop_string_whatever_the_outputs_carry() -> None:
+    """A stop string in the reasoning ends the count at the token that completed it, as
+    when every token came alone (an output may carry several ids: merged, async)."""
+    counts = []
+    for per_output in (1, 8):
+        engine = ScriptedEngine("thinking hard</think>4", per_output=per_output)
+        client = TestClient(build_app(engine, reasoning_parser="deepseek_r1"))  # type: ignore[arg-type]
+        body = _chat(client, stop=["in"])
+        counts.append((body["usage"], body["choices"][0]["message"]))
+    assert counts[0] == counts[1]
+    assert counts[1][0]["completion_tokens"] == 4  # "t", "h", "i", "n"
+    assert counts[1][0]["completion_tokens_details"] == {"reasoning_tokens": 4}
