@@ -12,8 +12,9 @@ the legs' requests on both nodes. A leg
 that fails raises ``UpstreamError``; ``node_fault`` tells a node failure (connection
 error, timeout, 5xx: retry elsewhere) from a refusal of the request (4xx: the client's);
 ``overloaded`` marks a load answer (429, or 503 with ``code: overloaded``): the node is
-healthy but busy, neither a failure of the node nor the client's fault. D's error event
-that comes before its first token is such an error too, of the status it stands for
+healthy but busy, neither a failure of the node nor the client's fault; only a refusal
+of the request itself (``refuses_request``) is the client's answer. D's error event that
+comes before its first token is such an error too, of the status it stands for
 (``event_error``).
 """
 
@@ -100,6 +101,16 @@ class UpstreamError(Exception):
             return True
         return self.status >= 500 and not self.overloaded
 
+    @property
+    def refuses_request(self) -> bool:
+        """The node refused the request itself, the client's fault (another node would
+        too): a 4xx that is neither load, nor P's ``kv_transfer_not_reserved``, nor about
+        the ``kv_transfer_params`` the proxy made. ``Retries`` passes it to the client;
+        anything else is retried or moved."""
+        if self.node_fault or self.overloaded or self.not_reserved:
+            return False
+        return self.params_refused is None
+
 
 async def _error_from_response(node: Node, resp: NodeResponse) -> UpstreamError:
     raw = await resp.aread()
@@ -129,10 +140,10 @@ def event_status(error: dict[str, Any]) -> int:
 
 
 def event_error(node: Node, event: dict[str, Any]) -> UpstreamError:
-    """D's error event that came before any token, as the error of the HTTP answer it
-    stands for (``event_status``): nothing of the answer reached the client, so it is
+    """D's error event that came before any of its tokens, as the error of the HTTP answer
+    it stands for (``event_status``): nothing of D's answer reached the client, so it is
     handled as that answer would be -- retried elsewhere, passed through as the node's
-    refusal, moved for load."""
+    refusal, moved for load (after P's streamed first token: ``DecodeRelay.relay``)."""
     error = event.get("error")
     if not isinstance(error, dict):  # ``{"error": "text"}``: no type to tell by
         error = {"message": str(error)[:200], "type": "server_error", "param": None, "code": None}

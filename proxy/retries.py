@@ -87,7 +87,7 @@ class Retries:
         elif err.params_refused is not None:  # the proxy's parameters: never the client's
             logger.warning("request %s: %s", self.request_id, err)
             err.node.mark_failed(err.detail)
-        elif not err.node_fault:
+        elif err.refuses_request:
             logger.info("request %s refused by %s", self.request_id, err)
             raise PassThrough(err.status or 400, err.body or error_body(str(err)))
         else:

@@ -11,8 +11,10 @@ client is retried on another pair (``max_retries``). When D's stream is the whol
 the client's headers wait for D's first token (``DecodeRelay.until_first_token``): an
 error event before it is D's answer of the status it stands for (``legs.event_error``:
 retried, or the client's 4xx passed through), never a 200 stream holding only an error. If P's first token was already
-streamed, the retried pair must produce the same first token (always so for greedy or
-seeded sampling), else the client gets an error event. Once D's tokens flow, a failure
+streamed, D's error event before its own first token is a failure as its broken
+connection is (unless it is the client's 4xx: then the client gets it,
+``DecodeRelay.relay``), and the retried pair must produce the same first token (always
+so for greedy or seeded sampling), else the client gets an error event. Once D's tokens flow, a failure
 ends the stream with ``data: {"error": ...}`` and ``data: [DONE]``: never a silently
 truncated answer; unless ``--migration-limit`` allows moving the stream: another pair (or
 D alone) reruns the request with the seed the failed one drew from, the proxy checks the

@@ -5,8 +5,10 @@ either: D's error event there is handled as D's answer of that error as an HTTP 
 would be -- a failure of D retried on another node (502 ``upstream_error`` once
 ``--max-retries`` is spent), the client's own fault passed through as its 4xx with D's
 body, load moved to a node not tried (429 with ``Retry-After`` when none is left) --
-never a 200 stream holding only the error. Once tokens went out, an error stays an
-error event. The proxy runs in process (its app, health checks included) over stand-in
+never a 200 stream holding only the error. Once P's first token went out (and none of
+D's), D's error event is handled as D's connection breaking there: a failure reruns the
+request on a pair that agrees on that token, load moves it, the client's 4xx ends the
+stream with D's event. The proxy runs in process (its app, health checks included) over stand-in
 nodes on loopback; chat completions, completions and /v1/responses, streamed and not
 (a node answers a non-streamed request's error with its HTTP status: the same outcome).
 """
@@ -29,6 +31,7 @@ from scripted_engine import ScriptedEngine, StubEngine, TemplateBytes
 from engine.httpkit.serve import bind_socket, make_server
 from engine.outputs import RequestOutput
 from engine.server.app import build_app as build_node
+from kvconnector.base import transfer_seed
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 from proxy.decode_events import carries_token
@@ -125,13 +128,17 @@ def _node(role: str, leg: Leg) -> Any:
 
 @contextlib.asynccontextmanager
 async def proxy_over(
-    decodes: list[Any], prefill: Leg | None = None, **cfg_kw: Any
+    decodes: list[Any], prefill: Leg | tuple[str, Any] | None = None, **cfg_kw: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, list[StandIn], Any]]:
-    """A client of an in-process proxy over one P and a D per entry of ``decodes`` (a leg,
-    a whole handler with ``("handler", h)``, or the URL of a node; round robin: the first
-    attempt goes to the first); the D's stand-ins and the proxy's node pool."""
+    """A client of an in-process proxy over one P (its leg, or a whole handler with
+    ``("handler", h)``) and a D per entry of ``decodes`` (a leg, a whole handler, or the
+    URL of a node; round robin: the first attempt goes to the first); the D's stand-ins
+    and the proxy's node pool."""
     async with contextlib.AsyncExitStack() as stack:
-        p = await stack.enter_async_context(StandIn(_node("producer", prefill or _prefill())))
+        p_handler = (
+            prefill[1] if isinstance(prefill, tuple) else _node("producer", prefill or _prefill())
+        )
+        p = await stack.enter_async_context(StandIn(p_handler))
         ds, urls = [], []
         for d in decodes:
             if isinstance(d, str):
@@ -280,21 +287,169 @@ def test_a_load_error_before_any_token_on_every_node_is_a_429_with_retry_after()
     assert seen == [1, 1, 1] and all(healthy)
 
 
+# D's error comes this long after its leg was sent: P (answering at once) has had its
+# first token streamed to the client by then.
+AFTER_P = 0.5
+GATEWAY = {"error": {"message": "kv transfer failed", "type": "GatewayTimeout", "param": None,
+                     "code": 504}}  # fmt: skip
+
+
+def _recording(seen: list[SeenRequest], leg: Leg) -> tuple[str, Any]:
+    """A prefill node (``proxy_over``'s ``("handler", h)``) whose requests, its aborts
+    included, go to ``seen``."""
+    node = _node("producer", leg)
+
+    async def handler(req: SeenRequest) -> Any:
+        seen.append(req)
+        return await node(req)
+
+    return ("handler", handler)
+
+
+def _legs(seen: list[SeenRequest]) -> list[dict[str, Any]]:
+    """The bodies of the completion legs among ``seen``."""
+    return [r.json() for r in seen if r.path.startswith(("/v1/completions", "/v1/chat"))]
+
+
+def _aborted(seen: list[SeenRequest]) -> list[str]:
+    """The transfer ids of the aborts among ``seen``."""
+    return [r.json()["transfer_id"] for r in seen if r.path == "/v1/abort"]
+
+
+@pytest.mark.parametrize(
+    "event", [SERVER, {"error": "it broke"}, GATEWAY], ids=["server_error", "text", "504"]
+)
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_a_decode_failure_after_the_prefill_token_is_rerun_on_another_pair(
+    endpoint: str, event: dict[str, Any]
+) -> None:
+    """P's first token reached the client (the 200 with it), then D1's stream opens with
+    a server error event (a KV transfer that failed, a worker error) before any token of
+    its own: handled as D1's connection breaking there -- the attempt aborted on both
+    nodes, the request rerun on a pair that agrees on P's token (P again, D2), unseeded
+    with the seed the first transfer drew from, and the client gets D2's tokens after
+    P's. It got P's token, D1's error event and [DONE]."""
+    p_seen: list[SeenRequest] = []
+
+    async def main() -> tuple[httpx.Response, list[StandIn]]:
+        decodes = [error_first(event, 500, delay=AFTER_P), good]
+        async with proxy_over(decodes, _recording(p_seen, _prefill())) as (client, ds, _):
+            return await post(client, endpoint, True), ds
+
+    resp, ds = asyncio.run(main())  # the proxy's exit waited for its aborts
+    assert resp.status_code == 200, resp.text
+    assert answer_text(endpoint, resp) == ("t7t8t9", []), resp.text
+    assert [asked(d) for d in ds] == [1, 1]
+    first, rerun = _legs(p_seen)  # P was asked again, to check its first token
+    tid = _legs(ds[0].seen)[0]["kv_transfer_params"]["transfer_id"]
+    assert first["kv_transfer_params"]["transfer_id"] == tid
+    assert rerun["seed"] == transfer_seed(tid) and "seed" not in first
+    assert rerun["kv_transfer_params"]["transfer_id"] != tid
+    assert tid in _aborted(ds[0].seen) and tid in _aborted(p_seen)
+
+
+def test_a_decode_failure_after_the_prefill_token_on_every_pair_ends_with_an_error_event() -> None:
+    """Every D fails so after P's token: once --max-retries is spent the stream ends with
+    the proxy's ``upstream_error`` event (naming D's error) and [DONE]; each D was tried
+    once."""
+
+    async def main() -> tuple[httpx.Response, list[int]]:
+        legs = [error_first(SERVER, 500, delay=AFTER_P)] * 2
+        async with proxy_over(legs, max_retries=1) as (client, ds, _):
+            return await post(client, "chat", True), [asked(d) for d in ds]
+
+    resp, seen = asyncio.run(main())
+    assert resp.status_code == 200, resp.text
+    text, errors = answer_text("chat", resp)
+    assert text == "t7" and len(errors) == 1, resp.text
+    assert errors[0]["error"]["code"] == "upstream_error", errors
+    assert "engine failed" in errors[0]["error"]["message"], errors
+    assert resp.text.endswith("data: [DONE]\n\n")
+    assert seen == [1, 1]
+
+
+def test_a_rerun_after_a_decode_error_event_must_agree_on_the_prefill_token() -> None:
+    """The rerun's P samples another first token than the one the client has (a node
+    with other weights): the stream ends with ``retry_diverged``, never two answers
+    spliced; the diverged attempt is aborted on both nodes."""
+    p_seen: list[SeenRequest] = []
+
+    async def prefill(req: SeenRequest) -> bytes:
+        tok = 7 if len(_legs(p_seen)) == 1 else 8
+        choice = _choice(_chat(req), [tok], f"t{tok}", "length", "message")
+        return answer(200, {"choices": [choice], "kv_transfer_params": {"first_token": tok},
+                            "model": "tiny"})  # fmt: skip
+
+    async def main() -> tuple[httpx.Response, list[StandIn]]:
+        decodes = [error_first(SERVER, 500, delay=AFTER_P), good]
+        async with proxy_over(decodes, _recording(p_seen, prefill)) as (client, ds, _):
+            return await post(client, "completions", True), ds
+
+    resp, ds = asyncio.run(main())
+    text, errors = answer_text("completions", resp)
+    assert text == "t7" and len(errors) == 1, resp.text
+    assert errors[0]["error"]["code"] == "retry_diverged", errors
+    rerun = _legs(ds[1].seen)[0]["kv_transfer_params"]["transfer_id"]
+    assert rerun in _aborted(ds[1].seen) and rerun in _aborted(p_seen)
+
+
+@pytest.mark.parametrize("event", [CLIENT, VLLM_400], ids=["invalid_request", "code_400"])
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_an_error_after_the_first_token_stays_an_error_event(endpoint: str) -> None:
-    """P's first token reached the client (the 200 with it), then D fails before its own
-    first token: the stream holds P's token, then D's error event and [DONE]."""
+def test_the_clients_error_after_the_prefill_token_ends_the_stream_with_it(
+    endpoint: str, event: dict[str, Any]
+) -> None:
+    """P's first token reached the client, then D refuses the request itself (a 4xx
+    event: the client's fault, another node would refuse it too): the stream holds P's
+    token, D's error event as D sent it, and [DONE]; no other node is asked, D stays in
+    rotation."""
 
-    async def main() -> httpx.Response:
-        # D's error comes after P's answer (P answers at once).
-        async with proxy_over([error_first(SERVER, 500, delay=0.5), good]) as (client, _, _):
-            return await post(client, endpoint, True)
+    async def main() -> tuple[httpx.Response, list[int], bool]:
+        decodes = [error_first(event, 400, delay=AFTER_P), good]
+        async with proxy_over(decodes) as (client, ds, pool):
+            resp = await post(client, endpoint, True)
+            return resp, [asked(d) for d in ds], pool.nodes("decode")[0].healthy
 
-    resp = asyncio.run(main())
+    resp, seen, healthy = asyncio.run(main())
     assert resp.status_code == 200, resp.text
     text, errors = answer_text(endpoint, resp)
-    assert text == "t7" and errors == [SERVER], resp.text
+    assert text == "t7" and errors == [event], resp.text
     assert resp.text.endswith("data: [DONE]\n\n")
+    assert seen == [1, 0] and healthy
+
+
+def test_a_load_error_after_the_prefill_token_moves_to_a_decode_node_not_tried() -> None:
+    """P's first token reached the client, then D1 answers with load in its stream: as
+    D1's 429 there, the request moves to a decode node it has not tried (a pair that
+    agrees on P's token), D1 stays in rotation and no retry is counted."""
+
+    async def main() -> tuple[httpx.Response, list[int], bool]:
+        decodes = [error_first(LOAD, 429, delay=AFTER_P), good]
+        async with proxy_over(decodes, max_retries=0) as (client, ds, pool):
+            resp = await post(client, "chat", True)
+            return resp, [asked(d) for d in ds], pool.nodes("decode")[0].healthy
+
+    resp, seen, healthy = asyncio.run(main())
+    assert resp.status_code == 200, resp.text
+    assert answer_text("chat", resp) == ("t7t8t9", []), resp.text
+    assert seen == [1, 1] and healthy
+
+
+def test_a_load_error_after_the_prefill_token_on_every_node_ends_with_an_error_event() -> None:
+    """Every D answers with load after P's token: each is tried once (the nodes stay in
+    rotation), then the stream ends with an error event naming the refusal, and [DONE]."""
+
+    async def main() -> tuple[httpx.Response, list[int], list[bool]]:
+        decodes = [error_first(LOAD, 429, delay=AFTER_P)] * 2
+        async with proxy_over(decodes, max_retries=0) as (client, ds, pool):
+            resp = await post(client, "chat", True)
+            return resp, [asked(d) for d in ds], [n.healthy for n in pool.nodes("decode")]
+
+    resp, seen, healthy = asyncio.run(main())
+    text, errors = answer_text("chat", resp)
+    assert text == "t7" and len(errors) == 1, resp.text
+    assert "busy" in errors[0]["error"]["message"], errors
+    assert resp.text.endswith("data: [DONE]\n\n")
+    assert seen == [1, 1] and all(healthy)
 
 
 def test_a_decode_node_that_hangs_before_its_first_token_is_given_up(
