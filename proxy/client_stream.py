@@ -1,8 +1,8 @@
 """What a streamed client answer is made of: P's first chunk, then D's events rewritten.
 
 ``ClientStream`` is the formatting part of a streamed ``Session`` (``proxy/session.py``
-runs the pairs, waits and retries; ``proxy/decode_relay.py`` reads D's stream and hands its
-events here): the proxy's id and ``created`` on every event, the assistant role once
+runs the pairs, waits and retries, ``proxy/stream_body.py`` the stream's reruns and
+migrations; ``proxy/decode_relay.py`` reads D's stream and hands its events here): the proxy's id and ``created`` on every event, the assistant role once
 (chat), D's repeat of P's first token dropped (``Skipper``: unless D dropped it itself,
 ``--node-skip-first-token``) with its log-probability entry, and what the client has (for
 replays, and for the router when it remembers what nodes cache). A stream moved

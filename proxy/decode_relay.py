@@ -1,7 +1,7 @@
 """A decode node's answer relayed to the client, with what P computed filled in.
 
 ``DecodeRelay`` is the reading half of a ``Session`` (``proxy/session.py`` runs the pairs,
-waits, retries and migrations; ``proxy/client_stream.py`` formats the events): it opens
+waits and retries, ``proxy/stream_body.py`` the stream's reruns and migrations; ``proxy/client_stream.py`` formats the events): it opens
 D's event stream once per attempt (``events_of``; the stream a look-ahead for D's first
 token read stays the one relayed; read to that token before the client's headers when
 D's stream is the whole answer, ``until_first_token``: a failure before it is the

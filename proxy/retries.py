@@ -1,8 +1,9 @@
 """What a failed attempt of one request leads to: another try, a node left out of the
 request's routes, the decode node answering alone, or the node's answer for the client.
 
-``Retries`` is the retry policy of a ``Session`` (``proxy/session.py`` runs the pairs and
-calls ``failed`` when an attempt's leg raised ``UpstreamError``). It keeps what the
+``Retries`` is the retry policy of a ``Session`` (``proxy/session.py`` runs the pairs,
+``proxy/stream_body.py`` a stream under way; both call ``failed`` when an attempt's leg
+raised ``UpstreamError``). It keeps what the
 request's next routes depend on: the nodes it does not go to again (``excluded``), the
 failed attempts counted against ``--max-retries`` (``node_failures``), whether every
 failure was a pair without room (``only_no_room``), and whether the next attempt goes to

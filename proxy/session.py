@@ -1,31 +1,26 @@
-"""One client request served by a prefill/decode pair, with retries and first-token streaming.
+"""One client request served by a prefill/decode pair: its attempts, retried before the
+first token, and the first bytes of a streamed answer.
 
 Non-streaming: P and D are called concurrently; D's answer (all tokens, the first one
 included) is the client's. Streaming: as soon as P answers, its first token goes to the
 client; D's stream follows with that token dropped (by D itself with
 ``skip_first_token``, else by ``proxy/client_stream.py``), so each token is sent exactly
-once.
-
-A pair failing (connection error, timeout, 5xx) before any of D's tokens reached the
-client is retried on another pair (``max_retries``). When D's stream is the whole answer
-the client's headers wait for D's first token (``DecodeRelay.until_first_token``): an
-error event before it is D's answer of the status it stands for (``legs.event_error``:
-retried, or the client's 4xx passed through), never a 200 stream holding only an error. If P's first token was already
-streamed, D's error event before its own first token is a failure as its broken
-connection is (unless it is the client's 4xx: then the client gets it,
-``DecodeRelay.relay``), and the retried pair must produce the same first token (always
-so for greedy or seeded sampling), else the client gets an error event. Once D's tokens flow, a failure
-ends the stream with ``data: {"error": ...}`` and ``data: [DONE]``: never a silently
-truncated answer; unless ``--migration-limit`` allows moving the stream: another pair (or
-D alone) reruns the request with the seed the failed one drew from, the proxy checks the
-replayed tokens against what the client has and drops them, and the stream goes on
-(not for ``echo``, tool calls or reasoning, nor after the answer's ``finish_reason`` was
-sent). Requests with stop strings are not pre-streamed (a stop string may start inside
+once. Requests with stop strings are not pre-streamed (a stop string may start inside
 the first token), nor with ``echo`` (the prompt, or chat's final message, comes first),
 nor chat requests whose answer is parsed into tool calls (tools with a tool choice other
 than "none") or, on a decode node with a reasoning parser (its ``/v1/kv_transfer_info``
 says so), into reasoning and content -- D parses the whole answer, P's token included
 (often ``<think>``): they stream from D alone.
+
+A pair failing (connection error, timeout, 5xx) before any of D's tokens reached the
+client is retried on another pair (``max_retries``). When D's stream is the whole answer
+the client's headers wait for D's first token (``DecodeRelay.until_first_token``): an
+error event before it is D's answer of the status it stands for (``legs.event_error``:
+retried, or the client's 4xx passed through), never a 200 stream holding only an error.
+What the stream does after its first bytes when D fails -- reruns (on a pair that must
+produce P's streamed first token again: ``rerun_after_first_token``; on any route:
+``rerun_whole``), migrations (``--migration-limit``), the terminal error event -- is
+``proxy/stream_body.py``; the attempts it needs are launched here.
 
 A node that answers with load (429, or 503 ``overloaded``) is healthy: it stays in
 rotation, and the request moves to another node of that role that this request has not
@@ -39,7 +34,7 @@ always for echo without generation, ``echo`` with ``max_tokens`` 0, which decode
 nothing and needs no KV): it prefills the prompt itself and its answer (or stream) is the
 client's, as with stop strings. A retry after P's first token was streamed takes a P/D
 pair that agrees on that token where one accepts; else D alone reruns it, its whole
-answer checked against what the client has (``_reopen_after_first_token``). Answers teach
+answer checked against what the client has (``rerun_after_first_token``). Answers teach
 the router (prompt token counts; what the decode node now caches).
 
 How a streamed answer is written for the client (ids, role, the first token dropped
@@ -61,8 +56,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.httpkit.big_json import parse_off_loop
-from engine.httpkit.sse import SSE_DONE, sse_event
-from engine.server.request_fields import APIError, error_body
+from engine.server.request_fields import APIError
 from kvconnector.base import transfer_seed
 from proxy.answers import parse_completion
 from proxy.client_stream import ClientStream, Diverged, first_tokens
@@ -72,8 +66,9 @@ from proxy.legs import Attempt, Legs, UpstreamError
 from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeHTTPError, NodeResponse
 from proxy.prefix import answer_suffix
-from proxy.retries import PassThrough, Retries
+from proxy.retries import Retries
 from proxy.router import NoHealthyNode, PairRefused, Route, Router
+from proxy.stream_body import StreamBody
 from proxy.validation import ProxyRequest
 
 logger = logging.getLogger(__name__)
@@ -128,7 +123,7 @@ class Session:
         # one: its text begins with the prompt (or chat's final message), which is no
         # text D caches after the prompt (echo without generation: the prompt alone).
         echoed = req.parsed.echo or getattr(req.parsed, "chat_echo", "")
-        self._keep_answer = router.index is not None and req.key is not None and not echoed
+        self.keeps_answer = router.index is not None and req.key is not None and not echoed
         self.out = ClientStream(
             req, request_id, self.created, cfg.node_skip_first_token, index or 0
         )
@@ -199,7 +194,7 @@ class Session:
             )  # fmt: skip
         return self.current
 
-    def _answered(
+    def answered(
         self, text: str, ids: list[int], calls: list[dict[str, Any]], reasoned: bool
     ) -> None:
         """The decode node finished the answer: tell the router what it now caches (a
@@ -262,12 +257,12 @@ class Session:
                 await self.relay.fill_prompt_logprobs(body, attempt)
             self.outcome = "ok"
             self.router.observe_usage(self.req.key, body)
-            if self._keep_answer:
+            if self.keeps_answer:
                 with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
                     choice = body["choices"][0]
                     msg = choice["message"] if self.req.chat else {}
                     text = msg["content"] if self.req.chat else choice["text"]
-                    self._answered(
+                    self.answered(
                         text or "", list(choice.get("token_ids") or []),
                         msg.get("tool_calls") or [], bool(msg.get("reasoning_content")),
                     )  # fmt: skip
@@ -294,6 +289,11 @@ class Session:
                 return
             except UpstreamError as e:
                 self.retries.failed(attempt, e)
+
+    def events(self) -> AsyncIterator[str]:
+        """The SSE body (``proxy/stream_body.py``). Must run after ``start_stream``; always
+        ends with [DONE], and closes the session."""
+        return StreamBody(self).events()
 
     async def _first_token(self, attempt: Attempt) -> dict[str, Any] | None:
         """P's answer, whose first token goes to the client before D's stream; or None:
@@ -373,7 +373,8 @@ class Session:
         self._saw_first_token()
         return self.out.first_chunk(p_body)
 
-    async def _reopen_after_first_token(self) -> NodeResponse:
+    # -- the attempts of a stream under way (``proxy/stream_body.py`` asks for them) --------
+    async def rerun_after_first_token(self) -> NodeResponse:
         """D failed after P's token was streamed: rerun a pair that agrees on that token.
         An unseeded sampled request is rerun with the seed its first pair drew from (the
         transfer id's, ``kvconnector.base.transfer_seed``), so that the rerun samples the
@@ -407,7 +408,7 @@ class Session:
             except UpstreamError as e:
                 self.retries.failed(attempt, e)
 
-    async def _reopen_whole(self, tid: str) -> NodeResponse:
+    async def rerun_whole(self, tid: str) -> NodeResponse:
         """D failed while its stream was the client's whole answer (not pre-streamed):
         rerun the request on any route, D's stream again the whole answer (what the client
         has is checked and dropped, ``ClientStream``). An unseeded sampled request reruns
@@ -427,117 +428,3 @@ class Session:
         if self.req.body.get("seed") is None and tid is not None:
             seed = transfer_seed(tid)
             self.req = dataclasses.replace(self.req, body={**self.req.body, "seed": seed})
-
-    async def events(self) -> AsyncIterator[str]:
-        """The SSE body. Must run after ``start_stream``; always ends with [DONE].
-
-        D's stream failing before any of it reached the client reruns the request: on a
-        pair that agrees on P's first token when that was streamed, else on any route.
-        Failing after some of it did, the stream moves (``--migration-limit``)."""
-        self.relay.tokens_sent()
-        try:
-            if self.first_chunk is not None:
-                yield self.first_chunk
-                self.relay.tokens_sent()
-            self.out.decode_starts()
-            assert self.current is not None
-            try:
-                await self.current.wait_decode()
-            except UpstreamError as e:
-                tid = self.current.transfer_id
-                self.retries.failed(self.current, e)
-                if self.out.sent_ids is None:
-                    await self._reopen_whole(tid)
-                else:
-                    await self._reopen_after_first_token()
-            while True:
-                assert self.current is not None
-                events = self.relay.events_of(self.current)
-                self.relay.restart()
-                try:
-                    async for chunk in self.relay.relay(events, self.current):
-                        if self.relay.d_error:  # D's own error event, the relay's last
-                            self.outcome = "error"
-                        yield chunk
-                    if not events.done and self.outcome != "error":
-                        raise UpstreamError(
-                            self.current.d, "the decode stream ended without [DONE]"
-                        )
-                    break
-                except (UpstreamError, NodeHTTPError) as e:
-                    whole = self.out.sent_ids is None  # D's stream is the whole answer
-                    migrating = self.relay.sent or self.out.has_decode_part
-                    if migrating and (
-                        self.out.finished
-                        or self.migrations >= self.cfg.migration_limit
-                        or self.shaped_by_d  # echo, tool calls, reasoning (__init__)
-                    ):
-                        raise  # the answer was whole but for [DONE], or no move is left
-                    if isinstance(e, NodeHTTPError):
-                        e = UpstreamError(self.current.d, f"decode stream broke: {e}")
-                    tid = self.current.transfer_id
-                    if migrating:
-                        self.migrations += 1
-                        logger.warning(
-                            "request %s: %s after %d tokens; moving the stream to another "
-                            "pair (migration %d of %d)", self.request_id, e,
-                            self.out.decode_tokens + len(self.out.sent_ids or ()),
-                            self.migrations, self.cfg.migration_limit,
-                        )  # fmt: skip
-                    else:
-                        logger.info(
-                            "request %s: %s before its first token; rerunning",
-                            self.request_id, e,
-                        )  # fmt: skip
-                    self.retries.failed(self.current, e, migrating=migrating)
-                    self.out.decode_starts()
-                    if whole:
-                        await self._reopen_whole(tid)
-                    else:
-                        await self._reopen_after_first_token()
-            if self.relay.d_error:
-                # D's own error event ended the stream (never "ok", whatever followed it).
-                if self.migrations:
-                    self.metrics.migrations.labels("failed").inc()
-            elif events.done:
-                # The last chunk: the connection stays reusable. Its wait is bounded (the
-                # answer is whole: a D hanging now only costs the connection).
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.cfg.health_timeout):
-                        await events.resp.drain()
-                events.resp.close()
-                self.current.finished = True
-                self.current.d.mark_answered()
-                self.outcome = "ok"
-                if self.migrations:
-                    self.metrics.migrations.labels("resumed").inc()
-                if self._keep_answer:
-                    self._answered(*self.out.answer(), self.out.answer_calls, self.out.reasoned)
-            yield SSE_DONE
-        except (UpstreamError, APIError, PassThrough, NodeHTTPError, ValueError) as e:
-            if isinstance(e, UpstreamError) and e.node_fault:
-                e.node.mark_failed(e.detail)
-            elif isinstance(e, NodeHTTPError) and self.current is not None:
-                self.current.d.mark_failed(f"decode stream broke: {e}")
-            logger.warning("request %s failed mid-stream: %s", self.request_id, e)
-            self.metrics.errors.labels("stream_error").inc()
-            if self.migrations:
-                outcome = "diverged" if isinstance(e, Diverged) else "failed"
-                self.metrics.migrations.labels(outcome).inc()
-            self.outcome = "error"
-            msg = e.message if isinstance(e, APIError) else f"upstream failure: {e}"
-            if isinstance(e, PassThrough):
-                msg = f"the request was refused after the first token: {e}"
-            code = e.code if isinstance(e, APIError) and e.code else "upstream_error"
-            yield sse_event(error_body(msg, "server_error", None, code))
-            yield SSE_DONE
-        except Exception:  # a fault of the proxy's own: the client still gets an end
-            logger.exception("request %s: the stream failed", self.request_id)
-            self.metrics.errors.labels("stream_error").inc()
-            if self.migrations and self.outcome != "ok":  # "ok": counted as resumed
-                self.metrics.migrations.labels("failed").inc()
-            self.outcome = "error"
-            yield sse_event(error_body("internal error in the proxy", "server_error", None))
-            yield SSE_DONE
-        finally:
-            self.close()
