@@ -532,6 +532,7 @@ def test_serve_counts_failed_requests_and_keeps_going(tiny_node, tmp_path: Path)
     assert sum(s["errors"].values()) == 3
 
 
+@pytest.mark.slow  # a node process
 def test_serve_stops_when_its_warm_up_fails(tiny_node, tmp_path: Path):
     """Every warm-up request failing means the arguments are wrong (vLLM's bench stops with
     "Initial test run failed"): the run stops there, exit 1 naming the warm-up, instead
