@@ -150,7 +150,7 @@ def bodies(draw: st.DrawFn, base: dict[str, Any]) -> bytes:
 
 
 def node_prepares(req: BaseRequest, chat: bool) -> None:
-    """The engine-free steps of ``OpenAIServing._prepare_*`` and ``_job`` for every choice."""
+    """The engine-free steps of ``JobBuilder.prepare_*`` and ``_job`` for every choice."""
     check_model(req.model, "tiny")
     check_token_ids(list(req.logit_bias), VOCAB, "logit_bias")
     if req.allowed_token_ids:

@@ -2,7 +2,7 @@
 the node's facts (served names, context length, vocabulary size, ``--max-logprobs``) and a
 structured output's grammar (compiled: milliseconds, so callers run it off the event loop).
 
-The node's HTTP layer (``serving``, ``tokenize``) and the proxy (``proxy/validation.py``,
+The node's HTTP layer (``job_builder``, ``tokenize``) and the proxy (``proxy/validation.py``,
 ``proxy/serving.py``) call them on what ``protocol`` and ``chat_protocol`` parsed. Each
 error is an ``APIError`` whose ``param`` names the field.
 """
