@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from engine.bench.cluster import free_port  # noqa: E402 - re-exported to bench_proxy_ab
 from engine.bench.interference import kv_hop_means  # noqa: E402
-from engine.bench.serve import add_serve_args, run_benchmark  # noqa: E402
+from engine.bench.serve import run_benchmark  # noqa: E402
+from engine.bench.serve_args import add_serve_args  # noqa: E402
 
 
 def start(module: str, *args: str, log: Path) -> tuple[subprocess.Popen, str]:

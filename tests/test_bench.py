@@ -573,7 +573,7 @@ _KEY = "bench-test-key-5e1f"  # distinctive: a check that it is never printed me
 
 def test_serve_base_url_accepts_a_trailing_v1():
     from engine.bench.cli import build_parser
-    from engine.bench.serve import normalize_base_url
+    from engine.bench.serve_args import normalize_base_url
 
     for given in (
         "http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/",
@@ -589,7 +589,7 @@ def test_serve_base_url_accepts_a_trailing_v1():
 def _bench_args(*argv: str):
     """``pd-bench serve ARGV`` parsed and checked as ``run_serve`` checks it."""
     from engine.bench.cli import build_parser
-    from engine.bench.serve import validate
+    from engine.bench.serve_args import validate
 
     args = build_parser().parse_args(["serve", *argv])
     validate(args, args._parser)

@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.bench.interference import add_interference_args
     from engine.bench.models import add_make_model_args
     from engine.bench.offline import add_offline_args
-    from engine.bench.serve import add_serve_args
+    from engine.bench.serve_args import add_serve_args
     from engine.bench.transfer import add_transfer_args
 
     parser = argparse.ArgumentParser(

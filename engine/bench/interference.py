@@ -70,7 +70,7 @@ from engine.bench.interference_report import (
     plot_interference,
     ratios,
 )
-from engine.bench.serve import add_api_key_arg, auth_headers
+from engine.bench.serve_args import add_api_key_arg, auth_headers
 from engine.bench.stats import RequestResult, json_safe
 
 NEVER_DISAGGREGATE = 1_000_000_000  # --disagg-min-prompt-tokens: every prompt is "short"
