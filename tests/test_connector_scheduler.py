@@ -141,15 +141,15 @@ def test_a_cancel_after_a_failed_send_says_a_write_may_still_land(prefill, error
     )
     assert conn.producer.prefill_finished("P1", "t1", [0, 1, 2], 7)
     reserve = Reserve("t1", "n1", "D1", d_key, dead_address(), (5, 6, 7), 0).to_wire()
-    assert conn._handle(reserve) == {"ok": True}
+    assert conn.channel.handle(reserve) == {"ok": True}
     (send,) = conn.build_connector_meta(None, lambda rid: []).sends  # type: ignore[arg-type]
     assert send.request_id == "P1"
     failed = {"P1": error} if error else {}
     conn.update_connector_output(ModelRunnerOutput(finished_sending={"P1"}, kv_failed=failed))
-    reply = conn._handle(Cancel("t1", "n1", d_key).to_wire())
+    reply = conn.channel.handle(Cancel("t1", "n1", d_key).to_wire())
     assert reply == {"ok": True, "state": state}
     # Still so on a second ask (D retries the cancel until its quarantine ends).
-    assert conn._handle(Cancel("t1", "n1", d_key).to_wire())["state"] == state
+    assert conn.channel.handle(Cancel("t1", "n1", d_key).to_wire())["state"] == state
 
 
 def test_workers_keep_watching_while_quarantined_blocks_may_get_a_late_write(decode, monkeypatch):

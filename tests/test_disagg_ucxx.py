@@ -256,7 +256,7 @@ def test_ucxx_a_stale_notification_cannot_complete_a_newer_transfer(ucxx_decode)
     u, d = ucxx_decode, ucxx_decode.d
     old = d.add("X", "t1")
     u.deliver(0, "X", "t1", old)
-    d.conn._handle(TransferFailed("X", "t1", old, "push failed", True).to_wire())
+    d.conn.channel.handle(TransferFailed("X", "t1", old, "push failed", True).to_wire())
     for _ in range(8):
         d.step()
     d.sch.abort_request("X")

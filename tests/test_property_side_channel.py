@@ -67,7 +67,7 @@ def prefill():
         ranks=({"num_blocks": D_BLOCKS},),
         address="tcp://127.0.0.1:5600",
     )
-    assert conn._handle(shake.to_wire())["ok"] is True
+    assert conn.channel.handle(shake.to_wire())["ok"] is True
     try:
         yield conn
     finally:
@@ -149,19 +149,23 @@ def _check_reply(reply: Any) -> None:
 @_settings(400)
 @given(msg=structured() | values)
 def test_any_message_gets_a_map_reply_and_never_raises(prefill, msg):
-    _check_reply(prefill._handle(msg) if isinstance(msg, dict) else _handle_any(prefill, msg))
+    _check_reply(
+        prefill.channel.handle(msg) if isinstance(msg, dict) else _handle_any(prefill, msg)
+    )
 
 
 def _handle_any(conn: NixlConnectorScheduler, raw: Any) -> dict[str, Any]:
     # The server hands the handler maps only; anything else is refused before it.
-    return conn._handle(raw) if isinstance(raw, dict) else {"ok": False, "error": "not a map"}
+    return (
+        conn.channel.handle(raw) if isinstance(raw, dict) else {"ok": False, "error": "not a map"}
+    )
 
 
 @_settings(300)
 @given(res=reservations())
 def test_a_reservation_is_acked_only_inside_the_peers_kv_cache(prefill, res):
     before = dict(prefill.producer.early)
-    reply = prefill._handle(res)
+    reply = prefill.channel.handle(res)
     _check_reply(reply)
     if reply["ok"]:
         assert res["peer_key"] == D_KEY, "acked a reservation from a peer that never handshook"

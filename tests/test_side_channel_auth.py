@@ -169,7 +169,7 @@ def test_a_decode_leg_naming_a_peer_outside_the_allowlist_is_refused_before_any_
             sch.add_request(req)
         assert info.value.param == "kv_transfer_params.remote_side_channel"
         assert "--kv-allowed-peers" in str(info.value)
-        assert not sch.requests and not d.consumer.recvs and d._lanes.num_lanes() == 0
+        assert not sch.requests and not d.consumer.recvs and d.channel.lanes.num_lanes() == 0
     finally:
         d.shutdown()
 
@@ -189,7 +189,7 @@ def _loopback_handshake(p: NixlConnectorScheduler) -> Handshake:
 def test_a_prefill_node_refuses_handshakes_from_peers_outside_its_allowlist():
     p = connector("producer", kv_allowed_peers="10.0.0.0/8")
     try:
-        reply = decode_reply(p._handle(_loopback_handshake(p).to_wire()), HandshakeReply)
+        reply = decode_reply(p.channel.handle(_loopback_handshake(p).to_wire()), HandshakeReply)
         assert isinstance(reply, Refusal) and "--kv-allowed-peers" in reply.error
         assert not p.service.peers
     finally:

@@ -11,6 +11,7 @@ import pytest
 import zmq
 from harness import free_port, wait_for
 
+import kvconnector.nixl.peer_channel as peer_channel
 import kvconnector.nixl.prefill_links as prefill_links
 import kvconnector.nixl.scheduler as nixl_scheduler
 from engine.config import (
@@ -207,7 +208,7 @@ def test_silent_prefill_addresses_a_client_names_leave_lanes_for_a_paired_prefil
     # Room to start every request at once: those refused a lane recompute.
     cfg, conn = _decode_connector(2048, timeout=120, max_num_seqs=512)
     conn.set_worker_info([{"num_blocks": 2048}])
-    conn._lanes.idle_s = 0.1  # the paired node's lane ends soon after its call (30 s live)
+    conn.channel.lanes.idle_s = 0.1  # the paired node's lane ends soon after its call (30 s live)
     sch = Scheduler(cfg, 2048, 2048, conn)
     ctx = zmq.Context()
     silent = ctx.socket(zmq.ROUTER)  # takes connections on every port, never answers
@@ -219,7 +220,9 @@ def test_silent_prefill_addresses_a_client_names_leave_lanes_for_a_paired_prefil
         _add_remote(sch, "paired", healthy.address, [1, 2, 3, 4])
         sch.schedule()
         wait_for(lambda: conn.consumer.recvs["paired"].reserved, 30, "the first reservation")
-        wait_for(lambda: conn._lanes.num_lanes() == 0, 30, "the paired node's lane to idle out")
+        wait_for(
+            lambda: conn.channel.lanes.num_lanes() == 0, 30, "the paired node's lane to idle out"
+        )
 
         for i, address in enumerate(silent_addresses):
             _add_remote(sch, f"s{i}", address, [1, 2, 3, 4])
@@ -248,24 +251,26 @@ def test_a_flood_of_lane_refusals_logs_a_few_lines_the_first_one_and_what_it_hel
     line per peer class (proven, unproven) per ``PEER_LOG_S``: the first refusal is
     logged at once, a proven peer's refusal is not held back behind the strangers' line,
     and the next line says how many were held back (every refusal is accounted for)."""
-    monkeypatch.setattr(nixl_scheduler, "PEER_LOG_S", 0.5)
+    monkeypatch.setattr(peer_channel, "PEER_LOG_S", 0.5)
     cfg, conn = _decode_connector(64)
-    conn._lanes.shutdown()
-    conn._lanes = PeerLanes(max_lanes=2, max_unproven=1)  # one lane each, both kept busy
+    conn.channel.lanes.shutdown()
+    conn.channel.lanes = PeerLanes(max_lanes=2, max_unproven=1)  # one lane each, both kept busy
     busy = threading.Event()
-    caplog.set_level(logging.WARNING, logger=nixl_scheduler.__name__)
+    caplog.set_level(logging.WARNING, logger=peer_channel.__name__)
 
     def lines(part: str) -> list[str]:
         return [r.getMessage() for r in caplog.records if f"not calling {part}" in r.getMessage()]
 
     try:
-        assert conn._submit("tcp://127.0.0.1:1", busy.wait, proven=False)
-        assert conn._submit("tcp://127.0.0.1:2", busy.wait, proven=True)
+        assert conn.channel.submit("tcp://127.0.0.1:1", busy.wait, proven=False)
+        assert conn.channel.submit("tcp://127.0.0.1:2", busy.wait, proven=True)
         n = 500
         start = time.monotonic()
         for i in range(n):
-            assert not conn._submit(f"tcp://10.0.{i // 250}.{i % 250}:9", busy.wait, proven=False)
-        assert not conn._submit("tcp://127.0.0.1:3", busy.wait, proven=True)
+            assert not conn.channel.submit(
+                f"tcp://10.0.{i // 250}.{i % 250}:9", busy.wait, proven=False
+            )
+        assert not conn.channel.submit("tcp://127.0.0.1:3", busy.wait, proven=True)
         took = time.monotonic() - start
         strangers = lines("tcp://10.")
         assert strangers[0].startswith("side channel: not calling tcp://10.0.0.0:9: "), strangers
@@ -273,7 +278,7 @@ def test_a_flood_of_lane_refusals_logs_a_few_lines_the_first_one_and_what_it_hel
         assert len(strangers) <= 2 + took / 0.5, (len(strangers), took)  # was one per call
         assert len(lines("tcp://127.0.0.1:3")) == 1  # the proven class has its own line
         time.sleep(0.6)  # past the period: the next refusal is logged, with the count
-        assert not conn._submit("tcp://10.1.0.0:9", busy.wait, proven=False)
+        assert not conn.channel.submit("tcp://10.1.0.0:9", busy.wait, proven=False)
         strangers = lines("tcp://10.")
         assert strangers[-1].startswith("side channel: not calling tcp://10.1.0.0:9")
         assert len(strangers) + sum(held_back(line) for line in strangers) == n + 1, strangers

@@ -720,7 +720,7 @@ def test_a_flood_of_unconfirmable_claims_is_capped_and_takes_no_lane(conns, hold
         flood = handshake_of(d, p, peer_key=f"flood-{i}", engine_id=f"flood-{i}", address=dead)
         reply = decode_reply(ask(p.address, flood), HandshakeReply)
         refused += isinstance(reply, Refusal) and "wait to be confirmed" in reply.error
-    assert refused == 8 and p._lanes.num_lanes() == 0
+    assert refused == 8 and p.channel.lanes.num_lanes() == 0
     checks.release()
     wait_for(lambda: len(p.service.peers) == 0, 30, "the claims to be dropped")
     paired(p, d)

@@ -147,7 +147,9 @@ def test_a_partial_count_of_a_failed_tp2_transfer_is_purged_on_every_rank(decode
     d.step()
     assert not _running(d, "X")  # one rank is not all ranks
     assert nonce in d.agg.pending_ids
-    d.conn._handle(TransferFailed("X", "t1", nonce, "rank 1's WRITE failed", False).to_wire())
+    d.conn.channel.handle(
+        TransferFailed("X", "t1", nonce, "rank 1's WRITE failed", False).to_wire()
+    )
     d.step()  # the load failed: recompute; its blocks stay quarantined for 2T
     assert "X" in d.conn.consumer.quarantine
     clock = time.monotonic() + 2 * TIMEOUT + 1  # the quarantine's deadline has passed
@@ -170,7 +172,7 @@ def test_a_stale_notification_cannot_complete_a_newer_transfer_of_the_same_reque
     old = d.add("X", "t1")
     d.deliver(0, "X", "t1", old)
     d.step()
-    d.conn._handle(TransferFailed("X", "t1", old, "push failed", True).to_wire())
+    d.conn.channel.handle(TransferFailed("X", "t1", old, "push failed", True).to_wire())
     d.step()  # failed safely: recomputed; it finishes, the id is free again
     for _ in range(8):
         d.step()
@@ -209,7 +211,7 @@ def test_a_transfer_failed_about_another_reservation_changes_nothing(decode):
     d = decode
     nonce = d.add("X", "t1")
     stale = TransferFailed("X", "t1", "an-older-reservation", "old push failed", True)
-    assert d.conn._handle(stale.to_wire()) == Ack().to_wire()
+    assert d.conn.channel.handle(stale.to_wire()) == Ack().to_wire()
     d.step()
     assert "X" in d.conn.consumer.recvs and not d.conn.consumer.outcome.failed_loads
     for rank in (0, 1):

@@ -10,8 +10,10 @@ calls to itself. One lock guards all of it. The parts, one role each:
 * ``PrefillService`` (P): what it answers decode peers -- handshakes (confirmed by a
   ping, ``decode_peers``), reservations, cancels;
 * ``PrefillLinks`` (D): its calls to prefill nodes -- handshake, reserve, cancel;
+* ``PeerChannel``: the side channel -- the server, each request dispatched to the parts
+  above, and the calls this node makes on the peers' lanes (the failure notices too);
 * this class: the ``KVConnectorScheduler`` hooks that turn them into step metadata and
-  read the workers' reports back, the failure notices, liveness, stats.
+  read the workers' reports back, liveness, stats.
 
 A node with ``kv_role=both`` runs both sides.
 
@@ -36,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError
 from engine.core.request import RequestStatus
-from engine.log_limit import LimitedLog
 from engine.model.config import load_arch_config
 from engine.sampling_params import InvalidRequestError
 from engine.stats import StatsGroup
@@ -44,37 +45,21 @@ from kvconnector.base import ConnectorEvents, KVConnectorScheduler
 from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
 from kvconnector.nixl.histogram import Histogram
-from kvconnector.nixl.lanes import LaneFull, PeerLanes
 from kvconnector.nixl.liveness import PeerLiveness
 from kvconnector.nixl.messages import (
     CONNECTOR_VERSION,
     LAYOUT,
-    Ack,
-    Cancel,
-    CancelReply,
-    Handshake,
-    HandshakeReply,
-    MessageError,
     Notif,
-    PingReply,
-    Refusal,
-    Reserve,
-    TransferFailed,
-    compat_mismatch,
-    decode_request,
     model_fingerprint,
     ranks_digest,
 )
 from kvconnector.nixl.metadata import STEP_FAILED, TOO_LATE, NixlConnectorMetadata, SendSpec
+from kvconnector.nixl.peer_channel import PeerChannel
 from kvconnector.nixl.peers import PeerAllowlist, own_address_refused
 from kvconnector.nixl.prefill_links import PrefillLinks
 from kvconnector.nixl.prefill_service import PrefillService
-from kvconnector.nixl.producer import PendingSend, Producer, Reservation
-from kvconnector.nixl.side_channel import (
-    SideChannelClient,
-    SideChannelError,
-    SideChannelServer,
-)
+from kvconnector.nixl.producer import PendingSend, Producer
+from kvconnector.nixl.side_channel import SideChannelClient, SideChannelError
 from kvconnector.nixl.stats import NixlSchedulerStats, NixlWorkerStats
 from kvconnector.params import KVTransferParams
 
@@ -86,12 +71,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RPC_TIMEOUT_S = 5.0  # the failure notices this node sends
-# Lines others can provoke, each kind at most once per this many seconds (the next says
-# how many were held back): calls refused at a lane bound, per peer class (a client names
-# the peers), and refusals of messages a peer sent (malformed, for the other role; without
-# --kv-secret anyone who reaches the port is read).
-PEER_LOG_S = 10.0
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
@@ -137,16 +116,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.consumer = Consumer(self.timeout)
         self._lock = threading.RLock()
         self._ranks: list[dict[str, Any]] = []
-        self._ranks_digest = ranks_digest(self._ranks)
         self._nonces = itertools.count(1)
         self._ended: list[str] = []  # nonces whose counts every rank must drop
         self._watching = False  # what the workers were last told (metadata ``watch``)
-        self._lanes = PeerLanes()
-        # Keyed by ``proven``: strangers' refusals never hold back a proven peer's line.
-        self._peer_log = LimitedLog(logger, PEER_LOG_S)
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
         secret = kvc.kv_secret.encode() or None
-        self._client = SideChannelClient(secret=secret)
+        client = SideChannelClient(secret=secret)
         self._worker_stats = NixlWorkerStats()  # the ranks' transport counters, summed
         self.histograms = {
             "kv_transfer_duration_seconds": Histogram(
@@ -195,7 +170,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             max_early=2 * (sched.max_num_seqs + sched.max_queued_requests),
             producer=self.producer,
             lock=self._lock,
-            client=self._client,
+            client=client,
             allowed_peers=self.allowed_peers,
             transport_info=self.transport_info,
             wake=self.wake,
@@ -209,26 +184,37 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             model_kv_heads=self.model_kv_heads,
             consumer=self.consumer,
             lock=self._lock,
-            client=self._client,
+            client=client,
             wake=self.wake,
         )
-        self.liveness = PeerLiveness(
-            kvc.peer_ping_interval, self._client.request, self._lanes, self._prefill_lost
-        )
-        try:
-            self._server = SideChannelServer(
-                kvc.side_channel_host, kvc.side_channel_port, self._handle, secret=secret
+        try:  # the side channel: served from here on, and the calls this node makes
+            self.channel = PeerChannel(
+                engine_id=self.engine_id,
+                incarnation=self.incarnation,
+                role=kvc.kv_role,
+                compat=self.compat,
+                service=self.service,
+                consumer=self.consumer,
+                lock=self._lock,
+                client=client,
+                host=kvc.side_channel_host,
+                port=kvc.side_channel_port,
+                secret=secret,
+                wake=self.wake,
             )
         except SideChannelError as e:  # a port in use, an address not this host's: one line
             flag = "--side-channel-port" if kvc.side_channel_port else "--side-channel-host"
             hint = "; each node on a host needs its own port (0: any free one)"
             raise ConfigError(f"{flag}: {e}{hint if kvc.side_channel_port else ''}") from e
+        self.liveness = PeerLiveness(
+            kvc.peer_ping_interval, client.request, self.channel.lanes, self._prefill_lost
+        )
         if secret is None:
             logger.warning(
                 "side channel unsigned: set PDSERVE_KV_SECRET (or --kv-secret) on every node "
                 "unless all peers are on one trusted box"
             )
-        self.address = self.service.address = self.links.address = self._server.address
+        self.address = self.service.address = self.links.address = self.channel.server.address
         warning = own_address_refused(self.address, self.allowed_peers, kvc.kv_allowed_peers)
         if warning is not None:
             logger.warning("%s", warning)
@@ -236,7 +222,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:
         self._ranks = self.service.ranks = self.links.ranks = infos
-        self._ranks_digest = ranks_digest(infos)  # what this node's pings name
+        self.channel.ranks_digest = ranks_digest(infos)  # what this node's pings name
         logger.info("KV transport: %s", self.transport_info())
 
     def info(self) -> dict[str, Any]:
@@ -357,62 +343,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         with self._lock:
             self.consumer.expect(recv)
         proven = self.links.paired(recv.p_address)
-        if not self._submit(recv.p_address, self.links.reserve_job, recv, proven=proven):
+        if not self.channel.submit(recv.p_address, self.links.reserve_job, recv, proven=proven):
             # Nothing was sent: P cannot hold this reservation, the blocks are free.
             self.consumer.fail(recv.request_id, "too many calls queued for prefill", safe=True)
-
-    def _handle(self, raw: dict[str, Any]) -> dict[str, Any]:
-        """Serve one side-channel request. Never raises: a message that does not decode
-        is answered with a ``Refusal`` saying why."""
-        try:
-            msg = decode_request(raw)
-        except MessageError as e:
-            return self._refuse_malformed(raw, e).to_wire()
-        reply: HandshakeReply | Ack | CancelReply | PingReply | Refusal
-        if (wrong_role := self._wrong_role(msg)) is not None:
-            return wrong_role.to_wire()
-        if isinstance(msg, Handshake):
-            reply = self.service.handshake(msg)
-        elif isinstance(msg, Reserve):
-            reply = self.service.reserve(msg)
-        elif isinstance(msg, Cancel):
-            reply = self.service.cancel(msg)
-        elif isinstance(msg, TransferFailed):
-            with self._lock:
-                self.consumer.fail(msg.d_request_id, msg.reason, msg.safe, nonce=msg.nonce)
-            reply = Ack()
-        else:
-            return PingReply(
-                incarnation=self.incarnation,
-                engine_id=self.engine_id,
-                ranks_digest=self._ranks_digest,
-            ).to_wire()
-        self.wake()  # the next step may act on it (push, fail over, free blocks)
-        return reply.to_wire()
-
-    def _wrong_role(self, msg: Any) -> Refusal | None:
-        """What only the other role takes: a decode node pairs with no one and holds no
-        prefill (its handshake reply would hand out its KV memory's keys); a prefill node
-        waits for no KV."""
-        role = self.config.kv_transfer.kv_role
-        if role == "consumer" and isinstance(msg, Handshake | Reserve | Cancel):
-            why = f"this is a decode node: a {msg.KIND} goes to a prefill node"
-        elif role == "producer" and isinstance(msg, TransferFailed):
-            why = f"this is a prefill node: a {msg.KIND} goes to a decode node"
-        else:
-            return None
-        self._peer_log.warning("wrong role", "side channel: refusing a %s: %s", msg.KIND, why)
-        return Refusal(why, code=Refusal.WRONG_ROLE)
-
-    def _refuse_malformed(self, raw: dict[str, Any], error: MessageError) -> Refusal:
-        is_handshake = raw.get("kind") == Handshake.KIND
-        if is_handshake and (mismatch := compat_mismatch(self.compat, raw)):
-            # A peer of another version may speak another shape: name the version first.
-            with self._lock:
-                self.service.handshake_failures += 1
-            return Refusal(f"incompatible peer: {mismatch}")
-        self._peer_log.warning("malformed", "side channel: refusing a malformed message: %s", error)
-        return Refusal(f"malformed message: {error}")
 
     # -- both sides ----------------------------------------------------------------------
     def request_finished(
@@ -481,7 +414,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         assert res is not None
         local = send.block_ids[res.skip_blocks : res.skip_blocks + len(res.block_ids)]
         if len(local) != len(res.block_ids):
-            self._notify_failed(res, "block count mismatch", safe=True)
+            self.channel.notify_failed(res, "block count mismatch", safe=True)
             self.producer.send_finished(send.request_id)
             if not send.pipelined:  # a pipelined one's request still runs: it holds them
                 self.producer.outcome.free_blocks.add(send.request_id)
@@ -542,7 +475,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     r = send.reservation
                     why = output.kv_failed[rid]
                     # Part of an errored WRITE may still land: D quarantines (safe=False).
-                    self._notify_failed(r, why, safe=False)
+                    self.channel.notify_failed(r, why, safe=False)
                     if why not in (STEP_FAILED, TOO_LATE):  # P's fault: the peer is fine
                         self.service.evict(r.peer_key, why)
             if isinstance(output.kv_stats, NixlWorkerStats):
@@ -582,53 +515,19 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             }
         self.liveness.tick(watched)
         for res, why in p.notify_failed:
-            self._notify_failed(res, why, safe=True)
+            self.channel.notify_failed(res, why, safe=True)
         for res, why in p.notify_unsafe:
-            self._notify_failed(res, why, safe=False)
+            self.channel.notify_failed(res, why, safe=False)
         for p_addr, tid, nonce, rid in c.cancels:
             # Not sent: the quarantine keeps the blocks until its deadline.
             proven = self.links.paired(p_addr)
             args = (p_addr, tid, nonce, rid, time.monotonic())
-            self._submit(p_addr, self.links.cancel_job, *args, proven=proven)
+            self.channel.submit(p_addr, self.links.cancel_job, *args, proven=proven)
         return ConnectorEvents(
             failed_loads=c.failed_loads,
             free_blocks=p.free_blocks | c.free_blocks,
             failed_waiting=gave_up,
         )
-
-    def _notify_failed(self, res: Reservation, why: str, safe: bool) -> None:
-        msg = TransferFailed(
-            d_request_id=res.d_request_id,
-            transfer_id=res.transfer_id,
-            nonce=res.nonce,
-            reason=why,
-            safe=safe,
-        )
-        # Not sent: D's own deadline ends its wait.
-        with self._lock:
-            proven = self.service.ready(res.peer_key)
-        self._submit(res.d_address, self._send_quietly, res.d_address, msg.to_wire(), proven=proven)
-
-    def _submit(self, peer: str, fn: Any, *args: Any, proven: bool) -> bool:
-        """Queue a call on ``peer``'s lane; False (logged) when the lane is at its bound.
-        ``proven``: the peer paired with this node (a prefill node that answered its
-        handshake, a confirmed decode peer); peers a client named and that never did
-        share a few lanes (``lanes.PeerLanes``). Refusals are logged at most once per
-        ``PEER_LOG_S`` per class (proven or not), with a count of those held back."""
-        try:
-            self._lanes.submit(peer, fn, *args, proven=proven)
-        except LaneFull as e:
-            kind = "lane refused, proven" if proven else "lane refused, unproven"
-            self._peer_log.warning(kind, "side channel: not calling %s: %s", peer, e)
-            return False
-        return True
-
-    def _send_quietly(self, address: str, msg: dict[str, Any]) -> dict[str, Any] | None:
-        try:
-            return self._client.request(address, msg, RPC_TIMEOUT_S)
-        except Exception as e:
-            logger.info("side-channel %s to %s failed: %s", msg.get("kind"), address, e)
-            return None
 
     def has_pending_work(self) -> bool:
         with self._lock:
@@ -659,12 +558,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     self.service.handshake_failures + self.links.handshake_failures
                 ),
                 kv_checksum_failures_total=self.checksum_failures,
-                kv_side_channel_requests_refused_total=self._server.refused,
-                kv_side_channel_calls_refused_total=self._lanes.refused,
+                kv_side_channel_requests_refused_total=self.channel.server.refused,
+                kv_side_channel_calls_refused_total=self.channel.lanes.refused,
             )
             return StatsGroup(own, self._worker_stats)
 
     def shutdown(self) -> None:
-        self._server.close()
-        self._lanes.shutdown()
+        self.channel.shutdown()
         self.service.shutdown()
