@@ -44,7 +44,6 @@ from engine.stats import StatsGroup
 from kvconnector.base import ConnectorEvents, KVConnectorScheduler
 from kvconnector.nixl.block_runs import block_runs
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
-from kvconnector.nixl.histogram import Histogram
 from kvconnector.nixl.liveness import PeerLiveness
 from kvconnector.nixl.messages import (
     CONNECTOR_VERSION,
@@ -60,7 +59,7 @@ from kvconnector.nixl.prefill_links import PrefillLinks
 from kvconnector.nixl.prefill_service import PrefillService
 from kvconnector.nixl.producer import PendingSend, Producer
 from kvconnector.nixl.side_channel import SideChannelClient, SideChannelError
-from kvconnector.nixl.stats import NixlSchedulerStats, NixlWorkerStats
+from kvconnector.nixl.stats import NixlSchedulerStats, NixlWorkerStats, transfer_histograms
 from kvconnector.params import KVTransferParams
 
 if TYPE_CHECKING:
@@ -70,9 +69,6 @@ if TYPE_CHECKING:
     from engine.kv_cache_layout import KVCacheSpec
 
 logger = logging.getLogger(__name__)
-
-DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
 
 class NixlConnectorScheduler(KVConnectorScheduler):
@@ -123,36 +119,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         secret = kvc.kv_secret.encode() or None
         client = SideChannelClient(secret=secret)
         self._worker_stats = NixlWorkerStats()  # the ranks' transport counters, summed
-        self.histograms = {
-            "kv_transfer_duration_seconds": Histogram(
-                "KV push duration as the engine sees it: from the step that issues the "
-                "WRITEs to all ranks reported done (the posting step and the report included; "
-                "the wire time alone is kv_rank_write_seconds_total)",
-                DURATION_BUCKETS,
-            ),
-            # One histogram per hop of a P/D request (docs/performance.md, "P/D hops").
-            "kv_prefill_to_push_seconds": Histogram(
-                "P: prefill finished -> its WRITEs issued (waiting for D's reservation)",
-                DURATION_BUCKETS,
-            ),
-            "kv_push_exposed_seconds": Histogram(
-                "P: prefill finished -> its push done on every rank (the part of the push "
-                "not hidden behind the prefill; a pipelined push overlaps it)",
-                DURATION_BUCKETS,
-            ),
-            "kv_load_wait_seconds": Histogram(
-                "D: blocks reserved -> the KV landed on every rank (P's queue, prefill and push)",
-                DURATION_BUCKETS,
-            ),
-            "kv_notif_to_step_seconds": Histogram(
-                "D: the last rank got its notification -> the engine step that saw it",
-                DURATION_BUCKETS,
-            ),
-            "kv_transfer_descriptors": Histogram(
-                "NIXL descriptors per transfer per rank (one per contiguous block run)",
-                DESCRIPTOR_BUCKETS,
-            ),
-        }
+        self.histograms = transfer_histograms()
         self.failed_transfers = 0
         self.checksum_failures = 0
         sched = config.scheduler

@@ -1,10 +1,15 @@
-"""What the NIXL connector reports (typed: counters and gauges, see ``engine.stats``)."""
+"""What the NIXL connector reports (typed: counters and gauges, see ``engine.stats``; and
+the scheduler side's histograms, ``transfer_histograms``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from engine.stats import Stats, counter, gauge
+from kvconnector.nixl.histogram import Histogram
+
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
 
 @dataclass
@@ -54,3 +59,37 @@ class NixlWorkerStats(Stats):
         "wire time: divide by kv_rank_transfers_done_total for the mean)"
     )
     kv_notifs_received_total: int = counter("KV-landed notifications received, all ranks")
+
+
+def transfer_histograms() -> dict[str, Histogram]:
+    """The scheduler-side connector's histograms by metric name (``/metrics``), empty."""
+    return {
+        "kv_transfer_duration_seconds": Histogram(
+            "KV push duration as the engine sees it: from the step that issues the "
+            "WRITEs to all ranks reported done (the posting step and the report included; "
+            "the wire time alone is kv_rank_write_seconds_total)",
+            DURATION_BUCKETS,
+        ),
+        # One histogram per hop of a P/D request (docs/performance.md, "P/D hops").
+        "kv_prefill_to_push_seconds": Histogram(
+            "P: prefill finished -> its WRITEs issued (waiting for D's reservation)",
+            DURATION_BUCKETS,
+        ),
+        "kv_push_exposed_seconds": Histogram(
+            "P: prefill finished -> its push done on every rank (the part of the push "
+            "not hidden behind the prefill; a pipelined push overlaps it)",
+            DURATION_BUCKETS,
+        ),
+        "kv_load_wait_seconds": Histogram(
+            "D: blocks reserved -> the KV landed on every rank (P's queue, prefill and push)",
+            DURATION_BUCKETS,
+        ),
+        "kv_notif_to_step_seconds": Histogram(
+            "D: the last rank got its notification -> the engine step that saw it",
+            DURATION_BUCKETS,
+        ),
+        "kv_transfer_descriptors": Histogram(
+            "NIXL descriptors per transfer per rank (one per contiguous block run)",
+            DESCRIPTOR_BUCKETS,
+        ),
+    }
