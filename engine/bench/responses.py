@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.bench.stats import RequestResult
+from engine.bench.stats import RequestResult, TokenClock
 from engine.httpkit.sse_reader import SSEReader
 
 RESPONSES_ENDPOINT = "/v1/responses"
@@ -81,7 +81,7 @@ async def read_events(lines: Any, r: RequestResult, start: float) -> None:
     """Time one Responses stream (``lines``: its text lines) into ``r``; ``start``: the
     send time (``perf_counter``). Sets ``r.error`` when the stream fails or ends without
     its final event, or when that event has no usage."""
-    last: float | None = None
+    clock = TokenClock(r, start)
     final: dict[str, Any] | None = None
     async for event in SSEReader(lines):
         if not isinstance(event, dict):  # no event a server sends: skipped
@@ -90,12 +90,7 @@ async def read_events(lines: Any, r: RequestResult, start: float) -> None:
         if kind in TOKEN_EVENTS:
             if not event.get("delta"):
                 continue
-            now = time.perf_counter()
-            if last is None:
-                r.ttft = now - start
-            else:
-                r.itl.append(now - last)
-            last = now
+            clock.tick()
         elif kind in FINAL_EVENTS:
             final = event.get("response")
             break

@@ -28,7 +28,7 @@ from typing import Any
 
 from engine.bench.responses import is_responses, read_events, responses_body
 from engine.bench.serve_args import AUTH_HINT, auth_headers, fill_defaults, validate
-from engine.bench.stats import RequestResult, ServeSummary
+from engine.bench.stats import RequestResult, ServeSummary, TokenClock
 from engine.bench.words import WORDS
 from engine.httpkit.sse_reader import SSEReader
 
@@ -147,7 +147,7 @@ async def send_one(
 
 async def _stream(client: Any, url: str, body: dict[str, Any], r: RequestResult) -> None:
     start = time.perf_counter()
-    last: float | None = None
+    clock = TokenClock(r, start)
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
             raw = (await resp.aread()).decode("utf-8", "replace")
@@ -165,12 +165,7 @@ async def _stream(client: Any, url: str, body: dict[str, Any], r: RequestResult)
                 return
             n = _chunk_tokens(chunk)
             if n:
-                now = time.perf_counter()
-                if last is None:
-                    r.ttft = now - start
-                else:
-                    r.itl.append(now - last)
-                last = now
+                clock.tick()
                 r.output_tokens += n
             usage = chunk.get("usage")
             if usage:

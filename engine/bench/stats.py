@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -120,6 +121,23 @@ class RequestResult:
         d = asdict(self)
         d["tpot"] = self.tpot
         return d
+
+
+class TokenClock:
+    """Times a stream's token arrivals into ``r``: TTFT at the first (from ``start``, the
+    send time, ``perf_counter``), inter-token latencies between the next ones."""
+
+    def __init__(self, r: RequestResult, start: float) -> None:
+        self.r, self.start = r, start
+        self.last: float | None = None
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.r.ttft = now - self.start
+        else:
+            self.r.itl.append(now - self.last)
+        self.last = now
 
 
 def meets_slo(r: RequestResult, slo_ttft_s: float | None, slo_itl_s: float | None) -> bool:
