@@ -299,10 +299,11 @@ class OpenAIServing:
                 large = may_be_large(jobs[0].req)
                 return await json_response(merge_bodies(bodies, n), large=large)
             firsts = await race_disconnect(request, gather_or_cancel([anext(s, None) for s in steps]))  # fmt: skip
-            bad = next((f for f in firsts if f is None or f.finish_reason == "error"), False)
-            if bad is not False:
-                self._finish(jobs[firsts.index(bad)], "error")  # the others: aborted below
-                raise step_error(self.engine, jobs[firsts.index(bad)], bad)
+            failed = (i for i, f in enumerate(firsts) if f is None or f.finish_reason == "error")
+            bad = next(failed, None)
+            if bad is not None:
+                self._finish(jobs[bad], "error")  # the others: aborted below
+                raise step_error(self.engine, jobs[bad], firsts[bad])
             streaming = True
             return SSEResponse(self._stream_many(jobs, firsts, steps, n), on_close=cleanup)
         except ClientDisconnected:
