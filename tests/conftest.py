@@ -2,9 +2,10 @@
 polling) live in ``harness.py``; HF reference models in ``hf_models.py``.
 
 Markers: ``slow`` for every test that starts processes (nodes, proxies, engine worker
-processes, NIXL peers, scripts), so ``pytest -m "not slow"`` runs the in-process unit
-tests alone. A test that uses one of the process fixtures below is marked ``slow`` here;
-others that start processes say so themselves.
+processes, NIXL peers, scripts), and for the long form of an in-process property test
+(``test_property_engine.py``'s many examples), so ``pytest -m "not slow"`` runs the fast
+in-process unit tests alone. A test that uses one of the process fixtures below is marked
+``slow`` here; others say so themselves.
 
 Hardware markers, each skipped here with a reason naming what is missing:
 ``gpu`` (a CUDA GPU), ``multi_gpu(n)`` (n CUDA GPUs), ``rdma`` (an RDMA device UCX can
