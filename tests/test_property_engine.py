@@ -500,8 +500,33 @@ _BOUNDARIES = (
 )
 
 
+# A seeded request whose bad words ban its one allowed id (a row of -inf: token 0) next to
+# one sampling with top-k: it drew another id in that batch (the sorted draw's ties).
+_EMPTIED_ROW = (
+    Setup(64, 16, 4, 2048, 8, async_scheduling=False, prefix_caching=False, by_priority=False),
+    [
+        [
+            Item(
+                _BASE[:5],
+                SamplingParams(
+                    max_tokens=4,
+                    temperature=2.0,
+                    seed=5,
+                    allowed_token_ids=[1],
+                    bad_words_token_ids=((1,),),
+                    logprobs=0,
+                ),
+                arrival=0,
+            ),
+            Item(_BASE[5:9], dataclasses.replace(_SEEDED, top_k=3), arrival=0),
+        ]
+    ],
+)
+
+
 @examples(12)
 @example(case=_BOUNDARIES)
+@example(case=_EMPTIED_ROW)
 @given(case=cases())
 def test_every_request_gets_its_alone_output_under_stress(reference: Reference, case: Case) -> None:
     _check(reference, case)

@@ -291,6 +291,23 @@ def test_allowed_token_ids_with_the_min_tokens_ban(temperature, seed):
     assert Sampler().sample(logits[:1], [greedy], [0], [(4, 6)]) == [4]  # the best of them
 
 
+@pytest.mark.parametrize("neighbour", [{"top_k": 3}, {"top_p": 0.8}, {}])
+def test_a_seeded_row_its_bans_left_empty_draws_token_0_whatever_runs_with_it(neighbour):
+    """``bad_words`` that ban every allowed id leave the row all -inf: it draws token 0
+    (vLLM's), alone and in any batch. It drew another id when a row of the step had
+    top-k or top-p -- the sorted draw's first place among ties, which depends on the
+    batch -- so the request's tokens depended on what ran with it (found by
+    ``test_property_engine.py``)."""
+    vocab = 512
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    empty = SamplingParams(temperature=2.0, seed=5, allowed_token_ids=[1], min_p=0.1)
+    other = SamplingParams(temperature=1.0, seed=7, **neighbour)
+    for pos in range(8):
+        (alone,) = Sampler().sample(logits[:1], [empty], [pos], bad=[(1,)])
+        batched = Sampler().sample(logits, [empty, other, other], [pos] * 3, bad=[(1,), (), ()])
+        assert alone == batched[0] == 0, (pos, alone, batched)
+
+
 def test_allowed_token_ids_stay_right_as_the_batch_changes_and_ids_past_the_vocabulary_go():
     """A request's ids go to the device once and are kept: rows move, requests come and
     go, a step without any leaves none kept, and the answers stay each row's own."""

@@ -20,7 +20,8 @@ a copy, greedy rows too), the temperature divides, ``min_p`` drops the tokens le
 than ``min_p`` times the most likely one, then top-k and top-p. A row whose allowed ids
 are all banned (every one an EOS or stop id before ``min_tokens``) keeps them: the ban is
 lifted for that row, so it still draws an allowed id (vLLM draws from a row of -inf
-alone: token 0). ``compute_logprobs`` -- only called for rows that asked for log
+alone: token 0). A row ``bad_words`` leave without a token (they ban every allowed id)
+draws token 0, as vLLM's, whatever else the step samples. ``compute_logprobs`` -- only called for rows that asked for log
 probabilities, so the rest pay nothing -- is ``log_softmax`` of the model's logits, before
 all of that (vLLM's default ``raw_logprobs``), read back in one more host read.
 
@@ -212,6 +213,10 @@ class Sampler:
             # Noise follows the token id, not its rank, so ties sort the same everywhere.
             pick = torch.argmax(probs / noise.gather(1, idx), dim=-1, keepdim=True)
             sampled = idx.gather(1, pick).squeeze(1)
+            # A row left with no token (bans took every id it allows) draws token 0, as
+            # below and as vLLM's: its first sorted place is wherever the sort left ties
+            # of -inf, which depends on the batch.
+            sampled = sampled.masked_fill(torch.isneginf(sorted_x[:, 0]), 0)
         else:
             probs = torch.softmax(x, dim=-1)
             sampled = torch.argmax(probs / noise, dim=-1)
