@@ -220,6 +220,9 @@ class Sampler:
         else:
             probs = torch.softmax(x, dim=-1)
             sampled = torch.argmax(probs / noise, dim=-1)
+            # A row left with no token has NaN probabilities; say token 0 outright rather
+            # than lean on where a device's argmax finds the first NaN.
+            sampled = sampled.masked_fill(torch.isneginf(x).all(dim=-1), 0)
         return torch.where(greedy_t, logits.argmax(dim=-1), sampled)
 
     def _apply_grammar(self, logits: torch.Tensor, buf: np.ndarray) -> torch.Tensor:
