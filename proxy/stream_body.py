@@ -23,7 +23,8 @@ with ``[DONE]``:
   ``pdproxy_stream_migrations_total``.
 * D's own error event after its tokens is forwarded as the stream's last event (the
   session's outcome "error"); a failure the proxy cannot rerun or move, and a fault of
-  the proxy's own, end it with the proxy's error event.
+  the proxy's own, end it with the proxy's error event; a node's answer for the client
+  (``PassThrough``: a refusal, or load with no node left) with that answer's error.
 * The stream's end read (``[DONE]``): D's connection drained for reuse (bounded by
   ``--health-timeout``), the attempt finished, and the router told what D now caches.
 
@@ -168,7 +169,10 @@ class StreamBody:
         self, err: UpstreamError | APIError | PassThrough | NodeHTTPError | ValueError
     ) -> str:
         """The stream ends with the proxy's error event for ``err`` (the node that failed
-        leaves the rotation)."""
+        leaves the rotation). A node's answer for the client (``PassThrough``: its refusal
+        of the request, or load with no node left) ends it with the error that answer's
+        body carries, as before the headers (there with its status): load stays load
+        (``overloaded``, to retry later), never an ``upstream_error``."""
         s = self.s
         if isinstance(err, UpstreamError) and err.node_fault:
             err.node.mark_failed(err.detail)
@@ -180,8 +184,8 @@ class StreamBody:
             outcome = "diverged" if isinstance(err, Diverged) else "failed"
             s.metrics.migrations.labels(outcome).inc()
         s.outcome = "error"
-        msg = err.message if isinstance(err, APIError) else f"upstream failure: {err}"
         if isinstance(err, PassThrough):
-            msg = f"the request was refused after the first token: {err}"
+            return sse_event(err.body)
+        msg = err.message if isinstance(err, APIError) else f"upstream failure: {err}"
         code = err.code if isinstance(err, APIError) and err.code else "upstream_error"
         return sse_event(error_body(msg, "server_error", None, code))

@@ -436,7 +436,7 @@ def test_a_load_error_after_the_prefill_token_moves_to_a_decode_node_not_tried()
 
 def test_a_load_error_after_the_prefill_token_on_every_node_ends_with_an_error_event() -> None:
     """Every D answers with load after P's token: each is tried once (the nodes stay in
-    rotation), then the stream ends with an error event naming the refusal, and [DONE]."""
+    rotation), then the stream ends with D's load answer as its error event, and [DONE]."""
 
     async def main() -> tuple[httpx.Response, list[int], list[bool]]:
         decodes = [error_first(LOAD, 429, delay=AFTER_P)] * 2
@@ -450,6 +450,55 @@ def test_a_load_error_after_the_prefill_token_on_every_node_ends_with_an_error_e
     assert "busy" in errors[0]["error"]["message"], errors
     assert resp.text.endswith("data: [DONE]\n\n")
     assert seen == [1, 1] and all(healthy)
+
+
+NOT_RESERVED = {"error": {"message": "no decode node reserved blocks within 4 s",
+                          "type": "invalid_request_error", "param": None,
+                          "code": "kv_transfer_not_reserved"}}  # fmt: skip
+
+
+@pytest.mark.parametrize("why", ["decode-load", "no-room"])
+def test_load_with_no_node_left_after_the_prefill_token_ends_with_the_load_answer(
+    why: str,
+) -> None:
+    """P's first token reached the client, then no node is left for load: every D
+    answered with load (``decode-load``), or D1 did and the rerun's P ended its leg with
+    409 ``kv_transfer_not_reserved`` (``no-room``). Before the headers these are the
+    node's 429 (its body) and the proxy's 503 ``overloaded`` with ``Retry-After``; after
+    them the stream ends with that same error object, load to retry later -- it was the
+    proxy's ``upstream_error`` saying the request was "refused" ("busy"), as for a
+    failed node. No node leaves the rotation and every node's load is released."""
+    p_calls: list[SeenRequest] = []
+
+    async def prefill(req: SeenRequest) -> bytes:
+        p_calls.append(req)
+        if why == "no-room" and len(p_calls) > 1:
+            return answer(409, NOT_RESERVED)
+        return await _prefill()(req)
+
+    async def waiting(req: SeenRequest) -> bytes:
+        await asyncio.sleep(30)  # never reserves: its leg waits until it is cancelled
+        return answer(200, {})
+
+    d2 = error_first(LOAD, 429, delay=AFTER_P) if why == "decode-load" else waiting
+
+    async def main() -> tuple[httpx.Response, list[bool], list[int]]:
+        decodes = [error_first(LOAD, 429, delay=AFTER_P), d2]
+        async with proxy_over(decodes, prefill, max_retries=0) as (client, _, pool):
+            resp = await post(client, "chat", True)
+            return resp, [n.healthy for n in pool.all()], [n.outstanding for n in pool.all()]
+
+    resp, healthy, load = asyncio.run(main())
+    assert resp.status_code == 200, resp.text
+    text, errors = answer_text("chat", resp)
+    assert text == "t7" and len(errors) == 1, resp.text
+    if why == "decode-load":
+        assert errors == [LOAD], errors  # the body D's 429 would have carried
+    else:
+        assert errors[0]["error"]["code"] == "overloaded", errors
+        assert "no room" in errors[0]["error"]["message"], errors
+    assert resp.text.endswith("data: [DONE]\n\n")
+    assert all(healthy) and load == [0, 0, 0], (healthy, load)
 
 
 def test_a_decode_node_that_hangs_before_its_first_token_is_given_up(
