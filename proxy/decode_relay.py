@@ -5,10 +5,11 @@ waits and retries, ``proxy/stream_body.py`` the stream's reruns and migrations; 
 D's event stream once per attempt (``events_of``; the stream a look-ahead for D's first
 token read stays the one relayed; read to that token before the client's headers when
 D's stream is the whole answer, ``until_first_token``: a failure before it is the
-attempt's), and relays each event: D's error event is forwarded and ends the relay
-(``d_error``) -- but one before any of D's answer reached the client (after P's streamed
-first token) that is not the client's 4xx is the attempt's failure, as a broken
-connection there is (rerun, or moved for load) --, the usage chunk of one choice of several is kept
+attempt's), and relays each event: D's error event that is not the client's 4xx is the
+attempt's failure, wherever it comes, as a broken connection there is (before any of D's
+answer reached the client: rerun, or moved for load; after: the stream moved, or ended by
+``proxy/stream_body.py``); the client's 4xx is forwarded and ends the relay
+(``d_error``); the usage chunk of one choice of several is kept
 (``usage``: the request's is the sum of its choices'), every other event is rewritten by
 ``ClientStream`` (dropped when nothing of it is left to send), and a token's inter-token
 latency is observed.
@@ -120,17 +121,19 @@ class DecodeRelay:
 
     async def relay(self, events: DecodeEvents, attempt: Attempt) -> AsyncIterator[str]:
         """D's events of ``attempt``, rewritten for the client (``sent`` once one is
-        yielded); D's error event is forwarded and ends the relay (``d_error``) -- unless
-        none of D's answer reached the client yet (P's streamed first token may have) and
-        the event is not the client's fault: then it raises the ``UpstreamError`` it
-        stands for (``legs.event_error``), as D's connection breaking there would, and
-        the session reruns the request (a failure) or moves it (load)."""
+        yielded). D's error event that is the client's 4xx is forwarded and ends the relay
+        (``d_error``); any other raises the ``UpstreamError`` it stands for
+        (``legs.event_error``), as D's connection breaking there would: before any of D's
+        answer reached the client (P's streamed first token may have) the session reruns
+        the request (a failure) or moves it (load); after, the stream moves
+        (``--migration-limit``) or ends with the proxy's event (``StreamBody``)."""
         async for obj in events:
-            if "error" in obj and not self.sent and not self.out.has_decode_part:
-                err = event_error(attempt.d, obj)
+            if "error" in obj:
+                first = not self.sent and not self.out.has_decode_part
+                err = event_error(attempt.d, obj, before_token=first)
                 if not err.refuses_request:
                     raise err
-            if "error" in obj:
+                # The client's 4xx: D's answer to it, as D sent it.
                 self.metrics.errors.labels("stream_error").inc()
                 logger.warning("request %s: decode reported %s", self.request_id, obj)
                 self.d_error = True

@@ -13,9 +13,9 @@ that fails raises ``UpstreamError``; ``node_fault`` tells a node failure (connec
 error, timeout, 5xx: retry elsewhere) from a refusal of the request (4xx: the client's);
 ``overloaded`` marks a load answer (429, or 503 with ``code: overloaded``): the node is
 healthy but busy, neither a failure of the node nor the client's fault; only a refusal
-of the request itself (``refuses_request``) is the client's answer. D's error event that
-comes before its first token is such an error too, of the status it stands for
-(``event_error``).
+of the request itself (``refuses_request``) is the client's answer. D's error event is
+such an error too, of the status it stands for (``event_error``), wherever in its stream
+it comes.
 """
 
 from __future__ import annotations
@@ -139,18 +139,20 @@ def event_status(error: dict[str, Any]) -> int:
     return 503 if code == OVERLOADED_CODE else 500
 
 
-def event_error(node: Node, event: dict[str, Any]) -> UpstreamError:
-    """D's error event that came before any of its tokens, as the error of the HTTP answer
-    it stands for (``event_status``): nothing of D's answer reached the client, so it is
-    handled as that answer would be -- retried elsewhere, passed through as the node's
-    refusal, moved for load (after P's streamed first token: ``DecodeRelay.relay``)."""
+def event_error(node: Node, event: dict[str, Any], before_token: bool = True) -> UpstreamError:
+    """D's error event as the error of the HTTP answer it stands for (``event_status``).
+    Before any of D's tokens reached the client (``before_token``) it is handled as that
+    answer would be -- retried elsewhere, passed through as the node's refusal, moved for
+    load; after them (``DecodeRelay.relay``) all but the client's 4xx are handled as D's
+    stream breaking there (the stream moved, or ended with the proxy's event)."""
     error = event.get("error")
     if not isinstance(error, dict):  # ``{"error": "text"}``: no type to tell by
         error = {"message": str(error)[:200], "type": "server_error", "param": None, "code": None}
         event = {"error": error}
     status = event_status(error)
     message = str(error.get("message"))[:200]
-    return UpstreamError(node, f"error event {status} before its first token: {message}",
+    where = "before its first token" if before_token else "after its tokens"
+    return UpstreamError(node, f"error event {status} {where}: {message}",
                          status=status, body=event)  # fmt: skip
 
 

@@ -21,8 +21,10 @@ with ``[DONE]``:
   calls or reasoning (``Session.shaped_by_d``), nor after the answer's ``finish_reason``
   was sent. Moves are counted in ``Session.migrations`` and, by how the stream ended, in
   ``pdproxy_stream_migrations_total``.
-* D's own error event after its tokens is forwarded as the stream's last event (the
-  session's outcome "error"); a failure the proxy cannot rerun or move, and a fault of
+* D's error event after its tokens is handled as D's stream breaking there (moved, or
+  the stream ended as below; D leaves the rotation unless it was load), but for the
+  client's 4xx: forwarded as the stream's last event (the session's outcome "error").
+  A failure the proxy cannot rerun or move, and a fault of
   the proxy's own, end it with the proxy's error event; a node's answer for the client
   (``PassThrough``: a refusal, or load with no node left) with that answer's error.
 * The stream's end read (``[DONE]``): D's connection drained for reuse (bounded by
@@ -186,6 +188,8 @@ class StreamBody:
         s.outcome = "error"
         if isinstance(err, PassThrough):
             return sse_event(err.body)
+        if isinstance(err, UpstreamError) and err.overloaded and err.body is not None:
+            return sse_event(err.body)  # D's load event mid-answer, no move left
         msg = err.message if isinstance(err, APIError) else f"upstream failure: {err}"
         code = err.code if isinstance(err, APIError) and err.code else "upstream_error"
         return sse_event(error_body(msg, "server_error", None, code))

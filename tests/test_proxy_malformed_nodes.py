@@ -394,13 +394,21 @@ def test_the_proxy_logs_each_requests_end(caplog: pytest.LogCaptureFixture) -> N
     ), ends
 
 
+@pytest.mark.parametrize("kind", ["server", "client"])
 @pytest.mark.parametrize("prestream", [True, False], ids=["prestreamed", "whole-from-d"])
-def test_a_decode_error_event_followed_by_done_leaves_the_request_failed(prestream: bool) -> None:
-    """D streams a token, its own error event, then [DONE]: the client gets the error and
+def test_a_decode_error_event_followed_by_done_leaves_the_request_failed(
+    prestream: bool, kind: str
+) -> None:
+    """D streams a token, its own error event, then [DONE]: the client gets an error and
     [DONE]; the session's outcome stays "error" (a review asked whether D's [DONE] made it
     "ok": the relay ends at the error event and never reads the [DONE]), counted once as
-    ``stream_error``; D reported the failure itself, so it stays in rotation."""
-    error = {"error": {"message": "engine died", "type": "server_error"}}
+    ``stream_error``. A server error is D's failure, as its stream breaking there: the
+    proxy's ``upstream_error`` naming it, and D leaves the rotation (it stayed, "D
+    reported it itself", while the same event before its first token took it out); the
+    client's 4xx is D's answer to it: D's event as sent, D stays in rotation."""
+    error: dict[str, Any] = {"error": {"message": "engine died", "type": "server_error"}}
+    if kind == "client":
+        error = {"error": {"message": "bad", "type": "invalid_request_error", "code": None}}
 
     async def decode(req: SeenRequest) -> bytes:
         return chunked(200, _sse(_token(7), _token(8), error))
@@ -413,7 +421,12 @@ def test_a_decode_error_event_followed_by_done_leaves_the_request_failed(prestre
         ):
             await asyncio.wait_for(s.start_stream(), 20)
             events = sse_chunk_events([c async for c in s.events()])
-            assert events[-1] == error and s.outcome == "error", (s.outcome, events)
+            assert s.outcome == "error", (s.outcome, events)
+            if kind == "client":
+                assert events[-1] == error, events
+            else:
+                assert events[-1]["error"]["code"] == "upstream_error", events
+                assert "engine died" in events[-1]["error"]["message"], events
             scrape = text_string_to_metric_families(s.metrics.render().decode())
             errors = {
                 x.labels["kind"]: x.value
@@ -422,6 +435,7 @@ def test_a_decode_error_event_followed_by_done_leaves_the_request_failed(prestre
                 if x.name == "pdproxy_request_errors_total"
             }
             assert errors["stream_error"] == 1 and errors["client_disconnect"] == 0, errors
-            assert pool.nodes("decode")[0].healthy and pool.nodes("prefill")[0].healthy
+            assert pool.nodes("decode")[0].healthy == (kind == "client")
+            assert pool.nodes("prefill")[0].healthy
 
     asyncio.run(main())

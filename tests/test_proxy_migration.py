@@ -259,3 +259,88 @@ def test_a_moved_stream_that_ends_in_an_error_counts_as_a_failed_migration(
             await check(cfg, pool)
 
     asyncio.run(main())
+
+
+# -- D's own error event mid-answer: a failure moves like a broken connection --------------
+
+SERVER_ERROR = {"error": {"message": "engine died", "type": "server_error", "code": None}}
+MID_ANSWER_EVENTS = {
+    "server_error": SERVER_ERROR,
+    "vllm-500": {"error": {"message": "boom", "type": "InternalServerError", "code": 500}},
+    "unknown-type": {"error": {"message": "weird", "type": "WeirdError"}},  # 500
+    "text": {"error": "it broke"},  # no type to tell by: 500
+    "load": {"error": {"message": "busy", "type": "rate_limit_error", "code": "overloaded"}},
+}
+
+
+def _d1_errs_after_three(event: dict[str, Any]) -> Any:
+    """P's first token (7) repeated, then 8 and 9; then ``event`` (and [DONE])."""
+
+    async def decode(req: SeenRequest) -> bytes:
+        return chunked(200, _sse(_token(7), _token(8), _token(9), event))
+
+    return decode
+
+
+@pytest.mark.parametrize("event", list(MID_ANSWER_EVENTS))
+def test_a_decode_error_event_mid_answer_moves_the_stream_like_a_broken_connection(
+    event: str,
+) -> None:
+    """D1 streams tokens, then its own error event that is not the client's (a 5xx by its
+    ``code``, an unknown ``type`` or none: 500; load): with --migration-limit the stream
+    moves on as when D1's connection breaks there -- D2 replays, the client gets every
+    token once and no error. A failed D1 leaves the rotation (load: it stays); the
+    router's load for the request moved from D1 to D2. It used to end the stream with
+    D1's event, D2 never asked."""
+    loads: list[list[int]] = []
+    pools: list[Any] = []
+    d2 = _d2_streams(7, 8, 9, 10, 11)
+
+    async def d2_counting(req: SeenRequest) -> bytes:
+        loads.append([n.outstanding for n in pools[0].nodes("decode")])
+        return await d2(req)
+
+    async def main() -> tuple[list[int], list[dict[str, Any]], Any]:
+        d1 = _d1_errs_after_three(MID_ANSWER_EVENTS[event])
+        async with _p_and_two_d(_prefill, d1, d2_counting, migration_limit=1) as (c, pool, _):
+            pools.append(pool)
+            ids, events = await _stream_through_session(c, pool, max_tokens=5)
+            return ids, events, pool
+
+    ids, events, pool = asyncio.run(main())
+    assert ids == [7, 8, 9, 10, 11] and _text(events) == "t7t8t9t10t11", events
+    assert not any("error" in e for e in events), events
+    assert loads == [[0, 1]], loads  # D1's load released when the stream moved to D2
+    assert [n.outstanding for n in pool.all()] == [0, 0, 0]
+    assert [n.healthy for n in pool.nodes("decode")] == [event == "load", True]
+
+
+@pytest.mark.parametrize("event", ["server_error", "load"])
+def test_a_decode_error_event_mid_answer_with_no_move_left_ends_as_a_broken_stream(
+    event: str,
+) -> None:
+    """No --migration-limit: D1's server error event after its tokens ends the stream as
+    its connection breaking there does -- the proxy's ``upstream_error`` event naming
+    D1's error, then [DONE] -- and D1 leaves the rotation (a failure of the node,
+    wherever in the answer; it stayed in rotation with its event passed on as sent).
+    Load stays load: the stream ends with D1's load event, and D1 stays in rotation."""
+    d2 = _d2_streams(7, 8, 9, 10, 11)
+    ids, events, pool = _run(d2, d1=_d1_errs_after_three(MID_ANSWER_EVENTS[event]))
+    assert ids == [7, 8, 9] and len([e for e in events if "error" in e]) == 1, events
+    if event == "load":
+        assert events[-1] == MID_ANSWER_EVENTS["load"], events
+    else:
+        assert events[-1]["error"]["code"] == "upstream_error", events
+        assert "engine died" in events[-1]["error"]["message"], events
+    assert d2.seen == [] and [n.healthy for n in pool.nodes("decode")] == [event == "load", True]
+
+
+def test_the_clients_error_event_mid_answer_is_not_moved() -> None:
+    """D1 refuses the request itself after its tokens (a 4xx event: another node would
+    too): the stream ends with D1's event as D1 sent it, no other node is asked, and D1
+    stays in rotation, --migration-limit or not."""
+    client = {"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}}
+    d2 = _d2_streams(7, 8, 9, 10, 11)
+    ids, events, pool = _run(d2, d1=_d1_errs_after_three(client), migration_limit=1)
+    assert ids == [7, 8, 9] and events[-1] == client, events
+    assert d2.seen == [] and all(n.healthy for n in pool.all())
