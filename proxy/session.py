@@ -232,12 +232,7 @@ class Session:
         while True:
             attempt = self._launch()
             try:
-                try:
-                    resp = await attempt.wait_decode()
-                except UpstreamError as e:
-                    if e.node is not attempt.p or not self.retries.d_may_answer_alone(attempt, e):
-                        raise
-                    resp = await self._decode_despite_prefill(attempt, e)
+                resp = await self._wait_decode(attempt)
                 raw = await attempt.watched(resp.aread())
                 attempt.finished = True
                 attempt.d.mark_answered()
@@ -284,7 +279,7 @@ class Session:
                         self._first_tid = attempt.transfer_id
                         return
                 else:
-                    await attempt.wait_decode()
+                    await self._wait_decode(attempt)
                 await self.relay.until_first_token(attempt)
                 return
             except UpstreamError as e:
@@ -355,6 +350,17 @@ class Session:
         finally:
             if peek is not None and not peek.done():
                 peek.cancel()  # a read in flight stays with the stream (see DecodeEvents)
+
+    async def _wait_decode(self, attempt: Attempt) -> NodeResponse:
+        """D's open answer of ``attempt``; P failing first, when D may answer alone
+        (``Retries.d_may_answer_alone``), leaves D's answer the client's whole one --
+        non-streamed or streamed from D alone (not pre-streamed) alike."""
+        try:
+            return await attempt.wait_decode()
+        except UpstreamError as e:
+            if e.node is not attempt.p or not self.retries.d_may_answer_alone(attempt, e):
+                raise
+            return await self._decode_despite_prefill(attempt, e)
 
     async def _decode_despite_prefill(self, attempt: Attempt, err: UpstreamError) -> NodeResponse:
         """P failed (``Retries.d_may_answer_alone``): P leaves the rotation, and D's answer (its

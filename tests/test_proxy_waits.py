@@ -682,6 +682,34 @@ def test_a_non_streamed_request_whose_only_prefill_node_dies_is_answered_by_the_
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("fields", [{"stop": ["@@"]}, {"echo": True}], ids=["stop", "echo"])
+def test_a_stream_not_prestreamed_whose_only_prefill_node_dies_is_answered_by_the_decode_node(
+    fields: dict[str, Any],
+) -> None:
+    """As for prestreamed and non-streamed requests: P dead, no other P, D's leg open --
+    D's stream (the whole answer: a stop string, echo) is the client's. It was a 503
+    ``no_healthy_nodes``: the request was retried, and no P was left."""
+
+    async def dead(req: SeenRequest) -> None:
+        await asyncio.sleep(0.2)
+        return None
+
+    async def decode(req: SeenRequest) -> bytes:
+        await asyncio.sleep(0.8)
+        return chunked(200, _sse(_token(7), _token(8), _token(9, "length")))
+
+    async def main() -> None:
+        async with StandIn(_node(dead)) as p, StandIn(_node(decode)) as d:
+            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            ids, events = await _stream_through_session(cfg, pool, **fields)
+            assert ids == [7, 8, 9] and not any("error" in e for e in events), events
+            assert not pool.nodes("prefill")[0].healthy
+            assert pool.nodes("decode")[0].healthy
+
+    asyncio.run(main())
+
+
 def test_an_unreachable_prefill_node_ends_the_wait_after_the_decode_stream_opened() -> None:
     """D's stream is open (a rerun after P's token was streamed) and P hangs: the wait for
     P's answer still ends once P is unreachable (a refactor once checked it only while D's
