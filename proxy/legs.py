@@ -65,6 +65,14 @@ class UpstreamError(Exception):
         self.status = status
         self.body = body
         self.retry_after = retry_after  # the node's Retry-After header, if any
+        self._marked = False  # ``mark_failed`` took the node out for this error
+
+    def mark_failed(self) -> None:
+        """Take the node out of rotation for this error, once however many paths handle
+        it (a prefill leg's failure is marked when it happens: ``Attempt``)."""
+        if not self._marked:
+            self._marked = True
+            self.node.mark_failed(self.detail)
 
     @property
     def overloaded(self) -> bool:
@@ -277,6 +285,7 @@ class Attempt:
         self.p_task: asyncio.Future[dict[str, Any]] | None = None
         if p is not None:
             self.p_task = asyncio.ensure_future(legs.prefill(req, p, rid, tid))
+            self.p_task.add_done_callback(_prefill_ended)
         d.outstanding += 1
         d.requests_total += 1
         self._d_leased = True
@@ -393,6 +402,17 @@ class Attempt:
                 self.legs.spawn(self.legs.abort(self.d, self.transfer_id))
             if self.p is not None:
                 self.legs.spawn(self.legs.abort(self.p, self.transfer_id))
+
+
+def _prefill_ended(task: asyncio.Future[Any]) -> None:
+    """P's leg failed as a node (``node_fault``): P leaves the rotation now, whether or not
+    the request still waits for it -- D's answer may have come first (D recomputed the
+    prompt) and be relayed still, and nothing would look at P's leg again."""
+    if task.cancelled():
+        return
+    err = task.exception()
+    if isinstance(err, UpstreamError) and err.node_fault:
+        err.mark_failed()
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

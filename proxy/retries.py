@@ -87,13 +87,13 @@ class Retries:
             logger.info("request %s: %s", self.request_id, err)
         elif err.params_refused is not None:  # the proxy's parameters: never the client's
             logger.warning("request %s: %s", self.request_id, err)
-            err.node.mark_failed(err.detail)
+            err.mark_failed()
         elif err.refuses_request:
             logger.info("request %s refused by %s", self.request_id, err)
             raise PassThrough(err.status or 400, err.body or error_body(str(err)))
         else:
             logger.warning("request %s: %s", self.request_id, err)
-            err.node.mark_failed(err.detail)
+            err.mark_failed()
         self.excluded.add(err.node.url)
         if err.not_reserved:  # no other prefill node: D prefills by itself, as it just did
             self.decode_alone = not self.router.has_other("prefill", self.excluded)

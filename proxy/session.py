@@ -365,7 +365,7 @@ class Session:
     async def _decode_despite_prefill(self, attempt: Attempt, err: UpstreamError) -> NodeResponse:
         """P failed (``Retries.d_may_answer_alone``): P leaves the rotation, and D's answer (its
         headers come with its first token) is awaited, watched for a hung D."""
-        err.node.mark_failed(err.detail)
+        err.mark_failed()
         logger.warning(
             "request %s: %s, and no other prefill node is ready; the decode node answers "
             "alone (it recomputes the prompt when its KV does not come)", self.request_id, err,

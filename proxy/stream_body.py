@@ -177,7 +177,7 @@ class StreamBody:
         (``overloaded``, to retry later), never an ``upstream_error``."""
         s = self.s
         if isinstance(err, UpstreamError) and err.node_fault:
-            err.node.mark_failed(err.detail)
+            err.mark_failed()
         elif isinstance(err, NodeHTTPError) and s.current is not None:
             s.current.d.mark_failed(f"decode stream broke: {err}")
         logger.warning("request %s failed mid-stream: %s", s.request_id, err)

@@ -710,6 +710,52 @@ def test_a_stream_not_prestreamed_whose_only_prefill_node_dies_is_answered_by_th
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+def test_a_prefill_node_that_fails_after_the_decode_node_answered_leaves_the_rotation(
+    stream: bool,
+) -> None:
+    """D's answer came first (its first token before P's answer: D recomputed the prompt),
+    then P's leg ends with a 500 while D's answer is still being relayed: the client's
+    answer is D's, whole, and P leaves the rotation, once, as for a P failing first (it
+    stayed in rotation: nobody looked at P's leg again)."""
+
+    async def failing(req: SeenRequest) -> bytes:
+        await asyncio.sleep(0.3)
+        return answer(500, {"error": {"message": "prefill died", "type": "server_error"}})
+
+    async def decode(req: SeenRequest) -> Any:
+        if req.json().get("stream"):
+            first, rest = _sse(_token(7)), _sse(_token(8), _token(9, "length"))
+            first = first[:-1]  # [DONE] comes with the rest
+        else:
+            body = json.dumps({"choices": [{"index": 0, "text": "t7t8t9", "token_ids": [7, 8, 9],
+                                            "finish_reason": "length"}]}).encode()  # fmt: skip
+            first, rest = [body[:10]], [body[10:]]
+
+        async def pieces() -> AsyncIterator[bytes]:
+            yield STREAM_HEAD + b"".join(_chunk(x) for x in first)
+            await asyncio.sleep(1.0)  # P fails meanwhile
+            yield b"".join(_chunk(x) for x in rest) + b"0\r\n\r\n"
+
+        return pieces()
+
+    async def main() -> None:
+        async with StandIn(_node(failing)) as p, StandIn(_node(decode)) as d:
+            cfg = ProxyConfig(prefill=(p.url,), decode=(d.url,), health_interval=0.1)
+            pool = _ready_pool(cfg)
+            if stream:
+                ids, events = await _stream_through_session(cfg, pool)
+                assert ids == [7, 8, 9] and not any("error" in e for e in events), events
+            else:
+                out = await _complete_through_session(cfg, pool)
+                assert out["choices"][0]["token_ids"] == [7, 8, 9], out
+            p_node, d_node = pool.nodes("prefill")[0], pool.nodes("decode")[0]
+            assert not p_node.healthy and p_node.failures_total == 1, p_node
+            assert d_node.healthy and d_node.failures_total == 0, d_node
+
+    asyncio.run(main())
+
+
 def test_an_unreachable_prefill_node_ends_the_wait_after_the_decode_stream_opened() -> None:
     """D's stream is open (a rerun after P's token was streamed) and P hangs: the wait for
     P's answer still ends once P is unreachable (a refactor once checked it only while D's
