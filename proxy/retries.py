@@ -10,11 +10,11 @@ failure was a pair without room (``only_no_room``), and whether the next attempt
 a decode node alone (``decode_alone``).
 
 A node failure (connection error, timeout, 5xx) takes the node out of rotation and the
-request to another pair, until ``--max-retries``: then the client gets 502
-``upstream_error``, or 503 ``overloaded`` with ``Retry-After`` when every pair failed
-because no decode node reserved the KV in time (P's 409 ``kv_transfer_not_reserved``:
-load, and P stays healthy; the next attempt goes without P when no other prefill node is
-left). A node's refusal of the request (4xx) is the client's answer (``PassThrough``). A
+request to another pair, until ``--max-retries`` or until no pair is left (``no_route``):
+then the client gets 502 ``upstream_error``, or 503 ``overloaded`` with ``Retry-After``
+when every pair failed because no decode node reserved the KV in time (P's 409
+``kv_transfer_not_reserved``: load, and P stays healthy; the next attempt goes without P
+when no other prefill node is left). A node's refusal of the request (4xx) is the client's answer (``PassThrough``). A
 load answer (429, or 503 ``overloaded``) moves the request to a node of that role it has
 not tried, without counting as a retry; when none is left the client gets the node's
 answer and its ``Retry-After``. A decode node refusing to pair with P (its
@@ -32,7 +32,7 @@ from engine.server.request_fields import APIError, error_body
 from proxy.config import ProxyConfig
 from proxy.legs import Attempt, UpstreamError
 from proxy.metrics import ProxyMetrics
-from proxy.router import Router
+from proxy.router import NoHealthyNode, PairRefused, Router
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class Retries:
         self.only_no_room = True  # every pair failed for want of room (409 not reserved)
         self.excluded: set[str] = set()  # node URLs this request does not go to again
         self.decode_alone = decode_alone  # the next attempt without a prefill node
+        self.last: UpstreamError | None = None  # the last failure counted in node_failures
 
     def failed(self, attempt: Attempt, err: UpstreamError, migrating: bool = False) -> None:
         """Clean up a failed pair; raise unless another attempt is allowed (``migrating``:
@@ -99,26 +100,44 @@ class Retries:
             self.decode_alone = not self.router.has_other("prefill", self.excluded)
         if not migrating:
             self.node_failures += 1
+        self.last = err
         self.only_no_room = self.only_no_room and err.not_reserved
         if self.node_failures > self.cfg.max_retries:
-            if self.only_no_room:  # no decode node could take the KV in time: load, not a fault
-                logger.info("request %s: no pair had room: %s", self.request_id, err)
-                message = (
-                    f"the request found no room on {self.attempts} prefill/decode pair(s): no "
-                    "decode node reserved blocks for its KV in time; retry later"
-                )
-                raise PassThrough(
-                    503,
-                    error_body(message, "server_error", code="overloaded"),
-                    {"Retry-After": "1"},
-                ) from err
-            raise APIError(
-                f"the request failed on {self.attempts} prefill/decode pair(s); last error: {err}",
-                status_code=502,
-                err_type="server_error",
-                code="upstream_error",
-            ) from err
+            raise self._exhausted(err, "") from err
         self.metrics.retries.labels(err.node.role).inc()
+
+    def no_route(self, err: NoHealthyNode) -> APIError | PassThrough:
+        """The error for the client when no route is left for the request's next attempt
+        (``err``): once it failed on a node (taken out of rotation, so often the last of
+        its role), what a request whose ``--max-retries`` are spent gets -- 502
+        ``upstream_error`` naming the last failure (503 ``overloaded`` when every pair had
+        no room) --; else 503 ``no_healthy_nodes``."""
+        if self.last is not None and not isinstance(err, PairRefused):
+            return self._exhausted(self.last, f" and no other healthy one is left ({err})")
+        return APIError(
+            f"no healthy prefill/decode pair is available: {err}",
+            status_code=503,
+            err_type="server_error",
+            code="no_healthy_nodes",
+        )
+
+    def _exhausted(self, err: UpstreamError, why: str) -> APIError | PassThrough:
+        """The request may not try again after ``err`` (``why``: no route is left)."""
+        if self.only_no_room:  # no decode node could take the KV in time: load, not a fault
+            logger.info("request %s: no pair had room: %s", self.request_id, err)
+            message = (
+                f"the request found no room on {self.attempts} prefill/decode pair(s){why}: "
+                "no decode node reserved blocks for its KV in time; retry later"
+            )
+            return PassThrough(
+                503, error_body(message, "server_error", code="overloaded"), {"Retry-After": "1"}
+            )
+        return APIError(
+            f"the request failed on {self.attempts} prefill/decode pair(s){why}; last error: {err}",
+            status_code=502,
+            err_type="server_error",
+            code="upstream_error",
+        )
 
     def _overloaded(self, err: UpstreamError) -> None:
         """A node answered with load: try another node of its role that this request has

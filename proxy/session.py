@@ -143,8 +143,9 @@ class Session:
         return self.relay.usage
 
     def _launch(self, allow_decode_only: bool = True) -> Attempt:
-        """Start the next pair (or decode node alone); raises APIError 503 when no pair is
-        healthy."""
+        """Start the next pair (or decode node alone); raises ``Retries.no_route``'s error
+        when no pair is healthy (503 ``no_healthy_nodes``; after a failure, the 502 of a
+        request whose retries are spent)."""
         try:
             route = self.router.plan(
                 self.req.key,
@@ -153,12 +154,7 @@ class Session:
                 decode_alone=self.retries.decode_alone,
             )
         except NoHealthyNode as e:
-            raise APIError(
-                f"no healthy prefill/decode pair is available: {e}",
-                status_code=503,
-                err_type="server_error",
-                code="no_healthy_nodes",
-            ) from e
+            raise self.retries.no_route(e) from e
         self.retries.attempts += 1
         self.route = route
         p, d = route.prefill, route.decode

@@ -229,6 +229,35 @@ def test_a_decode_failure_before_any_token_on_every_node_is_a_502(
     assert seen == [1, 1]
 
 
+@pytest.mark.parametrize("mode", ["stream", "json", "after-p"])
+def test_a_failure_on_the_only_decode_node_is_a_502_naming_it(mode: str) -> None:
+    """The only D fails the request (its 500 event, or status): it leaves the rotation and
+    no other D is left to retry on. The client gets what it gets when every D tried has
+    failed (``--max-retries`` spent): 502 ``upstream_error`` naming D's error -- an
+    ``upstream_error`` event after P's token went out. It got 503 ``no_healthy_nodes``
+    ("no healthy decode node"), D's error nowhere, whenever the pool had one D."""
+    delay = AFTER_P if mode == "after-p" else 0.0
+    cfg = {} if mode == "after-p" else WHOLE
+
+    async def main() -> tuple[httpx.Response, list[int]]:
+        async with proxy_over([error_first(SERVER, 500, delay=delay)], **cfg) as (c, ds, _):
+            resp = await post(c, "chat", mode != "json")
+            return resp, [asked(d) for d in ds]
+
+    resp, seen = asyncio.run(main())
+    if mode == "after-p":
+        assert resp.status_code == 200, resp.text
+        text, errors = answer_text("chat", resp)
+        assert text == "t7" and len(errors) == 1, resp.text
+        error = errors[0]["error"]
+    else:
+        assert resp.status_code == 502, resp.text
+        error = resp.json()["error"]
+    assert error["code"] == "upstream_error", error
+    assert "engine failed" in error["message"], error
+    assert seen == [1]
+
+
 @pytest.mark.parametrize(
     "mode", ["whole", "prefill-slow", "json"], ids=["d-whole", "prefill-slow", "json"]
 )
