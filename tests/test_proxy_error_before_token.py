@@ -639,6 +639,8 @@ def test_a_real_decode_node_answers_a_failure_before_any_token_with_its_status(
         ({"message": "x", "type": "server_error", "code": 200}, 500),
         ({"message": "full", "type": "server_error", "code": "overloaded"}, 503),
         (LOAD["error"], 429),
+        ({"message": "x", "type": "WeirdError"}, 500),  # an unknown type, no code
+        ({"message": "x"}, 500),  # neither
     ],
 )
 def test_an_error_event_stands_for_the_status_it_names(error: dict[str, Any], status: int) -> None:

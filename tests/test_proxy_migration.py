@@ -344,3 +344,31 @@ def test_the_clients_error_event_mid_answer_is_not_moved() -> None:
     ids, events, pool = _run(d2, d1=_d1_errs_after_three(client), migration_limit=1)
     assert ids == [7, 8, 9] and events[-1] == client, events
     assert d2.seen == [] and all(n.healthy for n in pool.all())
+
+
+def test_a_server_error_event_in_a_moved_streams_replay_is_another_move() -> None:
+    """D1 breaks mid-answer; D2, replaying what the client has, sends a server error event
+    after its first new token: that is the second move (as D2's connection breaking
+    there), D3 finishes the stream. It ended with D2's event (a moved stream's D never
+    moved again on one)."""
+
+    pools: list[Any] = []
+
+    async def d2_errs_in_replay(req: SeenRequest) -> bytes:
+        pools[0].nodes("decode")[2].set_healthy(True)  # D3 joins now: it is the third pair
+        return chunked(200, _sse(*(_token(i) for i in (7, 8, 9, 10)), SERVER_ERROR))
+
+    async def main() -> tuple[list[int], list[dict[str, Any]], list[bool]]:
+        legs = (_d1_breaks_after_three, d2_errs_in_replay, _d2_streams(7, 8, 9, 10, 11))
+        async with _p_and_ds(_prefill, *legs, migration_limit=2, max_retries=0) as (
+            cfg, pool, _ds,
+        ):  # fmt: skip
+            pools[:] = [pool]
+            pool.nodes("decode")[2].set_healthy(False)  # D1, then D2, then D3
+            ids, events = await _stream_through_session(cfg, pool, max_tokens=5)
+            return ids, events, [n.healthy for n in pool.nodes("decode")]
+
+    ids, events, healthy = asyncio.run(main())
+    assert ids == [7, 8, 9, 10, 11] and _text(events) == "t7t8t9t10t11", events
+    assert not any("error" in e for e in events), events
+    assert healthy == [False, False, True]
