@@ -135,7 +135,7 @@ class DecodeRelay:
                     raise err
                 # The client's 4xx: D's answer to it, as D sent it.
                 self.metrics.errors.labels("stream_error").inc()
-                logger.warning("request %s: decode reported %s", self.request_id, obj)
+                logger.info("request %s: decode refused it: %s", self.request_id, obj)
                 self.d_error = True
                 self.sent = True
                 yield sse_event(obj)
