@@ -99,13 +99,13 @@ def _no_output(out):
 
 
 # -- the NIXL connector's rule -------------------------------------------------------------
-def _producer(**kv):
+def _producer(role: str = "producer", **kv):
     from engine.kv_cache_layout import KVCacheSpec
     from kvconnector.nixl.scheduler import NixlConnectorScheduler
 
     cfg = EngineConfig(
         model=ModelConfig(model="tiny"),
-        kv_transfer=KVTransferConfig(kv_connector="nixl", kv_role="producer", **kv),
+        kv_transfer=KVTransferConfig(kv_connector="nixl", kv_role=role, **kv),
     )
     spec = KVCacheSpec(num_blocks=8, num_layers=4, num_kv_heads=2, block_size=16, head_dim=32,
                        dtype=torch.float32)  # fmt: skip
@@ -162,6 +162,43 @@ def test_a_decode_node_that_gives_up_first_ends_the_waiting_prefill_leg_at_once(
         assert not conn.producer.pending
     finally:
         conn.shutdown()
+
+
+def test_a_decode_leg_ended_before_decode_admitted_it_cancels_the_transfer_on_prefill():
+    """D's leg ends (aborted) while still queued on D: never admitted, so no blocks were
+    reserved and no reservation sent -- D cancels the transfer at P all the same, so P's
+    leg waiting for the reservation fails at once, and a prefill P computed without one
+    (eager) is dropped, instead of either waiting out --kv-transfer-timeout (found by
+    test_property_disagg.py: such an example waited the whole timeout)."""
+    from engine.core.request import RequestStatus
+
+    p_conn = _producer(kv_transfer_timeout=30.0)
+    d_conn = _producer("consumer", kv_transfer_timeout=30.0)
+    try:
+        waiting = _leg("p1", "t1")
+        assert p_conn.delay_admission(waiting) and not p_conn.take_events().failed_waiting
+        assert p_conn.producer.prefill_finished("p2", "t2", [0, 1], 5)  # eager: held
+        for tid in ("t1", "t2"):
+            params = KVTransferParams(
+                do_remote_prefill=True, transfer_id=tid, remote_side_channel=p_conn.address
+            )
+            d_req = Request(f"d-{tid}", [1, 2, 3], GREEDY, kv_transfer_params=params)
+            d_req.status = RequestStatus.FINISHED_ABORTED  # as the scheduler ends it
+            assert d_conn.request_finished(d_req, []) == (False, None)  # holds nothing
+        failed: dict[str, str | None] = {}
+        freed: set[str] = set()
+        deadline = time.monotonic() + 10
+        while (not failed or not freed) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            p_conn.delay_admission(waiting)
+            events = p_conn.take_events()
+            failed |= events.failed_waiting
+            freed |= events.free_blocks
+        assert set(failed) == {"p1"} and "ended before" in str(failed["p1"])
+        assert freed == {"p2"} and not p_conn.producer.pending
+    finally:
+        p_conn.shutdown()
+        d_conn.shutdown()
 
 
 def test_without_reserve_first_a_leg_waits_only_for_a_pipelined_push():

@@ -321,6 +321,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         params = request.kv_transfer_params
         if params is None or not params.disaggregated:
             return False, None
+        if params.do_remote_prefill and request.scheduled_time is None:
+            # Ended while queued here (never admitted): no reservation went out, so
+            # nothing else tells P -- its leg would wait for one, or hold its prefill,
+            # until --kv-transfer-timeout. A cancel of a nonce P never held ends those.
+            self._cancel_unreserved(request, params)
+            return False, None
         with self._lock:
             if params.do_remote_prefill:
                 return self.consumer.aborted(request.request_id), None
@@ -342,6 +348,14 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             remote_engine_id=self.engine_id,
             remote_side_channel=self.address,
         )
+
+    def _cancel_unreserved(self, request: Request, params: KVTransferParams) -> None:
+        p_addr, tid = params.remote_side_channel, request.transfer_id
+        if p_addr is None or tid is None:
+            return
+        nonce = f"{self.incarnation}.{next(self._nonces)}.{secrets.token_hex(8)}"
+        args = (p_addr, tid, nonce, request.request_id, time.monotonic())
+        self.channel.submit(p_addr, self.links.cancel_job, *args, proven=self.links.paired(p_addr))
 
     def abort_held(self, request: Request) -> None:
         with self._lock:
