@@ -16,8 +16,9 @@ prompt is cut from one fixed base):
   round, as a full P would wait on a full D -- the cycle reserve-first prevents), async
   scheduling on P, D chunked (16 tokens a step, so recomputes after a preemption are
   chunked too) with prefix caching;
-* ``hetero`` (the ``slow`` form only): P with TP 2 writes head slices into D's TP 1,
-  block size 8, pipelined in two layer groups.
+* ``hetero`` (the ``many`` form only): P with TP 2 writes head slices into D's TP 1,
+  block size 8, pipelined in two layer groups, checksummed (``kv_checksum=full``), async
+  scheduling on both with the sampled ids read back late (CUDA's default).
 
 A workload's requests share prefixes of the base at block boundaries (1, bs - 1, bs,
 bs + 1, several blocks) with tails of such lengths, up to the context (320 tokens), or
@@ -63,7 +64,16 @@ from fakes import fixed_examples
 from hypothesis import Phase, event, given, note, settings
 from hypothesis import strategies as st
 from pd_utils import nixl_config
-from test_property_engine import EOS, VOCAB, Item, Reference, Result, same_logprob, sampling_params
+from test_property_engine import (
+    EOS,
+    VOCAB,
+    Item,
+    Reference,
+    Result,
+    readback_deferred,
+    same_logprob,
+    sampling_params,
+)
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.core.kv_cache_manager import cdiv
@@ -87,6 +97,7 @@ BASE = tuple((31 * i + 7) % VOCAB for i in range(MAX_MODEL_LEN))
 # less (nothing may end by a deadline: every wait here ends on a message).
 KV_TIMEOUT = 15.0
 EXAMPLE_TIMEOUT = 120.0
+MAX_LEGS, MAX_N = 8, 3  # a round's legs, a leg's children (``n``)
 
 
 # -- the engine pairs ----------------------------------------------------------------------
@@ -108,6 +119,8 @@ class PairSpec:
     reserve_first: bool = True
     tp_p: int = 1
     tp_d: int = 1
+    defer_readback: bool = False  # PDSERVE_DEFER_READBACK=1 (CUDA's default) at start-up
+    checksum: str = "off"  # kv_checksum
 
     @property
     def pieces(self) -> int:
@@ -120,13 +133,14 @@ PIPELINED = PairSpec(
 )  # fmt: skip
 # Eager, P prefills legs D has no room for yet and holds their blocks: a P pool full of
 # those waits on D's until --kv-transfer-timeout (the cycle reserve-first prevents,
-# test_reserve_first.py). Room for every prefill of a round (5 legs of 3 children).
+# test_reserve_first.py). Room for every prefill of a round.
 WHOLE = PairSpec(
-    "whole", 4, p_blocks=15 * MAX_MODEL_LEN // 4, d_blocks=82, d_budget=16, p_prefix=False,
-    p_async=True, reserve_first=False,
+    "whole", 4, p_blocks=MAX_LEGS * MAX_N * cdiv(MAX_MODEL_LEN, 4), d_blocks=82, d_budget=16,
+    p_prefix=False, p_async=True, reserve_first=False,
 )  # fmt: skip
 HETERO = PairSpec(
-    "hetero", 8, p_blocks=80, d_blocks=42, p_budget=64, d_prefix=False, group=2, tp_p=2
+    "hetero", 8, p_blocks=80, d_blocks=42, p_budget=64, d_prefix=False, group=2, tp_p=2,
+    p_async=True, d_async=True, defer_readback=True, checksum="full",
 )  # fmt: skip
 
 
@@ -149,6 +163,7 @@ def _config(spec: PairSpec, side: str) -> EngineConfig:
     kv: dict[str, object] = {
         "kv_transfer_timeout": KV_TIMEOUT,
         "kv_reserve_first": spec.reserve_first,
+        "kv_checksum": spec.checksum,
     }
     if p:
         kv["kv_layer_group_size"] = spec.group
@@ -164,12 +179,13 @@ class Pairs:
     def get(self, spec: PairSpec) -> tuple[EngineCore, EngineCore]:
         if spec.name not in self._pairs:
             logger.info("starting the %s pair", spec.name)
-            p = EngineCore(_config(spec, "producer"))
-            try:
-                d = EngineCore(_config(spec, "consumer"))
-            except BaseException:
-                p.shutdown()
-                raise
+            with readback_deferred(spec.defer_readback):
+                p = EngineCore(_config(spec, "producer"))
+                try:
+                    d = EngineCore(_config(spec, "consumer"))
+                except BaseException:
+                    p.shutdown()
+                    raise
             self._pairs[spec.name] = (p, d)
         return self._pairs[spec.name]
 
@@ -228,7 +244,7 @@ def workloads(draw: st.DrawFn, bs: int, big: bool) -> list[Leg]:
     earlier prompt again."""
     legs: list[Leg] = []
     edges = [1, bs - 1, bs, bs + 1, 2 * bs, 3 * bs + 1]
-    for _ in range(draw(st.sampled_from([3, 2, 5, 1, 4] if big else [2, 3, 1]))):
+    for _ in range(draw(st.sampled_from([3, 2, 5, 1, 4, MAX_LEGS] if big else [2, 3, 1]))):
         if legs and draw(st.integers(0, 3)) == 0:
             prompt = draw(st.sampled_from(legs)).prompt
         else:
@@ -253,7 +269,7 @@ def workloads(draw: st.DrawFn, bs: int, big: bool) -> list[Leg]:
                 params=sp,
                 p_at=draw(st.sampled_from([0, 0, 1, 4])),
                 d_at=draw(st.sampled_from([0, 0, 2, 6])),
-                n=draw(st.sampled_from([1, 1, 1, 2, 3] if big else [1, 1, 2])),
+                n=draw(st.sampled_from([1, 1, 1, 2, MAX_N] if big else [1, 1, 2])),
                 eos=draw(st.booleans()),
                 abort=abort,
                 abort_after=draw(st.sampled_from([0, 1, 3, 8, 20])) if abort else 0,
@@ -459,6 +475,7 @@ def check_case(pairs: Pairs, reference: Reference, spec: PairSpec, rounds: list[
             if any(skipped):
                 reached.add("D prefix hit")
         assert p1["kv_transfer_failures_total"] == p0["kv_transfer_failures_total"] or p_aborted
+        assert d1["kv_checksum_failures_total"] == d0["kv_checksum_failures_total"]
         reached |= {f"finish {run.d.finish_reason}" for run in runs}
         if preempted:
             reached.add("D preempted")
