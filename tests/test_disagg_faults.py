@@ -107,8 +107,13 @@ def pools_full(node: Proc) -> bool:
 
 
 def test_prefill_killed_after_decode_reserved(decode: Proc, procs: Procs):
+    """P dies holding D's reservation: D quarantines the reserved blocks (a late WRITE may
+    land there) and recomputes the prompt into new blocks. Once the answer is out, only the
+    quarantined blocks stay out of use: the new ones were never named to P. They used to be
+    held, with the finished request, until the quarantine ended (2 x the timeout). P's
+    engine worker, orphaned by the SIGKILL of P alone, exits on its own."""
     prefill = procs.node(*NIXL_ARGS, module="prefill_node")
-    prompt = [random.Random(1).randint(0, 255) for _ in range(40)]
+    prompt = [random.Random(1).randint(0, 255) for _ in range(40)]  # 3 blocks
     before_prompt = decode.metric("pdserve_prompt_tokens_total")
     with decode_leg_waiting(prefill, decode, prompt, "killed-1") as fut:
         assert decode.metric("pdserve_engine_num_waiting_for_remote_kv") == 1
@@ -127,6 +132,11 @@ def test_prefill_killed_after_decode_reserved(decode: Proc, procs: Procs):
     # The reserved blocks are not reused right away: they stay quarantined while a
     # late WRITE could still land, and come back after the deadline.
     assert decode.metric("pdserve_engine_num_quarantined_blocks") == 3
+    assert decode.metric("pdserve_engine_kv_quarantined_requests") == 1
+    # The recompute's new blocks are free once the answer is out; the quarantined stay.
+    wait_for(lambda: decode.metric("pdserve_kv_blocks_used") == 3, 3, "D to free the new blocks")
+    assert decode.metric("pdserve_engine_num_quarantined_blocks") == 3  # still quarantined
+    assert decode.metric("pdserve_engine_num_held") == 0
     wait_for(lambda: pools_full(decode), 2 * TIMEOUT_S + 5, "D's quarantined blocks to free")
     assert decode.metric("pdserve_engine_num_quarantined_blocks") == 0
     ref = httpx.post(
@@ -136,26 +146,6 @@ def test_prefill_killed_after_decode_reserved(decode: Proc, procs: Procs):
     ).json()["choices"][0]["token_ids"]
     assert tokens == ref
     wait_gone(kids, 10)
-
-
-def test_a_request_recomputed_after_its_load_failed_frees_its_new_blocks_when_it_ends(
-    decode: Proc, procs: Procs
-):
-    """P dies holding D's reservation: D quarantines the reserved blocks (a late WRITE may
-    land there) and recomputes the prompt into new blocks. Once the answer is out, only the
-    quarantined blocks stay out of use: the new ones were never named to P. They used to be
-    held, with the finished request, until the quarantine ended (2 x the timeout)."""
-    prefill = procs.node(*NIXL_ARGS, module="prefill_node")
-    prompt = [random.Random(2).randint(0, 255) for _ in range(40)]  # 3 blocks
-    with decode_leg_waiting(prefill, decode, prompt, "recomputed-1") as fut:
-        prefill.kill9()
-        resp = fut.result(timeout=60)
-    assert resp.status_code == 200, resp.text
-    assert decode.metric("pdserve_engine_kv_quarantined_requests") == 1
-    wait_for(lambda: decode.metric("pdserve_kv_blocks_used") == 3, 3, "D to free the new blocks")
-    assert decode.metric("pdserve_engine_num_quarantined_blocks") == 3  # still quarantined
-    assert decode.metric("pdserve_engine_num_held") == 0
-    wait_for(lambda: pools_full(decode), 2 * TIMEOUT_S + 5, "D's quarantined blocks to free")
 
 
 def test_liveness_ends_the_wait_long_before_the_deadline(procs: Procs):
