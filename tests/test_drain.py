@@ -94,46 +94,39 @@ def test_sigterm_to_the_whole_process_group_still_drains_a_running_request(procs
     assert "executor dead" not in node.logs(100_000)
 
 
-def test_streams_open_at_the_shutdown_timeout_end_with_an_error_event(procs: Procs):
+def test_answers_still_running_at_the_shutdown_timeout_end_as_draining(procs: Procs):
+    """At the drain deadline a stream still open ends with an error event and [DONE]; a
+    non-streamed request still running, whose answer had not started, gets 503 draining
+    with Retry-After (a proxy retries it elsewhere). It used to get an empty 499, taken
+    for the client's own doing."""
     node = procs.node(*NODE_ARGS, "--shutdown-timeout", "1")
     out: dict = {}
     body = {"prompt": "never finishes", "max_tokens": 4000, "stream": True, **GREEDY}
     t = _stream_in_thread(node.url, body, out)
+    plain: dict = {}
+
+    def run() -> None:
+        resp = httpx.post(node.url + "/v1/completions", json={**body, "stream": False}, timeout=120)
+        plain.update(status=resp.status_code, headers=resp.headers, body=resp.text)
+
+    pt = threading.Thread(target=run, daemon=True)
+    pt.start()
     wait_for(lambda: "first" in out, 60, "the stream to start")
+    wait_for(lambda: node.metric("vllm:num_requests_running", {"model_name": "tiny"}) == 2,
+             60, "both requests to run")  # fmt: skip
     start = time.monotonic()
     node.proc.send_signal(signal.SIGTERM)
     t.join(60)
-    assert not t.is_alive()
+    pt.join(60)
+    assert not t.is_alive() and not pt.is_alive()
     events = out["events"]
     assert events[-1] == "DONE", events[-3:]
     assert events[-2]["error"]["code"] == "draining", events[-3:]
+    assert plain["status"] == 503, plain
+    assert plain["headers"].get("retry-after") == "1"
+    assert '"draining"' in plain["body"]
     assert node.proc.wait(60) == 0, node.logs()
     assert time.monotonic() - start < 30  # not the engine's generation time
-
-
-def test_a_plain_answer_not_started_at_the_shutdown_timeout_is_a_503_draining(procs: Procs):
-    """A non-streamed request still running when the drain deadline cuts it: its answer
-    had not started, so the client gets 503 draining with Retry-After (a proxy retries
-    it elsewhere). It used to get an empty 499, taken for the client's own doing."""
-    node = procs.node(*NODE_ARGS, "--shutdown-timeout", "1")
-    body = {"prompt": "never finishes", "max_tokens": 4000, **GREEDY}
-    out: dict = {}
-
-    def run() -> None:
-        resp = httpx.post(node.url + "/v1/completions", json=body, timeout=120)
-        out["status"], out["headers"], out["body"] = resp.status_code, resp.headers, resp.text
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    wait_for(lambda: node.metric("vllm:num_requests_running", {"model_name": "tiny"}) == 1,
-             60, "the request to run")  # fmt: skip
-    node.proc.send_signal(signal.SIGTERM)
-    t.join(60)
-    assert not t.is_alive()
-    assert out["status"] == 503, out
-    assert out["headers"].get("retry-after") == "1"
-    assert '"draining"' in out["body"]
-    assert node.proc.wait(60) == 0, node.logs()
 
 
 def test_a_node_whose_tp_worker_died_says_so_on_health_at_once(procs: Procs):
