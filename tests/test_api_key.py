@@ -9,7 +9,7 @@ import sys
 
 import httpx
 import pytest
-from harness import Procs
+from harness import PD, Procs
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +21,16 @@ def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def test_a_node_with_an_api_key_refuses_requests_without_it(procs: Procs):
-    node = procs.node("--model", "tiny", "--num-blocks", "64", "--api-key", NODE_KEY)
+@pytest.fixture(scope="module")
+def pd(module_procs: Procs) -> PD:
+    """A prefill and a decode node, both with ``--api-key NODE_KEY`` (one pair for the
+    module: each test started its own nodes, a colocated one and then this pair)."""
+    return module_procs.pd(1, 1, "--num-blocks", "64", "--api-key", NODE_KEY)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_node_with_an_api_key_refuses_requests_without_it(pd: PD, role: str):
+    node = pd.p if role == "prefill" else pd.d
     for path, method in (("/v1/completions", "POST"), ("/v1/abort", "POST"),
                          ("/v1/models", "GET"), ("/v1/kv_transfer_info", "GET")):  # fmt: skip
         for headers in ({}, _bearer("wrong"), {"Authorization": NODE_KEY}):
@@ -35,9 +43,8 @@ def test_a_node_with_an_api_key_refuses_requests_without_it(procs: Procs):
     assert ok.status_code == 200, ok.text
 
 
-def test_the_proxy_checks_its_key_and_passes_the_nodes_key(procs: Procs):
-    pd = procs.pd(1, 1, "--num-blocks", "64", "--api-key", NODE_KEY)
-    proxy = procs.proxy([pd.p.url], [pd.d.url], "--api-key", KEY, "--node-api-key", NODE_KEY)
+def test_the_proxy_checks_its_key_and_passes_the_nodes_key(pd: PD, module_procs: Procs):
+    proxy = module_procs.proxy([pd.p.url], [pd.d.url], "--api-key", KEY, "--node-api-key", NODE_KEY)
     assert httpx.get(proxy.url + "/health").status_code == 200  # both nodes in rotation
     r = httpx.post(proxy.url + "/v1/completions", json=BODY, timeout=60)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
