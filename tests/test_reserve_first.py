@@ -225,7 +225,8 @@ def test_a_full_prefill_node_and_a_full_decode_node_do_not_wait_on_each_other(re
     tokens, 2 blocks) reaches D first. Reserve-first: P waits for A's reservation, B passes
     it, D finishes B and reserves A, and both land by transfer. Eager (the old order, kept
     as --no-kv-reserve-first): P holds A's 15 blocks, D holds B's 2, and neither moves
-    until --kv-transfer-timeout (here 600 s) -- the run gives up after 20 s."""
+    until --kv-transfer-timeout (here 600 s): the state where each waits on the other is
+    checked, and that it holds over further steps."""
     nixl = pytest.importorskip("kvconnector.nixl.transport")
     if not nixl.NIXL_AVAILABLE:
         pytest.skip("nixl not installed")
@@ -263,9 +264,29 @@ def test_a_full_prefill_node_and_a_full_decode_node_do_not_wait_on_each_other(re
         p_leg("B")
         d_leg("A")
         if not reserve_first:
-            with pytest.raises(TimeoutError):
-                run_until([p, d], lambda: len(done) == 2, on_output, timeout=20)
-            assert not done  # both wait on each other
+            # Each holds what the other waits for: P A's 15 blocks for a reservation D has
+            # no room for (14 free), D B's 2 for a push P has no room to compute (1 free).
+            # That state is the deadlock (nothing frees a block before the 600 s timeout);
+            # it is waited for (20 s at most), then seen to hold over 20 more steps of D.
+            def deadlocked() -> bool:
+                ps, ds = p.stats(), d.stats()
+                return (
+                    (ps["kv_held_for_send"], ps["num_waiting"], ps["kv_blocks_free"]) == (1, 1, 1)
+                    and ps["kv_reservations_waiting"] == 1  # B's, from D
+                    and (ds["num_waiting_for_remote_kv"], ds["num_waiting"]) == (1, 2)
+                    and ds["kv_blocks_free"] == 14
+                )
+
+            run_until([p, d], deadlocked, on_output, timeout=20)
+            steps = d.stats()["steps_total"]  # P, with nothing it can schedule, is not stepped
+            run_until(
+                [p, d],
+                lambda: bool(done) or d.stats()["steps_total"] >= steps + 20,
+                on_output,
+                timeout=60,
+            )
+            assert not done and deadlocked()  # both wait on each other
+            assert p.stats()["prompt_tokens_total"] == len(prompts["A"])  # B never computed
             return
         run_until([p, d], lambda: len(done) == 2, on_output, timeout=60)
         with LLM(base) as llm:
