@@ -11,17 +11,19 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from harness import (
     GREEDY,
+    PD,
     Proc,
     Procs,
     kv_pool_full,
     metric,
+    procs_in,
     sse_data,
     sse_events,
     stream_ids,
@@ -256,9 +258,18 @@ def test_requests_whose_only_prefill_node_dies_are_answered_by_the_decode_node(
         assert "no other prefill node is ready" in proxy.logs(20000), proxy.name
 
 
+@pytest.fixture(scope="module")
+def migration_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Procs, PD]]:
+    """One prefill and three decode nodes for the migration tests (their own group: the
+    module's ``setup`` loses nodes to its tests). Each test kills one decode node; its
+    proxy is given two that are alive."""
+    with procs_in(tmp_path_factory.mktemp("migration")) as procs:
+        yield procs, procs.pd(1, 3, "--num-blocks", "256")
+
+
 @pytest.mark.parametrize("route", ["pair", "decode-alone"])
 def test_with_a_migration_limit_a_decode_node_killed_mid_stream_is_not_seen(
-    procs: Procs, route: str
+    migration_nodes: tuple[Procs, PD], route: str
 ) -> None:
     """``--migration-limit 1``: D is SIGKILLed after streaming some tokens; the stream
     moves to the other pair, which replays the answer (checked, not sent again), and the
@@ -267,10 +278,13 @@ def test_with_a_migration_limit_a_decode_node_killed_mid_stream_is_not_seen(
     (``--disagg-min-prompt-tokens``), D's stream is the whole answer; the request is
     unseeded, so the replay only agrees if the rerun samples with the failed transfer's
     seed (the node's ``transfer_seed``; else ``retry_diverged``)."""
-    pd = procs.pd(1, 2, "--num-blocks", "256")
-    urls = [d.url for d in pd.decode]
+    procs, pd = migration_nodes
+    live = [d for d in pd.decode if d.proc.poll() is None][:2]
+    assert len(live) == 2, [d.proc.poll() for d in pd.decode]
+    urls = [d.url for d in live]
     alone = ("--disagg-min-prompt-tokens", "100000") if route == "decode-alone" else ()
-    proxy = procs.proxy([pd.p.url], urls, "--migration-limit", "1", *alone, name="migrating")
+    proxy = procs.proxy([pd.p.url], urls, "--migration-limit", "1", *alone, name=f"mig-{route}")
+    transfers_before = metric(pd.p.url, "pdserve_engine_kv_transfers_started_total")
     body = {"prompt": "Once upon a time", "max_tokens": 160, "stream": True}
     body |= {"temperature": 0.9, "ignore_eos": True}
     if not alone:
@@ -283,7 +297,7 @@ def test_with_a_migration_limit_a_decode_node_killed_mid_stream_is_not_seen(
         first = [next(lines) for _ in range(6)]
         serving = [u for u, n in _decode_health(proxy).items() if n["outstanding"] == 1]
         assert len(serving) == 1, _decode_health(proxy)
-        victim = next(d for d in pd.decode if d.url == serving[0])
+        victim = next(d for d in live if d.url == serving[0])
         victim.kill9()
         rest = list(lines)
     events = sse_data(first + rest)
@@ -293,6 +307,7 @@ def test_with_a_migration_limit_a_decode_node_killed_mid_stream_is_not_seen(
     if not alone:
         assert stream_ids(events) == ref.json()["choices"][0]["token_ids"]
     else:
-        assert metric(pd.p.url, "pdserve_engine_kv_transfers_started_total") == 0  # D alone
+        transfers = metric(pd.p.url, "pdserve_engine_kv_transfers_started_total")
+        assert transfers == transfers_before  # D alone
     assert len(stream_ids(first_events := sse_data(first))) < 160, first_events  # cut mid-way
     assert metric(proxy.url, "pdproxy_stream_migrations_total", {"outcome": "resumed"}) == 1
