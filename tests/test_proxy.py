@@ -540,13 +540,15 @@ def test_cli_complete_and_chat(cluster: Cluster) -> None:
 
 
 def test_a_prefill_node_with_a_small_cache_serves_prompts_whose_answers_it_cannot_hold(
-    procs: Procs,
+    cluster: Cluster, procs: Procs
 ) -> None:
     """P sized for prompts (8 blocks x 16 = 128 tokens), D for whole answers. A prefill
     leg computes the prompt and one token, so P's context bounds the prompt only: the
     answer's budget is D's. (Once a node's context was lowered to its cache, P refused
-    such a leg with a 400 on max_tokens, and the proxy's limit fell to P's 128.)"""
-    ref = procs.node("--model", MODEL, "--num-blocks", "64", name="ref")
+    such a leg with a 400 on max_tokens, and the proxy's limit fell to P's 128.) The
+    reference is the module's colocated node (greedy: its cache size changes nothing)."""
+    ref = cluster.colo
+    assert httpx.get(ref.url + "/v1/models").json()["data"][0]["id"] == MODEL
     p = procs.node(*NIXL, "--num-blocks", "8", module="prefill_node", name="p", wait=False)
     d = procs.node(*NIXL, "--num-blocks", "64", module="decode_node", name="d", wait=False)
     wait_healthy(p, d)
