@@ -44,6 +44,10 @@ PROCESS_FIXTURES = {"procs", "module_procs", "pd_pair"}
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(isolated, "pdserve-isolated")  # @pytest.mark.isolated
     _own_port_slice()
+    # pytest-xdist >= 3.6 hands ``--dist loadfile``'s files out by test count, most first
+    # (its ``--loadscope-reorder``, on by default): that undoes LONGEST_FILES below.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def _own_port_slice() -> None:
@@ -65,18 +69,20 @@ def _own_port_slice() -> None:
     os.environ[PORT_RANGE_ENV] = f"{low}-{low + width}"
 
 
-# The longest test files go first, longest first (measured with ``--durations``, two
-# workers on two cores: ~3 min down to ~1): with ``-n 2 --dist loadfile`` a long file
-# handed out last leaves one worker running it alone at the end. The rest follow in
-# their usual order; a stale entry only costs some balance.
+# The longest test files go first, longest first (per-file sums of ``--durations``, two
+# workers on two cores): with ``-n 2 --dist loadfile`` a long file handed out last leaves
+# one worker running it alone at the end. The rest follow in their usual order; a stale
+# entry only costs some balance. (xdist's own order, most tests first, is turned off in
+# ``pytest_configure``: it put the long files with few tests last.)
 LONGEST_FILES = (
-    "test_gpu_check_script.py", "test_chaos.py", "test_disagg_ucxx.py", "test_pipelined_push.py",
-    "test_disagg.py", "test_disagg_faults.py", "test_proxy_failover.py", "test_proxy.py",
-    "test_ucxx_transport.py", "test_overload.py", "test_launch_scripts.py", "test_model_tp.py",
-    "test_proxy_prefix.py", "test_bench.py", "test_fast_path_cpu.py", "test_drain.py",
-    "test_reserve_first.py", "test_bench_interference.py", "test_api_key.py",
-    "test_readme_demo.py", "test_bench_transfer.py", "test_netns.py", "test_hetero_tp.py",
-    "test_engine.py",
+    "test_gpu_check_script.py", "test_property_engine.py", "test_overload.py",
+    "test_chaos.py", "test_disagg_faults.py", "test_proxy_failover.py", "test_drain.py",
+    "test_disagg_ucxx.py", "test_reasoning_structured.py", "test_proxy.py",
+    "test_proxy_prefix.py", "test_bench.py", "test_tool_calling.py",
+    "test_structured_output.py", "test_fast_path_cpu.py", "test_fuzz_http.py",
+    "test_reserve_first.py", "test_disagg.py", "test_server_http.py", "test_property_http.py",
+    "test_triton_attention.py", "test_ucxx_transport.py", "test_node_serving.py",
+    "test_bench_interference.py", "test_nixl_transport.py",
 )  # fmt: skip
 _FIRST = {name: i for i, name in enumerate(LONGEST_FILES)}
 
