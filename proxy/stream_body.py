@@ -132,17 +132,19 @@ class StreamBody:
         if isinstance(err, NodeHTTPError):
             err = UpstreamError(s.current.d, f"decode stream broke: {err}")
         tid = s.current.transfer_id
+        tokens = s.out.decode_tokens + len(s.out.sent_ids or ())
+        # Raises when no other node may take it (load with none left): then the stream
+        # did not move, and no migration is counted.
+        s.retries.failed(s.current, err, migrating=migrating)
         if migrating:
             s.migrations += 1
             logger.warning(
                 "request %s: %s after %d tokens; moving the stream to another "
-                "pair (migration %d of %d)", s.request_id, err,
-                s.out.decode_tokens + len(s.out.sent_ids or ()),
+                "pair (migration %d of %d)", s.request_id, err, tokens,
                 s.migrations, s.cfg.migration_limit,
             )  # fmt: skip
         else:
             logger.info("request %s: %s before its first token; rerunning", s.request_id, err)
-        s.retries.failed(s.current, err, migrating=migrating)
         s.out.decode_starts()
         if whole:
             await s.rerun_whole(tid)

@@ -372,3 +372,27 @@ def test_a_server_error_event_in_a_moved_streams_replay_is_another_move() -> Non
     assert ids == [7, 8, 9, 10, 11] and _text(events) == "t7t8t9t10t11", events
     assert not any("error" in e for e in events), events
     assert healthy == [False, False, True]
+
+
+def test_a_load_event_mid_answer_with_no_decode_node_left_is_no_move() -> None:
+    """D1, the only decode node, answers with load after its tokens (--migration-limit
+    1): no other decode node to move to, so the stream ends with D1's load event -- and
+    it did not move: no migration is counted (``failed`` counted one, with no retry of
+    the decode role counted; found by tests/test_property_proxy_faults.py)."""
+    load = MID_ANSWER_EVENTS["load"]
+
+    async def check(cfg: Any, pool: Any) -> None:
+        async with _session(cfg, pool, stream=True, max_tokens=5) as s:
+            await asyncio.wait_for(s.start_stream(), 20)
+            events = sse_chunk_events([c async for c in s.events()])
+            assert events[-1] == load and s.migrations == 0, (s.migrations, events)
+            counts = _migrations(s.metrics.render().decode())
+            assert counts == {"resumed": 0, "diverged": 0, "failed": 0}, counts
+
+    async def main() -> None:
+        async with _p_and_ds(_prefill, _d1_errs_after_three(load), migration_limit=1) as (
+            cfg, pool, _ds,
+        ):  # fmt: skip
+            await check(cfg, pool)
+
+    asyncio.run(main())
