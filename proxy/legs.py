@@ -69,7 +69,7 @@ class UpstreamError(Exception):
 
     def mark_failed(self) -> None:
         """Take the node out of rotation for this error, once however many paths handle
-        it (a prefill leg's failure is marked when it happens: ``Attempt``)."""
+        it (a leg's failure is marked when it happens: ``Attempt``)."""
         if not self._marked:
             self._marked = True
             self.node.mark_failed(self.detail)
@@ -285,12 +285,13 @@ class Attempt:
         self.p_task: asyncio.Future[dict[str, Any]] | None = None
         if p is not None:
             self.p_task = asyncio.ensure_future(legs.prefill(req, p, rid, tid))
-            self.p_task.add_done_callback(_prefill_ended)
+            self.p_task.add_done_callback(_leg_ended)
         d.outstanding += 1
         d.requests_total += 1
         self._d_leased = True
         side = p.side_channel if p is not None else None
         self.d_task = asyncio.ensure_future(legs.open_decode(req, d, rid, tid, side, skip_first))
+        self.d_task.add_done_callback(_leg_ended)
         self.d_stream: NodeResponse | None = None
         self.finished = False  # D's answer was read to its end
         self.prestream = False  # P's first token goes to the client before D's stream
@@ -404,10 +405,11 @@ class Attempt:
                 self.legs.spawn(self.legs.abort(self.p, self.transfer_id))
 
 
-def _prefill_ended(task: asyncio.Future[Any]) -> None:
-    """P's leg failed as a node (``node_fault``): P leaves the rotation now, whether or not
-    the request still waits for it -- D's answer may have come first (D recomputed the
-    prompt) and be relayed still, and nothing would look at P's leg again."""
+def _leg_ended(task: asyncio.Future[Any]) -> None:
+    """A leg failed as a node (``node_fault``): its node leaves the rotation now, whether
+    or not the request still waits for it -- D's answer may have come first (D recomputed
+    the prompt) and be relayed still while P's leg fails; P's leg may end too and be
+    handled first, the attempt dropped -- and nothing would look at that leg again."""
     if task.cancelled():
         return
     err = task.exception()

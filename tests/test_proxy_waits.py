@@ -756,6 +756,38 @@ def test_a_prefill_node_that_fails_after_the_decode_node_answered_leaves_the_rot
     asyncio.run(main())
 
 
+def test_a_decode_leg_that_fails_unlooked_at_still_takes_its_node_out_of_rotation() -> None:
+    """D's leg ends with a 500 while the request looks elsewhere, and the attempt is
+    dropped before anything reads D's leg again (as when P's leg ended too and was handled
+    first: a streamed request's wait for P's first token looks at P first): D leaves the
+    rotation, once, as a failing prefill leg does. It stayed in rotation (found by
+    tests/test_property_proxy_faults.py: P's 409 ``kv_transfer_not_reserved`` and D's 500
+    arriving together; the request moved on, D kept getting requests)."""
+
+    async def prefill(req: SeenRequest) -> bytes:
+        await asyncio.sleep(30)  # cancelled by the release
+        return answer(200, PREFILL_ANSWER)
+
+    async def decode(req: SeenRequest) -> bytes:
+        return answer(500, {"error": {"message": "engine died", "type": "server_error"}})
+
+    async def main() -> None:
+        async with _attempt(prefill, decode) as (attempt, legs):
+            attempt.p.set_healthy(True)  # type: ignore[union-attr]
+            attempt.d.set_healthy(True)
+            for _ in range(500):
+                if attempt.d_task.done():
+                    break
+                await asyncio.sleep(0.01)
+            attempt.release()
+            await legs.drain()
+            d, p = attempt.d, attempt.p
+            assert not d.healthy and d.failures_total == 1, d
+            assert p is not None and p.healthy and p.failures_total == 0, p
+
+    asyncio.run(main())
+
+
 def test_an_unreachable_prefill_node_ends_the_wait_after_the_decode_stream_opened() -> None:
     """D's stream is open (a rerun after P's token was streamed) and P hangs: the wait for
     P's answer still ends once P is unreachable (a refactor once checked it only while D's
