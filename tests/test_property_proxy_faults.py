@@ -8,12 +8,11 @@ error event of a drawn kind after k tokens (k = 0: before any), hang past the pr
 ``--request-timeout``, or -- a decode node -- replay a wrong token when it reruns a
 request (a seed the proxy added: a migration's or a rerun's); a prefill node may also
 end its leg with 409 ``kv_transfer_not_reserved``. Drawn too: ``--max-retries``,
-``--migration-limit``, the routing, ``--node-skip-first-token``, whether a decode node
-waits for P's answer (its KV) or answers at once (the legs race), streamed or not,
-pre-streamed (P's first token first)
-or D-shaped streams (a stop string: D's stream is the whole answer) or D alone
-(``--disagg-min-prompt-tokens``), the answer's length, and a few requests in waves (the
-requests of a wave are concurrent).
+``--migration-limit``, the routing, ``--node-skip-first-token``, ``--prefill-fallback``,
+whether a decode node waits for P's answer (its KV) or answers at once (the legs race),
+streamed or not, pre-streamed (P's first token first) or D-shaped streams (a stop
+string: D's stream is the whole answer) or D alone (``--disagg-min-prompt-tokens``), the
+answer's length, and a few requests in waves (the requests of a wave are concurrent).
 
 Asserted for every example (docs/proxy.md, "Failures"):
 
@@ -36,12 +35,13 @@ Asserted for every example (docs/proxy.md, "Failures"):
   by the streams that resumed, diverged or failed (none without ``--migration-limit``);
 * the same script (P answering, D failing only before its tokens, one request at a
   time) served streamed and not streamed ends the same way for each request (answered,
-  refused with the same body, load, failed), and leaves the same nodes out of rotation.
+  refused with the same body, load, failed), and leaves the same nodes out of rotation,
+  with the same retries counted by role.
 
 The examples are fixed (``derandomize``, no example database) and are not shrunk (a
 failing one is printed as drawn, ``note``); CI runs ``CI_EXAMPLES`` and the explicit ones
-(the bugs this test found; about 12 s on two cores), the ``slow`` form ``SLOW_EXAMPLES``
-(about 100 s); ``PDSERVE_PROXY_EXAMPLES=N`` multiplies both (a hunt:
+(the bugs this test found; about 20 s on two cores), the ``slow`` form ``SLOW_EXAMPLES``
+(about 60 s); ``PDSERVE_PROXY_EXAMPLES=N`` multiplies both (a hunt:
 ``PDSERVE_PROXY_EXAMPLES=4 pytest -m slow tests/test_property_proxy_faults.py``).
 """
 
@@ -121,6 +121,7 @@ class Case:
     routing: str
     skip_first: bool  # --node-skip-first-token: D omits the token P streamed
     kv_wait: bool  # a decode node answers once P answered (else at once: legs race)
+    fallback: bool  # --prefill-fallback: D alone once no prefill node is left
     prefill: tuple[tuple[Act, ...], ...]  # [node][request]
     decode: tuple[tuple[Act, ...], ...]
 
@@ -174,6 +175,7 @@ def cases(draw: st.DrawFn) -> Case:
         routing=draw(st.sampled_from(["least_load", "round_robin"])),
         skip_first=draw(st.booleans()),
         kv_wait=mode == "both" or draw(st.booleans()),
+        fallback=draw(st.booleans()),
         prefill=tuple(tuple(draw(p_acts) for _ in range(n)) for _ in range(n_p)),
         decode=tuple(tuple(draw(d_acts) for _ in range(n)) for _ in range(n_d)),
     )
@@ -475,7 +477,7 @@ async def _run(case: Case, stream: bool) -> Run:
             migration_limit=case.migration_limit,
             health_interval=3600.0,  # one round, at the start: nothing puts a node back
             request_timeout=REQUEST_TIMEOUT_S, connect_timeout=2.0,
-            node_skip_first_token=case.skip_first,
+            node_skip_first_token=case.skip_first, prefill_fallback=case.fallback,
             disagg_min_prompt_tokens=10**6 if case.shape == "alone" else 0,
         )  # fmt: skip
         app = build_app(cfg)
@@ -576,6 +578,7 @@ def check_case(case: Case) -> None:
         ), (r, a, b)  # fmt: skip
     assert as_json.failed_nodes == streamed.failed_nodes
     assert as_json.failures == streamed.failures
+    assert as_json.metrics == streamed.metrics  # retries by role
 
 
 def examples(n: int) -> settings:
@@ -593,14 +596,14 @@ def _quiet_hung_checks(monkeypatch: pytest.MonkeyPatch) -> None:
 # for P's first token handled P's end first, and D stayed in rotation (legs.py).
 _NO_ROOM_AND_A_FAILING_DECODE = Case(
     n_requests=1, waves=(1,), length=3, mode="stream", shape="prestream", max_retries=1,
-    migration_limit=0, routing="round_robin", skip_first=False, kv_wait=False,
+    migration_limit=0, routing="round_robin", skip_first=False, kv_wait=False, fallback=False,
     prefill=((Act("no_room"),), (Act("ok"),)), decode=((Act("fail500"),), (Act("ok"),)),
 )  # fmt: skip
 # The only D answers with load after 2 tokens (--migration-limit 1): no node to move to,
 # yet a migration was counted ``failed`` (stream_body.py).
 _LOAD_WITH_NO_DECODE_LEFT = Case(
     n_requests=1, waves=(1,), length=4, mode="stream", shape="prestream", max_retries=0,
-    migration_limit=1, routing="round_robin", skip_first=False, kv_wait=True,
+    migration_limit=1, routing="round_robin", skip_first=False, kv_wait=True, fallback=False,
     prefill=((Act("ok"),),), decode=((Act("event", 2, "load"),),),
 )  # fmt: skip
 
