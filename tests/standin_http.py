@@ -58,6 +58,21 @@ def chunked(status: int, pieces: list[bytes], headers: dict[str, str] | None = N
     return out + b"0\r\n\r\n"
 
 
+def node_facts(req: SeenRequest, kv_role: str) -> bytes | None:
+    """What a healthy pdserve node of ``kv_role`` ("producer", "consumer") answers outside
+    its completions -- ``/health``, ``/v1/models`` (model ``tiny``), ``/v1/kv_transfer_info``,
+    ``/v1/abort`` --; ``None`` for any other path (the test's own answer)."""
+    if req.path == "/health":
+        return answer(200, {"status": "ok"})
+    if req.path == "/v1/models":
+        return answer(200, {"data": [{"id": "tiny", "max_model_len": 4096}]})
+    if req.path == "/v1/kv_transfer_info":
+        return answer(200, {"role": kv_role, "side_channel": "tcp://127.0.0.1:1"})
+    if req.path == "/v1/abort":
+        return answer(200, {})
+    return None
+
+
 @dataclass
 class StandIn:
     handler: Handler

@@ -68,7 +68,7 @@ from kvconnector.base import KV_NOT_RESERVED
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 from proxy.legs import UpstreamError
-from tests.standin_http import SeenRequest, StandIn, answer
+from tests.standin_http import SeenRequest, StandIn, answer, node_facts
 
 SCALE = max(1, int(os.environ.get("PDSERVE_PROXY_EXAMPLES", "1")))
 CI_EXAMPLES = 150
@@ -252,15 +252,9 @@ class Cluster:
         name = f"{role[0].upper()}{i}"
 
         async def handler(req: SeenRequest) -> Any:
-            if req.path == "/health":
-                return answer(200, {"status": "ok"})
-            if req.path == "/v1/models":
-                return answer(200, {"data": [{"id": "tiny", "max_model_len": 4096}]})
-            if req.path == "/v1/kv_transfer_info":
-                kv_role = "producer" if role == "prefill" else "consumer"
-                return answer(200, {"role": kv_role, "side_channel": "tcp://127.0.0.1:1"})
-            if req.path == "/v1/abort":
-                return answer(200, {})
+            facts = node_facts(req, "producer" if role == "prefill" else "consumer")
+            if facts is not None:
+                return facts
             body = req.json()
             r = int(body["prompt"].removeprefix("request-"))
             if role == "prefill":

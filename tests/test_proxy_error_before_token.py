@@ -36,7 +36,7 @@ from proxy.app import build_app
 from proxy.config import ProxyConfig
 from proxy.decode_events import carries_token
 from proxy.nodes import NodePool
-from tests.standin_http import SeenRequest, StandIn, answer, chunked
+from tests.standin_http import SeenRequest, StandIn, answer, chunked, node_facts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,15 +113,8 @@ def _node(role: str, leg: Leg) -> Any:
     answered; its completions by ``leg``."""
 
     async def handler(req: SeenRequest) -> Any:
-        if req.path == "/health":
-            return answer(200, {"status": "ok"})
-        if req.path == "/v1/models":
-            return answer(200, {"data": [{"id": "tiny", "max_model_len": 4096}]})
-        if req.path == "/v1/kv_transfer_info":
-            return answer(200, {"role": role, "side_channel": "tcp://127.0.0.1:1"})
-        if req.path == "/v1/abort":
-            return answer(200, {})
-        return await leg(req)
+        facts = node_facts(req, role)
+        return facts if facts is not None else await leg(req)
 
     return handler
 
