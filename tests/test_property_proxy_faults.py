@@ -110,6 +110,22 @@ class Act:
 
 
 @dataclass(frozen=True)
+class Leave:
+    """A client that leaves: ``how`` "disconnect" (its connection closes: the server's
+    ``receive`` says ``http.disconnect``) or "cancel" (its request's task is cancelled, as
+    an in-process client's); ``when``: after ``delay`` seconds (0: as soon as its body is
+    in) or, a stream, once ``tokens`` tokens reached it."""
+
+    how: str
+    delay: float = 0.0
+    tokens: int | None = None
+
+    def __repr__(self) -> str:
+        at = f"{self.tokens} tokens" if self.tokens is not None else f"{self.delay}s"
+        return f"Leave({self.how} after {at})"
+
+
+@dataclass(frozen=True)
 class Case:
     n_requests: int
     waves: tuple[int, ...]  # requests per wave, concurrent within one
@@ -124,6 +140,7 @@ class Case:
     fallback: bool  # --prefill-fallback: D alone once no prefill node is left
     prefill: tuple[tuple[Act, ...], ...]  # [node][request]
     decode: tuple[tuple[Act, ...], ...]
+    leave: tuple[Leave | None, ...] = ()  # [request]: its client leaves (None: stays)
 
 
 def _acts(kinds: tuple[str, ...], length: int, after_tokens: bool) -> st.SearchStrategy[Act]:
@@ -178,7 +195,16 @@ def cases(draw: st.DrawFn) -> Case:
         fallback=draw(st.booleans()),
         prefill=tuple(tuple(draw(p_acts) for _ in range(n)) for _ in range(n_p)),
         decode=tuple(tuple(draw(d_acts) for _ in range(n)) for _ in range(n_d)),
+        leave=() if both else tuple(draw(_leaves(mode == "stream", length)) for _ in range(n)),
     )
+
+
+def _leaves(stream: bool, length: int) -> st.SearchStrategy[Leave | None]:
+    how = st.sampled_from(["disconnect", "disconnect", "cancel"])
+    when = [st.builds(Leave, how, st.sampled_from([0.0, 0.0, 0.02, 0.1, 0.3]))]
+    if stream:
+        when.append(st.builds(Leave, how, st.just(0.0), st.integers(0, length)))
+    return st.one_of(st.none(), st.none(), st.none(), *when)
 
 
 # -- stand-in nodes --------------------------------------------------------------------------
@@ -236,6 +262,8 @@ class Cluster:
     diverged: set[int] = field(default_factory=set)  # requests a replay diverged for
     kv: dict[str, asyncio.Event] = field(default_factory=dict)  # P answered, by transfer
     closing: asyncio.Event = field(default_factory=asyncio.Event)  # hung nodes end now
+    # The legs a node is still answering: (node, transfer id) -> request.
+    active: dict[tuple[str, str], int] = field(default_factory=dict)
 
     async def hang(self) -> None:
         """Past the proxy's timeout (or until the cluster closes)."""
@@ -257,11 +285,31 @@ class Cluster:
                 return facts
             body = req.json()
             r = int(body["prompt"].removeprefix("request-"))
-            if role == "prefill":
-                return await self._prefill(name, r, script[r], body)
-            return await self._decode(name, r, script[r], body)
+            tid = (body.get("kv_transfer_params") or {}).get("transfer_id")
+            leg = (name, tid or f"no transfer {len(self.active)}")
+            self.active[leg] = r
+            ended = True
+            try:
+                if role == "prefill":
+                    reply = await self._prefill(name, r, script[r], body)
+                else:
+                    reply = await self._decode(name, r, script[r], body)
+                if hasattr(reply, "__aiter__"):  # still answering while its pieces go out
+                    ended = False
+                    return self._until_end(reply, leg)
+                return reply
+            finally:
+                if ended:
+                    self.active.pop(leg, None)
 
         return handler
+
+    async def _until_end(self, pieces: AsyncIterator[bytes], leg: tuple[str, str]) -> Any:
+        try:
+            async for p in pieces:
+                yield p
+        finally:
+            self.active.pop(leg, None)
 
     def _refusal(self, name: str, r: int) -> bytes:
         body, status = _error(name, r, "client")
@@ -452,6 +500,83 @@ def _check_answer(
     return Outcome(status, "failed", code, True, code)
 
 
+@dataclass
+class Left:
+    """What a client that left saw: the status it was sent (None: none), its answer when
+    the whole answer came before it left, and the legs the nodes were still answering for
+    it when it left (each must be aborted)."""
+
+    status: int | None
+    resp: httpx.Response | None
+    unfinished: set[tuple[str, str]]
+
+
+async def _leaving(app: Any, cluster: Cluster, r: int, body: dict[str, Any], leave: Leave) -> Left:
+    """Request ``r`` sent straight to the proxy's ASGI app by a client that leaves."""
+    raw = json.dumps(body).encode()
+    gone, read = asyncio.Event(), False
+    start: dict[str, Any] = {}
+    parts: list[bytes] = []
+    complete = False
+    unfinished: set[tuple[str, str]] = set()
+
+    def leave_now() -> None:
+        if gone.is_set() or complete:
+            return
+        unfinished.update(leg for leg, of in cluster.active.items() if of == r)
+        gone.set()
+        if leave.how == "cancel":
+            task.cancel()
+
+    async def receive() -> dict[str, Any]:
+        nonlocal read
+        if not read:
+            read = True
+            if leave.tokens is None and leave.delay == 0:
+                asyncio.get_running_loop().call_soon(leave_now)
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        nonlocal complete
+        if gone.is_set():
+            raise OSError("the client has gone")  # as a server's send to a closed socket
+        if msg["type"] == "http.response.start":
+            start.update(msg)
+            return
+        parts.append(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            complete = True
+        elif leave.tokens is not None:
+            text = b"".join(parts).decode()
+            got = sum(len(c.get("token_ids") or []) for e in sse_chunk_events([text])
+                      for c in e.get("choices", []))  # fmt: skip
+            if got >= leave.tokens:
+                leave_now()
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 40000 + r),
+        "server": ("proxy", 80),
+        "headers": [(b"host", b"proxy"), (b"content-type", b"application/json"),
+                    (b"content-length", str(len(raw)).encode())],
+    }  # fmt: skip
+    task = asyncio.ensure_future(app(scope, receive, send))
+    if leave.tokens is None and leave.delay > 0:
+        asyncio.get_running_loop().call_later(leave.delay, leave_now)
+    with contextlib.suppress(asyncio.CancelledError, OSError):
+        await asyncio.wait_for(task, DEADLINE_S)
+    status = start.get("status")
+    note(f"request {r} (left: {gone.is_set()}): {status} {b''.join(parts)[:600]!r}")
+    if not complete:
+        assert gone.is_set(), "the answer neither ended nor was left"
+        return Left(status, None, unfinished)
+    headers = [(k.decode(), v.decode()) for k, v in start["headers"]]
+    return Left(status, httpx.Response(status, headers=headers, content=b"".join(parts)), set())
+
+
 def _metric(app: Any, name: str, **labels: str) -> float:
     value = app.state.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
@@ -490,11 +615,19 @@ async def _run(case: Case, stream: bool) -> Run:
                                     "max_tokens": case.length, "stream": stream}  # fmt: skip
             if case.shape == "stop":
                 body["stop"] = ["@@"]
+            leave = case.leave[r] if case.leave else None
+            if leave is not None:
+                left = await _leaving(app, cluster, r, body, leave)
+                unfinished.update(left.unfinished)
+                if left.resp is not None:  # answered before it left
+                    return _check_answer(case, cluster, r, stream, left.resp)
+                return Outcome(left.status or 0, "left")
             resp = await asyncio.wait_for(client.post("/v1/completions", json=body), DEADLINE_S)
             note(f"request {r}: {resp.status_code} {resp.text[:600]!r}")
             return _check_answer(case, cluster, r, stream, resp)
 
         outcomes: list[Outcome] = []
+        unfinished: set[tuple[str, str]] = set()  # legs left unfinished by a client gone
         r = 0
         for size in case.waves:
             outcomes += await asyncio.gather(*(one(r + j) for j in range(size)))
@@ -507,6 +640,21 @@ async def _run(case: Case, stream: bool) -> Run:
         loads = {n.url: n.outstanding for n in pool.all()}
         assert not any(loads.values()), loads
         assert _metric(app, "pdproxy_requests_inflight") == 0
+        # A client that left: the legs its nodes were still answering are aborted there.
+        stand_ins = {**{f"P{i}": p for i, p in enumerate(ps)},
+                     **{f"D{i}": d for i, d in enumerate(ds)}}  # fmt: skip
+
+        def not_aborted() -> set[tuple[str, str]]:
+            return {(name, tid) for name, tid in unfinished
+                    if not tid.startswith("no transfer")
+                    and not any(q.path == "/v1/abort" and q.json().get("transfer_id") == tid
+                                for q in stand_ins[name].seen)}  # fmt: skip
+
+        for _ in range(100):
+            if not not_aborted():
+                break
+            await asyncio.sleep(0.01)
+        assert not not_aborted(), (not_aborted(), unfinished)
 
         names = {n.url: f"{n.role[0].upper()}{i}" for role in ("prefill", "decode")
                  for i, n in enumerate(pool.nodes(role))}  # fmt: skip
@@ -522,30 +670,41 @@ async def _run(case: Case, stream: bool) -> Run:
                 assert not err.node.healthy, (names[err.node.url], str(err))
 
         # The metrics agree with what the clients got.
-        statuses = Counter(o.status for o in outcomes)
-        for status, count in statuses.items():
-            got = _metric(app, "pdproxy_requests_total", endpoint="completions",
-                          status=str(status))  # fmt: skip
-            assert got == count, (status, got, count)
+        # (A client that left (L of them) may be counted under any status and error kind,
+        # or -- its task cancelled before its answer was made -- none.)
+        n_left = sum(o.kind == "left" for o in outcomes)
+        statuses = Counter(o.status for o in outcomes if o.kind != "left")
+        counted = {str(c): _metric(app, "pdproxy_requests_total", endpoint="completions",
+                                   status=str(c))
+                   for c in (200, 400, 429, 499, 500, 502, 503, 504)}  # fmt: skip
+        for status in set(statuses) | {int(k) for k in counted}:
+            got, count = counted.get(str(status), 0.0), statuses[status]
+            assert count <= got <= count + n_left, (status, got, count, n_left)
+        assert sum(statuses.values()) <= sum(counted.values()) <= len(outcomes), counted
 
         def errors(kind: str) -> float:
             return _metric(app, "pdproxy_request_errors_total", kind=kind)
 
-        assert errors("upstream") == statuses[502]
-        assert errors("bad_request") == statuses[400]
-        assert errors("overloaded") == sum(
+        def within(got: float, count: int) -> bool:
+            return count <= got <= count + n_left
+
+        assert within(errors("upstream"), statuses[502]), (errors("upstream"), statuses)
+        assert within(errors("bad_request"), statuses[400])
+        assert within(errors("overloaded"), sum(
             1 for o in outcomes if o.kind == "load" and not o.stream_error
-        )
-        assert errors("unavailable") == sum(1 for o in outcomes if o.detail == "no_healthy_nodes"
-                                            and not o.stream_error)  # fmt: skip
-        assert errors("stream_error") == sum(o.stream_error for o in outcomes)
+        ))  # fmt: skip
+        assert within(errors("unavailable"), sum(
+            1 for o in outcomes if o.detail == "no_healthy_nodes" and not o.stream_error
+        ))  # fmt: skip
+        assert within(errors("stream_error"), sum(o.stream_error for o in outcomes))
+        assert errors("client_disconnect") <= n_left, (errors("client_disconnect"), n_left)
         moved = {k: _metric(app, "pdproxy_stream_migrations_total", outcome=k)
                  for k in ("resumed", "diverged", "failed")}  # fmt: skip
         if not stream or case.migration_limit == 0:
             assert not any(moved.values()), moved
-        assert moved["resumed"] <= sum(o.kind == "full" for o in outcomes), moved
-        assert moved["diverged"] <= sum(o.error_code == "retry_diverged" for o in outcomes)
-        assert moved["failed"] <= sum(o.stream_error for o in outcomes), moved
+        assert moved["resumed"] <= sum(o.kind == "full" for o in outcomes) + n_left, moved
+        assert moved["diverged"] <= sum(o.error_code == "retry_diverged" for o in outcomes) + n_left
+        assert moved["failed"] <= sum(o.stream_error for o in outcomes) + n_left, moved
         assert sum(moved.values()) <= _metric(app, "pdproxy_request_retries_total", role="decode")
         metrics = {"retries_prefill": _metric(app, "pdproxy_request_retries_total", role="prefill"),
                    "retries_decode": _metric(app, "pdproxy_request_retries_total", role="decode")}  # fmt: skip
