@@ -141,6 +141,7 @@ class Case:
     prefill: tuple[tuple[Act, ...], ...]  # [node][request]
     decode: tuple[tuple[Act, ...], ...]
     leave: tuple[Leave | None, ...] = ()  # [request]: its client leaves (None: stays)
+    chat: bool = False  # chat completions (else completions)
 
 
 def _acts(kinds: tuple[str, ...], length: int, after_tokens: bool) -> st.SearchStrategy[Act]:
@@ -196,6 +197,7 @@ def cases(draw: st.DrawFn) -> Case:
         prefill=tuple(tuple(draw(p_acts) for _ in range(n)) for _ in range(n_p)),
         decode=tuple(tuple(draw(d_acts) for _ in range(n)) for _ in range(n_d)),
         leave=() if both else tuple(draw(_leaves(mode == "stream", length)) for _ in range(n)),
+        chat=draw(st.booleans()),
     )
 
 
@@ -226,10 +228,28 @@ def _sse_chunk(event: Any) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
-def _token_event(token: int, last: bool) -> dict[str, Any]:
+def _token_event(token: int, last: bool, chat: bool) -> dict[str, Any]:
     choice = {"index": 0, "text": piece(token), "token_ids": [token],
               "finish_reason": "length" if last else None}  # fmt: skip
+    if chat:
+        choice["delta"] = {"content": choice.pop("text")}
     return {"choices": [choice], "model": "tiny"}
+
+
+def _role_event() -> dict[str, Any]:
+    """A chat stream's first event: the role alone."""
+    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": [],
+              "finish_reason": None}  # fmt: skip
+    return {"choices": [choice], "model": "tiny"}
+
+
+def _whole(ids: list[int], chat: bool) -> dict[str, Any]:
+    """A whole answer's choice (P's: its first token)."""
+    text = "".join(map(piece, ids))
+    choice: dict[str, Any] = {"index": 0, "text": text, "token_ids": ids, "finish_reason": "length"}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": choice.pop("text")}
+    return choice
 
 
 def _error(name: str, r: int, kind: str) -> tuple[dict[str, Any], int]:
@@ -284,7 +304,8 @@ class Cluster:
             if facts is not None:
                 return facts
             body = req.json()
-            r = int(body["prompt"].removeprefix("request-"))
+            prompt = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
+            r = int(prompt.removeprefix("request-"))
             tid = (body.get("kv_transfer_params") or {}).get("transfer_id")
             leg = (name, tid or f"no transfer {len(self.active)}")
             self.active[leg] = r
@@ -349,8 +370,7 @@ class Cluster:
             if reply is not None:
                 return reply or None
             first = expected(r, self.case.length)[0]
-            choice = {"index": 0, "text": piece(first), "token_ids": [first],
-                      "finish_reason": "length"}  # fmt: skip
+            choice = _whole([first], self.case.chat)
             return answer(200, {"choices": [choice], "kv_transfer_params": {"first_token": first},
                                 "model": "tiny"})  # fmt: skip
         finally:  # D's KV comes once P's answer is out
@@ -382,16 +402,19 @@ class Cluster:
             ids[act.k] = DIVERGED
             self.diverged.add(r)
         if not stream:
-            choice = {"index": 0, "text": "".join(map(piece, ids)), "token_ids": ids,
-                      "finish_reason": "length"}  # fmt: skip
+            choice = _whole(ids, self.case.chat)
             full = answer(200, {"choices": [choice], "model": "tiny"})
             if act.kind == "break":  # the headers and half the body, then the connection closes
                 return full[: len(full) - len(full.split(b"\r\n\r\n", 1)[1]) // 2], True
             return full
         k = act.k if act.kind in ("break", "event", "hang") else len(ids)
-        chunks = [_sse_chunk(_token_event(t, j == len(ids) - 1)) for j, t in enumerate(ids[:k])]
+        chat = self.case.chat
+        chunks = [_sse_chunk(_token_event(t, j == len(ids) - 1, chat))
+                  for j, t in enumerate(ids[:k])]  # fmt: skip
         if kv.get("skip_first_token"):  # the client has it from P
             chunks = chunks[1:]
+        if chat:
+            chunks.insert(0, _sse_chunk(_role_event()))
         if act.kind == "break":
             return STREAM_HEAD + b"".join(chunks), True
         if act.kind == "hang":
@@ -471,7 +494,8 @@ def _check_answer(
         assert ctype.startswith("application/json"), ctype
         choice = resp.json()["choices"][0]
         assert choice["token_ids"] == want, (choice, want)
-        assert choice["text"] == "".join(map(piece, want)) and choice["finish_reason"] == "length"
+        text = choice["message"]["content"] if case.chat else choice["text"]
+        assert text == "".join(map(piece, want)) and choice["finish_reason"] == "length"
         return Outcome(status, "full")
     assert ctype.startswith("text/event-stream"), ctype
     assert resp.text.endswith("data: [DONE]\n\n"), resp.text[-200:]
@@ -480,7 +504,10 @@ def _check_answer(
     assert errors in ([], [len(events) - 1]), events  # one error at most, the last event
     chunks = [c for e in events for c in e.get("choices", [])]
     ids = [t for c in chunks for t in c.get("token_ids") or []]
-    text = "".join(c.get("text") or "" for c in chunks)
+    if case.chat:
+        text = "".join(c.get("delta", {}).get("content") or "" for c in chunks)
+    else:
+        text = "".join(c.get("text") or "" for c in chunks)
     assert len(ids) <= len(want), (ids, want)
     for got, token in zip(ids, want, strict=False):
         assert got == token or (got == DIVERGED and r in cluster.diverged), (ids, want)
@@ -511,7 +538,9 @@ class Left:
     unfinished: set[tuple[str, str]]
 
 
-async def _leaving(app: Any, cluster: Cluster, r: int, body: dict[str, Any], leave: Leave) -> Left:
+async def _leaving(
+    app: Any, cluster: Cluster, r: int, path: str, body: dict[str, Any], leave: Leave
+) -> Left:
     """Request ``r`` sent straight to the proxy's ASGI app by a client that leaves."""
     raw = json.dumps(body).encode()
     gone, read = asyncio.Event(), False
@@ -557,7 +586,7 @@ async def _leaving(app: Any, cluster: Cluster, r: int, body: dict[str, Any], lea
 
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "scheme": "http", "path": path, "raw_path": path.encode(),
         "query_string": b"", "root_path": "", "client": ("127.0.0.1", 40000 + r),
         "server": ("proxy", 80),
         "headers": [(b"host", b"proxy"), (b"content-type", b"application/json"),
@@ -610,19 +639,25 @@ async def _run(case: Case, stream: bool) -> Run:
         )
         faults = stack.enter_context(node_faults())
 
+        path = "/v1/chat/completions" if case.chat else "/v1/completions"
+        endpoint = "chat" if case.chat else "completions"
+
         async def one(r: int) -> Outcome:
-            body: dict[str, Any] = {"model": "tiny", "prompt": f"request-{r}",
-                                    "max_tokens": case.length, "stream": stream}  # fmt: skip
+            body: dict[str, Any] = {"model": "tiny", "max_tokens": case.length, "stream": stream}
+            if case.chat:
+                body["messages"] = [{"role": "user", "content": f"request-{r}"}]
+            else:
+                body["prompt"] = f"request-{r}"
             if case.shape == "stop":
                 body["stop"] = ["@@"]
             leave = case.leave[r] if case.leave else None
             if leave is not None:
-                left = await _leaving(app, cluster, r, body, leave)
+                left = await _leaving(app, cluster, r, path, body, leave)
                 unfinished.update(left.unfinished)
                 if left.resp is not None:  # answered before it left
                     return _check_answer(case, cluster, r, stream, left.resp)
                 return Outcome(left.status or 0, "left")
-            resp = await asyncio.wait_for(client.post("/v1/completions", json=body), DEADLINE_S)
+            resp = await asyncio.wait_for(client.post(path, json=body), DEADLINE_S)
             note(f"request {r}: {resp.status_code} {resp.text[:600]!r}")
             return _check_answer(case, cluster, r, stream, resp)
 
@@ -674,7 +709,7 @@ async def _run(case: Case, stream: bool) -> Run:
         # or -- its task cancelled before its answer was made -- none.)
         n_left = sum(o.kind == "left" for o in outcomes)
         statuses = Counter(o.status for o in outcomes if o.kind != "left")
-        counted = {str(c): _metric(app, "pdproxy_requests_total", endpoint="completions",
+        counted = {str(c): _metric(app, "pdproxy_requests_total", endpoint=endpoint,
                                    status=str(c))
                    for c in (200, 400, 429, 499, 500, 502, 503, 504)}  # fmt: skip
         for status in set(statuses) | {int(k) for k in counted}:
@@ -710,7 +745,8 @@ async def _run(case: Case, stream: bool) -> Run:
                    "retries_decode": _metric(app, "pdproxy_request_retries_total", role="decode")}  # fmt: skip
         out_of_rotation = sorted(names[n.url] for n in pool.all() if not n.healthy)
         failures = [n.failures_total for n in pool.all()]
-    event(f"mode {case.mode}, {case.shape}{', skip first' if case.skip_first else ''}")
+    api = "chat" if case.chat else "completions"
+    event(f"mode {case.mode}, {api}, {case.shape}{', skip first' if case.skip_first else ''}")
     for o in outcomes:
         event(
             f"{'stream' if stream else 'json'}: {o.kind} {o.detail if o.kind == 'failed' else ''}"
