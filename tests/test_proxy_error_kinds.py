@@ -85,3 +85,34 @@ def test_every_400_the_client_gets_counts_as_bad_request() -> None:
     statuses, count = asyncio.run(main())
     assert statuses == [400, 400, 400, 400]
     assert count == 4
+
+
+def test_a_stream_of_several_choices_ended_by_an_error_counts_one_stream_error() -> None:
+    """``n`` = 2 streamed, D failing both choices after their first token: the client's
+    stream ends with one error event, and the request counts one ``stream_error`` (each
+    choice's failure counted its own: 2 for one request's one error; found by the proxy
+    fault property test)."""
+    from test_proxy_error_before_token import _choice, _events, _prefill, proxy_over
+
+    async def fails_after_one(req: SeenRequest) -> bytes:
+        tok = {"choices": [_choice(False, [7], "t7", None, "delta")], "model": "tiny"}
+        err = {"error": {"message": "D broke", "type": "server_error", "param": None,
+                         "code": None}}  # fmt: skip
+        return _events(tok, err)
+
+    async def run() -> tuple[list[Any], float]:
+        async with proxy_over([fails_after_one], _prefill()) as (client, _, pool):
+            resp = await client.post("/v1/completions", json={
+                "model": "tiny", "prompt": "hi", "max_tokens": 3, "n": 2, "seed": 1,
+                "stream": True})  # fmt: skip
+            events = [json.loads(line[6:]) for line in resp.text.split("\n\n")
+                      if line.startswith("data: {")]  # fmt: skip
+            metrics = client._transport.app.state.metrics  # type: ignore[attr-defined]
+            got = metrics.registry.get_sample_value(
+                "pdproxy_request_errors_total", {"kind": "stream_error"}
+            )
+            return [e for e in events if "error" in e], got or 0.0
+
+    errors, counted = asyncio.run(run())
+    assert len(errors) == 1, errors
+    assert counted == 1, counted
