@@ -142,6 +142,7 @@ class Case:
     decode: tuple[tuple[Act, ...], ...]
     leave: tuple[Leave | None, ...] = ()  # [request]: its client leaves (None: stays)
     chat: bool = False  # chat completions (else completions)
+    n: int = 1  # choices per request (``n``; with a seed: choice j's is ``seed + j``)
 
 
 def _acts(kinds: tuple[str, ...], length: int, after_tokens: bool) -> st.SearchStrategy[Act]:
@@ -198,6 +199,7 @@ def cases(draw: st.DrawFn) -> Case:
         decode=tuple(tuple(draw(d_acts) for _ in range(n)) for _ in range(n_d)),
         leave=() if both else tuple(draw(_leaves(mode == "stream", length)) for _ in range(n)),
         chat=draw(st.booleans()),
+        n=1 if both else draw(st.sampled_from([1, 1, 1, 2, 3])),
     )
 
 
@@ -214,9 +216,21 @@ def _leaves(stream: bool, length: int) -> st.SearchStrategy[Leave | None]:
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
-def expected(r: int, length: int) -> list[int]:
-    """Request ``r``'s answer: its own token ids (no other request's)."""
-    return [1000 + 100 * r + i for i in range(length)]
+def expected(r: int, length: int, j: int = 0) -> list[int]:
+    """Request ``r``'s answer (its choice ``j``'s): its own token ids (no other request's,
+    no other choice's)."""
+    return [1000 + 100 * r + 10 * j + i for i in range(length)]
+
+
+def seed_of(r: int) -> int:
+    """The seed a request with several choices is sent with (choice j's: ``+ j``)."""
+    return 7000 + 100 * r
+
+
+def choice_of(r: int, body: dict[str, Any]) -> int:
+    """The choice a leg is of (0 unless the request has several: its seed tells)."""
+    seed = body.get("seed")
+    return seed - seed_of(r) if seed is not None and 0 <= seed - seed_of(r) < 10 else 0
 
 
 def piece(token: int) -> str:
@@ -369,7 +383,7 @@ class Cluster:
             reply = await self._common(name, r, act)
             if reply is not None:
                 return reply or None
-            first = expected(r, self.case.length)[0]
+            first = expected(r, self.case.length, choice_of(r, body))[0]
             choice = _whole([first], self.case.chat)
             return answer(200, {"choices": [choice], "kv_transfer_params": {"first_token": first},
                                 "model": "tiny"})  # fmt: skip
@@ -397,8 +411,9 @@ class Cluster:
             reply = await self._common(name, r, act)
             if reply is not None:
                 return reply or None
-        ids = expected(r, self.case.length)
-        if act.kind == "diverge" and "seed" in body:
+        ids = expected(r, self.case.length, choice_of(r, body))
+        # A replay diverges where the proxy seeded it (several choices: each has a seed).
+        if act.kind == "diverge" and "seed" in body and self.case.n == 1:
             ids[act.k] = DIVERGED
             self.diverged.add(r)
         if not stream:
@@ -490,31 +505,38 @@ def _check_answer(
         code = err.get("code")
         assert (status, code) in ((502, "upstream_error"), (503, "no_healthy_nodes")), resp.text
         return Outcome(status, "failed", code)
+    wants = [expected(r, case.length, j) for j in range(case.n)]
     if not stream:
         assert ctype.startswith("application/json"), ctype
-        choice = resp.json()["choices"][0]
-        assert choice["token_ids"] == want, (choice, want)
-        text = choice["message"]["content"] if case.chat else choice["text"]
-        assert text == "".join(map(piece, want)) and choice["finish_reason"] == "length"
+        choices = resp.json()["choices"]
+        assert [c["index"] for c in choices] == list(range(case.n)), choices
+        for choice, want in zip(choices, wants, strict=True):
+            assert choice["token_ids"] == want, (choice, want)
+            text = choice["message"]["content"] if case.chat else choice["text"]
+            assert text == "".join(map(piece, want)) and choice["finish_reason"] == "length"
         return Outcome(status, "full")
     assert ctype.startswith("text/event-stream"), ctype
     assert resp.text.endswith("data: [DONE]\n\n"), resp.text[-200:]
     events = sse_chunk_events([resp.text])
     errors = [i for i, e in enumerate(events) if "error" in e]
     assert errors in ([], [len(events) - 1]), events  # one error at most, the last event
-    chunks = [c for e in events for c in e.get("choices", [])]
-    ids = [t for c in chunks for t in c.get("token_ids") or []]
-    if case.chat:
-        text = "".join(c.get("delta", {}).get("content") or "" for c in chunks)
-    else:
-        text = "".join(c.get("text") or "" for c in chunks)
-    assert len(ids) <= len(want), (ids, want)
-    for got, token in zip(ids, want, strict=False):
-        assert got == token or (got == DIVERGED and r in cluster.diverged), (ids, want)
-    assert text == "".join(map(piece, ids)), (text, ids)
+    every = [c for e in events for c in e.get("choices", [])]
+    assert {c["index"] for c in every} <= set(range(case.n)), every
+    for j, want in enumerate(wants):
+        chunks = [c for c in every if c["index"] == j]
+        ids = [t for c in chunks for t in c.get("token_ids") or []]
+        if case.chat:
+            text = "".join(c.get("delta", {}).get("content") or "" for c in chunks)
+        else:
+            text = "".join(c.get("text") or "" for c in chunks)
+        assert len(ids) <= len(want), (j, ids, want)
+        for got, token in zip(ids, want, strict=False):
+            assert got == token or (got == DIVERGED and r in cluster.diverged), (j, ids, want)
+        assert text == "".join(map(piece, ids)), (j, text, ids)
+        if not errors:
+            assert len(ids) == len(want), (j, ids, want)  # never a silently truncated answer
+            assert chunks[-1]["finish_reason"] == "length", chunks[-1]
     if not errors:
-        assert len(ids) == len(want), (ids, want)  # never a silently truncated answer
-        assert chunks[-1]["finish_reason"] == "length", chunks[-1]
         return Outcome(status, "full")
     last = events[-1]
     err = last["error"]
@@ -644,6 +666,8 @@ async def _run(case: Case, stream: bool) -> Run:
 
         async def one(r: int) -> Outcome:
             body: dict[str, Any] = {"model": "tiny", "max_tokens": case.length, "stream": stream}
+            if case.n > 1:
+                body.update(n=case.n, seed=seed_of(r))
             if case.chat:
                 body["messages"] = [{"role": "user", "content": f"request-{r}"}]
             else:
