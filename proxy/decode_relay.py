@@ -38,7 +38,7 @@ from engine.server.logprobs import fill_missing, has_missing, num_entries
 from proxy.client_stream import ClientStream
 from proxy.decode_events import DecodeEvents
 from proxy.legs import Attempt, UpstreamError, event_error
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import ProxyMetrics, StreamError
 from proxy.router import Router
 from proxy.validation import ProxyRequest
 from proxy.waiting import wait_watched
@@ -61,14 +61,17 @@ class DecodeRelay:
         poll_s: float,
         keep_usage: bool,
         on_token: Callable[[], None],
+        stream_error: StreamError,
     ) -> None:
         """``poll_s``: how often a wait for P's answer looks at P's health;
         ``keep_usage``: the stream's usage chunk is kept in ``usage``, not sent (one choice
         of several, ``proxy/choices.py``); ``on_token``: called when tokens reach the
-        client (the session's time to first token)."""
+        client (the session's time to first token); ``stream_error``: the request's count of
+        a stream ended by D's error event (once per request, its choices share it)."""
         self.req, self.request_id, self.out = req, request_id, out
         self.router, self.metrics = router, metrics
         self.poll_s, self.keep_usage, self.on_token = poll_s, keep_usage, on_token
+        self.stream_error = stream_error
         self.usage: dict[str, Any] | None = None
         self.sent = False  # some of the current D stream reached the client
         self.d_error = False  # D's error event was relayed (the relay's last chunk)
@@ -134,7 +137,7 @@ class DecodeRelay:
                 if not err.refuses_request:
                     raise err
                 # The client's 4xx: D's answer to it, as D sent it.
-                self.metrics.errors.labels("stream_error").inc()
+                self.stream_error.count()
                 logger.info("request %s: decode refused it: %s", self.request_id, obj)
                 self.d_error = True
                 self.sent = True

@@ -8,7 +8,6 @@ scrape time, node discovery's event counts from its ``Membership``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -172,38 +171,16 @@ class ProxyMetrics(MetricsRegistry):
         )
 
 
-class _Once:
-    """A counter's child that counts its first ``inc`` only."""
-
-    def __init__(self, child: Any) -> None:
-        self.child, self.counted = child, False
-
-    def inc(self, amount: float = 1.0) -> None:
-        if not self.counted:
-            self.counted = True
-            self.child.inc(amount)
-
-
-class _ErrorsOnce:
-    """``errors`` whose ``stream_error`` counts once (one request's, of several choices)."""
-
-    def __init__(self, errors: Any) -> None:
-        self._errors = errors
-        self._stream = _Once(errors.labels("stream_error"))
-
-    def labels(self, *kind: str) -> Any:
-        return self._stream if kind == ("stream_error",) else self._errors.labels(*kind)
-
-
-class RequestMetrics:
-    """One request's view of the proxy's metrics, shared by its choices (``n`` > 1, a
-    batch of prompts): its stream ends with one error event, whichever choices failed
-    (and each failed on its own), so it counts one ``stream_error``; all else as the
-    proxy's."""
+class StreamError:
+    """One request's ``stream_error``, counted once: its stream ends with one error event,
+    however many of its choices (``n`` > 1, a batch of prompts) failed on their own, so its
+    sessions share one of these."""
 
     def __init__(self, metrics: ProxyMetrics) -> None:
-        self._metrics = metrics
-        self.errors = _ErrorsOnce(metrics.errors)
+        self._child = metrics.errors.labels("stream_error")
+        self._counted = False
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._metrics, name)
+    def count(self) -> None:
+        if not self._counted:
+            self._counted = True
+            self._child.inc()

@@ -25,7 +25,7 @@ from proxy import choices
 from proxy.config import ProxyConfig
 from proxy.health import PROXY_HEADER
 from proxy.legs import Legs
-from proxy.metrics import ProxyMetrics, RequestMetrics
+from proxy.metrics import ProxyMetrics, StreamError
 from proxy.node_client import NodeClient, NodeHTTPError
 from proxy.nodes import NodePool
 from proxy.retries import PassThrough
@@ -156,9 +156,18 @@ class ProxyServing:
             )
             return answer(json_error(err, {"Retry-After": "1"}), "overloaded")
         # Its choices count the request's stream error once (one error event ends it).
-        seen_by: Any = RequestMetrics(metrics) if k > 1 else metrics
+        stream_error = StreamError(metrics)
         sessions = [
-            Session(c, rid, cfg, self.router, self.legs, seen_by, index=i if k > 1 else None)
+            Session(
+                c,
+                rid,
+                cfg,
+                self.router,
+                self.legs,
+                metrics,
+                index=i if k > 1 else None,
+                stream_error=stream_error,
+            )  # fmt: skip
             for i, c in enumerate(req.children or [req])
         ]
         session = sessions[0]

@@ -63,7 +63,7 @@ from proxy.client_stream import ClientStream, Diverged, first_tokens
 from proxy.config import ProxyConfig
 from proxy.decode_relay import DecodeRelay
 from proxy.legs import Attempt, Legs, UpstreamError
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import ProxyMetrics, StreamError
 from proxy.node_client import NodeHTTPError, NodeResponse
 from proxy.prefix import answer_suffix
 from proxy.retries import Retries
@@ -84,9 +84,11 @@ class Session:
         legs: Legs,
         metrics: ProxyMetrics,
         index: int | None = None,
+        stream_error: StreamError | None = None,
     ) -> None:
         """``index``: this session is that choice of a request with several
-        (``proxy/choices.py``): its stream's usage chunk is kept in ``usage``, not sent."""
+        (``proxy/choices.py``): its stream's usage chunk is kept in ``usage``, not sent;
+        ``stream_error``: the request's, shared by its choices (else the session's own)."""
         self.req, self.request_id, self.cfg = req, request_id, cfg
         self.index = index
         self.router, self.legs, self.metrics = router, legs, metrics
@@ -127,9 +129,12 @@ class Session:
         self.out = ClientStream(
             req, request_id, self.created, cfg.node_skip_first_token, index or 0
         )
+        # Counts the stream ending with an error event, once per request.
+        self.stream_error = stream_error or StreamError(metrics)
         self.relay = DecodeRelay(
             req, request_id, self.out, router, metrics, poll_s=cfg.health_interval,
             keep_usage=index is not None, on_token=self._saw_first_token,
+            stream_error=self.stream_error,
         )  # fmt: skip
 
     # -- shared ----------------------------------------------------------------------------

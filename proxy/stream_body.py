@@ -112,7 +112,7 @@ class StreamBody:
             yield SSE_DONE
         except Exception:  # a fault of the proxy's own: the client still gets an end
             logger.exception("request %s: the stream failed", s.request_id)
-            s.metrics.errors.labels("stream_error").inc()
+            s.stream_error.count()
             if s.migrations and s.outcome != "ok":  # "ok": counted as resumed
                 s.metrics.migrations.labels("failed").inc()
             s.outcome = "error"
@@ -183,7 +183,7 @@ class StreamBody:
         elif isinstance(err, NodeHTTPError) and s.current is not None:
             s.current.d.mark_failed(f"decode stream broke: {err}")
         logger.warning("request %s failed mid-stream: %s", s.request_id, err)
-        s.metrics.errors.labels("stream_error").inc()
+        s.stream_error.count()
         if s.migrations:
             outcome = "diverged" if isinstance(err, Diverged) else "failed"
             s.metrics.migrations.labels(outcome).inc()
