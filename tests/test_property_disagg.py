@@ -60,6 +60,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
+import test_property_engine
 from fakes import fixed_examples
 from hypothesis import Phase, event, given, note, settings
 from hypothesis import strategies as st
@@ -204,13 +205,8 @@ def pairs() -> Iterator[Pairs]:
         ps.close()
 
 
-@pytest.fixture(scope="module")
-def reference() -> Iterator[Reference]:
-    ref = Reference()
-    try:
-        yield ref
-    finally:
-        ref.close()
+# test_property_engine's colocated reference engines, one set for this module too.
+reference = test_property_engine.reference
 
 
 # -- what is generated ---------------------------------------------------------------------
