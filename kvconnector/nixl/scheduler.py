@@ -303,9 +303,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             block_ids=list(block_ids[skip:]),
             skip_blocks=skip,
             deadline=time.monotonic() + self.timeout,
-            # Unique in this process (incarnation, counter) and unguessable (64 bits):
-            # only the P that got the reservation can name it.
-            nonce=f"{self.incarnation}.{next(self._nonces)}.{secrets.token_hex(8)}",
+            nonce=self._new_nonce(),
         )
         with self._lock:
             self.consumer.expect(recv)
@@ -353,8 +351,15 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         p_addr, tid = params.remote_side_channel, request.transfer_id
         if p_addr is None or tid is None:
             return
-        nonce = f"{self.incarnation}.{next(self._nonces)}.{secrets.token_hex(8)}"
-        args = (p_addr, tid, nonce, request.request_id, time.monotonic())
+        self._send_cancel(p_addr, tid, self._new_nonce(), request.request_id)
+
+    def _new_nonce(self) -> str:
+        """A reservation's nonce: unique in this process (incarnation, counter) and
+        unguessable (64 bits): only the P that got the reservation can name it."""
+        return f"{self.incarnation}.{next(self._nonces)}.{secrets.token_hex(8)}"
+
+    def _send_cancel(self, p_addr: str, tid: str, nonce: str, request_id: str) -> None:
+        args = (p_addr, tid, nonce, request_id, time.monotonic())
         self.channel.submit(p_addr, self.links.cancel_job, *args, proven=self.links.paired(p_addr))
 
     def abort_held(self, request: Request) -> None:
@@ -501,9 +506,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self.channel.notify_failed(res, why, safe=False)
         for p_addr, tid, nonce, rid in c.cancels:
             # Not sent: the quarantine keeps the blocks until its deadline.
-            proven = self.links.paired(p_addr)
-            args = (p_addr, tid, nonce, rid, time.monotonic())
-            self.channel.submit(p_addr, self.links.cancel_job, *args, proven=proven)
+            self._send_cancel(p_addr, tid, nonce, rid)
         return ConnectorEvents(
             failed_loads=c.failed_loads,
             free_blocks=p.free_blocks | c.free_blocks,
