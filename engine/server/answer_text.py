@@ -116,11 +116,15 @@ class AnswerText:
                 kept = i + 1
                 break
         if not shown:
+            # The held-back text (a broken UTF-8 sequence's U+FFFD) is the last shown
+            # token's, in an earlier output (this one has none or a hidden stop token): a
+            # stop string it completes ends the answer there, before the stop token, and
+            # counts only past min_tokens by that token's place -- as in one output.
             rest = self.detok.flush() if out.finished else ""
-            rest, hit = self.matcher.feed(
-                rest, final=out.finished, check=self.num_tokens > min_tokens
-            )
+            shown_tokens = self.num_tokens - len(ids)
+            rest, hit = self.matcher.feed(rest, final=out.finished, check=shown_tokens > min_tokens)
             text += rest
+            kept = 0 if hit else kept
         if hit:
             dropped = len(ids) - kept
             ids, lps = ids[:kept], None if lps is None else lps[:kept]
