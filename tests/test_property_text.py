@@ -31,10 +31,16 @@ from scripted_engine import StubEngine, TemplateBytes
 from starlette.testclient import TestClient
 
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.reasoning.base import ReasoningDelta
+from engine.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from engine.reasoning.qwen3 import Qwen3ReasoningParser
 from engine.sampling_params import SamplingParams
 from engine.server.answer_text import AnswerText
 from engine.server.app import build_app
 from engine.tokenizer import REPLACEMENT_CHAR, ByteTokenizer, IncrementalDetokenizer
+from engine.tools.output import RequiredCalls
+from engine.tools.parsers.base import ToolParser
+from engine.tools.parsers.hermes import HermesToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +192,22 @@ def test_a_stop_string_the_last_flush_completes_before_a_stop_token_drops_that_t
         assert got == Expected("\ufffd", [0x80, EOS], None, False), cuts
 
 
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_chat_echo_comes_before_the_content_with_a_reasoning_parser(parser: str) -> None:
+    """vLLM's chat echo (the final assistant message's text before the answer) is in the
+    content of the whole answer as in the stream's first chunk, a reasoning parser or not."""
+    engine = DrawnEngine()
+    engine.scripts = {0: Script(tuple(b"<think>x</think>ok"), (), "length")}
+    client = TestClient(build_app(engine, reasoning_parser=parser))  # type: ignore[arg-type]
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}]
+    body = {"messages": msgs, "echo": True, "max_tokens": 20}
+    msg = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("x", "Sure: ok")
+    chunks = _stream(client, "/v1/chat/completions", body)
+    got = _streamed_choices(chunks, True)[0]
+    assert (got["reasoning_content"], got["content"]) == ("x", "Sure: ok")
+
+
 # -- the node's answers, streamed and whole -------------------------------------------------------
 
 
@@ -302,6 +324,9 @@ def requests(draw: st.DrawFn) -> tuple[str | None, str, dict[str, Any], list[Scr
             tool = {"type": "function", "function": {"name": "get", "parameters": {}}}
             body["tools"] = [tool]
             body["tool_choice"] = "auto"
+        elif draw(st.booleans()):  # vLLM's chat echo: the final assistant message's text
+            body["messages"].append({"role": "assistant", "content": "Sure: é"})
+            body["echo"] = True
     else:
         body["prompt"] = draw(st.sampled_from(["Say: ", "é€😀 </think>", "a"]))
         if "stop" in body and draw(st.booleans()):  # one in the echoed prompt: no stop there
@@ -463,3 +488,65 @@ def test_a_responses_stream_adds_up_to_the_whole_response(
     for i, o in enumerate(whole["output"]):
         full = o.get("arguments") or "".join(c.get("text") or "" for c in o.get("content") or [])
         assert texts.get(i, "") == full, (i, o)
+
+
+# -- the parsers, fed in pieces and whole ---------------------------------------------------------
+
+REQUIRED_PIECES = ['[', ']', ',', '{"name":"get","parameters":', '{"q":"]}"}', '{}', '}',
+                   '{"parameters":{},"name":"put"}', ' ', '"', '\\', "é"]  # fmt: skip
+
+
+# A call's head and arguments in other spellings (escapes, spaces, a tag in a string).
+HERMES_PIECES = ['{"name": "a\\"b", ', '"arguments": ', '{"k": "</tool_call>"}', " \n", "\\"]
+
+
+def _pieces(draw: st.DrawFn, text: str) -> list[str]:
+    cuts = sorted(set(draw(st.lists(st.integers(1, max(1, len(text) - 1)), max_size=8))))
+    bounds = [0, *(c for c in cuts if c < len(text)), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _added(deltas: list[Any]) -> tuple[str, list[tuple[Any, str]]]:
+    """Tool-call pieces as a client adds them: the content, each call's name and args."""
+    content, calls = "", []
+    for d in deltas:
+        if d.call is None:
+            content += d.content
+        elif d.id is not None:
+            calls.append((d.name, d.arguments))
+        else:
+            calls[-1] = (calls[-1][0], calls[-1][1] + d.arguments)
+    return content, calls
+
+
+@_settings(300)
+@given(st.data())
+def test_tool_parsers_fed_in_pieces_answer_as_fed_whole(data: st.DataObject) -> None:
+    kind = data.draw(st.sampled_from(["hermes", "hermes-single", "required"]))
+    alphabet = REQUIRED_PIECES if kind == "required" else CHAT_PIECES + HERMES_PIECES
+    text = "".join(data.draw(st.lists(st.sampled_from(alphabet), max_size=10)))
+    pieces = _pieces(data.draw, text)
+
+    def parser() -> ToolParser:
+        if kind == "required":
+            return RequiredCalls()
+        return HermesToolParser(parallel=kind == "hermes")
+
+    whole = parser()
+    want = _added(whole.parse(text))
+    fed = parser()
+    got = _added([d for p in pieces for d in fed.feed(p)] + fed.finish())
+    assert (got, fed.cut) == (want, whole.cut)
+
+
+@_settings(200)
+@given(st.data())
+def test_reasoning_parsers_fed_in_pieces_answer_as_fed_whole(data: st.DataObject) -> None:
+    cls = data.draw(st.sampled_from([Qwen3ReasoningParser, DeepSeekR1ReasoningParser]))
+    text = "".join(data.draw(st.lists(st.sampled_from(CHAT_PIECES), max_size=10)))
+    fed = cls()
+    d = ReasoningDelta()
+    for p in _pieces(data.draw, text):
+        d += fed.feed(p)
+    d += fed.finish()
+    assert (d.reasoning or None, d.content or None) == cls().parse(text)

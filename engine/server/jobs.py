@@ -119,8 +119,11 @@ class Job:
     ) -> dict[str, Any]:
         """``tool_part``: with tool calls or reasoning, the ``delta`` or ``message`` itself."""
         c: dict[str, Any] = {"index": self.index}
-        if self.chat and (first or not stream) and tool_part is None:
-            text = getattr(self.req, "chat_echo", "") + text  # vLLM's chat echo
+        echo = getattr(self.req, "chat_echo", "") if self.chat and (first or not stream) else ""
+        if tool_part is None:
+            text = echo + text  # vLLM's chat echo
+        elif echo:  # a message parsed into reasoning and content: the echo leads the content
+            tool_part = {**tool_part, "content": echo + (tool_part.get("content") or "")}
         if not self.chat:
             c["text"] = text
         elif tool_part is not None:
