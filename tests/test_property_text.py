@@ -456,6 +456,8 @@ def test_a_stream_adds_up_to_the_whole_answer(
     want = {c["index"]: _whole_choice(c, chat) for c in whole["choices"]}
     got = _streamed_choices(chunks, chat)
     assert got == want
+    opened = [c["choices"][0]["index"] for c in chunks if c["choices"]]
+    assert list(dict.fromkeys(opened)) == sorted(want)  # choices open in index order
     # A completion's text is the reference's (after the echoed prompt); the reference
     # decodes as skip_special_tokens does (EOS's text "<|eos|>" left out).
     if not chat and body["max_tokens"] == 0:
