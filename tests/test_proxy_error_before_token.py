@@ -634,6 +634,15 @@ def test_a_real_decode_node_answers_a_failure_before_any_token_with_its_status(
         (LOAD["error"], 429),
         ({"message": "x", "type": "WeirdError"}, 500),  # an unknown type, no code
         ({"message": "x"}, 500),  # neither
+        # A status as a string (a gateway's rendering of vLLM's int): the status it names.
+        ({"message": "x", "type": "BadRequestError", "code": "400"}, 400),
+        ({"message": "x", "type": "ServiceUnavailable", "code": "503"}, 503),
+        ({"message": "x", "type": "server_error", "code": " 400"}, 500),  # not a status
+        ({"message": "x", "type": "server_error", "code": "200"}, 500),
+        # OpenAI's string codes (its type "requests"/"tokens" for a rate limit).
+        ({"message": "slow down", "type": "requests", "code": "rate_limit_exceeded"}, 429),
+        ({"message": "too long", "type": None, "code": "context_length_exceeded"}, 400),
+        ({"message": "x", "type": None, "code": "server_error"}, 500),
     ],
 )
 def test_an_error_event_stands_for_the_status_it_names(error: dict[str, Any], status: int) -> None:
