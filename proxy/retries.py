@@ -68,6 +68,16 @@ class Retries:
         self.excluded: set[str] = set()  # node URLs this request does not go to again
         self.decode_alone = decode_alone  # the next attempt without a prefill node
         self.last: UpstreamError | None = None  # the last failure counted in node_failures
+        # The role whose failure (or load) the next launch retries: counted in
+        # ``pdproxy_request_retries_total`` once that launch found a pair (``launched``).
+        self.retrying: str | None = None
+
+    def launched(self) -> None:
+        """The session launched its next attempt: a retry pending is counted now (one that
+        found no pair to retry on never happened, and is not)."""
+        if self.retrying is not None:
+            self.metrics.retries.labels(self.retrying).inc()
+            self.retrying = None
 
     def failed(self, attempt: Attempt, err: UpstreamError, migrating: bool = False) -> None:
         """Clean up a failed pair; raise unless another attempt is allowed (``migrating``:
@@ -104,7 +114,7 @@ class Retries:
         self.only_no_room = self.only_no_room and err.not_reserved
         if self.node_failures > self.cfg.max_retries:
             raise self._exhausted(err, "") from err
-        self.metrics.retries.labels(err.node.role).inc()
+        self.retrying = err.node.role
 
     def no_route(self, err: NoHealthyNode) -> APIError | PassThrough:
         """The error for the client when no route is left for the request's next attempt
@@ -146,7 +156,7 @@ class Retries:
         self.excluded.add(node.url)
         if self.router.has_other(node.role, self.excluded):
             logger.info("request %s: %s; trying another %s node", self.request_id, err, node.role)
-            self.metrics.retries.labels(node.role).inc()
+            self.retrying = node.role
             return
         logger.info("request %s: every %s node is overloaded: %s", self.request_id, node.role, err)
         body = err.body or error_body(str(err), "rate_limit_error", code="overloaded")

@@ -161,6 +161,7 @@ class Session:
         except NoHealthyNode as e:
             raise self.retries.no_route(e) from e
         self.retries.attempts += 1
+        self.retries.launched()
         self.route = route
         p, d = route.prefill, route.decode
         if self.req.chat and d.reasoning_parser is not None:

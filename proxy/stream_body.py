@@ -146,10 +146,16 @@ class StreamBody:
         else:
             logger.info("request %s: %s before its first token; rerunning", s.request_id, err)
         s.out.decode_starts()
-        if whole:
-            await s.rerun_whole(tid)
-        else:
-            await s.rerun_after_first_token()
+        launched = s.retries.attempts
+        try:
+            if whole:
+                await s.rerun_whole(tid)
+            else:
+                await s.rerun_after_first_token()
+        except (APIError, PassThrough):
+            if migrating and s.retries.attempts == launched:
+                s.migrations -= 1  # no pair was left to move to: the stream did not move
+            raise
 
     async def _done(self, events: DecodeEvents) -> None:
         """D's stream ended with [DONE]: the answer is the client's whole."""

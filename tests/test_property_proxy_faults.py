@@ -48,7 +48,8 @@ Asserted for every example (docs/proxy.md, "Failures"):
 * the metrics agree with what the clients got: requests by status, errors by kind, a
   stream error per stream that ended with an error event (one per request, whatever
   its choices), migrations by outcome bounded by the streams that resumed, diverged or
-  failed (none without ``--migration-limit``); a client that left may be counted under
+  failed (none without ``--migration-limit``), retries by role exactly the pairs launched
+  after each choice's first (a retry that found no pair is none); a client that left may be counted under
   any status or kind, or none (its task cancelled), and ``client_disconnect`` at most
   once per client that left;
 * the same script (P answering, D failing only before its tokens, one request at a
@@ -82,6 +83,7 @@ from hypothesis import Phase, event, example, given, note, settings
 from hypothesis import strategies as st
 
 import proxy.legs
+import proxy.session
 from kvconnector.base import KV_NOT_RESERVED
 from proxy.app import build_app
 from proxy.config import ProxyConfig
@@ -484,6 +486,28 @@ class Run:
 
 
 @contextlib.contextmanager
+def launches() -> Iterator[Counter[int]]:
+    """The pairs (or decode nodes alone) each session launched meanwhile, by session: a
+    retry counted is one launched (``pdproxy_request_retries_total`` counts the
+    launches after a session's first)."""
+    made: Counter[int] = Counter()
+    alive: list[Any] = []  # the sessions counted (their ids stay theirs)
+    launch = proxy.session.Session._launch
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        attempt = launch(self, *args, **kwargs)
+        made[id(self)] += 1
+        alive.append(self)
+        return attempt
+
+    proxy.session.Session._launch = counting  # type: ignore[method-assign]
+    try:
+        yield made
+    finally:
+        proxy.session.Session._launch = launch  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def node_faults() -> Iterator[list[UpstreamError]]:
     """Every ``UpstreamError`` the proxy makes meanwhile (those that are node faults must
     leave their node out of rotation)."""
@@ -678,6 +702,7 @@ async def _run(case: Case, stream: bool) -> Run:
             )
         )
         faults = stack.enter_context(node_faults())
+        launched = stack.enter_context(launches())
 
         path = "/v1/chat/completions" if case.chat else "/v1/completions"
         endpoint = "chat" if case.chat else "completions"
@@ -789,6 +814,10 @@ async def _run(case: Case, stream: bool) -> Run:
         assert sum(moved.values()) <= _metric(app, "pdproxy_request_retries_total", role="decode")
         metrics = {"retries_prefill": _metric(app, "pdproxy_request_retries_total", role="prefill"),
                    "retries_decode": _metric(app, "pdproxy_request_retries_total", role="decode")}  # fmt: skip
+        # A retry counted is a pair launched after a session's first (none that found no
+        # pair to retry on).
+        retried = sum(metrics.values())
+        assert retried == sum(c - 1 for c in launched.values()), (metrics, launched)
         out_of_rotation = sorted(names[n.url] for n in pool.all() if not n.healthy)
         failures = [n.failures_total for n in pool.all()]
     api = "chat" if case.chat else "completions"
@@ -842,11 +871,29 @@ _LOAD_WITH_NO_DECODE_LEFT = Case(
     prefill=((Act("ok"),),), decode=((Act("event", 2, "load"),),),
 )  # fmt: skip
 
+# The only D fails (500) and --max-retries allows one more try, on no pair: a retry was
+# counted that never happened (retries.py).
+_RETRY_WITH_NO_PAIR_LEFT = Case(
+    n_requests=1, waves=(1,), length=3, mode="json", shape="prestream", max_retries=1,
+    migration_limit=0, routing="round_robin", skip_first=False, kv_wait=True, fallback=False,
+    prefill=((Act("ok"),),), decode=((Act("fail500"),),),
+)  # fmt: skip
+
+# The only D breaks after 2 tokens (--migration-limit 1): no node to move to, yet a
+# migration was counted ``failed`` (stream_body.py).
+_BREAK_WITH_NO_DECODE_LEFT = Case(
+    n_requests=1, waves=(1,), length=4, mode="stream", shape="prestream", max_retries=1,
+    migration_limit=1, routing="round_robin", skip_first=False, kv_wait=True, fallback=False,
+    prefill=((Act("ok"),),), decode=((Act("break", 2),),),
+)  # fmt: skip
+
 
 @pytest.mark.timeout(120 * SCALE)
 @examples(CI_EXAMPLES)
 @example(case=_NO_ROOM_AND_A_FAILING_DECODE)
 @example(case=_LOAD_WITH_NO_DECODE_LEFT)
+@example(case=_RETRY_WITH_NO_PAIR_LEFT)
+@example(case=_BREAK_WITH_NO_DECODE_LEFT)
 @given(case=cases())
 def test_every_request_ends_well_whatever_the_nodes_do(case: Case) -> None:
     check_case(case)
