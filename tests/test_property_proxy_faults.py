@@ -105,7 +105,9 @@ DIVERGED = 99_999  # the token id a diverging replay puts in
 PREFILL_ACTS = ("ok", "refuse", "load429", "load503", "fail500", "close", "hang", "no_room")
 # A decode node's; those whose outcome does not depend on streaming first (``BEFORE``).
 BEFORE_ACTS = ("ok", "refuse", "load429", "load503", "fail500", "close", "hang", "event")
-EVENTS = ("server", "untyped", "client", "status400", "gateway", "load", "overloaded")
+EVENTS = ("server", "untyped", "client", "status400", "gateway", "load", "overloaded",
+          "status400str", "openai_rate")  # fmt: skip
+LOAD_EVENTS = {"load", "overloaded", "openai_rate"}
 FAILING = {"fail500", "close", "hang", "break"}  # fail as a node (events: by kind)
 FAILING_EVENTS = {"server", "untyped", "gateway"}
 
@@ -163,6 +165,12 @@ class Case:
     leave: tuple[Leave | None, ...] = ()  # [request]: its client leaves (None: stays)
     chat: bool = False  # chat completions (else completions)
     n: int = 1  # choices per request (``n``; with a seed: choice j's is ``seed + j``)
+    responses: bool = False  # /v1/responses (chat-shaped legs: ``chat`` too)
+    batch: int = 1  # completions: prompts per request (choice ``b * n + j``: prompt b's j-th)
+
+    @property
+    def choices(self) -> int:
+        return self.n * self.batch
 
 
 def _acts(kinds: tuple[str, ...], length: int, after_tokens: bool) -> st.SearchStrategy[Act]:
@@ -199,6 +207,7 @@ def cases(draw: st.DrawFn) -> Case:
             left -= waves[-1]
     n_p, n_d = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     both = mode == "both"
+    api = draw(st.sampled_from(["completions", "chat", "responses"]))
     p_acts = st.just(Act("ok")) if both else _acts(PREFILL_ACTS, length, False)
     d_acts = _acts(BEFORE_ACTS, length, not both)
     if both:
@@ -218,8 +227,10 @@ def cases(draw: st.DrawFn) -> Case:
         prefill=tuple(tuple(draw(p_acts) for _ in range(n)) for _ in range(n_p)),
         decode=tuple(tuple(draw(d_acts) for _ in range(n)) for _ in range(n_d)),
         leave=() if both else tuple(draw(_leaves(mode == "stream", length)) for _ in range(n)),
-        chat=draw(st.booleans()),
-        n=1 if both else draw(st.sampled_from([1, 1, 1, 2, 3])),
+        chat=api != "completions",
+        n=1 if both or api == "responses" else draw(st.sampled_from([1, 1, 1, 2, 3])),
+        responses=api == "responses",
+        batch=1 if both or api != "completions" else draw(st.sampled_from([1, 1, 1, 2, 3])),
     )
 
 
@@ -233,6 +244,7 @@ def _leaves(stream: bool, length: int) -> st.SearchStrategy[Leave | None]:
 
 # -- stand-in nodes --------------------------------------------------------------------------
 
+RESPONSE_ENDS = {"response.completed", "response.incomplete", "response.failed"}
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
@@ -251,6 +263,17 @@ def choice_of(r: int, body: dict[str, Any]) -> int:
     """The choice a leg is of (0 unless the request has several: its seed tells)."""
     seed = body.get("seed")
     return seed - seed_of(r) if seed is not None and 0 <= seed - seed_of(r) < 10 else 0
+
+
+def prompt_of(r: int, b: int) -> str:
+    """Request ``r``'s prompt ``b`` (of a batch; 0: its only one)."""
+    return f"request-{r}" + (f"/{b}" if b else "")
+
+
+def request_of(prompt: str) -> tuple[int, int]:
+    """The request and the batch's prompt a leg is of (``prompt_of``'s inverse)."""
+    r, _, b = prompt.removeprefix("request-").partition("/")
+    return int(r), int(b or 0)
 
 
 def piece(token: int) -> str:
@@ -301,8 +324,14 @@ def _error(name: str, r: int, kind: str) -> tuple[dict[str, Any], int]:
                  "code": "overloaded"},
         "overloaded": {"message": msg, "type": "server_error", "param": None,
                        "code": "overloaded"},
+        # A status as a string; OpenAI's rate limit (its type "requests", its code a string).
+        "status400str": {"message": msg, "type": "BadRequestError", "param": None,
+                         "code": "400"},
+        "openai_rate": {"message": msg, "type": "requests", "param": None,
+                        "code": "rate_limit_exceeded"},
     }[kind]  # fmt: skip
-    status = {"client": 400, "status400": 400, "gateway": 504, "load": 429, "overloaded": 503}
+    status = {"client": 400, "status400": 400, "gateway": 504, "load": 429, "overloaded": 503,
+              "status400str": 400, "openai_rate": 429}  # fmt: skip
     return {"error": err}, status.get(kind, 500)
 
 
@@ -339,7 +368,8 @@ class Cluster:
                 return facts
             body = req.json()
             prompt = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
-            r = int(prompt.removeprefix("request-"))
+            r, b = request_of(prompt)
+            body["choice"] = b * self.case.n + choice_of(r, body)
             tid = (body.get("kv_transfer_params") or {}).get("transfer_id")
             leg = (name, tid or f"no transfer {len(self.active)}")
             self.active[leg] = r
@@ -403,7 +433,7 @@ class Cluster:
             reply = await self._common(name, r, act)
             if reply is not None:
                 return reply or None
-            first = expected(r, self.case.length, choice_of(r, body))[0]
+            first = expected(r, self.case.length, body["choice"])[0]
             choice = _whole([first], self.case.chat)
             return answer(200, {"choices": [choice], "kv_transfer_params": {"first_token": first},
                                 "model": "tiny"})  # fmt: skip
@@ -421,7 +451,7 @@ class Cluster:
         stream = bool(body.get("stream"))
         if act.kind == "event":
             err, status = _error(name, r, act.event)
-            if act.event in ("load", "overloaded"):
+            if act.event in LOAD_EVENTS:
                 self.loads[r].append(err)
             elif status < 500:
                 self.refusals[r].append(err)
@@ -431,7 +461,7 @@ class Cluster:
             reply = await self._common(name, r, act)
             if reply is not None:
                 return reply or None
-        ids = expected(r, self.case.length, choice_of(r, body))
+        ids = expected(r, self.case.length, body["choice"])
         # A replay diverges where the proxy seeded it (several choices: each has a seed).
         if act.kind == "diverge" and "seed" in body and self.case.n == 1:
             ids[act.k] = DIVERGED
@@ -529,13 +559,12 @@ def _check_answer(
     case: Case, cluster: Cluster, r: int, stream: bool, resp: httpx.Response
 ) -> Outcome:
     """The request's outcome, its invariants asserted."""
-    want = expected(r, case.length)
     status, ctype = resp.status_code, resp.headers.get("content-type", "")
     assert status != 500 and status in (200, 400, 429, 502, 503), (status, resp.text)
     if status != 200:
         err = resp.json()["error"]
         if status == 400:
-            assert resp.json() in cluster.refusals[r], (resp.json(), cluster.refusals[r])
+            assert _refused(cluster, r, resp.json()), (resp.json(), cluster.refusals[r])
             return Outcome(status, "refused", resp.json())
         if status == 429:
             assert resp.headers.get("retry-after"), resp.headers
@@ -547,11 +576,13 @@ def _check_answer(
         code = err.get("code")
         assert (status, code) in ((502, "upstream_error"), (503, "no_healthy_nodes")), resp.text
         return Outcome(status, "failed", code)
-    wants = [expected(r, case.length, j) for j in range(case.n)]
+    if case.responses:
+        return _check_response(case, cluster, r, stream, resp)
+    wants = [expected(r, case.length, j) for j in range(case.choices)]
     if not stream:
         assert ctype.startswith("application/json"), ctype
         choices = resp.json()["choices"]
-        assert [c["index"] for c in choices] == list(range(case.n)), choices
+        assert [c["index"] for c in choices] == list(range(case.choices)), choices
         for choice, want in zip(choices, wants, strict=True):
             assert choice["token_ids"] == want, (choice, want)
             text = choice["message"]["content"] if case.chat else choice["text"]
@@ -563,7 +594,7 @@ def _check_answer(
     errors = [i for i, e in enumerate(events) if "error" in e]
     assert errors in ([], [len(events) - 1]), events  # one error at most, the last event
     every = [c for e in events for c in e.get("choices", [])]
-    assert {c["index"] for c in every} <= set(range(case.n)), every
+    assert {c["index"] for c in every} <= set(range(case.choices)), every
     for j, want in enumerate(wants):
         chunks = [c for c in every if c["index"] == j]
         ids = [t for c in chunks for t in c.get("token_ids") or []]
@@ -582,13 +613,63 @@ def _check_answer(
         return Outcome(status, "full")
     last = events[-1]
     err = last["error"]
-    if last in cluster.refusals[r]:
+    if _refused(cluster, r, last):
         return Outcome(status, "refused", last, True)
     if last in cluster.loads[r] or err.get("code") == "overloaded":
         return Outcome(status, "load", None, True, err.get("code"))
     code = err.get("code")
     assert code in ("upstream_error", "retry_diverged", "no_healthy_nodes"), last
     return Outcome(status, "failed", code, True, code)
+
+
+def _refused(cluster: Cluster, r: int, body: dict[str, Any]) -> bool:
+    """``body`` is a node's refusal of request ``r`` (a batch's: naming its prompt, as
+    ``prompt[i]``, as the proxy names it)."""
+    if body in cluster.refusals[r]:
+        return True
+    err = body.get("error") or {}
+    where = err.get("param")
+    if not (isinstance(where, str) and where.startswith("prompt[")):
+        return False
+    message = str(err.get("message")).removeprefix(f"{where}: ")
+    return {**body, "error": {**err, "param": "prompt", "message": message}} in cluster.refusals[r]
+
+
+def _check_response(
+    case: Case, cluster: Cluster, r: int, stream: bool, resp: httpx.Response
+) -> Outcome:
+    """A /v1/responses request's 200: its ``response`` object, or its events (one
+    ``response.completed``/``incomplete``/``failed`` last, the text the request's own)."""
+    want = "".join(map(piece, expected(r, case.length)))
+    ctype = resp.headers.get("content-type", "")
+    if not stream:
+        assert ctype.startswith("application/json"), ctype
+        body = resp.json()
+        assert body["status"] == "incomplete", body  # cut by max_output_tokens
+        (item,) = body["output"]
+        assert item["content"][0]["text"] == want, (item, want)
+        return Outcome(200, "full")
+    assert ctype.startswith("text/event-stream"), ctype
+    events = sse_chunk_events([resp.text])
+    ends = [i for i, e in enumerate(events) if e["type"] in RESPONSE_ENDS]
+    assert ends == [len(events) - 1], [e["type"] for e in events]  # one end, the last
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    last = events[-1]
+    if last["type"] != "response.failed":
+        assert last["type"] == "response.incomplete", last
+        assert text == want, (text, want)
+        assert last["response"]["output"][0]["content"][0]["text"] == want, last
+        return Outcome(200, "full")
+    assert want.startswith(text), (text, want)
+    err = last["response"]["error"]  # OpenAI's code; the node's or proxy's after the message
+    code = err["message"].rsplit("(", 1)[-1].rstrip(")")
+    if err["code"] == "rate_limit_exceeded":
+        return Outcome(200, "load", None, True, code)
+    refusals = [e["error"]["message"] for e in cluster.refusals[r]]
+    if any(err["message"].startswith(m) for m in refusals):
+        return Outcome(200, "refused", err, True)
+    assert err["code"] == "server_error", err
+    return Outcome(200, "failed", code, True, code)
 
 
 @dataclass
@@ -641,12 +722,8 @@ async def _leaving(
         parts.append(msg.get("body", b""))
         if not msg.get("more_body", False):
             complete = True
-        elif leave.tokens is not None:
-            text = b"".join(parts).decode()
-            got = sum(len(c.get("token_ids") or []) for e in sse_chunk_events([text])
-                      for c in e.get("choices", []))  # fmt: skip
-            if got >= leave.tokens:
-                leave_now()
+        elif leave.tokens is not None and _tokens_in(b"".join(parts).decode()) >= leave.tokens:
+            leave_now()
 
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
@@ -668,6 +745,14 @@ async def _leaving(
         return Left(status, None, unfinished)
     headers = [(k.decode(), v.decode()) for k, v in start["headers"]]
     return Left(status, httpx.Response(status, headers=headers, content=b"".join(parts)), set())
+
+
+def _tokens_in(text: str) -> int:
+    """The tokens a stream so far holds (a /v1/responses stream: a delta is one)."""
+    events = sse_chunk_events([text])
+    deltas = sum(e.get("type") == "response.output_text.delta" for e in events)
+    return deltas + sum(len(c.get("token_ids") or []) for e in events
+                        for c in e.get("choices", []))  # fmt: skip
 
 
 def _metric(app: Any, name: str, **labels: str) -> float:
@@ -704,18 +789,24 @@ async def _run(case: Case, stream: bool) -> Run:
         faults = stack.enter_context(node_faults())
         launched = stack.enter_context(launches())
 
-        path = "/v1/chat/completions" if case.chat else "/v1/completions"
-        endpoint = "chat" if case.chat else "completions"
+        endpoint = "responses" if case.responses else "chat" if case.chat else "completions"
+        path = {"responses": "/v1/responses", "chat": "/v1/chat/completions",
+                "completions": "/v1/completions"}[endpoint]  # fmt: skip
 
         async def one(r: int) -> Outcome:
             body: dict[str, Any] = {"model": "tiny", "max_tokens": case.length, "stream": stream}
             if case.n > 1:
                 body.update(n=case.n, seed=seed_of(r))
-            if case.chat:
+            if case.responses:  # as a chat request, translated (no ``stop``)
+                body = {"model": "tiny", "input": f"request-{r}", "stream": stream,
+                        "max_output_tokens": case.length}  # fmt: skip
+            elif case.chat:
                 body["messages"] = [{"role": "user", "content": f"request-{r}"}]
+            elif case.batch > 1:
+                body["prompt"] = [prompt_of(r, b) for b in range(case.batch)]
             else:
                 body["prompt"] = f"request-{r}"
-            if case.shape == "stop":
+            if case.shape == "stop" and not case.responses:
                 body["stop"] = ["@@"]
             leave = case.leave[r] if case.leave else None
             if leave is not None:
@@ -805,7 +896,7 @@ async def _run(case: Case, stream: bool) -> Run:
         if not stream or case.migration_limit == 0:
             assert not any(moved.values()), moved
         # (Each choice's stream moves on its own: several choices, several moves.)
-        per = case.n
+        per = case.choices
         assert moved["resumed"] <= per * (sum(o.kind == "full" for o in outcomes) + n_left), moved
         assert moved["diverged"] <= per * (
             sum(o.error_code == "retry_diverged" for o in outcomes) + n_left
@@ -820,7 +911,7 @@ async def _run(case: Case, stream: bool) -> Run:
         assert retried == sum(c - 1 for c in launched.values()), (metrics, launched)
         out_of_rotation = sorted(names[n.url] for n in pool.all() if not n.healthy)
         failures = [n.failures_total for n in pool.all()]
-    api = "chat" if case.chat else "completions"
+    api = endpoint + (f", batch {case.batch}" if case.batch > 1 else "")
     event(f"mode {case.mode}, {api}, {case.shape}{', skip first' if case.skip_first else ''}")
     for o in outcomes:
         event(
