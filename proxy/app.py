@@ -108,6 +108,7 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> Fronted
             members.on_removed = forget
             serving.legs, serving.client = Legs(client), client
             app.state.legs = serving.legs
+            app.state.health = health  # its rounds (tests run them by hand)
             await discovery.run_once()  # DNS names resolved before the first health round
             members.checker = health.check_node  # a node that joins later: checked at once
             health.start()

@@ -13,13 +13,19 @@ whether a decode node waits for P's answer (its KV) or answers at once (the legs
 streamed or not, pre-streamed (P's first token first) or D-shaped streams (a stop
 string: D's stream is the whole answer) or D alone (``--disagg-min-prompt-tokens``), the
 answer's length, and a few requests in waves (the requests of a wave are concurrent).
-Outside the streamed-vs-JSON comparison also: completions or chat completions (the
-stand-ins answer chat-shaped bodies and chunks, a role chunk first), ``n`` = 1-3 choices
+Completions, chat completions or ``/v1/responses`` (served as chat: the stand-ins answer
+chat-shaped bodies and chunks, a role chunk first). Outside the streamed-vs-JSON
+comparison also: completions batches (1-3 prompts, each choice a P/D pair), ``n`` = 1-3 choices
 (seeded, so that each choice's legs and tokens are its own: the proxy runs a choice per
 pair), and clients that leave -- their connection closes (the app's ``receive`` says
 ``http.disconnect``) or their request's task is cancelled, as soon as the body is in,
 after a delay, or (streams) once k tokens reached them; such a client talks to the
-proxy's ASGI app directly.
+proxy's ASGI app directly. And nodes joining and leaving (``tests/proxy_fault_membership.py``):
+a node may register with the proxy during a wave, or be registered at first and
+deregister during one (after a drawn delay: requests are in flight on it). Once the
+waves are over, health rounds run by hand, each node's ``/health`` failing (503, or a
+connection closed unanswered) for 0-2 rounds first, then requests, as many as a role
+has nodes.
 
 Asserted for every example (docs/proxy.md, "Failures"):
 
@@ -52,6 +58,13 @@ Asserted for every example (docs/proxy.md, "Failures"):
   after each choice's first (a retry that found no pair is none); a client that left may be counted under
   any status or kind, or none (its task cancelled), and ``client_disconnect`` at most
   once per client that left;
+* a node that left is out of the pool, one that joined in it (once health-checked);
+  the requests on one that left end by the rules above (in-flight counts are those of
+  every node watched, those that left included);
+* the health rounds by hand: after each, a node is in rotation exactly when its check
+  passed (a node out for a failure back, one whose check failed out, none before its
+  check passes); then every node in the pool gets one of the requests that follow, each
+  answered whole;
 * the same script (P answering, D failing only before its tokens, one request at a
   time) served streamed and not streamed ends the same way for each request (answered,
   refused with the same body, load, failed), and leaves the same nodes out of rotation,
@@ -88,6 +101,18 @@ from kvconnector.base import KV_NOT_RESERVED
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 from proxy.legs import UpstreamError
+from tests.proxy_fault_membership import (
+    JOINS,
+    KEY,
+    LEAVES,
+    STATIC,
+    HealthScript,
+    Member,
+    churn_at,
+    health_rounds,
+    membership,
+    until,
+)
 from tests.standin_http import SeenRequest, StandIn, answer, node_facts
 
 SCALE = max(1, int(os.environ.get("PDSERVE_PROXY_EXAMPLES", "1")))
@@ -167,6 +192,9 @@ class Case:
     n: int = 1  # choices per request (``n``; with a seed: choice j's is ``seed + j``)
     responses: bool = False  # /v1/responses (chat-shaped legs: ``chat`` too)
     batch: int = 1  # completions: prompts per request (choice ``b * n + j``: prompt b's j-th)
+    # Per node (P's, then D's; none: each static, and its /health passing at once).
+    members: tuple[Member, ...] = ()  # static, or registered and leaving, or joining
+    health: tuple[HealthScript, ...] = ()  # its /health once the waves are over
 
     @property
     def choices(self) -> int:
@@ -231,7 +259,24 @@ def cases(draw: st.DrawFn) -> Case:
         n=1 if both or api == "responses" else draw(st.sampled_from([1, 1, 1, 2, 3])),
         responses=api == "responses",
         batch=1 if both or api != "completions" else draw(st.sampled_from([1, 1, 1, 2, 3])),
+        members=tuple(
+            draw(_members(len(waves))) if not both else Member() for _ in range(n_p + n_d)
+        ),  # fmt: skip
+        health=tuple(
+            draw(
+                st.builds(
+                    HealthScript, st.sampled_from([0, 0, 1, 2]), st.sampled_from(["503", "close"])
+                )
+            )
+            for _ in range(n_p + n_d)
+        ),  # fmt: skip
     )
+
+
+def _members(waves: int) -> st.SearchStrategy[Member]:
+    moved = st.builds(Member, st.sampled_from([LEAVES, JOINS]), st.integers(0, waves - 1),
+                      st.sampled_from([0.0, 0.01, 0.05, 0.2]))  # fmt: skip
+    return st.one_of(st.just(Member()), st.just(Member()), st.just(Member()), moved)
 
 
 def _leaves(stream: bool, length: int) -> st.SearchStrategy[Leave | None]:
@@ -347,6 +392,14 @@ class Cluster:
     closing: asyncio.Event = field(default_factory=asyncio.Event)  # hung nodes end now
     # The legs a node is still answering: (node, transfer id) -> request.
     active: dict[tuple[str, str], int] = field(default_factory=dict)
+    served: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))  # by node
+    # The health round by hand under way (the waves are over): /health answers by
+    # ``case.health``; None: 200.
+    health_round: int | None = None
+
+    def health_of(self, name: str) -> HealthScript:
+        i = int(name[1:]) + (0 if name[0] == "P" else len(self.case.prefill))
+        return self.case.health[i] if self.case.health else HealthScript()
 
     async def hang(self) -> None:
         """Past the proxy's timeout (or until the cluster closes)."""
@@ -363,6 +416,10 @@ class Cluster:
         name = f"{role[0].upper()}{i}"
 
         async def handler(req: SeenRequest) -> Any:
+            if req.path == "/health" and self.health_round is not None:
+                fails = self.health_of(name)
+                if self.health_round < fails.fails:
+                    return answer(503, {"status": "unhealthy"}) if fails.how == "503" else None
             facts = node_facts(req, "producer" if role == "prefill" else "consumer")
             if facts is not None:
                 return facts
@@ -373,12 +430,14 @@ class Cluster:
             tid = (body.get("kv_transfer_params") or {}).get("transfer_id")
             leg = (name, tid or f"no transfer {len(self.active)}")
             self.active[leg] = r
+            self.served[name].add(r)
+            act = script[r] if r < len(script) else Act("ok")  # after the waves: answers
             ended = True
             try:
                 if role == "prefill":
-                    reply = await self._prefill(name, r, script[r], body)
+                    reply = await self._prefill(name, r, act, body)
                 else:
-                    reply = await self._decode(name, r, script[r], body)
+                    reply = await self._decode(name, r, act, body)
                 if hasattr(reply, "__aiter__"):  # still answering while its pieces go out
                     ended = False
                     return self._until_end(reply, leg)
@@ -665,9 +724,10 @@ def _check_response(
     code = err["message"].rsplit("(", 1)[-1].rstrip(")")
     if err["code"] == "rate_limit_exceeded":
         return Outcome(200, "load", None, True, code)
-    refusals = [e["error"]["message"] for e in cluster.refusals[r]]
-    if any(err["message"].startswith(m) for m in refusals):
-        return Outcome(200, "refused", err, True)
+    # A node's refusal: the node's body it stands for (as a chat stream's last event).
+    refusals = [e for e in cluster.refusals[r] if err["message"].startswith(e["error"]["message"])]
+    if refusals:
+        return Outcome(200, "refused", refusals[0], True)
     assert err["code"] == "server_error", err
     return Outcome(200, "failed", code, True, code)
 
@@ -768,8 +828,19 @@ async def _run(case: Case, stream: bool) -> Run:
         ds = [await stack.enter_async_context(StandIn(cluster.node("decode", i)))
               for i in range(len(case.decode))]  # fmt: skip
         stack.push_async_callback(cluster.close)  # after the proxy, before the nodes
+        # By name: each node's role, URL and how it is in the pool.
+        members = {f"{role[0].upper()}{i}": (role, node.url, m)
+                   for (role, i, node), m in zip(
+                       [*(("prefill", i, p) for i, p in enumerate(ps)),
+                        *(("decode", i, d) for i, d in enumerate(ds))],
+                       case.members or [Member()] * (len(ps) + len(ds)), strict=True)}  # fmt: skip
+        names = {url: name for name, (_, url, _) in members.items()}
+
+        def static(role: str) -> tuple[str, ...]:
+            return tuple(url for r, url, m in members.values() if r == role and m.how == STATIC)
+
         cfg = ProxyConfig(
-            prefill=tuple(p.url for p in ps), decode=tuple(d.url for d in ds),
+            prefill=static("prefill"), decode=static("decode"), registration_key=KEY,
             routing=case.routing, max_retries=case.max_retries,
             migration_limit=case.migration_limit,
             health_interval=3600.0,  # one round, at the start: nothing puts a node back
@@ -780,12 +851,16 @@ async def _run(case: Case, stream: bool) -> Run:
         app = build_app(cfg)
         await stack.enter_async_context(app.router.lifespan_context(app))
         pool = app.state.pool
-        assert all(n.ready for n in pool.all()), pool.all()
         client = await stack.enter_async_context(
             httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=60
             )
         )
+        for role, url, m in members.values():  # those that leave are registered at first
+            if m.how == LEAVES:
+                await membership(client, role, url)
+        await until(lambda: all(n.ready for n in pool.all()), "every node ready")
+        assert len(pool.all()) == sum(m.how != JOINS for _, _, m in members.values())
         faults = stack.enter_context(node_faults())
         launched = stack.enter_context(launches())
 
@@ -808,7 +883,7 @@ async def _run(case: Case, stream: bool) -> Run:
                 body["prompt"] = f"request-{r}"
             if case.shape == "stop" and not case.responses:
                 body["stop"] = ["@@"]
-            leave = case.leave[r] if case.leave else None
+            leave = case.leave[r] if r < len(case.leave) else None
             if leave is not None:
                 left = await _leaving(app, cluster, r, path, body, leave)
                 unfinished.update(left.unfinished)
@@ -822,15 +897,21 @@ async def _run(case: Case, stream: bool) -> Run:
         outcomes: list[Outcome] = []
         unfinished: set[tuple[str, str]] = set()  # legs left unfinished by a client gone
         r = 0
-        for size in case.waves:
+        churn: list[asyncio.Task[None]] = []  # nodes joining and leaving meanwhile
+        for w, size in enumerate(case.waves):
+            churn += churn_at(client, w, members)
             outcomes += await asyncio.gather(*(one(r + j) for j in range(size)))
             r += size
-        # Legs cancelled or aborted end on the next turns of the loop.
+        await asyncio.gather(*churn)
+        # A node that joined late is health-checked at once: in rotation once answered.
+        await until(lambda: all(n.healthy or n.failures_total for n in pool.all()), "checked")
+        # Legs cancelled or aborted end on the next turns of the loop (``watched``: the
+        # nodes in the pool and those that left with requests on them).
         for _ in range(200):
-            if all(n.outstanding == 0 for n in pool.all()):
+            if all(n.outstanding == 0 for n in pool.watched()):
                 break
             await asyncio.sleep(0.01)
-        loads = {n.url: n.outstanding for n in pool.all()}
+        loads = {n.url: n.outstanding for n in pool.watched()}
         assert not any(loads.values()), loads
         assert _metric(app, "pdproxy_requests_inflight") == 0
         # A client that left: the legs its nodes were still answering are aborted there.
@@ -849,8 +930,6 @@ async def _run(case: Case, stream: bool) -> Run:
             await asyncio.sleep(0.01)
         assert not not_aborted(), (not_aborted(), unfinished)
 
-        names = {n.url: f"{n.role[0].upper()}{i}" for role in ("prefill", "decode")
-                 for i, n in enumerate(pool.nodes(role))}  # fmt: skip
         scripts = {**{f"P{i}": s for i, s in enumerate(case.prefill)},
                    **{f"D{i}": s for i, s in enumerate(case.decode)}}  # fmt: skip
         for n in pool.all():
@@ -861,6 +940,9 @@ async def _run(case: Case, stream: bool) -> Run:
         for err in faults:
             if err.node_fault:
                 assert not err.node.healthy, (names[err.node.url], str(err))
+        # Those that left are gone; those that joined are in.
+        present = {names[n.url] for n in pool.all()}
+        assert present == {name for name, (_, _, m) in members.items() if m.how != LEAVES}
 
         # The metrics agree with what the clients got.
         # (A client that left (L of them) may be counted under any status and error kind,
@@ -911,6 +993,30 @@ async def _run(case: Case, stream: bool) -> Run:
         assert retried == sum(c - 1 for c in launched.values()), (metrics, launched)
         out_of_rotation = sorted(names[n.url] for n in pool.all() if not n.healthy)
         failures = [n.failures_total for n in pool.all()]
+
+        # Health rounds (by hand): a node is back in rotation once its /health passes, and
+        # not before; then requests (as many as a role has nodes) reach every one.
+        fails = {names[n.url]: cluster.health_of(names[n.url]).fails for n in pool.all()}
+
+        def start_round(k: int) -> None:
+            cluster.health_round = k
+
+        await health_rounds(app.state.health.check_all, pool.all(), fails, names, start_round)
+        after = [await one(r + j) for j in range(max(len(pool.prefill), len(pool.decode), 1))]
+        # (Each role has nodes unless all of one left: then the proxy says so, 503.)
+        served = pool.decode and (pool.prefill or case.fallback or case.shape == "alone")
+        if not served:
+            assert all(o.detail == "no_healthy_nodes" for o in after), after
+            after = []  # a request before a node of the role joins reaches none
+        elif not pool.prefill and not case.fallback:  # D alone if it is short, else 503
+            assert all(o.kind == "full" or o.detail == "no_healthy_nodes" for o in after)
+            after = [] if any(o.kind != "full" for o in after) else after
+        assert all(o.kind == "full" for o in after), after
+        used = (pool.all() if case.shape != "alone" else pool.decode) if after else []
+        missed = {names[n.url] for n in used} - {
+            name for name, rs in cluster.served.items() if rs & set(range(r, r + len(after)))
+        }  # fmt: skip
+        assert not missed, (missed, dict(cluster.served))
     api = endpoint + (f", batch {case.batch}" if case.batch > 1 else "")
     event(f"mode {case.mode}, {api}, {case.shape}{', skip first' if case.skip_first else ''}")
     for o in outcomes:
