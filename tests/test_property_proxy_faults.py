@@ -72,8 +72,8 @@ Asserted for every example (docs/proxy.md, "Failures"):
 
 The examples are fixed (``derandomize``, no example database) and are not shrunk (a
 failing one is printed as drawn, ``note``); CI runs ``CI_EXAMPLES`` and the explicit ones
-(the bugs this test found; about 20-25 s on two cores), the ``slow`` form
-``SLOW_EXAMPLES`` (about 60-70 s); ``PDSERVE_PROXY_EXAMPLES=N`` multiplies both (a hunt:
+(the bugs this test found; about 30 s on two cores), the ``slow`` form
+``SLOW_EXAMPLES`` (about 65 s); ``PDSERVE_PROXY_EXAMPLES=N`` multiplies both (a hunt:
 ``PDSERVE_PROXY_EXAMPLES=4 pytest -m slow tests/test_property_proxy_faults.py``).
 """
 
@@ -83,6 +83,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -116,8 +117,8 @@ from tests.proxy_fault_membership import (
 from tests.standin_http import SeenRequest, StandIn, answer, node_facts
 
 SCALE = max(1, int(os.environ.get("PDSERVE_PROXY_EXAMPLES", "1")))
-CI_EXAMPLES = 150
-SLOW_EXAMPLES = 400
+CI_EXAMPLES = 100
+SLOW_EXAMPLES = 250
 
 REQUEST_TIMEOUT_S = 1.0  # --request-timeout: a node's next bytes (a loaded box: not less)
 HANG_S = REQUEST_TIMEOUT_S + 0.4  # a hung node: past it
@@ -699,14 +700,25 @@ def _check_response(
 ) -> Outcome:
     """A /v1/responses request's 200: its ``response`` object, or its events (one
     ``response.completed``/``incomplete``/``failed`` last, the text the request's own)."""
-    want = "".join(map(piece, expected(r, case.length)))
+    ids = expected(r, case.length)
+    want = "".join(map(piece, ids))
+
+    def agrees(text: str, whole: bool) -> bool:  # a wrong token only from a replay
+        got = [int(t) for t in re.findall(r"<(-?\d+)>", text)]
+        if text != "".join(map(piece, got)) or len(got) > len(ids):
+            return False
+        if whole and len(got) != len(ids):
+            return False
+        return all(g == w or (g == DIVERGED and r in cluster.diverged)
+                   for g, w in zip(got, ids, strict=False))  # fmt: skip
+
     ctype = resp.headers.get("content-type", "")
     if not stream:
         assert ctype.startswith("application/json"), ctype
         body = resp.json()
         assert body["status"] == "incomplete", body  # cut by max_output_tokens
         (item,) = body["output"]
-        assert item["content"][0]["text"] == want, (item, want)
+        assert agrees(item["content"][0]["text"], True), (item, want)
         return Outcome(200, "full")
     assert ctype.startswith("text/event-stream"), ctype
     events = sse_chunk_events([resp.text])
@@ -716,10 +728,10 @@ def _check_response(
     last = events[-1]
     if last["type"] != "response.failed":
         assert last["type"] == "response.incomplete", last
-        assert text == want, (text, want)
-        assert last["response"]["output"][0]["content"][0]["text"] == want, last
+        assert agrees(text, True), (text, want)
+        assert last["response"]["output"][0]["content"][0]["text"] == text, last
         return Outcome(200, "full")
-    assert want.startswith(text), (text, want)
+    assert agrees(text, False), (text, want)
     err = last["response"]["error"]  # OpenAI's code; the node's or proxy's after the message
     code = err["message"].rsplit("(", 1)[-1].rstrip(")")
     if err["code"] == "rate_limit_exceeded":
