@@ -1,6 +1,7 @@
 """Property test (hypothesis) of the proxy's failure handling: a drawn cluster of stand-in
 nodes (``tests/standin_http.py``: 1-3 prefill, 1-3 decode, real HTTP servers on
-loopback) behind an in-process proxy (its app and lifespan, ``proxy_over``'s way in
+loopback; their scripts and handlers: ``tests/proxy_fault_cluster.py``; each answer's
+checks: ``tests/proxy_fault_answers.py``) behind an in-process proxy (its app and lifespan, ``proxy_over``'s way in
 ``tests/test_proxy_error_before_token.py``), each node scripted, per request, to answer
 normally, refuse the request (4xx), answer with load (429, 503 ``overloaded``), fail
 (500), close its connection before its headers or mid-stream after k tokens, send an
@@ -83,25 +84,36 @@ import asyncio
 import contextlib
 import json
 import os
-import re
-from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 from fakes import fixed_examples
-from harness import sse_chunk_events
 from hypothesis import Phase, event, example, given, note, settings
 from hypothesis import strategies as st
 
 import proxy.legs
 import proxy.session
-from kvconnector.base import KV_NOT_RESERVED
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 from proxy.legs import UpstreamError
+from tests.proxy_fault_answers import Outcome, check_answer, tokens_in
+from tests.proxy_fault_cluster import (
+    BEFORE_ACTS,
+    DEADLINE_S,
+    EVENTS,
+    PREFILL_ACTS,
+    REQUEST_TIMEOUT_S,
+    Act,
+    Case,
+    Cluster,
+    Leave,
+    prompt_of,
+    seed_of,
+)
 from tests.proxy_fault_membership import (
     JOINS,
     KEY,
@@ -114,92 +126,11 @@ from tests.proxy_fault_membership import (
     membership,
     until,
 )
-from tests.standin_http import SeenRequest, StandIn, answer, node_facts
+from tests.standin_http import StandIn
 
 SCALE = max(1, int(os.environ.get("PDSERVE_PROXY_EXAMPLES", "1")))
 CI_EXAMPLES = 100
 SLOW_EXAMPLES = 250
-
-REQUEST_TIMEOUT_S = 1.0  # --request-timeout: a node's next bytes (a loaded box: not less)
-HANG_S = REQUEST_TIMEOUT_S + 0.4  # a hung node: past it
-KV_WAIT_S = 0.2  # a decode node waits this long at most for P's answer (its KV)
-DEADLINE_S = 20.0  # every request ends by then
-DIVERGED = 99_999  # the token id a diverging replay puts in
-
-# -- scripts ---------------------------------------------------------------------------------
-
-PREFILL_ACTS = ("ok", "refuse", "load429", "load503", "fail500", "close", "hang", "no_room")
-# A decode node's; those whose outcome does not depend on streaming first (``BEFORE``).
-BEFORE_ACTS = ("ok", "refuse", "load429", "load503", "fail500", "close", "hang", "event")
-EVENTS = ("server", "untyped", "client", "status400", "gateway", "load", "overloaded",
-          "status400str", "openai_rate")  # fmt: skip
-LOAD_EVENTS = {"load", "overloaded", "openai_rate"}
-FAILING = {"fail500", "close", "hang", "break"}  # fail as a node (events: by kind)
-FAILING_EVENTS = {"server", "untyped", "gateway"}
-
-
-@dataclass(frozen=True)
-class Act:
-    """What a node does with one request: ``kind``; ``k`` tokens first (``break``,
-    ``event``, ``hang`` of a stream) or the position a diverging replay changes
-    (``diverge``); ``event``: the error event's kind."""
-
-    kind: str
-    k: int = 0
-    event: str = ""
-
-    @property
-    def fails_node(self) -> bool:
-        return self.kind in FAILING or (self.kind == "event" and self.event in FAILING_EVENTS)
-
-    def __repr__(self) -> str:
-        extra = f"{self.event}@{self.k}" if self.kind == "event" else f"@{self.k}"
-        return self.kind + (extra if self.kind in ("event", "break", "hang", "diverge") else "")
-
-
-@dataclass(frozen=True)
-class Leave:
-    """A client that leaves: ``how`` "disconnect" (its connection closes: the server's
-    ``receive`` says ``http.disconnect``) or "cancel" (its request's task is cancelled, as
-    an in-process client's); ``when``: after ``delay`` seconds (0: as soon as its body is
-    in) or, a stream, once ``tokens`` tokens reached it."""
-
-    how: str
-    delay: float = 0.0
-    tokens: int | None = None
-
-    def __repr__(self) -> str:
-        at = f"{self.tokens} tokens" if self.tokens is not None else f"{self.delay}s"
-        return f"Leave({self.how} after {at})"
-
-
-@dataclass(frozen=True)
-class Case:
-    n_requests: int
-    waves: tuple[int, ...]  # requests per wave, concurrent within one
-    length: int  # tokens per answer
-    mode: str  # "stream", "json", "both" (the same script each way, compared)
-    shape: str  # "prestream", "stop" (D's stream is the whole answer), "alone" (D alone)
-    max_retries: int
-    migration_limit: int
-    routing: str
-    skip_first: bool  # --node-skip-first-token: D omits the token P streamed
-    kv_wait: bool  # a decode node answers once P answered (else at once: legs race)
-    fallback: bool  # --prefill-fallback: D alone once no prefill node is left
-    prefill: tuple[tuple[Act, ...], ...]  # [node][request]
-    decode: tuple[tuple[Act, ...], ...]
-    leave: tuple[Leave | None, ...] = ()  # [request]: its client leaves (None: stays)
-    chat: bool = False  # chat completions (else completions)
-    n: int = 1  # choices per request (``n``; with a seed: choice j's is ``seed + j``)
-    responses: bool = False  # /v1/responses (chat-shaped legs: ``chat`` too)
-    batch: int = 1  # completions: prompts per request (choice ``b * n + j``: prompt b's j-th)
-    # Per node (P's, then D's; none: each static, and its /health passing at once).
-    members: tuple[Member, ...] = ()  # static, or registered and leaving, or joining
-    health: tuple[HealthScript, ...] = ()  # its /health once the waves are over
-
-    @property
-    def choices(self) -> int:
-        return self.n * self.batch
 
 
 def _acts(kinds: tuple[str, ...], length: int, after_tokens: bool) -> st.SearchStrategy[Act]:
@@ -288,283 +219,7 @@ def _leaves(stream: bool, length: int) -> st.SearchStrategy[Leave | None]:
     return st.one_of(st.none(), st.none(), st.none(), *when)
 
 
-# -- stand-in nodes --------------------------------------------------------------------------
-
-RESPONSE_ENDS = {"response.completed", "response.incomplete", "response.failed"}
-STREAM_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-
-
-def expected(r: int, length: int, j: int = 0) -> list[int]:
-    """Request ``r``'s answer (its choice ``j``'s): its own token ids (no other request's,
-    no other choice's)."""
-    return [1000 + 100 * r + 10 * j + i for i in range(length)]
-
-
-def seed_of(r: int) -> int:
-    """The seed a request with several choices is sent with (choice j's: ``+ j``)."""
-    return 7000 + 100 * r
-
-
-def choice_of(r: int, body: dict[str, Any]) -> int:
-    """The choice a leg is of (0 unless the request has several: its seed tells)."""
-    seed = body.get("seed")
-    return seed - seed_of(r) if seed is not None and 0 <= seed - seed_of(r) < 10 else 0
-
-
-def prompt_of(r: int, b: int) -> str:
-    """Request ``r``'s prompt ``b`` (of a batch; 0: its only one)."""
-    return f"request-{r}" + (f"/{b}" if b else "")
-
-
-def request_of(prompt: str) -> tuple[int, int]:
-    """The request and the batch's prompt a leg is of (``prompt_of``'s inverse)."""
-    r, _, b = prompt.removeprefix("request-").partition("/")
-    return int(r), int(b or 0)
-
-
-def piece(token: int) -> str:
-    return f"<{token}>"
-
-
-def _sse_chunk(event: Any) -> bytes:
-    data = b"data: [DONE]\n\n" if event is None else f"data: {json.dumps(event)}\n\n".encode()
-    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
-
-
-def _token_event(token: int, last: bool, chat: bool) -> dict[str, Any]:
-    choice = {"index": 0, "text": piece(token), "token_ids": [token],
-              "finish_reason": "length" if last else None}  # fmt: skip
-    if chat:
-        choice["delta"] = {"content": choice.pop("text")}
-    return {"choices": [choice], "model": "tiny"}
-
-
-def _role_event() -> dict[str, Any]:
-    """A chat stream's first event: the role alone."""
-    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": [],
-              "finish_reason": None}  # fmt: skip
-    return {"choices": [choice], "model": "tiny"}
-
-
-def _whole(ids: list[int], chat: bool) -> dict[str, Any]:
-    """A whole answer's choice (P's: its first token)."""
-    text = "".join(map(piece, ids))
-    choice: dict[str, Any] = {"index": 0, "text": text, "token_ids": ids, "finish_reason": "length"}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": choice.pop("text")}
-    return choice
-
-
-def _error(name: str, r: int, kind: str) -> tuple[dict[str, Any], int]:
-    """An error event (or body) of ``kind`` from node ``name`` for request ``r``, and the
-    status it stands for."""
-    msg = f"{name} says {kind} to request {r}"
-    err: dict[str, Any] = {
-        "server": {"message": msg, "type": "server_error", "param": None, "code": None},
-        "untyped": {"message": msg},
-        "client": {"message": msg, "type": "invalid_request_error", "param": "prompt",
-                   "code": None},
-        "status400": {"message": msg, "type": "BadRequestError", "param": None, "code": 400},
-        "gateway": {"message": msg, "type": "GatewayTimeout", "param": None, "code": 504},
-        "load": {"message": msg, "type": "rate_limit_error", "param": None,
-                 "code": "overloaded"},
-        "overloaded": {"message": msg, "type": "server_error", "param": None,
-                       "code": "overloaded"},
-        # A status as a string; OpenAI's rate limit (its type "requests", its code a string).
-        "status400str": {"message": msg, "type": "BadRequestError", "param": None,
-                         "code": "400"},
-        "openai_rate": {"message": msg, "type": "requests", "param": None,
-                        "code": "rate_limit_exceeded"},
-    }[kind]  # fmt: skip
-    status = {"client": 400, "status400": 400, "gateway": 504, "load": 429, "overloaded": 503,
-              "status400str": 400, "openai_rate": 429}  # fmt: skip
-    return {"error": err}, status.get(kind, 500)
-
-
-@dataclass
-class Cluster:
-    """The stand-in nodes' scripts and what they said to whom."""
-
-    case: Case
-    refusals: dict[int, list[Any]] = field(default_factory=lambda: defaultdict(list))
-    loads: dict[int, list[Any]] = field(default_factory=lambda: defaultdict(list))
-    diverged: set[int] = field(default_factory=set)  # requests a replay diverged for
-    kv: dict[str, asyncio.Event] = field(default_factory=dict)  # P answered, by transfer
-    closing: asyncio.Event = field(default_factory=asyncio.Event)  # hung nodes end now
-    # The legs a node is still answering: (node, transfer id) -> request.
-    active: dict[tuple[str, str], int] = field(default_factory=dict)
-    served: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))  # by node
-    # The health round by hand under way (the waves are over): /health answers by
-    # ``case.health``; None: 200.
-    health_round: int | None = None
-
-    def health_of(self, name: str) -> HealthScript:
-        i = int(name[1:]) + (0 if name[0] == "P" else len(self.case.prefill))
-        return self.case.health[i] if self.case.health else HealthScript()
-
-    async def hang(self) -> None:
-        """Past the proxy's timeout (or until the cluster closes)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.closing.wait(), HANG_S)
-
-    async def close(self) -> None:
-        """End the hung nodes' answers, so that their servers close cleanly."""
-        self.closing.set()
-        await asyncio.sleep(0.01)
-
-    def node(self, role: str, i: int) -> Any:
-        script = (self.case.prefill if role == "prefill" else self.case.decode)[i]
-        name = f"{role[0].upper()}{i}"
-
-        async def handler(req: SeenRequest) -> Any:
-            if req.path == "/health" and self.health_round is not None:
-                fails = self.health_of(name)
-                if self.health_round < fails.fails:
-                    return answer(503, {"status": "unhealthy"}) if fails.how == "503" else None
-            facts = node_facts(req, "producer" if role == "prefill" else "consumer")
-            if facts is not None:
-                return facts
-            body = req.json()
-            prompt = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
-            r, b = request_of(prompt)
-            body["choice"] = b * self.case.n + choice_of(r, body)
-            tid = (body.get("kv_transfer_params") or {}).get("transfer_id")
-            leg = (name, tid or f"no transfer {len(self.active)}")
-            self.active[leg] = r
-            self.served[name].add(r)
-            act = script[r] if r < len(script) else Act("ok")  # after the waves: answers
-            ended = True
-            try:
-                if role == "prefill":
-                    reply = await self._prefill(name, r, act, body)
-                else:
-                    reply = await self._decode(name, r, act, body)
-                if hasattr(reply, "__aiter__"):  # still answering while its pieces go out
-                    ended = False
-                    return self._until_end(reply, leg)
-                return reply
-            finally:
-                if ended:
-                    self.active.pop(leg, None)
-
-        return handler
-
-    async def _until_end(self, pieces: AsyncIterator[bytes], leg: tuple[str, str]) -> Any:
-        try:
-            async for p in pieces:
-                yield p
-        finally:
-            self.active.pop(leg, None)
-
-    def _refusal(self, name: str, r: int) -> bytes:
-        body, status = _error(name, r, "client")
-        self.refusals[r].append(body)
-        return answer(status, body)
-
-    def _load(self, name: str, r: int, kind: str) -> bytes:
-        body, status = _error(name, r, kind)
-        self.loads[r].append(body)
-        return answer(status, body, {"Retry-After": "2"} if status == 429 else None)
-
-    async def _common(self, name: str, r: int, act: Act) -> Any:
-        """The reply of an act that is not an answer (None: answer)."""
-        if act.kind == "refuse":
-            return self._refusal(name, r)
-        if act.kind in ("load429", "load503"):
-            return self._load(name, r, "load" if act.kind == "load429" else "overloaded")
-        if act.kind == "no_room":  # P's leg: no decode node reserved its KV in time
-            body = {"error": {"message": f"{name}: not reserved", "type": "server_error",
-                              "param": None, "code": KV_NOT_RESERVED}}  # fmt: skip
-            return answer(409, body)
-        if act.kind == "fail500":
-            body, _ = _error(name, r, "server")
-            return answer(500, body)
-        if act.kind == "close":
-            return b""  # closes without answering
-        if act.kind == "hang" and act.k == 0:
-            await self.hang()
-            return b""
-        return None
-
-    async def _prefill(self, name: str, r: int, act: Act, body: dict[str, Any]) -> Any:
-        tid = body["kv_transfer_params"]["transfer_id"]
-        done = self.kv.setdefault(tid, asyncio.Event())
-        try:
-            reply = await self._common(name, r, act)
-            if reply is not None:
-                return reply or None
-            first = expected(r, self.case.length, body["choice"])[0]
-            choice = _whole([first], self.case.chat)
-            return answer(200, {"choices": [choice], "kv_transfer_params": {"first_token": first},
-                                "model": "tiny"})  # fmt: skip
-        finally:  # D's KV comes once P's answer is out
-            asyncio.get_running_loop().call_later(0.005, done.set)
-
-    async def _decode(self, name: str, r: int, act: Act, body: dict[str, Any]) -> Any:
-        kv = body.get("kv_transfer_params") or {}
-        if self.case.kv_wait and kv.get(
-            "remote_side_channel"
-        ):  # wait for P's KV (a D prefills when it never comes)
-            done = self.kv.setdefault(kv["transfer_id"], asyncio.Event())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), KV_WAIT_S)
-        stream = bool(body.get("stream"))
-        if act.kind == "event":
-            err, status = _error(name, r, act.event)
-            if act.event in LOAD_EVENTS:
-                self.loads[r].append(err)
-            elif status < 500:
-                self.refusals[r].append(err)
-            if not stream:
-                return answer(status, err)
-        else:
-            reply = await self._common(name, r, act)
-            if reply is not None:
-                return reply or None
-        ids = expected(r, self.case.length, body["choice"])
-        # A replay diverges where the proxy seeded it (several choices: each has a seed).
-        if act.kind == "diverge" and "seed" in body and self.case.n == 1:
-            ids[act.k] = DIVERGED
-            self.diverged.add(r)
-        if not stream:
-            choice = _whole(ids, self.case.chat)
-            full = answer(200, {"choices": [choice], "model": "tiny"})
-            if act.kind == "break":  # the headers and half the body, then the connection closes
-                return full[: len(full) - len(full.split(b"\r\n\r\n", 1)[1]) // 2], True
-            return full
-        k = act.k if act.kind in ("break", "event", "hang") else len(ids)
-        chat = self.case.chat
-        chunks = [_sse_chunk(_token_event(t, j == len(ids) - 1, chat))
-                  for j, t in enumerate(ids[:k])]  # fmt: skip
-        if kv.get("skip_first_token"):  # the client has it from P
-            chunks = chunks[1:]
-        if chat:
-            chunks.insert(0, _sse_chunk(_role_event()))
-        if act.kind == "break":
-            return STREAM_HEAD + b"".join(chunks), True
-        if act.kind == "hang":
-
-            async def pieces() -> AsyncIterator[bytes]:
-                yield STREAM_HEAD + b"".join(chunks)
-                await self.hang()
-
-            return pieces()
-        if act.kind == "event":
-            err, _ = _error(name, r, act.event)
-            chunks.append(_sse_chunk(err))
-        return STREAM_HEAD + b"".join(chunks) + _sse_chunk(None) + b"0\r\n\r\n"
-
-
 # -- one run of a script ----------------------------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    status: int
-    kind: str  # "full", "refused", "load", "failed"
-    detail: Any = None  # the refusal's body; the error's code
-    stream_error: bool = False  # a 200 stream that ended with an error event
-    error_code: str | None = None
 
 
 @dataclass
@@ -613,135 +268,6 @@ def node_faults() -> Iterator[list[UpstreamError]]:
         yield made
     finally:
         UpstreamError.__init__ = init  # type: ignore[method-assign]
-
-
-def _check_answer(
-    case: Case, cluster: Cluster, r: int, stream: bool, resp: httpx.Response
-) -> Outcome:
-    """The request's outcome, its invariants asserted."""
-    status, ctype = resp.status_code, resp.headers.get("content-type", "")
-    assert status != 500 and status in (200, 400, 429, 502, 503), (status, resp.text)
-    if status != 200:
-        err = resp.json()["error"]
-        if status == 400:
-            assert _refused(cluster, r, resp.json()), (resp.json(), cluster.refusals[r])
-            return Outcome(status, "refused", resp.json())
-        if status == 429:
-            assert resp.headers.get("retry-after"), resp.headers
-            assert resp.json() in cluster.loads[r], (resp.json(), cluster.loads[r])
-            return Outcome(status, "load")
-        if status == 503 and err.get("code") == "overloaded":
-            assert resp.headers.get("retry-after"), resp.headers
-            return Outcome(status, "load")
-        code = err.get("code")
-        assert (status, code) in ((502, "upstream_error"), (503, "no_healthy_nodes")), resp.text
-        return Outcome(status, "failed", code)
-    if case.responses:
-        return _check_response(case, cluster, r, stream, resp)
-    wants = [expected(r, case.length, j) for j in range(case.choices)]
-    if not stream:
-        assert ctype.startswith("application/json"), ctype
-        choices = resp.json()["choices"]
-        assert [c["index"] for c in choices] == list(range(case.choices)), choices
-        for choice, want in zip(choices, wants, strict=True):
-            assert choice["token_ids"] == want, (choice, want)
-            text = choice["message"]["content"] if case.chat else choice["text"]
-            assert text == "".join(map(piece, want)) and choice["finish_reason"] == "length"
-        return Outcome(status, "full")
-    assert ctype.startswith("text/event-stream"), ctype
-    assert resp.text.endswith("data: [DONE]\n\n"), resp.text[-200:]
-    events = sse_chunk_events([resp.text])
-    errors = [i for i, e in enumerate(events) if "error" in e]
-    assert errors in ([], [len(events) - 1]), events  # one error at most, the last event
-    every = [c for e in events for c in e.get("choices", [])]
-    assert {c["index"] for c in every} <= set(range(case.choices)), every
-    for j, want in enumerate(wants):
-        chunks = [c for c in every if c["index"] == j]
-        ids = [t for c in chunks for t in c.get("token_ids") or []]
-        if case.chat:
-            text = "".join(c.get("delta", {}).get("content") or "" for c in chunks)
-        else:
-            text = "".join(c.get("text") or "" for c in chunks)
-        assert len(ids) <= len(want), (j, ids, want)
-        for got, token in zip(ids, want, strict=False):
-            assert got == token or (got == DIVERGED and r in cluster.diverged), (j, ids, want)
-        assert text == "".join(map(piece, ids)), (j, text, ids)
-        if not errors:
-            assert len(ids) == len(want), (j, ids, want)  # never a silently truncated answer
-            assert chunks[-1]["finish_reason"] == "length", chunks[-1]
-    if not errors:
-        return Outcome(status, "full")
-    last = events[-1]
-    err = last["error"]
-    if _refused(cluster, r, last):
-        return Outcome(status, "refused", last, True)
-    if last in cluster.loads[r] or err.get("code") == "overloaded":
-        return Outcome(status, "load", None, True, err.get("code"))
-    code = err.get("code")
-    assert code in ("upstream_error", "retry_diverged", "no_healthy_nodes"), last
-    return Outcome(status, "failed", code, True, code)
-
-
-def _refused(cluster: Cluster, r: int, body: dict[str, Any]) -> bool:
-    """``body`` is a node's refusal of request ``r`` (a batch's: naming its prompt, as
-    ``prompt[i]``, as the proxy names it)."""
-    if body in cluster.refusals[r]:
-        return True
-    err = body.get("error") or {}
-    where = err.get("param")
-    if not (isinstance(where, str) and where.startswith("prompt[")):
-        return False
-    message = str(err.get("message")).removeprefix(f"{where}: ")
-    return {**body, "error": {**err, "param": "prompt", "message": message}} in cluster.refusals[r]
-
-
-def _check_response(
-    case: Case, cluster: Cluster, r: int, stream: bool, resp: httpx.Response
-) -> Outcome:
-    """A /v1/responses request's 200: its ``response`` object, or its events (one
-    ``response.completed``/``incomplete``/``failed`` last, the text the request's own)."""
-    ids = expected(r, case.length)
-    want = "".join(map(piece, ids))
-
-    def agrees(text: str, whole: bool) -> bool:  # a wrong token only from a replay
-        got = [int(t) for t in re.findall(r"<(-?\d+)>", text)]
-        if text != "".join(map(piece, got)) or len(got) > len(ids):
-            return False
-        if whole and len(got) != len(ids):
-            return False
-        return all(g == w or (g == DIVERGED and r in cluster.diverged)
-                   for g, w in zip(got, ids, strict=False))  # fmt: skip
-
-    ctype = resp.headers.get("content-type", "")
-    if not stream:
-        assert ctype.startswith("application/json"), ctype
-        body = resp.json()
-        assert body["status"] == "incomplete", body  # cut by max_output_tokens
-        (item,) = body["output"]
-        assert agrees(item["content"][0]["text"], True), (item, want)
-        return Outcome(200, "full")
-    assert ctype.startswith("text/event-stream"), ctype
-    events = sse_chunk_events([resp.text])
-    ends = [i for i, e in enumerate(events) if e["type"] in RESPONSE_ENDS]
-    assert ends == [len(events) - 1], [e["type"] for e in events]  # one end, the last
-    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-    last = events[-1]
-    if last["type"] != "response.failed":
-        assert last["type"] == "response.incomplete", last
-        assert agrees(text, True), (text, want)
-        assert last["response"]["output"][0]["content"][0]["text"] == text, last
-        return Outcome(200, "full")
-    assert agrees(text, False), (text, want)
-    err = last["response"]["error"]  # OpenAI's code; the node's or proxy's after the message
-    code = err["message"].rsplit("(", 1)[-1].rstrip(")")
-    if err["code"] == "rate_limit_exceeded":
-        return Outcome(200, "load", None, True, code)
-    # A node's refusal: the node's body it stands for (as a chat stream's last event).
-    refusals = [e for e in cluster.refusals[r] if err["message"].startswith(e["error"]["message"])]
-    if refusals:
-        return Outcome(200, "refused", refusals[0], True)
-    assert err["code"] == "server_error", err
-    return Outcome(200, "failed", code, True, code)
 
 
 @dataclass
@@ -794,7 +320,7 @@ async def _leaving(
         parts.append(msg.get("body", b""))
         if not msg.get("more_body", False):
             complete = True
-        elif leave.tokens is not None and _tokens_in(b"".join(parts).decode()) >= leave.tokens:
+        elif leave.tokens is not None and tokens_in(b"".join(parts).decode()) >= leave.tokens:
             leave_now()
 
     scope = {
@@ -817,14 +343,6 @@ async def _leaving(
         return Left(status, None, unfinished)
     headers = [(k.decode(), v.decode()) for k, v in start["headers"]]
     return Left(status, httpx.Response(status, headers=headers, content=b"".join(parts)), set())
-
-
-def _tokens_in(text: str) -> int:
-    """The tokens a stream so far holds (a /v1/responses stream: a delta is one)."""
-    events = sse_chunk_events([text])
-    deltas = sum(e.get("type") == "response.output_text.delta" for e in events)
-    return deltas + sum(len(c.get("token_ids") or []) for e in events
-                        for c in e.get("choices", []))  # fmt: skip
 
 
 def _metric(app: Any, name: str, **labels: str) -> float:
@@ -900,11 +418,11 @@ async def _run(case: Case, stream: bool) -> Run:
                 left = await _leaving(app, cluster, r, path, body, leave)
                 unfinished.update(left.unfinished)
                 if left.resp is not None:  # answered before it left
-                    return _check_answer(case, cluster, r, stream, left.resp)
+                    return check_answer(case, cluster, r, stream, left.resp)
                 return Outcome(left.status or 0, "left")
             resp = await asyncio.wait_for(client.post(path, json=body), DEADLINE_S)
             note(f"request {r}: {resp.status_code} {resp.text[:600]!r}")
-            return _check_answer(case, cluster, r, stream, resp)
+            return check_answer(case, cluster, r, stream, resp)
 
         outcomes: list[Outcome] = []
         unfinished: set[tuple[str, str]] = set()  # legs left unfinished by a client gone
