@@ -73,8 +73,8 @@ Asserted for every example (docs/proxy.md, "Failures"):
 
 The examples are fixed (``derandomize``, no example database) and are not shrunk (a
 failing one is printed as drawn, ``note``); CI runs ``CI_EXAMPLES`` and the explicit ones
-(the bugs this test found; about 30 s on two cores), the ``slow`` form
-``SLOW_EXAMPLES`` (about 65 s); ``PDSERVE_PROXY_EXAMPLES=N`` multiplies both (a hunt:
+(the bugs this test found; about 20 s), the ``slow`` form
+``SLOW_EXAMPLES`` (about 60 s); ``PDSERVE_PROXY_EXAMPLES=N`` multiplies both (a hunt:
 ``PDSERVE_PROXY_EXAMPLES=4 pytest -m slow tests/test_property_proxy_faults.py``).
 """
 
