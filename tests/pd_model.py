@@ -1,0 +1,376 @@
+"""A prefill node and a decode node, each the real scheduler with the real scheduler-side
+NIXL connector and block pool, talking through an in-process message queue a test
+controls (for ``test_property_pd_protocol.py``).
+
+Only the transport is a stand-in: side-channel calls are queued instead of run on a
+peer's lane and delivered when the test says (in any order, lost, their reply lost, sent
+twice); P's ranks post and report WRITEs when the test says (each rank on its own, ok or
+failed); D's ranks are the real worker-side connectors, their notifications handed in by
+the test; a fake clock drives every deadline. P may restart (a new incarnation at the
+same address).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from fakes import NotifsOnly
+
+import engine.core.request as core_request
+import engine.core.scheduler as core_scheduler
+import kvconnector.nixl.consumer as consumer_mod
+import kvconnector.nixl.decode_peers as decode_peers_mod
+import kvconnector.nixl.liveness as liveness_mod
+import kvconnector.nixl.peer_channel as peer_channel_mod
+import kvconnector.nixl.prefill_links as prefill_links_mod
+import kvconnector.nixl.prefill_service as prefill_service_mod
+import kvconnector.nixl.producer as producer_mod
+import kvconnector.nixl.scheduler as nixl_scheduler
+import kvconnector.nixl.worker as nixl_worker
+from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import WorkerOutput
+from engine.executor.aggregator import KVOutputAggregator
+from engine.kv_cache_layout import KVCacheSpec
+from engine.model.config import load_arch_config
+from engine.sampling_params import SamplingParams
+from kvconnector.nixl.messages import Notif
+from kvconnector.nixl.side_channel import SideChannelNotSent, SideChannelTimeout
+from kvconnector.nixl.worker import NixlConnectorWorker
+from kvconnector.params import KVTransferParams
+
+logger = logging.getLogger(__name__)
+
+BLOCKS = 48
+TIMEOUT = 10.0
+TP = 2
+P_ADDRESS = "tcp://127.0.0.1:9"  # P's side channel as D's legs name it (routed here)
+PROMPT = list(range(1, 14))  # 4 blocks of 4 tokens
+CLOCKED = (
+    core_request,
+    core_scheduler,
+    consumer_mod,
+    decode_peers_mod,
+    liveness_mod,
+    prefill_links_mod,
+    prefill_service_mod,
+    producer_mod,
+    nixl_scheduler,
+    nixl_worker,
+)
+
+
+class FakeTime:
+    """``time`` for the modules under test: ``monotonic`` is the test's clock."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@dataclass
+class Call:
+    """A side-channel call one node queued on a peer's lane."""
+
+    sender: str  # "P" or "D"
+    peer: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    incarnation: int  # P's incarnation the call belongs to (a restart drops P's calls)
+
+
+@dataclass
+class Write:
+    """A send P's scheduler handed its ranks: each rank posts its WRITE and reports it."""
+
+    p_request_id: str
+    notif: bytes
+    d_blocks: list[int]
+    posted_at: float
+    post_by: float
+    ranks_left: set[int] = field(default_factory=lambda: set(range(TP)))
+    failed: bool = False
+
+
+class Router:
+    """The side-channel client of both nodes: a request reaches the node serving the
+    address at once, or is lost (``fault``) as the test decides."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Any] = {}  # address -> connector
+        self.fault = "ok"  # ok | lost | no_reply | twice | not_sent
+        self.signed = False
+
+    def request(self, address: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        fault, self.fault = self.fault, "ok"
+        node = self.nodes.get(address)
+        if fault == "not_sent":
+            raise SideChannelNotSent(f"{address}: not sent")
+        if node is None or fault == "lost":
+            raise SideChannelTimeout(f"{address}: no reply")
+        reply = node.channel.handle(msg)
+        if fault == "twice":
+            reply = node.channel.handle(msg)
+        if fault == "no_reply":
+            raise SideChannelTimeout(f"{address}: reply lost")
+        return reply
+
+
+class FakeServer:
+    """Stands in for the side-channel server: nothing is bound, ``Router`` calls the
+    channel's ``handle`` directly."""
+
+    count = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        FakeServer.count += 1
+        self.address = f"tcp://127.0.0.1:{10000 + FakeServer.count}"
+        self.refused = 0
+
+    def close(self) -> None:
+        pass
+
+
+class _Queued:
+    """Stands in for the verifier pool: its jobs are calls the test delivers."""
+
+    def __init__(self, pair: Pair, sender: str) -> None:
+        self.pair, self.sender = pair, sender
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.pair.calls.append(Call(self.sender, "verify", fn, args, self.pair.p_incarnation))
+
+    def shutdown(self, **_: Any) -> None:
+        pass
+
+
+def _config(role: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=BLOCKS),
+        parallel=ParallelConfig(tp=TP),
+        kv_transfer=KVTransferConfig(
+            kv_connector="nixl",
+            kv_role=role,
+            kv_transfer_timeout=TIMEOUT,
+            peer_ping_interval=0,
+        ),
+    )
+
+
+class Pair:
+    """P and D, wired through ``calls`` (side channel), ``writes`` (P's ranks) and
+    ``notifs`` (what lands on D's ranks)."""
+
+    def __init__(self, clock: FakeTime) -> None:
+        self.clock = clock
+        self.router = Router()
+        self.calls: list[Call] = []
+        self.writes: list[Write] = []
+        self.failed_writes: list[Write] = []  # reported failed: part of it may still land
+        self.notifs: list[tuple[int, bytes]] = []  # (D rank, notification) not landed yet
+        self.outputs: dict[str, list[Any]] = {"P": [], "D": []}
+        self.p_incarnation = 0
+        self.d_sch, self.d_conn = self._node("consumer")
+        self.d_agg = KVOutputAggregator(TP)
+        self.d_workers = []
+        for rank in range(TP):
+            w = NixlConnectorWorker(self.d_sch.config, rank, TP)
+            w.transport = NotifsOnly()  # type: ignore[assignment]
+            self.d_workers.append(w)
+        self.p_sch, self.p_conn = self._node("producer")
+        self.p_agg = KVOutputAggregator(TP)
+        self.router.nodes[self.d_conn.address] = self.d_conn
+        self.router.nodes[P_ADDRESS] = self.p_conn
+        self.p_requests: set[str] = set()
+        self.d_requests: set[str] = set()
+        self.dead_p: list[Any] = []
+
+    def _node(self, role: str) -> tuple[Scheduler, nixl_scheduler.NixlConnectorScheduler]:
+        cfg = _config(role)
+        spec = KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
+        conn = nixl_scheduler.NixlConnectorScheduler(cfg, spec)
+        sender = "P" if role == "producer" else "D"
+        incarnation = self.p_incarnation
+
+        def submit(peer: str, fn: Callable[..., Any], *args: Any, proven: bool) -> bool:
+            self.calls.append(Call(sender, peer, fn, args, incarnation))
+            return True
+
+        conn.channel.submit = submit  # type: ignore[method-assign]
+        conn.channel.client = conn.links._client = conn.service._client = self.router  # type: ignore[assignment]
+        conn.service._verifier = _Queued(self, sender)  # type: ignore[assignment]
+        conn.set_worker_info([{"num_blocks": BLOCKS} for _ in range(TP)])
+        return Scheduler(cfg, BLOCKS, 256, conn), conn
+
+    # -- requests ------------------------------------------------------------------------
+    def add_p(self, tid: str) -> None:
+        params = KVTransferParams(do_remote_decode=True, transfer_id=tid)
+        rid = f"p-{tid}"
+        self.p_sch.add_request(
+            Request(rid, PROMPT, SamplingParams(max_tokens=1), kv_transfer_params=params)
+        )
+        self.p_requests.add(rid)
+
+    def add_d(self, tid: str) -> None:
+        params = KVTransferParams(
+            do_remote_prefill=True, transfer_id=tid, remote_side_channel=P_ADDRESS
+        )
+        rid = f"d-{tid}"
+        self.d_sch.add_request(
+            Request(rid, PROMPT, SamplingParams(max_tokens=2), kv_transfer_params=params)
+        )
+        self.d_requests.add(rid)
+
+    # -- the side channel ----------------------------------------------------------------
+    def deliver(self, index: int, fault: str = "ok") -> None:
+        call = self.calls.pop(index)
+        if call.sender == "P" and call.incarnation != self.p_incarnation:
+            return  # that P process is gone: its lane went with it
+        self.router.fault = fault
+        try:
+            call.fn(*call.args)
+        finally:
+            self.router.fault = "ok"
+
+    # -- steps ---------------------------------------------------------------------------
+    def step_d(self) -> None:
+        so = self.d_sch.schedule()
+        md = so.kv_connector_metadata
+        self.d_agg.forget(md.ended_transfer_keys())
+        outs = []
+        for w in self.d_workers:
+            w.bind_connector_metadata(md)
+            sending, recving = w.get_finished(set())
+            sampled = {s.request_id: 7 for s in so.seqs if s.samples} if w.rank == 0 else {}
+            outs.append(
+                WorkerOutput(
+                    rank=w.rank,
+                    finished_sending=sending,
+                    finished_recving=recving,
+                    kv_recv_info=w.take_recv_info(),
+                    sampled_token_ids=sampled,
+                )
+            )
+            w.clear_connector_metadata()
+        self.outputs["D"] += self.d_sch.update_from_output(so, self.d_agg.aggregate(outs))
+
+    def step_p(self, reports: dict[int, dict[str, str | None]] | None = None) -> None:
+        """One P step; ``reports``: rank -> {P request id: error or None} its ranks report."""
+        so = self.p_sch.schedule()
+        md = so.kv_connector_metadata
+        self.p_agg.forget(md.ended_transfer_keys())
+        for send in md.sends:
+            self.writes.append(
+                Write(
+                    send.request_id,
+                    send.notif,
+                    list(send.remote_block_ids),
+                    self.clock.now,
+                    send.post_by,
+                )
+            )
+        reports = reports or {}
+        outs = []
+        for rank in range(TP):
+            done = reports.get(rank, {})
+            failed = {rid: why for rid, why in done.items() if why is not None}
+            sampled = {s.request_id: 7 for s in so.seqs if s.samples} if rank == 0 else {}
+            outs.append(
+                WorkerOutput(
+                    rank=rank,
+                    finished_sending=set(done),
+                    finished_recving=set(),
+                    kv_failed=failed,
+                    sampled_token_ids=sampled,
+                )
+            )
+        self.outputs["P"] += self.p_sch.update_from_output(so, self.p_agg.aggregate(outs))
+
+    def report(self, index: int, rank: int, ok: bool, lands: bool) -> None:
+        """Rank ``rank`` of P finishes its WRITE of ``writes[index]`` (the report reaches
+        P's scheduler with a step); ``lands``: its notification reaches D's rank."""
+        w = self.writes[index]
+        if rank not in w.ranks_left:
+            return
+        late = self.clock.now >= w.post_by and rank in w.ranks_left and not w.failed
+        w.ranks_left.discard(rank)
+        ok = ok and not late
+        if lands:
+            self.notifs.append((rank, w.notif))
+        if not ok:
+            w.failed = True
+        if not w.ranks_left:
+            self.writes.pop(index)
+            if w.failed:
+                self.failed_writes.append(w)
+        self.step_p({rank: {w.p_request_id: None if ok else "WRITE failed"}})
+
+    def land(self, index: int) -> None:
+        rank, raw = self.notifs.pop(index)
+        self.d_workers[rank].transport.inbox.append(raw)  # type: ignore[union-attr]
+
+    def restart_p(self) -> None:
+        """P's process dies and a new one serves the same address: its state, blocks and
+        queued calls are gone; WRITEs it posted are torn down with it."""
+        old = self.p_conn
+        self.dead_p.append(old)
+        self.p_incarnation += 1
+        self.writes.clear()
+        self.failed_writes.clear()
+        self.p_sch, self.p_conn = self._node("producer")
+        self.p_agg = KVOutputAggregator(TP)
+        self.router.nodes[P_ADDRESS] = self.p_conn
+        self.p_requests.clear()
+        old.shutdown()
+
+    def close(self) -> None:
+        for conn in (self.d_conn, self.p_conn):
+            conn.shutdown()
+
+
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    """The fake clock in every module under test, and no side-channel server bound."""
+    fake = FakeTime()
+    monkeypatch.setattr(peer_channel_mod, "SideChannelServer", FakeServer)
+    for module in CLOCKED:
+        monkeypatch.setattr(module, "time", fake)
+    return fake
+
+
+def writable(pair: Pair) -> list[tuple[str, list[int], str]]:
+    """(D request id, D blocks, why) a WRITE of P may land in now or later."""
+    out: list[tuple[str, list[int], str]] = []
+    now = pair.clock.now
+    for w in pair.writes + pair.failed_writes:
+        # A rank posts it by ``post_by`` at the latest and its WRITE times out after T (a
+        # rank stuck inside a WRITE past that is an open hole, docs/reliability.md).
+        if now < w.post_by + TIMEOUT:
+            out.append((Notif.unpack(w.notif).r, w.d_blocks, f"posted WRITE of {w.p_request_id}"))
+    prod = pair.p_conn.producer
+    held = list(prod.early.values())
+    held += [s.reservation for s in prod.pending.values() if s.reservation is not None]
+    for res in held:
+        if now < res.expires:  # P may still start a push into it
+            out.append((res.d_request_id, res.block_ids, f"reservation {res.nonce} held by P"))
+    return out
+
+
+def check_no_block_free_while_writable(pair: Pair) -> None:
+    sch = pair.d_sch
+    for rid, blocks, why in writable(pair):
+        owned = set(sch.kv.block_ids(rid)) | set(sch.quarantine.get(rid, ()))
+        for b in blocks:
+            assert sch.kv.pool.ref_cnt[b] > 0, f"D block {b} is free, but {why} may write it"
+            assert b in owned, f"D block {b} is no longer {rid}'s, but {why} may write it"

@@ -1,0 +1,144 @@
+"""Model checking of the P/D transfer protocol: the real scheduler-side NIXL connectors of a
+prefill node and a decode node (each with the real scheduler and block pool) talk through
+a message queue the test controls (``pd_model.Pair``), under drawn interleavings: side-
+channel calls delivered in any order, lost, their reply lost, sent twice; P's ranks
+reporting their WRITEs one by one, ok or failed, notifications landing or not, in any
+order; requests aborted on either side at any point; the clock moved past deadlines; P
+restarted with a new incarnation.
+
+After every action: no block of D is free, or another request's, while a WRITE may land
+in it (a reservation P holds, a WRITE posted and not reported). At the end, once every
+deadline passed and every queue is drained: nothing held on either side, no partial count
+left, and every request reached a terminal outcome.
+
+Fixed examples (derandomized, no database); ``PDSERVE_PD_PROTOCOL_EXAMPLES=N`` multiplies
+them for a longer hunt.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from fakes import fixed_examples
+from hypothesis import given
+from hypothesis import strategies as st
+from pd_model import TIMEOUT, FakeTime, Pair, check_no_block_free_while_writable, fake_clock
+
+EXAMPLES = 60 * int(os.environ.get("PDSERVE_PD_PROTOCOL_EXAMPLES", "1"))
+FAULTS = ("ok", "ok", "ok", "lost", "no_reply", "twice", "not_sent")
+ACTIONS = (
+    *("new_pair",) * 2,
+    "new_d_only",
+    "new_p_only",
+    *("tick",) * 6,  # both nodes step and the oldest call is delivered: progress
+    "step_d",
+    "step_p",
+    *("deliver",) * 4,
+    *("report",) * 4,
+    *("land",) * 3,
+    "advance",
+    "abort_d",
+    "abort_p",
+    "restart_p",
+)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    return fake_clock(monkeypatch)
+
+
+def drain(pair: Pair) -> None:
+    """Every queue delivered, every WRITE reported, every deadline passed."""
+    for _ in range(12):
+        for _ in range(50):
+            if not (pair.calls or pair.writes or pair.notifs):
+                break
+            while pair.calls:
+                pair.deliver(0)
+            while pair.writes:
+                for rank in sorted(pair.writes[0].ranks_left):
+                    pair.report(0, rank, ok=True, lands=True)
+            while pair.notifs:
+                pair.land(0)
+            pair.step_d()
+            pair.step_p()
+        pair.clock.now += TIMEOUT
+        pair.step_d()
+        pair.step_p()
+
+
+def check_all_ended(pair: Pair) -> None:
+    for side, sch, conn in (("D", pair.d_sch, pair.d_conn), ("P", pair.p_sch, pair.p_conn)):
+        assert not sch.requests, f"{side} still has requests {list(sch.requests)}"
+        assert not sch.held and not sch.quarantine, f"{side} holds {sch.held} {sch.quarantine}"
+        assert sch.kv.pool.num_free == sch.kv.num_blocks, f"{side} leaked blocks"
+        assert not conn.has_pending_work(), f"{side} connector still has state"
+    assert not pair.d_conn.consumer.quarantine
+    for w in pair.d_workers:
+        assert not w._parts, f"D rank {w.rank} kept partial counts {w._parts}"
+    assert not pair.d_agg.pending_ids and not pair.p_agg.pending_ids
+    ended = {
+        side: {o.request_id for o in outs if o.finished} for side, outs in pair.outputs.items()
+    }
+    assert pair.d_requests <= ended["D"], f"no terminal outcome: {pair.d_requests - ended['D']}"
+    assert pair.p_requests <= ended["P"], f"no terminal outcome: {pair.p_requests - ended['P']}"
+
+
+def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
+    draw = data.draw
+    if action in ("new_pair", "new_d_only", "new_p_only"):
+        tid = f"t{n}"
+        if action != "new_p_only":
+            pair.add_d(tid)
+        if action != "new_d_only":
+            pair.add_p(tid)
+    elif action == "tick":
+        pair.step_d()
+        pair.step_p()
+        if pair.calls:
+            pair.deliver(0)
+    elif action == "step_d":
+        pair.step_d()
+    elif action == "step_p":
+        pair.step_p()
+    elif action == "deliver" and pair.calls:
+        # Mostly in order (a lane is FIFO), sometimes any queued call first.
+        i = draw(st.integers(0, len(pair.calls) - 1)) if draw(st.booleans()) else 0
+        pair.deliver(i, draw(st.sampled_from(FAULTS)))
+    elif action == "report" and pair.writes:
+        i = draw(st.integers(0, len(pair.writes) - 1))
+        rank = draw(st.sampled_from(sorted(pair.writes[i].ranks_left)))
+        ok = draw(st.booleans())
+        pair.report(i, rank, ok, lands=ok or draw(st.booleans()))
+    elif action == "land" and pair.notifs:
+        pair.land(draw(st.integers(0, len(pair.notifs) - 1)))
+    elif action == "advance":
+        pair.clock.now += draw(st.sampled_from((0.5, 2.0, TIMEOUT / 2, TIMEOUT, 2 * TIMEOUT)))
+    elif action == "abort_d" and pair.d_requests:
+        pair.d_sch.abort_request(draw(st.sampled_from(sorted(pair.d_requests))))
+    elif action == "abort_p" and pair.p_requests:
+        pair.p_sch.abort_request(draw(st.sampled_from(sorted(pair.p_requests))))
+    elif action == "restart_p":
+        pair.restart_p()
+
+
+@fixed_examples(EXAMPLES)
+@given(data=st.data())
+def test_pd_protocol_holds_under_drawn_interleavings(clock: FakeTime, data: Any) -> None:
+    clock.now = 1000.0
+    pair = Pair(clock)
+    try:
+        steps = data.draw(st.integers(5, 60))
+        for n in range(steps):
+            action = data.draw(st.sampled_from(ACTIONS))
+            run_action(pair, data, action, n)
+            check_no_block_free_while_writable(pair)
+        drain(pair)
+        check_all_ended(pair)
+    finally:
+        pair.close()
+        for conn in pair.dead_p:
+            conn.shutdown()
