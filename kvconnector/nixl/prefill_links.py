@@ -142,6 +142,15 @@ class PrefillLinks:
             self._unanswered.pop(address, None)
 
     def _reserve(self, recv: RemoteRecv) -> None:
+        with self._lock:
+            current = self.consumer.recvs.get(recv.request_id) is recv
+        if not current:
+            # The wait ended while this call was queued (aborted, timed out, failed): its
+            # blocks are quarantined -- or already free again -- for a deadline counted
+            # from that end, which a reservation P gets only now would outlive. Not sent;
+            # the cancel queued behind it tells P, and P confirms a nonce it never held.
+            logger.info("request %s ended before its reservation was sent", recv.request_id)
+            return
         if self._behind_unanswered(recv.p_address, recv.created):
             with self._lock:
                 self.consumer.fail(

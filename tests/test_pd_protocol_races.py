@@ -1,0 +1,36 @@
+"""Deterministic races between the P and D scheduler-side connectors, each found by
+``test_property_pd_protocol.py`` (same harness: ``pd_model.Pair``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from pd_model import TIMEOUT, Pair, check_no_block_free_while_writable, fake_clock
+
+
+@pytest.fixture
+def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+    p = Pair(fake_clock(monkeypatch))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_a_reservation_still_queued_when_its_request_ended_is_never_sent(pair: Pair) -> None:
+    """D's request is aborted while its reservation still waits on P's lane; D keeps the
+    blocks quarantined for 2T, then frees them. The reservation was sent when the lane got
+    to it all the same -- after the blocks were free -- and P held a reservation into
+    them: its push would have written into another request's KV."""
+    pair.add_d("t0")
+    pair.step_d()  # blocks reserved, the reservation queued on P's lane
+    (reserve,) = pair.calls
+    pair.d_sch.abort_request("d-t0")
+    pair.step_d()  # quarantined (a WRITE may land), a cancel queued behind it
+    pair.clock.now += 2 * TIMEOUT
+    pair.step_d()  # the quarantine ended: the blocks are free
+    assert pair.d_sch.kv.pool.num_free == pair.d_sch.kv.num_blocks
+    pair.deliver(pair.calls.index(reserve))  # the lane gets to it only now
+    assert not pair.p_conn.producer.early, "P holds a reservation into freed blocks"
+    check_no_block_free_while_writable(pair)
