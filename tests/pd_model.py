@@ -87,7 +87,7 @@ class Call:
     peer: str
     fn: Callable[..., Any]
     args: tuple[Any, ...]
-    incarnation: int  # P's incarnation the call belongs to (a restart drops P's calls)
+    incarnation: int  # the sender's (a restart drops the calls its old process queued)
 
 
 @dataclass
@@ -98,9 +98,13 @@ class Write:
     notif: bytes
     d_blocks: list[int]
     posted_at: float
+    d_incarnation: int  # the D process it writes into
     post_by: float
     ranks_left: set[int] = field(default_factory=lambda: set(range(TP)))
     failed: bool = False
+    # Ranks that reported it failed, whose WRITE may still land (until its notification
+    # does: NIXL delivers it after the data).
+    may_land: set[int] = field(default_factory=set)
 
 
 class Router:
@@ -110,6 +114,7 @@ class Router:
     def __init__(self) -> None:
         self.nodes: dict[str, Any] = {}  # address -> connector
         self.fault = "ok"  # ok | lost | no_reply | twice | not_sent
+        self.sent: list[tuple[str, dict[str, Any], Any]] = []  # (address, message, node)
         self.signed = False
 
     def request(self, address: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -119,12 +124,21 @@ class Router:
             raise SideChannelNotSent(f"{address}: not sent")
         if node is None or fault == "lost":
             raise SideChannelTimeout(f"{address}: no reply")
+        self.sent.append((address, msg, node))
         reply = node.channel.handle(msg)
         if fault == "twice":
             reply = node.channel.handle(msg)
         if fault == "no_reply":
             raise SideChannelTimeout(f"{address}: reply lost")
         return reply
+
+    def replay(self, index: int) -> None:
+        """A message sent earlier arrives again, late, at the process it was sent to (the
+        unsigned side channel has no replay guard); its reply goes nowhere. Not at a
+        process that restarted since: see test_property_pd_protocol.py's docstring."""
+        address, msg, node = self.sent[index]
+        if self.nodes.get(address) is node:
+            node.channel.handle(msg)
 
 
 class FakeServer:
@@ -138,8 +152,34 @@ class FakeServer:
         self.address = f"tcp://127.0.0.1:{10000 + FakeServer.count}"
         self.refused = 0
 
+    def restart_d(self) -> None:
+        """D's process dies and a new one serves the same address: its requests, blocks,
+        waits and queued calls are gone (a WRITE into the old process lands nowhere)."""
+        old = self.d_conn
+        self.dead.append(old)
+        self.incarnations["D"] += 1
+        self.notifs.clear()
+        self.d_sch, self.d_conn = self._node("consumer")
+        conn = self.d_conn
+        conn.address = conn.service.address = conn.links.address = old.address
+        self.d_agg = KVOutputAggregator(TP)
+        self._d_workers()
+        self.router.nodes[old.address] = conn
+        self.d_requests.clear()
+        old.shutdown()
+
     def close(self) -> None:
         pass
+
+
+class _Pings:
+    """Stands in for D's ping lanes: each ping is a call the test delivers."""
+
+    def __init__(self, pair: Pair) -> None:
+        self.pair = pair
+
+    def submit(self, lane: str, fn: Callable[..., Any], *args: Any, proven: bool) -> None:
+        self.pair.calls.append(Call("D", lane, fn, args, self.pair.incarnation("D")))
 
 
 class _Queued:
@@ -148,8 +188,8 @@ class _Queued:
     def __init__(self, pair: Pair, sender: str) -> None:
         self.pair, self.sender = pair, sender
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.pair.calls.append(Call(self.sender, "verify", fn, args, self.pair.p_incarnation))
+    def submit(self, fn: Callable[..., Any], *args: Any, proven: bool = True) -> None:
+        self.pair.calls.append(Call(self.sender, "verify", fn, args, self.pair.incarnation("P")))
 
     def shutdown(self, **_: Any) -> None:
         pass
@@ -164,7 +204,7 @@ def _config(role: str) -> EngineConfig:
             kv_connector="nixl",
             kv_role=role,
             kv_transfer_timeout=TIMEOUT,
-            peer_ping_interval=0,
+            peer_ping_interval=TIMEOUT / 4,
         ),
     )
 
@@ -179,30 +219,37 @@ class Pair:
         self.calls: list[Call] = []
         self.writes: list[Write] = []
         self.failed_writes: list[Write] = []  # reported failed: part of it may still land
-        self.notifs: list[tuple[int, bytes]] = []  # (D rank, notification) not landed yet
+        # (D rank, notification, its WRITE) not landed yet
+        self.notifs: list[tuple[int, bytes, Write]] = []
         self.outputs: dict[str, list[Any]] = {"P": [], "D": []}
-        self.p_incarnation = 0
+        self.incarnations = {"P": 0, "D": 0}
         self.d_sch, self.d_conn = self._node("consumer")
         self.d_agg = KVOutputAggregator(TP)
-        self.d_workers = []
-        for rank in range(TP):
-            w = NixlConnectorWorker(self.d_sch.config, rank, TP)
-            w.transport = NotifsOnly()  # type: ignore[assignment]
-            self.d_workers.append(w)
+        self._d_workers()
         self.p_sch, self.p_conn = self._node("producer")
         self.p_agg = KVOutputAggregator(TP)
         self.router.nodes[self.d_conn.address] = self.d_conn
         self.router.nodes[P_ADDRESS] = self.p_conn
         self.p_requests: set[str] = set()
         self.d_requests: set[str] = set()
-        self.dead_p: list[Any] = []
+        self.dead: list[Any] = []  # connectors of processes that restarted
+
+    def incarnation(self, sender: str) -> int:
+        return self.incarnations[sender]
+
+    def _d_workers(self) -> None:
+        self.d_workers = []
+        for rank in range(TP):
+            w = NixlConnectorWorker(self.d_sch.config, rank, TP)
+            w.transport = NotifsOnly()  # type: ignore[assignment]
+            self.d_workers.append(w)
 
     def _node(self, role: str) -> tuple[Scheduler, nixl_scheduler.NixlConnectorScheduler]:
         cfg = _config(role)
         spec = KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
         conn = nixl_scheduler.NixlConnectorScheduler(cfg, spec)
         sender = "P" if role == "producer" else "D"
-        incarnation = self.p_incarnation
+        incarnation = self.incarnation(sender)
 
         def submit(peer: str, fn: Callable[..., Any], *args: Any, proven: bool) -> bool:
             self.calls.append(Call(sender, peer, fn, args, incarnation))
@@ -211,6 +258,9 @@ class Pair:
         conn.channel.submit = submit  # type: ignore[method-assign]
         conn.channel.client = conn.links._client = conn.service._client = self.router  # type: ignore[assignment]
         conn.service._verifier = _Queued(self, sender)  # type: ignore[assignment]
+        # D's liveness pings of the prefill nodes it waits on: queued calls too.
+        conn.liveness._request = self.router.request
+        conn.liveness._lanes = _Pings(self)  # type: ignore[assignment]
         conn.set_worker_info([{"num_blocks": BLOCKS} for _ in range(TP)])
         return Scheduler(cfg, BLOCKS, 256, conn), conn
 
@@ -236,8 +286,8 @@ class Pair:
     # -- the side channel ----------------------------------------------------------------
     def deliver(self, index: int, fault: str = "ok") -> None:
         call = self.calls.pop(index)
-        if call.sender == "P" and call.incarnation != self.p_incarnation:
-            return  # that P process is gone: its lane went with it
+        if call.incarnation != self.incarnation(call.sender):
+            return  # that process is gone: its lanes went with it
         self.router.fault = fault
         try:
             call.fn(*call.args)
@@ -278,6 +328,10 @@ class Pair:
                     send.notif,
                     list(send.remote_block_ids),
                     self.clock.now,
+                    # The D process its reservation came from (a nonce names its maker).
+                    self.incarnation("D")
+                    if Notif.unpack(send.notif).k.startswith(f"{self.d_conn.incarnation}.")
+                    else -1,
                     send.post_by,
                 )
             )
@@ -304,35 +358,55 @@ class Pair:
         w = self.writes[index]
         if rank not in w.ranks_left:
             return
-        late = self.clock.now >= w.post_by and rank in w.ranks_left and not w.failed
         w.ranks_left.discard(rank)
-        ok = ok and not late
         if lands:
-            self.notifs.append((rank, w.notif))
+            self.notifs.append((rank, w.notif, w))
         if not ok:
             w.failed = True
+            w.may_land.add(rank)
         if not w.ranks_left:
             self.writes.pop(index)
-            if w.failed:
+            if w.may_land:
                 self.failed_writes.append(w)
         self.step_p({rank: {w.p_request_id: None if ok else "WRITE failed"}})
 
     def land(self, index: int) -> None:
-        rank, raw = self.notifs.pop(index)
+        rank, raw, w = self.notifs.pop(index)
+        w.may_land.discard(rank)  # its data is in: nothing more of it lands
+        if w.d_incarnation != self.incarnation("D"):
+            return  # written into a D process that is gone
         self.d_workers[rank].transport.inbox.append(raw)  # type: ignore[union-attr]
 
     def restart_p(self) -> None:
         """P's process dies and a new one serves the same address: its state, blocks and
         queued calls are gone; WRITEs it posted are torn down with it."""
         old = self.p_conn
-        self.dead_p.append(old)
-        self.p_incarnation += 1
+        self.dead.append(old)
+        self.incarnations["P"] += 1
         self.writes.clear()
         self.failed_writes.clear()
+        # What its failed WRITEs had not landed never will.
+        self.notifs = [(r, raw, w) for r, raw, w in self.notifs if r not in w.may_land]
         self.p_sch, self.p_conn = self._node("producer")
         self.p_agg = KVOutputAggregator(TP)
         self.router.nodes[P_ADDRESS] = self.p_conn
         self.p_requests.clear()
+        old.shutdown()
+
+    def restart_d(self) -> None:
+        """D's process dies and a new one serves the same address: its requests, blocks,
+        waits and queued calls are gone (a WRITE into the old process lands nowhere)."""
+        old = self.d_conn
+        self.dead.append(old)
+        self.incarnations["D"] += 1
+        self.notifs.clear()
+        self.d_sch, self.d_conn = self._node("consumer")
+        conn = self.d_conn
+        conn.address = conn.service.address = conn.links.address = old.address
+        self.d_agg = KVOutputAggregator(TP)
+        self._d_workers()
+        self.router.nodes[old.address] = conn
+        self.d_requests.clear()
         old.shutdown()
 
     def close(self) -> None:
@@ -353,16 +427,18 @@ def writable(pair: Pair) -> list[tuple[str, list[int], str]]:
     """(D request id, D blocks, why) a WRITE of P may land in now or later."""
     out: list[tuple[str, list[int], str]] = []
     now = pair.clock.now
-    for w in pair.writes + pair.failed_writes:
+    live = [w for w in pair.writes + pair.failed_writes if w.d_incarnation == pair.incarnation("D")]
+    for w in live:
         # A rank posts it by ``post_by`` at the latest and its WRITE times out after T (a
         # rank stuck inside a WRITE past that is an open hole, docs/reliability.md).
-        if now < w.post_by + TIMEOUT:
+        if (w.ranks_left or w.may_land) and now < w.post_by + TIMEOUT:
             out.append((Notif.unpack(w.notif).r, w.d_blocks, f"posted WRITE of {w.p_request_id}"))
     prod = pair.p_conn.producer
     held = list(prod.early.values())
     held += [s.reservation for s in prod.pending.values() if s.reservation is not None]
+    d_key = pair.d_conn.links.pairing_key(P_ADDRESS)  # reservations of this D process
     for res in held:
-        if now < res.expires:  # P may still start a push into it
+        if res.peer_key == d_key and now < res.expires:  # P may still start a push into it
             out.append((res.d_request_id, res.block_ids, f"reservation {res.nonce} held by P"))
     return out
 

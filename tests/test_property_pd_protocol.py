@@ -42,6 +42,8 @@ ACTIONS = (
     "abort_d",
     "abort_p",
     "restart_p",
+    "restart_d",
+    "replay",
 )
 
 
@@ -123,6 +125,10 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
         pair.p_sch.abort_request(draw(st.sampled_from(sorted(pair.p_requests))))
     elif action == "restart_p":
         pair.restart_p()
+    elif action == "restart_d":
+        pair.restart_d()
+    elif action == "replay" and pair.router.sent:
+        pair.router.replay(draw(st.integers(0, len(pair.router.sent) - 1)))
 
 
 @fixed_examples(EXAMPLES)
@@ -140,5 +146,5 @@ def test_pd_protocol_holds_under_drawn_interleavings(clock: FakeTime, data: Any)
         check_all_ended(pair)
     finally:
         pair.close()
-        for conn in pair.dead_p:
+        for conn in pair.dead:
             conn.shutdown()
