@@ -12,10 +12,12 @@ same address).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -64,6 +66,27 @@ CLOCKED = (
     nixl_scheduler,
     nixl_worker,
 )
+
+
+class FakeIds:
+    """``secrets`` and ``uuid`` for the modules under test: ids counted from each
+    ``Pair``'s start, so that an example runs the same every time (sets of nonces are
+    iterated in their hashes' order)."""
+
+    def __init__(self) -> None:
+        self.counter = itertools.count()
+
+    def token_hex(self, n: int = 16) -> str:
+        return f"{next(self.counter):012x}".ljust(2 * n, "0")  # unique in 12 digits
+
+    def token_bytes(self, n: int = 32) -> bytes:
+        return next(self.counter).to_bytes(n, "little")
+
+    def uuid4(self) -> Any:
+        return SimpleNamespace(hex=self.token_hex(16))
+
+
+IDS = FakeIds()
 
 
 class FakeTime:
@@ -215,6 +238,7 @@ class Pair:
 
     def __init__(self, clock: FakeTime) -> None:
         self.clock = clock
+        IDS.counter = itertools.count()
         self.router = Router()
         self.calls: list[Call] = []
         self.writes: list[Write] = []
@@ -232,6 +256,8 @@ class Pair:
         self.router.nodes[P_ADDRESS] = self.p_conn
         self.p_requests: set[str] = set()
         self.d_requests: set[str] = set()
+        self.faults = True  # the test may inject faults (losses, restarts, replays)
+        self.faulty = False  # ... and did
         self.dead: list[Any] = []  # connectors of processes that restarted
 
     def incarnation(self, sender: str) -> int:
@@ -420,6 +446,9 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     monkeypatch.setattr(peer_channel_mod, "SideChannelServer", FakeServer)
     for module in CLOCKED:
         monkeypatch.setattr(module, "time", fake)
+    monkeypatch.setattr(nixl_scheduler, "secrets", IDS)
+    monkeypatch.setattr(nixl_scheduler, "uuid", IDS)
+    monkeypatch.setattr(prefill_links_mod, "secrets", IDS)
     return fake
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from pd_model import TIMEOUT, Pair, check_no_block_free_while_writable, fake_clock
+from pd_model import P_ADDRESS, TIMEOUT, Pair, check_no_block_free_while_writable, fake_clock
 
 
 @pytest.fixture
@@ -34,3 +34,27 @@ def test_a_reservation_still_queued_when_its_request_ended_is_never_sent(pair: P
     pair.deliver(pair.calls.index(reserve))  # the lane gets to it only now
     assert not pair.p_conn.producer.early, "P holds a reservation into freed blocks"
     check_no_block_free_while_writable(pair)
+
+
+def test_a_cancel_after_p_evicted_the_decode_peer_still_drops_its_reservation(pair: Pair) -> None:
+    """P drops a decode peer after a failed push to it (``PrefillService.evict``); a
+    reservation of that peer still waits at P for its prefill. D's request is aborted and
+    its cancel reaches P: P answered ``cancelled`` -- it took the evicted peer's cancel
+    for a stranger's -- but kept the reservation, so D freed the blocks while P could
+    still push into them once D paired again (same key: one per P address)."""
+    pair.add_d("t0")
+    pair.step_d()
+    while pair.calls:  # handshake, the claim's check, the reservation
+        pair.deliver(0)
+    prod = pair.p_conn.producer
+    assert "t0" in prod.early
+    key = pair.d_conn.links.pairing_key(P_ADDRESS)
+    pair.p_conn.service.evict(key, "WRITE failed")  # as a failed push of another transfer
+    pair.d_sch.abort_request("d-t0")
+    pair.step_d()  # quarantined, the cancel queued
+    while pair.calls:
+        pair.deliver(0)
+    pair.step_d()
+    check_no_block_free_while_writable(pair)
+    assert "t0" not in prod.early
+    assert pair.d_sch.kv.pool.num_free == pair.d_sch.kv.num_blocks

@@ -52,24 +52,53 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
     return fake_clock(monkeypatch)
 
 
+def settle(pair: Pair) -> None:
+    """Both nodes step, and every call, WRITE and notification goes through without a
+    fault, until nothing new comes (the clock stands still)."""
+    quiet = 0
+    for _ in range(200):
+        busy = bool(pair.calls or pair.writes or pair.notifs)
+        while pair.calls:
+            pair.deliver(0)
+        while pair.writes:
+            for rank in sorted(pair.writes[0].ranks_left):
+                pair.report(0, rank, ok=True, lands=True)
+        while pair.notifs:
+            pair.land(0)
+        pair.step_d()
+        pair.step_p()
+        quiet = 0 if busy else quiet + 1
+        if quiet >= 3:
+            return
+    raise AssertionError("the nodes never settled")
+
+
 def drain(pair: Pair) -> None:
     """Every queue delivered, every WRITE reported, every deadline passed."""
     for _ in range(12):
-        for _ in range(50):
-            if not (pair.calls or pair.writes or pair.notifs):
-                break
-            while pair.calls:
-                pair.deliver(0)
-            while pair.writes:
-                for rank in sorted(pair.writes[0].ranks_left):
-                    pair.report(0, rank, ok=True, lands=True)
-            while pair.notifs:
-                pair.land(0)
-            pair.step_d()
-            pair.step_p()
+        settle(pair)
         pair.clock.now += TIMEOUT
-        pair.step_d()
-        pair.step_p()
+    settle(pair)
+
+
+def check_explicit_ends(pair: Pair) -> None:
+    """Without faults, one side's end reaches the other as a message, before any
+    deadline: once both settled, no leg waits for, or holds blocks for, a transfer whose
+    other leg ended."""
+    ended = {
+        side: {o.request_id for o in outs if o.finished} for side, outs in pair.outputs.items()
+    }
+    prod = pair.p_conn.producer
+    for d_rid in pair.d_requests & ended["D"]:
+        tid = d_rid.removeprefix("d-")
+        if f"p-{tid}" not in pair.p_requests:
+            continue
+        assert f"p-{tid}" in ended["P"], f"P's leg of {tid} outlived D's"
+        assert tid not in prod.early and tid not in prod.pending, f"P still holds {tid}"
+    for p_rid in pair.p_requests & ended["P"]:
+        tid = p_rid.removeprefix("p-")
+        if f"d-{tid}" in pair.d_requests:
+            assert f"d-{tid}" not in pair.d_conn.consumer.recvs, f"D still waits for {tid}"
 
 
 def check_all_ended(pair: Pair) -> None:
@@ -109,12 +138,16 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
     elif action == "deliver" and pair.calls:
         # Mostly in order (a lane is FIFO), sometimes any queued call first.
         i = draw(st.integers(0, len(pair.calls) - 1)) if draw(st.booleans()) else 0
-        pair.deliver(i, draw(st.sampled_from(FAULTS)))
+        fault = draw(st.sampled_from(FAULTS)) if pair.faults else "ok"
+        pair.faulty |= fault != "ok"
+        pair.deliver(i, fault)
     elif action == "report" and pair.writes:
         i = draw(st.integers(0, len(pair.writes) - 1))
         rank = draw(st.sampled_from(sorted(pair.writes[i].ranks_left)))
         ok = draw(st.booleans())
-        pair.report(i, rank, ok, lands=ok or draw(st.booleans()))
+        lands = not ok or not pair.faults or draw(st.booleans())
+        pair.faulty |= not (ok and lands)
+        pair.report(i, rank, ok, lands)
     elif action == "land" and pair.notifs:
         pair.land(draw(st.integers(0, len(pair.notifs) - 1)))
     elif action == "advance":
@@ -123,11 +156,14 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
         pair.d_sch.abort_request(draw(st.sampled_from(sorted(pair.d_requests))))
     elif action == "abort_p" and pair.p_requests:
         pair.p_sch.abort_request(draw(st.sampled_from(sorted(pair.p_requests))))
-    elif action == "restart_p":
+    elif action == "restart_p" and pair.faults:
+        pair.faulty = True
         pair.restart_p()
-    elif action == "restart_d":
+    elif action == "restart_d" and pair.faults:
+        pair.faulty = True
         pair.restart_d()
-    elif action == "replay" and pair.router.sent:
+    elif action == "replay" and pair.router.sent and pair.faults:
+        pair.faulty = True
         pair.router.replay(draw(st.integers(0, len(pair.router.sent) - 1)))
 
 
@@ -137,11 +173,15 @@ def test_pd_protocol_holds_under_drawn_interleavings(clock: FakeTime, data: Any)
     clock.now = 1000.0
     pair = Pair(clock)
     try:
+        pair.faults = data.draw(st.booleans())  # False: only aborts, failed WRITEs, time
         steps = data.draw(st.integers(5, 60))
         for n in range(steps):
             action = data.draw(st.sampled_from(ACTIONS))
             run_action(pair, data, action, n)
             check_no_block_free_while_writable(pair)
+        settle(pair)
+        if not pair.faulty:
+            check_explicit_ends(pair)
         drain(pair)
         check_all_ended(pair)
     finally:

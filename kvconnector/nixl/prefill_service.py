@@ -198,7 +198,7 @@ class PrefillService:
     def cancel(self, msg: Cancel) -> CancelReply:
         with self._lock:
             key = msg.peer_key if msg.peer_key in self.peers else None
-            return self.producer.cancel(msg.transfer_id, msg.nonce, key)
+            return self.producer.cancel(msg.transfer_id, msg.nonce, key, sender=msg.peer_key)
 
     def _early_full(self, msg: Reserve, limit: int) -> Refusal | None:
         """Reservations waiting for their prefill are the part of P's state a peer grows

@@ -364,13 +364,19 @@ class Producer:
         if send.reservation is not None:
             self.outcome.notify_failed.append((send.reservation, "aborted on prefill"))
 
-    def cancel(self, transfer_id: str, nonce: str, peer_key: str | None) -> CancelReply:
+    def cancel(
+        self, transfer_id: str, nonce: str, peer_key: str | None, sender: str | None = None
+    ) -> CancelReply:
         """D gives up on its reservation ``nonce`` of a transfer. ``cancelled``: nothing
         was or will be written for that reservation; ``in_flight``: a WRITE may land.
         ``peer_key``: the paired decode peer it comes from, None from a sender P does not
         pair with (a D whose handshake failed): that only ends a hold no reservation came
         for (or a leg still waiting for one, within strangers' budget); its nonce is not
-        remembered."""
+        remembered. ``sender``: the key the cancel names, paired or not (default
+        ``peer_key``): a peer P dropped after a failed push still holds reservations here
+        under it, and its cancel of one of them (its key and that reservation's nonce)
+        drops it -- answered ``cancelled`` and kept, D freed blocks P may still push into."""
+        sender = peer_key if sender is None else sender
         started = self._started(transfer_id)
         if started is not None:
             res = started.reservation
@@ -385,7 +391,7 @@ class Producer:
             )
         send = self.pending.get(transfer_id)
         held = send.reservation if send is not None else self.early.get(transfer_id)
-        if held is None or held.nonce != nonce or held.peer_key != peer_key:
+        if held is None or held.nonce != nonce or held.peer_key != sender:
             # Not a reservation P holds (not arrived yet, or another one): nothing of it
             # was or will be written, and it is refused if it comes later.
             if peer_key is not None:  # only a paired peer's: a stranger's nonce is made up
