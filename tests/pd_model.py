@@ -120,6 +120,7 @@ class Write:
     p_request_id: str
     notif: bytes
     d_blocks: list[int]
+    p_blocks: list[int]  # what it reads
     posted_at: float
     d_incarnation: int  # the D process it writes into
     post_by: float
@@ -353,6 +354,7 @@ class Pair:
                     send.request_id,
                     send.notif,
                     list(send.remote_block_ids),
+                    list(send.local_block_ids),
                     self.clock.now,
                     # The D process its reservation came from (a nonce names its maker).
                     self.incarnation("D")
@@ -479,3 +481,16 @@ def check_no_block_free_while_writable(pair: Pair) -> None:
         for b in blocks:
             assert sch.kv.pool.ref_cnt[b] > 0, f"D block {b} is free, but {why} may write it"
             assert b in owned, f"D block {b} is no longer {rid}'s, but {why} may write it"
+
+
+def check_no_block_free_while_read(pair: Pair) -> None:
+    """P's blocks stay held while a rank's WRITE may still read them: a send is over only
+    when every rank reported it (or 2T after it started: every WRITE timed out by then)."""
+    sch = pair.p_sch
+    for w in pair.writes:
+        if not w.ranks_left or pair.clock.now >= w.post_by + TIMEOUT:
+            continue
+        owned = set(sch.kv.block_ids(w.p_request_id))
+        for b in w.p_blocks:
+            assert sch.kv.pool.ref_cnt[b] > 0, f"P block {b} is free, ranks {w.ranks_left} read it"
+            assert b in owned, f"P block {b} is no longer {w.p_request_id}'s, a WRITE reads it"

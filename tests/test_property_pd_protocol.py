@@ -24,7 +24,14 @@ import pytest
 from fakes import fixed_examples
 from hypothesis import given
 from hypothesis import strategies as st
-from pd_model import TIMEOUT, FakeTime, Pair, check_no_block_free_while_writable, fake_clock
+from pd_model import (
+    TIMEOUT,
+    FakeTime,
+    Pair,
+    check_no_block_free_while_read,
+    check_no_block_free_while_writable,
+    fake_clock,
+)
 
 EXAMPLES = 60 * int(os.environ.get("PDSERVE_PD_PROTOCOL_EXAMPLES", "1"))
 FAULTS = ("ok", "ok", "ok", "lost", "no_reply", "twice", "not_sent")
@@ -179,6 +186,7 @@ def test_pd_protocol_holds_under_drawn_interleavings(clock: FakeTime, data: Any)
             action = data.draw(st.sampled_from(ACTIONS))
             run_action(pair, data, action, n)
             check_no_block_free_while_writable(pair)
+            check_no_block_free_while_read(pair)
         settle(pair)
         if not pair.faulty:
             check_explicit_ends(pair)
