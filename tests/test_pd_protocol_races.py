@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from pd_model import P_ADDRESS, TIMEOUT, Pair, check_no_block_free_while_writable, fake_clock
+
+from kvconnector.nixl.prefill_links import PrefillLinks
 
 
 @pytest.fixture
@@ -58,3 +61,23 @@ def test_a_cancel_after_p_evicted_the_decode_peer_still_drops_its_reservation(pa
     check_no_block_free_while_writable(pair)
     assert "t0" not in prod.early
     assert pair.d_sch.kv.pool.num_free == pair.d_sch.kv.num_blocks
+
+
+def test_a_request_that_ends_while_its_reservation_handshakes_sends_none(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same race one call later: the request ends while the lane pairs with P (a
+    handshake may take its whole timeout, twice) -- the reservation is not sent after it."""
+    pair.add_d("t0")
+    pair.step_d()
+    handshake = PrefillLinks.ensure_handshake
+
+    def slow(links: PrefillLinks, address: str, force: bool = False) -> Any:
+        peer = handshake(links, address, force)
+        pair.d_sch.abort_request("d-t0")  # meanwhile, on the engine thread
+        pair.step_d()
+        return peer
+
+    monkeypatch.setattr(PrefillLinks, "ensure_handshake", slow)
+    pair.deliver(0)  # the reservation's call
+    assert "t0" not in pair.p_conn.producer.early

@@ -141,15 +141,20 @@ class PrefillLinks:
         elif error is None:
             self._unanswered.pop(address, None)
 
-    def _reserve(self, recv: RemoteRecv) -> None:
+    def _ended(self, recv: RemoteRecv) -> bool:
+        """The wait ``recv`` is for ended before its reservation left (aborted, timed out,
+        failed while the call was queued or handshaking): its blocks are quarantined -- or
+        free again -- for a deadline counted from that end, which a reservation P gets
+        only now would outlive. It is not sent; the cancel queued behind it tells P, which
+        confirms a nonce it never held."""
         with self._lock:
-            current = self.consumer.recvs.get(recv.request_id) is recv
-        if not current:
-            # The wait ended while this call was queued (aborted, timed out, failed): its
-            # blocks are quarantined -- or already free again -- for a deadline counted
-            # from that end, which a reservation P gets only now would outlive. Not sent;
-            # the cancel queued behind it tells P, and P confirms a nonce it never held.
+            ended = self.consumer.recvs.get(recv.request_id) is not recv
+        if ended:
             logger.info("request %s ended before its reservation was sent", recv.request_id)
+        return ended
+
+    def _reserve(self, recv: RemoteRecv) -> None:
+        if self._ended(recv):
             return
         if self._behind_unanswered(recv.p_address, recv.created):
             with self._lock:
@@ -171,6 +176,8 @@ class PrefillLinks:
         try:
             for attempt in range(2):
                 peer = self.ensure_handshake(recv.p_address, force=attempt > 0)
+                if self._ended(recv):
+                    return
                 try:
                     raw = self._client.request(recv.p_address, msg, RPC_TIMEOUT_S)
                 except SideChannelError as e:

@@ -375,7 +375,8 @@ class Producer:
         remembered. ``sender``: the key the cancel names, paired or not (default
         ``peer_key``): a peer P dropped after a failed push still holds reservations here
         under it, and its cancel of one of them (its key and that reservation's nonce)
-        drops it -- answered ``cancelled`` and kept, D freed blocks P may still push into."""
+        drops it. (It was answered ``cancelled`` and kept: D freed the blocks, and P
+        pushed into them once D paired again.)"""
         sender = peer_key if sender is None else sender
         started = self._started(transfer_id)
         if started is not None:
