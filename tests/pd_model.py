@@ -1,14 +1,15 @@
 """A prefill node and a decode node, each the real scheduler with the real scheduler-side
 NIXL connector and block pool, talking through an in-process message queue a test
-controls (for ``test_property_pd_protocol.py``).
+controls (for ``test_property_pd_protocol.py`` and ``test_pd_protocol_races.py``).
 
-Only the transport is a stand-in: side-channel calls are queued instead of run on a
-peer's lane and delivered when the test says (in any order, lost, their reply lost, sent
-twice); P's ranks post and report WRITEs when the test says (each rank on its own, ok or
-failed); D's ranks are the real worker-side connectors, their notifications handed in by
-the test; a fake clock drives every deadline. P may restart (a new incarnation at the
-same address).
-"""
+Only the transport is a stand-in: side-channel calls (D's reservations, cancels and
+liveness pings, P's failure notices and checks of a new peer's claim) are queued instead
+of run on a peer's lane, and delivered when the test says (in any order, lost, their
+reply lost, sent twice, not sent; a message replayed late); P's TP ranks post and report
+WRITEs when the test says (each rank on its own, ok or failed); D's ranks are the real
+worker-side connectors, their notifications handed in by the test; a fake clock drives
+every deadline, and ids are counted (an example replays the same). Either node may
+restart: a new incarnation at the same address."""
 
 from __future__ import annotations
 
