@@ -147,7 +147,10 @@ class Router:
         node = self.nodes.get(address)
         if fault == "not_sent":
             raise SideChannelNotSent(f"{address}: not sent")
-        if node is None or fault == "lost":
+        if node is None:
+            raise SideChannelTimeout(f"{address}: no reply")
+        if fault == "lost":  # ... for now: it may still arrive (``replay``)
+            self.sent.append((address, msg, node))
             raise SideChannelTimeout(f"{address}: no reply")
         self.sent.append((address, msg, node))
         reply = node.channel.handle(msg)
@@ -158,9 +161,9 @@ class Router:
         return reply
 
     def replay(self, index: int) -> None:
-        """A message sent earlier arrives again, late, at the process it was sent to (the
-        unsigned side channel has no replay guard); its reply goes nowhere. Not at a
-        process that restarted since: see test_property_pd_protocol.py's docstring."""
+        """A message sent earlier arrives (again), late, at the process it was sent to: a
+        lost one delayed, or a duplicate (the unsigned side channel has no replay guard);
+        its reply goes nowhere. Not at a process that restarted since (reliability.md)."""
         address, msg, node = self.sent[index]
         if self.nodes.get(address) is node:
             node.channel.handle(msg)

@@ -81,3 +81,38 @@ def test_a_request_that_ends_while_its_reservation_handshakes_sends_none(
     monkeypatch.setattr(PrefillLinks, "ensure_handshake", slow)
     pair.deliver(0)  # the reservation's call
     assert "t0" not in pair.p_conn.producer.early
+
+
+def test_a_lost_reservation_arriving_after_its_cancel_from_an_unpaired_decode_is_refused(
+    pair: Pair,
+) -> None:
+    """P restarted: D is not paired with the new process yet. D's reservation gets no
+    answer (D quarantines and cancels); the cancel reaches P from a key it does not pair
+    with, and is confirmed (P holds no such reservation), so D frees the blocks. Then D
+    pairs again (another request), and the lost reservation arrives after all. P used
+    to accept it (it remembered only paired peers' cancelled nonces) and held a
+    reservation into blocks D had freed."""
+    pair.add_d("t0")
+    pair.step_d()
+    while pair.calls:
+        pair.deliver(0)  # D paired with P
+    pair.restart_p()
+    pair.add_d("t1")
+    pair.step_d()
+    reserve = next(i for i, c in enumerate(pair.calls) if c.fn.__name__ == "reserve_job")
+    pair.deliver(reserve, "lost")
+    lost = len(pair.router.sent) - 1
+    pair.clock.now += 0.5  # (calls queued with the unanswered one are not sent)
+    pair.step_d()  # quarantined, the cancel queued
+    while pair.calls:
+        pair.deliver(0)
+    pair.step_d()
+    assert "d-t1" not in pair.d_sch.quarantine  # P confirmed the cancel
+    pair.add_d("t2")
+    pair.step_d()
+    while pair.calls:
+        pair.deliver(0)  # D pairs with the new P
+    assert "t2" in pair.p_conn.producer.early
+    pair.router.replay(lost)  # the lost reservation arrives now
+    check_no_block_free_while_writable(pair)
+    assert "t1" not in pair.p_conn.producer.early

@@ -522,14 +522,19 @@ def test_a_stranger_cannot_fill_a_decode_nodes_reservation_quota(conns):
     assert decode_reply(ask(p.address, reserve_of(d, p, [1, 2, 3])), Ack) == Ack()
 
 
-def test_cancels_from_strangers_are_not_remembered():
-    """A cancel of a reservation P never saw is remembered (so that the reservation is
-    refused if it comes late) -- but only a paired peer's: strangers' random nonces pushed
-    real ones out of the bounded memory."""
+def test_cancels_from_strangers_are_remembered_within_their_own_share(monkeypatch):
+    """A cancel of a reservation P never saw is remembered, so that the reservation is
+    refused if it comes late -- a stranger's too (a D P restarted under is one until it
+    pairs again: its lost reservation arrived after the cancel and was accepted into
+    blocks D had freed, test_pd_protocol_races.py). Strangers' nonces fill only their
+    own share (1/16 of the bound) and never push out a paired peer's."""
+    monkeypatch.setattr(producer_module, "MAX_CANCELLED", 64)
     p = Producer(timeout=30.0)
-    assert p.cancel("t1", "n-stranger", None).state == "cancelled"
-    assert not p.cancelled
-    assert p.cancel("t1", "n-peer", "key").state == "cancelled" and "n-peer" in p.cancelled
+    assert p.cancel("t0", "n-peer", "key").state == "cancelled" and "n-peer" in p.cancelled
+    for i in range(10):
+        assert p.cancel(f"t{i}", f"n-stranger-{i}", None).state == "cancelled"
+    assert "n-peer" in p.cancelled and "n-stranger-9" in p.cancelled
+    assert sum(f"n-stranger-{i}" in p.cancelled for i in range(10)) == 64 // 16
 
 
 def cancel_at(p: NixlConnectorScheduler, tid: str, nonce: str, key: str) -> str:

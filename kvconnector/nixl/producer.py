@@ -370,9 +370,9 @@ class Producer:
         """D gives up on its reservation ``nonce`` of a transfer. ``cancelled``: nothing
         was or will be written for that reservation; ``in_flight``: a WRITE may land.
         ``peer_key``: the paired decode peer it comes from, None from a sender P does not
-        pair with (a D whose handshake failed): that only ends a hold no reservation came
-        for (or a leg still waiting for one, within strangers' budget); its nonce is not
-        remembered. ``sender``: the key the cancel names, paired or not (default
+        pair with (a D whose handshake failed, or one P restarted under): that only ends
+        a hold no reservation came for (or a leg still waiting for one), and its nonce is
+        remembered, within strangers' budget. ``sender``: the key the cancel names, paired or not (default
         ``peer_key``): a peer P dropped after a failed push still holds reservations here
         under it, and its cancel of one of them (its key and that reservation's nonce)
         drops it. (It was answered ``cancelled`` and kept: D freed the blocks, and P
@@ -395,8 +395,11 @@ class Producer:
         if held is None or held.nonce != nonce or held.peer_key != sender:
             # Not a reservation P holds (not arrived yet, or another one): nothing of it
             # was or will be written, and it is refused if it comes later.
-            if peer_key is not None:  # only a paired peer's: a stranger's nonce is made up
-                self.cancelled.add(nonce, peer_key)
+            # Remembered also from a sender P does not pair with (within strangers' own
+            # share): a D P restarted under cancels a reservation that got no answer;
+            # should it arrive after all, once D paired again, it must be refused (D freed
+            # the blocks on this answer).
+            self.cancelled.add(nonce, peer_key)
             if held is None and send is not None:
                 # D gave up before its reservation got here (e.g. the handshake was
                 # refused): no reservation will come, drop the held prefill now.
