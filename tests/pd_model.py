@@ -262,7 +262,7 @@ class Pair:
         self.p_requests: set[str] = set()
         self.d_requests: set[str] = set()
         self.faults = True  # the test may inject faults (losses, restarts, replays)
-        self.faulty = False  # ... and did
+        self.faulty = False  # ... and did, or a deadline may end a leg: ends need no message
         self.dead: list[Any] = []  # connectors of processes that restarted
 
     def incarnation(self, sender: str) -> int:

@@ -158,7 +158,9 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
     elif action == "land" and pair.notifs:
         pair.land(draw(st.integers(0, len(pair.notifs) - 1)))
     elif action == "advance":
-        pair.clock.now += draw(st.sampled_from((0.5, 2.0, TIMEOUT / 2, TIMEOUT, 2 * TIMEOUT)))
+        dt = draw(st.sampled_from((0.5, 2.0, TIMEOUT / 2, TIMEOUT, 2 * TIMEOUT)))
+        pair.faulty |= dt >= TIMEOUT  # a deadline may end a leg (and P forget a cancel)
+        pair.clock.now += dt
     elif action == "abort_d" and pair.d_requests:
         pair.d_sch.abort_request(draw(st.sampled_from(sorted(pair.d_requests))))
     elif action == "abort_p" and pair.p_requests:
