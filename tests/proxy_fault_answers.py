@@ -152,7 +152,8 @@ def check_response(
         return Outcome(200, "load", None, True, code)
     # A node's refusal: the node's body it stands for (as a chat stream's last event).
     refusals = [e for e in cluster.refusals[r] if err["message"].startswith(e["error"]["message"])]
-    if refusals:
+    if refusals:  # the client's error stays the client's (OpenAI's code for it)
+        assert err["code"] == "invalid_prompt", err
         return Outcome(200, "refused", refusals[0], True)
     assert err["code"] == "server_error", err
     return Outcome(200, "failed", code, True, code)

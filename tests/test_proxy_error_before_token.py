@@ -439,6 +439,26 @@ def test_the_clients_error_after_the_prefill_token_ends_the_stream_with_it(
     assert seen == [1, 0] and healthy
 
 
+def test_the_clients_error_after_the_prefill_token_fails_a_response_as_the_clients() -> None:
+    """As above on ``/v1/responses``: the stream ends with ``response.failed`` whose
+    ``error.code`` is the client's (``invalid_prompt``, not ``server_error``), D's own
+    code after its message."""
+
+    async def main() -> tuple[httpx.Response, list[int]]:
+        async with proxy_over([error_first(CLIENT, 400, delay=AFTER_P), good]) as (client, ds, _):
+            resp = await post(client, "responses", True)
+            return resp, [asked(d) for d in ds]
+
+    resp, seen = asyncio.run(main())
+    text, failed = answer_text("responses", resp)
+    assert text == "t7" and len(failed) == 1, resp.text
+    assert failed[0]["response"]["error"] == {
+        "code": "invalid_prompt",
+        "message": "the grammar leaves no token (structured_output_stuck)",
+    }
+    assert seen == [1, 0]
+
+
 def test_a_load_error_after_the_prefill_token_moves_to_a_decode_node_not_tried() -> None:
     """P's first token reached the client, then D1 answers with load in its stream: as
     D1's 429 there, the request moves to a decode node it has not tried (a pair that

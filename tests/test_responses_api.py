@@ -387,6 +387,43 @@ def test_an_error_event_fails_the_response_and_a_cut_stream_fails_too():
         EVENT.validate_python(e)
 
 
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        ({"message": "the grammar leaves no token", "type": "invalid_request_error",
+          "param": "response_format", "code": "structured_output_stuck"}, "invalid_prompt"),
+        ({"message": "bad schema", "type": "BadRequestError", "code": 400}, "invalid_prompt"),
+        ({"message": "too long", "type": None, "code": "context_length_exceeded"},
+         "invalid_prompt"),
+        ({"message": "busy", "type": "rate_limit_error", "code": "overloaded"},
+         "rate_limit_exceeded"),
+        ({"message": "slow down", "type": "requests", "code": "rate_limit_exceeded"},
+         "rate_limit_exceeded"),
+        ({"message": "full", "type": "server_error", "code": "overloaded"},
+         "rate_limit_exceeded"),
+        ({"message": "engine unavailable", "type": "server_error", "code": "engine_dead"},
+         "server_error"),
+        ({"message": "upstream failure", "type": "server_error", "code": "upstream_error"},
+         "server_error"),
+        ({"message": "timeout", "type": "GatewayTimeout", "code": 504}, "server_error"),
+        ({"message": "x"}, "server_error"),
+    ],
+)  # fmt: skip
+def test_a_failed_stream_keeps_the_kind_of_its_error(error: dict[str, Any], code: str):
+    """An error event mid-stream: the client's own error (a 4xx: the request refused)
+    stays the client's (``invalid_prompt``), load stays load, the rest is the server's;
+    the error's own code follows the message."""
+    first = f"data: {json.dumps(_chunk({'content': 'a'}))}\n\n"
+    evs = _run_events([first, f"data: {json.dumps({'error': error})}\n\n", "data: [DONE]\n\n"])
+    failed = evs[-1]
+    assert failed["type"] == "response.failed"
+    assert failed["response"]["error"]["code"] == code, failed["response"]["error"]
+    assert failed["response"]["error"]["message"].startswith(error["message"])
+    if error.get("code") not in (None, "server_error"):
+        assert failed["response"]["error"]["message"].endswith(f"({error['code']})")
+    EVENT.validate_python(failed)
+
+
 # -- the node's route, on an engine answering scripted text ---------------------------------------
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from engine.httpkit.admission import OVERLOADED_CODE
+from engine.httpkit.error_status import event_status
 from engine.responses_api.request import ResponseEcho
 
 
@@ -108,15 +110,23 @@ def function_call_item(
 
 
 def error_of(error: Any) -> dict[str, str]:
-    """A stream's error event as a failed response's ``error``: OpenAI's codes are a
-    closed list, so ``rate_limit_exceeded`` for an overloaded server and ``server_error``
-    for the rest; the server's own code follows the message."""
+    """A stream's error event as a failed response's ``error``. OpenAI's codes are a
+    closed list, so the error's kind is told by the status it stands for
+    (``event_status``): ``rate_limit_exceeded`` for load (429, a 503 ``overloaded``),
+    ``invalid_prompt`` for the client's own error (any other 4xx: the request was
+    refused), ``server_error`` for the rest; the error's own code follows the message."""
     err = error if isinstance(error, dict) else {}
     code = err.get("code") or err.get("type")
     message = str(err.get("message") or "the response failed")
-    overloaded = code in ("overloaded", "too_many_requests", "rate_limit_error")
+    status = event_status(err)
+    if status == 429 or err.get("code") in (OVERLOADED_CODE, "too_many_requests"):
+        kind = "rate_limit_exceeded"
+    elif 400 <= status < 500:
+        kind = "invalid_prompt"
+    else:
+        kind = "server_error"
     return {
-        "code": "rate_limit_exceeded" if overloaded else "server_error",
+        "code": kind,
         "message": f"{message} ({code})" if code and code != "server_error" else message,
     }
 
