@@ -532,6 +532,27 @@ def test_the_usage_repeats_the_nodes_reasoning_count_and_nothing_else():
         assert got["output_tokens"] == 9
 
 
+def test_content_before_think_streams_in_the_texts_order_each_item_its_own_id():
+    """qwen3 keeps text before ``<think>`` as content: the stream says it as it comes, a
+    message, the reasoning, another message (the whole response: the reasoning, then one
+    message of both texts; docs/api.md says why). Each streamed item has an id of its
+    own, its ``added`` and ``done`` events the same one."""
+    client = _node("Sure. <think>why</think> 4", reasoning_parser="qwen3")
+    whole, evs = _both(client)
+    streamed = evs[-1]["response"]["output"]
+    assert [o["type"] for o in streamed] == ["message", "reasoning", "message"]
+    assert [o["type"] for o in whole["output"]] == ["reasoning", "message"]
+    ids = [o["id"] for o in streamed]
+    assert len(set(ids)) == len(ids), ids
+    added = [e["item"]["id"] for e in evs if e["type"] == "response.output_item.added"]
+    done = [e["item"]["id"] for e in evs if e["type"] == "response.output_item.done"]
+    assert added == done == ids
+    deltas = [e["item_id"] for e in evs if e["type"].endswith("_text.delta")]
+    assert list(dict.fromkeys(deltas)) == ids, deltas
+    message = "".join(o["content"][0]["text"] for o in streamed if o["type"] == "message")
+    assert message == whole["output"][1]["content"][0]["text"] == "Sure.  4"
+
+
 @pytest.mark.parametrize(
     "parser, text, reasoning",
     [

@@ -29,8 +29,9 @@ def sse(event: Event) -> str:
 class _Item:
     """One output item being streamed: its kind, index in ``output`` and what it holds."""
 
-    def __init__(self, kind: str, index: int, call: int = -1) -> None:
+    def __init__(self, kind: str, index: int, rid: str, call: int = -1) -> None:
         self.kind, self.index, self.call = kind, index, call
+        self.rid = rid  # its id's tail: the response's, or with its index for a second one
         self.text = ""
         self.logprobs: list[dict[str, Any]] = []
         self.call_id: Any = None
@@ -139,7 +140,11 @@ class ResponsesStream:
         return events
 
     def _add(self, kind: str, call: int = -1) -> _Item:
-        item = _Item(kind, len(self.items), call)
+        index = len(self.items)
+        # A second item of a kind (a message after the reasoning that followed content
+        # before <think>) has an id of its own: msg_<id>_<index>.
+        again = kind != "call" and any(i.kind == kind for i in self.items)
+        item = _Item(kind, index, f"{self.rid}_{index}" if again else self.rid, call)
         self.items.append(item)
         self.open = item
         return item
@@ -151,10 +156,10 @@ class ResponsesStream:
         events = events + self._close()
         item = self._add(kind)
         if kind == "reasoning":
-            item.body = out.reasoning_item(self.rid, "", "in_progress")
+            item.body = out.reasoning_item(item.rid, "", "in_progress")
             part = {"type": "reasoning_text", "text": ""}
         else:
-            item.body = out.message_item(self.rid, "", "in_progress", [])
+            item.body = out.message_item(item.rid, "", "in_progress", [])
             part = out.output_text("", [])
         item_id = item.body["id"]
         events.append(
@@ -185,14 +190,14 @@ class ResponsesStream:
                             item=item.body),
             ]  # fmt: skip
         if item.kind == "reasoning":
-            item.body = out.reasoning_item(self.rid, item.text, "completed")
+            item.body = out.reasoning_item(item.rid, item.text, "completed")
             part: dict[str, Any] = {"type": "reasoning_text", "text": item.text}
             done = self._event("response.reasoning_text.done", **at, content_index=0,
                                text=item.text)  # fmt: skip
         else:
             item.logprobs += self.pending_logprobs
             self.pending_logprobs = []
-            item.body = out.message_item(self.rid, item.text, status, item.logprobs)
+            item.body = out.message_item(item.rid, item.text, status, item.logprobs)
             part = out.output_text(item.text, item.logprobs)
             done = self._event("response.output_text.done", **at, content_index=0,
                                text=item.text, logprobs=item.logprobs)  # fmt: skip
