@@ -835,3 +835,21 @@ def test_live_a_draw_at_the_largest_uniform_keeps_to_the_grammar(
     for extra in ({"guided_regex": "[0-9]"}, {"allowed_token_ids": digits}):
         (choice,) = _post(url, "/v1/completions", {**base, **extra})["choices"]
         assert choice["text"].isdigit() and choice["token_ids"][0] in digits, choice
+
+
+def test_a_boolean_schema_true_is_any_compact_json_and_false_is_a_400_saying_why() -> None:
+    """JSON Schema's ``true`` (any value, as ``{}``) and ``false`` (none): ``true``
+    compiles, compact as any schema; ``false`` is a 400 that says no value matches."""
+    compiler = _compiler()
+    for fields in ({"guided_json": True}, {"structured_outputs": {"json": "true"}}):
+        so = parse_completion_request({"prompt": "x", **fields}).structured_output
+        assert so is not None
+        check_structured(so)
+        state = GrammarState(compiler.new_matcher(so))
+        for t in b'[1,{"a":null}]':
+            assert state.accept(t), state.error
+        assert not state.allows(ord(" "))  # no free whitespace, as for {}
+    so = StructuredOutput.json_schema(False)
+    with pytest.raises(APIError) as e:
+        check_structured(so)
+    assert e.value.status_code == 400 and "unsatisfiable" in e.value.message.lower(), e.value

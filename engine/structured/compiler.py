@@ -74,7 +74,7 @@ def grammar_text(so: StructuredOutput, llg: ModuleType) -> str:
     built, e.g. a schema that is not an object)."""
     try:
         if so.kind == "json":
-            return llg.LLMatcher.grammar_from_json_schema(so.spec, defaults=JSON_OPTIONS)
+            return _json_grammar(so.spec, llg)
         if so.kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema(
                 '{"type":"object"}', defaults=JSON_OPTIONS
@@ -87,6 +87,17 @@ def grammar_text(so: StructuredOutput, llg: ModuleType) -> str:
         return llg.grammar_from("grammar", so.spec)  # Lark, or GBNF converted to Lark
     except (ValueError, RecursionError) as e:
         raise _invalid(so, str(e)) from None
+
+
+def _json_grammar(spec: str, llg: ModuleType) -> str:
+    """A JSON schema's grammar, compact. A boolean schema takes no options (llguidance
+    refuses ``defaults`` on one): ``true`` is ``{}`` (any value), ``false`` goes as it is
+    (no value matches: the check says so)."""
+    if spec == "false":
+        return llg.LLMatcher.grammar_from_json_schema(spec)
+    if spec == "true":
+        spec = "{}"
+    return llg.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
 
 
 def _invalid(so: StructuredOutput, reason: str) -> InvalidRequestError:
