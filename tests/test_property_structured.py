@@ -11,6 +11,12 @@ output the grammar ended (or EOS ended) is accepted by the constraint (JSON that
 validates against the schema, a regex's full match, one of the choices); one cut by the
 step limit is a prefix of an accepted one (choices and regexes).
 
+At the engine's level (the ``tiny`` model, the uniprocess executor), constrained
+requests -- greedy or seeded, some reasoning first (deepseek_r1 tags, steered to end
+their reasoning) -- get, under async scheduling, chunked prefill, preemption and prefix
+caching, what each gets alone (``test_property_engine``'s check), and an answer's content
+that finished "stop" is accepted ("length": a prefix of an accepted one).
+
 The examples are fixed (``derandomize``, no example database);
 ``PDSERVE_STRUCTURED_EXAMPLES=N`` multiplies their count (a local hunt).
 """
@@ -226,7 +232,7 @@ def content_of(tags: ReasoningTags | None, tokens: list[int]) -> list[int] | Non
     return None
 
 
-@fixed_examples(60 * SCALE)
+@fixed_examples(120 * SCALE)
 @given(case=constraints(), tags=st.sampled_from([None, None, R1_TAGS, Q3_TAGS]), data=st.data())
 def test_a_walk_under_the_mask_ends_accepted_and_never_dead_ends(
     case: tuple[StructuredOutput, Any], tags: ReasoningTags | None, data: st.DataObject
@@ -357,7 +363,7 @@ def reference() -> Any:
         ref.close()
 
 
-@fixed_examples(4 * SCALE)
+@fixed_examples(10 * SCALE)
 @given(case=engine_cases())
 def test_constrained_requests_get_their_alone_output_under_stress(
     reference: Any, case: Any
