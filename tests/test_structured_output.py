@@ -853,3 +853,20 @@ def test_a_boolean_schema_true_is_any_compact_json_and_false_is_a_400_saying_why
     with pytest.raises(APIError) as e:
         check_structured(so)
     assert e.value.status_code == 400 and "unsatisfiable" in e.value.message.lower(), e.value
+
+
+def test_a_cached_check_names_the_field_of_the_request_at_hand() -> None:
+    """The check's cache is keyed by the spec, not the field: a request that repeats a
+    refused grammar through another field gets its own field in the message (never the
+    earlier request's)."""
+    grammar = "%%% never a grammar (cached check)"  # llguidance cannot convert it
+    first = parse_completion_request({"prompt": "x", "guided_grammar": grammar})
+    second = parse_completion_request({"prompt": "x", "structured_outputs": {"grammar": grammar}})
+    messages = []
+    for req in (first, second, first):
+        with pytest.raises(APIError) as e:
+            check_structured(req.structured_output)
+        messages.append(e.value.message)
+    assert messages[0] == messages[2]
+    assert messages[1] == messages[0].replace("'guided_grammar'", "'structured_outputs.grammar'")
+    assert "guided_grammar" not in messages[1], messages[1]

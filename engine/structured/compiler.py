@@ -73,20 +73,23 @@ def grammar_text(so: StructuredOutput, llg: ModuleType) -> str:
     """The llguidance grammar of ``so`` (raises ``InvalidRequestError`` when it cannot be
     built, e.g. a schema that is not an object)."""
     try:
-        if so.kind == "json":
-            return _json_grammar(so.spec, llg)
-        if so.kind == "json_object":
-            return llg.LLMatcher.grammar_from_json_schema(
-                '{"type":"object"}', defaults=JSON_OPTIONS
-            )
-        if so.kind == "regex":
-            return llg.LLMatcher.grammar_from_regex(so.spec)
-        if so.kind == "choice":
-            lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(so.spec))
-            return llg.LLMatcher.grammar_from_lark(lark)
-        return llg.grammar_from("grammar", so.spec)  # Lark, or GBNF converted to Lark
+        return _build(so, llg)
     except (ValueError, RecursionError) as e:
         raise _invalid(so, str(e)) from None
+
+
+def _build(so: StructuredOutput, llg: ModuleType) -> str:
+    """``grammar_text`` raising llguidance's own error (no request field in it)."""
+    if so.kind == "json":
+        return _json_grammar(so.spec, llg)
+    if so.kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)
+    if so.kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(so.spec)
+    if so.kind == "choice":
+        lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(so.spec))
+        return llg.LLMatcher.grammar_from_lark(lark)
+    return llg.grammar_from("grammar", so.spec)  # Lark, or GBNF converted to Lark
 
 
 def _json_grammar(spec: str, llg: ModuleType) -> str:
@@ -145,7 +148,9 @@ class _LRU:
         return len(self._items)
 
 
-_checked = _LRU(CHECK_CACHE_SIZE)  # key -> "" (valid) or the reason it is not
+# key -> "" (valid) or llguidance's reason it is not: keyed by the spec, so the reason
+# names no request's field (each request's error names its own).
+_checked = _LRU(CHECK_CACHE_SIZE)
 
 
 def check_structured_output(so: StructuredOutput) -> None:
@@ -155,15 +160,11 @@ def check_structured_output(so: StructuredOutput) -> None:
     reason = _checked.get(so.key)
     if reason is None:
         try:
-            reason = llg.LLMatcher.validate_grammar(
-                grammar_text(so, llg), limits=parser_limits(llg)
-            )
-        except InvalidRequestError as e:
-            reason = str(e)
+            reason = llg.LLMatcher.validate_grammar(_build(so, llg), limits=parser_limits(llg))
+        except (ValueError, RecursionError) as e:
+            reason = str(e) or type(e).__name__
         _checked.put(so.key, reason)
     if reason:
-        if reason.startswith(f"'{so.param}'"):
-            raise InvalidRequestError(reason, so.param)
         raise _invalid(so, reason)
 
 
