@@ -177,13 +177,18 @@ def constraints(draw: st.DrawFn) -> tuple[StructuredOutput, Any]:
     return StructuredOutput.choice(choices), choices
 
 
+_JSON_STRING = regex_mod.compile(r'"(?:[^"\\]|\\.)*"')
+
+
 def accepted(so: StructuredOutput, spec: Any, text: str) -> bool:
     if so.kind == "json":
         try:
             value = json.loads(text)
         except ValueError:
             return False
-        return jsonschema.Draft202012Validator(spec).is_valid(value)
+        # Compact: no whitespace outside strings (docs/api.md).
+        compact = not any(c in " \t\n\r" for c in _JSON_STRING.sub("", text))
+        return compact and jsonschema.Draft202012Validator(spec).is_valid(value)
     if so.kind == "regex":
         return regex_mod.fullmatch(spec, text) is not None
     return text in spec
