@@ -369,7 +369,9 @@ def engine_cases(draw: st.DrawFn) -> Any:
             if reasons.start:  # and to open it
                 kw["logit_bias"] = {**STEER["logit_bias"], ord("<"): 100.0}
         prompt = tuple(draw(st.lists(st.integers(0, 255), min_size=1, max_size=20)))
-        item = Item(prompt, SamplingParams(**kw), arrival=draw(st.sampled_from([0, 0, 2])))
+        arrival = draw(st.sampled_from([0, 0, 2]))
+        n = draw(st.sampled_from([1, 1, 2]))  # children seeded seed + j, a matcher each
+        item = Item(prompt, SamplingParams(**kw), arrival=arrival, n=n)
         items.append((item, spec))
     return setup, items
 
@@ -423,23 +425,30 @@ def test_constrained_requests_get_their_alone_output_under_stress(
         got = run_round(llm, items)
         assert_idle(llm)
     for i, (item, spec) in enumerate(pairs):
-        want, res = reference.result(m, item, item.params), got[f"r{i}"]
-        # The same tokens, ending and error (a stuck grammar's too) as alone.
-        assert (res.tokens, res.finish_reason, res.error) == (
-            want.tokens,
-            want.finish_reason,
-            want.error,
-        ), i
-        assert all(map(same_logprob, res.logprobs, want.logprobs)), i
-        sp = item.params
-        so = sp.structured_output
-        content = content_of(sp.reasoning_tags, want.tokens)
-        reasons = "reasoning, " if sp.reasoning_tags else ""
-        event(f"engine {so.kind}: {reasons}{want.finish_reason}, content {content is not None}")
-        if content is None or want.error is not None:
-            continue
-        out = bytes(t for t in content if t < 256)
-        if want.finish_reason == "length" or (content and content[-1] in sp.stop_token_ids):
-            assert a_prefix(so, spec, out), (i, out)
-        else:
-            assert accepted(so, spec, out.decode("utf-8")), (i, out)
+        for rid, sp in item.children(i):
+            want, res = reference.result(m, item, sp), got[rid]
+            # The same tokens, ending and error (a stuck grammar's too) as alone.
+            assert (res.tokens, res.finish_reason, res.error) == (
+                want.tokens,
+                want.finish_reason,
+                want.error,
+            ), rid
+            assert all(map(same_logprob, res.logprobs, want.logprobs)), rid
+            check_content(sp, spec, want, rid)
+
+
+def check_content(sp: SamplingParams, spec: Any, want: Any, rid: str) -> None:
+    """A request's answer (alone) is accepted by its constraint where it finished "stop"
+    (not on a stop id, nor an error), else a prefix of an accepted one."""
+    so = sp.structured_output
+    assert so is not None
+    content = content_of(sp.reasoning_tags, want.tokens)
+    reasons = "reasoning, " if sp.reasoning_tags else ""
+    event(f"engine {so.kind}: {reasons}{want.finish_reason}, content {content is not None}")
+    if content is None or want.error is not None:
+        return
+    out = bytes(t for t in content if t < 256)
+    if want.finish_reason == "length" or (content and content[-1] in sp.stop_token_ids):
+        assert a_prefix(so, spec, out), (rid, out)
+    else:
+        assert accepted(so, spec, out.decode("utf-8")), (rid, out)
