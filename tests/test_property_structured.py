@@ -237,7 +237,7 @@ def content_of(tags: ReasoningTags | None, tokens: list[int]) -> list[int] | Non
     return None
 
 
-@fixed_examples(120 * SCALE)
+@fixed_examples(200 * SCALE)
 @given(case=constraints(), tags=st.sampled_from([None, None, R1_TAGS, Q3_TAGS]), data=st.data())
 def test_a_walk_under_the_mask_ends_accepted_and_never_dead_ends(
     case: tuple[StructuredOutput, Any], tags: ReasoningTags | None, data: st.DataObject
@@ -387,7 +387,7 @@ def reference() -> Any:
         ref.close()
 
 
-@fixed_examples(10 * SCALE)
+@fixed_examples(20 * SCALE)
 @given(case=engine_cases())
 def test_constrained_requests_get_their_alone_output_under_stress(
     reference: Any, case: Any
