@@ -140,6 +140,19 @@ def test_bad_shapes_are_400s_naming_the_field(fields: dict[str, Any], param: str
     assert e.value.status_code == 400 and e.value.param == param, e.value.message
 
 
+@pytest.mark.parametrize("kind", ["regex", "grammar", "choice", "json"])
+@pytest.mark.parametrize("value", [0, 0.0])
+def test_a_zero_in_structured_outputs_is_that_kinds_bad_value_not_an_absent_key(
+    kind: str, value: float
+) -> None:
+    # 0 == False in Python: a membership test against (None, False) read a 0 as an
+    # absent key ("must set exactly one ..., got none"); the 400 names the key's value.
+    with pytest.raises(APIError) as e:
+        parse_completion_request({"prompt": "x", "structured_outputs": {kind: value}})
+    assert e.value.status_code == 400
+    assert e.value.param == f"structured_outputs.{kind}", e.value.message
+
+
 @pytest.mark.parametrize("key", ["backend", "disable_any_whitespace", "whitespace_pattern"])
 def test_a_vllm_structured_outputs_key_not_implemented_is_an_unsupported_parameter(
     key: str,

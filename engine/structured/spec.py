@@ -158,19 +158,26 @@ def _response_format(value: Any) -> StructuredOutput | None:
     )
 
 
+def _absent(v: Any) -> bool:
+    """A ``structured_outputs`` key left out: null or false (vLLM clients send
+    ``json_object: false``). By identity: ``0 in (None, False)`` is true in Python, and a
+    0 is a bad value of its key, not an absent one."""
+    return v is None or v is False
+
+
 def _structured_outputs(value: Any) -> StructuredOutput | None:
     name = "structured_outputs"
     if value is None or value == {}:
         return None
     if not isinstance(value, dict):
         raise InvalidRequestError(f"'{name}' must be an object", name)
-    unknown = [k for k, v in value.items() if k not in KINDS and v not in (None, False)]
+    unknown = [k for k, v in value.items() if k not in KINDS and not _absent(v)]
     if unknown:
         raise UnsupportedStructuredKey(
             f"'{name}.{unknown[0]}' is not supported (only {', '.join(KINDS)})",
             f"{name}.{unknown[0]}",
         )
-    given = [k for k in KINDS if value.get(k) not in (None, False)]
+    given = [k for k in KINDS if not _absent(value.get(k))]
     if len(given) != 1:
         raise InvalidRequestError(
             f"'{name}' must set exactly one of {', '.join(KINDS)}, got "
