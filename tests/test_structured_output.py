@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from harness import MODEL, PD, Proc, Procs, metric, sse_events
 
+from engine.sampling_params import InvalidRequestError
 from engine.server.chat_protocol import parse_chat_request
 from engine.server.protocol import parse_completion_request
 from engine.server.request_checks import check_structured
@@ -151,6 +152,22 @@ def test_a_zero_in_structured_outputs_is_that_kinds_bad_value_not_an_absent_key(
         parse_completion_request({"prompt": "x", "structured_outputs": {kind: value}})
     assert e.value.status_code == 400
     assert e.value.param == f"structured_outputs.{kind}", e.value.message
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: StructuredOutput.regex("a\ud800", "regex"),
+        lambda: StructuredOutput.choice(["ok", "\udfff"], "regex"),
+        lambda: StructuredOutput.json_schema({"enum": ["\ud800"]}, "regex"),
+    ],
+)
+def test_a_lone_surrogate_in_an_offline_spec_is_an_invalid_request_naming_it(make: Any) -> None:
+    # The HTTP body parser refuses lone surrogates; the offline API (LLM) reached the size
+    # check's encode and raised a bare UnicodeEncodeError naming no field.
+    with pytest.raises(InvalidRequestError, match="surrogate") as e:
+        make()
+    assert e.value.param == "regex"
 
 
 @pytest.mark.parametrize("key", ["backend", "disable_any_whitespace", "whitespace_pattern"])

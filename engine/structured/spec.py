@@ -64,9 +64,15 @@ class StructuredOutput:
         if self.kind not in KINDS:
             raise InvalidRequestError(f"unknown structured output kind {self.kind!r}", self.param)
         limit = MAX_DERIVED_SPEC_BYTES if self.derived else MAX_SPEC_BYTES
-        if len(self.spec.encode("utf-8")) > limit:
+        try:
+            size = len(self.spec.encode("utf-8"))
+        except UnicodeEncodeError:  # a lone surrogate (the offline API; HTTP refuses it)
             raise InvalidRequestError(
-                f"'{self.param}' is {len(self.spec.encode('utf-8'))} bytes; a structured "
+                f"'{self.param}' is not valid text: it holds a lone surrogate", self.param
+            ) from None
+        if size > limit:
+            raise InvalidRequestError(
+                f"'{self.param}' is {size} bytes; a structured "
                 f"output's {self.kind} may be at most {limit} bytes",
                 self.param,
             )
