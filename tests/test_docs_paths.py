@@ -3,7 +3,9 @@ moves"): each ``something.py`` / ``.sh`` / ``.md`` / ... named in ``README.md`` 
 ``docs/*.md`` is a file of the repository, and each ``tests/x.py::name`` names a test of that
 file. A path may be written relative to the package its section is about (the file map's
 ``server/app.py`` is ``engine/server/app.py``): it counts when a repository file ends with
-it. Files the reader creates or gets elsewhere are in ``ALLOWED``, with the reason."""
+it. Files the reader creates or gets elsewhere are in ``ALLOWED``, with the reason. And the
+file map of ``docs/architecture.md`` names every module (a new module gets its line; a
+module named only by a file name another module shares passes unnoticed)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,16 @@ PATH = re.compile(
 )
 TEST = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
 BARE_TEST = re.compile(r"`(test_\w+\*?)`")
+# the file map's packages ("Packages and modules": every module in one line)
+MAPPED = (
+    "engine/",
+    "kvconnector/",
+    "proxy/",
+    "prefill_node/",
+    "decode_node/",
+    "scripts/",
+    "tests/",
+)
 SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", ".pytest_cache"}
 
 ALLOWED = {
@@ -132,6 +144,27 @@ def test_every_test_named_alone_exists() -> None:
         if (missing := missing_bare_tests(doc.read_text(encoding="utf-8"), tests, modules))
     }
     assert not bad, f"tests named in the docs that no test file has: {bad}"
+
+
+def unmapped_modules(text: str, files: list[str]) -> list[str]:
+    """Modules of the packages, scripts and test helpers that the file map does not name
+    (by a path it ends with)."""
+    named = {m.group(1) for m in PATH.finditer(text)}
+    code = [
+        f
+        for f in files
+        if f.startswith(MAPPED)
+        and f.endswith((".py", ".sh"))
+        and not f.endswith("__init__.py")
+        and not f.rsplit("/", 1)[-1].startswith("test_")
+    ]
+    return [f for f in code if not any(f == n or f.endswith("/" + n) for n in named)]
+
+
+def test_the_file_map_names_every_module() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    bad = unmapped_modules(text, repo_files())
+    assert not bad, f"modules docs/architecture.md's file map does not name: {bad}"
 
 
 def test_the_check_sees_a_moved_path() -> None:
