@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +63,16 @@ ALLOWED_TESTS = {
 
 
 def repo_files() -> list[str]:
+    """The repository's files: git's (tracked, and untracked ones git does not ignore)
+    in a checkout, else every file under the root but caches."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT, capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.split("\n")  # fmt: skip
+        return [f for f in listed if f and (ROOT / f).exists()]
+    except (OSError, subprocess.SubprocessError):
+        pass
     out = []
     for top, dirs, names in os.walk(ROOT):
         dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
