@@ -116,3 +116,23 @@ def test_a_lost_reservation_arriving_after_its_cancel_from_an_unpaired_decode_is
     pair.router.replay(lost)  # the lost reservation arrives now
     check_no_block_free_while_writable(pair)
     assert "t1" not in pair.p_conn.producer.early
+
+
+def test_a_reservation_queued_behind_an_unanswered_call_is_not_sent(pair: Pair) -> None:
+    """Two reservations queued on P's lane; the first call gets no answer (P hung). The
+    second was queued before that timeout: it is not sent (it would wait out a timeout of
+    its own) and its leg fails safely. ``RemoteRecv.created`` took the real clock, not the
+    connector's (bound at import), so the fake clock never compared with it."""
+    pair.add_d("t0")
+    pair.add_d("t1")
+    pair.step_d()  # both reservations queued on P's lane
+    assert [c.fn.__name__ for c in pair.calls] == ["reserve_job", "reserve_job"]
+    pair.clock.now += 0.5
+    pair.deliver(0, "lost")  # the handshake of the first goes unanswered
+    sent = len(pair.router.sent)
+    pair.deliver(0)
+    assert len(pair.router.sent) == sent, "a call queued behind an unanswered one was sent"
+    assert pair.d_conn.links.calls_skipped == 1
+    assert "d-t1" not in pair.d_conn.consumer.recvs
+    pair.step_d()
+    assert "t1" not in pair.p_conn.producer.early
