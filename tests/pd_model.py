@@ -160,13 +160,16 @@ class Router:
             raise SideChannelTimeout(f"{address}: reply lost")
         return reply
 
-    def replay(self, index: int) -> None:
+    def replay(self, index: int, restarted: bool = False) -> None:
         """A message sent earlier arrives (again), late, at the process it was sent to: a
         lost one delayed, or a duplicate (the unsigned side channel has no replay guard);
-        its reply goes nowhere. Not at a process that restarted since (reliability.md)."""
+        its reply goes nowhere. ``restarted``: at the process serving its address now,
+        even one that restarted since (a signed envelope captured on the wire and replayed
+        within its 60 s: a new process's replay guard is empty)."""
         address, msg, node = self.sent[index]
-        if self.nodes.get(address) is node:
-            node.channel.handle(msg)
+        now = self.nodes.get(address)
+        if now is node or (restarted and now is not None):
+            now.channel.handle(msg)
 
 
 class FakeServer:

@@ -19,8 +19,11 @@ from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import load_arch_config
 from engine.sampling_params import SamplingParams
 from kvconnector.nixl.decode_peers import DecodePeer
-from kvconnector.nixl.messages import Cancel, Reserve, ranks_digest
+from kvconnector.nixl.messages import Cancel, HandshakeReply, Reserve, ranks_digest
 from kvconnector.params import KVTransferParams
+
+# What a stubbed handshake returns: the P process D paired with (its reservations name it).
+PAIRED = HandshakeReply("p", "p-inc", "tcp://127.0.0.1:1", "producer", {}, {}, ({},))
 
 BLOCKS = 64
 
@@ -72,7 +75,7 @@ def test_abort_after_an_unsafe_failure_keeps_blocks_quarantined(decode, monkeypa
     monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 0.2)
     # P answered the handshake; it takes the reservation and never answers it.
     monkeypatch.setattr(
-        prefill_links.PrefillLinks, "ensure_handshake", lambda s, a, force=False: None
+        prefill_links.PrefillLinks, "ensure_handshake", lambda s, a, force=False: PAIRED
     )
     silent, address = _silent_peer()
     request.addfinalizer(lambda: silent.close(linger=0))
@@ -140,7 +143,9 @@ def test_a_cancel_after_a_failed_send_says_a_write_may_still_land(prefill, error
         "decode", "abc", dead_address(), ranks, ranks_digest(ranks), verified=True
     )
     assert conn.producer.prefill_finished("P1", "t1", [0, 1, 2], 7)
-    reserve = Reserve("t1", "n1", "D1", d_key, dead_address(), (5, 6, 7), 0).to_wire()
+    reserve = Reserve(
+        "t1", "n1", "D1", d_key, dead_address(), (5, 6, 7), 0, conn.incarnation
+    ).to_wire()
     assert conn.channel.handle(reserve) == {"ok": True}
     (send,) = conn.build_connector_meta(None, lambda rid: []).sends  # type: ignore[arg-type]
     assert send.request_id == "P1"
@@ -215,7 +220,7 @@ def test_a_reservation_that_never_left_is_a_safe_failure(decode, monkeypatch):
     sch, conn = decode
     monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 0.2)
     monkeypatch.setattr(
-        prefill_links.PrefillLinks, "ensure_handshake", lambda s, a, force=False: None
+        prefill_links.PrefillLinks, "ensure_handshake", lambda s, a, force=False: PAIRED
     )
     sch.add_request(remote("X", dead_address()))
     step(sch)
@@ -231,7 +236,7 @@ def test_reservations_queued_behind_an_unanswered_call_to_p_fail_at_once(decode,
     sch, conn = decode
     monkeypatch.setattr(prefill_links, "RPC_TIMEOUT_S", 0.5)
     monkeypatch.setattr(
-        prefill_links.PrefillLinks, "ensure_handshake", lambda s, a, force=False: None
+        prefill_links.PrefillLinks, "ensure_handshake", lambda s, a, force=False: PAIRED
     )
     silent, address = _silent_peer()
     try:

@@ -136,3 +136,64 @@ def test_a_reservation_queued_behind_an_unanswered_call_is_not_sent(pair: Pair) 
     assert "d-t1" not in pair.d_conn.consumer.recvs
     pair.step_d()
     assert "t1" not in pair.p_conn.producer.early
+
+
+def test_a_reservation_replayed_to_a_prefill_node_that_restarted_since_is_refused(
+    pair: Pair,
+) -> None:
+    """D's reservation reaches P; P restarts. D's leg times out and its blocks are
+    quarantined, the cancel lost; after 2T they are free. D pairs with the new P (another
+    request), and the old reservation, captured on the wire, is replayed there (within the
+    signed envelope's 60 s; the new process's replay guard is empty). P accepted it -- it
+    did not say which P incarnation it was made for -- and held a reservation into blocks
+    D had freed."""
+    pair.add_d("t0")
+    pair.step_d()
+    while pair.calls:
+        pair.deliver(0)  # paired, the reservation held by P
+    assert "t0" in pair.p_conn.producer.early
+    old = next(i for i, (_, m, _) in enumerate(pair.router.sent) if m.get("kind") == "reserve")
+    pair.restart_p()
+    pair.clock.now += TIMEOUT
+    pair.step_d()  # D's wait timed out: quarantined, a cancel queued
+    cancel = next(i for i, c in enumerate(pair.calls) if c.fn.__name__ == "cancel_job")
+    pair.deliver(cancel, "not_sent")
+    pair.clock.now += 2 * TIMEOUT
+    pair.step_d()
+    assert "d-t0" not in pair.d_sch.quarantine
+    pair.add_d("t1")
+    pair.step_d()
+    while pair.calls:
+        pair.deliver(0)  # D pairs with the new P
+    assert "t1" in pair.p_conn.producer.early
+    pair.router.replay(old, restarted=True)
+    check_no_block_free_while_writable(pair)
+    assert "t0" not in pair.p_conn.producer.early
+
+
+def test_a_reservation_refused_for_naming_an_old_prefill_incarnation_pairs_again(
+    pair: Pair,
+) -> None:
+    """D paired with P, P restarted, and D's handshake (replayed, or a lost one arriving
+    late) paired the new process with D's key while D still names the old one: D's next
+    reservation is refused (``wrong_incarnation``); D pairs again and it is held."""
+    pair.add_d("t0")
+    pair.step_d()
+    while pair.calls:
+        pair.deliver(0)
+    shake = next(i for i, (_, m, _) in enumerate(pair.router.sent) if m.get("kind") == "handshake")
+    pair.restart_p()
+    pair.router.replay(shake, restarted=True)  # the new P pairs with D's key
+    pair.calls = [c for c in pair.calls if not c.peer.startswith("ping:")]
+    pair.add_d("t1")
+    pair.step_d()
+    while pair.calls:
+        if pair.calls[0].peer.startswith("ping:"):
+            pair.calls.pop(0)  # no ping of D's tells it of the restart
+        else:
+            pair.deliver(0)  # the claim's check, t1's reservation
+    reserves = [m for _, m, _ in pair.router.sent if m.get("transfer_id") == "t1"]
+    incarnations = [m["p_incarnation"] for m in reserves]
+    assert incarnations == [pair.dead[0].incarnation, pair.p_conn.incarnation]
+    assert pair.p_conn.producer.early["t1"].nonce == reserves[-1]["nonce"]
+    assert "d-t1" in pair.d_conn.consumer.recvs

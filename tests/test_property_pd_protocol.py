@@ -173,7 +173,8 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
         pair.restart_d()
     elif action == "replay" and pair.router.sent and pair.faults:
         pair.faulty = True
-        pair.router.replay(draw(st.integers(0, len(pair.router.sent) - 1)))
+        i = draw(st.integers(0, len(pair.router.sent) - 1))
+        pair.router.replay(i, restarted=draw(st.booleans()))  # even at a restarted process
 
 
 @fixed_examples(EXAMPLES)

@@ -95,7 +95,9 @@ KINDS = ["handshake", "reserve", "cancel", "transfer_failed", "ping", "launch", 
 FIELDS = [
     "transfer_id", "nonce", "d_request_id", "peer_key", "address", "block_ids",
     "skip_blocks", "engine_id", "incarnation", "compat", "ranks", "reason", "safe",
+    "p_incarnation",
 ]  # fmt: skip
+THIS_P = "<the prefill node's incarnation>"  # replaced by the test
 
 
 @st.composite
@@ -122,6 +124,7 @@ def reservations(draw) -> dict[str, Any]:
         address="tcp://127.0.0.1:5600",
         block_ids=(),
         skip_blocks=draw(st.integers(0, 8)),
+        p_incarnation=draw(st.sampled_from([THIS_P, "a-restarted-p"])),
     ).to_wire()
     wire["block_ids"] = draw(st.lists(block_id, max_size=12))
     return wire
@@ -165,10 +168,13 @@ def _handle_any(conn: NixlConnectorScheduler, raw: Any) -> dict[str, Any]:
 @given(res=reservations())
 def test_a_reservation_is_acked_only_inside_the_peers_kv_cache(prefill, res):
     before = dict(prefill.producer.early)
+    if res["p_incarnation"] == THIS_P:
+        res = {**res, "p_incarnation": prefill.incarnation}
     reply = prefill.channel.handle(res)
     _check_reply(reply)
     if reply["ok"]:
         assert res["peer_key"] == D_KEY, "acked a reservation from a peer that never handshook"
+        assert res["p_incarnation"] == prefill.incarnation, "acked one for another P process"
         assert all(isinstance(b, int) and 0 <= b < D_BLOCKS for b in res["block_ids"])
         held = prefill.producer.early.get(res["transfer_id"])
         assert held is not None and held.nonce == res["nonce"]

@@ -29,6 +29,7 @@ RESERVE = m.Reserve(
     address="tcp://127.0.0.1:5600",
     block_ids=(3, 4, 7),
     skip_blocks=1,
+    p_incarnation="p-inc",
 )
 REQUESTS = [
     HANDSHAKE,
@@ -73,8 +74,8 @@ def test_replies_round_trip(reply):
     assert m.decode_reply(_over_msgpack(wire), type(reply)) == reply
 
 
-def test_the_wire_keeps_its_v7_shape():
-    assert m.CONNECTOR_VERSION == 7
+def test_the_wire_keeps_its_v8_shape():
+    assert m.CONNECTOR_VERSION == 8
     assert m.Ping().to_wire() == {"kind": "ping"}
     assert m.Cancel("t", "n", "k").to_wire() == {
         "kind": "cancel",
@@ -83,6 +84,7 @@ def test_the_wire_keeps_its_v7_shape():
         "peer_key": "k",
     }
     assert RESERVE.to_wire()["block_ids"] == [3, 4, 7]
+    assert RESERVE.to_wire()["p_incarnation"] == "p-inc"  # v8: the P process it is for
     assert m.CancelReply("cancelled").to_wire() == {"ok": True, "state": "cancelled"}
     refusal = m.Refusal("handshake first", code=m.Refusal.HANDSHAKE_REQUIRED)
     assert refusal.to_wire() == {
@@ -225,12 +227,17 @@ def test_a_live_server_refuses_forged_messages_and_keeps_serving(prefill):
     )
     reply = m.decode_reply(ask(shake.to_wire()), m.HandshakeReply)
     assert isinstance(reply, m.HandshakeReply) and reply.incarnation == prefill.incarnation
-    out_of_range = m.decode_reply(ask(_reserve(block_ids=[3, 8])), m.Ack)
+    # One made for another P process at this address (P restarted since): refused.
+    stale = m.decode_reply(ask(RESERVE.to_wire()), m.Ack)
+    assert isinstance(stale, m.Refusal) and stale.code == m.Refusal.WRONG_INCARNATION
+    assert "t1" not in prefill.producer.early
+    reserve = _reserve(p_incarnation=reply.incarnation)
+    out_of_range = m.decode_reply(ask({**reserve, "block_ids": [3, 8]}), m.Ack)
     assert isinstance(out_of_range, m.Refusal) and "out of range" in out_of_range.error
-    assert m.decode_reply(ask(RESERVE.to_wire()), m.Ack) == m.Ack()
+    assert m.decode_reply(ask(reserve), m.Ack) == m.Ack()
     assert prefill.producer.early["t1"].block_ids == [3, 4, 7]
-    assert m.decode_reply(ask(RESERVE.to_wire()), m.Ack) == m.Ack()  # a retry: same nonce
-    other = {**RESERVE.to_wire(), "nonce": "abc.2.11ee"}  # another reservation: no
+    assert m.decode_reply(ask(reserve), m.Ack) == m.Ack()  # a retry: same nonce
+    other = {**reserve, "nonce": "abc.2.11ee"}  # another reservation: no
     assert isinstance(m.decode_reply(ask(other), m.Ack), m.Refusal)
     # A cancel naming another reservation leaves this one alone.
     cancel = m.decode_reply(

@@ -17,9 +17,10 @@ Requests (``kind``) and their replies:
   ``role``, ``compat``, ``transport``, ``ranks`` -- or a ``Refusal`` naming the mismatch.
 * ``reserve`` (``Reserve``) D -> P: ``transfer_id``, ``nonce``, ``d_request_id``,
   ``peer_key``, ``address``, ``block_ids`` (D blocks to write), ``skip_blocks`` (leading
-  prompt blocks D already has). Reply ``Ack``, or a ``Refusal``
-  (``code="handshake_required"`` when P does not know the peer). The same reservation
-  sent twice (same ``nonce``) is acknowledged twice.
+  prompt blocks D already has), ``p_incarnation`` (the P process D paired with). Reply
+  ``Ack``, or a ``Refusal`` (``code="handshake_required"`` when P does not know the peer,
+  ``"wrong_incarnation"`` when it names another P process: D pairs again and resends it
+  once). The same reservation sent twice (same ``nonce``) is acknowledged twice.
 * ``cancel`` (``Cancel``) D -> P: ``transfer_id``, ``nonce``, ``peer_key`` (refused with
   ``handshake_required`` from a key P does not pair with). Reply ``CancelReply``,
   ``state``: ``cancelled`` (nothing was or will be written for that reservation) or
@@ -90,7 +91,14 @@ import msgpack
 #      incarnation and the prefill address (was ``engine_id:incarnation``, which pings hand
 #      out) and ``cancel`` gained it; with a secret, D's handshake follows a signed ping;
 #      names, texts and arrays are bounded.
-CONNECTOR_VERSION = 7
+#   8  ``reserve`` gained ``p_incarnation`` (required): the P process D paired with; another
+#      process at that address (P restarted) refuses it (``code: wrong_incarnation``), so a
+#      reservation captured on the wire and replayed to a restarted P -- whose replay guard
+#      is empty, within the signed envelope's 60 s -- holds nothing there. A v7 peer's
+#      handshake is refused by ``check_compat`` (``connector_version mismatch: this node
+#      has 8, the peer has 7``), as any other version's; a v7 ``reserve`` that gets past
+#      it anyway lacks the field and is refused as malformed.
+CONNECTOR_VERSION = 8
 LAYOUT = "block,layer,kv,head,token,dim"
 
 # Compared in this order; the first difference is the error message.
@@ -402,6 +410,7 @@ class Reserve(_Request):
         "address": _address,
         "block_ids": _block_ids,
         "skip_blocks": _count,
+        "p_incarnation": _name,
     }
     transfer_id: str
     nonce: str
@@ -410,6 +419,9 @@ class Reserve(_Request):
     address: str
     block_ids: tuple[int, ...]
     skip_blocks: int
+    # The P process D paired with (its handshake reply's incarnation): another process at
+    # P's address -- one that restarted since -- refuses it (``Refusal.WRONG_INCARNATION``).
+    p_incarnation: str
 
 
 @dataclass(frozen=True)
@@ -521,6 +533,8 @@ class Refusal(_Message):
     CHECKS: ClassVar[dict[str, Check]] = {"error": _text, "code": _text}
     HANDSHAKE_REQUIRED: ClassVar[str] = "handshake_required"
     WRONG_ROLE: ClassVar[str] = "wrong_role"  # a message only the other role takes
+    # a reservation made for another P process at this address (P restarted since)
+    WRONG_INCARNATION: ClassVar[str] = "wrong_incarnation"
     error: str
     code: str = ""
 

@@ -164,20 +164,13 @@ class PrefillLinks:
                     safe=True,  # not sent: P cannot hold it
                 )
             return
-        msg = Reserve(
-            transfer_id=recv.transfer_id,
-            nonce=recv.nonce,
-            d_request_id=recv.request_id,
-            peer_key=self.pairing_key(recv.p_address),
-            address=self.address,
-            block_ids=tuple(recv.block_ids),
-            skip_blocks=recv.skip_blocks,
-        ).to_wire()
+        again = (Refusal.HANDSHAKE_REQUIRED, Refusal.WRONG_INCARNATION)
         try:
             for attempt in range(2):
                 peer = self.ensure_handshake(recv.p_address, force=attempt > 0)
                 if self._ended(recv):
                     return
+                msg = self._reserve_msg(recv, peer.incarnation)
                 try:
                     raw = self._client.request(recv.p_address, msg, RPC_TIMEOUT_S)
                 except SideChannelError as e:
@@ -185,7 +178,7 @@ class PrefillLinks:
                     raise
                 self._answered(recv.p_address, None)
                 reply = decode_reply(raw, Ack)
-                if isinstance(reply, Ack) or reply.code != Refusal.HANDSHAKE_REQUIRED:
+                if isinstance(reply, Ack) or reply.code not in again:
                     break
         except (HandshakeError, SideChannelNotSent) as e:  # the reservation was not sent
             with self._lock:
@@ -204,6 +197,20 @@ class PrefillLinks:
                 self.consumer.reserved(recv.request_id, peer.incarnation)
             else:
                 self.consumer.fail(recv.request_id, reply.error, safe=True)
+
+    def _reserve_msg(self, recv: RemoteRecv, p_incarnation: str) -> dict[str, Any]:
+        """The reservation for the P process this node paired with: another one at that
+        address (P restarted) refuses it, even replayed from the wire."""
+        return Reserve(
+            transfer_id=recv.transfer_id,
+            nonce=recv.nonce,
+            d_request_id=recv.request_id,
+            peer_key=self.pairing_key(recv.p_address),
+            address=self.address,
+            block_ids=tuple(recv.block_ids),
+            skip_blocks=recv.skip_blocks,
+            p_incarnation=p_incarnation,
+        ).to_wire()
 
     def cancel_job(
         self, address: str, transfer_id: str, nonce: str, request_id: str, queued_at: float

@@ -172,6 +172,12 @@ class PrefillService:
             peer = self.peers.get(msg.peer_key)
             if peer is None:
                 return Refusal("handshake first", code=Refusal.HANDSHAKE_REQUIRED)
+            if msg.p_incarnation != self.incarnation:  # made for a process gone from here
+                return Refusal(
+                    f"reserve.p_incarnation: made for prefill incarnation {msg.p_incarnation!r:.40}, "
+                    f"this is {self.incarnation!r} (restarted since): handshake again",
+                    code=Refusal.WRONG_INCARNATION,
+                )
             peer.last_used = time.monotonic()
             limit = peer.num_blocks
             if any(b >= limit for b in msg.block_ids):

@@ -92,6 +92,7 @@ def fuzz_messages(
         "address": dead_addr,
         "block_ids": [3, 4, 5],
         "skip_blocks": 0,
+        "p_incarnation": str(target.get("incarnation") or "unknown"),  # the P it is for
     }
     msgs: list[tuple[str, list[bytes], str]] = [
         ("garbage bytes", [bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64)))], "any"),
@@ -260,6 +261,11 @@ def fuzz_messages(
             ("handshake again", [enc(handshake)], "ok"),
             ("reserve in range, unknown transfer", [enc(reserve)], "ok"),
             ("same reserve again (a retry)", [enc(reserve)], "ok"),
+            (
+                "reserve for another prefill incarnation (replayed after a restart)",
+                [enc({**reserve, "nonce": nonce + "-inc", "p_incarnation": "gone"})],
+                "refused",
+            ),
             (
                 "reserve out of range for our own peer",
                 [
