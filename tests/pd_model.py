@@ -5,7 +5,8 @@ controls (for ``test_property_pd_protocol.py`` and ``test_pd_protocol_races.py``
 Only the transport is a stand-in: side-channel calls (D's reservations, cancels and
 liveness pings, P's failure notices and checks of a new peer's claim) are queued instead
 of run on a peer's lane, and delivered when the test says (in any order, lost, their
-reply lost, sent twice, not sent; a message replayed late); P's TP ranks post and report
+reply lost, sent twice, not sent; a message replayed late, even at a process that
+restarted since; a reservation on the wire while its request ends); P's TP ranks post and report
 WRITEs when the test says (each rank on its own, ok or failed); D's ranks are the real
 worker-side connectors, their notifications handed in by the test; a fake clock drives
 every deadline, and ids are counted (an example replays the same). Either node may
@@ -138,12 +139,22 @@ class Router:
 
     def __init__(self) -> None:
         self.nodes: dict[str, Any] = {}  # address -> connector
-        self.fault = "ok"  # ok | lost | no_reply | twice | not_sent
+        self.fault = "ok"  # ok | lost | no_reply | twice | not_sent | ended_meanwhile
+        # ended_meanwhile: the call's reservation is on the wire while its request ends
+        # and the clock runs (``Pair.ended_meanwhile``); the call's handshake goes first.
+        self.meanwhile: Callable[[dict[str, Any]], None] = lambda msg: None
         self.sent: list[tuple[str, dict[str, Any], Any]] = []  # (address, message, node)
         self.signed = False
 
     def request(self, address: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if self.fault == "ended_meanwhile" and msg.get("kind") != "reserve":
+            return self._to(address, msg)  # the reservation's handshake
         fault, self.fault = self.fault, "ok"
+        if fault == "ended_meanwhile":
+            self.meanwhile(msg)
+        return self._to(address, msg, fault)
+
+    def _to(self, address: str, msg: dict[str, Any], fault: str = "ok") -> dict[str, Any]:
         node = self.nodes.get(address)
         if fault == "not_sent":
             raise SideChannelNotSent(f"{address}: not sent")
@@ -267,6 +278,16 @@ class Pair:
         self.faults = True  # the test may inject faults (losses, restarts, replays)
         self.faulty = False  # ... and did, or a deadline may end a leg: ends need no message
         self.dead: list[Any] = []  # connectors of processes that restarted
+        self.router.meanwhile = self.ended_meanwhile
+
+    def ended_meanwhile(self, msg: dict[str, Any]) -> None:
+        """While D's reservation ``msg`` is on the wire, its request ends (the engine
+        thread aborts it and steps) and the call takes nearly its whole timeout."""
+        rid = msg.get("d_request_id")
+        if rid in self.d_sch.requests:
+            self.d_sch.abort_request(rid)
+        self.step_d()
+        self.clock.now += prefill_links_mod.RPC_TIMEOUT_S - 0.1
 
     def incarnation(self, sender: str) -> int:
         return self.incarnations[sender]

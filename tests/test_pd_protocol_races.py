@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pd_model import P_ADDRESS, TIMEOUT, Pair, check_no_block_free_while_writable, fake_clock
 
-from kvconnector.nixl.prefill_links import PrefillLinks
+from kvconnector.nixl.prefill_links import RPC_TIMEOUT_S, PrefillLinks
 
 
 @pytest.fixture
@@ -197,3 +197,40 @@ def test_a_reservation_refused_for_naming_an_old_prefill_incarnation_pairs_again
     assert incarnations == [pair.dead[0].incarnation, pair.p_conn.incarnation]
     assert pair.p_conn.producer.early["t1"].nonce == reserves[-1]["nonce"]
     assert "d-t1" in pair.d_conn.consumer.recvs
+
+
+def test_a_request_that_ends_during_its_reservation_call_keeps_its_blocks_while_p_may_write(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D's request ends while its reservation is on the wire (the call may take up to
+    ``RPC_TIMEOUT_S``); P gets it just before that and pushes at the last moment its
+    reservation allows. D's quarantine counted from the request's end, so it ended that
+    much before P's WRITE could: D's blocks were free while the WRITE might land (the
+    cancel lost, as any message may be)."""
+    pair.add_d("t0")
+    pair.step_d()
+    request = pair.router.request
+
+    def slow(address: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if msg.get("kind") == "reserve":
+            pair.d_sch.abort_request("d-t0")  # meanwhile, on the engine thread
+            pair.step_d()  # quarantined from now, a cancel queued behind the call
+            pair.clock.now += RPC_TIMEOUT_S - 0.1  # P gets it just before the timeout
+        return request(address, msg, timeout)
+
+    monkeypatch.setattr(pair.router, "request", slow)
+    ended = pair.clock.now
+    pair.deliver(0)  # the reservation's call (and its handshake)
+    monkeypatch.setattr(pair.router, "request", request)
+    assert "t0" in pair.p_conn.producer.early
+    for call in list(pair.calls):
+        lost = call.fn.__name__ == "cancel_job"
+        pair.deliver(pair.calls.index(call), "not_sent" if lost else "ok")
+    pair.clock.now = pair.p_conn.producer.early["t0"].expires - 0.5
+    pair.add_p("t0")
+    for _ in range(4):  # P prefills and pushes just before its reservation expires
+        pair.step_p()
+    assert pair.writes, "P did not push"
+    pair.clock.now = ended + 2 * TIMEOUT
+    pair.step_d()
+    check_no_block_free_while_writable(pair)

@@ -1,7 +1,8 @@
 """Model checking of the P/D transfer protocol: the real scheduler-side NIXL connectors of a
 prefill node and a decode node (each with the real scheduler and block pool) talk through
 a message queue the test controls (``pd_model.Pair``), under drawn interleavings: side-
-channel calls delivered in any order, lost, their reply lost, sent twice; P's ranks
+channel calls delivered in any order, lost, their reply lost, sent twice, replayed late
+(at a restarted process too), a reservation on the wire while its request ends; P's ranks
 reporting their WRITEs one by one, ok or failed, notifications landing or not, in any
 order; requests aborted on either side at any point; the clock moved past deadlines; P
 restarted with a new incarnation.
@@ -34,7 +35,7 @@ from pd_model import (
 )
 
 EXAMPLES = 60 * int(os.environ.get("PDSERVE_PD_PROTOCOL_EXAMPLES", "1"))
-FAULTS = ("ok", "ok", "ok", "lost", "no_reply", "twice", "not_sent")
+FAULTS = ("ok", "ok", "ok", "lost", "no_reply", "twice", "not_sent", "ended_meanwhile")
 ACTIONS = (
     *("new_pair",) * 2,
     "new_d_only",

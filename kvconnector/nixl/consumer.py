@@ -141,6 +141,18 @@ class Consumer:
             self.outcome.free_blocks.add(request_id)
             self.outcome.ended.append(nonce)
 
+    def call_over(self, recv: RemoteRecv) -> None:
+        """The reservation call of ``recv`` is over (answered, or given up). When the wait
+        ended while that call was on the wire, its quarantine counted from the end --
+        before P may have got the reservation (up to the RPC timeout later) and started
+        the clock of its own deadline: it counts from now instead."""
+        q = self.quarantine.get(recv.request_id)
+        if self.recvs.get(recv.request_id) is not recv and q is not None and q[1] == recv.nonce:
+            self.quarantine[recv.request_id] = (
+                max(q[0], time.monotonic() + 2 * self.timeout),
+                q[1],
+            )
+
     def _quarantine(self, recv: RemoteRecv) -> None:
         # P starts a push at most T after it got the reservation and a WRITE lasts at most
         # T: after 2T from now (>= the reservation), nothing of this transfer can land.

@@ -176,6 +176,9 @@ class PrefillLinks:
                 except SideChannelError as e:
                     self._answered(recv.p_address, e)
                     raise
+                finally:
+                    with self._lock:  # P got it by now, if ever: its deadline started
+                        self.consumer.call_over(recv)
                 self._answered(recv.p_address, None)
                 reply = decode_reply(raw, Ack)
                 if isinstance(reply, Ack) or reply.code not in again:
