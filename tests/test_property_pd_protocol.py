@@ -47,6 +47,7 @@ ACTIONS = (
     *("report",) * 4,
     *("land",) * 3,
     "advance",
+    "to_deadline",
     "abort_d",
     "abort_p",
     "restart_p",
@@ -126,6 +127,16 @@ def check_all_ended(pair: Pair) -> None:
     assert pair.p_requests <= ended["P"], f"no terminal outcome: {pair.p_requests - ended['P']}"
 
 
+def deadlines(pair: Pair) -> list[float]:
+    """The deadlines still ahead: P's reservations, D's waits and quarantines."""
+    prod, cons = pair.p_conn.producer, pair.d_conn.consumer
+    times = [r.expires for r in prod.early.values()]
+    times += [s.reservation.expires for s in prod.pending.values() if s.reservation]
+    times += [r.deadline for r in cons.recvs.values()]
+    times += [deadline for deadline, _ in cons.quarantine.values()]
+    return sorted({t for t in times if t > pair.clock.now})
+
+
 def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
     draw = data.draw
     if action in ("new_pair", "new_d_only", "new_p_only"):
@@ -162,6 +173,10 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
         dt = draw(st.sampled_from((0.5, 2.0, TIMEOUT / 2, TIMEOUT, 2 * TIMEOUT)))
         pair.faulty |= dt >= TIMEOUT  # a deadline may end a leg (and P forget a cancel)
         pair.clock.now += dt
+    elif action == "to_deadline" and (edges := deadlines(pair)):
+        # Just before, or at, a deadline of either side: races at its edge.
+        pair.faulty = True
+        pair.clock.now = draw(st.sampled_from(edges)) - draw(st.sampled_from((0.5, 0.1, 0.0)))
     elif action == "abort_d" and pair.d_requests:
         pair.d_sch.abort_request(draw(st.sampled_from(sorted(pair.d_requests))))
     elif action == "abort_p" and pair.p_requests:
