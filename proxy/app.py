@@ -128,6 +128,7 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> Fronted
 
     app = FrontedApp(lifespan=lifespan)
     app.state.pool = pool
+    app.state.discovery = discovery  # its jobs (tests run DNS refreshes by hand)
     app.state.metrics = metrics
     app.state.config = cfg
     app.state.drainer = drainer
