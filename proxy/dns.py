@@ -69,6 +69,14 @@ def system_resolver(name: str) -> list[str]:
     return out
 
 
+def _retrieved(future: asyncio.Future[list[str]]) -> None:
+    """Mark a lookup's error as seen: one that ended past its deadline was the refresh's
+    failed lookup already (asyncio logged "Task exception was never retrieved", with a
+    traceback, for each one that then failed)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def node_url(addr: str, port: int) -> str | None:
     try:
         ip = ipaddress.ip_address(addr)
@@ -98,6 +106,7 @@ class DnsDiscovery:
         if running is not None and not running.done():
             return TimeoutError(f"the lookup of {name} from an earlier refresh still runs")
         future = asyncio.ensure_future(asyncio.to_thread(self.resolver, name))
+        future.add_done_callback(_retrieved)  # one past its deadline may fail unawaited
         self._running[name] = future
         try:
             # shield: past the deadline the thread runs on; the next refresh sees it

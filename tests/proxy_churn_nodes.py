@@ -35,6 +35,8 @@ class Script:
     # One per held completion, by its transfer id (in arrival order).
     gates: dict[str, asyncio.Event] = field(default_factory=dict)
     fail: bool = False  # a completion let through its gate answers 500
+    hold_ids: set[str] = field(default_factory=set)  # request ids held (without ``hold``)
+    arrived: Callable[[str], None] | None = None  # told each completion's transfer id
 
     @property
     def held(self) -> int:
@@ -61,10 +63,12 @@ def handler(kv_role: str, script: Script) -> Callable[[SeenRequest], Any]:
         facts = node_facts(req, kv_role)
         if facts is not None:
             return facts
-        if script.hold:
+        tid = str((req.json().get("kv_transfer_params") or {}).get("transfer_id"))
+        if script.arrived is not None:
+            script.arrived(tid)
+        if script.hold or tid.split("-", 1)[0] in script.hold_ids:
             gate = asyncio.Event()
-            kv = req.json().get("kv_transfer_params") or {}
-            script.gates[str(kv.get("transfer_id", len(script.gates)))] = gate
+            script.gates[tid if tid != "None" else str(len(script.gates))] = gate
             await gate.wait()
         if script.fail:
             return answer(500, {"error": {"message": "engine failed", "type": "server_error"}})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,9 @@ import pytest
 
 import proxy.dns
 from proxy.config import ProxyConfig
-from proxy.nodes import Node
+from proxy.discovery import Membership
+from proxy.dns import DnsDiscovery
+from proxy.nodes import Node, NodePool
 from tests.proxy_churn_nodes import (
     BODY,
     KEY,
@@ -216,3 +219,30 @@ async def _hung_case() -> None:
             resp = await client.post("/v1/completions", json=BODY)
             assert resp.status_code == 200
         assert completions(h) == 0
+
+
+def test_a_timed_out_lookup_that_fails_later_logs_no_stray_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lookup past its deadline runs on in its thread; when it then fails (a DNS server
+    down: ``getaddrinfo`` gives up after its own timeouts), its error is the refresh's
+    failed lookup already, not an asyncio "Task exception was never retrieved" error with
+    a traceback logged for every such lookup."""
+    monkeypatch.setattr(proxy.dns, "LOOKUP_TIMEOUT_S", 0.05)
+    resolver = Resolver()
+    resolver.answer = "hang"
+
+    async def main() -> None:
+        members = Membership(NodePool((), ()))
+        dns = DnsDiscovery(members, [("decode", "svc", 8200)], resolver)
+        await dns.refresh()  # past its deadline: a failed lookup
+        resolver.release.set()  # then the lookup fails
+        await until(lambda: all(f.done() for f in dns._running.values()), "lookup ended")
+        resolver.answer = ["10.0.0.1"]
+        await dns.refresh()  # the next lookup takes its place
+        assert [n.url for n in members.pool.decode] == ["http://10.0.0.1:8200"]
+        assert members.events["dns_error"] == 1
+
+    asyncio.run(main())
+    gc.collect()
+    assert "never retrieved" not in caplog.text
