@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import httpx
 from proxy.app import build_app
 from proxy.config import ProxyConfig
 from proxy.nodes import Node
-from tests.standin_http import SeenRequest, StandIn, answer, node_facts
+from tests.standin_http import SeenRequest, StandIn, answer, chunked, node_facts
 
 KEY = "churn-key"
 BODY = {"model": "tiny", "prompt": "x", "max_tokens": 3}
@@ -46,6 +47,8 @@ class Script:
         list(self.gates.values())[k].set()
 
     def release_all(self) -> None:
+        """Let every held completion go, and hold none from now on."""
+        self.hold, self.hold_ids = False, set()
         for gate in self.gates.values():
             gate.set()
 
@@ -72,6 +75,12 @@ def handler(kv_role: str, script: Script) -> Callable[[SeenRequest], Any]:
             await gate.wait()
         if script.fail:
             return answer(500, {"error": {"message": "engine failed", "type": "server_error"}})
+        if kv_role == "consumer" and req.json().get("stream"):
+            events = [{"choices": [{"index": 0, "text": f"t{i}", "token_ids": [i],
+                                    "finish_reason": "length" if i == 9 else None}],
+                       "model": "tiny"} for i in (7, 8, 9)]  # fmt: skip
+            pieces = [f"data: {json.dumps(e)}\n\n".encode() for e in events]
+            return chunked(200, [*pieces, b"data: [DONE]\n\n"])
         first = {"kv_transfer_params": {"first_token": 7}} if kv_role == "producer" else {}
         choice = {"index": 0, "text": "t7t8t9", "token_ids": [7, 8, 9], "finish_reason": "length"}
         return answer(200, {"choices": [choice], "model": "tiny", **first})
