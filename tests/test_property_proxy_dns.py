@@ -57,12 +57,11 @@ from tests.proxy_churn_nodes import (
 )
 from tests.standin_http import StandIn
 
-pytestmark = pytest.mark.timeout(120)
-
 SCALE = max(1, int(os.environ.get("PDSERVE_PROXY_EXAMPLES", "1")))
 CI_EXAMPLES = 12
 ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 FAILURES = ("error", "hang", "nxdomain")
+pytestmark = pytest.mark.timeout(60 + 5 * CI_EXAMPLES * SCALE)  # (a hunt takes longer)
 
 
 @dataclass(frozen=True)
