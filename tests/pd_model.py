@@ -194,22 +194,6 @@ class FakeServer:
         self.address = f"tcp://127.0.0.1:{10000 + FakeServer.count}"
         self.refused = 0
 
-    def restart_d(self) -> None:
-        """D's process dies and a new one serves the same address: its requests, blocks,
-        waits and queued calls are gone (a WRITE into the old process lands nowhere)."""
-        old = self.d_conn
-        self.dead.append(old)
-        self.incarnations["D"] += 1
-        self.notifs.clear()
-        self.d_sch, self.d_conn = self._node("consumer")
-        conn = self.d_conn
-        conn.address = conn.service.address = conn.links.address = old.address
-        self.d_agg = KVOutputAggregator(TP)
-        self._d_workers()
-        self.router.nodes[old.address] = conn
-        self.d_requests.clear()
-        old.shutdown()
-
     def close(self) -> None:
         pass
 
