@@ -272,8 +272,7 @@ class Attempt:
         if p is not None:
             self.p_task = asyncio.ensure_future(legs.prefill(req, p, rid, tid))
             self.p_task.add_done_callback(_leg_ended)
-        d.outstanding += 1
-        d.requests_total += 1
+        d.begin_request()
         self._d_leased = True
         side = p.side_channel if p is not None else None
         self.d_task = asyncio.ensure_future(legs.open_decode(req, d, rid, tid, side, skip_first))

@@ -44,7 +44,10 @@ class _NodeCollector(Collector):
             f"{PREFIX}_node_healthy", "1 if the node is in rotation, else 0", labels=labels
         )
         served = CounterMetricFamily(
-            f"{PREFIX}_node_requests", "Requests routed to each node", labels=labels
+            f"{PREFIX}_node_requests",
+            "Requests routed to each node (its URL's: counted on from before it left and "
+            "joined again)",
+            labels=labels,
         )
         failures = CounterMetricFamily(
             f"{PREFIX}_node_failures",
@@ -57,8 +60,8 @@ class _NodeCollector(Collector):
             key = [n.role, n.url]
             outstanding.add_metric(key, float(n.in_flight))
             healthy.add_metric(key, 1.0 if n.ready else 0.0)
-            served.add_metric(key, float(n.requests_total))
-            failures.add_metric(key, float(n.failures_total))
+            served.add_metric(key, float(n.counters.requests))  # per URL: never down
+            failures.add_metric(key, float(n.counters.failures))
         yield from (outstanding, healthy, served, failures)
         if self._members is not None:
             events = CounterMetricFamily(

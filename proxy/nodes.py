@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,11 +25,24 @@ Role = Literal["prefill", "decode"]
 # How long a load answer (429) is remembered when no answer from the node clears it.
 OVERLOAD_MEMORY_S = 30.0
 
+# Counters kept for URLs no longer in the pool (``NodePool.counters_for``): a node that
+# joins again at one goes on from its counts; past this many, the longest gone are dropped.
+MAX_REMEMBERED_URLS = 4096
+
 # The KV roles (``/v1/kv_transfer_info`` "role", ``--kv-role``) that can serve each role.
 KV_ROLES: dict[str, tuple[str, ...]] = {
     "prefill": ("producer", "both"),
     "decode": ("consumer", "both"),
 }
+
+
+@dataclass
+class NodeCounters:
+    """What the metrics count per role and URL, shared by every node at that URL (one that
+    left and one that joined again): Prometheus counters never go down for a label set."""
+
+    requests: int = 0
+    failures: int = 0
 
 
 @dataclass
@@ -77,6 +91,9 @@ class Node:
     # The node that left the pool at this URL (same role) with requests still on it, when
     # this one joined after it (``NodePool.add``): its requests are this URL's too.
     previous: Node | None = field(default=None, repr=False, compare=False)
+    # Its URL's counters (``NodePool.counters_for``); ``requests_total`` and
+    # ``failures_total`` are this node's own.
+    counters: NodeCounters = field(default_factory=NodeCounters, repr=False, compare=False)
 
     @property
     def in_flight(self) -> int:
@@ -144,6 +161,7 @@ class Node:
     def mark_failed(self, reason: str) -> None:
         """A request failed on this node (connection error or 5xx): stop routing to it."""
         self.failures_total += 1
+        self.counters.failures += 1
         self.set_healthy(False, reason)
 
     def update_info(self, kv_info: dict[str, Any] | None, models: dict[str, Any] | None) -> None:
@@ -197,11 +215,17 @@ class Node:
         if self.on_reset is not None:
             self.on_reset(self)
 
+    def begin_request(self) -> None:
+        """One more request on this node (its own count and its URL's); the caller ends
+        it with ``outstanding -= 1``."""
+        self.outstanding += 1
+        self.requests_total += 1
+        self.counters.requests += 1
+
     @contextmanager
     def lease(self) -> Iterator[Node]:
         """Count one outstanding request on this node for the duration of the block."""
-        self.outstanding += 1
-        self.requests_total += 1
+        self.begin_request()
         try:
             yield self
         finally:
@@ -212,12 +236,16 @@ class NodePool:
     def __init__(
         self, prefill: tuple[str, ...], decode: tuple[str, ...], prefill_fallback: bool = False
     ) -> None:
-        self.prefill = [Node(url.rstrip("/"), "prefill") for url in prefill]
-        self.decode = [Node(url.rstrip("/"), "decode") for url in decode]
+        # Per role and URL, the longest gone first (``counters_for``).
+        self._counters: OrderedDict[tuple[Role, str], NodeCounters] = OrderedDict()
+        self._departed: list[Node] = []  # removed, maybe still serving requests (``watched``)
+        self.prefill: list[Node] = []
+        self.decode: list[Node] = []
+        self.prefill = [self._new("prefill", url.rstrip("/")) for url in prefill]
+        self.decode = [self._new("decode", url.rstrip("/")) for url in decode]
         self.prefill_fallback = prefill_fallback  # decode nodes alone when no P is ready
         self._on_reset: Callable[[Node], None] | None = None
         self._on_removed: list[Callable[[Node], None]] = []  # ``add_on_removed``
-        self._departed: list[Node] = []  # removed, maybe still serving requests (``watched``)
 
     def set_on_reset(self, callback: Callable[[Node], None]) -> None:
         """``Node.on_reset`` of every node, present and future."""
@@ -238,7 +266,7 @@ class NodePool:
         """A new node (not yet health-checked, so not routable). When a node of that role
         left at this URL with requests still on it, the new one counts them too
         (``Node.in_flight``)."""
-        node = Node(url, role, sources={source}, on_reset=self._on_reset)
+        node = self._new(role, url, sources={source}, on_reset=self._on_reset)
         node.previous = self._last_departed(role, url)
         self.nodes(role).append(node)
         logger.info("%s node %s joined (%s)", role, url, source)
@@ -255,6 +283,28 @@ class NodePool:
         for callback in self._on_removed:
             callback(node)
         self._departed.append(node)
+        self._counters.move_to_end((node.role, node.url))
+        self._trim_counters()
+
+    def _new(self, role: Role, url: str, **kw: Any) -> Node:
+        return Node(url, role, counters=self.counters_for(role, url), **kw)
+
+    def counters_for(self, role: Role, url: str) -> NodeCounters:
+        """The counters of ``url`` in ``role``: those of the nodes that were there before,
+        if any. Kept for up to ``MAX_REMEMBERED_URLS`` URLs no node is at any more (DNS
+        answers and registrations bring new ones for ever), the longest gone dropped."""
+        key = (role, url)
+        counters = self._counters.pop(key, None) or NodeCounters()
+        self._counters[key] = counters
+        self._trim_counters(key)
+        return counters
+
+    def _trim_counters(self, keep: tuple[Role, str] | None = None) -> None:
+        serving = [n for n in self._departed if n.outstanding > 0]
+        live = {(n.role, n.url) for n in [*self.all(), *serving]} | {keep}
+        gone = [k for k in self._counters if k not in live]
+        for old in gone[: max(len(gone) - MAX_REMEMBERED_URLS, 0)]:
+            del self._counters[old]
 
     def watched(self) -> list[Node]:
         """The nodes to health-check: the pool's, and those that left it while requests

@@ -246,3 +246,84 @@ def test_a_timed_out_lookup_that_fails_later_logs_no_stray_error(
     asyncio.run(main())
     gc.collect()
     assert "never retrieved" not in caplog.text
+
+
+@pytest.mark.parametrize("how", ["registration", "dns"])
+def test_a_node_that_rejoins_keeps_its_counters(how: str) -> None:
+    """A decode node that leaves and joins again at its URL (deregistered and registered,
+    or gone from a DNS answer and back) keeps its per-node counters: Prometheus counters
+    (``pdproxy_node_requests_total``, ``pdproxy_node_failures_total``) never go down for a
+    label set. A request still on the node that left, failing after the rejoin, counts for
+    the URL's failures (the new node stays in rotation); in-flight counts end at 0."""
+    asyncio.run(_counters_case(how))
+
+
+async def _counters_case(how: str) -> None:
+    sd = Script()
+    resolver = Resolver()
+    async with contextlib.AsyncExitStack() as stack:
+        p = await stack.enter_async_context(StandIn(handler("producer", Script())))
+        d = await stack.enter_async_context(HostStandIn(handler("consumer", sd), "127.0.0.4"))
+        resolver.answer = ["127.0.0.4"] if how == "dns" else []
+        cfg = ProxyConfig(prefill=(p.url,), registration_key=KEY, health_interval=3600,
+                          health_timeout=0.5, max_retries=0, discovery_interval=3600,
+                          decode_dns=(f"svc:{d.port}",))  # fmt: skip
+        app, client = await stack.enter_async_context(proxy_app(cfg, resolver))
+
+        async def leave() -> None:
+            if how == "dns":
+                resolver.answer = []
+                await app.state.discovery.run_once()
+            else:
+                await register(client, d.url, join=False)
+
+        async def join() -> Node:
+            if how == "dns":
+                resolver.answer = ["127.0.0.4"]
+                await app.state.discovery.run_once()
+            else:
+                await register(client, d.url)
+            node = node_at(app, d.url)
+            assert node is not None
+            await until(lambda: node.ready, "node ready")
+            return node
+
+        async def counters() -> tuple[float | None, float | None]:
+            text = (await client.get("/metrics")).text
+            return (metric(text, "pdproxy_node_requests_total", d.url),
+                    metric(text, "pdproxy_node_failures_total", d.url))  # fmt: skip
+
+        if how == "registration":
+            await join()
+        first = node_at(app, d.url)
+        assert first is not None
+        await until(lambda: first.ready, "node ready")
+        for _ in range(2):
+            assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+        sd.hold = True
+        old = asyncio.ensure_future(client.post("/v1/completions", json=BODY))
+        await until(lambda: sd.held == 1, "a request held on the first node")
+        assert await counters() == (3.0, 0.0)
+
+        await leave()
+        assert node_at(app, d.url) is None
+        assert await counters() == (3.0, 0.0)  # shown leaving, its request still on it
+        second = await join()
+        assert second is not first
+        assert await counters() == (3.0, 0.0)  # not back to 0: the same label set
+        sd.fail = True
+        sd.release(0)
+        assert (await old).status_code == 502
+        sd.release_all()
+        sd.fail = False
+        assert await counters() == (3.0, 1.0)  # the old request's failure is the URL's
+        assert second.ready, second.last_error  # ... not the new node's
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+        assert await counters() == (4.0, 1.0)
+
+        await leave()  # idle: its series go ...
+        assert await counters() == (None, None)
+        await join()  # ... and come back where they were
+        assert await counters() == (4.0, 1.0)
+        await app.state.health.check_all()
+        in_flight_settled(app)

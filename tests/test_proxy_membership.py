@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import proxy.nodes
 from engine.httpkit.drain import Drainer
 from proxy.config import ProxyConfig
 from proxy.discovery import Membership
@@ -198,3 +199,31 @@ def test_a_ticket_from_before_a_drop_does_not_end_a_later_request() -> None:
     index.begin(D1, key)  # the node at that URL again, a new request on its way
     index.end(D1, key, old, served=False)  # the old request ends
     assert index.match(D1, key) == len(key.hashes)  # the new one still counts
+
+
+def test_counters_of_urls_long_gone_are_kept_up_to_a_bound(monkeypatch: Any) -> None:
+    """A URL's counters outlive its node (a node joining there again goes on from them),
+    but not for ever: past ``MAX_REMEMBERED_URLS`` URLs with no node, the longest gone are
+    dropped; those of nodes in the pool, or leaving with requests, are always kept."""
+    monkeypatch.setattr(proxy.nodes, "MAX_REMEMBERED_URLS", 10)
+    pool = NodePool((), (D2,))
+    members = Membership(pool)
+    with pool.decode[0].lease():
+        _churn(members, lambda node: node.begin_request())  # each leaves with a request
+        assert len(pool._counters) == CHURN + 1  # all still serving: none dropped
+        for n in pool._departed:
+            n.outstanding = 0
+        pool.watched()
+        _churn(members, _one_request)  # the same URLs again, idle when they leave
+        assert len(pool._counters) == 10 + 1  # the bound, and D2's
+        assert pool.counters_for("decode", D2).requests == 1
+    first_kept = f"http://10.1.{(CHURN - 10) // 250}.{(CHURN - 10) % 250}:8200"
+    node = members.add("decode", first_kept, "registered")
+    assert node.counters.requests == 1  # one of the 10 last gone: its count goes on
+    node = members.add("decode", "http://10.1.0.0:8200", "registered")
+    assert node.counters.requests == 0  # gone longer: forgotten
+
+
+def _one_request(node: Node) -> None:
+    with node.lease():
+        pass
