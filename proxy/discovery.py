@@ -41,6 +41,7 @@ class Membership:
         self.checker: Callable[[Node], Awaitable[None]] | None = None
         self.on_removed: Callable[[Node], None] | None = None  # e.g. close its connections
         self._checks: dict[str, asyncio.Task[None]] = {}  # URL -> its join-time check
+        self.closed = False  # the proxy stops: no node joins or leaves any more
 
     def add(self, role: Role, url: str, source: str) -> Node:
         """``url`` is listed by ``source``: the node, added to the pool if new."""
@@ -84,6 +85,7 @@ class Membership:
         return {n.url for n in self.pool.all() if source in n.sources}
 
     async def close(self) -> None:
+        self.closed = True
         for task in list(self._checks.values()):
             task.cancel()
         for task in list(self._checks.values()):

@@ -5,20 +5,24 @@ a Kubernetes headless service answers with its pods' addresses) and each address
 node ``http://ADDR:PORT`` of that role: new addresses join the pool, vanished ones leave
 (``proxy/discovery.py``). A name that does not exist (NXDOMAIN: e.g. a headless service
 with no pods) lists no node; any other lookup failure (timeout, no DNS server) keeps what
-the name listed before, since the nodes are health-checked anyway. A lookup has a deadline
-(``LOOKUP_TIMEOUT_S``: past it, it counts as failed) and a name whose lookup still runs is
-not looked up again (a hung resolver holds one thread per name, not one per refresh); a
-name lists at most ``MAX_NODES_PER_NAME`` addresses. The resolver is a plain function
+the name listed before, since the nodes are health-checked anyway. A refresh waits for a
+lookup up to its deadline (``LOOKUP_TIMEOUT_S``: past it, it counts as failed), and the
+lookup runs on: its answer, when it comes, is the name's answer then (a resolver slower
+than the deadline still moves the pool, late), and a name whose lookup still runs is not
+looked up again (a hung resolver holds one thread per name, not one per refresh); a name
+lists at most ``MAX_NODES_PER_NAME`` addresses. The resolver is a plain function
 ``name -> [address, ...]`` so tests can inject one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import re
 import socket
+import time
 from collections.abc import Callable, Sequence
 
 from proxy.discovery import Membership, RoleConflict
@@ -95,7 +99,8 @@ class DnsDiscovery:
         self.members = members
         self.names = list(names)
         self.resolver = resolver
-        self._failing: set[str] = set()  # names whose last lookup failed (logged once)
+        self._failing: set[str] = set()  # sources whose last lookup failed (logged once)
+        self._late_logged: set[str] = set()  # names whose late answer was logged (``_late``)
         self._running: dict[str, asyncio.Future[list[str]]] = {}  # lookups past a deadline
         # (source, URL) listed but a node of the other role: warned once, until it leaves
         # the answer (a warning per address per refresh flooded the log).
@@ -105,19 +110,45 @@ class DnsDiscovery:
         running = self._running.get(name)
         if running is not None and not running.done():
             return TimeoutError(f"the lookup of {name} from an earlier refresh still runs")
+        began = time.monotonic()
         future = asyncio.ensure_future(asyncio.to_thread(self.resolver, name))
         future.add_done_callback(_retrieved)  # one past its deadline may fail unawaited
         self._running[name] = future
         try:
-            # shield: past the deadline the thread runs on; the next refresh sees it
+            # shield: past the deadline the thread runs on, and its answer is taken when
+            # it comes (``_late``); the next refresh sees it running
             return await asyncio.wait_for(asyncio.shield(future), LOOKUP_TIMEOUT_S)
         except TimeoutError:
+            future.add_done_callback(functools.partial(self._late, name, began))
             return TimeoutError(f"no answer within {LOOKUP_TIMEOUT_S:g} s")
         except NameNotFound:
             return []
         # OSError, or e.g. UnicodeError (IDNA): this name's failure alone.
         except Exception as e:  # noqa: BLE001
             return e
+
+    def _late(self, name: str, began: float, future: asyncio.Future[list[str]]) -> None:
+        """A lookup past its deadline ended: its answer (addresses, or NXDOMAIN) is the
+        name's answer now -- the latest there is, no other lookup of the name ran beside
+        it. A resolver always slower than the deadline moved the pool never: each late
+        answer was dropped and the next refresh began a lookup as slow. A failure is the
+        refresh's failed lookup already."""
+        if future.cancelled() or self.members.closed:
+            return
+        error = future.exception()
+        if error is not None and not isinstance(error, NameNotFound):
+            return
+        addrs = [] if error is not None else future.result()
+        if name not in self._late_logged:  # once while its lookups stay slow
+            self._late_logged.add(name)
+            logger.info(
+                "dns:%s answered late (after %.1f s): its answer is taken; lookups past "
+                "%g s still count as dns_error", name, time.monotonic() - began,
+                LOOKUP_TIMEOUT_S,
+            )  # fmt: skip
+        for role, listed, port in self.names:
+            if listed == name:
+                self._apply(role, name, port, addrs)
 
     async def refresh(self) -> None:
         """Resolve every name once and bring the pool in line. A name given for several
@@ -135,23 +166,29 @@ class DnsDiscovery:
                 self._failing.add(source)
                 continue
             self._failing.discard(source)
-            if len(addrs) > MAX_NODES_PER_NAME:
-                logger.warning(
-                    "%s lists %d addresses; taking the first %d",
-                    source, len(addrs), MAX_NODES_PER_NAME,
-                )  # fmt: skip
-                addrs = addrs[:MAX_NODES_PER_NAME]
-            urls = {u for u in (node_url(a, port) for a in addrs) if u is not None}
-            listed = self.members.listed_by(source)
-            for url in sorted(urls - listed):
-                try:
-                    self.members.add(role, url, source)
-                except RoleConflict as e:
-                    if (source, url) not in self._conflicts:
-                        self._conflicts.add((source, url))
-                        logger.warning("%s: %s; not added", source, e)
-                else:
-                    self._conflicts.discard((source, url))
-            self._conflicts -= {(s, u) for s, u in self._conflicts if s == source and u not in urls}
-            for url in sorted(listed - urls):
-                self.members.drop(url, source)
+            self._late_logged.discard(name)
+            self._apply(role, name, port, addrs)
+
+    def _apply(self, role: Role, name: str, port: int, addrs: list[str]) -> None:
+        """Bring the nodes ``name:port`` lists in line with its answer ``addrs``."""
+        source = f"dns:{name}:{port}"
+        if len(addrs) > MAX_NODES_PER_NAME:
+            logger.warning(
+                "%s lists %d addresses; taking the first %d",
+                source, len(addrs), MAX_NODES_PER_NAME,
+            )  # fmt: skip
+            addrs = addrs[:MAX_NODES_PER_NAME]
+        urls = {u for u in (node_url(a, port) for a in addrs) if u is not None}
+        listed = self.members.listed_by(source)
+        for url in sorted(urls - listed):
+            try:
+                self.members.add(role, url, source)
+            except RoleConflict as e:
+                if (source, url) not in self._conflicts:
+                    self._conflicts.add((source, url))
+                    logger.warning("%s: %s; not added", source, e)
+            else:
+                self._conflicts.discard((source, url))
+        self._conflicts -= {(s, u) for s, u in self._conflicts if s == source and u not in urls}
+        for url in sorted(listed - urls):
+            self.members.drop(url, source)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +19,7 @@ import pytest
 
 import proxy.dns
 from proxy.config import ProxyConfig
-from proxy.discovery import Membership
+from proxy.discovery import DiscoveryLoop, Membership
 from proxy.dns import DnsDiscovery
 from proxy.nodes import Node, NodePool
 from tests.proxy_churn_nodes import (
@@ -327,3 +329,46 @@ async def _counters_case(how: str) -> None:
         assert await counters() == (4.0, 1.0)
         await app.state.health.check_all()
         in_flight_settled(app)
+
+
+def test_a_slow_resolver_still_updates_the_nodes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resolver that answers, but always after the lookup's deadline: each refresh that
+    waited past the deadline counts a ``dns_error`` (logged once) and keeps the nodes; the
+    lookup runs on (one at a time per name, never a second beside it) and its answer, when
+    it comes, is the name's answer: the pool follows the resolver, late. (Before, a late
+    answer was thrown away and the next refresh started a lookup just as slow: the pool
+    never changed.)"""
+    monkeypatch.setattr(proxy.dns, "LOOKUP_TIMEOUT_S", 0.1)
+    caplog.set_level(logging.INFO, logger="proxy.dns")
+    running = [0]
+    answer = [["10.0.0.1"]]
+
+    def slow(name: str) -> list[str]:
+        running[0] += 1
+        assert running[0] == 1, "two lookups of one name at once"
+        time.sleep(0.4)  # each lookup: four times its deadline
+        running[0] -= 1
+        return list(answer[0])
+
+    async def main() -> None:
+        members = Membership(NodePool((), ()))
+        dns = DnsDiscovery(members, [("decode", "svc", 8200)], slow)
+        loop = DiscoveryLoop([(dns.refresh, 0.05)])
+        loop.start()
+        urls = lambda: [n.url for n in members.pool.decode]  # noqa: E731
+        try:
+            await until(lambda: urls() == ["http://10.0.0.1:8200"], "the first answer", 30)
+            assert members.events["dns_error"] >= 1
+            answer[0] = ["10.0.0.2", "10.0.0.3"]
+            await until(lambda: len(urls()) == 2 and "http://10.0.0.1:8200" not in urls(),
+                        "the next answer", 30)  # fmt: skip
+        finally:
+            await loop.stop()
+        assert sorted(urls()) == ["http://10.0.0.2:8200", "http://10.0.0.3:8200"]
+
+    asyncio.run(main())
+    warnings = [r for r in caplog.records if "lookup failed" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert any("answered late" in r.getMessage() for r in caplog.records)
