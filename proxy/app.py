@@ -33,7 +33,7 @@ from proxy.dns import (
     parse_dns_name,
     system_resolver,
 )
-from proxy.health import MAX_HEALTH_BODY_BYTES, HealthChecker
+from proxy.health import MAX_CALLS_PER_NODE, MAX_HEALTH_BODY_BYTES, HealthChecker
 from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeClient
@@ -50,11 +50,12 @@ WORK_PATHS = frozenset(["/v1/completions", "/v1/chat/completions", "/v1/response
 
 
 def health_client_connections(cfg: ProxyConfig) -> int:
-    """The health client's connections: one check per node the proxy may hold at once
-    (static, registered, every address each DNS name may list), and some to spare."""
+    """The health client's connections: ``MAX_CALLS_PER_NODE`` per node the proxy may hold
+    at once (static, registered, every address each DNS name may list), and some to spare."""
     dns_names = len(cfg.prefill_dns) + len(cfg.decode_dns)
     static = len(cfg.prefill) + len(cfg.decode)
-    return static + cfg.max_registered_nodes + dns_names * MAX_NODES_PER_NAME + 16
+    nodes = static + cfg.max_registered_nodes + dns_names * MAX_NODES_PER_NAME
+    return MAX_CALLS_PER_NODE * nodes + 16
 
 
 def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> FrontedApp:
@@ -103,7 +104,7 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> Fronted
             def forget(node: Node) -> None:  # its idle connections, in both clients
                 client.forget(node.url)
                 health_client.forget(node.url)
-                health.forget(node)  # and its health call in flight
+                health.forget(node)  # and its health calls in flight
 
             members.on_removed = forget
             serving.legs, serving.client = Legs(client), client

@@ -6,8 +6,11 @@ context length) and ``GET /v1/kv_transfer_info`` (side-channel address, incarnat
 these are fetched again whenever the node comes back, since it may have restarted. A
 connection error, timeout or non-200 answer takes the node out of rotation.
 
-A check has one deadline for all of it (``deadline``: the answers' bodies included), so a
-node that trickles its answer cannot hold up a round, and answers are read up to
+Each node is checked on its own schedule (Envoy's per-host health checks): every
+interval, each node whose last check has ended gets a new one, so a node whose check
+waits does not hold up the others'. A check has one deadline for all of it
+(``--health-timeout``: the facts and the answers' bodies included), so a node that hangs
+or trickles its answer is out of rotation at it, and answers are read up to
 ``MAX_HEALTH_BODY_BYTES`` (the health client's limit; a bigger one fails the check).
 """
 
@@ -30,8 +33,11 @@ MAX_HEALTH_BODY_BYTES = 1 << 20  # /health, /v1/models, /v1/kv_transfer_info ans
 # proxy in a DNS answer) is never routed to -- it would refuse every leg it got.
 PROXY_HEADER = "X-PDServe-Proxy"
 # How long a /health call may go on after its check gave up on it (a late answer still
-# counts as proof of life; one call per node in flight).
+# counts as proof of life).
 LATE_ANSWER_S = 30.0
+# /health calls per node in flight: one a check gave up on, and the next check's (a node
+# that answers again is back at that check, whatever became of the hung call).
+MAX_CALLS_PER_NODE = 2
 
 
 class HealthChecker:
@@ -41,32 +47,38 @@ class HealthChecker:
         self.pool = pool
         self.client = client
         self.interval = interval
-        # Three calls at most (health, KV info, models), each within the client's timeout.
-        self.deadline = 3 * client.timeout if deadline is None else deadline
+        # One check, all its calls (health, KV info, models) and their bodies: the timeout.
+        self.deadline = client.timeout if deadline is None else deadline
         self._task: asyncio.Task[None] | None = None
         self._first_round = asyncio.Event()
         self._template_warned: set[tuple[Any, ...]] = set()  # _check_templates
-        # Each node's /health call in flight, by node (one that left the pool and one that
-        # joined again at its address are two nodes: ``NodePool.watched``).
-        self._calls: dict[int, asyncio.Future[Any]] = {}
+        # Each node's /health calls in flight, oldest first, by node (one that left the
+        # pool and one that joined again at its address are two nodes: ``NodePool.watched``).
+        self._calls: dict[int, list[asyncio.Future[Any]]] = {}
         self._given_up: set[asyncio.Future[Any]] = set()  # calls their check stopped waiting for
+        self._checking: dict[int, asyncio.Task[Any]] = {}  # each node's check under way
+        self._spawned: set[asyncio.Task[None]] = set()  # the loop's checks (``_run``)
 
     async def check_node(self, node: Node) -> None:
-        began = time.monotonic()
+        task = asyncio.current_task()
+        if task is not None:
+            self._checking[id(node)] = task
         try:
-            async with asyncio.timeout(self.deadline):
-                await self._check(node, began)
-        except TimeoutError:
-            node.mark_unreachable(f"health check took over {self.deadline:g} s", began)
+            await self._check(node, time.monotonic())
+        finally:
+            if task is not None and self._checking.get(id(node)) is task:
+                del self._checking[id(node)]
 
     async def _check(self, node: Node, began: float) -> None:
-        # One /health call per node in flight: it may answer after the check gave up on
-        # it, and a late answer is still proof of life (``_late``): a hung node never
-        # answers, a loaded one answers late (found by a load round: two missed 0.05 s
-        # checks took healthy decode nodes for hung ones).
-        call = self._calls.get(id(node))
-        if call is not None and not call.done():
-            node.mark_unreachable("the previous health check is still unanswered", began)
+        # A /health call may answer after its check gave up on it, and a late answer is
+        # still proof of life (``_ended``): a hung node never answers, a loaded one answers
+        # late (found by a load round: two missed 0.05 s checks took healthy decode nodes
+        # for hung ones). The next check sends a call of its own all the same: a node that
+        # answers it is back (before, no call was sent while one was out: a node whose
+        # call hung stayed out until that call ended, 30 s). Two out: a miss, no call.
+        calls = self._calls.setdefault(id(node), [])
+        if len(calls) >= MAX_CALLS_PER_NODE:
+            node.mark_unreachable(f"{len(calls)} health checks still unanswered", began)
             return
         # The call's own limit is per read: LATE_ANSWER_S bounds a trickled answer too.
         call = asyncio.ensure_future(
@@ -74,12 +86,12 @@ class HealthChecker:
                 self.client.get(node.url + "/health", timeout=LATE_ANSWER_S), LATE_ANSWER_S
             )
         )
-        self._calls[id(node)] = call
+        calls.append(call)
         call.add_done_callback(functools.partial(self._ended, node))
-        await asyncio.wait({call}, timeout=self.client.timeout)
+        await asyncio.wait({call}, timeout=self.deadline)
         if not call.done():
             self._given_up.add(call)
-            node.mark_unreachable(f"no health answer within {self.client.timeout:g} s", began)
+            node.mark_unreachable(f"no health answer within {self.deadline:g} s", began)
             return
         try:
             resp = call.result()
@@ -99,9 +111,14 @@ class HealthChecker:
             self._misfit(node, "it answers as a pd-proxy, not a node (a proxy is no proxy's node)")
             return
         if not node.healthy or node.model is None or node.incarnation is None:
+            left = max(began + self.deadline - time.monotonic(), 0.0)
             try:
-                node.update_info(await self._get_json(node, "/v1/kv_transfer_info"), None)
-                node.update_info(None, await self._get_json(node, "/v1/models"))
+                async with asyncio.timeout(left):  # within the check's deadline
+                    node.update_info(await self._get_json(node, "/v1/kv_transfer_info"), None)
+                    node.update_info(None, await self._get_json(node, "/v1/models"))
+            except TimeoutError:  # it answered /health: slow, not hung
+                node.set_healthy(False, f"node facts not answered within {self.deadline:g} s")
+                return
             except Exception as e:  # noqa: BLE001 - a node's answer, however malformed
                 node.set_healthy(False, f"node facts unavailable: {type(e).__name__}: {e}")
                 return
@@ -125,9 +142,9 @@ class HealthChecker:
         joined and left (registrations, DNS answers) used them all, and the checks of the
         nodes in the pool waited past their deadline for one. Its pairs' chat template
         warnings are forgotten (a node joining at its URL again is warned about afresh)."""
-        call = self._calls.get(id(node))
-        if call is not None and node.outstanding == 0:
-            call.cancel()
+        if node.outstanding == 0:
+            for call in list(self._calls.get(id(node), ())):
+                call.cancel()
         # (Kept for every URL ever seen, they grew without bound with DNS or registration churn.)
         at = 0 if node.role == "prefill" else 2  # (P url, P template, D url, D template)
         self._template_warned = {k for k in self._template_warned if k[at] != node.url}
@@ -166,8 +183,11 @@ class HealthChecker:
     def _ended(self, node: Node, call: asyncio.Future[Any]) -> None:
         """A /health call ended. One its check gave up on that got an answer all the
         same shows the node alive (``Node.unreachable_checks`` starts again)."""
-        if self._calls.get(id(node)) is call:
-            del self._calls[id(node)]
+        calls = self._calls.get(id(node), [])
+        if call in calls:
+            calls.remove(call)
+        if not calls:
+            self._calls.pop(id(node), None)
         late = call in self._given_up
         self._given_up.discard(call)
         if late and not call.cancelled() and call.exception() is None and node.unreachable:
@@ -185,23 +205,48 @@ class HealthChecker:
         return data
 
     async def check_all(self) -> None:
-        """Check every node at once; one node's check failing in any way ends no other's
-        (the round lasts until each is done)."""
+        """Check every node at once and wait for every check (the first round; tests run
+        rounds by hand); one node's check failing in any way ends no other's."""
         nodes = self.pool.watched()
-        results = await asyncio.gather(*(self.check_node(n) for n in nodes), return_exceptions=True)
-        for node, result in zip(nodes, results, strict=True):
-            if isinstance(result, Exception):
-                logger.error("health check of %s failed: %r", node.url, result)
-                node.set_healthy(False, f"health check failed: {type(result).__name__}")
+        await asyncio.gather(*(self._guarded(n) for n in nodes))
+
+    async def _guarded(self, node: Node) -> None:
+        try:
+            await self.check_node(node)
+        except Exception as e:  # noqa: BLE001 - whatever fails, it fails this node's check
+            logger.error("health check of %s failed: %r", node.url, e)
+            node.set_healthy(False, f"health check failed: {type(e).__name__}")
 
     async def _run(self) -> None:
+        try:
+            await self.check_all()
+        except Exception:  # never let the poller die
+            logger.exception("health check round failed")
+        self._first_round.set()
         while True:
-            try:
-                await self.check_all()
-            except Exception:  # never let the poller die
-                logger.exception("health check round failed")
-            self._first_round.set()
             await asyncio.sleep(self.interval)
+            try:
+                self._start_checks()
+            except Exception:  # never let the poller die
+                logger.exception("starting health checks failed")
+
+    def _start_checks(self) -> None:
+        """A check of every node whose last one has ended: each node on its own schedule,
+        so one whose check waits (hung, up to the timeout) delays no other's. (In rounds
+        that waited for every check, one hung node made every node's checks
+        ``interval + timeout`` apart.)"""
+        for node in self.pool.watched():
+            if id(node) in self._checking:
+                continue
+            task = asyncio.create_task(self._guarded(node), name="pdproxy-health-check")
+            self._checking[id(node)] = task  # until it runs (``check_node``) and ends
+            self._spawned.add(task)
+            task.add_done_callback(functools.partial(self._spawn_ended, id(node)))
+
+    def _spawn_ended(self, key: int, task: asyncio.Task[None]) -> None:
+        self._spawned.discard(task)
+        if self._checking.get(key) is task:  # cancelled before it began
+            del self._checking[key]
 
     def start(self) -> None:
         if self._task is None:
@@ -217,7 +262,11 @@ class HealthChecker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        calls = list(self._calls.values())
+        checks = list(self._spawned)
+        for check in checks:
+            check.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
+        calls = [call for node_calls in self._calls.values() for call in node_calls]
         for call in calls:
             call.cancel()
         await asyncio.gather(*calls, return_exceptions=True)

@@ -12,7 +12,8 @@ Asserted (docs/proxy.md, "Discovery" and "Failures"):
 * the pool is what the last answer listed: a failed or timed-out lookup keeps the nodes,
   NXDOMAIN lists none;
 * after each round a node is in rotation exactly when its check passed (a node whose
-  ``/health`` hung stays out while that call waits: one call per node);
+  ``/health`` hung is back at its next check that answers, while the hung call waits; with
+  two calls hung, a check sends no third and the node stays out: two calls per node);
 * a completion reaches a node only while that node is in rotation (a node that just
   joined gets none before its check passed);
 * every request ends: 200, or 503 ``no_healthy_nodes`` when no node was in rotation --
@@ -41,6 +42,7 @@ from hypothesis import strategies as st
 import proxy.dns
 from proxy.config import ProxyConfig
 from proxy.dns import DnsDiscovery
+from proxy.health import MAX_CALLS_PER_NODE
 from proxy.nodes import Node
 from tests.proxy_churn_nodes import (
     BODY,
@@ -136,7 +138,7 @@ async def run(drawn: list[Step]) -> None:
             script.arrived = arrived
 
         listed: set[str] = set()
-        hung: set[int] = set()  # id() of the Nodes whose /health call hung
+        hung: dict[int, int] = {}  # id() of a Node -> its /health calls that hung
         nodes_seen: list[Node] = []  # (kept alive: their ids stay theirs)
         sent: list[Sent] = []
         for k, step in enumerate(drawn):
@@ -168,11 +170,18 @@ async def run(drawn: list[Step]) -> None:
             await asyncio.gather(*dns.members._checks.values(), return_exceptions=True)
             await app.state.health.check_all()
             for n in pool.decode:
-                nodes_seen.append(n)
                 health = step.health[[d.url for d in ds].index(n.url)]
-                if health == "hang":
-                    hung.add(id(n))
-                expect = health == "ok" and id(n) not in hung
+                joined = all(n is not seen for seen in nodes_seen)  # checked at join too
+                nodes_seen.append(n)
+                expect = False
+                for _ in range(2 if joined else 1):
+                    if hung.get(id(n), 0) >= MAX_CALLS_PER_NODE:
+                        expect = False  # no call sent: a miss
+                    elif health == "hang":
+                        hung[id(n)] = hung.get(id(n), 0) + 1
+                        expect = False
+                    else:
+                        expect = health == "ok"
                 assert n.ready == expect, (k, n.url, health, n.last_error)
 
             for s in sent:  # clients leave; held requests let go

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
-from standin_http import StandIn, answer
+from standin_http import StandIn, answer, node_facts
 
 import proxy.dns as dns_module
 from proxy.discovery import Membership
@@ -223,15 +223,15 @@ def test_the_context_limit_clients_see_is_the_ready_decode_nodes():
 
 def test_checks_without_an_answer_are_counted_in_a_row_and_a_late_answer_ends_the_row():
     """The proxy gives a hung decode node up after ``--unreachable-checks`` checks in a
-    row without an answer (``Attempt.d_gone``). Each miss counts (a check whose call is
-    still unanswered sends no second one); an answer that comes after its check gave up
+    row without an answer (``Attempt.d_gone``). Each miss counts (with two calls still
+    unanswered a check sends no third); an answer that comes after its check gave up
     still shows the node alive and ends the row (a load round saw two missed 0.05 s
     checks take healthy nodes for hung ones); any answer, even a 503, does."""
     calls = []
 
     async def node(req):
         calls.append(req.path)
-        if len(calls) == 1:
+        if len(calls) <= 2:
             await asyncio.sleep(0.6)  # past the check's 0.2 s: a late answer
         return answer(503, {"error": {"message": "draining"}})
 
@@ -241,9 +241,10 @@ def test_checks_without_an_answer_are_counted_in_a_row_and_a_late_answer_ends_th
             checker = HealthChecker(pool, client, interval=1.0)
             n = pool.decode[0]
             began = time.monotonic()
-            await checker.check_node(n)
-            await checker.check_node(n)  # the first call is still unanswered: no second
-            assert n.unreachable and n.unreachable_checks == 2 and calls == ["/health"]
+            for _ in range(3):  # the first two calls are still unanswered: no third
+                await checker.check_node(n)
+            assert n.unreachable and n.unreachable_checks == 3
+            assert calls == ["/health", "/health"]
             assert began <= n.unreachable_since < began + 0.2  # when the first check began
             for _ in range(100):  # the late answer comes (after ~0.6 s)
                 if not n.unreachable:
@@ -269,7 +270,7 @@ def test_a_node_that_never_answers_is_counted_missing_check_after_check():
             n = pool.decode[0]
             for _ in range(3):
                 await checker.check_node(n)
-            assert n.unreachable_checks == 3 and len(d.seen) == 1
+            assert n.unreachable_checks == 3 and len(d.seen) == 2  # two calls at most
             await checker.stop()
 
     asyncio.run(main())
@@ -358,3 +359,126 @@ def test_the_health_client_has_a_connection_for_every_node_dns_may_list():
     assert health_client_connections(cfg) >= 1 + 2 * dns_module.MAX_NODES_PER_NAME + (
         cfg.max_registered_nodes
     )
+
+
+class Scripted:
+    """A node whose ``/health`` answers (``mode`` "ok"), or is held (``hang``) until the
+    test ends; ``delay``: seconds each answer takes."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.delay = 0.0
+        self.held = 0  # /health calls held now
+        self.arrived = asyncio.Event()  # a held call arrived
+        self.gate = asyncio.Event()
+
+    async def __call__(self, req):  # noqa: ANN001, ANN204
+        if req.path == "/health" and self.mode == "hang":
+            self.held += 1
+            self.arrived.set()
+            await self.gate.wait()
+            self.held -= 1
+        await asyncio.sleep(self.delay)
+        return node_facts(req, "consumer")
+
+
+def test_a_recovered_node_is_routed_to_on_its_next_good_check_while_a_hung_call_runs():
+    """A node whose ``/health`` call hung (one stuck connection, a node paused for a while)
+    and that answers again is back in rotation at its next check, while that call still
+    hangs. Before, a check sent no call while the node's previous one was unanswered: the
+    node stayed out until the hung call ended (``LATE_ANSWER_S``, 30 s, or the TCP call's
+    end). Calls per node stay bounded: with two unanswered, a check counts a miss and sends
+    none."""
+
+    async def main() -> None:
+        script = Scripted()
+        async with StandIn(script) as d, NodeClient(timeout=0.3) as client:
+            pool = NodePool((), (d.url,))
+            checker = HealthChecker(pool, client, interval=1.0)
+            n = pool.decode[0]
+            await checker.check_node(n)
+            assert n.ready, n.last_error
+            script.mode = "hang"
+            await checker.check_node(n)  # its call hangs: out at the check's deadline
+            assert not n.ready and n.unreachable and script.held == 1
+            script.mode = "ok"
+            await checker.check_node(n)  # answers again: back, the hung call still held
+            assert n.ready and not n.unreachable, n.last_error
+            assert script.held == 1
+            script.mode = "hang"
+            for misses in (1, 2, 3):
+                await checker.check_node(n)
+                assert n.unreachable_checks == misses and not n.ready
+            assert script.held == 2  # the third check sent no call: two were out
+            script.gate.set()
+            await checker.stop()
+
+    asyncio.run(main())
+
+
+def test_a_check_ends_at_the_health_timeout_facts_included():
+    """A node's check, the facts it fetches after ``/health`` included, has one deadline:
+    ``--health-timeout``. Before it was three timeouts (one per call): a node whose
+    ``/health``, ``/v1/kv_transfer_info`` and ``/v1/models`` each took 0.6x the timeout
+    passed its check, and a round lasted up to ~3x the timeout."""
+
+    async def main() -> None:
+        script = Scripted()
+        script.delay = 0.3  # each of its three answers: within the timeout, not all three
+        async with StandIn(script) as d, NodeClient(timeout=0.5) as client:
+            pool = NodePool((), (d.url,))
+            checker = HealthChecker(pool, client, interval=1.0)
+            n = pool.decode[0]
+            await checker.check_all()
+            assert not n.ready
+            assert "0.5 s" in (n.last_error or ""), n.last_error
+            assert not n.unreachable  # it answered /health: not a hung node
+            script.delay = 0.0
+            await checker.check_all()
+            assert n.ready, n.last_error
+            await checker.stop()
+
+    asyncio.run(main())
+
+
+def test_a_hung_node_delays_no_other_nodes_checks():
+    """Each node is checked every ``--health-interval`` on its own: while one node's check
+    waits for its hung ``/health`` (up to the timeout), another node that stops answering
+    200 is taken out of rotation at its next check. Before, the checks ran in rounds that
+    waited for every node's check: the other node's next check came only after the hung
+    one's ended (so with the default 1 s interval and 2 s timeout, every node was checked
+    every 3 s while any node hung)."""
+
+    async def main() -> None:
+        hung = Scripted()
+        answered_while_hung = [0]
+
+        async def other(req):  # noqa: ANN001, ANN202
+            if req.path == "/health" and hung.held:
+                answered_while_hung[0] += 1
+                if answered_while_hung[0] > 1:  # the first may be of a's round: 200
+                    return answer(503, {"status": "draining"})
+            return node_facts(req, "consumer")
+
+        async with (
+            StandIn(hung) as a,
+            StandIn(other) as b,
+            NodeClient(timeout=10.0) as client,
+        ):
+            pool = NodePool((), (a.url, b.url))
+            node_a, node_b = pool.decode
+            checker = HealthChecker(pool, client, interval=0.05)
+            checker.start()
+            await checker.wait_first_round(30)
+            assert node_a.ready and node_b.ready
+            hung.mode = "hang"
+            async with asyncio.timeout(30):
+                while node_b.ready:
+                    await asyncio.sleep(0.005)
+            # b went out while a's check still waited for its call (a 10 s deadline)
+            assert hung.held == 1
+            assert not node_a.unreachable and node_a.ready, node_a.last_error
+            hung.gate.set()
+            await checker.stop()
+
+    asyncio.run(main())
