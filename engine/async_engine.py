@@ -177,9 +177,17 @@ class AsyncLLMEngine:
             else:  # the engine thread aborts the request if it is still ours
                 self._post(("cancel", (request_id, stream)))
 
-    async def abort(self, request_id: str) -> None:
-        """Abort the request whose engine id (the id given to ``generate``) is this."""
-        self._post(("abort", request_id))
+    async def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort the request whose engine id (the id given to ``generate``) is this.
+        ``reason``: "abort", or "stop" when the caller ended it at a stop string (its
+        finish reason in the request metrics, ``vllm:request_success_total``)."""
+        self._post(("abort", (request_id, reason)))
+
+    async def settle(self, request_id: str, stop_string: bool) -> None:
+        """The caller has the whole answer of ``request_id``, whose engine output said it
+        finished, and checked stop strings on it (``SamplingParams.stop``): it ended at
+        one (``stop_string``: counted as "stop"), or as the engine said."""
+        self._post(("settle", (request_id, stop_string)))
 
     async def abort_matching(self, key: str, by: str = "request_id") -> list[str]:
         """Abort requests -- running, or finished with blocks held for a push -- and return
@@ -251,7 +259,11 @@ class AsyncLLMEngine:
                 if self._unregister(request_id, stream):
                     self.core.abort_request(request_id)
             elif kind == "abort":
-                self.core.abort_request(payload)
+                request_id, reason = payload
+                self.core.abort_request(request_id, reason=reason)
+            elif kind == "settle":
+                request_id, stop_string = payload
+                self.core.settle_request(request_id, stop_string)
             elif kind == "abort_matching":
                 key, by, done = payload
                 ids = self._matching(key, by)

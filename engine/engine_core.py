@@ -219,8 +219,17 @@ class EngineCore:
                 )
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: str, error: str | None = None) -> None:
-        self.scheduler.abort_request(request_id, error)
+    def abort_request(
+        self, request_id: str, error: str | None = None, reason: str = "abort"
+    ) -> None:
+        """``reason``: "abort", or "stop" for a request its caller ended at a stop string
+        (the request metrics' finish reason; ``Scheduler.abort_request``)."""
+        self.scheduler.abort_request(request_id, error, reason)
+
+    def settle_request(self, request_id: str, stop_string: bool) -> None:
+        """The caller has the answer of ``request_id`` (which ended by itself): at a stop
+        string or not -- its finish reason in the request metrics (``Scheduler.settle``)."""
+        self.scheduler.settle(request_id, stop_string)
 
     def has_work(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_work()

@@ -290,12 +290,14 @@ class LLM:
                 if out.request_id not in pending:  # ended already (a stop string)
                     continue
                 ended = take(out)
+                if out.finished:  # stop strings checked: its finish reason (a stop string's)
+                    self.core.settle_request(out.request_id, ended)
                 if out.finished or ended:
                     pending.discard(out.request_id)
                 if out.finished and out.finish_reason == "error" and failed is None:
                     failed = out
-                elif ended and not out.finished:
-                    self.core.abort_request(out.request_id)
+                elif ended and not out.finished:  # a stop string: counted as "stop"
+                    self.core.abort_request(out.request_id, reason="stop")
                     cut = True
             if failed is not None:
                 self._abandon(list(pending))

@@ -102,7 +102,9 @@ class SamplingParams:
     # the engine: ``n`` answers per prompt (answer ``j`` seeded ``seed + j``, as a node's);
     # ``stop`` strings (one string or a list) end the answer, left out of its text unless
     # ``include_stop_str_in_output``; ``skip_special_tokens`` in the text. A node takes
-    # these from the request's fields (``server/jobs.py``).
+    # these from the request's fields (``server/jobs.py``), and sets ``stop`` too: the
+    # engine only counts a request with stop strings that ended by itself once its caller
+    # said whether one ended it (``RequestMetrics.finished``).
     n: int = 1
     stop: list[str] | str | None = None
     include_stop_str_in_output: bool = False

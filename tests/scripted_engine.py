@@ -35,7 +35,10 @@ class StubEngine:
         self.healthy, self.dead_reason = True, None
         self.grammars = SimpleNamespace(compile=lambda so: None)  # grammars are not run
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, reason: str = "abort") -> None:
+        return None
+
+    async def settle(self, request_id: str, stop_string: bool) -> None:
         return None
 
     def stats(self) -> dict[str, Any]:

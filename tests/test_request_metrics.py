@@ -129,6 +129,33 @@ def test_an_abort_counts_and_an_error_does_not() -> None:
     assert st.time_to_first_token_seconds.count == 0  # no token came
 
 
+def test_a_request_its_caller_ended_at_a_stop_string_counts_as_stop() -> None:
+    """A node (or ``LLM``) ends an answer at a stop string by aborting its engine request:
+    that is a "stop" (vLLM's output processor counts it so), not an "abort". A request
+    with stop strings that ended by itself is counted once its caller said whether a stop
+    string came with its last tokens: "stop" if so (also when the word is the abort of a
+    stop string the engine had already ended), the engine's reason if not."""
+    sch = Scheduler(_config(), 64, MAX_LEN, NoopConnectorScheduler(_config(), None))  # type: ignore[arg-type]
+    for rid in ("cut", "last", "plain", "late"):
+        sch.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=2, stop=["x"])))
+    sched = sch.schedule()
+    sch.update_from_output(
+        sched, ModelRunnerOutput(sampled_token_ids={s.request_id: 7 for s in sched.seqs})
+    )
+    sch.abort_request("cut", reason="stop")  # its stop string, mid-answer
+    assert sch.stats().request_success_total == {"stop": 1, "length": 0, "abort": 0}
+    _run(sch, {rid: [8] for rid in ("last", "plain", "late")})  # all ended by length
+    assert sch.stats().request_success_total == {"stop": 1, "length": 0, "abort": 0}
+    sch.settle("last", stop_string=True)  # the stop string came with the last token
+    sch.settle("plain", stop_string=False)
+    sch.abort_request("late", reason="stop")  # the node's abort came after the end
+    sch.settle("late", stop_string=False)  # (counted once)
+    st = sch.stats()
+    assert st.request_success_total == {"stop": 3, "length": 1, "abort": 0}
+    assert st.e2e_request_latency_seconds.count == 4
+    assert st.request_generation_tokens.sum == 1 + 2 + 2 + 2
+
+
 def _decode_node_waiting_for_kv(max_tokens: int) -> tuple[Scheduler, RemotePrefill]:
     """A P/D decode node's scheduler with request ``d`` (an 8-token prompt) reserved and
     waiting for its KV; set ``conn.landed`` to land it."""

@@ -38,8 +38,11 @@ class FakeEngine:
         for out in self.outputs:
             yield out
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, reason: str = "abort") -> None:
         self.aborted.append(request_id)
+
+    async def settle(self, request_id: str, stop_string: bool) -> None:
+        return None
 
 
 def _out(ids: list[int], finish: str | None = None, logprobs: bool = False) -> RequestOutput:

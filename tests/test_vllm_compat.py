@@ -40,7 +40,10 @@ class ScriptedEngine:
             last = i == len(ids) - 1
             yield RequestOutput(request_id, [t], last, "length" if last else None)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, reason: str = "abort") -> None:
+        return None
+
+    async def settle(self, request_id: str, stop_string: bool) -> None:
         return None
 
     async def abort_matching(self, key: str, by: str = "request_id") -> list[str]:

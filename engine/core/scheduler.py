@@ -204,7 +204,16 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
-    def abort_request(self, request_id: str, error: str | None = None) -> None:
+    def abort_request(
+        self, request_id: str, error: str | None = None, reason: str = "abort"
+    ) -> None:
+        """End a request before its end: with ``error``, an error; else aborted, counted in
+        ``request_success`` under ``reason``: "abort" (a client gone), or "stop" when the
+        caller ended it at a stop string (vLLM's output processor finishes such a request
+        with STOP and aborts it in its engine core). Either way its blocks are freed as
+        an abort's. One that had ended by itself, its finish not yet counted, counts as
+        the engine ended it -- or "stop" (``RequestMetrics.settle``)."""
+        self.request_metrics.settle(request_id, stop_string=reason == "stop")
         req = self.requests.get(request_id)
         if req is None:
             return
@@ -213,7 +222,12 @@ class Scheduler:
                 self.connector.abort_held(req)
             return
         status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
-        self._finish(req, status, error)
+        self._finish(req, status, error, counted_as=None if error else reason)
+
+    def settle(self, request_id: str, stop_string: bool) -> None:
+        """The caller has the whole answer of ``request_id``, which ended by itself: at a
+        stop string (counted as "stop"), or not (``RequestMetrics.settle``)."""
+        self.request_metrics.settle(request_id, stop_string)
 
     def has_work(self) -> bool:
         return bool(
@@ -600,7 +614,10 @@ class Scheduler:
         status: RequestStatus,
         error: str | None = None,
         error_code: str | None = None,
+        counted_as: str | None = None,
     ) -> None:
+        """``counted_as``: the finish reason for the request metrics, when not the
+        status's (an abort at a stop string counts as "stop")."""
         rid = req.request_id
         prev = req.status
         req.status = status
@@ -611,7 +628,10 @@ class Scheduler:
             self.waiting.remove(req)
         elif prev == RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.remote_waiting[rid]
-        self.request_metrics.finished(req, status.finish_reason, time.monotonic())
+        if counted_as is not None:
+            self.request_metrics.count(req, counted_as, time.monotonic())
+        else:
+            self.request_metrics.finished(req, status.finish_reason, time.monotonic())
         delay_free, params = self.connector.request_finished(req, self.kv.block_ids(rid))
         self._finished_ids.add(rid)
         if delay_free:

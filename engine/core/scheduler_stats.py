@@ -50,6 +50,9 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 # Finish reasons counted by ``request_success`` (vLLM's; an engine error is not a success).
 SUCCESS_REASONS = ("stop", "length", "abort")
+# Finished requests waiting for their caller's finish reason (``RequestMetrics.finished``):
+# past this many the oldest counts under the engine's reason.
+MAX_UNSETTLED = 4096
 # vLLM's sources of a prompt's KV (vllm:prompt_tokens_by_source_total{source}).
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
@@ -179,6 +182,9 @@ class RequestMetrics:
     success: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SUCCESS_REASONS, 0))
     prompt_tokens_processed: int = 0  # whole prompts of the requests that got a token
     by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROMPT_SOURCES, 0))
+    # Requests that ended by themselves, waiting for their caller's word on the reason
+    # (``finished``): (request, the engine's reason, when), in the order they ended.
+    unsettled: dict[str, tuple[Request, str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         tokens = buckets_1_2_5(self.max_model_len)
@@ -213,6 +219,29 @@ class RequestMetrics:
         req.last_token_time = now
 
     def finished(self, req: Request, reason: str | None, now: float) -> None:
+        """``req`` ended by itself (``reason``: the engine's). One whose caller checks stop
+        strings on its text (``SamplingParams.stop``: a node's request, the offline
+        ``LLM``'s) waits for the caller's word (``settle``): a stop string that came with
+        the token that ended it anyway, or while the engine was ending it, makes it a
+        "stop" -- as vLLM, whose output processor decides and counts the finish reason."""
+        if reason in ("stop", "length") and req.sampling_params.stop:
+            self.unsettled[req.request_id] = (req, reason, now)
+            if len(self.unsettled) > MAX_UNSETTLED:  # a caller that never settles: the oldest
+                self.settle(next(iter(self.unsettled)), stop_string=False)
+            return
+        self.count(req, reason, now)
+
+    def settle(self, request_id: str, stop_string: bool) -> None:
+        """The caller has ``request_id``'s answer: it ended at a stop string, or not (then
+        its reason is the engine's). Counts a request ``finished`` left waiting for this
+        (else nothing)."""
+        entry = self.unsettled.pop(request_id, None)
+        if entry is not None:
+            req, reason, now = entry
+            self.count(req, "stop" if stop_string else reason, now)
+
+    def count(self, req: Request, reason: str | None, now: float) -> None:
+        """``req`` finished at ``now`` with ``reason``: its finish count and histograms."""
         if reason not in self.success:
             return  # an engine error: not a success, not a latency sample
         self.success[reason] += 1

@@ -31,7 +31,15 @@ class EngineClient(Protocol):
         grammar: Any = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str, reason: str = "abort") -> None:
+        """``reason``: "stop" for a request ended at a stop string (its finish reason in
+        the engine's metrics), else "abort"."""
+        ...
+
+    async def settle(self, request_id: str, stop_string: bool) -> None:
+        """A request whose engine output said it finished, its stop strings checked on the
+        whole answer: whether one ended it (its finish reason in the engine's metrics)."""
+        ...
 
     async def abort_matching(self, key: str, by: str = "request_id") -> list[str]: ...
 

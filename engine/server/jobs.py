@@ -273,12 +273,23 @@ def engine_error(
     return APIError(message or "internal engine error", status_code=500, err_type="server_error")
 
 
-async def abort_quietly(engine: EngineClient, request_id: str) -> None:
+async def abort_quietly(engine: EngineClient, request_id: str, reason: str = "abort") -> None:
+    """``reason``: "stop" for a request ended at a stop string (``EngineClient.abort``)."""
     try:
         with anyio.CancelScope(shield=True):
-            await engine.abort(request_id)
+            await engine.abort(request_id, reason)
     except Exception:
         logger.warning("abort of request %s failed", request_id, exc_info=True)
+
+
+async def settle_quietly(engine: EngineClient, request_id: str, stop_string: bool) -> None:
+    """Tell the engine how a request with stop strings that it finished ended
+    (``EngineClient.settle``)."""
+    try:
+        with anyio.CancelScope(shield=True):
+            await engine.settle(request_id, stop_string)
+    except Exception:
+        logger.warning("settling request %s failed", request_id, exc_info=True)
 
 
 async def prompt_only(job: Job, steps: AsyncIterator[Step]) -> AsyncIterator[Step]:
@@ -316,6 +327,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
         skip_first=kv is not None and kv.skip_first_token,
     )  # fmt: skip
     finished = False
+    stopped = False  # ended at a stop string before the engine ended it
     outputs = engine.generate(
         job.request_id,
         job.prompt_ids,
@@ -343,7 +355,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
             kv_out = out.kv_transfer_params.to_dict() if out.kv_transfer_params else None
             extra = {"logprobs": piece.logprobs, "prompt_logprobs": out.prompt_logprobs}
             if piece.stop_hit:
-                finished = out.finished
+                finished, stopped = out.finished, True
                 yield Step(
                     text, ids, "stop", kv_transfer_params=kv_out, stop_reason=piece.stop_reason,
                     **extra,
@@ -362,7 +374,9 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
         yield Step("", [], "error", "engine output stream ended without a final output")
     finally:
         if not finished:
-            await abort_quietly(engine, job.request_id)
+            await abort_quietly(engine, job.request_id, "stop" if stopped else "abort")
+        elif job.params.stop:  # the engine waits for our word on how it ended
+            await settle_quietly(engine, job.request_id, stopped)
         aclose = getattr(outputs, "aclose", None)
         if aclose is not None:
             with anyio.CancelScope(shield=True):

@@ -142,6 +142,7 @@ class BaseRequest:
                 top_p=self.top_p,
                 seed=self.seed,
                 stop_token_ids=list(self.stop_token_ids),
+                stop=list(self.stop),  # checked here; the engine counts their finishes
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 logprobs=self.logprobs,
