@@ -128,6 +128,7 @@ class Spec:
     abort: bool = False  # a stream whose client goes away after its first token
     bad: str | None = None  # a field made invalid (400), or "too_long"
     temperature: float = 1.0
+    echo0: bool = False  # completions' echo without generation (``max_tokens`` 0)
 
     def body(self) -> dict[str, Any]:
         b: dict[str, Any] = {"model": MODEL, "max_tokens": self.max_tokens, "n": self.n}
@@ -138,6 +139,8 @@ class Spec:
             b["prompt"] = self.prompt
             if self.best_of:
                 b["best_of"] = self.n
+        if self.echo0:  # the engine samples one token, the answer leaves it out
+            b["echo"], b["max_tokens"] = True, 0
         if self.min_tokens:
             b["min_tokens"] = self.min_tokens
         if self.ending == "length":
@@ -182,7 +185,8 @@ def specs(draw: st.DrawFn) -> Spec:
         min_tokens=0,
     )
     spec.best_of = not chat and draw(st.booleans())
-    spec.min_tokens = draw(st.integers(0, spec.max_tokens))
+    spec.echo0 = not chat and draw(st.integers(0, 5)) == 0
+    spec.min_tokens = draw(st.integers(0, 1 if spec.echo0 else spec.max_tokens))
     spec.stop = draw(st.lists(st.sampled_from(list("aeiou()[]{}<>!?~")), min_size=1, max_size=6))
     low = draw(st.integers(0, 200))
     spec.stop_ids = list(range(low, low + 64))
@@ -190,6 +194,7 @@ def specs(draw: st.DrawFn) -> Spec:
     if what == "abort":  # a completions stream of one choice, cut after its first token
         spec.chat, spec.stream, spec.n, spec.best_of = False, True, 1, False
         spec.max_tokens, spec.ending, spec.min_tokens = ABORT_MAX_TOKENS, "length", 0
+        spec.echo0 = False
         spec.prompt = spec.prompt[:8]
         spec.abort = True
     elif what == "bad":
@@ -329,14 +334,12 @@ def check_histograms(m: Samples) -> None:
 
 
 def check_twins(m: Samples) -> None:
+    """One quantity under two names agrees (the HTTP layer's and the engine's finish
+    counts too: no request here fails or is cut before its first token)."""
     pairs = [
         ("pdserve_generation_tokens_total", "vllm:generation_tokens_total"),
         ("pdserve_engine_num_preemptions_total", "vllm:num_preemptions_total"),
-        ("vllm:time_to_first_token_seconds_count", "pdserve_time_to_first_token_seconds_count"),
-        ("vllm:e2e_request_latency_seconds_count", "pdserve_request_latency_seconds_count"),
-        ("vllm:request_prompt_tokens_sum", "pdserve_request_prompt_tokens_total"),
-        ("vllm:prompt_tokens_total", "vllm:request_prompt_tokens_sum"),
-        ("vllm:generation_tokens_total", "vllm:request_generation_tokens_sum"),
+        ("vllm:prompt_tokens_total", "vllm:prompt_tokens_by_source_total"),
         ("vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count"),
     ]
     for a, b in pairs:
@@ -428,12 +431,14 @@ def run_batch(node: Node, batch: list[Spec]) -> tuple[Samples, Samples]:
     ttft = delta(before, after, "vllm:time_to_first_token_seconds_count")
     itl = delta(before, after, "vllm:inter_token_latency_seconds_count")
     assert gen == ttft + itl, (gen, ttft, itl)
+    assert gen == delta(before, after, "vllm:request_generation_tokens_sum")
     assert ttft == n_engine
-    unanswered = aborted or any(c[3] for c in choices)
-    if unanswered:
-        assert gen >= answered_tokens + len(aborted), (gen, answered_tokens)
+    # An echo without generation: one token each, the answer leaves it out.
+    left_out = sum(s.n for s in batch if s.echo0 and s.bad is None)
+    if aborted or any(c[3] for c in choices):  # what else went unanswered: at least 1 each
+        assert gen >= answered_tokens + left_out + len(aborted), (gen, answered_tokens)
     else:
-        assert gen == answered_tokens, (gen, answered_tokens)
+        assert gen == answered_tokens + left_out, (gen, answered_tokens, left_out)
     http_tokens = delta(before, after, "pdserve_request_completion_tokens_total")
     if aborted:  # what the node got of an aborted stream: its first token at least
         assert answered_tokens + len(aborted) <= http_tokens <= gen, (http_tokens, gen)
@@ -524,3 +529,23 @@ def test_a_stop_string_with_the_last_token_counts_as_stop(node: Node) -> None:
             for r in REASONS
         }
         assert reasons == {"stop": 1, "length": 0, "abort": 0}, (stream, reasons)
+
+
+def test_an_echo_without_generation_counts_as_its_answer(node: Node) -> None:
+    """``echo`` with ``max_tokens`` 0: the engine samples one token the answer leaves out,
+    and the answer ends by its "length" (docs/api.md) -- also when that token is EOS, a
+    stop token id or holds a stop string. The finish counts so, and the token as one
+    generated."""
+    base = Spec(
+        chat=False, stream=False, n=1, best_of=False, prompt=PREFIXES[0][:5], text="",
+        max_tokens=1, ending="eos", min_tokens=0, echo0=True,
+    )  # fmt: skip
+    stop_ids = Spec(**{**base.__dict__, "ending": "stop_ids", "stop_ids": list(range(512))})
+    for spec in (base, stop_ids, Spec(**{**base.__dict__, "stream": True})):
+        before, after = run_batch(node, [spec])
+        reasons = {
+            r: delta(before, after, "vllm:request_success_total", finished_reason=r)
+            for r in REASONS
+        }
+        assert reasons == {"stop": 0, "length": 1, "abort": 0}, (spec, reasons)
+        assert delta(before, after, "vllm:generation_tokens_total") == 1

@@ -134,6 +134,10 @@ class BaseRequest:
                 f"'min_tokens' ({self.min_tokens}) must be at most max_tokens ({max_tokens})",
                 param="min_tokens",
             )
+        # An echo without generation ends by its "length" whatever its one sampled token,
+        # which the answer leaves out: nothing may stop it in the engine either, so the
+        # engine counts the finish the answer shows.
+        left_out = self.echo_without_generation
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -141,9 +145,9 @@ class BaseRequest:
                 top_k=self.top_k,
                 top_p=self.top_p,
                 seed=self.seed,
-                stop_token_ids=list(self.stop_token_ids),
-                stop=list(self.stop),  # checked here; the engine counts their finishes
-                ignore_eos=self.ignore_eos,
+                stop_token_ids=[] if left_out else list(self.stop_token_ids),
+                stop=[] if left_out else list(self.stop),  # checked here; counted there
+                ignore_eos=self.ignore_eos or left_out,
                 min_tokens=self.min_tokens,
                 logprobs=self.logprobs,
                 prompt_logprobs=self._prompt_logprobs(),
