@@ -104,6 +104,30 @@ def test_stop_strings_end_the_answer_as_on_a_node(llm: LLM, node: Any) -> None:
     assert again.outputs == free.outputs
 
 
+def test_stop_strings_count_as_stop_in_the_metrics(llm: LLM) -> None:
+    """An answer a stop string ended is a "stop" in ``request_success_total`` (vLLM's):
+    one cut mid-answer (its engine request aborted) and one whose stop string came with
+    its last token (the engine ended it by its length)."""
+    (free,) = llm.generate("abc", SamplingParams(temperature=0, max_tokens=24))
+    full, ids = free.outputs[0].text, free.outputs[0].token_ids
+    mid = next(full[i : i + 2] for i in range(3, len(full) - 4) if full[i : i + 2].isalpha())
+    # A token that is an ASCII character new to the answer: the answer cut there ends with it.
+    k = next(k for k in range(2, len(ids)) if 33 <= ids[k] < 127 and ids[k] not in ids[:k])
+
+    def success() -> dict[str, float]:
+        entry = next(e for e in llm.stats().entries() if e.name == "request_success_total")
+        return dict(entry.by_label)
+
+    before = success()
+    (cut,) = llm.generate("abc", SamplingParams(temperature=0, max_tokens=24, stop=[mid]))
+    assert cut.outputs[0].finish_reason == "stop"
+    sp = SamplingParams(temperature=0, max_tokens=k + 1, stop=[chr(ids[k])])
+    (ended,) = llm.generate("abc", sp)
+    assert ended.outputs[0].finish_reason == "stop"
+    after = success()
+    assert {r: after[r] - before[r] for r in after} == {"stop": 2, "length": 0, "abort": 0}
+
+
 def test_a_stop_string_cut_leaves_an_async_scheduling_engine_idle(llm: LLM) -> None:
     """With a step in flight when a stop string ends a request, the next call gets none of
     its outputs and the engine's blocks are back."""
