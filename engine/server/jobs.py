@@ -327,7 +327,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
         skip_first=kv is not None and kv.skip_first_token,
     )  # fmt: skip
     finished = False
-    stopped = False  # ended at a stop string before the engine ended it
+    stopped = False  # a stop string ended the answer (before or with the engine's end)
     outputs = engine.generate(
         job.request_id,
         job.prompt_ids,
