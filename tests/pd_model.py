@@ -6,11 +6,13 @@ Only the transport is a stand-in: side-channel calls (D's reservations, cancels 
 liveness pings, P's failure notices and checks of a new peer's claim) are queued instead
 of run on a peer's lane, and delivered when the test says (in any order, lost, their
 reply lost, sent twice, not sent; a message replayed late, even at a process that
-restarted since; a reservation on the wire while its request ends); P's TP ranks post and report
-WRITEs when the test says (each rank on its own, ok or failed); D's ranks are the real
-worker-side connectors, their notifications handed in by the test; a fake clock drives
-every deadline, and ids are counted (an example replays the same). Either node may
-restart: a new incarnation at the same address."""
+restarted since; a reservation on the wire while its request ends). Both nodes' TP ranks
+are the real worker-side connectors (``pd_ranks``): P's post their WRITEs -- whole sends,
+or a pipelined send's layer-group pieces, head slices when P's and D's TP sizes differ --
+into a transport whose WRITEs the test completes (each piece on its own, ok or failed)
+and lands on D's ranks (then, later, corrupted, or never); the KV is real tensors, which
+D's ranks checksum. A fake clock drives every deadline, and ids are counted (an example
+replays the same). Either node may restart: a new incarnation at the same address."""
 
 from __future__ import annotations
 
@@ -18,12 +20,25 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from fakes import NotifsOnly
+from pd_ranks import (
+    DONE,
+    LAYERS,
+    Hooks,
+    Piece,
+    forward_layer,
+    holds,
+    kv_cache,
+    land,
+    p_rank_step,
+    p_workers,
+)
 
 import engine.core.request as core_request
 import engine.core.scheduler as core_scheduler
@@ -115,24 +130,6 @@ class Call:
     incarnation: int  # the sender's (a restart drops the calls its old process queued)
 
 
-@dataclass
-class Write:
-    """A send P's scheduler handed its ranks: each rank posts its WRITE and reports it."""
-
-    p_request_id: str
-    notif: bytes
-    d_blocks: list[int]
-    p_blocks: list[int]  # what it reads
-    posted_at: float
-    d_incarnation: int  # the D process it writes into
-    post_by: float
-    ranks_left: set[int] = field(default_factory=lambda: set(range(TP)))
-    failed: bool = False
-    # Ranks that reported it failed, whose WRITE may still land (until its notification
-    # does: NIXL delivers it after the data).
-    may_land: set[int] = field(default_factory=set)
-
-
 class Router:
     """The side-channel client of both nodes: a request reaches the node serving the
     address at once, or is lost (``fault``) as the test decides."""
@@ -221,40 +218,55 @@ class _Queued:
         pass
 
 
-def _config(role: str) -> EngineConfig:
+@dataclass(frozen=True)
+class Setup:
+    """What an example's nodes run: TP sizes (P's and D's may differ), the pipelined
+    push's layer group (0: whole sends), ``--kv-checksum`` and D's failure policy."""
+
+    tp_p: int = TP
+    tp_d: int = TP
+    group: int = 0
+    checksum: str = "off"
+    policy: str = "recompute"
+
+
+def _config(role: str, setup: Setup) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=BLOCKS),
-        parallel=ParallelConfig(tp=TP),
+        parallel=ParallelConfig(tp=setup.tp_p if role == "producer" else setup.tp_d),
         kv_transfer=KVTransferConfig(
             kv_connector="nixl",
             kv_role=role,
             kv_transfer_timeout=TIMEOUT,
             peer_ping_interval=TIMEOUT / 4,
+            kv_layer_group_size=setup.group if role == "producer" else 0,
+            kv_checksum=setup.checksum,  # type: ignore[arg-type]
+            kv_failure_policy=setup.policy,  # type: ignore[arg-type]
         ),
     )
 
 
 class Pair:
-    """P and D, wired through ``calls`` (side channel), ``writes`` (P's ranks) and
-    ``notifs`` (what lands on D's ranks)."""
+    """P and D, wired through ``calls`` (side channel), ``pieces`` (the WRITEs P's ranks
+    posted) and ``notifs`` (pieces whose notification may still land on D's rank)."""
 
-    def __init__(self, clock: FakeTime) -> None:
-        self.clock = clock
+    def __init__(self, clock: FakeTime, setup: Setup = Setup()) -> None:
+        self.clock, self.setup = clock, setup
         IDS.counter = itertools.count()
         self.router = Router()
         self.calls: list[Call] = []
-        self.writes: list[Write] = []
-        self.failed_writes: list[Write] = []  # reported failed: part of it may still land
-        # (D rank, notification, its WRITE) not landed yet
-        self.notifs: list[tuple[int, bytes, Write]] = []
+        self.pieces: list[Piece] = []
+        self.notifs: list[Piece] = []  # not landed yet (a failed piece's: maybe never)
         self.outputs: dict[str, list[Any]] = {"P": [], "D": []}
         self.incarnations = {"P": 0, "D": 0}
+        self.accepted: list[str] = []  # D request ids D decoded from pushed KV
+        self.p_failures: list[str] = []  # why P's ranks reported sends failed
+        self.stall: tuple[int, int, float] | None = None  # see ``step_p``
         self.d_sch, self.d_conn = self._node("consumer")
-        self.d_agg = KVOutputAggregator(TP)
         self._d_workers()
         self.p_sch, self.p_conn = self._node("producer")
-        self.p_agg = KVOutputAggregator(TP)
+        self._p_workers()
         self.router.nodes[self.d_conn.address] = self.d_conn
         self.router.nodes[P_ADDRESS] = self.p_conn
         self.p_requests: set[str] = set()
@@ -263,6 +275,11 @@ class Pair:
         self.faulty = False  # ... and did, or a deadline may end a leg: ends need no message
         self.dead: list[Any] = []  # connectors of processes that restarted
         self.router.meanwhile = self.ended_meanwhile
+
+    @property
+    def writes(self) -> list[Piece]:
+        """The WRITEs posted and not reported yet."""
+        return [p for p in self.pieces if p.state == "posted"]
 
     def ended_meanwhile(self, msg: dict[str, Any]) -> None:
         """While D's reservation ``msg`` is on the wire, its request ends (the engine
@@ -277,14 +294,49 @@ class Pair:
         return self.incarnations[sender]
 
     def _d_workers(self) -> None:
+        tp = self.setup.tp_d
+        self.d_agg = KVOutputAggregator(tp)
         self.d_workers = []
-        for rank in range(TP):
-            w = NixlConnectorWorker(self.d_sch.config, rank, TP)
+        self.zeroed: set[str] = set()  # nonces whose blocks were cleared when reserved
+        for rank in range(tp):
+            w = NixlConnectorWorker(self.d_sch.config, rank, tp)
             w.transport = NotifsOnly()  # type: ignore[assignment]
+            w._kv_cache = kv_cache(BLOCKS, 4, tp)
             self.d_workers.append(w)
+        conn, accept = self.d_conn, self.d_conn.update_connector_output
+
+        def checked(output: Any) -> dict[str, dict[str, Any]]:
+            waiting = dict(conn.consumer.recvs)
+            landed = accept(output)
+            for rid in landed:  # D decodes from these blocks now: they hold P's KV
+                recv = waiting[rid]
+                table = self.d_sch.kv.block_ids(rid)  # its prefix-cache hits too
+                assert table[recv.skip_blocks :] == recv.block_ids
+                for w in self.d_workers:
+                    assert w._kv_cache is not None
+                    wrong = holds(w._kv_cache, w.rank, tp, PROMPT, table)
+                    assert wrong is None, f"D decodes {rid} from KV P did not send: {wrong}"
+                self.accepted.append(rid)
+            return landed
+
+        conn.update_connector_output = checked  # type: ignore[method-assign]
+
+    def _p_workers(self) -> None:
+        self.p_agg = KVOutputAggregator(self.setup.tp_p)
+        self._sends: dict[str, Any] = {}  # nonce -> this step's send of it
+        hooks = Hooks(self.pieces.append, self.notifs.append, self._about)
+        self.p_workers = p_workers(self.p_sch.config, self.setup.tp_p, BLOCKS, hooks)
+
+    def _about(self, notif: bytes) -> tuple[str, float, int]:
+        """(P request id, post-by time, D incarnation) of the send a WRITE is part of."""
+        nonce = Notif.unpack(notif).k
+        send = self._sends[nonce]
+        # The D process its reservation came from (a nonce names its maker).
+        mine = nonce.startswith(f"{self.d_conn.incarnation}.")
+        return send.request_id, send.post_by, self.incarnation("D") if mine else -1
 
     def _node(self, role: str) -> tuple[Scheduler, nixl_scheduler.NixlConnectorScheduler]:
-        cfg = _config(role)
+        cfg = _config(role, self.setup)
         spec = KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
         conn = nixl_scheduler.NixlConnectorScheduler(cfg, spec)
         sender = "P" if role == "producer" else "D"
@@ -300,7 +352,7 @@ class Pair:
         # D's liveness pings of the prefill nodes it waits on: queued calls too.
         conn.liveness._request = self.router.request
         conn.liveness._lanes = _Pings(self)  # type: ignore[assignment]
-        conn.set_worker_info([{"num_blocks": BLOCKS} for _ in range(TP)])
+        conn.set_worker_info([{"num_blocks": BLOCKS} for _ in range(cfg.parallel.tp)])
         return Scheduler(cfg, BLOCKS, 256, conn), conn
 
     # -- requests ------------------------------------------------------------------------
@@ -336,10 +388,18 @@ class Pair:
     # -- steps ---------------------------------------------------------------------------
     def step_d(self) -> None:
         so = self.d_sch.schedule()
+        for recv in self.d_conn.consumer.recvs.values():
+            if recv.nonce not in self.zeroed:  # fresh blocks: whatever they held is gone
+                self.zeroed.add(recv.nonce)
+                for w in self.d_workers:
+                    assert w._kv_cache is not None
+                    w._kv_cache[recv.block_ids] = 0.0
         md = so.kv_connector_metadata
         self.d_agg.forget(md.ended_transfer_keys())
         outs = []
         for w in self.d_workers:
+            for layer in range(LAYERS):  # D's forward: the KV of what it computes
+                forward_layer(w, so, self.d_sch.kv.block_ids, layer)
             w.bind_connector_metadata(md)
             sending, recving = w.get_finished(set())
             sampled = {s.request_id: 7 for s in so.seqs if s.samples} if w.rank == 0 else {}
@@ -355,80 +415,84 @@ class Pair:
             w.clear_connector_metadata()
         self.outputs["D"] += self.d_sch.update_from_output(so, self.d_agg.aggregate(outs))
 
-    def step_p(self, reports: dict[int, dict[str, str | None]] | None = None) -> None:
-        """One P step; ``reports``: rank -> {P request id: error or None} its ranks report."""
+    def step_p(self, abort: bool = False) -> None:
+        """One P step: the forward writes the scheduled tokens' KV, P's ranks post the
+        step's sends (a pipelined one piece by piece) and report what finished.
+        ``abort``: the step's prefills are aborted while it runs (async scheduling: an
+        abort between a step's schedule and its update), mid-pipeline. ``stall`` (rank,
+        layer, seconds): in the next step that computes, that rank stalls after computing
+        that layer (swap, a hung GPU)."""
         so = self.p_sch.schedule()
         md = so.kv_connector_metadata
         self.p_agg.forget(md.ended_transfer_keys())
-        for send in md.sends:
-            self.writes.append(
-                Write(
-                    send.request_id,
-                    send.notif,
-                    list(send.remote_block_ids),
-                    list(send.local_block_ids),
-                    self.clock.now,
-                    # The D process its reservation came from (a nonce names its maker).
-                    self.incarnation("D")
-                    if Notif.unpack(send.notif).k.startswith(f"{self.d_conn.incarnation}.")
-                    else -1,
-                    send.post_by,
-                )
-            )
-        reports = reports or {}
-        outs = []
-        for rank in range(TP):
-            done = reports.get(rank, {})
-            failed = {rid: why for rid, why in done.items() if why is not None}
-            sampled = {s.request_id: 7 for s in so.seqs if s.samples} if rank == 0 else {}
-            outs.append(
-                WorkerOutput(
-                    rank=rank,
-                    finished_sending=set(done),
-                    finished_recving=set(),
-                    kv_failed=failed,
-                    sampled_token_ids=sampled,
-                )
-            )
+        self._sends = {Notif.unpack(send.notif).k: send for send in md.sends}
+        sampled = {s.request_id: 7 for s in so.seqs if s.samples}
+        table = self.p_sch.kv.block_ids
+
+        stall, self.stall = (self.stall, None) if so.num_scheduled_tokens else (None, self.stall)
+
+        def after_layer(rank: int, layer: int) -> None:
+            if stall is not None and stall[:2] == (rank, layer):
+                self.clock.now += stall[2]
+
+        outs = [p_rank_step(w, so, table, sampled, after_layer) for w in self.p_workers]
+        self.p_failures += [why for out in outs for why in out.kv_failed.values()]
+        for rid in sampled if abort else ():
+            self.p_sch.abort_request(rid)
         self.outputs["P"] += self.p_sch.update_from_output(so, self.p_agg.aggregate(outs))
 
-    def report(self, index: int, rank: int, ok: bool, lands: bool) -> None:
-        """Rank ``rank`` of P finishes its WRITE of ``writes[index]`` (the report reaches
-        P's scheduler with a step); ``lands``: its notification reaches D's rank."""
-        w = self.writes[index]
-        if rank not in w.ranks_left:
+    def report(self, piece: Piece, ok: bool, lands: bool, corrupt: bool = False) -> None:
+        """P's rank finishes WRITE ``piece`` (the report reaches P's scheduler with a
+        step). ok: its data is in D's rank, and its notification lands later (``lands``;
+        else it is lost); failed: part of it may still land, until its notification does."""
+        if piece.state != "posted":
             return
-        w.ranks_left.discard(rank)
-        if lands:
-            self.notifs.append((rank, w.notif, w))
-        if not ok:
-            w.failed = True
-            w.may_land.add(rank)
-        if not w.ranks_left:
-            self.writes.pop(index)
-            if w.may_land:
-                self.failed_writes.append(w)
-        self.step_p({rank: {w.p_request_id: None if ok else "WRITE failed"}})
+        if ok:
+            piece.state, piece.handle.state = "ok", DONE
+            if piece.d_incarnation == self.incarnation("D"):
+                land(piece, self.d_kv(piece.d_rank), corrupt)
+            piece.landed = True
+            if lands:
+                self.notifs.append(piece)
+        else:
+            self.p_workers[piece.p_rank].transport.fail(piece, "WRITE failed")  # type: ignore[union-attr]
+        self.step_p()
 
-    def land(self, index: int) -> None:
-        rank, raw, w = self.notifs.pop(index)
-        w.may_land.discard(rank)  # its data is in: nothing more of it lands
-        if w.d_incarnation != self.incarnation("D"):
+    def d_kv(self, rank: int) -> torch.Tensor:
+        kv = self.d_workers[rank]._kv_cache
+        assert kv is not None
+        return kv
+
+    def land(self, index: int, corrupt: bool = False) -> None:
+        piece = self.notifs.pop(index)
+        if piece.d_incarnation != self.incarnation("D"):
+            piece.landed = True
             return  # written into a D process that is gone
-        self.d_workers[rank].transport.inbox.append(raw)  # type: ignore[union-attr]
+        if not piece.landed:  # a failed WRITE's data: in after all
+            land(piece, self.d_kv(piece.d_rank), corrupt)
+        self.d_workers[piece.d_rank].transport.inbox.append(piece.notif)  # type: ignore[union-attr]
+
+    def may_land(self, piece: Piece) -> bool:
+        """Its data may still reach D's blocks (its rank has not reported it, or it failed
+        and its notification has not landed)."""
+        if piece.state == "posted":
+            return True
+        return piece.state == "failed" and not piece.landed and any(q is piece for q in self.notifs)
 
     def restart_p(self) -> None:
         """P's process dies and a new one serves the same address: its state, blocks and
-        queued calls are gone; WRITEs it posted are torn down with it."""
+        queued calls are gone; WRITEs it posted (pieces of a pipelined send mid-way) are
+        torn down with it, and what its failed WRITEs had not landed never will."""
         old = self.p_conn
         self.dead.append(old)
         self.incarnations["P"] += 1
-        self.writes.clear()
-        self.failed_writes.clear()
-        # What its failed WRITEs had not landed never will.
-        self.notifs = [(r, raw, w) for r, raw, w in self.notifs if r not in w.may_land]
+        for piece in self.pieces:
+            if piece.state == "posted" or (piece.state == "failed" and not piece.landed):
+                piece.state = "gone"
+        self.notifs[:] = [p for p in self.notifs if p.state != "gone"]
+        self.pieces.clear()
         self.p_sch, self.p_conn = self._node("producer")
-        self.p_agg = KVOutputAggregator(TP)
+        self._p_workers()
         self.router.nodes[P_ADDRESS] = self.p_conn
         self.p_requests.clear()
         old.shutdown()
@@ -443,7 +507,6 @@ class Pair:
         self.d_sch, self.d_conn = self._node("consumer")
         conn = self.d_conn
         conn.address = conn.service.address = conn.links.address = old.address
-        self.d_agg = KVOutputAggregator(TP)
         self._d_workers()
         self.router.nodes[old.address] = conn
         self.d_requests.clear()
@@ -470,12 +533,16 @@ def writable(pair: Pair) -> list[tuple[str, list[int], str]]:
     """(D request id, D blocks, why) a WRITE of P may land in now or later."""
     out: list[tuple[str, list[int], str]] = []
     now = pair.clock.now
-    live = [w for w in pair.writes + pair.failed_writes if w.d_incarnation == pair.incarnation("D")]
-    for w in live:
+    for p in pair.pieces:
         # A rank posts it by ``post_by`` at the latest and its WRITE times out after T (a
         # rank stuck inside a WRITE past that is an open hole, docs/reliability.md).
-        if (w.ranks_left or w.may_land) and now < w.post_by + TIMEOUT:
-            out.append((Notif.unpack(w.notif).r, w.d_blocks, f"posted WRITE of {w.p_request_id}"))
+        if (
+            p.d_incarnation == pair.incarnation("D")
+            and pair.may_land(p)
+            and now < p.post_by + TIMEOUT
+        ):
+            why = f"{p.state} WRITE of {p.p_request_id} (P rank {p.p_rank}, layers {p.layers})"
+            out.append((Notif.unpack(p.notif).r, p.d_blocks, why))
     prod = pair.p_conn.producer
     held = list(prod.early.values())
     held += [s.reservation for s in prod.pending.values() if s.reservation is not None]
@@ -497,12 +564,13 @@ def check_no_block_free_while_writable(pair: Pair) -> None:
 
 def check_no_block_free_while_read(pair: Pair) -> None:
     """P's blocks stay held while a rank's WRITE may still read them: a send is over only
-    when every rank reported it (or 2T after it started: every WRITE timed out by then)."""
+    when every rank reported every piece of it (or 2T after it started: every WRITE timed
+    out by then)."""
     sch = pair.p_sch
-    for w in pair.writes:
-        if not w.ranks_left or pair.clock.now >= w.post_by + TIMEOUT:
+    for p in pair.writes:
+        if pair.clock.now >= p.post_by + TIMEOUT:
             continue
-        owned = set(sch.kv.block_ids(w.p_request_id))
-        for b in w.p_blocks:
-            assert sch.kv.pool.ref_cnt[b] > 0, f"P block {b} is free, ranks {w.ranks_left} read it"
-            assert b in owned, f"P block {b} is no longer {w.p_request_id}'s, a WRITE reads it"
+        owned = set(sch.kv.block_ids(p.p_request_id))
+        for b in p.p_blocks:
+            assert sch.kv.pool.ref_cnt[b] > 0, f"P block {b} is free, rank {p.p_rank} reads it"
+            assert b in owned, f"P block {b} is no longer {p.p_request_id}'s, a WRITE reads it"

@@ -3,14 +3,19 @@ prefill node and a decode node (each with the real scheduler and block pool) tal
 a message queue the test controls (``pd_model.Pair``), under drawn interleavings: side-
 channel calls delivered in any order, lost, their reply lost, sent twice, replayed late
 (at a restarted process too), a reservation on the wire while its request ends; P's ranks
-reporting their WRITEs one by one, ok or failed, notifications landing or not, in any
-order; requests aborted on either side at any point; the clock moved past deadlines; P
-restarted with a new incarnation.
+(the real worker-side connectors, ``pd_ranks``) posting whole sends or a pipelined send's
+layer-group pieces, head slices where P's and D's TP sizes differ (2->2, 1->2, 2->1), with
+checksums or without; each WRITE reported on its own, ok or failed, its data and
+notification landing or not, late, or corrupted, in any order; requests aborted on either
+side at any point (a P prefill also mid-pipeline); a P rank stalling mid-forward; the
+clock moved past deadlines; either node restarted with a new incarnation.
 
 After every action: no block of D is free, or another request's, while a WRITE may land
-in it (a reservation P holds, a WRITE posted and not reported). At the end, once every
-deadline passed and every queue is drained: nothing held on either side, no partial count
-left, and every request reached a terminal outcome.
+in it (a reservation P holds, a WRITE posted and not reported, a failed one that may
+still land), and no block of P is free while a WRITE reads it. Whenever D decodes from
+pushed KV, its ranks' blocks hold exactly P's KV (every piece, every head, nothing
+corrupted). At the end, once every deadline passed and every queue is drained: nothing
+held on either side, no partial count left, and every request reached a terminal outcome.
 
 Fixed examples (derandomized, no database); ``PDSERVE_PD_PROTOCOL_EXAMPLES=N`` multiplies
 them for a longer hunt.
@@ -29,30 +34,54 @@ from pd_model import (
     TIMEOUT,
     FakeTime,
     Pair,
+    Setup,
     check_no_block_free_while_read,
     check_no_block_free_while_writable,
     fake_clock,
 )
 
-EXAMPLES = 60 * int(os.environ.get("PDSERVE_PD_PROTOCOL_EXAMPLES", "1"))
+from kvconnector.nixl.metadata import TOO_LATE
+
+EXAMPLES = 250 * int(os.environ.get("PDSERVE_PD_PROTOCOL_EXAMPLES", "1"))
 FAULTS = ("ok", "ok", "ok", "lost", "no_reply", "twice", "not_sent", "ended_meanwhile")
 ACTIONS = (
     *("new_pair",) * 2,
     "new_d_only",
     "new_p_only",
     *("tick",) * 6,  # both nodes step and the oldest call is delivered: progress
+    *("flush",) * 2,  # every queued call delivered, both nodes step: to the push
     "step_d",
     "step_p",
     *("deliver",) * 4,
     *("report",) * 4,
     *("land",) * 3,
+    *("report_all",) * 2,  # every posted WRITE (each piece) reported, in a drawn order
+    "land_all",
     "advance",
     "to_deadline",
     "abort_d",
     "abort_p",
+    "abort_p_mid_step",  # P's prefill aborted while its last step (a pipelined push) runs
+    "stall_p_mid_step",  # a P rank will stall mid-forward: past a deadline between pieces
     "restart_p",
     "restart_d",
     "replay",
+)
+
+
+# P TP2 -> D TP2 (whole blocks), P TP1 -> D TP2 and P TP2 -> D TP1 (head slices); whole
+# sends or pipelined ones (4 pieces of a layer, or layers [0, 3) and [3, 4)); sums or not.
+SETUPS = st.builds(
+    Setup,
+    tp_p=st.just(2),
+    tp_d=st.just(2),
+    group=st.sampled_from((0, 1, 3)),
+    checksum=st.sampled_from(("off", "full")),
+    policy=st.sampled_from(("recompute", "fail")),
+).flatmap(
+    lambda s: st.sampled_from(
+        (s, Setup(1, 2, s.group, s.checksum, s.policy), Setup(2, 1, s.group, s.checksum, s.policy))
+    )
 )
 
 
@@ -69,9 +98,11 @@ def settle(pair: Pair) -> None:
         busy = bool(pair.calls or pair.writes or pair.notifs)
         while pair.calls:
             pair.deliver(0)
-        while pair.writes:
-            for rank in sorted(pair.writes[0].ranks_left):
-                pair.report(0, rank, ok=True, lands=True)
+        while pair.writes:  # a piece at a time, D stepping in between
+            pair.report(pair.writes[0], ok=True, lands=True)
+            while pair.notifs:
+                pair.land(0)
+            pair.step_d()
         while pair.notifs:
             pair.land(0)
         pair.step_d()
@@ -119,6 +150,8 @@ def check_all_ended(pair: Pair) -> None:
     assert not pair.d_conn.consumer.quarantine
     for w in pair.d_workers:
         assert not w._parts, f"D rank {w.rank} kept partial counts {w._parts}"
+    for w in pair.p_workers:
+        assert not w._sending and not w._pipes, f"P rank {w.rank} kept sends {w._sending}"
     assert not pair.d_agg.pending_ids and not pair.p_agg.pending_ids
     ended = {
         side: {o.request_id for o in outs if o.finished} for side, outs in pair.outputs.items()
@@ -137,6 +170,18 @@ def deadlines(pair: Pair) -> list[float]:
     return sorted({t for t in times if t > pair.clock.now})
 
 
+def corrupted(pair: Pair, data: Any) -> bool:
+    """Whether the data of a WRITE is corrupted on its way (only where D checks sums:
+    without them D cannot tell)."""
+    if pair.setup.checksum == "off":
+        return False
+    bad = data.draw(st.integers(0, 4)) == 0
+    pair.faulty |= bad
+    if bad:
+        event("a WRITE was corrupted on its way")
+    return bad
+
+
 def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
     draw = data.draw
     if action in ("new_pair", "new_d_only", "new_p_only"):
@@ -150,6 +195,12 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
         pair.step_p()
         if pair.calls:
             pair.deliver(0)
+    elif action == "flush":
+        for _ in range(3):
+            while pair.calls:
+                pair.deliver(0)
+            pair.step_d()
+            pair.step_p()
     elif action == "step_d":
         pair.step_d()
     elif action == "step_p":
@@ -161,14 +212,28 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
         pair.faulty |= fault != "ok"
         pair.deliver(i, fault)
     elif action == "report" and pair.writes:
-        i = draw(st.integers(0, len(pair.writes) - 1))
-        rank = draw(st.sampled_from(sorted(pair.writes[i].ranks_left)))
+        # Any posted WRITE: a rank's, a piece of a pipelined send, in any order.
+        piece = draw(st.sampled_from(pair.writes))
         ok = draw(st.booleans())
         lands = not ok or not pair.faults or draw(st.booleans())
         pair.faulty |= not (ok and lands)
-        pair.report(i, rank, ok, lands)
+        pair.report(piece, ok, lands, corrupt=ok and corrupted(pair, data))
+    elif action == "report_all":
+        for piece in data.draw(st.permutations(pair.writes)):
+            ok = draw(st.integers(0, 7)) > 0
+            lands = not ok or not pair.faults or draw(st.integers(0, 7)) > 0
+            pair.faulty |= not (ok and lands)
+            pair.report(piece, ok, lands, corrupt=ok and corrupted(pair, data))
+            if draw(st.booleans()):  # its notification lands before the next report
+                while pair.notifs:
+                    pair.land(0, corrupt=not pair.notifs[0].landed and corrupted(pair, data))
+                pair.step_d()
+    elif action == "land_all":
+        while pair.notifs:
+            pair.land(0, corrupt=not pair.notifs[0].landed and corrupted(pair, data))
     elif action == "land" and pair.notifs:
-        pair.land(draw(st.integers(0, len(pair.notifs) - 1)))
+        i = draw(st.integers(0, len(pair.notifs) - 1))
+        pair.land(i, corrupt=not pair.notifs[i].landed and corrupted(pair, data))
     elif action == "advance":
         dt = draw(st.sampled_from((0.5, 2.0, TIMEOUT / 2, TIMEOUT, 2 * TIMEOUT)))
         pair.faulty |= dt >= TIMEOUT  # a deadline may end a leg (and P forget a cancel)
@@ -178,11 +243,26 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
         pair.faulty = True
         pair.clock.now = draw(st.sampled_from(edges)) - draw(st.sampled_from((0.5, 0.1, 0.0)))
     elif action == "abort_d" and pair.d_requests:
-        pair.d_sch.abort_request(draw(st.sampled_from(sorted(pair.d_requests))))
+        rid = draw(st.sampled_from(sorted(pair.d_requests)))
+        if any(p.p_request_id == f"p-{rid[2:]}" for p in pair.writes):
+            event("D's request ended while WRITEs into it were posted")
+        pair.d_sch.abort_request(rid)
     elif action == "abort_p" and pair.p_requests:
         pair.p_sch.abort_request(draw(st.sampled_from(sorted(pair.p_requests))))
+    elif action == "abort_p_mid_step":
+        pair.step_p(abort=True)
+        if any(s.pipelined for s in pair.p_conn.producer.in_flight.values()):
+            event("P's prefill aborted mid-pipeline")
+    elif action == "stall_p_mid_step":
+        rank = draw(st.integers(0, pair.setup.tp_p - 1))
+        layer = draw(st.integers(0, 3))
+        dt = draw(st.sampled_from((0.5, TIMEOUT / 2, 1.5 * TIMEOUT)))
+        pair.faulty |= dt >= TIMEOUT / 2
+        pair.stall = (rank, layer, dt)  # in P's next step that computes
     elif action == "restart_p" and pair.faults:
         pair.faulty = True
+        if any(p.landed for p in pair.pieces) and pair.writes:
+            event("P restarted with a send part landed, part posted")
         pair.restart_p()
     elif action == "restart_d" and pair.faults:
         pair.faulty = True
@@ -197,7 +277,7 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
 @given(data=st.data())
 def test_pd_protocol_holds_under_drawn_interleavings(clock: FakeTime, data: Any) -> None:
     clock.now = 1000.0
-    pair = Pair(clock)
+    pair = Pair(clock, data.draw(SETUPS))
     try:
         pair.faults = data.draw(st.booleans())  # False: only aborts, failed WRITEs, time
         steps = data.draw(st.integers(5, 60))
@@ -212,6 +292,17 @@ def test_pd_protocol_holds_under_drawn_interleavings(clock: FakeTime, data: Any)
         drain(pair)
         check_all_ended(pair)
         links = [c.links for c in (pair.d_conn, *pair.dead) if hasattr(c, "links")]
+        st_ = pair.setup
+        event(f"P TP{st_.tp_p} -> D TP{st_.tp_d}, group {st_.group}, sums {st_.checksum}")
+        conns = [pair.p_conn, pair.d_conn, *pair.dead]
+        if any(getattr(c, "pipelined_sends", 0) for c in conns):
+            event("a send was pipelined")
+        if any(getattr(c, "checksum_failures", 0) for c in conns):
+            event("D caught a corrupted transfer")
+        if pair.accepted:
+            event("D decoded from pushed KV")
+        if TOO_LATE in pair.p_failures:
+            event("a P rank got to a send (or its next piece) past its deadline")
         if any(x.calls_skipped for x in links):  # reached since created took the fake clock
             event("a call queued behind an unanswered one was not sent")
     finally:
