@@ -143,3 +143,46 @@ def test_a_step_that_raises_in_a_worker_fails_with_the_workers_traceback():
     with LLM(cfg) as llm, pytest.raises(WorkerError, match="IndexError"):
         llm.core.scheduler.vocab_size = None  # past admission's vocabulary check, as a bug would
         llm.generate_token_ids([[10**6]], SamplingParams(max_tokens=2))  # no such embedding row
+
+
+@pytest.mark.timeout(180)
+def test_a_step_larger_than_the_pipe_to_a_hung_worker_fails_and_the_engine_still_shuts_down():
+    """A step's message (here ~95 KB: 64 prompts with penalties and min_tokens' banned stop
+    ids) is larger than the task pipe holds (64 KiB), so sending it to a SIGSTOPped worker
+    cannot finish. The send is bounded by --step-timeout like the wait for the result (it
+    blocked for good: no step timeout, /health 200, every request hung), and the shutdown
+    that follows kills the stopped worker (its own message could not enter the full pipe
+    either: a node never exited on SIGTERM)."""
+    import os
+    import signal
+
+    from engine.executor.multiproc import WorkerDiedError
+
+    cfg = EngineConfig(
+        cache=CacheConfig(num_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192),
+        parallel=ParallelConfig(distributed_executor_backend="mp", step_timeout=3.0),
+    )
+    rng = random.Random(0)
+    prompts = [[rng.randint(256, 511) for _ in range(100)] for _ in range(64)]
+    params = SamplingParams(
+        max_tokens=3,
+        temperature=0.0,
+        presence_penalty=0.5,
+        min_tokens=2,
+        stop_token_ids=list(range(256, 512)),
+    )
+    llm = LLM(cfg)
+    executor = llm.core.executor
+    worker = executor.procs[0]
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        with pytest.raises(WorkerDiedError, match="did not take a step"):
+            llm.generate_token_ids(prompts, params)
+        assert executor.is_dead
+        llm.shutdown()  # the worker still stopped
+        assert not worker.is_alive()
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGCONT)
+        llm.shutdown()

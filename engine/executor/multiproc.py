@@ -17,6 +17,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -31,12 +32,15 @@ from engine.core.scheduler_output import (
     WorkerOutput,
 )
 from engine.executor.aggregator import KVOutputAggregator
+from engine.executor.pipe_send import send_within, set_nonblocking
 from engine.worker.pipe import WAKE, WorkerError, worker_context, worker_entry
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_S = 5.0
+# The shutdown message to a worker whose pipe is full (stopped) is not waited for longer.
+SHUTDOWN_SEND_S = 1.0
 
 
 class WorkerDiedError(RuntimeError):
@@ -124,6 +128,12 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self._close_rendezvous()  # rank 0's store serves on its own copy of the socket
+        # From here on every message to a worker has a deadline (``pipe_send``); one lock per
+        # pipe keeps a message whole (the shutdown does not write into a step's message).
+        for conn in self._task:
+            set_nonblocking(conn)
+        self._send_locks = [threading.Lock() for _ in range(self.world_size)]
+        self._cut: set[int] = set()  # ranks whose pipe holds a message given up half-way
         self._threads = [
             threading.Thread(target=self._reader, args=(r,), daemon=True, name=f"tp{r}-reader")
             for r in range(self.world_size)
@@ -169,11 +179,7 @@ class MultiprocExecutor:
                 fut: Future[WorkerOutput] = Future()
                 self._pending[rank].append(fut)
                 futures.append(fut)
-        try:
-            for conn in self._task:
-                conn.send_bytes(payload)
-        except OSError as e:
-            self._mark_dead(f"lost the pipe to a TP worker: {e}")
+        self._send_all(payload)
         result = self.aggregator.async_aggregate(futures)
         if non_block:
             return result
@@ -184,10 +190,33 @@ class MultiprocExecutor:
         that samples) waits for them after the step's forward."""
         if self.dead_reason is not None:
             return  # the step fails with the executor
+        self._send(0, pickle.dumps(deferred), time.monotonic() + self.step_timeout)
+
+    def _send_all(self, payload: bytes) -> None:
+        """A step to every rank, all of it within ``--step-timeout``."""
+        deadline = time.monotonic() + self.step_timeout
+        for rank in range(self.world_size):
+            if not self._send(rank, payload, deadline):
+                return
+
+    def _send(self, rank: int, payload: bytes, deadline: float) -> bool:
+        """One message to ``rank`` by ``deadline``; past it (the worker does not read: a
+        stopped process, a hung device call) or with the pipe gone, the executor is dead."""
         try:
-            self._task[0].send_bytes(pickle.dumps(deferred))
+            with self._send_locks[rank]:
+                if rank in self._cut or self._shutting_down:
+                    return False
+                if send_within(self._task[rank], payload, deadline - time.monotonic()):
+                    return True
+                self._cut.add(rank)
         except OSError as e:
-            self._mark_dead(f"lost the pipe to a TP worker: {e}")
+            self._mark_dead(f"lost the pipe to TP worker {rank}: {e}")
+            return False
+        self._mark_dead(
+            f"TP worker {rank} did not take a step within {self.step_timeout:.0f}s "
+            "(its task pipe stayed full)"
+        )
+        return False
 
     def wait(self, result: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
         """A step's aggregated result; the executor is dead past ``--step-timeout``."""
@@ -256,6 +285,20 @@ class MultiprocExecutor:
             if not f.done():
                 f.set_exception(WorkerDiedError(reason))
 
+    def _send_shutdown(self, rank: int, conn: Connection) -> None:
+        """Ask a worker to exit; not waited for long: one that does not read (stopped, its
+        pipe full, or holding a message cut half-way) is killed after the grace."""
+        locks = getattr(self, "_send_locks", None)
+        with contextlib.suppress(OSError):
+            if locks is None:  # still starting: the pipe is blocking, and empty
+                conn.send_bytes(b"shutdown")
+            elif locks[rank].acquire(timeout=SHUTDOWN_SEND_S):
+                try:
+                    if rank not in self._cut:
+                        send_within(conn, b"shutdown", SHUTDOWN_SEND_S)
+                finally:
+                    locks[rank].release()
+
     @property
     def is_dead(self) -> bool:
         return self.dead_reason is not None
@@ -270,9 +313,8 @@ class MultiprocExecutor:
             return
         self._shutting_down = True
         self._close_rendezvous()
-        for conn in self._task:
-            with contextlib.suppress(OSError):
-                conn.send_bytes(b"shutdown")
+        for rank, conn in enumerate(self._task):
+            self._send_shutdown(rank, conn)
         for proc in self.procs:
             proc.join(SHUTDOWN_GRACE_S)
             if proc.is_alive():  # workers ignore SIGTERM (see worker_proc.worker_main): SIGKILL
