@@ -20,6 +20,7 @@ finds requests by engine id, label or transfer id (the ``/v1/abort`` endpoint).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -60,8 +61,8 @@ class _Stream:
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """From any thread."""
-        self.loop.call_soon_threadsafe(self._put, item)
+        """From any thread; nothing once the reader's loop is closed (no one reads)."""
+        _call_soon(self.loop, self._put, item)
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         tail = self._items[-1] if self._items else None
@@ -87,6 +88,14 @@ class _Stream:
             self._ready.clear()
             await self._ready.wait()
         return self._items.popleft()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """``loop.call_soon_threadsafe``, but a closed loop (its caller gone, e.g. an
+    ``asyncio.run`` that ended with a request still in the engine) is skipped: it must not
+    end the engine thread."""
+    with contextlib.suppress(RuntimeError):  # "Event loop is closed"
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _put_each(items: list[tuple[_Stream, RequestOutput]]) -> None:
@@ -236,7 +245,7 @@ class AsyncLLMEngine:
         for stream, out in pairs:
             by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_each, items)
+            _call_soon(loop, _put_each, items)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -284,28 +293,43 @@ class AsyncLLMEngine:
         return [rid for rid, r in reqs.items() if r.label == key]
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._drain_inbox(block=not self.core.has_work())
-                if not self.core.has_work():
-                    self._stats = self.core.stats()
-                    continue
-                outputs, num_tokens = self.core.step()
-            except Exception as e:
-                self._die(f"{type(e).__name__}: {e}")
-                return
-            self._deliver_step(outputs)
+        """The engine thread. Whatever raises in it -- a step, or the bookkeeping around one
+        -- makes the engine dead (``_die``): never a thread gone while requests wait."""
+        try:
+            while not self._stop.is_set():
+                self._loop_once()
+        except Exception as e:
+            logger.exception("the engine loop failed")
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _loop_once(self) -> None:
+        self._drain_inbox(block=not self.core.has_work())
+        if not self.core.has_work():
             self._stats = self.core.stats()
-            if num_tokens == 0 and not self.core.has_running():
-                # only waiting on transfers/holds (or a delayed admission's end); a request
-                # whose KV landed in this step is running now: step again at once
-                self._wake.wait(self.core.idle_wait(EMPTY_STEP_WAIT_S))
-                self._wake.clear()
+            return
+        outputs, num_tokens = self.core.step()
+        self._deliver_step(outputs)
+        self._stats = self.core.stats()
+        if num_tokens == 0 and not self.core.has_running():
+            # only waiting on transfers/holds (or a delayed admission's end); a request
+            # whose KV landed in this step is running now: step again at once
+            self._wake.wait(self.core.idle_wait(EMPTY_STEP_WAIT_S))
+            self._wake.clear()
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
         logger.error("engine is dead: %s", reason)
-        self._deliver_step(self.core.fail_all(f"engine failed: {reason}"))
+        try:
+            outputs = self.core.fail_all(f"engine failed: {reason}")
+        except Exception:  # the scheduler's state is what failed: end the streams below
+            logger.exception("ending the dead engine's requests failed")
+            outputs = []
+        self._deliver_step(outputs)
+        ended = {o.request_id for o in outputs if o.finished}
+        with self._streams_lock:
+            left = [s for rid, s in self._streams.items() if rid not in ended]
+        for stream in left:  # no output ended it: its reader must not wait for good
+            stream.put(RuntimeError(f"engine is dead: {reason}"))
         # Requests still in the inbox, or added from now on, get the error too.
         while True:
             try:

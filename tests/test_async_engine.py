@@ -82,3 +82,58 @@ def test_a_duplicate_id_is_refused_and_does_not_take_over_the_first_stream(engin
     assert len(first) == GREEDY.max_tokens  # the first request kept its whole stream
     # The id is free again once its request finished.
     assert len(asyncio.run(_collect(engine, "dup", [9]))) == GREEDY.max_tokens
+
+
+def test_an_engine_loop_that_raises_between_steps_ends_its_requests_and_health():
+    """Fault injection: what the engine thread does after a step (here its stats snapshot,
+    a bug) raises. The thread used to die silently there -- outside the guard that turns a
+    failed step into a dead engine -- so every request waited for good and ``/health``
+    stayed 200; now the engine is dead: requests end with its error, ``healthy`` is False."""
+    eng = AsyncLLMEngine(
+        EngineConfig(model=ModelConfig(max_model_len=64), cache=CacheConfig(num_blocks=64)),
+        log_level="WARNING",
+    )
+    try:
+        real_stats = eng.core.stats
+
+        def broken_stats():  # once a request is in: after its first step
+            if eng.core.scheduler.requests:
+                raise RuntimeError("stats bug")
+            return real_stats()
+
+        eng.core.stats = broken_stats  # type: ignore[method-assign]
+
+        async def run() -> list:
+            outs = []
+            async for out in eng.generate("r", [1, 2, 3], GREEDY):
+                outs.append(out)
+            return outs
+
+        async def bounded() -> list:  # a hang shows as a TimeoutError, never as a pass
+            return await asyncio.wait_for(run(), 60)
+
+        outs = asyncio.run(bounded())
+        assert outs[-1].finished and "stats bug" in (outs[-1].error or ""), outs[-1]
+        assert not eng.healthy and "stats bug" in (eng.dead_reason or "")
+        with pytest.raises(RuntimeError, match="engine is dead"):
+            asyncio.run(bounded())
+    finally:
+        eng.shutdown()
+
+
+def test_a_request_whose_event_loop_closed_does_not_stop_the_engine(engine):
+    """A caller's event loop closed with its request still running (an ``asyncio.run`` that
+    ended mid-stream, its generator never closed): the engine's next output for it has
+    nowhere to go. Delivering it raised in the engine thread, which died silently: every
+    later request waited for good. Now it is dropped and the engine serves on."""
+    loop = asyncio.new_event_loop()
+    gen = engine.generate("orphan", [1, 2, 3], GREEDY)
+    loop.run_until_complete(anext(gen))  # running; 23 more tokens to come
+    loop.close()
+
+    async def bounded() -> list[int]:  # a hang shows as a TimeoutError, never as a pass
+        return await asyncio.wait_for(_collect(engine, "after", [4, 5, 6]), 60)
+
+    assert len(asyncio.run(bounded())) == GREEDY.max_tokens
+    assert engine.healthy
+    del gen
