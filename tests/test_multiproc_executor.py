@@ -39,3 +39,55 @@ def test_a_tp_start_does_not_depend_on_a_port_staying_free_until_rank_0_binds_it
         assert [p.exitcode for p in ex.procs] == [0, 0]
     finally:
         squatter.close()
+
+
+class _Unkillable:
+    """Fault injection: a worker SIGKILL does not end (a process in uninterruptible sleep:
+    a hung GPU driver call, a dead NFS mount). ``join()`` without a timeout never returns."""
+
+    def __init__(self, real) -> None:
+        self.real, self.pid, self.sentinel = real, real.pid, real.sentinel
+        self.exitcode = None
+        self.killed = 0
+
+    def join(self, timeout: float | None = None) -> None:
+        import threading
+
+        threading.Event().wait(timeout)  # forever without one
+
+    def is_alive(self) -> bool:
+        return True
+
+    def kill(self) -> None:
+        self.killed += 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_shutdown_ends_even_when_a_killed_worker_does_not_exit(caplog):
+    """The shutdown waits the grace, SIGKILLs, and then waits a bounded time: a worker that
+    even SIGKILL does not end is logged and left (it waited in ``join()`` for good, so a
+    node with such a worker never exited on SIGTERM)."""
+    import threading
+
+    from engine.executor import multiproc
+
+    cfg = EngineConfig(
+        model=ModelConfig(dtype="float32"),
+        cache=CacheConfig(num_blocks=16),
+        parallel=ParallelConfig(tp=1, device="cpu", distributed_executor_backend="mp"),
+    )
+    ex = multiproc.MultiprocExecutor(cfg, lambda kv_bytes: 16)
+    real = ex.procs[0]
+    stuck = _Unkillable(real)
+    ex.procs[0] = stuck
+    try:
+        done = threading.Thread(target=ex.shutdown, daemon=True)
+        done.start()
+        done.join(120)  # a deadline for the hang, not a measure of speed
+        assert not done.is_alive(), "the shutdown waited for good on a worker SIGKILL left"
+        assert stuck.killed == 1
+        assert f"TP worker 0 (pid {real.pid}) did not exit" in caplog.text
+    finally:
+        real.kill()
+        real.join(30)

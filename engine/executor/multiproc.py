@@ -315,11 +315,17 @@ class MultiprocExecutor:
         self._close_rendezvous()
         for rank, conn in enumerate(self._task):
             self._send_shutdown(rank, conn)
-        for proc in self.procs:
+        for rank, proc in enumerate(self.procs):
             proc.join(SHUTDOWN_GRACE_S)
             if proc.is_alive():  # workers ignore SIGTERM (see worker_proc.worker_main): SIGKILL
                 proc.kill()
-                proc.join()
+                proc.join(SHUTDOWN_GRACE_S)  # not for good: SIGKILL waits out a D-state sleep
+                if proc.is_alive():
+                    logger.error(
+                        "TP worker %d (pid %s) did not exit %.0fs after SIGKILL (in an "
+                        "uninterruptible call: a hung device or file system?); leaving it",
+                        rank, proc.pid, SHUTDOWN_GRACE_S,
+                    )  # fmt: skip
         for conn in self._task + self._result:
             conn.close()
         if self.dead_reason is None:
