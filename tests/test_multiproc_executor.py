@@ -91,3 +91,62 @@ def test_a_shutdown_ends_even_when_a_killed_worker_does_not_exit(caplog):
     finally:
         real.kill()
         real.join(30)
+
+
+def _grandchildren_named(name: str) -> list[int]:
+    """Processes called ``name`` whose parent is a child of this process (the workers,
+    forked from this process's fork server): never another job's."""
+    import os
+
+    def stat(pid: str) -> tuple[str, int] | None:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                text = f.read()
+        except OSError:
+            return None
+        comm = text[text.index("(") + 1 : text.rindex(")")]
+        return comm, int(text[text.rindex(")") + 2 :].split()[1])
+
+    procs = {pid: s for pid in os.listdir("/proc") if pid.isdigit() and (s := stat(pid))}
+    children = {int(pid) for pid, (_, ppid) in procs.items() if ppid == os.getpid()}
+    return [int(pid) for pid, (comm, ppid) in procs.items() if comm == name and ppid in children]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_rank_that_dies_before_the_rendezvous_fails_the_start_naming_it():
+    """TP 2, rank 1 killed as soon as it exists: rank 0 waits in the rendezvous for it. The
+    start waited on rank 0 alone -- until the TCP store's own timeout (minutes), then
+    blamed rank 0 -- or ``STARTUP_TIMEOUT_S`` (600 s). Now every rank's death ends the wait
+    of any rank's report, naming the rank that died."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from engine.executor import multiproc
+
+    cfg = EngineConfig(
+        model=ModelConfig(dtype="float32"),
+        cache=CacheConfig(num_blocks=16),
+        parallel=ParallelConfig(tp=2, device="cpu", distributed_executor_backend="mp"),
+    )
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_rank_1() -> None:
+        while not stop.is_set() and not killed:
+            for pid in _grandchildren_named("pdserve-tp1"):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=kill_rank_1, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"TP worker 1 died during startup \(exit -9\)"):
+            multiproc.MultiprocExecutor(cfg, lambda kv_bytes: 16).shutdown()
+    finally:
+        stop.set()
+        watcher.join(10)
+    assert killed

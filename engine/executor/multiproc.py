@@ -147,8 +147,13 @@ class MultiprocExecutor:
         return [p.pid for p in self.procs if p.pid is not None]
 
     def _wait_for(self, rank: int, expected: str) -> Any:
+        """``rank``'s start-up report. Any rank's death ends the wait (naming that rank):
+        at TP > 1 the others wait in the rendezvous or a collective for a dead one."""
         conn, proc = self._result[rank], self.procs[rank]
-        ready = wait([conn, proc.sentinel], timeout=STARTUP_TIMEOUT_S)
+        others = {p.sentinel: (r, p) for r, p in enumerate(self.procs) if r != rank}
+        ready = wait([conn, proc.sentinel, *others], timeout=STARTUP_TIMEOUT_S)
+        if conn not in ready and proc.sentinel not in ready and ready:
+            raise self._died_at_startup(*others[ready[0]])
         if conn in ready:
             try:
                 kind, payload = conn.recv()
@@ -162,6 +167,20 @@ class MultiprocExecutor:
         if not ready:
             raise RuntimeError(f"TP worker {rank} not ready after {STARTUP_TIMEOUT_S:.0f}s")
         raise RuntimeError(f"TP worker {rank} died during startup (exit {proc.exitcode})")
+
+    def _died_at_startup(self, rank: int, proc: mp.process.BaseProcess) -> Exception:
+        """The error of a rank that ended during start-up: its own report if it sent one
+        (a failed load's traceback), else its exit code."""
+        proc.join(0.1)
+        conn = self._result[rank]
+        with contextlib.suppress(EOFError, OSError):
+            while conn.poll():  # its earlier reports, then its error if any (EOF ends it)
+                kind, payload = conn.recv()
+                if kind == "config_error":
+                    return ConfigError(f"TP worker {rank}: {payload}")
+                if kind == "error":
+                    return RuntimeError(f"TP worker {rank} failed to start:\n{payload}")
+        return RuntimeError(f"TP worker {rank} died during startup (exit {proc.exitcode})")
 
     # -- steps -----------------------------------------------------------------------------
     def execute_model(
