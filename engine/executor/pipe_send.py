@@ -37,8 +37,7 @@ def send_within(conn: Connection, data: bytes, timeout: float) -> bool:
     message is cut). Raises ``OSError`` (``BrokenPipeError``) when the reader is gone."""
     fd = conn.fileno()
     deadline = time.monotonic() + timeout
-    poller = select.poll()
-    poller.register(fd, select.POLLOUT)
+    poller: select.poll | None = None  # only when the pipe is full
     header = frame_header(len(data))
     # One write for a small message (as ``send_bytes``), no copy of a large one.
     chunks = (header + data,) if len(data) <= 16384 else (header, data)
@@ -52,5 +51,8 @@ def send_within(conn: Connection, data: bytes, timeout: float) -> bool:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
+            if poller is None:
+                poller = select.poll()
+                poller.register(fd, select.POLLOUT)
             poller.poll(max(1, int(left * 1000)))
     return True
