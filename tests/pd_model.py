@@ -32,6 +32,7 @@ from pd_ranks import (
     LAYERS,
     Hooks,
     Piece,
+    d_rank_step,
     forward_layer,
     holds,
     kv_cache,
@@ -42,6 +43,7 @@ from pd_ranks import (
 
 import engine.core.request as core_request
 import engine.core.scheduler as core_scheduler
+import kvconnector.nixl.clock as clock_mod
 import kvconnector.nixl.consumer as consumer_mod
 import kvconnector.nixl.decode_peers as decode_peers_mod
 import kvconnector.nixl.liveness as liveness_mod
@@ -54,7 +56,6 @@ import kvconnector.nixl.worker as nixl_worker
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import WorkerOutput
 from engine.executor.aggregator import KVOutputAggregator
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import load_arch_config
@@ -74,6 +75,7 @@ PROMPT = list(range(1, 14))  # 4 blocks of 4 tokens
 CLOCKED = (
     core_request,
     core_scheduler,
+    clock_mod,
     consumer_mod,
     decode_peers_mod,
     liveness_mod,
@@ -396,23 +398,12 @@ class Pair:
                     w._kv_cache[recv.block_ids] = 0.0
         md = so.kv_connector_metadata
         self.d_agg.forget(md.ended_transfer_keys())
+        sampled = {s.request_id: 7 for s in so.seqs if s.samples}
         outs = []
         for w in self.d_workers:
             for layer in range(LAYERS):  # D's forward: the KV of what it computes
                 forward_layer(w, so, self.d_sch.kv.block_ids, layer)
-            w.bind_connector_metadata(md)
-            sending, recving = w.get_finished(set())
-            sampled = {s.request_id: 7 for s in so.seqs if s.samples} if w.rank == 0 else {}
-            outs.append(
-                WorkerOutput(
-                    rank=w.rank,
-                    finished_sending=sending,
-                    finished_recving=recving,
-                    kv_recv_info=w.take_recv_info(),
-                    sampled_token_ids=sampled,
-                )
-            )
-            w.clear_connector_metadata()
+            outs.append(d_rank_step(w, so, sampled))
         self.outputs["D"] += self.d_sch.update_from_output(so, self.d_agg.aggregate(outs))
 
     def step_p(self, abort: bool = False) -> None:

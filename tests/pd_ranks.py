@@ -8,7 +8,8 @@ notification land on D's rank then or later (a failed one: maybe, until its noti
 does), possibly corrupted on the way. The KV is real tensors: P's "forward" writes into
 each layer the values ``expected`` names for the prompt's tokens, a piece copies what it
 read when posted (its layers, its head slice) into D's rank, and D's ranks checksum what
-landed. So a send D accepts can be checked against what P computed, block by block."""
+landed. So a send D accepts can be checked against what P computed, block by block.
+``d_rank_step`` is a D rank's step (also ``test_transfer_fencing``'s)."""
 
 from __future__ import annotations
 
@@ -174,6 +175,26 @@ def p_rank_step(w: NixlConnectorWorker, so: SchedulerOutput, block_ids: Callable
             finished_sending=sending,
             finished_recving=recving,
             kv_failed=w.take_failures(),
+        )
+    finally:
+        w.clear_connector_metadata()
+
+
+def d_rank_step(
+    w: NixlConnectorWorker, so: SchedulerOutput, sampled: dict[str, int]
+) -> WorkerOutput:
+    """One D rank's connector calls in a step as ``engine/worker/worker.py`` makes them
+    (its forward, if any, is the caller's): it reports the reservations whose KV landed;
+    rank 0 samples ``sampled``."""
+    w.bind_connector_metadata(so.kv_connector_metadata)
+    try:
+        sending, recving = w.get_finished(set())
+        return WorkerOutput(
+            rank=w.rank,
+            finished_sending=sending,
+            finished_recving=recving,
+            kv_recv_info=w.take_recv_info(),
+            sampled_token_ids=sampled if w.rank == 0 else {},
         )
     finally:
         w.clear_connector_metadata()

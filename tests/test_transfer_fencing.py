@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 from fakes import NotifsOnly
 from harness import free_port
+from pd_ranks import d_rank_step
 
 import kvconnector.nixl.scheduler as nixl_scheduler
 import kvconnector.nixl.worker as nixl_worker
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import WorkerOutput
 from engine.executor.aggregator import KVOutputAggregator
 from engine.kv_cache_layout import KVCacheSpec
 from engine.model.config import load_arch_config
@@ -89,23 +89,9 @@ class DecodeTP2:
         so = self.sch.schedule()
         md = so.kv_connector_metadata
         self.agg.forget(md.ended_transfer_keys())
-        outs = []
-        for w in self.workers:
-            w.bind_connector_metadata(md)
-            sending, recving = w.get_finished(set())
-            outs.append(
-                WorkerOutput(
-                    rank=w.rank,
-                    finished_sending=sending,
-                    finished_recving=recving,
-                    kv_recv_info=w.take_recv_info(),
-                    # rank 0 samples: any token will do, the model is not what is tested
-                    sampled_token_ids={seq.request_id: 1 for seq in so.seqs if seq.samples}
-                    if w.rank == 0
-                    else {},
-                )
-            )
-            w.clear_connector_metadata()
+        # rank 0 samples: any token will do, the model is not what is tested
+        sampled = {seq.request_id: 1 for seq in so.seqs if seq.samples}
+        outs = [d_rank_step(w, so, sampled) for w in self.workers]
         return self.sch.update_from_output(so, self.agg.aggregate(outs))
 
     def counts_left(self) -> dict[str, Any]:

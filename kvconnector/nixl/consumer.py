@@ -27,13 +27,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from kvconnector.nixl import clock
+
 logger = logging.getLogger(__name__)
-
-
-def _now() -> float:
-    """The connector's clock, looked up when called (a test's fake clock replaces this
-    module's ``time``; ``default_factory=time.monotonic`` bound the real one at import)."""
-    return time.monotonic()
 
 
 @dataclass
@@ -45,7 +41,7 @@ class RemoteRecv:
     skip_blocks: int  # leading prompt blocks D had in its prefix cache
     deadline: float
     nonce: str = ""  # this reservation's fence: notifs, replies and counts carry it
-    created: float = field(default_factory=_now)  # blocks reserved
+    created: float = field(default_factory=clock.monotonic)  # blocks reserved
     reserved: bool = False
     p_incarnation: str | None = None  # the P process that accepted the reservation
 

@@ -23,15 +23,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from kvconnector.nixl import clock
 from kvconnector.nixl.messages import Ack, CancelReply, Refusal
 
 logger = logging.getLogger(__name__)
-
-
-def _now() -> float:
-    """The connector's clock, looked up when called (a test's fake clock replaces this
-    module's ``time``; ``default_factory=time.monotonic`` bound the real one at import)."""
-    return time.monotonic()
 
 
 # Cancels of reservations P never held, remembered at most (each kind) for paired peers;
@@ -64,7 +59,7 @@ class PendingSend:
     deadline: float
     reservation: Reservation | None = None
     started_at: float | None = None
-    finished_at: float = field(default_factory=_now)  # the prefill's end
+    finished_at: float = field(default_factory=clock.monotonic)  # the prefill's end
     pipelined: bool = False  # started in the prefill's last step (before its end)
 
 
