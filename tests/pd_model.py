@@ -109,13 +109,20 @@ IDS = FakeIds()
 
 
 class FakeTime:
-    """``time`` for the modules under test: ``monotonic`` is the test's clock."""
+    """``time`` for the modules under test: ``monotonic`` is the test's clock, and the
+    wall clock (``time``: the hosts' shared clock, a reservation's ``sent_at``) moves
+    with it."""
+
+    EPOCH = 1.7e9  # the wall clock when ``now`` is 0
 
     def __init__(self) -> None:
         self.now = 1000.0
 
     def monotonic(self) -> float:
         return self.now
+
+    def time(self) -> float:
+        return self.EPOCH + self.now
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)

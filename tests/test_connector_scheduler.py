@@ -144,7 +144,7 @@ def test_a_cancel_after_a_failed_send_says_a_write_may_still_land(prefill, error
     )
     assert conn.producer.prefill_finished("P1", "t1", [0, 1, 2], 7)
     reserve = Reserve(
-        "t1", "n1", "D1", d_key, dead_address(), (5, 6, 7), 0, conn.incarnation
+        "t1", "n1", "D1", d_key, dead_address(), (5, 6, 7), 0, conn.incarnation, time.time()
     ).to_wire()
     assert conn.channel.handle(reserve) == {"ok": True}
     (send,) = conn.build_connector_meta(None, lambda rid: []).sends  # type: ignore[arg-type]

@@ -234,3 +234,32 @@ def test_a_request_that_ends_during_its_reservation_call_keeps_its_blocks_while_
     pair.clock.now = ended + 2 * TIMEOUT
     pair.step_d()
     check_no_block_free_while_writable(pair)
+
+
+def test_a_reservation_that_reaches_p_after_ds_quarantine_ended_is_refused(pair: Pair) -> None:
+    """D's reservation call goes unanswered (the bytes sit in a socket buffer, a network
+    partition retransmits them); D quarantines the blocks for 2T from the call's end, its
+    cancel is not sent (no connection), then frees them. The reservation reaches P only
+    now: P took it (its deadline is T from receipt, its push T more) and held a
+    reservation into blocks D had freed -- its push would write another request's KV."""
+    pair.add_d("t0")
+    pair.step_d()
+    while pair.calls:
+        pair.deliver(0)  # D paired with P (t0's reservation went through)
+    pair.add_d("t1")
+    pair.step_d()
+    reserve = next(i for i, c in enumerate(pair.calls) if c.fn.__name__ == "reserve_job")
+    pair.deliver(reserve, "lost")  # t1's reservation: no answer, it may still arrive
+    lost = len(pair.router.sent) - 1
+    assert pair.router.sent[lost][1].get("d_request_id") == "d-t1"
+    pair.clock.now += RPC_TIMEOUT_S  # the call's timeout
+    pair.step_d()  # quarantined, its cancel queued
+    pair.clock.now += 0.5
+    while pair.calls:
+        pair.deliver(0, "not_sent")  # the partition: no connection
+    pair.clock.now = pair.d_conn.consumer.quarantine["d-t1"][0]
+    pair.step_d()  # the quarantine ended: the blocks are free (t1 recomputes in others)
+    assert "d-t1" not in pair.d_sch.quarantine
+    pair.router.replay(lost)  # the partition heals: P reads the reservation
+    check_no_block_free_while_writable(pair)
+    assert "t1" not in pair.p_conn.producer.early

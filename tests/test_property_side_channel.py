@@ -95,7 +95,7 @@ KINDS = ["handshake", "reserve", "cancel", "transfer_failed", "ping", "launch", 
 FIELDS = [
     "transfer_id", "nonce", "d_request_id", "peer_key", "address", "block_ids",
     "skip_blocks", "engine_id", "incarnation", "compat", "ranks", "reason", "safe",
-    "p_incarnation",
+    "p_incarnation", "sent_at",
 ]  # fmt: skip
 THIS_P = "<the prefill node's incarnation>"  # replaced by the test
 
@@ -125,6 +125,7 @@ def reservations(draw) -> dict[str, Any]:
         block_ids=(),
         skip_blocks=draw(st.integers(0, 8)),
         p_incarnation=draw(st.sampled_from([THIS_P, "a-restarted-p"])),
+        sent_at=time.time(),
     ).to_wire()
     wire["block_ids"] = draw(st.lists(block_id, max_size=12))
     return wire

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
 
@@ -30,6 +32,7 @@ RESERVE = m.Reserve(
     block_ids=(3, 4, 7),
     skip_blocks=1,
     p_incarnation="p-inc",
+    sent_at=1.7e9,
 )
 REQUESTS = [
     HANDSHAKE,
@@ -74,8 +77,8 @@ def test_replies_round_trip(reply):
     assert m.decode_reply(_over_msgpack(wire), type(reply)) == reply
 
 
-def test_the_wire_keeps_its_v8_shape():
-    assert m.CONNECTOR_VERSION == 8
+def test_the_wire_keeps_its_v9_shape():
+    assert m.CONNECTOR_VERSION == 9
     assert m.Ping().to_wire() == {"kind": "ping"}
     assert m.Cancel("t", "n", "k").to_wire() == {
         "kind": "cancel",
@@ -85,6 +88,7 @@ def test_the_wire_keeps_its_v8_shape():
     }
     assert RESERVE.to_wire()["block_ids"] == [3, 4, 7]
     assert RESERVE.to_wire()["p_incarnation"] == "p-inc"  # v8: the P process it is for
+    assert RESERVE.to_wire()["sent_at"] == 1.7e9  # v9: D's wall clock when it sent it
     assert m.CancelReply("cancelled").to_wire() == {"ok": True, "state": "cancelled"}
     refusal = m.Refusal("handshake first", code=m.Refusal.HANDSHAKE_REQUIRED)
     assert refusal.to_wire() == {
@@ -126,6 +130,13 @@ def _reserve(**override) -> dict:
         (_reserve(skip_blocks="1"), "reserve.skip_blocks must be a non-negative integer"),
         (_reserve(address="http://x"), "reserve.address must be a side-channel address"),
         ({**RESERVE.to_wire(), "d_request_id": None}, "reserve.d_request_id must be"),
+        (_reserve(sent_at=float("nan")), "reserve.sent_at must be a finite non-negative time"),
+        (_reserve(sent_at="now"), "reserve.sent_at must be a finite non-negative time"),
+        (_reserve(sent_at=True), "reserve.sent_at must be a finite non-negative time"),
+        (
+            {k: v for k, v in RESERVE.to_wire().items() if k != "sent_at"},
+            "reserve: missing field 'sent_at'",  # a v8 reservation
+        ),
         (
             {k: v for k, v in RESERVE.to_wire().items() if k != "peer_key"},
             "reserve: missing field 'peer_key'",
@@ -231,7 +242,15 @@ def test_a_live_server_refuses_forged_messages_and_keeps_serving(prefill):
     stale = m.decode_reply(ask(RESERVE.to_wire()), m.Ack)
     assert isinstance(stale, m.Refusal) and stale.code == m.Refusal.WRONG_INCARNATION
     assert "t1" not in prefill.producer.early
-    reserve = _reserve(p_incarnation=reply.incarnation)
+    # One that got here long after D sent it (D's quarantine may be over), or dated ahead
+    # of this node's clock by more than the hosts may differ: refused, nothing held.
+    for sent_at in (time.time() - m.RESERVE_MAX_AGE_S - 1, time.time() + m.CLOCK_SLACK_S + 1):
+        late = m.decode_reply(
+            ask(_reserve(p_incarnation=reply.incarnation, sent_at=sent_at)), m.Ack
+        )
+        assert isinstance(late, m.Refusal) and late.code == m.Refusal.STALE_RESERVATION
+        assert "t1" not in prefill.producer.early
+    reserve = _reserve(p_incarnation=reply.incarnation, sent_at=time.time())
     out_of_range = m.decode_reply(ask({**reserve, "block_ids": [3, 8]}), m.Ack)
     assert isinstance(out_of_range, m.Refusal) and "out of range" in out_of_range.error
     assert m.decode_reply(ask(reserve), m.Ack) == m.Ack()

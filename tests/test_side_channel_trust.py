@@ -133,7 +133,7 @@ def test_a_decode_node_refuses_handshakes_and_gives_out_no_rank_metadata(conns):
 @pytest.mark.parametrize(
     "msg",
     [
-        Reserve("t", "n", "r", "x:1", "tcp://127.0.0.1:1", (0, 1), 0, "p").to_wire(),
+        Reserve("t", "n", "r", "x:1", "tcp://127.0.0.1:1", (0, 1), 0, "p", time.time()).to_wire(),
         Cancel("t", "n", "k").to_wire(),
     ],
     ids=["reserve", "cancel"],
@@ -193,7 +193,9 @@ def reserve_of(
     d: NixlConnectorScheduler, p: NixlConnectorScheduler, block_ids: Any, tid: str = "t1"
 ) -> dict[str, Any]:
     key = d.links.pairing_key(p.address)
-    msg = Reserve(tid, f"nonce-{tid}", "d-req", key, d.address, (), 0, p.incarnation).to_wire()
+    msg = Reserve(
+        tid, f"nonce-{tid}", "d-req", key, d.address, (), 0, p.incarnation, time.time()
+    ).to_wire()
     msg["block_ids"] = block_ids
     return msg
 

@@ -266,7 +266,7 @@ def test_a_cancel_of_a_send_in_flight_is_in_flight_only_for_its_own_reservation(
 
 
 def test_side_channel_cancel_and_reserve_carry_the_nonce():
-    wire = Reserve("t", "n", "d", "k", "tcp://h:1", (1,), 0, "p").to_wire()
+    wire = Reserve("t", "n", "d", "k", "tcp://h:1", (1,), 0, "p", time.time()).to_wire()
     assert wire["nonce"] == "n"
     assert Cancel("t", "n", "k").to_wire()["nonce"] == "n"
 

@@ -9,7 +9,10 @@ in when every D rank has its notification (aggregated). Every state has a deadli
 * blocks a WRITE may still land in (after a timeout, an unconfirmed cancel, or an abort
   while waiting) are *quarantined*: freed when P confirms the cancel, when the KV lands
   anyway, or after 2 x ``kv_transfer_timeout`` (P starts no push later than that timeout
-  after the reservation, and a WRITE lasts at most that long, so nothing lands after it).
+  after the reservation, and a WRITE lasts at most that long, so nothing lands after it),
+  counted from when P got the reservation if ever: the call's answer, or -- unanswered --
+  no earlier than its send + ``RESERVE_MAX_AGE_S`` + ``CLOCK_SLACK_S``, past which P
+  refuses it.
 
 Fencing: every reservation has its own ``nonce``. What arrives about a transfer -- the
 all-ranks "landed", P's ``transfer_failed``, its cancel confirmation -- acts only when its
@@ -28,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvconnector.nixl import clock
+from kvconnector.nixl.messages import CLOCK_SLACK_S, RESERVE_MAX_AGE_S
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,9 @@ class RemoteRecv:
     created: float = field(default_factory=clock.monotonic)  # blocks reserved
     reserved: bool = False
     p_incarnation: str | None = None  # the P process that accepted the reservation
+    # when its reservation was (last) sent, while P may still get it; None: never sent,
+    # or P answered (it got the reservation by then)
+    sent_at: float | None = None
 
 
 @dataclass
@@ -137,23 +144,32 @@ class Consumer:
             self.outcome.free_blocks.add(request_id)
             self.outcome.ended.append(nonce)
 
-    def call_over(self, recv: RemoteRecv) -> None:
-        """The reservation call of ``recv`` is over (answered, or given up). When the wait
-        ended while that call was on the wire, its quarantine counted from the end --
-        before P may have got the reservation (up to the RPC timeout later) and started
-        the clock of its own deadline: it counts from now instead."""
+    def call_over(self, recv: RemoteRecv, answered: bool) -> None:
+        """The reservation call of ``recv`` is over: ``answered`` (P got the reservation
+        by now), or given up (P may still get it, up to ``RESERVE_MAX_AGE_S`` after it
+        was sent). When the wait ended while that call was on the wire, its quarantine
+        counted from the end -- before P may have got the reservation and started the
+        clock of its own deadline: it counts from now (or that age) instead."""
+        if answered:
+            recv.sent_at = None
         q = self.quarantine.get(recv.request_id)
         if self.recvs.get(recv.request_id) is not recv and q is not None and q[1] == recv.nonce:
-            self.quarantine[recv.request_id] = (
-                max(q[0], time.monotonic() + 2 * self.timeout),
-                q[1],
-            )
+            self.quarantine[recv.request_id] = (max(q[0], self._writable_until(recv)), q[1])
 
     def _quarantine(self, recv: RemoteRecv) -> None:
-        # P starts a push at most T after it got the reservation and a WRITE lasts at most
-        # T: after 2T from now (>= the reservation), nothing of this transfer can land.
-        self.quarantine[recv.request_id] = (time.monotonic() + 2 * self.timeout, recv.nonce)
+        self.quarantine[recv.request_id] = (self._writable_until(recv), recv.nonce)
         self.outcome.cancels.append((recv.p_address, recv.transfer_id, recv.nonce, recv.request_id))
+
+    def _writable_until(self, recv: RemoteRecv) -> float:
+        """When nothing of ``recv``'s reservation can land any more. P starts a push at
+        most T after it got the reservation and a WRITE lasts at most T; P got it by now
+        if ever, or -- one still on the wire -- refuses it past ``RESERVE_MAX_AGE_S``
+        after it was sent (by clocks ``CLOCK_SLACK_S`` apart at most): 2T from the later
+        of the two."""
+        got_by = time.monotonic()
+        if recv.sent_at is not None:
+            got_by = max(got_by, recv.sent_at + RESERVE_MAX_AGE_S + CLOCK_SLACK_S)
+        return got_by + 2 * self.timeout
 
     def expire(self) -> None:
         now = time.monotonic()

@@ -17,10 +17,12 @@ Requests (``kind``) and their replies:
   ``role``, ``compat``, ``transport``, ``ranks`` -- or a ``Refusal`` naming the mismatch.
 * ``reserve`` (``Reserve``) D -> P: ``transfer_id``, ``nonce``, ``d_request_id``,
   ``peer_key``, ``address``, ``block_ids`` (D blocks to write), ``skip_blocks`` (leading
-  prompt blocks D already has), ``p_incarnation`` (the P process D paired with). Reply
-  ``Ack``, or a ``Refusal`` (``code="handshake_required"`` when P does not know the peer,
-  ``"wrong_incarnation"`` when it names another P process: D pairs again and resends it
-  once). The same reservation sent twice (same ``nonce``) is acknowledged twice.
+  prompt blocks D already has), ``p_incarnation`` (the P process D paired with),
+  ``sent_at`` (D's wall clock when sent). Reply ``Ack``, or a ``Refusal``
+  (``code="handshake_required"`` when P does not know the peer, ``"wrong_incarnation"``
+  when it names another P process: D pairs again and resends it once;
+  ``"stale_reservation"`` when it came too late for D's quarantine to cover, or its
+  clock is off). The same reservation sent twice (same ``nonce``) is acknowledged twice.
 * ``cancel`` (``Cancel``) D -> P: ``transfer_id``, ``nonce``, ``peer_key`` (refused with
   ``handshake_required`` from a key P does not pair with). Reply ``CancelReply``,
   ``state``: ``cancelled`` (nothing was or will be written for that reservation) or
@@ -52,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,7 +101,22 @@ import msgpack
 #      handshake is refused by ``check_compat`` (``connector_version mismatch: this node
 #      has 8, the peer has 7``), as any other version's; a v7 ``reserve`` that gets past
 #      it anyway lacks the field and is refused as malformed.
-CONNECTOR_VERSION = 8
+#   9  ``reserve`` gained ``sent_at`` (required): D's wall clock when it sent it. P refuses
+#      one it gets more than ``RESERVE_MAX_AGE_S`` after that, or dated more than
+#      ``CLOCK_SLACK_S`` ahead of its own clock (``code: stale_reservation``), and D's
+#      quarantine of a reservation it sent lasts 2T from ``sent_at + RESERVE_MAX_AGE_S +
+#      CLOCK_SLACK_S`` at the earliest: a reservation delayed in a socket buffer or a
+#      network partition past D's quarantine used to be taken, and P pushed into blocks D
+#      had freed. A v8 ``reserve`` lacks the field and is refused as malformed.
+CONNECTOR_VERSION = 9
+# A reservation P gets more than this long after D sent it (by the hosts' wall clocks) is
+# refused: D's quarantine of a reservation it sent counts 2T from no earlier than its send
+# plus this plus ``CLOCK_SLACK_S`` -- P takes it by then, or never.
+RESERVE_MAX_AGE_S = 5.0
+# How far apart the hosts' wall clocks may be (NTP keeps them within milliseconds). A
+# reservation dated further ahead of P's clock is refused as well: a skew past the bound
+# refuses every reservation (loud, D recomputes) instead of letting a late one through.
+CLOCK_SLACK_S = 5.0
 LAYOUT = "block,layer,kv,head,token,dim"
 
 # Compared in this order; the first difference is the error message.
@@ -294,6 +312,13 @@ def _block_ids(value: Any, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _time(value: Any, where: str) -> float:
+    ok = isinstance(value, float | int) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0:
+        raise _fail(where, "a finite non-negative time in seconds", value)
+    return float(value)
+
+
 def _cancel_state(value: Any, where: str) -> str:
     if value not in ("cancelled", "in_flight"):
         raise _fail(where, "'cancelled' or 'in_flight'", value)
@@ -411,6 +436,7 @@ class Reserve(_Request):
         "block_ids": _block_ids,
         "skip_blocks": _count,
         "p_incarnation": _name,
+        "sent_at": _time,
     }
     transfer_id: str
     nonce: str
@@ -422,6 +448,9 @@ class Reserve(_Request):
     # The P process D paired with (its handshake reply's incarnation): another process at
     # P's address -- one that restarted since -- refuses it (``Refusal.WRONG_INCARNATION``).
     p_incarnation: str
+    # D's wall clock (``clock.wall``) when it sent this: P refuses it when it comes too late
+    # (``RESERVE_MAX_AGE_S``), after D may have stopped quarantining the blocks.
+    sent_at: float
 
 
 @dataclass(frozen=True)
@@ -535,6 +564,8 @@ class Refusal(_Message):
     WRONG_ROLE: ClassVar[str] = "wrong_role"  # a message only the other role takes
     # a reservation made for another P process at this address (P restarted since)
     WRONG_INCARNATION: ClassVar[str] = "wrong_incarnation"
+    # a reservation that came too late (``RESERVE_MAX_AGE_S``), or from a skewed clock
+    STALE_RESERVATION: ClassVar[str] = "stale_reservation"
     error: str
     code: str = ""
 

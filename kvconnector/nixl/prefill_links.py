@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvconnector.nixl import tp_map
+from kvconnector.nixl import clock, tp_map
 from kvconnector.nixl.consumer import Consumer, RemoteRecv
 from kvconnector.nixl.messages import (
     Ack,
@@ -170,15 +170,19 @@ class PrefillLinks:
                 peer = self.ensure_handshake(recv.p_address, force=attempt > 0)
                 if self._ended(recv):
                     return
+                with self._lock:  # D's quarantine counts from its send (``sent_at``)
+                    recv.sent_at = clock.monotonic()
                 msg = self._reserve_msg(recv, peer.incarnation)
+                answered = False
                 try:
                     raw = self._client.request(recv.p_address, msg, RPC_TIMEOUT_S)
+                    answered = True
                 except SideChannelError as e:
                     self._answered(recv.p_address, e)
                     raise
                 finally:
-                    with self._lock:  # P got it by now, if ever: its deadline started
-                        self.consumer.call_over(recv)
+                    with self._lock:  # P got it by now, or may still (unanswered)
+                        self.consumer.call_over(recv, answered)
                 self._answered(recv.p_address, None)
                 reply = decode_reply(raw, Ack)
                 if isinstance(reply, Ack) or reply.code not in again:
@@ -213,6 +217,7 @@ class PrefillLinks:
             block_ids=tuple(recv.block_ids),
             skip_blocks=recv.skip_blocks,
             p_incarnation=p_incarnation,
+            sent_at=clock.wall(),
         ).to_wire()
 
     def cancel_job(

@@ -23,9 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.log_limit import LimitedLog
-from kvconnector.nixl import tp_map
+from kvconnector.nixl import clock, tp_map
 from kvconnector.nixl.decode_peers import DecodePeer, DecodePeers
 from kvconnector.nixl.messages import (
+    CLOCK_SLACK_S,
+    RESERVE_MAX_AGE_S,
     Ack,
     Cancel,
     CancelReply,
@@ -178,6 +180,8 @@ class PrefillService:
                     f"this is {self.incarnation!r} (restarted since): handshake again",
                     code=Refusal.WRONG_INCARNATION,
                 )
+            if stale := self._stale(msg):
+                return stale
             peer.last_used = time.monotonic()
             limit = peer.num_blocks
             if any(b >= limit for b in msg.block_ids):
@@ -200,6 +204,25 @@ class PrefillService:
                 expires=time.monotonic() + self.timeout,
             )
             return self.producer.reserve(res)
+
+    def _stale(self, msg: Reserve) -> Refusal | None:
+        """A reservation that got here later than D's quarantine covers (a socket buffer,
+        a network partition: D gave up on the call and may have freed the blocks since),
+        or dated ahead of this node's clock by more than the hosts may differ (a skew
+        that would let a late one look fresh), is refused (docs/reliability.md)."""
+        age = clock.wall() - msg.sent_at
+        if -CLOCK_SLACK_S <= age <= RESERVE_MAX_AGE_S:
+            return None
+        why = (
+            f"sent {age:.1f}s ago, more than {RESERVE_MAX_AGE_S:.0f}s"
+            if age > 0
+            else f"dated {-age:.1f}s ahead of this node's clock (more than "
+            f"{CLOCK_SLACK_S:.0f}s: are the hosts' clocks synchronised?)"
+        )
+        self._peer_log.warning(
+            "stale", "refusing reservation of %s from %s: %s", msg.transfer_id, msg.address, why
+        )
+        return Refusal(f"reserve.sent_at: {why}", code=Refusal.STALE_RESERVATION)
 
     def cancel(self, msg: Cancel) -> CancelReply:
         with self._lock:

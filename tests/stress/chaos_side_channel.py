@@ -93,6 +93,7 @@ def fuzz_messages(
         "block_ids": [3, 4, 5],
         "skip_blocks": 0,
         "p_incarnation": str(target.get("incarnation") or "unknown"),  # the P it is for
+        "sent_at": time.time(),  # fresh: refused for its key, not its age
     }
     msgs: list[tuple[str, list[bytes], str]] = [
         ("garbage bytes", [bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64)))], "any"),
