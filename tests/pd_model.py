@@ -10,7 +10,8 @@ restarted since; a reservation on the wire while its request ends). Both nodes' 
 are the real worker-side connectors (``pd_ranks``): P's post their WRITEs -- whole sends,
 or a pipelined send's layer-group pieces, head slices when P's and D's TP sizes differ --
 into a transport whose WRITEs the test completes (each piece on its own, ok or failed)
-and lands on D's ranks (then, later, corrupted, or never); the KV is real tensors, which
+and lands on D's ranks (then, later, corrupted, or never; a notification for a D process
+gone since, nowhere or at the new process at its address); the KV is real tensors, which
 D's ranks checksum. A fake clock drives every deadline, and ids are counted (an example
 replays the same). Either node may restart: a new incarnation at the same address."""
 
@@ -177,16 +178,18 @@ class Router:
             raise SideChannelTimeout(f"{address}: reply lost")
         return reply
 
-    def replay(self, index: int, restarted: bool = False) -> None:
+    def replay(self, index: int, restarted: bool = False) -> dict[str, Any] | None:
         """A message sent earlier arrives (again), late, at the process it was sent to: a
         lost one delayed, or a duplicate (the unsigned side channel has no replay guard);
-        its reply goes nowhere. ``restarted``: at the process serving its address now,
-        even one that restarted since (a signed envelope captured on the wire and replayed
-        within its 60 s: a new process's replay guard is empty)."""
+        its reply goes nowhere (returned for the test to look at). ``restarted``: at the
+        process serving its address now, even one that restarted since (a signed envelope
+        captured on the wire and replayed within its 60 s: a new process's replay guard is
+        empty)."""
         address, msg, node = self.sent[index]
         now = self.nodes.get(address)
         if now is node or (restarted and now is not None):
-            now.channel.handle(msg)
+            return now.channel.handle(msg)
+        return None
 
 
 class FakeServer:
@@ -461,10 +464,16 @@ class Pair:
         assert kv is not None
         return kv
 
-    def land(self, index: int, corrupt: bool = False) -> None:
+    def land(self, index: int, corrupt: bool = False, stray: bool = False) -> None:
+        """The notification of ``notifs[index]`` lands (and its data, if a failed WRITE's
+        had not). One for a D process gone since lands nowhere -- or, ``stray``, its
+        notification reaches the process serving D's address now (a transport routing by
+        address; the data went to the old process's memory)."""
         piece = self.notifs.pop(index)
         if piece.d_incarnation != self.incarnation("D"):
             piece.landed = True
+            if stray and piece.d_rank < len(self.d_workers):
+                self.d_workers[piece.d_rank].transport.inbox.append(piece.notif)  # type: ignore[union-attr]
             return  # written into a D process that is gone
         if not piece.landed:  # a failed WRITE's data: in after all
             land(piece, self.d_kv(piece.d_rank), corrupt)
@@ -501,7 +510,6 @@ class Pair:
         old = self.d_conn
         self.dead.append(old)
         self.incarnations["D"] += 1
-        self.notifs.clear()
         self.d_sch, self.d_conn = self._node("consumer")
         conn = self.d_conn
         conn.address = conn.service.address = conn.links.address = old.address

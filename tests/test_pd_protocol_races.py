@@ -263,3 +263,97 @@ def test_a_reservation_that_reaches_p_after_ds_quarantine_ended_is_refused(pair:
     pair.router.replay(lost)  # the partition heals: P reads the reservation
     check_no_block_free_while_writable(pair)
     assert "t1" not in pair.p_conn.producer.early
+
+
+def _pushed(pair: Pair, tid: str) -> None:
+    """D reserved for ``tid``, P prefilled it and every rank's WRITE is done; their
+    notifications are on their way (``pair.notifs``), not landed."""
+    pair.add_d(tid)
+    pair.add_p(tid)
+    for _ in range(4):
+        pair.step_d()
+        while pair.calls:
+            pair.deliver(0)
+        pair.step_p()
+    assert pair.writes, "P did not push"
+    while pair.writes:
+        pair.report(pair.writes[0], ok=True, lands=True)
+    assert pair.notifs
+
+
+def test_a_notification_for_a_decode_process_that_restarted_since_completes_nothing(
+    pair: Pair,
+) -> None:
+    """P's WRITEs for D's reservation of t0 finished; D restarts before their
+    notifications land, and a new request of the same id waits on its own reservation.
+    The old notifications reach the new process (a transport routing by address): they
+    name the old process's nonce, so they complete nothing, and their counts go."""
+    _pushed(pair, "t0")
+    old = pair.d_conn.incarnation
+    pair.restart_d()
+    pair.add_d("t0")  # same request id, same transfer id, in the new process
+    pair.step_d()
+    assert pair.d_conn.consumer.recvs["d-t0"].nonce.split(".")[0] != old
+    stray = len(pair.notifs)
+    while pair.notifs:
+        pair.land(0, stray=True)
+    pair.step_d()
+    pair.step_d()
+    assert sum(w._notifs for w in pair.d_workers) == stray  # they reached the new ranks
+    assert "d-t0" in pair.d_conn.consumer.recvs, "a notif for the old process ended the wait"
+    assert not pair.accepted
+    pair.clock.now += 4 * TIMEOUT + 1
+    pair.step_d()
+    for w in pair.d_workers:
+        assert not w._parts, f"D rank {w.rank} kept the old process's counts {w._parts}"
+
+
+def test_a_notification_from_a_prefill_process_that_restarted_since_completes_nothing(
+    pair: Pair,
+) -> None:
+    """P's WRITEs for t0 finished, their notifications on the way; P restarts, and D
+    learns it from a ping (the new incarnation: nothing of the old process can land, the
+    blocks are free again, the request recomputes). The old process's notifications
+    landing then complete nothing: D does not decode from blocks it gave back."""
+    _pushed(pair, "t0")
+    pair.restart_p()
+    pair.clock.now += TIMEOUT / 4 + 0.1  # D's next ping of the prefill node it waits on
+    pair.step_d()
+    pings = [c for c in pair.calls if c.peer.startswith("ping:")]
+    assert pings, "D pinged no one"
+    while pair.calls:
+        pair.deliver(0)
+    pair.step_d()
+    assert "d-t0" not in pair.d_conn.consumer.recvs  # ended: P restarted
+    assert "d-t0" not in pair.d_sch.quarantine
+    before = sum(w._notifs for w in pair.d_workers)
+    late = len(pair.notifs)
+    while pair.notifs:
+        pair.land(0)
+    pair.step_d()
+    pair.step_d()
+    assert sum(w._notifs for w in pair.d_workers) == before + late  # they reached D's ranks
+    assert not pair.accepted, "D decoded from a transfer it had ended"
+
+
+def test_a_notification_for_a_restarted_decode_process_on_one_rank_leaves_no_count(
+    pair: Pair,
+) -> None:
+    """As above, but only one rank's notification reaches the new process (the other
+    rank's lands nowhere). That rank completed the old nonce and reported it; the
+    aggregator then waited for the other rank's report of it forever -- the new process
+    never made that nonce, so nothing ever ended its count (found by the P/D property
+    test once it delivered such notifications)."""
+    _pushed(pair, "t0")
+    pair.restart_d()
+    rank0 = next(i for i, p in enumerate(pair.notifs) if p.d_rank == 0)
+    pair.land(rank0, stray=True)
+    pair.notifs.clear()  # the rest land nowhere
+    for _ in range(3):
+        pair.step_d()
+    pair.clock.now += 4 * TIMEOUT + 1
+    for _ in range(3):
+        pair.step_d()
+    assert not pair.d_agg.pending_ids, "the aggregator waits for the old process's nonce"
+    for w in pair.d_workers:
+        assert not w._parts

@@ -6,7 +6,9 @@ channel calls delivered in any order, lost, their reply lost, sent twice, replay
 (the real worker-side connectors, ``pd_ranks``) posting whole sends or a pipelined send's
 layer-group pieces, head slices where P's and D's TP sizes differ (2->2, 1->2, 2->1), with
 checksums or without; each WRITE reported on its own, ok or failed, its data and
-notification landing or not, late, or corrupted, in any order; requests aborted on either
+notification landing or not, late (also from a P process that restarted since), or
+corrupted, in any order, a notification for a D process that restarted since reaching
+the new one; requests aborted on either
 side at any point (a P prefill also mid-pipeline); a P rank stalling mid-forward; the
 clock moved past deadlines; either node restarted with a new incarnation.
 
@@ -40,6 +42,7 @@ from pd_model import (
     fake_clock,
 )
 
+from kvconnector.nixl.messages import Refusal
 from kvconnector.nixl.metadata import TOO_LATE
 
 EXAMPLES = 250 * int(os.environ.get("PDSERVE_PD_PROTOCOL_EXAMPLES", "1"))
@@ -233,7 +236,12 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
             pair.land(0, corrupt=not pair.notifs[0].landed and corrupted(pair, data))
     elif action == "land" and pair.notifs:
         i = draw(st.integers(0, len(pair.notifs) - 1))
-        pair.land(i, corrupt=not pair.notifs[i].landed and corrupted(pair, data))
+        # A notif for a D process gone since may reach the one serving its address now.
+        old_d = pair.notifs[i].d_incarnation != pair.incarnation("D")
+        stray = old_d and pair.faults and draw(st.booleans())
+        if stray:
+            event("a notif for a restarted D process reached the new one")
+        pair.land(i, corrupt=not pair.notifs[i].landed and corrupted(pair, data), stray=stray)
     elif action == "advance":
         dt = draw(st.sampled_from((0.5, 2.0, TIMEOUT / 2, TIMEOUT, 2 * TIMEOUT)))
         pair.faulty |= dt >= TIMEOUT  # a deadline may end a leg (and P forget a cancel)
@@ -270,7 +278,9 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
     elif action == "replay" and pair.router.sent and pair.faults:
         pair.faulty = True
         i = draw(st.integers(0, len(pair.router.sent) - 1))
-        pair.router.replay(i, restarted=draw(st.booleans()))  # even at a restarted process
+        reply = pair.router.replay(i, restarted=draw(st.booleans()))  # even at a restarted one
+        if reply is not None and reply.get("code") == Refusal.STALE_RESERVATION:
+            event("a reservation that came too late was refused")
 
 
 @fixed_examples(EXAMPLES)

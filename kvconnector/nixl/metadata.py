@@ -55,6 +55,10 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     # Whether D's workers should watch for notifications between steps (and wake the
     # engine when KV lands); None: unchanged since the last step that said it.
     watch: bool | None = None
+    # D's process (its incarnation, which every nonce it makes begins with), said in its
+    # first step and whenever watching starts: a notification naming another process's
+    # nonce (one made for a D process at this address before a restart) counts nowhere.
+    incarnation: str | None = None
 
     def is_empty(self) -> bool:
         return not (
@@ -63,6 +67,7 @@ class NixlConnectorMetadata(KVConnectorMetadata):
             or self.sends
             or self.ended_keys
             or self.watch is not None
+            or self.incarnation is not None
         )
 
     def ended_transfer_keys(self) -> list[str]:

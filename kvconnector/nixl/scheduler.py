@@ -114,6 +114,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._ranks: list[dict[str, Any]] = []
         self._nonces = itertools.count(1)
         self._ended: list[str] = []  # nonces whose counts every rank must drop
+        self._told_incarnation = False  # the workers know it (``NixlConnectorMetadata``)
         self._watching = False  # what the workers were last told (metadata ``watch``)
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
         secret = kvc.kv_secret.encode() or None
@@ -380,6 +381,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             watch = bool(self.consumer.recvs or self.consumer.quarantine)
             if watch != self._watching:
                 md.watch = self._watching = watch
+            if (watch and md.watch) or not self._told_incarnation:
+                md.incarnation, self._told_incarnation = self.incarnation, True
             ready = self.service.ready
             for send in self.producer.ready_sends(ready):
                 self._add_send(md, send)

@@ -22,7 +22,9 @@ No count outlives its transfer: the nonces of reservations that ended without la
 come in the step metadata (``ended_keys``) and their partial counts are dropped; a nonce
 that completed or ended is remembered for 4 x ``kv_transfer_timeout`` so that a late or
 replayed notif starts no new count; a partial count no reservation could still complete
-(older than that) is dropped on its own.
+(older than that) is dropped on its own. A notif whose nonce another D process made (one
+at this address before a restart: the metadata names this one's incarnation) counts
+nowhere: no reservation here can take it, and the aggregator would wait for it forever.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._recv_info: dict[str, dict[str, Any]] = {}
         self._failures: dict[str, str] = {}
         self._notifs = 0
+        self._incarnation: str | None = None  # this D process's (nonces begin with it)
         self._timeout = config.kv_transfer.kv_transfer_timeout
         self._checksum = config.kv_transfer.kv_checksum
         self._kv_cache: torch.Tensor | None = None
@@ -303,6 +306,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         if isinstance(md, NixlConnectorMetadata):
             if md.watch is not None:
                 self._watch_notifs = md.watch
+            if md.incarnation is not None:
+                self._incarnation = md.incarnation
             for nonce in md.ended_keys:
                 self._close(nonce, now)
                 self._recving.discard(nonce)
@@ -346,6 +351,13 @@ class NixlConnectorWorker(KVConnectorWorker):
                 logger.warning("tp%d: ignoring a malformed notification: %s", self.rank, e)
                 continue
             self._notifs += 1
+            if self._incarnation is not None and not notif.k.startswith(f"{self._incarnation}."):
+                # Made for another D process (before a restart): no reservation of this
+                # one, and a count of it would wait forever in the all-ranks aggregation.
+                logger.info(
+                    "tp%d: notif for another decode process (%s); ignored", self.rank, notif.t
+                )
+                continue
             if notif.k in self._closed:
                 logger.info("tp%d: notif for an ended transfer %s; ignored", self.rank, notif.t)
                 continue
