@@ -40,7 +40,7 @@ def _pieces(parser: ReasoningParser, text: str, size: int) -> list[ReasoningDelt
 
 def _split(pieces: list[ReasoningDelta]) -> tuple[str | None, str | None]:
     reasoning = "".join(p.reasoning for p in pieces)
-    content = "".join(p.content for p in pieces)
+    content = "".join(p.text for p in pieces)
     return reasoning or None, content or None
 
 

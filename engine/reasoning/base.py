@@ -29,13 +29,27 @@ def held_prefix(buf: str, tag: str) -> int:
 
 @dataclass(frozen=True)
 class ReasoningDelta:
-    """The reasoning text and the content text one piece completes (either may be "")."""
+    """The reasoning text and the content text one piece completes (either may be ""), in
+    the text's order: ``lead`` (content written before this piece's reasoning: qwen3's
+    text before ``<think>``, when the ``<think>`` is in the piece), the reasoning, the
+    content after it. ``lead`` is "" unless ``reasoning`` follows it."""
 
     reasoning: str = ""
     content: str = ""
+    lead: str = ""
 
     def __add__(self, other: ReasoningDelta) -> ReasoningDelta:
-        return ReasoningDelta(self.reasoning + other.reasoning, self.content + other.content)
+        if not self.reasoning and other.reasoning:  # all of self comes before other's reasoning
+            return ReasoningDelta(other.reasoning, other.content,
+                                  self.lead + self.content + other.lead)  # fmt: skip
+        return ReasoningDelta(
+            self.reasoning + other.reasoning, self.content + other.lead + other.content, self.lead
+        )
+
+    @property
+    def text(self) -> str:
+        """All its content: the lead and the content after the reasoning."""
+        return self.lead + self.content
 
 
 class ReasoningParser:
@@ -83,8 +97,10 @@ class ReasoningParser:
                 break
             out += self._emit(self._buf[:at])
             self._buf = self._buf[at + len(tag) :]
+            if self._state == "before":  # the content so far comes before the reasoning
+                out = ReasoningDelta(lead=out.content)
             self._state = "reasoning" if self._state == "before" else "after"
-        return out
+        return out if out.reasoning or not out.lead else ReasoningDelta(content=out.text)
 
     def finish(self) -> ReasoningDelta:
         """The answer ended: the text still held back, in the part it was in."""
@@ -101,4 +117,4 @@ class ReasoningParser:
     def parse(self, text: str) -> tuple[str | None, str | None]:
         """A whole answer's (reasoning, content), each None when empty."""
         d = self.feed(text) + self.finish()
-        return d.reasoning or None, d.content or None
+        return d.reasoning or None, d.text or None

@@ -165,21 +165,41 @@ class Job:
         return completion_logprobs(ids, entries, self.strings, offset)[0]
 
     def chunk(self, step: Step, *, first: bool = False) -> dict[str, Any]:
+        """The stream's chunk of ``step`` (``first``: the role's); its last of ``chunks``."""
+        return self.chunks(step, first=first)[-1]
+
+    def chunks(self, step: Step, *, first: bool = False) -> list[dict[str, Any]]:
+        """The stream's chunks of ``step``: one, or with a reasoning parser two when the
+        step's text has content before its reasoning (that content first, the step's
+        tokens with it; the reasoning and the rest after, with its finish)."""
         text, lp = step.text, None
         if step.token_ids or (self.echo_text is not None and not self._echoed):
             entries = step.logprobs or [None] * len(step.token_ids)
             text, lp_ids, entries = self._echo(text, step.token_ids, entries, step.prompt_logprobs)
             lp = self._logprobs(lp_ids, entries, self.streamed_chars)
         self.streamed_chars += len(text)
-        finish, part = step.finish_reason, None
+        finish, parts = step.finish_reason, [None]
+        if self.reasoning is not None and not first:
+            parts = self.reasoning.deltas(text, finish is not None, len(step.token_ids))
+        elif self.tools is not None and not first:
+            parts = [self.tools.delta(text, finish is not None)]
         parsed = self.reasoning or self.tools
-        if parsed is not None and not first:
-            part = parsed.delta(text, finish is not None)
-            finish = None if finish is None else parsed.finish_reason(finish)
-        choice = self.choice(
-            text, step.token_ids, finish, stream=True, first=first, logprobs=lp,
-            stop_reason=step.stop_reason, tool_part=part,
-        )  # fmt: skip
+        if parsed is not None and not first and finish is not None:
+            finish = parsed.finish_reason(finish)
+        out = []
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            choice = self.choice(
+                text, step.token_ids if i == 0 else [], finish if last else None, stream=True,
+                first=first, logprobs=lp if i == 0 else None,
+                stop_reason=step.stop_reason if last else None, tool_part=part,
+            )  # fmt: skip
+            out.append(self._chunk_body(choice, step, first, last))
+        return out
+
+    def _chunk_body(
+        self, choice: dict[str, Any], step: Step, first: bool, last: bool
+    ) -> dict[str, Any]:
         body = self.envelope([choice], stream=True)
         if self.req.return_token_ids and not self._prompt_ids_sent:  # the first chunk only
             self._prompt_ids_sent = True
@@ -188,7 +208,7 @@ class Job:
             # The role chunk carries no tokens: 0 so far (vLLM's); the others count the
             # choice's tokens up to theirs.
             body["usage"] = self.usage(first) if self.req.continuous_usage else None
-        if step.kv_transfer_params is not None:
+        if step.kv_transfer_params is not None and last:
             body["kv_transfer_params"] = step.kv_transfer_params
         return body
 
@@ -209,13 +229,18 @@ class Job:
         last: Step,
         entries: Logprobs | None = None,
         prompt: Logprobs | None = None,
+        steps: list[tuple[str, int]] | None = None,
     ) -> dict[str, Any]:
+        """The body of the answer ``text`` (``steps``: the engine's steps that made it, each
+        its text and its number of tokens: a reasoning parser is fed them as a stream is)."""
         entries = entries if entries is not None else [None] * len(ids)
         text, lp_ids, entries = self._echo(text, ids, entries, prompt)
         lp = self._logprobs(lp_ids, entries)
         finish, part = last.finish_reason, None
         parsed = self.reasoning or self.tools
-        if parsed is not None:
+        if self.reasoning is not None and steps is not None:
+            part = self.reasoning.message_of(steps)
+        elif parsed is not None:
             part = parsed.message(text)
             finish = None if finish is None else parsed.finish_reason(finish)
         choice = self.choice(

@@ -207,6 +207,7 @@ class OpenAIServing:
 
     async def _collect(self, job: Job, steps: AsyncIterator[Step]) -> dict[str, Any]:
         texts: list[str] = []
+        pieces: list[tuple[str, int]] = []  # each step's text and its tokens
         ids: list[int] = []
         entries: Logprobs = []
         prompt: Logprobs | None = None
@@ -214,6 +215,7 @@ class OpenAIServing:
         async with contextlib.aclosing(steps):  # type: ignore[type-var]
             async for step in steps:
                 texts.append(step.text)
+                pieces.append((step.text, len(step.token_ids)))
                 ids.extend(step.token_ids)
                 entries.extend(step.logprobs or [None] * len(step.token_ids))
                 prompt = prompt or step.prompt_logprobs
@@ -225,9 +227,9 @@ class OpenAIServing:
             raise step_error(self.engine, job, last)
         text = "".join(texts)
         if not may_be_large(job.req):
-            return job.response(text, ids, last, entries, prompt)
+            return job.response(text, ids, last, entries, prompt, pieces)
         # Off the loop: with log probabilities it may be millions of entries.
-        return await off_loop(job.response, text, ids, last, entries, prompt)
+        return await off_loop(job.response, text, ids, last, entries, prompt, pieces)
 
     async def _stream(
         self, job: Job, first: Step, steps: AsyncIterator[Step]
@@ -388,8 +390,8 @@ class OpenAIServing:
         its log probabilities (4,000 tokens x 21 entries: ~0.2 s of CPU, seconds at 32k) is
         built and rendered off the event loop; the others (a few tokens each) on it."""
         if job.echoes_logprobs:
-            return await off_loop(lambda: render_event(job.chunk(step)))
-        return sse_event(job.chunk(step))
+            return await off_loop(lambda: "".join(map(render_event, job.chunks(step))))
+        return "".join(map(sse_event, job.chunks(step)))
 
     async def _guarded(
         self, request: Request, handler: Callable[[], Awaitable[Response]]
