@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 from fakes import fixed_examples
-from hypothesis import assume, given, note
+from hypothesis import given, note
 from hypothesis import strategies as st
 from scripted_engine import StubEngine, TemplateBytes
 from starlette.testclient import TestClient
@@ -495,17 +495,19 @@ def _shape(r: dict[str, Any]) -> list[tuple[Any, ...]]:
     ]  # fmt: skip
 
 
+def _unnamed(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """A response's output items, each id with its response's own part as "ID"."""
+    rid = r["id"].removeprefix("resp_")
+    return [{**o, "id": o["id"].replace(rid, "ID", 1)} for o in r["output"]]
+
+
 @_settings(60)
 @given(st.sampled_from(["qwen3", "deepseek_r1"]), st.booleans(), st.booleans(), scripts(True, 1))
 def test_a_responses_stream_adds_up_to_the_whole_response(
     clients: dict[str | None, TestClient], engine: DrawnEngine, node: str, tools: bool,
     logprobs: bool, drawn: tuple[list[Script], str],
 ) -> None:  # fmt: skip
-    (script,), text = drawn
-    # Known and left alone (docs/api.md, "Streamed"): qwen3 keeps content written before
-    # "<think>"; a stream then opens a message item before the reasoning item and another
-    # after it, the whole response has one of each (tests/test_responses_api.py checks it).
-    assume(node != "qwen3" or text.find("<think>") <= 0)
+    (script,), _ = drawn
     engine.scripts = {0: script}
     body: dict[str, Any] = {"model": "m", "input": "hi", "max_output_tokens": 200}
     if tools:
@@ -529,6 +531,22 @@ def test_a_responses_stream_adds_up_to_the_whole_response(
         whole["status"],
         whole["usage"],
     )
+    # The same response streamed or not: its items (ids, texts, log probabilities, in
+    # the text's order: qwen3's content before "<think>" is a message before the
+    # reasoning), its status and why, its usage.
+    # Ids are each request's own (random): items are named after their response's.
+    assert _unnamed(last) == _unnamed(whole)
+    for key in ("status", "incomplete_details", "usage", "error"):
+        assert last[key] == whole[key], key
+    if whole["status"] == "incomplete":
+        assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert evs[-1]["type"] == "response.incomplete"
+        assert (
+            whole["output"][-1]["status"] == "incomplete"
+            or whole["output"][-1]["type"] == "reasoning"
+        )
+    else:
+        assert whole["incomplete_details"] is None and evs[-1]["type"] == "response.completed"
     texts: dict[int, str] = {}
     for e in evs:
         if e["type"] in ("response.output_text.delta", "response.reasoning_text.delta",
@@ -598,4 +616,4 @@ def test_reasoning_parsers_fed_in_pieces_answer_as_fed_whole(data: st.DataObject
     for p in _pieces(data.draw, text):
         d += fed.feed(p)
     d += fed.finish()
-    assert (d.reasoning or None, d.content or None) == cls().parse(text)
+    assert (d.reasoning or None, d.text or None) == cls().parse(text)

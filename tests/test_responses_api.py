@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from starlette.responses import JSONResponse
 
-from engine.responses_api.output import response_object, usage
+from engine.responses_api.output import usage
 from engine.responses_api.request import to_chat
 from engine.responses_api.route import answer, events, responses_param
-from engine.responses_api.stream import ResponsesStream
+from engine.responses_api.stream import ResponsesStream, response_object
 from engine.server.request_fields import APIError
 
 openai_types = pytest.importorskip("openai.types.responses")
@@ -532,25 +532,49 @@ def test_the_usage_repeats_the_nodes_reasoning_count_and_nothing_else():
         assert got["output_tokens"] == 9
 
 
-def test_content_before_think_streams_in_the_texts_order_each_item_its_own_id():
-    """qwen3 keeps text before ``<think>`` as content: the stream says it as it comes, a
-    message, the reasoning, another message (the whole response: the reasoning, then one
-    message of both texts; docs/api.md says why). Each streamed item has an id of its
-    own, its ``added`` and ``done`` events the same one."""
-    client = _node("Sure. <think>why</think> 4", reasoning_parser="qwen3")
-    whole, evs = _both(client)
-    streamed = evs[-1]["response"]["output"]
-    assert [o["type"] for o in streamed] == ["message", "reasoning", "message"]
-    assert [o["type"] for o in whole["output"]] == ["reasoning", "message"]
-    ids = [o["id"] for o in streamed]
+def _unnamed(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """A response's output items, each id with its response's own part as "ID"."""
+    rid = r["id"].removeprefix("resp_")
+    return [{**o, "id": o["id"].replace(rid, "ID", 1)} for o in r["output"]]
+
+
+@pytest.mark.parametrize("per_output", [1, 3, 100])  # tokens a step: 100, the whole in one
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_content_before_think_is_answered_in_the_texts_order_streamed_or_not(
+    per_output: int, logprobs: bool
+):
+    """qwen3 keeps text before ``<think>`` as content: a message, the reasoning, another
+    message, in the text's order, the stream's final ``output`` the whole response's
+    (ids, texts, log probabilities) however the engine's steps cut the text. Each
+    streamed item has an id of its own, its ``added`` and ``done`` events the same one."""
+    from scripted_engine import ScriptedEngine
+    from starlette.testclient import TestClient
+
+    from engine.server.app import build_app
+
+    engine = ScriptedEngine("Sure. <think>why</think> 4", per_output=per_output)
+    client = TestClient(build_app(engine, reasoning_parser="qwen3"))  # type: ignore[arg-type]
+    extra: dict[str, Any] = {}
+    if logprobs:
+        extra = {"include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    whole, evs = _both(client, **extra)
+    final = evs[-1]["response"]
+    assert [o["type"] for o in whole["output"]] == ["message", "reasoning", "message"]
+    assert _unnamed(final) == _unnamed(whole)  # ids: each request's own
+    for key in ("status", "incomplete_details", "usage", "error"):
+        assert final[key] == whole[key], key
+    assert [o["content"][0]["text"] for o in whole["output"]] == ["Sure. ", "why", " 4"]
+    ids = [o["id"] for o in final["output"]]
     assert len(set(ids)) == len(ids), ids
     added = [e["item"]["id"] for e in evs if e["type"] == "response.output_item.added"]
     done = [e["item"]["id"] for e in evs if e["type"] == "response.output_item.done"]
     assert added == done == ids
     deltas = [e["item_id"] for e in evs if e["type"].endswith("_text.delta")]
     assert list(dict.fromkeys(deltas)) == ids, deltas
-    message = "".join(o["content"][0]["text"] for o in streamed if o["type"] == "message")
-    assert message == whole["output"][1]["content"][0]["text"] == "Sure.  4"
+    if logprobs:  # every token's entry, once, on a message (the reasoning's: after it)
+        entries = [lp for o in whole["output"] if o["type"] == "message"
+                   for lp in o["content"][0]["logprobs"]]  # fmt: skip
+        assert len(entries) == len(b"Sure. <think>why</think> 4")
 
 
 @pytest.mark.parametrize(

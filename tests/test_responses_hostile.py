@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from engine.responses_api.output import response_object
 from engine.responses_api.request import to_chat
-from engine.responses_api.stream import ResponsesStream
+from engine.responses_api.stream import ResponsesStream, response_object
 from engine.server.request_fields import APIError
 
 openai_types = pytest.importorskip("openai.types.responses")

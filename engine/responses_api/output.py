@@ -1,5 +1,6 @@
-"""A chat completion translated into a Responses API ``response`` object: its output
-items (reasoning, then the message, then function calls), status and usage."""
+"""The parts of a Responses API ``response`` object made from a chat completion: its
+output items (reasoning, message, function calls), status, usage and error. The object
+itself, streamed or not, is built by ``stream.py``."""
 
 from __future__ import annotations
 
@@ -152,37 +153,3 @@ def envelope(echo: ResponseEcho, rid: str, model: Any, created: Any, status: str
         "usage": None,
         **echo.fields(),
     }
-
-
-def response_object(echo: ResponseEcho, chat: dict[str, Any]) -> dict[str, Any]:
-    """The ``response`` object of chat completion body ``chat`` (one choice)."""
-    rid = str(chat.get("id") or "").removeprefix("chatcmpl-") or "0"
-    (choice,) = chat.get("choices") or [{}]
-    message = choice.get("message") or {}
-    finish = choice.get("finish_reason")
-    status, incomplete = status_of(finish)
-    items: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        items.append(reasoning_item(rid, message["reasoning_content"], "completed"))
-    calls = message.get("tool_calls") or []
-    text = message.get("content") or ""
-    if text or not (calls or items):  # an empty answer is an empty message
-        lp = text_logprobs(choice.get("logprobs"))
-        # Cut by the length: the last item only (text before calls was whole, as a
-        # stream says when the first call opens).
-        items.append(message_item(rid, text, "completed" if calls else status, lp))
-    for i, call in enumerate(calls):
-        fn = call.get("function") or {}
-        items.append(
-            function_call_item(
-                rid,
-                i,
-                call.get("id"),
-                fn.get("name"),
-                fn.get("arguments") or "",
-                status if i == len(calls) - 1 else "completed",
-            )  # fmt: skip
-        )
-    body = envelope(echo, rid, chat.get("model"), chat.get("created"), status)
-    body.update(output=items, incomplete_details=incomplete, usage=usage(chat.get("usage")))
-    return body

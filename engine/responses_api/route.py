@@ -30,9 +30,8 @@ from engine.httpkit.big_json import (
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected
 from engine.httpkit.errors import json_error
-from engine.responses_api.output import response_object
 from engine.responses_api.request import ResponseEcho, to_chat
-from engine.responses_api.stream import ResponsesStream, sse
+from engine.responses_api.stream import ResponsesStream, response_object, sse
 from engine.server.json_body import parse_json_body
 from engine.server.request_fields import APIError
 

@@ -9,6 +9,11 @@ and is closed (the ``.done`` events) before the next one opens; last comes
 ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it,
 ``response.failed`` after an error) with the whole ``response`` object. ``sse`` frames
 an event (``event:`` + ``data:``; no ``[DONE]`` follows, as OpenAI's).
+
+A body (``response_object``) is built by the same ``ResponsesStream``: its parts fed as
+the chunks of a stream, so that it is the final ``response`` a stream of the same answer
+ends with -- its items in the text's order (a node's ``before_reasoning``: the content
+and tool calls written before the reasoning), their ids, statuses and log probabilities.
 """
 
 from __future__ import annotations
@@ -240,3 +245,67 @@ class ResponsesStream:
             usage=out.usage(self.usage),
         )
         return events + [self._event("response.failed", response=response)]
+
+
+def _before(
+    message: dict[str, Any], text: str, calls: list[Any], n_lp: int
+) -> tuple[str, int, int]:
+    """What a body's message says came before its reasoning (a node's ``before_reasoning``:
+    content, tool calls, tokens), checked against the message (it came over the network):
+    ``("", 0, 0)`` when it says nothing, or nothing that fits."""
+    b = message.get("before_reasoning")
+    if not isinstance(b, dict) or not message.get("reasoning_content"):
+        return "", 0, 0
+    content, n_calls, tokens = b.get("content"), b.get("tool_calls"), b.get("tokens")
+    counts = (n_calls, tokens)
+    if not isinstance(content, str) or not text.startswith(content):
+        return "", 0, 0
+    if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in counts):
+        return "", 0, 0
+    return content, min(n_calls, len(calls)), min(tokens, n_lp)
+
+
+def _call_delta(index: int, call: Any) -> dict[str, Any]:
+    call = call if isinstance(call, dict) else {}
+    fn = call.get("function") or {}
+    return {"index": index, "id": call.get("id"), "type": "function",
+            "function": {"name": fn.get("name"), "arguments": fn.get("arguments") or ""}}  # fmt: skip
+
+
+def response_object(echo: ResponseEcho, chat: dict[str, Any]) -> dict[str, Any]:
+    """The ``response`` object of chat completion body ``chat`` (one choice): what a
+    stream of the same answer ends with. Its parts are fed in the text's order -- the
+    content and tool calls written before the reasoning (with the log probabilities of
+    the tokens up to it), the reasoning, the content, the tool calls -- each log
+    probability where a stream's would be (with the content it came before)."""
+    (choice,) = chat.get("choices") or [{}]
+    message = choice.get("message") or {}
+    head = {k: chat.get(k) for k in ("id", "model", "created")}
+    lp = choice.get("logprobs")
+    entries = list(lp.get("content") or []) if isinstance(lp, dict) else []
+    text = message.get("content") or ""
+    calls = message.get("tool_calls") or []
+    pre, n_calls, n_lp = _before(message, text, calls, len(entries))
+    parts: list[tuple[dict[str, Any], list[Any]]] = []
+    if pre:
+        parts.append(({"content": pre}, entries[:n_lp]))
+    parts += [({"tool_calls": [_call_delta(i, c)]}, []) for i, c in enumerate(calls[:n_calls])]
+    if message.get("reasoning_content"):
+        parts.append(({"reasoning_content": message["reasoning_content"]}, []))
+    rest = entries[n_lp:]
+    if text[len(pre) :]:
+        parts.append(({"content": text[len(pre) :]}, rest))
+        rest = []
+    parts += [
+        ({"tool_calls": [_call_delta(i, c)]}, []) for i, c in enumerate(calls) if i >= n_calls
+    ]
+    parts.append(({}, rest))  # the end: what is left waits for the content, as streamed
+    stream = ResponsesStream(echo)
+    stream.feed({**head, "choices": []})
+    for i, (delta, lps) in enumerate(parts):
+        last = i == len(parts) - 1
+        c = {"index": 0, "delta": delta, "logprobs": {"content": lps} if lps else None,
+             "finish_reason": choice.get("finish_reason") if last else None}  # fmt: skip
+        stream.feed({**head, "choices": [c]})
+    stream.feed({**head, "choices": [], "usage": chat.get("usage")})
+    return stream.finish()[-1]["response"]
