@@ -542,3 +542,39 @@ def test_reasoning_tokens_end_at_a_stop_string_whatever_the_outputs_carry() -> N
     assert counts[0] == counts[1]
     assert counts[1][0]["completion_tokens"] == 4  # "t", "h", "i", "n"
     assert counts[1][0]["completion_tokens_details"] == {"reasoning_tokens": 4}
+
+
+@pytest.mark.parametrize("per_output", [1, 3, 100])  # tokens a step: 100, the whole in one
+def test_content_before_the_reasoning_streams_before_it_and_the_body_says_so(
+    per_output: int,
+) -> None:
+    """qwen3's text before ``<think>`` is content, streamed before the reasoning even when
+    one step holds both (a chunk of its own, the step's tokens with it); the body's
+    message has the same content and says what of it came before the reasoning
+    (``before_reasoning``), and after how many tokens the reasoning began."""
+    text = "Sure. <think>why</think> 4"
+    app = build_app(ScriptedEngine(text, per_output=per_output), reasoning_parser="qwen3")  # type: ignore[arg-type]
+    client = TestClient(app)
+    chunks = _chat_stream(client, logprobs=True)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]][1:]
+    parts = [(k, d[k]) for d in deltas for k in d if k in ("reasoning_content", "content")]
+    merged: list[list[str]] = []
+    for kind, piece in parts:  # consecutive pieces of a kind, added up
+        if merged and merged[-1][0] == kind:
+            merged[-1][1] += piece
+        elif piece:
+            merged.append([kind, piece])
+    assert merged == [["content", "Sure. "], ["reasoning_content", "why"], ["content", " 4"]]
+    ids = [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]]
+    assert ids == list(text.encode())
+    (choice,) = _chat(client, logprobs=True)["choices"]
+    began = per_output * -(-len("Sure. <think>w") // per_output)  # the step with the "w"
+    assert choice["message"] == {
+        "role": "assistant", "reasoning_content": "why", "content": "Sure.  4",
+        "before_reasoning": {"content": "Sure. ", "tool_calls": 0,
+                             "tokens": min(began, len(text))},
+    }  # fmt: skip
+    # Without text before the reasoning the message says nothing of it.
+    plain = TestClient(build_app(ScriptedEngine(ANSWER, per_output=per_output),  # type: ignore[arg-type]
+                                 reasoning_parser="qwen3"))  # fmt: skip
+    assert "before_reasoning" not in _chat(plain)["choices"][0]["message"]
