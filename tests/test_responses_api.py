@@ -603,3 +603,37 @@ def test_a_node_counts_the_reasoning_tokens_apart(parser: str, text: str, reason
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 64}
     chat = client.post("/v1/chat/completions", json=body).json()
     assert chat["usage"]["completion_tokens_details"] == {"reasoning_tokens": want}
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "kinds"),
+    [
+        ("qwen3", "<think>cut off while", ["reasoning"]),
+        ("qwen3", "Sure. <think>cut off", ["message", "reasoning"]),
+        ("qwen3", "<think>why</think>cut off", ["reasoning", "message"]),
+        ("deepseek_r1", "cut off while thinking", ["reasoning"]),
+    ],
+)
+def test_an_answer_cut_by_max_output_tokens_is_incomplete_streamed_or_not(
+    parser: str, text: str, kinds: list[str]
+):
+    """``max_output_tokens`` cut the answer (the scripted engine ends with "length"):
+    status ``incomplete`` with reason ``max_output_tokens``, the last item (the one cut,
+    reasoning too) ``incomplete``, the others ``completed``; the stream ends with
+    ``response.incomplete`` holding the same status, items and usage."""
+    client = _node(text, reasoning_parser=parser)
+    whole, evs = _both(client)
+    assert whole["status"] == "incomplete"
+    assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [o["type"] for o in whole["output"]] == kinds
+    assert [o["status"] for o in whole["output"]] == ["completed"] * (len(kinds) - 1) + [
+        "incomplete"
+    ]
+    final = evs[-1]
+    assert final["type"] == "response.incomplete"
+    assert _unnamed(final["response"]) == _unnamed(whole)
+    for key in ("status", "incomplete_details", "usage"):
+        assert final["response"][key] == whole[key], key
+    assert whole["usage"]["output_tokens"] == len(text.encode())
+    done = [e["item"] for e in evs if e["type"] == "response.output_item.done"]
+    assert [o["status"] for o in done] == [o["status"] for o in whole["output"]]

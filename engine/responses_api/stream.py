@@ -195,7 +195,7 @@ class ResponsesStream:
                             item=item.body),
             ]  # fmt: skip
         if item.kind == "reasoning":
-            item.body = out.reasoning_item(item.rid, item.text, "completed")
+            item.body = out.reasoning_item(item.rid, item.text, status)
             part: dict[str, Any] = {"type": "reasoning_text", "text": item.text}
             done = self._event("response.reasoning_text.done", **at, content_index=0,
                                text=item.text)  # fmt: skip
