@@ -216,6 +216,9 @@ def test_serve_times_a_responses_stream_on_its_deltas_and_counts_its_usage():
         ([{"type": "error", "message": "x", "error": {"message": "overloaded"}}],
          "stream error: overloaded"),
         ([{"error": {"message": "bad"}}], "stream error: bad"),  # a chat-style error event
+        ([delta("output_text", "a"),  # OpenAI's (pdserve's) error event, then failed
+          {"type": "error", "code": "c", "message": "boom", "param": None}, failed],
+         "stream error: boom"),
         ([delta("output_text", "a")], "without response.completed"),
         ([delta("output_text", "a"), {"type": "response.completed", "response": {}}],
          "no usage.output_tokens"),

@@ -381,7 +381,7 @@ def test_an_error_event_fails_the_response_and_a_cut_stream_fails_too():
     assert [e["type"] for e in odd].count("response.failed") == 1
     nothing = _run_events([])  # cut before its first chunk
     assert [e["type"] for e in nothing] == [
-        "response.created", "response.in_progress", "response.failed",
+        "response.created", "response.in_progress", "error", "response.failed",
     ]  # fmt: skip
     for e in evs + cut + odd + nothing:
         EVENT.validate_python(e)
@@ -422,6 +422,42 @@ def test_a_failed_stream_keeps_the_kind_of_its_error(error: dict[str, Any], code
     if error.get("code") not in (None, "server_error"):
         assert failed["response"]["error"]["message"].endswith(f"({error['code']})")
     EVENT.validate_python(failed)
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "param"),
+    [
+        ({"message": "too long", "type": "invalid_request_error", "param": "messages",
+          "code": "context_length_exceeded"}, "context_length_exceeded", "input"),
+        ({"message": "the grammar leaves no token", "type": "invalid_request_error",
+          "param": "response_format", "code": "structured_output_stuck"},
+         "structured_output_stuck", "text.format"),
+        ({"message": "max_tokens is too large", "type": "BadRequestError", "param": "max_tokens",
+          "code": 400}, "invalid_prompt", "max_output_tokens"),
+        ({"message": "busy", "type": "rate_limit_error", "code": "overloaded"}, "overloaded", None),
+        ({"message": "upstream failure", "type": "server_error", "code": "upstream_error"},
+         "upstream_error", None),
+        ({"message": "x"}, "server_error", None),
+    ],
+)  # fmt: skip
+def test_a_failed_stream_sends_an_error_event_then_response_failed(
+    error: dict[str, Any], code: str, param: str | None
+):
+    """As OpenAI's streams end when they fail: an ``error`` event (its own ``code``, not
+    held to ``response.error``'s closed list; ``param`` named as the Responses API names
+    it), then ``response.failed``, the last event, whose ``error`` has OpenAI's code."""
+    first = f"data: {json.dumps(_chunk({'content': 'a'}))}\n\n"
+    evs = _run_events([first, f"data: {json.dumps({'error': error})}\n\n", "data: [DONE]\n\n"])
+    assert [e["type"] for e in evs[-2:]] == ["error", "response.failed"]
+    said = evs[-2]
+    assert said == {"type": "error", "sequence_number": evs[-1]["sequence_number"] - 1,
+                    "code": code, "message": error["message"], "param": param}  # fmt: skip
+    EVENT.validate_python(said)
+    assert evs[-1]["response"]["error"]["message"].startswith(error["message"])
+    for cut in (_run_events([first]), _run_events([])):  # the stream ended early
+        assert [e["type"] for e in cut[-2:]] == ["error", "response.failed"]
+        assert cut[-2]["code"] == cut[-1]["response"]["error"]["code"] == "server_error"
+        assert [e["type"] for e in cut].count("error") == 1
 
 
 # -- the node's route, on an engine answering scripted text ---------------------------------------

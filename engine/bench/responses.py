@@ -70,6 +70,8 @@ def _count(obj: Any, key: str) -> int | None:
 def _error_of(event: dict[str, Any]) -> str:
     """A failed stream's error message: an ``error`` event's, or ``response.failed``'s."""
     err = event.get("error")
+    if err is None and event.get("type") == "error":  # OpenAI's: the fields at the top
+        err = event.get("message")
     if err is None and isinstance(event.get("response"), dict):
         err = event["response"].get("error")
     if isinstance(err, dict):

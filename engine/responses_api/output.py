@@ -11,6 +11,31 @@ from engine.httpkit.admission import OVERLOADED_CODE
 from engine.httpkit.error_status import event_status
 from engine.responses_api.request import ResponseEcho
 
+# Chat request fields as the Responses API names them, for the ``param`` of an error.
+PARAM_NAMES = (
+    ("messages", "input"),
+    ("max_tokens", "max_output_tokens"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("reasoning_effort", "reasoning.effort"),
+    ("tool_choice.function", "tool_choice"),
+)
+
+
+def responses_param(param: Any) -> Any:
+    """A chat request's field name as the Responses API names it (``tools[0].function.
+    name`` -> ``tools[0].name``; ``messages[2]`` -> ``input``: instructions and merged
+    function calls shift the indices, so none is given)."""
+    if not isinstance(param, str):
+        return param
+    for chat, responses in PARAM_NAMES:
+        if param == chat or param.startswith((chat + ".", chat + "[")):
+            return responses if chat == "messages" else responses + param[len(chat) :]
+    if param.startswith("tools[") and ".function." in param:
+        return param.replace(".function.", ".", 1)
+    return param
+
 
 def response_id(chat_id: Any) -> str:
     """``resp_<id>`` from a chat completion's ``chatcmpl-<id>``."""
@@ -107,6 +132,20 @@ def function_call_item(
         "name": name,
         "arguments": arguments,
         "status": status,
+    }
+
+
+def error_event(error: Any) -> dict[str, Any]:
+    """A stream's error event as the Responses API's ``error`` event's fields: its own
+    ``code`` (a string; else its kind, as ``error_of``), message, and ``param`` named as
+    the Responses API names it."""
+    err = error if isinstance(error, dict) else {}
+    code = err.get("code")
+    param = responses_param(err.get("param"))
+    return {
+        "code": code if isinstance(code, str) and code else error_of(err)["code"],
+        "message": str(err.get("message") or "the response failed"),
+        "param": param if isinstance(param, str) else None,
     }
 
 

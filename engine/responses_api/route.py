@@ -30,6 +30,7 @@ from engine.httpkit.big_json import (
 from engine.httpkit.body import read_body
 from engine.httpkit.disconnect import ClientDisconnected
 from engine.httpkit.errors import json_error
+from engine.responses_api.output import responses_param
 from engine.responses_api.request import ResponseEcho, to_chat
 from engine.responses_api.stream import ResponsesStream, response_object, sse
 from engine.server.json_body import parse_json_body
@@ -43,31 +44,7 @@ ChatHandler = Callable[[Request, int], Awaitable[Response]]
 # Bodies up to this size are translated on the event loop (microseconds); larger ones in
 # a worker thread, so a huge ``input`` does not stall the other clients' streams.
 INLINE_BYTES = 64 * 1024
-# Chat request fields as the Responses API names them, for the ``param`` of an error.
-PARAM_NAMES = (
-    ("messages", "input"),
-    ("max_tokens", "max_output_tokens"),
-    ("max_completion_tokens", "max_output_tokens"),
-    ("response_format.json_schema", "text.format"),
-    ("response_format", "text.format"),
-    ("reasoning_effort", "reasoning.effort"),
-    ("tool_choice.function", "tool_choice"),
-)
 _DROPPED_HEADERS = ("content-length", "content-type")
-
-
-def responses_param(param: Any) -> Any:
-    """A chat request's field name as the Responses API names it (``tools[0].function.
-    name`` -> ``tools[0].name``; ``messages[2]`` -> ``input``: instructions and merged
-    function calls shift the indices, so none is given)."""
-    if not isinstance(param, str):
-        return param
-    for chat, responses in PARAM_NAMES:
-        if param == chat or param.startswith((chat + ".", chat + "[")):
-            return responses if chat == "messages" else responses + param[len(chat) :]
-    if param.startswith("tools[") and ".function." in param:
-        return param.replace(".function.", ".", 1)
-    return param
 
 
 def _translate(raw: bytes) -> tuple[bytes, ResponseEcho]:

@@ -7,8 +7,9 @@ events each one makes. The events follow OpenAI's order: ``response.created`` an
 content part), grows by deltas (reasoning text, output text, function-call arguments)
 and is closed (the ``.done`` events) before the next one opens; last comes
 ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it,
-``response.failed`` after an error) with the whole ``response`` object. ``sse`` frames
-an event (``event:`` + ``data:``; no ``[DONE]`` follows, as OpenAI's).
+``response.failed``, after an ``error`` event, when it failed) with the whole ``response``
+object. ``sse`` frames an event (``event:`` + ``data:``; no ``[DONE]`` follows, as
+OpenAI's).
 
 A body (``response_object``) is built by the same ``ResponsesStream``: its parts fed as
 the chunks of a stream, so that it is the final ``response`` a stream of the same answer
@@ -233,7 +234,8 @@ class ResponsesStream:
         return events + [self._event(kind, response=response)]
 
     def fail(self, error: Any) -> list[Event]:
-        """An error in the chat stream: ``response.failed`` carrying it."""
+        """An error in the chat stream: an ``error`` event saying it (its own code), then
+        ``response.failed`` carrying it (OpenAI's code for it), as OpenAI's streams end."""
         if self.ended:
             return []
         events = [] if self.started else self._start({})
@@ -244,7 +246,8 @@ class ResponsesStream:
             error=out.error_of(error),
             usage=out.usage(self.usage),
         )
-        return events + [self._event("response.failed", response=response)]
+        said = self._event("error", **out.error_event(error))
+        return events + [said, self._event("response.failed", response=response)]
 
 
 def _before(

@@ -76,6 +76,9 @@ class ResponsesStream:
             self.ended = True
             err = (ev.get("response") or {}).get("error") or {}
             self.error = f"event {err.get('code')}: {str(err.get('message'))[:160]}"
+        elif kind == "error":  # a failure's, said before its response.failed
+            if self.ended:
+                return f"an error event after the last one: {data[:80]!r}"
         elif not isinstance(kind, str) or not kind.startswith("response."):
             return f"not a Responses API event: {data[:80]!r}"
         return None
