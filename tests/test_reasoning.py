@@ -578,3 +578,19 @@ def test_content_before_the_reasoning_streams_before_it_and_the_body_says_so(
     plain = TestClient(build_app(ScriptedEngine(ANSWER, per_output=per_output),  # type: ignore[arg-type]
                                  reasoning_parser="qwen3"))  # fmt: skip
     assert "before_reasoning" not in _chat(plain)["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("before", ["", "a"])  # the call before the reasoning, or after it
+def test_a_call_with_a_reasoning_parser_finishes_tool_calls_streamed_or_not(before: str) -> None:
+    """With a reasoning parser and tool calls the body's ``finish_reason`` is the stream's:
+    "tool_calls" when the answer holds whole calls (the engine's "length" otherwise)."""
+    call = '<tool_call>\n{"name": "get", "arguments": {}}\n</tool_call>'
+    text = f"{before}<think>r</think>{call}" if before else f"{call}<think>r</think>ok"
+    engine = ScriptedEngine(text, per_output=1)
+    client = TestClient(build_app(engine, reasoning_parser="qwen3", tool_call_parser="hermes"))  # type: ignore[arg-type]
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {}}}]
+    (choice,) = _chat(client, tools=tools)["choices"]
+    chunks = _chat_stream(client, tools=tools)
+    ends = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert choice["finish_reason"] == ends[-1] == "tool_calls"
+    assert len(choice["message"]["tool_calls"]) == 1

@@ -242,7 +242,8 @@ class Job:
             part = self.reasoning.message_of(steps)
         elif parsed is not None:
             part = parsed.message(text)
-            finish = None if finish is None else parsed.finish_reason(finish)
+        if parsed is not None and finish is not None:
+            finish = parsed.finish_reason(finish)
         choice = self.choice(
             text, ids, finish, stream=False, logprobs=lp, stop_reason=last.stop_reason,
             tool_part=part,
