@@ -480,6 +480,14 @@ def test_preemptions_are_counted_and_change_no_token_count(node: Node) -> None:
     assert delta(before, after, "vllm:generation_tokens_total") == 2 * 3 * 40
 
 
+def finish_reasons(node: Node, spec: Spec) -> dict[str, float]:
+    """``vllm:request_success_total``'s growth by finish reason over one request."""
+    before, after = run_batch(node, [spec])
+    return {
+        r: delta(before, after, "vllm:request_success_total", finished_reason=r) for r in REASONS
+    }
+
+
 def test_a_stop_string_counts_as_stop(node: Node) -> None:
     """An answer ended by a stop string is ``finished_reason="stop"`` in
     ``vllm:request_success_total`` (vLLM's: its output processor finishes the request with
@@ -496,11 +504,7 @@ def test_a_stop_string_counts_as_stop(node: Node) -> None:
             chat=False, stream=stream, n=1, best_of=False, prompt=PREFIXES[0], text="",
             max_tokens=24, ending="stop_str", min_tokens=0, stop=[chars[0]], temperature=0,
         )  # fmt: skip
-        before, after = run_batch(node, [spec])
-        reasons = {
-            r: delta(before, after, "vllm:request_success_total", finished_reason=r)
-            for r in REASONS
-        }
+        reasons = finish_reasons(node, spec)
         assert reasons == {"stop": 1, "length": 0, "abort": 0}, (stream, reasons)
 
 
@@ -523,11 +527,7 @@ def test_a_stop_string_with_the_last_token_counts_as_stop(node: Node) -> None:
             max_tokens=body["max_tokens"], ending="stop_str", min_tokens=0, stop=[chr(ids[-1])],
         )  # fmt: skip
         spec.body = lambda spec=spec: {**Spec.body(spec), "seed": seed}  # type: ignore[method-assign]
-        before, after = run_batch(node, [spec])
-        reasons = {
-            r: delta(before, after, "vllm:request_success_total", finished_reason=r)
-            for r in REASONS
-        }
+        reasons = finish_reasons(node, spec)
         assert reasons == {"stop": 1, "length": 0, "abort": 0}, (stream, reasons)
 
 
