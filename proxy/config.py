@@ -141,7 +141,11 @@ class ProxyConfig:
         default=5.0, metadata={"help": "timeout to connect to a node, in seconds"}
     )
     request_timeout: float = field(
-        default=600.0, metadata={"help": "max seconds to wait for a node's next bytes"}
+        default=600.0,
+        metadata={
+            "help": "max seconds to wait for a node's next bytes (and for a decode "
+            "stream's next event: comment lines do not count)"
+        },
     )
     max_connections: int = field(
         default=1024,

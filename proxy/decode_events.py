@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engine.httpkit.sse_reader import SSEReader
+from engine.httpkit.sse_reader import SSEIdleTimeout, SSEReader
 from proxy.answers import MalformedAnswer, check_answer
-from proxy.node_client import NodeResponse
+from proxy.node_client import NodeResponse, NodeTimeout
 from proxy.waiting import never, wait_watched
 
 _END = object()  # the stream ended (with or without [DONE]: see ``done``)
@@ -58,7 +58,9 @@ class DecodeEvents:
         to raise instead of waiting on (D hung), or None."""
         self.resp = resp
         self.watch, self.poll_s = watch, poll_s
-        self._reader = SSEReader(resp.aiter_lines())
+        # Comments (``: keep-alive``) reset each read's timeout: a stream of nothing else
+        # is given up once it went as long without an event (a read timeout, as if silent).
+        self._reader = SSEReader(resp.aiter_lines(), max_idle_s=resp.timeout)
         self._it = self._reader.__aiter__()
         self._ahead: deque[Any] = deque()
         self._pending: asyncio.Future[Any] | None = None  # a read in flight
@@ -81,6 +83,9 @@ class DecodeEvents:
             obj = pending.result()
         except (ValueError, RecursionError) as e:  # the event's JSON (SSEReader)
             raise MalformedAnswer(f"an event is not JSON: {str(e)[:120]}") from None
+        except SSEIdleTimeout as e:
+            self.resp.close()  # its connection is in mid-answer: never reused
+            raise NodeTimeout(str(e)) from e
         return obj if obj is _END else check_answer(obj)
 
     async def until_token(self) -> None:

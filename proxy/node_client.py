@@ -131,6 +131,11 @@ class NodeResponse:
         if status in (204, 304) or 100 <= status < 200:
             self._length = 0
 
+    @property
+    def timeout(self) -> float:
+        """Each read's timeout, in seconds."""
+        return self._timeout
+
     # -- reading -----------------------------------------------------------------------
     async def _read(self, coro: Any) -> Any:
         try:
