@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import pytest
@@ -150,3 +151,71 @@ def test_a_rank_that_dies_before_the_rendezvous_fails_the_start_naming_it():
         stop.set()
         watcher.join(10)
     assert killed
+
+
+def _tp(tp: int) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(dtype="float32"),
+        cache=CacheConfig(num_blocks=16),
+        parallel=ParallelConfig(tp=tp, device="cpu", distributed_executor_backend="mp"),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_start_up_deadline_is_one_for_the_whole_start(monkeypatch):
+    """``STARTUP_TIMEOUT_S`` (here 20 s) bounds the whole start, not each report: the
+    workers load in time, but the start is past its deadline before their ready reports
+    (``decide_num_blocks`` took the rest), so it fails. Each report had its own 600 s,
+    so a start could take 2 x TP x 600 s."""
+    import time
+
+    from engine.executor import multiproc
+
+    monkeypatch.setattr(multiproc, "STARTUP_TIMEOUT_S", 20.0)
+    began = time.monotonic()
+
+    def slow_decision(kv_bytes: list) -> int:
+        time.sleep(max(0.0, began + 21.0 - time.monotonic()))
+        return 16
+
+    with pytest.raises(RuntimeError, match=r"TP worker 0 not ready after 20s"):
+        multiproc.MultiprocExecutor(_tp(1), slow_decision).shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_at_start_up_is_the_one_named(monkeypatch):
+    """TP 2, rank 1 stopped (SIGSTOP) as soon as it exists: rank 0 waits in the
+    rendezvous for it, and the start fails at its deadline naming rank 1 (the wait was
+    on rank 0's report, and the error named rank 0)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from engine.executor import multiproc
+
+    stopped: list[int] = []
+    stop = threading.Event()
+
+    def stop_rank_1() -> None:
+        while not stop.is_set() and not stopped:
+            for pid in _grandchildren_named("pdserve-tp1"):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=stop_rank_1, daemon=True)
+    watcher.start()
+    monkeypatch.setattr(multiproc, "STARTUP_TIMEOUT_S", 15.0)
+    try:
+        with pytest.raises(RuntimeError, match=r"TP worker 1 .*not ready after 15s.*stopped"):
+            multiproc.MultiprocExecutor(_tp(2), lambda kv_bytes: 16).shutdown()
+    finally:
+        stop.set()
+        watcher.join(10)
+        for pid in stopped:  # killed by the failed start's shutdown; never left stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert stopped

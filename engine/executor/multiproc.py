@@ -63,6 +63,17 @@ def rendezvous_socket() -> socket.socket:
     return s
 
 
+def _is_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, SIGTSTP; or traced): Linux's ``/proc``, else
+    False."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
 class MultiprocExecutor:
     """Starts the workers in two phases: each loads its shard and reports how many KV bytes
     it can hold (``None`` on CPU); ``decide_num_blocks`` turns those reports into the
@@ -118,12 +129,15 @@ class MultiprocExecutor:
             self.procs.append(proc)
             self._task.append(task_w)
             self._result.append(res_r)
+        # One deadline for the whole start (every rank's two reports, the decision between).
+        self._startup_timeout = STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self._startup_timeout
         try:
-            kv_bytes = [self._wait_for(rank, "loaded") for rank in range(self.world_size)]
+            kv_bytes = self._wait_for_all("loaded", deadline)
             self.num_blocks = decide_num_blocks(kv_bytes)
             for conn in self._task:
                 conn.send(self.num_blocks)
-            self.worker_infos = [self._wait_for(rank, "ready") for rank in range(self.world_size)]
+            self.worker_infos = self._wait_for_all("ready", deadline)
         except BaseException:
             self.shutdown()
             raise
@@ -146,32 +160,57 @@ class MultiprocExecutor:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]
 
-    def _wait_for(self, rank: int, expected: str) -> Any:
-        """``rank``'s start-up report. Any rank's death ends the wait (naming that rank):
-        at TP > 1 the others wait in the rendezvous or a collective for a dead one."""
-        conn, proc = self._result[rank], self.procs[rank]
-        others = {p.sentinel: (r, p) for r, p in enumerate(self.procs) if r != rank}
-        ready = wait([conn, proc.sentinel, *others], timeout=STARTUP_TIMEOUT_S)
-        if conn not in ready and proc.sentinel not in ready and ready:
-            raise self._died_at_startup(*others[ready[0]])
-        if conn in ready:
-            try:
-                kind, payload = conn.recv()
-            except EOFError:
-                kind, payload = "error", "worker exited during startup"
-            if kind == expected:
-                return payload
-            if kind == "config_error":  # e.g. --device cuda where no GPU is visible
-                raise ConfigError(f"TP worker {rank}: {payload}")
-            raise RuntimeError(f"TP worker {rank} failed to start:\n{payload}")
-        if not ready:
-            raise RuntimeError(f"TP worker {rank} not ready after {STARTUP_TIMEOUT_S:.0f}s")
-        raise RuntimeError(f"TP worker {rank} died during startup (exit {proc.exitcode})")
+    def _wait_for_all(self, expected: str, deadline: float) -> list[Any]:
+        """Every rank's start-up report ``expected``, by ``deadline``. Any rank's death ends
+        the wait (naming that rank): at TP > 1 the others wait in the rendezvous or a
+        collective for a dead one."""
+        got: dict[int, Any] = {}
+        conns = {conn: rank for rank, conn in enumerate(self._result)}
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs)}
+        while len(got) < self.world_size:
+            waiting = [conn for conn, rank in conns.items() if rank not in got]
+            left = max(0.0, deadline - time.monotonic())
+            ready = wait([*waiting, *sentinels], timeout=left)
+            if not ready:
+                raise self._not_ready([r for r in range(self.world_size) if r not in got])
+            for obj in ready:
+                if obj in sentinels:  # its error report, if it sent one, is read there
+                    raise self._died_at_startup(*sentinels[obj])
+            for obj in ready:
+                rank = conns[obj]
+                got[rank] = self._report(rank, expected)
+        return [got[rank] for rank in range(self.world_size)]
 
-    def _died_at_startup(self, rank: int, proc: mp.process.BaseProcess) -> Exception:
+    def _report(self, rank: int, expected: str) -> Any:
+        """``rank``'s report, ready to read: its payload if it is ``expected``."""
+        try:
+            kind, payload = self._result[rank].recv()
+        except EOFError:  # it is exiting: its exit code
+            raise self._died_at_startup(rank, self.procs[rank], join_s=1.0) from None
+        if kind == expected:
+            return payload
+        if kind == "config_error":  # e.g. --device cuda where no GPU is visible
+            raise ConfigError(f"TP worker {rank}: {payload}")
+        raise RuntimeError(f"TP worker {rank} failed to start:\n{payload}")
+
+    def _not_ready(self, ranks: list[int]) -> RuntimeError:
+        """The start's deadline passed with ``ranks`` not reported. A stopped one (SIGSTOP)
+        is named: the others may only be waiting for it in the rendezvous or a collective."""
+        after = f"not ready after {self._startup_timeout:.0f}s"
+        for rank in ranks:
+            pid = self.procs[rank].pid
+            if pid is not None and _is_stopped(pid):
+                return RuntimeError(f"TP worker {rank} (pid {pid}) {after}: its process is stopped")
+        if len(ranks) == 1:
+            return RuntimeError(f"TP worker {ranks[0]} {after}")
+        return RuntimeError(f"TP workers {', '.join(map(str, ranks))} {after}")
+
+    def _died_at_startup(
+        self, rank: int, proc: mp.process.BaseProcess, join_s: float = 0.1
+    ) -> Exception:
         """The error of a rank that ended during start-up: its own report if it sent one
         (a failed load's traceback), else its exit code."""
-        proc.join(0.1)
+        proc.join(join_s)
         conn = self._result[rank]
         with contextlib.suppress(EOFError, OSError):
             while conn.poll():  # its earlier reports, then its error if any (EOF ends it)
