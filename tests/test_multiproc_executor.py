@@ -219,3 +219,37 @@ def test_a_stopped_rank_at_start_up_is_the_one_named(monkeypatch):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
     assert stopped
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_start_cancelled_while_a_worker_waits_for_its_blocks_ends_it_quietly(monkeypatch, capfd):
+    """The engine refuses the workers' reports (``decide_num_blocks`` raises: no room for
+    the KV cache) and shuts the start down while the worker waits for its number of
+    blocks. The worker unpickled the ``shutdown`` message, logged "worker failed to
+    start" with an ``UnpicklingError`` traceback and reported it; now it says the start
+    was cancelled and exits (code 0: not killed after the grace). Spawned workers, so
+    their log is this test's stderr."""
+    from engine.config import ConfigError
+    from engine.executor import multiproc
+
+    monkeypatch.setenv("PDSERVE_WORKER_MULTIPROC_METHOD", "spawn")
+    procs: list = []
+    shutdown = multiproc.MultiprocExecutor.shutdown
+
+    def recorded(self) -> None:
+        shutdown(self)
+        procs.extend(self.procs)
+
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "shutdown", recorded)
+
+    def refuse(kv_bytes: list) -> int:
+        raise ConfigError("no room for the KV cache")
+
+    with pytest.raises(ConfigError, match="no room"):
+        multiproc.MultiprocExecutor(_tp(1), refuse)
+    err = capfd.readouterr().err
+    assert "worker failed to start" not in err, err
+    assert "Unpickling" not in err, err
+    assert "start-up cancelled" in err, err
+    assert [p.exitcode for p in procs] == [0]

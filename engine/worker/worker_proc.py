@@ -185,7 +185,12 @@ def worker_main(
     try:
         worker = Worker(config, rank, world_size, device)
         result_conn.send(("loaded", worker.profile_kv_bytes()))
-        num_blocks = task_conn.recv()
+        msg = task_conn.recv_bytes()
+        if msg == b"shutdown":  # the engine gave the start up (another rank, its deadline)
+            logger.info("start-up cancelled by the engine; worker exiting")
+            worker.shutdown()
+            return
+        num_blocks = pickle.loads(msg)
         worker.init_kv_cache(num_blocks)
         result_conn.send(("ready", worker.handshake_info()))
     except (EOFError, OSError):
