@@ -298,6 +298,8 @@ CHAT_PIECES = [
     '"arguments": {"q": "é€"}}', '{"name": "put", "arguments": {}}', "x", " ", "\n",
     "😀", "ok.", "{", "}", '"',
 ]  # fmt: skip
+# A whole hermes call, drawn into an answer's text (text before and after it).
+WHOLE_CALL = '<tool_call>{"name": "get", "arguments": {}}</tool_call>'
 
 
 @st.composite
@@ -307,7 +309,10 @@ def scripts(draw: st.DrawFn, chat: bool, n: int) -> tuple[list[Script], str]:
     for _ in range(n):
         if chat and draw(st.booleans()):
             alphabet = CHAT_PIECES + REQUIRED_PIECES + HERMES_PIECES
-            text = "".join(draw(st.lists(st.sampled_from(alphabet), max_size=8)))
+            pieces = draw(st.lists(st.sampled_from(alphabet), max_size=8))
+            for _ in range(draw(st.integers(0, 2))):  # content after a call, or around it
+                pieces.insert(draw(st.integers(0, len(pieces))), WHOLE_CALL)
+            text = "".join(pieces)
             ids = list(text.encode())
         else:
             ids = draw(answer_bytes())
@@ -496,9 +501,11 @@ def _shape(r: dict[str, Any]) -> list[tuple[Any, ...]]:
 
 
 def _unnamed(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """A response's output items, each id with its response's own part as "ID"."""
+    """A response's output items, each id with its response's own part as "ID" (a call's
+    ``call_id``, each request's own, left out)."""
     rid = r["id"].removeprefix("resp_")
-    return [{**o, "id": o["id"].replace(rid, "ID", 1)} for o in r["output"]]
+    return [{**{k: v for k, v in o.items() if k != "call_id"}, "id": o["id"].replace(rid, "ID", 1)}
+            for o in r["output"]]  # fmt: skip
 
 
 @_settings(60)

@@ -673,3 +673,79 @@ def test_an_answer_cut_by_max_output_tokens_is_incomplete_streamed_or_not(
     assert whole["usage"]["output_tokens"] == len(text.encode())
     done = [e["item"] for e in evs if e["type"] == "response.output_item.done"]
     assert [o["status"] for o in done] == [o["status"] for o in whole["output"]]
+
+
+CALL_TEXT = '<tool_call>{"name": "get", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize("per_output", [1, 3, 100])  # tokens a step: 100, the whole in one
+@pytest.mark.parametrize("logprobs", [False, True])
+@pytest.mark.parametrize(
+    "parser, text, kinds, texts",
+    [
+        (None, f"a{CALL_TEXT}b", ["message", "function_call", "message"], ["a", "b"]),
+        ("qwen3", f"a{CALL_TEXT}b<think>r</think>c",
+         ["message", "function_call", "message", "reasoning", "message"], ["a", "b", "r", "c"]),
+        ("qwen3", f"<think>r</think>a{CALL_TEXT}b{CALL_TEXT}c",
+         ["reasoning", "message", "function_call", "message", "function_call", "message"],
+         ["r", "a", "b", "c"]),
+    ],
+)  # fmt: skip
+def test_text_after_a_tool_call_is_answered_in_the_texts_order_streamed_or_not(
+    per_output: int, logprobs: bool, parser: str | None, text: str, kinds: list[str],
+    texts: list[str],
+) -> None:  # fmt: skip
+    """Content after a tool call is a message after the function call, streamed or not
+    and however the engine's steps cut the text: the stream's final ``output`` is the
+    whole response's (ids, texts, log probabilities)."""
+    from scripted_engine import ScriptedEngine
+    from starlette.testclient import TestClient
+
+    from engine.server.app import build_app
+
+    engine = ScriptedEngine(text, per_output=per_output)
+    client = TestClient(build_app(engine, tool_call_parser="hermes", reasoning_parser=parser))  # type: ignore[arg-type]
+    extra: dict[str, Any] = {"tools": [{"type": "function", "name": "get", "parameters": {}}]}
+    if logprobs:
+        extra.update(include=["message.output_text.logprobs"], top_logprobs=1)
+    whole, evs = _both(client, **extra)
+    final = evs[-1]["response"]
+    assert [o["type"] for o in final["output"]] == kinds
+    assert [o["type"] for o in whole["output"]] == kinds
+    got = [o["content"][0]["text"] for o in whole["output"] if o["type"] != "function_call"]
+    assert got == texts
+
+    # Call ids are each request's own (random).
+    def named(r: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in o.items() if k != "call_id"} for o in _unnamed(r)]
+
+    assert named(final) == named(whole)
+    for key in ("status", "incomplete_details", "usage", "error"):
+        assert final[key] == whole[key], key
+    ids = [o["id"] for o in final["output"]]
+    assert len(set(ids)) == len(ids), ids
+
+
+@pytest.mark.parametrize(
+    "marks",
+    [
+        None, "x", [], [{"chars": 1}], [{"chars": True, "tokens": 0}], [{"chars": 9, "tokens": 0}],
+        [{"chars": -1, "tokens": 0}], [{"chars": 1, "tokens": 0}, {"chars": 0, "tokens": 0}],
+        [{"chars": 1, "tokens": 5}, {"chars": 2, "tokens": 4}], [1, 2],
+    ],
+)  # fmt: skip
+def test_before_tool_calls_that_does_not_fit_the_message_puts_the_calls_last(marks: Any):
+    """A node's ``before_tool_calls`` (it came over the network) is checked against the
+    message: one that fits puts each call after its content; one that does not (its
+    length, types, bounds, order) is ignored: the calls go after all of the content."""
+    _, echo = to_chat({"input": "x"})
+    calls = [CALL, {**CALL, "id": "call_2"}]
+    fits = [{"chars": 1, "tokens": 3}, {"chars": 2, "tokens": 5}]
+    msg = {"role": "assistant", "content": "abc", "tool_calls": calls}
+    r = response_object(echo, _chat_body({**msg, "before_tool_calls": fits}))
+    kinds = [(o["type"], o.get("content") and o["content"][0]["text"]) for o in r["output"]]
+    assert kinds == [("message", "a"), ("function_call", None), ("message", "b"),
+                     ("function_call", None), ("message", "c")]  # fmt: skip
+    r = response_object(echo, _chat_body({**msg, "before_tool_calls": marks}))
+    kinds = [(o["type"], o.get("content") and o["content"][0]["text"]) for o in r["output"]]
+    assert kinds == [("message", "abc"), ("function_call", None), ("function_call", None)]

@@ -1069,3 +1069,47 @@ def test_tools_within_their_bound_make_a_required_choice_whatever_its_schema_gro
     req = parse_chat_request({**body, "tool_choice": "required"})
     assert req.structured_output is not None
     assert len(req.structured_output.spec) > 64 * 1024  # larger than a client's may be
+
+
+HERMES_GET = '<tool_call>{"name": "get", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize("per_output", [1, 3, 100])  # tokens a step: 100, the whole in one
+def test_content_after_a_call_streams_after_it_and_the_body_says_where_the_call_was(
+    per_output: int,
+) -> None:
+    """Content after a hermes call streams after the call's pieces even when one step
+    holds both (a chunk of its own); the body's message has the same content and calls
+    and says where each call was (``before_tool_calls``: the content's characters before
+    it, and the tokens up to the step that began it). Without content after a call the
+    message says nothing of it."""
+    from scripted_engine import ScriptedEngine
+    from starlette.testclient import TestClient
+
+    from engine.server.app import build_app
+
+    text = f"a{HERMES_GET}b"
+    app = build_app(ScriptedEngine(text, per_output=per_output), tool_call_parser="hermes")  # type: ignore[arg-type]
+    client = TestClient(app)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 99,
+            "tools": [{"type": "function", "function": {"name": "get", "parameters": {}}}]}  # fmt: skip
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        frames = [f.removeprefix("data: ") for f in r.read().decode().split("\n\n") if f]
+    chunks = [json.loads(f) for f in frames if f != "[DONE]"]
+    order: list[str] = []
+    for c in chunks[1:]:
+        delta = c["choices"][0]["delta"]
+        for key in ("content", "tool_calls"):  # a delta's content goes before its calls
+            if delta.get(key) and (not order or order[-1] != key):
+                order.append(key)
+    assert order == ["content", "tool_calls", "content"]
+    ids = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+    assert ids == list(text.encode())
+    msg = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    began = per_output * -(-len('a<tool_call>{"name": "get", "arguments": {') // per_output)
+    assert (msg["content"], [c["function"]["name"] for c in msg["tool_calls"]]) == ("ab", ["get"])
+    assert msg["before_tool_calls"] == [{"chars": 1, "tokens": min(began, len(text))}]
+    plain = build_app(ScriptedEngine(f"a{HERMES_GET}", per_output=per_output),  # type: ignore[arg-type]
+                      tool_call_parser="hermes")  # fmt: skip
+    msg = TestClient(plain).post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert "before_tool_calls" not in msg and msg["content"] == "a"

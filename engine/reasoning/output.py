@@ -40,10 +40,11 @@ class ReasoningOutput:
         self._content_before = ""
         self._calls_before = 0
 
-    def _content(self, text: str, final: bool) -> dict[str, Any]:
+    def _content(self, text: str, final: bool, tokens: int = 0) -> list[dict[str, Any]]:
+        """The deltas of the content part ``text`` (with tools: in the text's order)."""
         if self.tools is not None:
-            return self.tools.delta(text, final)
-        return {"content": text} if text else {}
+            return self.tools.deltas(text, final, tokens)
+        return [{"content": text} if text else {}]
 
     def deltas(self, text: str, final: bool, tokens: int = 0) -> list[dict[str, Any]]:
         """A stream step's deltas for the answer's next ``text`` (``final``: its last;
@@ -54,16 +55,16 @@ class ReasoningOutput:
         if final:
             d = d + self.parser.finish()
         self.tokens += tokens
-        parts = []
+        parts: list[dict[str, Any]] = []
         if d.lead:
-            lead = self._content(d.lead, False)
-            if lead:
-                parts.append(lead)
+            parts += [p for p in self._content(d.lead, False, tokens) if p]
+            tokens = 0  # the tools count the step's tokens once
         main: dict[str, Any] = {}
         if d.reasoning:
             main["reasoning_content"] = d.reasoning
-        main.update(self._content(d.content, final))
-        parts.append(main)
+        first, *rest = self._content(d.content, final, tokens)
+        main.update(first)
+        parts += [main, *rest]
         for part in parts:
             self._note(part)
         return parts
@@ -83,13 +84,12 @@ class ReasoningOutput:
         """A stream chunk's ``delta`` for the answer's next ``text`` (``final``: its last):
         ``reasoning_content``, then ``content`` (or tool calls); ``{}``: nothing yet.
         (``deltas``' parts in one: a content before the reasoning leads the content.)"""
-        parts = self.deltas(text, final)
-        out = dict(parts[-1])
-        for lead in parts[:-1]:
-            if "content" in lead:
-                out["content"] = lead["content"] + out.get("content", "")
-            if "tool_calls" in lead:
-                out["tool_calls"] = lead["tool_calls"] + out.get("tool_calls", [])
+        out: dict[str, Any] = {}
+        for part in self.deltas(text, final):
+            for key, value in part.items():
+                out[key] = out[key] + value if key in out else value
+        if "reasoning_content" in out:  # the reasoning first, as a delta's keys go
+            out = {"reasoning_content": out.pop("reasoning_content"), **out}
         return out
 
     def message(self, text: str) -> dict[str, Any]:
@@ -116,6 +116,7 @@ class ReasoningOutput:
         if self.tools is not None:
             content = "".join(self.tools.content)
             msg.update(content=content or None, tool_calls=self.tools.calls)
+            msg.update(self.tools.order())
         else:
             msg["content"] = self.content or None
         b = self.before

@@ -14,7 +14,8 @@ OpenAI's).
 A body (``response_object``) is built by the same ``ResponsesStream``: its parts fed as
 the chunks of a stream, so that it is the final ``response`` a stream of the same answer
 ends with -- its items in the text's order (a node's ``before_reasoning``: the content
-and tool calls written before the reasoning), their ids, statuses and log probabilities.
+and tool calls written before the reasoning; ``before_tool_calls``: the content written
+before each call), their ids, statuses and log probabilities.
 """
 
 from __future__ import annotations
@@ -275,12 +276,46 @@ def _call_delta(index: int, call: Any) -> dict[str, Any]:
             "function": {"name": fn.get("name"), "arguments": fn.get("arguments") or ""}}  # fmt: skip
 
 
+def _call_marks(
+    message: dict[str, Any], text: str, n_calls: int, n_lp: int, before: tuple[int, int, int]
+) -> list[tuple[int, int]]:
+    """Where each tool call sits: the content's characters and the tokens before it, from a
+    node's ``before_tool_calls``, checked against the message (it came over the network);
+    when it says nothing, or nothing that fits: the calls said before the reasoning after
+    its content, the others after all of it (``before``: ``_before``'s, and its content's
+    length)."""
+    pre, calls_before, lp_before = before
+    default = [(pre, lp_before) if i < calls_before else (len(text), n_lp) for i in range(n_calls)]
+    marks = message.get("before_tool_calls")
+    if not isinstance(marks, list) or len(marks) != n_calls:
+        return default
+    out: list[tuple[int, int]] = []
+    said = 0  # the tokens the last mark said
+    for i, m in enumerate(marks):
+        chars = m.get("chars") if isinstance(m, dict) else None
+        tokens = m.get("tokens") if isinstance(m, dict) else None
+        if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in (chars, tokens)):
+            return default
+        if out and (chars < out[-1][0] or tokens < said):
+            return default
+        said = tokens
+        if chars > len(text) or (chars > pre if i < calls_before else chars < pre):
+            return default
+        tokens = min(tokens, n_lp)
+        if tokens > lp_before if i < calls_before else tokens < lp_before:
+            return default
+        out.append((chars, tokens))
+    return out
+
+
 def response_object(echo: ResponseEcho, chat: dict[str, Any]) -> dict[str, Any]:
     """The ``response`` object of chat completion body ``chat`` (one choice): what a
     stream of the same answer ends with. Its parts are fed in the text's order -- the
-    content and tool calls written before the reasoning (with the log probabilities of
-    the tokens up to it), the reasoning, the content, the tool calls -- each log
-    probability where a stream's would be (with the content it came before)."""
+    content, tool calls and reasoning, each where the node says it was written
+    (``before_reasoning``, ``before_tool_calls``; by default the reasoning first, then
+    the content, then the tool calls) -- each piece of content with the log
+    probabilities of the tokens up to the next part (a stream's go with the content
+    they come before)."""
     (choice,) = chat.get("choices") or [{}]
     message = choice.get("message") or {}
     head = {k: chat.get(k) for k in ("id", "model", "created")}
@@ -289,20 +324,23 @@ def response_object(echo: ResponseEcho, chat: dict[str, Any]) -> dict[str, Any]:
     text = message.get("content") or ""
     calls = message.get("tool_calls") or []
     pre, n_calls, n_lp = _before(message, text, calls, len(entries))
-    parts: list[tuple[dict[str, Any], list[Any]]] = []
-    if pre:
-        parts.append(({"content": pre}, entries[:n_lp]))
-    parts += [({"tool_calls": [_call_delta(i, c)]}, []) for i, c in enumerate(calls[:n_calls])]
+    marks = _call_marks(message, text, len(calls), len(entries), (len(pre), n_calls, n_lp))
+    # The parts that cut the content, in the text's order: (chars, tokens, delta).
+    cuts = [(c, t, {"tool_calls": [_call_delta(i, calls[i])]}) for i, (c, t) in enumerate(marks)]
     if message.get("reasoning_content"):
-        parts.append(({"reasoning_content": message["reasoning_content"]}, []))
-    rest = entries[n_lp:]
-    if text[len(pre) :]:
-        parts.append(({"content": text[len(pre) :]}, rest))
-        rest = []
-    parts += [
-        ({"tool_calls": [_call_delta(i, c)]}, []) for i, c in enumerate(calls) if i >= n_calls
-    ]
-    parts.append(({}, rest))  # the end: what is left waits for the content, as streamed
+        cuts.insert(n_calls, (len(pre), n_lp, {"reasoning_content": message["reasoning_content"]}))
+    parts: list[tuple[dict[str, Any], list[Any]]] = []
+    at, lp_at = 0, 0
+    for chars, tokens, delta in cuts:
+        if text[at:chars]:
+            parts += [({"content": text[at:chars]}, entries[lp_at:tokens]), (delta, [])]
+        else:  # nothing said between: the tokens wait for the next content, as streamed
+            parts.append((delta, entries[lp_at:tokens]))
+        at, lp_at = chars, tokens
+    if text[at:]:
+        parts.append(({"content": text[at:]}, entries[lp_at:]))
+        lp_at = len(entries)
+    parts.append(({}, entries[lp_at:]))  # the end: what is left waits for the content
     stream = ResponsesStream(echo)
     stream.feed({**head, "choices": []})
     for i, (delta, lps) in enumerate(parts):

@@ -169,9 +169,9 @@ class Job:
         return self.chunks(step, first=first)[-1]
 
     def chunks(self, step: Step, *, first: bool = False) -> list[dict[str, Any]]:
-        """The stream's chunks of ``step``: one, or with a reasoning parser two when the
-        step's text has content before its reasoning (that content first, the step's
-        tokens with it; the reasoning and the rest after, with its finish)."""
+        """The stream's chunks of ``step``: one, or several in the text's order (the first
+        with the step's tokens, the last with its finish) when its text has content before
+        its reasoning (a reasoning parser) or content after a tool call's piece."""
         text, lp = step.text, None
         if step.token_ids or (self.echo_text is not None and not self._echoed):
             entries = step.logprobs or [None] * len(step.token_ids)
@@ -182,7 +182,7 @@ class Job:
         if self.reasoning is not None and not first:
             parts = self.reasoning.deltas(text, finish is not None, len(step.token_ids))
         elif self.tools is not None and not first:
-            parts = [self.tools.delta(text, finish is not None)]
+            parts = self.tools.deltas(text, finish is not None, len(step.token_ids))
         parsed = self.reasoning or self.tools
         if parsed is not None and not first and finish is not None:
             finish = parsed.finish_reason(finish)
@@ -232,14 +232,14 @@ class Job:
         steps: list[tuple[str, int]] | None = None,
     ) -> dict[str, Any]:
         """The body of the answer ``text`` (``steps``: the engine's steps that made it, each
-        its text and its number of tokens: a reasoning parser is fed them as a stream is)."""
+        its text and its number of tokens: a reasoning or tool parser is fed them as a stream is)."""
         entries = entries if entries is not None else [None] * len(ids)
         text, lp_ids, entries = self._echo(text, ids, entries, prompt)
         lp = self._logprobs(lp_ids, entries)
         finish, part = last.finish_reason, None
         parsed = self.reasoning or self.tools
-        if self.reasoning is not None and steps is not None:
-            part = self.reasoning.message_of(steps)
+        if parsed is not None and steps is not None:
+            part = parsed.message_of(steps)
         elif parsed is not None:
             part = parsed.message(text)
         if parsed is not None and finish is not None:

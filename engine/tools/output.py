@@ -29,6 +29,8 @@ from engine.tools.spec import ToolCalling
 
 logger = logging.getLogger(__name__)
 
+BEFORE_TOOL_CALLS = "before_tool_calls"
+
 
 class NamedCall(ToolParser):
     """The answer is the arguments of tool ``name``."""
@@ -138,37 +140,52 @@ def new_parser(tc: ToolCalling, auto_parser: str | None) -> ToolParser:
 
 
 class ToolOutput:
-    """One choice's content and tool calls, fed its text step by step (``delta``) or
-    whole (``message``)."""
+    """One choice's content and tool calls, fed its text step by step (``deltas``) or
+    whole (``message``). ``marks``: for each call, the content said before it (in
+    characters) and the tokens fed up to the step that began it (``message_of``'s
+    ``before_tool_calls``, so that a Responses API answer keeps the text's order)."""
 
     def __init__(self, tc: ToolCalling, parser: ToolParser) -> None:
         self.choice = tc.choice
         self.parser = parser
         self.content: list[str] = []
         self.calls: list[dict[str, Any]] = []
+        self.marks: list[dict[str, int]] = []
+        self.tokens = 0  # the tokens fed so far
+        self._chars = 0  # the content's characters so far
 
-    def _take(self, text: str, final: bool) -> list[ToolDelta]:
+    def _take(self, text: str, final: bool, tokens: int = 0) -> list[ToolDelta]:
+        self.tokens += tokens
         pieces = self.parser.feed(text) if text else []
         if final:
             pieces += self.parser.finish()
         for p in pieces:
             if p.call is None:
                 self.content.append(p.content)
+                self._chars += len(p.content)
             elif p.id is not None:
                 self.calls.append({"id": p.id, "type": "function",
                                    "function": {"name": p.name, "arguments": p.arguments}})  # fmt: skip
+                self.marks.append({"chars": self._chars, "tokens": self.tokens})
             else:
                 self.calls[-1]["function"]["arguments"] += p.arguments
         return pieces
 
-    def delta(self, text: str, final: bool) -> dict[str, Any]:
-        """A stream chunk's ``delta`` for the answer's next ``text`` (``final``: its last):
-        ``content`` and ``tool_calls`` in OpenAI's shape (``{}``: nothing to send yet)."""
-        out: dict[str, Any] = {}
-        calls: list[dict[str, Any]] = []
-        for p in self._take(text, final):
+    def deltas(self, text: str, final: bool, tokens: int = 0) -> list[dict[str, Any]]:
+        """A stream step's deltas for the answer's next ``text`` (``final``: its last;
+        ``tokens``: how many it is), ``content`` and ``tool_calls`` in OpenAI's shape, in
+        the text's order: content after a call's piece begins a delta of its own. One
+        delta at least (``{}``: nothing to send yet)."""
+        out: list[dict[str, Any]] = [{}]
+        for p in self._take(text, final, tokens):
+            d = out[-1]
+            calls = d.setdefault("tool_calls", []) if p.call is not None else []
             if p.call is None:
-                out["content"] = out.get("content", "") + p.content
+                if "tool_calls" in d:  # after a call: a delta of its own
+                    if p.content:
+                        out.append({"content": p.content})
+                else:
+                    d["content"] = d.get("content", "") + p.content
             elif p.id is not None:
                 calls.append({"index": p.call, "id": p.id, "type": "function",
                               "function": {"name": p.name, "arguments": p.arguments}})  # fmt: skip
@@ -176,8 +193,18 @@ class ToolOutput:
                 calls[-1]["function"]["arguments"] += p.arguments
             else:
                 calls.append({"index": p.call, "function": {"arguments": p.arguments}})
-        if calls:
-            out["tool_calls"] = calls
+        return out
+
+    def delta(self, text: str, final: bool) -> dict[str, Any]:
+        """A stream chunk's ``delta`` for the answer's next ``text`` (``final``: its last):
+        ``content`` and ``tool_calls`` in OpenAI's shape (``{}``: nothing to send yet;
+        ``deltas``' parts in one)."""
+        out: dict[str, Any] = {}
+        for d in self.deltas(text, final):
+            if "content" in d:
+                out["content"] = out.get("content", "") + d["content"]
+            if "tool_calls" in d:
+                out["tool_calls"] = out.get("tool_calls", []) + d["tool_calls"]
         return out
 
     def message(self, text: str) -> dict[str, Any]:
@@ -185,6 +212,26 @@ class ToolOutput:
         self._take(text, True)
         content = "".join(self.content)
         return {"role": "assistant", "content": content or None, "tool_calls": self.calls}
+
+    def message_of(self, steps: list[tuple[str, int]]) -> dict[str, Any]:
+        """The body's ``message`` for the answer the engine's ``steps`` (each its text and
+        its tokens) make, fed as a stream feeds them: ``message``'s, with ``before_tool_calls``
+        when content follows a call."""
+        for i, (text, tokens) in enumerate(steps):
+            self._take(text, i == len(steps) - 1, tokens)
+        if not steps:
+            self._take("", True)
+        content = "".join(self.content)
+        msg = {"role": "assistant", "content": content or None, "tool_calls": self.calls}
+        msg.update(self.order())
+        return msg
+
+    def order(self) -> dict[str, Any]:
+        """``{"before_tool_calls": marks}`` when content follows a call (pdserve's field:
+        where each call sits in the content), else nothing."""
+        if self.marks and self.marks[-1]["chars"] < self._chars:
+            return {BEFORE_TOOL_CALLS: [dict(m) for m in self.marks]}
+        return {}
 
     def finish_reason(self, reason: str) -> str:
         """The choice's ``finish_reason`` for the engine's ``reason``. A call cut off
