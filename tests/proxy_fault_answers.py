@@ -153,7 +153,8 @@ def check_response(
     # A node's refusal: the node's body it stands for (as a chat stream's last event).
     refusals = [e for e in cluster.refusals[r] if err["message"].startswith(e["error"]["message"])]
     if refusals:  # the client's error stays the client's (OpenAI's code for it)
-        assert err["code"] == "invalid_prompt", err
+        too_long = refusals[0]["error"].get("code") == "context_length_exceeded"
+        assert err["code"] == ("context_length_exceeded" if too_long else "invalid_prompt"), err
         return Outcome(200, "refused", refusals[0], True)
     assert err["code"] == "server_error", err
     return Outcome(200, "failed", code, True, code)

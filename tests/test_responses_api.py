@@ -394,7 +394,7 @@ def test_an_error_event_fails_the_response_and_a_cut_stream_fails_too():
           "param": "response_format", "code": "structured_output_stuck"}, "invalid_prompt"),
         ({"message": "bad schema", "type": "BadRequestError", "code": 400}, "invalid_prompt"),
         ({"message": "too long", "type": None, "code": "context_length_exceeded"},
-         "invalid_prompt"),
+         "context_length_exceeded"),
         ({"message": "busy", "type": "rate_limit_error", "code": "overloaded"},
          "rate_limit_exceeded"),
         ({"message": "slow down", "type": "requests", "code": "rate_limit_exceeded"},
@@ -411,8 +411,9 @@ def test_an_error_event_fails_the_response_and_a_cut_stream_fails_too():
 )  # fmt: skip
 def test_a_failed_stream_keeps_the_kind_of_its_error(error: dict[str, Any], code: str):
     """An error event mid-stream: the client's own error (a 4xx: the request refused)
-    stays the client's (``invalid_prompt``), load stays load, the rest is the server's;
-    the error's own code follows the message."""
+    stays the client's (``invalid_prompt``; a context too long ``context_length_exceeded``,
+    as OpenAI's API says it and the Codex CLI reads it: not retried), load stays load, the
+    rest is the server's; the error's own code follows the message."""
     first = f"data: {json.dumps(_chunk({'content': 'a'}))}\n\n"
     evs = _run_events([first, f"data: {json.dumps({'error': error})}\n\n", "data: [DONE]\n\n"])
     failed = evs[-1]
@@ -421,6 +422,10 @@ def test_a_failed_stream_keeps_the_kind_of_its_error(error: dict[str, Any], code
     assert failed["response"]["error"]["message"].startswith(error["message"])
     if error.get("code") not in (None, "server_error"):
         assert failed["response"]["error"]["message"].endswith(f"({error['code']})")
+    if code == "context_length_exceeded":  # not on the SDK's closed list: the rest checked
+        response = {**failed["response"], "error": {**failed["response"]["error"],
+                                                    "code": "invalid_prompt"}}  # fmt: skip
+        failed = {**failed, "response": response}
     EVENT.validate_python(failed)
 
 

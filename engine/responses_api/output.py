@@ -11,6 +11,9 @@ from engine.httpkit.admission import OVERLOADED_CODE
 from engine.httpkit.error_status import event_status
 from engine.responses_api.request import ResponseEcho
 
+# A failed response's code for a context too long (OpenAI's API's; not on its SDK's list).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
 # Chat request fields as the Responses API names them, for the ``param`` of an error.
 PARAM_NAMES = (
     ("messages", "input"),
@@ -154,13 +157,17 @@ def error_of(error: Any) -> dict[str, str]:
     closed list, so the error's kind is told by the status it stands for
     (``event_status``): ``rate_limit_exceeded`` for load (429, a 503 ``overloaded``),
     ``invalid_prompt`` for the client's own error (any other 4xx: the request was
-    refused), ``server_error`` for the rest; the error's own code follows the message."""
+    refused), ``server_error`` for the rest; the error's own code follows the message.
+    But a context too long is ``context_length_exceeded``: off the SDK's list, it is the
+    code OpenAI's API sends, and the one the Codex CLI reads as not to be retried."""
     err = error if isinstance(error, dict) else {}
     code = err.get("code") or err.get("type")
     message = str(err.get("message") or "the response failed")
     status = event_status(err)
     if status == 429 or err.get("code") in (OVERLOADED_CODE, "too_many_requests"):
         kind = "rate_limit_exceeded"
+    elif err.get("code") == CONTEXT_LENGTH_EXCEEDED:
+        kind = CONTEXT_LENGTH_EXCEEDED
     elif 400 <= status < 500:
         kind = "invalid_prompt"
     else:
