@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+from collections.abc import Iterator
 
 import pytest
 
@@ -113,6 +114,33 @@ def _grandchildren_named(name: str) -> list[int]:
     return [int(pid) for pid, (comm, ppid) in procs.items() if comm == name and ppid in children]
 
 
+@contextlib.contextmanager
+def _signal_when_born(name: str, sig: int) -> Iterator[list[int]]:
+    """Send ``sig`` to the worker called ``name`` as soon as it exists (a watcher thread
+    polling ``_grandchildren_named``); yields the pids signalled."""
+    import os
+    import threading
+    import time
+
+    signalled: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set() and not signalled:
+            for pid in _grandchildren_named(name):
+                os.kill(pid, sig)
+                signalled.append(pid)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield signalled
+    finally:
+        stop.set()
+        watcher.join(10)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_rank_that_dies_before_the_rendezvous_fails_the_start_naming_it():
@@ -120,36 +148,16 @@ def test_a_rank_that_dies_before_the_rendezvous_fails_the_start_naming_it():
     start waited on rank 0 alone -- until the TCP store's own timeout (minutes), then
     blamed rank 0 -- or ``STARTUP_TIMEOUT_S`` (600 s). Now every rank's death ends the wait
     of any rank's report, naming the rank that died."""
-    import os
     import signal
-    import threading
-    import time
 
     from engine.executor import multiproc
 
-    cfg = EngineConfig(
-        model=ModelConfig(dtype="float32"),
-        cache=CacheConfig(num_blocks=16),
-        parallel=ParallelConfig(tp=2, device="cpu", distributed_executor_backend="mp"),
-    )
-    killed: list[int] = []
-    stop = threading.Event()
-
-    def kill_rank_1() -> None:
-        while not stop.is_set() and not killed:
-            for pid in _grandchildren_named("pdserve-tp1"):
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=kill_rank_1, daemon=True)
-    watcher.start()
-    try:
-        with pytest.raises(RuntimeError, match=r"TP worker 1 died during startup \(exit -9\)"):
-            multiproc.MultiprocExecutor(cfg, lambda kv_bytes: 16).shutdown()
-    finally:
-        stop.set()
-        watcher.join(10)
+    died = r"TP worker 1 died during startup \(exit -9\)"
+    with (
+        _signal_when_born("pdserve-tp1", signal.SIGKILL) as killed,
+        pytest.raises(RuntimeError, match=died),
+    ):
+        multiproc.MultiprocExecutor(_tp(2), lambda kv_bytes: 16).shutdown()
     assert killed
 
 
@@ -191,33 +199,18 @@ def test_a_stopped_rank_at_start_up_is_the_one_named(monkeypatch):
     on rank 0's report, and the error named rank 0)."""
     import os
     import signal
-    import threading
-    import time
 
     from engine.executor import multiproc
 
-    stopped: list[int] = []
-    stop = threading.Event()
-
-    def stop_rank_1() -> None:
-        while not stop.is_set() and not stopped:
-            for pid in _grandchildren_named("pdserve-tp1"):
-                os.kill(pid, signal.SIGSTOP)
-                stopped.append(pid)
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=stop_rank_1, daemon=True)
-    watcher.start()
     monkeypatch.setattr(multiproc, "STARTUP_TIMEOUT_S", 15.0)
-    try:
-        with pytest.raises(RuntimeError, match=r"TP worker 1 .*not ready after 15s.*stopped"):
-            multiproc.MultiprocExecutor(_tp(2), lambda kv_bytes: 16).shutdown()
-    finally:
-        stop.set()
-        watcher.join(10)
-        for pid in stopped:  # killed by the failed start's shutdown; never left stopped
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+    with _signal_when_born("pdserve-tp1", signal.SIGSTOP) as stopped:
+        try:
+            with pytest.raises(RuntimeError, match=r"TP worker 1 .*not ready after 15s.*stopped"):
+                multiproc.MultiprocExecutor(_tp(2), lambda kv_bytes: 16).shutdown()
+        finally:
+            for pid in stopped:  # killed by the failed start's shutdown; never left stopped
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
     assert stopped
 
 
