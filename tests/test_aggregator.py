@@ -157,3 +157,42 @@ def test_a_forgotten_transfer_drops_its_partial_count_and_ignores_later_reports(
     assert agg.pending_ids == set()
     out = collect(agg, [wo(0, recv={"n2"}), wo(1, recv={"n2"})])  # others are unaffected
     assert out.finished_recving == {"n2"}
+
+
+@PATHS
+@pytest.mark.parametrize("order", ["same_step", "rank1_first", "rank0_first"])
+def test_ranks_reporting_different_send_failures_give_the_first_reason(collect, order):
+    """Each rank of a failed send may give its own reason. The reason passed on (logged,
+    told to D, exported) is the first one reported -- the lowest rank's within a step --
+    not whichever rank the loop happened to see last."""
+    agg = KVOutputAggregator(2)
+    r0 = wo(0, sent={"p1"})
+    r0.kv_failed = {"p1": "rank 0: too late"}
+    r1 = wo(1, sent={"p1"})
+    r1.kv_failed = {"p1": "rank 1: WRITE error"}
+    if order == "same_step":
+        out = collect(agg, [r0, r1])
+        expected = "rank 0: too late"
+    elif order == "rank1_first":
+        collect(agg, [wo(0), r1])
+        out = collect(agg, [r0, wo(1)])
+        expected = "rank 1: WRITE error"
+    else:
+        collect(agg, [r0, wo(1)])
+        out = collect(agg, [wo(0), r1])
+        expected = "rank 0: too late"
+    assert out.finished_sending == {"p1"}
+    assert out.kv_failed == {"p1": expected}
+
+
+@PATHS
+def test_ranks_reporting_different_kv_errors_give_the_first_reason(collect):
+    """The same for a received transfer whose sums failed on both ranks: rank 0's reason
+    (the first in the step) is the one the scheduler logs, not rank 1's."""
+    agg = KVOutputAggregator(2)
+    r0 = wo(0, recv={"n1"})
+    r0.kv_recv_info = {"n1": {"request_id": "X", "kv_error": "rank 0: bad sum"}}
+    r1 = wo(1, recv={"n1"})
+    r1.kv_recv_info = {"n1": {"request_id": "X", "kv_error": "rank 1: bad sum"}}
+    out = collect(agg, [r0, r1])
+    assert out.kv_recv_info["n1"]["kv_error"] == "rank 0: bad sum"

@@ -6,9 +6,11 @@ finished receiving. A request is finished for the scheduler only in the step in 
 always carries freshly built sets -- empty ones in steps where nothing completed on all
 ranks (the upstream bug passed rank 0's partial sets through in that case). Counts live
 across steps; once a request completes its count is dropped, so a later report of the
-same id starts a new count. ``forget(keys)`` drops the counts of transfers that ended
-without completing (the connector names them in a step's metadata); a later report of a
-forgotten key is ignored, so a straggling rank cannot start a count that never ends.
+same id starts a new count. Where ranks give different reasons for one transfer (a send
+failure, a received transfer's ``kv_error``), the first reported is kept (earliest step,
+then lowest rank). ``forget(keys)`` drops the counts of transfers that ended without
+completing (the connector names them in a step's metadata); a later report of a forgotten
+key is ignored, so a straggling rank cannot start a count that never ends.
 
 One implementation serves both collection paths: ``aggregate`` takes the outputs,
 ``async_aggregate`` takes futures of them and calls ``aggregate`` when all are done.
@@ -73,13 +75,21 @@ class KVOutputAggregator:
         finished_recving: set[str] = set()
         kv_stats: Stats | None = None
         with self._lock:
-            for out in outputs:
+            # Ranks in order: where they report different reasons for one transfer, the
+            # one passed on is the first -- earliest step, then lowest rank -- not the
+            # one the loop saw last (the logged and exported reason stays put).
+            for out in sorted(outputs, key=lambda o: o.rank):
                 self._count(self._remaining_send, out.finished_sending, finished_sending)
                 self._count(self._remaining_recv, out.finished_recving, finished_recving)
                 for req_id, info in out.kv_recv_info.items():
                     if req_id not in self._forgotten:
-                        self._recv_info.setdefault(req_id, {}).update(info)
-                self._send_failed.update(out.kv_failed)
+                        merged = self._recv_info.setdefault(req_id, {})
+                        error = merged.get("kv_error")
+                        merged.update(info)
+                        if error is not None:
+                            merged["kv_error"] = error
+                for req_id, why in out.kv_failed.items():
+                    self._send_failed.setdefault(req_id, why)
                 if out.kv_stats is not None:  # per-rank counters add up
                     kv_stats = out.kv_stats if kv_stats is None else kv_stats + out.kv_stats
             kv_recv_info = {r: self._recv_info.pop(r, {}) for r in finished_recving}
