@@ -209,23 +209,34 @@ class UcxxDecodeTP2:
             p.add_peer("d", w.handshake_info())
             self.p.append(p)
 
-    def deliver(self, rank: int, rid: str, transfer_id: str, nonce: str) -> None:
+    def deliver(
+        self, rank: int, rid: str, transfer_id: str, nonce: str, stray: bool = False
+    ) -> None:
         """P rank ``rank`` writes the request's blocks with its notification, and D steps
-        until that rank's worker has taken the notification in."""
+        until that rank's worker has taken the notification in -- or, ``stray`` (a nonce
+        no reservation of D's waits for), until D's transport dropped the write: its data
+        goes into no block and its notification reaches no worker."""
         blocks = (
             self.d.conn.consumer.recvs[rid].block_ids if rid in self.d.conn.consumer.recvs else [0]
         )
         notif = Notif(r=rid, t=transfer_id, k=nonce, n=1, ft=5).pack()
-        handle = self.p[rank].write_blocks("d", blocks, blocks, notif)
         worker = self.d.workers[rank]
-        seen = worker._notifs
+        assert worker._kv_cache is not None
+        before = worker._kv_cache[blocks].clone()
+        handle = self.p[rank].write_blocks("d", blocks, blocks, notif)
+        seen, dropped = worker._notifs, worker.transport.writes_dropped  # type: ignore[union-attr]
         deadline = time.monotonic() + 10
         while worker._notifs == seen:
             assert time.monotonic() < deadline, "the notification never came"
             self.d.step()
             time.sleep(0.002)
+            if stray and worker.transport.writes_dropped > dropped:  # type: ignore[union-attr]
+                break
         assert self.p[rank].poll(handle) == "done"
         self.p[rank].release(handle)
+        if stray:
+            assert worker._notifs == seen, "a stray write's notification reached the worker"
+            assert torch.equal(worker._kv_cache[blocks], before), "a stray write landed"
 
     def close(self) -> None:
         for p in self.p:
@@ -263,7 +274,7 @@ def test_ucxx_a_stale_notification_cannot_complete_a_newer_transfer(ucxx_decode)
     d.step()
     new = d.add("X", "t2")
     assert new != old
-    u.deliver(0, "X", "t1", old)  # a replay of the old transfer's notif (and data)
+    u.deliver(0, "X", "t1", old, stray=True)  # a replay of the old transfer's write
     u.deliver(1, "X", "t2", new)
     assert not _running(d, "X"), "KV counted as landed from two different transfers"
     blocks = d.conn.consumer.recvs["X"].block_ids
@@ -280,7 +291,7 @@ def test_ucxx_a_notification_without_the_reservations_nonce_completes_nothing(uc
     u, d = ucxx_decode, ucxx_decode.d
     nonce = d.add("X", "t1")
     for rank in (0, 1):
-        u.deliver(rank, "X", "t1", "guessed-nonce")
+        u.deliver(rank, "X", "t1", "guessed-nonce", stray=True)
     d.step()
     assert not _running(d, "X") and "X" in d.conn.consumer.recvs
     assert d.counts_left()["aggregator"] == set()

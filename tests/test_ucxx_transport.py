@@ -32,9 +32,13 @@ import pytest
 import torch
 from transport_peer import block_bytes, peer_process, serve_peer
 
+from engine.config import EngineConfig, KVTransferConfig, ModelConfig
 from engine.kv_cache_layout import KVCacheSpec
+from kvconnector.nixl.messages import Notif
+from kvconnector.nixl.metadata import NixlConnectorMetadata
 from kvconnector.nixl.side_channel import SideChannelClient
 from kvconnector.nixl.transport_ucxx import UcxxTransport, ucxx_available
+from kvconnector.nixl.worker import NixlConnectorWorker
 
 if os.environ.get("PDSERVE_TEST_UCXX", "").strip().lower() in ("0", "false", "no", "off"):
     pytest.skip("ucxx tests switched off (PDSERVE_TEST_UCXX=0)", allow_module_level=True)
@@ -437,6 +441,86 @@ def test_the_receiver_refuses_writes_outside_its_cache_and_notifies_only_good_on
     finally:
         raw.close()
         d.close()
+
+
+def _decode_rank(timeout: float) -> tuple[NixlConnectorWorker, torch.Tensor]:
+    """A real worker-side connector of a decode node on the UCXX transport (TP=1)."""
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        kv_transfer=KVTransferConfig(
+            kv_connector="nixl", kv_role="consumer", kv_transport="ucxx",
+            kv_transfer_timeout=timeout,
+        ),
+    )  # fmt: skip
+    kv = _filled_cache(1)
+    w = NixlConnectorWorker(cfg, 0, 1)
+    w.register_kv_caches(kv, SPEC)
+    return w, kv
+
+
+def _d_step(w: NixlConnectorWorker, md: NixlConnectorMetadata | None = None) -> set[str]:
+    """One step of the decode rank (its metadata bound, then ``get_finished``)."""
+    w.bind_connector_metadata(md or NixlConnectorMetadata())
+    try:
+        return w.get_finished(set())[1]
+    finally:
+        w.clear_connector_metadata()
+
+
+def _steps_until(w: NixlConnectorWorker, want: str, limit: float = 3.0) -> set[str]:
+    got: set[str] = set()
+    deadline = time.monotonic() + limit
+    while want not in got and time.monotonic() < deadline:
+        got |= _d_step(w)
+        time.sleep(0.002)
+    return got
+
+
+def test_a_stray_write_never_lands_in_blocks_its_notification_does_not_own(
+    prefill: UcxxTransport,
+) -> None:
+    """D copies a UCXX write's data into its blocks itself. It used to copy first and let
+    the worker check the nonce after: a stray or forged write -- naming a real
+    reservation's nonce but another request's blocks, a nonce nobody reserved, or one of
+    another D process -- overwrote the blocks of whatever request held them. The data
+    now goes only into blocks of the reservation its notification names, on a rank that
+    is still waiting for it; a write that came before the step naming its reservation
+    waits for that step (the reservation goes to P while the step is on its way)."""
+    w, d_kv = _decode_rank(timeout=1.0)
+    try:
+        assert w.transport is not None
+        prefill.add_peer("d", w.transport.metadata())
+        inc = "dinc"
+        a, b = f"{inc}.1.aaaa", f"{inc}.2.bbbb"
+        _d_step(w, NixlConnectorMetadata(incarnation=inc, watch=True, expect={a: [1, 2]}))
+        sentinel = d_kv.clone()
+
+        def write(local: list[int], remote: list[int], nonce: str) -> None:
+            notif = Notif(r="R", t="t", k=nonce).pack()
+            handle = prefill.write_blocks("d", local, remote, notif)
+            assert _wait(prefill, handle) == "done", handle.error
+            prefill.release(handle)
+
+        write([5, 6], [5, 6], a)  # A's nonce, blocks that are not A's
+        write([7], [7], f"{inc}.9.ffff")  # a nonce this D never reserved
+        write([8], [8], "other.1.cccc")  # a nonce of another D process
+        got = _steps_until(w, a, limit=2.5)  # past the 1 s transfer timeout
+        assert got == set()
+        assert torch.equal(d_kv, sentinel), "a stray write landed in D's blocks"
+        assert not w.transport._rx  # every stray write was dropped
+
+        write([5, 6], [5, 6], b)  # B's write comes before the step naming B
+        assert _d_step(w) == set() and torch.equal(d_kv, sentinel)
+        got = _d_step(w, NixlConnectorMetadata(expect={b: [5, 6]})) | _steps_until(w, b)
+        assert got == {b}
+        assert torch.equal(d_kv[5:7], prefill._kv_cache[5:7])
+
+        write([1, 2], [1, 2], a)  # A's own write lands
+        assert _steps_until(w, a) == {a}
+        assert torch.equal(d_kv[1:3], prefill._kv_cache[1:3])
+        assert torch.equal(d_kv[7:9], sentinel[7:9])
+    finally:
+        w.shutdown()
 
 
 def test_pd_bench_transfer_measures_the_ucxx_connector_path(tmp_path) -> None:

@@ -59,6 +59,11 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     # first step and whenever watching starts: a notification naming another process's
     # nonce (one made for a D process at this address before a restart) counts nowhere.
     incarnation: str | None = None
+    # D: reservations made this step, nonce -> the D blocks P may write for it. A
+    # transport that puts received data in place itself (UCXX) writes a message's data
+    # only into blocks of the reservation its notification names (``ended_keys`` and the
+    # rank's own completion end it); NIXL's WRITE is one-sided and cannot be gated.
+    expect: dict[str, list[int]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (
@@ -68,6 +73,7 @@ class NixlConnectorMetadata(KVConnectorMetadata):
             or self.ended_keys
             or self.watch is not None
             or self.incarnation is not None
+            or bool(self.expect)
         )
 
     def ended_transfer_keys(self) -> list[str]:

@@ -114,6 +114,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._ranks: list[dict[str, Any]] = []
         self._nonces = itertools.count(1)
         self._ended: list[str] = []  # nonces whose counts every rank must drop
+        # reservations made since the last step: nonce -> D blocks P may write (workers)
+        self._expect: dict[str, list[int]] = {}
         self._told_incarnation = False  # the workers know it (``NixlConnectorMetadata``)
         self._watching = False  # what the workers were last told (metadata ``watch``)
         self.allowed_peers = PeerAllowlist.parse(kvc.kv_allowed_peers)
@@ -308,6 +310,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         )
         with self._lock:
             self.consumer.expect(recv)
+            self._expect[recv.nonce] = list(recv.block_ids)
         proven = self.links.paired(recv.p_address)
         if not self.channel.submit(recv.p_address, self.links.reserve_job, recv, proven=proven):
             # Nothing was sent: P cannot hold this reservation, the blocks are free.
@@ -374,6 +377,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         with self._lock:
             md.remove_peers = self.service.take_removed()
             md.ended_keys, self._ended = self._ended, []
+            md.expect, self._expect = self._expect, {}
             # Workers watch (progress their transport between steps) while KV is expected
             # and while quarantined blocks may still get a late WRITE: without D's
             # progress a WRITE to it does not complete (UCX on CPU has no progress thread

@@ -33,8 +33,12 @@ D's ``get_notifs`` (the worker's step thread) probes the worker for any message
 (``tag_probe(remove=True)``), receives a tag's first message as its header and its second
 into a staging buffer of the probed length, and when both are in validates the header
 against its own cache (ids in range and distinct, slice inside its heads, ``nb`` equal to
-what they describe), copies the data into the blocks (``index_copy_``) and only then
-returns the notification. So **the notification is delivered after the data, by
+what they describe), asks the worker's ``write_gate`` whether the reservation the
+notification names owns those blocks and still waits for them on this rank (a nonce no
+step named yet waits for that step, within the write's timeout; any other write is
+dropped: before, D copied first and the worker checked the nonce after, so a stray or
+forged write overwrote whichever request held the blocks), copies the data into the
+blocks (``index_copy_``) and only then returns the notification. So **the notification is delivered after the data, by
 construction**: D itself puts the data in place before it hands the notif to the worker.
 A write whose data has not come within ``xfer_timeout_s`` of its header, or that was sent
 more than ``xfer_timeout_s`` ago by the sender's clock (P gave up on it by then; this
@@ -84,7 +88,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,6 +285,11 @@ class UcxxTransport(TransportBase):
         self._ready: list[bytes] = []
         self._sender_id = random.getrandbits(32) or 1
         self._seq = 0
+        # D: asked before a write's data goes into the blocks (notification bytes, block
+        # ids): True write it, False drop it, None not yet (asked again, within the
+        # write's timeout). The worker sets it; None: every valid write is placed.
+        self.write_gate: Callable[[bytes, list[int]], bool | None] | None = None
+        self.writes_dropped = 0  # incoming writes dropped without a notification
 
         options = {k: v for k, v in UCX_OPTIONS.items() if f"UCX_{k}" not in os.environ}
         self._ctx = ucx.UCXContext(options, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
@@ -607,7 +616,11 @@ class UcxxTransport(TransportBase):
                 if error is not None:
                     self._drop(tag, rx, f"data: {error}")
                     continue
-                if completed:
+                verdict = self._gate(rx.header) if completed else None
+                if verdict is False:
+                    self._drop(tag, rx, "no reservation of this rank owns those blocks")
+                    continue
+                if verdict:
                     error = self._place(rx)
                     if error is not None:
                         self._drop(tag, rx, error)
@@ -619,8 +632,19 @@ class UcxxTransport(TransportBase):
             if now - rx.started > self.xfer_timeout_s:
                 self._drop(tag, rx, f"data not received within {self.xfer_timeout_s:.1f}s")
 
+    def _gate(self, header: dict[str, Any]) -> bool | None:
+        """``write_gate``'s verdict on a write whose data is in (True when unset)."""
+        if self.write_gate is None:
+            return True
+        try:
+            return self.write_gate(header["n"], header["ids"])
+        except Exception as exc:  # never raise into the worker's step
+            logger.warning("UCXX: write gate failed: %r", exc)
+            return False
+
     def _drop(self, tag: int, rx: _Rx, why: str) -> None:
         logger.warning("UCXX: incoming write %x dropped, no notification: %s", tag, why)
+        self.writes_dropped += 1
         del self._rx[tag]
         for req, buf in ((rx.hdr_req, rx.hdr_buf), (rx.data_req, rx.staging)):
             if req is not None and not req.completed:  # UCX may still write it: keep it

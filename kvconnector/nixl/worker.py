@@ -112,6 +112,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         # ... and die after a pipelined send's first piece (a P killed mid-pipeline).
         self._die_mid_pipeline = os.environ.get("PDSERVE_FAULT_DIE_MID_PIPELINE") == "1"
         self._kv_errors: dict[str, str] = {}  # nonce -> why its KV is not to be used
+        # nonce -> the blocks its reservation may write (UCXX gates writes by it)
+        self._expected: dict[str, frozenset[int]] = {}
 
     def register_kv_caches(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:
         self._kv_cache = kv_cache
@@ -134,6 +136,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             num_heads=spec.num_kv_heads,
             **extra,
         )
+        if self.config.kv_transfer.kv_transport == "ucxx":  # it puts data in place itself
+            self.transport.write_gate = self._may_write  # type: ignore[attr-defined]
         if group:
             layers = spec.num_layers
             self._groups = [(i, min(i + group, layers)) for i in range(0, layers, group)]
@@ -308,6 +312,8 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self._watch_notifs = md.watch
             if md.incarnation is not None:
                 self._incarnation = md.incarnation
+            for nonce, blocks in md.expect.items():
+                self._expected[nonce] = frozenset(blocks)
             for nonce in md.ended_keys:
                 self._close(nonce, now)
                 self._recving.discard(nonce)
@@ -430,7 +436,27 @@ class NixlConnectorWorker(KVConnectorWorker):
             logger.error("tp%d: transfer %s: %s", self.rank, transfer_id, error)
             self._kv_errors[nonce] = f"rank {self.rank}: {error}"
 
+    def _may_write(self, raw: bytes, block_ids: list[int]) -> bool | None:
+        """D (UCXX, which puts received data in place itself): may a write whose
+        notification is ``raw`` go into ``block_ids``? Only into blocks of the reservation
+        the notification names, while this rank still waits for it. None: a nonce of this
+        process that no step named yet -- the step naming it may still be on its way (the
+        reservation goes to P while it is), so the write waits, within its timeout."""
+        try:
+            nonce = Notif.unpack(raw).k
+        except MessageError:
+            return False
+        if self._incarnation is not None and not nonce.startswith(f"{self._incarnation}."):
+            return False
+        if nonce in self._closed:
+            return False
+        blocks = self._expected.get(nonce)
+        if blocks is None:
+            return None
+        return blocks.issuperset(block_ids)
+
     def _close(self, nonce: str, now: float) -> None:
+        self._expected.pop(nonce, None)
         self._parts.pop(nonce, None)
         self._kv_errors.pop(nonce, None)
         self._closed[nonce] = now + 4 * self._timeout
