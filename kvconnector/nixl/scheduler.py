@@ -444,10 +444,13 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 if not isinstance(rid, str):
                     continue
                 if info.get("kv_error"):
-                    # Every rank's WRITE landed (nothing more will), but some KV is wrong.
+                    # Some KV is wrong. Not safe: a rank may have counted a notification
+                    # that came without its WRITE (forged, or P's sums missing) while P's
+                    # real WRITE to it is still on its way. Quarantined until P confirms
+                    # the cancel (at once for a send that ended) or 2T pass.
                     self.checksum_failures += 1
                     logger.error("request %s: %s; not decoding from it", rid, info["kv_error"])
-                    self.consumer.fail(rid, str(info["kv_error"]), safe=True, nonce=nonce)
+                    self.consumer.fail(rid, str(info["kv_error"]), safe=False, nonce=nonce)
                 else:
                     recv = self.consumer.recvs.get(rid)
                     if self.consumer.landed(rid, nonce):
