@@ -144,7 +144,8 @@ class ProxyConfig:
         default=600.0,
         metadata={
             "help": "max seconds to wait for a node's next bytes (and for a decode "
-            "stream's next event: comment lines do not count)"
+            "stream's next event: comment lines do not count; and for the whole body of "
+            "a non-streamed answer once its headers came)"
         },
     )
     max_connections: int = field(

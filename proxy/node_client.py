@@ -23,7 +23,8 @@ The contract, close to httpx's where the proxy used it:
   its timeout, for a slot); at most ``max_connections`` idle connections are kept per node.
 - Timeouts: ``connect_timeout`` to open a connection; ``timeout`` (per call, default the
   client's) for each write and each read, so a stream may last longer as long as the
-  node keeps sending.
+  node keeps sending; a body read whole (``aread()``, ``post()``) must also come, all of
+  it, within ``timeout`` of its headers (a node trickling it byte by byte is a timeout).
 - Limits on what a node may send: a status line plus headers of at most 64 KiB, a body of
   at most ``max_body_bytes`` when read whole, and lines of at most ``max_body_bytes``
   when read by lines (streams are read piece by piece). A final status is 101 nowhere (the
@@ -259,17 +260,26 @@ class NodeResponse:
             yield bytes(pending).removesuffix(b"\r").decode("utf-8", "replace")
 
     async def aread(self) -> bytes:
+        """The whole body: at most ``max_body_bytes``, all of it within the call's timeout
+        (a node trickling a byte inside each read's timeout cannot hold the call longer)."""
         if self._content is None:
             limit, parts, size = self._client.max_body_bytes, [], 0
             if self._length is not None and self._length > limit:
                 self.close()
                 raise NodeProtocolError(f"the answer is larger than {limit} bytes")
-            async for piece in self.aiter_bytes():
-                size += len(piece)
-                if size > limit:
-                    self.close()
-                    raise NodeProtocolError(f"the answer is larger than {limit} bytes")
-                parts.append(piece)
+            try:
+                async with asyncio.timeout(self._timeout):
+                    async for piece in self.aiter_bytes():
+                        size += len(piece)
+                        if size > limit:
+                            self.close()
+                            raise NodeProtocolError(f"the answer is larger than {limit} bytes")
+                        parts.append(piece)
+            except TimeoutError as e:
+                self.close()
+                raise NodeTimeout(
+                    f"the answer's body did not all come within {self._timeout:g} s"
+                ) from e
             self._content = b"".join(parts)
         return self._content
 
