@@ -70,7 +70,7 @@ from engine.bench.interference_report import (
     plot_interference,
     ratios,
 )
-from engine.bench.serve_args import add_api_key_arg, auth_headers
+from engine.bench.serve_args import add_api_key_arg, add_idle_timeout_arg, auth_headers
 from engine.bench.stats import RequestResult, json_safe
 
 NEVER_DISAGGREGATE = 1_000_000_000  # --disagg-min-prompt-tokens: every prompt is "short"
@@ -207,7 +207,9 @@ async def drive(base_url: str, args: argparse.Namespace) -> LayoutRun:
             (dec_body, args.decode_input_len, args.seed + 50_023),
         ):
             p = make_prompts(1, length, "ids", ids, seed)[0]
-            r = await send_one(client, url, request_body(body_args, model, p), p, args.timeout)
+            r = await send_one(
+                client, url, request_body(body_args, model, p), p, args.timeout, args.idle_timeout
+            )
             if not r.ok:
                 raise BenchError(f"warm-up request failed: {r.error}")
         stop = asyncio.Event()
@@ -223,7 +225,14 @@ async def drive(base_url: str, args: argparse.Namespace) -> LayoutRun:
                 seed = args.seed + 1_000 + k * 100_003 + i
                 p = make_prompts(1, args.decode_input_len, "ids", ids, seed)[0]
                 sent = now()
-                r = await send_one(client, url, request_body(dec_body, model, p), p, args.timeout)
+                r = await send_one(
+                    client,
+                    url,
+                    request_body(dec_body, model, p),
+                    p,
+                    args.timeout,
+                    args.idle_timeout,
+                )
                 r.start = sent
                 out.append(r)
                 i += 1
@@ -235,7 +244,9 @@ async def drive(base_url: str, args: argparse.Namespace) -> LayoutRun:
             await asyncio.sleep(max(0.0, args.lead_s + delays[i] - now()))
             sent = now()
             p = long_prompts[i]
-            r = await send_one(client, url, request_body(long_body, model, p), p, args.timeout)
+            r = await send_one(
+                client, url, request_body(long_body, model, p), p, args.timeout, args.idle_timeout
+            )
             r.start = sent
             return r
 
@@ -490,6 +501,7 @@ def add_interference_args(p: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--timeout", type=float, default=600.0, help="seconds one request may take (default: 600)"
     )
+    add_idle_timeout_arg(w)
     w.add_argument(
         "--smoke",
         action="store_true",
@@ -549,6 +561,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--long-rate inf (all at once) needs --num-long")
     if args.lead_s < 0 or args.timeout <= 0 or args.startup_timeout <= 0:
         raise ValueError("--lead-s >= 0, --timeout > 0 and --startup-timeout > 0 required")
+    if not args.idle_timeout >= 0:  # NaN fails too
+        raise ValueError("--idle-timeout must be >= 0 (0: no bound but --timeout)")
     for name in ("slo_ttft_ms", "slo_itl_ms"):
         v = getattr(args, name)
         if v is not None and not v > 0:

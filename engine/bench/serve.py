@@ -28,6 +28,7 @@ from typing import Any
 
 from engine.bench.responses import is_responses, read_events, responses_body
 from engine.bench.serve_args import AUTH_HINT, auth_headers, fill_defaults, validate
+from engine.bench.sse_idle import DEFAULT_IDLE_TIMEOUT_S, idle_bounded
 from engine.bench.stats import RequestResult, ServeSummary, TokenClock
 from engine.bench.words import WORDS
 from engine.httpkit.sse_reader import SSEReader
@@ -129,13 +130,19 @@ def _chunk_tokens(chunk: dict[str, Any]) -> int:
 
 
 async def send_one(
-    client: Any, url: str, body: dict[str, Any], prompt: Prompt, timeout: float | None = None
+    client: Any,
+    url: str,
+    body: dict[str, Any],
+    prompt: Prompt,
+    timeout: float | None = None,
+    idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT_S,
 ) -> RequestResult:
-    """One streamed request, timed per chunk, ended after ``timeout`` seconds in all.
-    Never raises: a failure is in the result's ``error``."""
+    """One streamed request, timed per chunk, ended after ``timeout`` seconds in all, or
+    once its stream goes ``idle_timeout`` seconds without an event after its first
+    (``engine/bench/sse_idle.py``). Never raises: a failure is in the result's ``error``."""
     r = RequestResult(prompt_tokens=prompt.num_tokens)
     try:
-        await asyncio.wait_for(_stream(client, url, body, r), timeout)
+        await asyncio.wait_for(_stream(client, url, body, r, idle_timeout), timeout)
     except asyncio.TimeoutError:
         r.error = f"timed out after {timeout:g}s"
     except Exception as e:  # a failed request never stops the benchmark
@@ -145,7 +152,9 @@ async def send_one(
     return r
 
 
-async def _stream(client: Any, url: str, body: dict[str, Any], r: RequestResult) -> None:
+async def _stream(
+    client: Any, url: str, body: dict[str, Any], r: RequestResult, idle_timeout: float | None
+) -> None:
     start = time.perf_counter()
     clock = TokenClock(r, start)
     async with client.stream("POST", url, json=body) as resp:
@@ -155,10 +164,11 @@ async def _stream(client: Any, url: str, body: dict[str, Any], r: RequestResult)
             if resp.status_code == 401:
                 r.error += f" ({AUTH_HINT})"
             return
+        lines = idle_bounded(resp.aiter_lines(), idle_timeout)
         if is_responses(url):
-            await read_events(resp.aiter_lines(), r, start)
+            await read_events(lines, r, start)
             return
-        events = SSEReader(resp.aiter_lines())
+        events = SSEReader(lines)
         async for chunk in events:
             if "error" in chunk:
                 r.error = f"stream error: {_error_message(json.dumps(chunk))}"
@@ -257,7 +267,9 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[ServeSummary, list[Re
         )  # fmt: skip
         warm_errors = []
         for i, p in enumerate(warm):
-            r = await send_one(client, url, request_body(args, model, p), p, args.timeout)
+            r = await send_one(
+                client, url, request_body(args, model, p), p, args.timeout, args.idle_timeout
+            )
             if not r.ok:
                 print(f"warning: warm-up request {i} failed: {r.error}", file=sys.stderr)
                 warm_errors.append(r.error)
@@ -274,9 +286,8 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[ServeSummary, list[Re
             await asyncio.sleep(max(0.0, delays[i] - (time.perf_counter() - t0)))
             async with sem:
                 sent = time.perf_counter() - t0
-                r = await send_one(
-                    client, url, request_body(args, model, prompts[i]), prompts[i], args.timeout
-                )
+                body = request_body(args, model, prompts[i])
+                r = await send_one(client, url, body, prompts[i], args.timeout, args.idle_timeout)
             r.start = sent
             progress.update(r.ok)
             return r

@@ -14,6 +14,7 @@ import os
 import time
 
 from engine.bench.responses import RESPONSES_ENDPOINT
+from engine.bench.sse_idle import DEFAULT_IDLE_TIMEOUT_S
 from engine.bench.stats import (
     DEFAULT_METRIC_PERCENTILES,
     DEFAULT_PERCENTILE_METRICS,
@@ -45,6 +46,22 @@ def add_api_key_arg(g: argparse._ArgumentGroup) -> None:
     )
 
 
+def add_idle_timeout_arg(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="seconds a stream may go without an event once its first came (silence or "
+        "only SSE comments): then the request fails (default: "
+        f"{DEFAULT_IDLE_TIMEOUT_S:g}; 0: no bound but --timeout)",
+    )
+
+
+def check_idle_timeout(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if not args.idle_timeout >= 0:  # NaN fails too
+        parser.error("--idle-timeout must be >= 0 (0: no bound but --timeout)")
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -71,6 +88,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds a request may take in all (default: 600)",
     )
+    add_idle_timeout_arg(g)
     g = p.add_argument_group("load")
     g.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
     g.add_argument(
@@ -300,6 +318,7 @@ def fill_defaults(args: argparse.Namespace) -> None:
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     _apply_vllm_bench_args(args, parser)
     fill_defaults(args)
+    check_idle_timeout(args, parser)
     if args.num_prompts < 1:
         parser.error("--num-prompts must be >= 1")
     if args.num_warmup < 0:
