@@ -246,3 +246,54 @@ def test_a_start_cancelled_while_a_worker_waits_for_its_blocks_ends_it_quietly(m
     assert "Unpickling" not in err, err
     assert "start-up cancelled" in err, err
     assert [p.exitcode for p in procs] == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_start_held_by_a_stuck_fork_server_ends_at_the_start_up_deadline(monkeypatch):
+    """The fork server is stopped (SIGSTOP: a wedged host, a fork server stuck importing
+    torch from a hung file system) when rank 0 is started: ``proc.start()`` waits for the
+    server to report the pid it forked, and waited for good (no deadline covered it). Now
+    the start is under ``STARTUP_TIMEOUT_S`` (here 10 s) too: past it the fork server is
+    killed (the stuck start reads its end), the error names the rank, and the next start
+    gets a fresh fork server."""
+    import os
+    import signal
+    import threading
+    import time
+    from multiprocessing import forkserver
+
+    from engine.executor import multiproc
+    from engine.worker.pipe import worker_context
+
+    monkeypatch.setenv("PDSERVE_WORKER_MULTIPROC_METHOD", "forkserver")
+    monkeypatch.setattr(multiproc, "STARTUP_TIMEOUT_S", 10.0)
+    worker_context()  # its preload, as the executor's start sets it
+    forkserver.ensure_running()
+    server = forkserver._forkserver._forkserver_pid  # CPython's
+    os.kill(server, signal.SIGSTOP)
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            multiproc.MultiprocExecutor(_tp(1), lambda kv_bytes: 16).shutdown()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 -- the test's to judge
+            outcome.append(e)
+
+    began = time.monotonic()
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    try:
+        t.join(90)
+        assert not t.is_alive(), "the start still waits on the stopped fork server"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server, signal.SIGKILL)  # never left stopped (it unsticks a held start)
+        t.join(30)  # (not reaped here: the next start's ensure_running() reaps it)
+    (err,) = outcome
+    assert isinstance(err, RuntimeError), err
+    assert "TP worker 0 did not start within 10s" in str(err), err
+    assert time.monotonic() - began >= 10.0  # the deadline's, not sooner
+    # The next start forks from a fresh server.
+    multiproc.MultiprocExecutor(_tp(1), lambda kv_bytes: 16).shutdown()

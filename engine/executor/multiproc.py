@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
 from typing import Any
 
 from engine.config import ConfigError, EngineConfig
@@ -33,7 +34,14 @@ from engine.core.scheduler_output import (
 )
 from engine.executor.aggregator import KVOutputAggregator
 from engine.executor.pipe_send import send_within, set_nonblocking
-from engine.worker.pipe import WAKE, WorkerError, worker_context, worker_entry
+from engine.executor.proc_start import StartTimeout, start_within
+from engine.worker.pipe import (
+    WAKE,
+    WorkerError,
+    stop_fork_server,
+    worker_context,
+    worker_entry,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,33 +113,18 @@ class MultiprocExecutor:
         self.procs: list[mp.process.BaseProcess] = []
         self._task: list[Connection] = []
         self._result: list[Connection] = []
-        for rank in range(self.world_size):
-            task_r, task_w = ctx.Pipe(duplex=False)
-            res_r, res_w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=worker_entry,
-                args=(
-                    env,
-                    rank,
-                    self.world_size,
-                    config,
-                    (port, self._rendezvous if rank == 0 else None),
-                    task_r,
-                    res_w,
-                    log_level,
-                ),
-                name=f"pdserve-tp{rank}",
-                daemon=True,
-            )
-            proc.start()
-            task_r.close()
-            res_w.close()
-            self.procs.append(proc)
-            self._task.append(task_w)
-            self._result.append(res_r)
-        # One deadline for the whole start (every rank's two reports, the decision between).
+        # One deadline for the whole start (every rank's process start and two reports,
+        # the decision between).
         self._startup_timeout = STARTUP_TIMEOUT_S
         deadline = time.monotonic() + self._startup_timeout
+        try:
+            for rank in range(self.world_size):
+                rendezvous = (port, self._rendezvous if rank == 0 else None)
+                head = (env, rank, self.world_size, config, rendezvous)
+                self._start_rank(ctx, head, log_level, deadline)
+        except BaseException:
+            self.shutdown()
+            raise
         try:
             kv_bytes = self._wait_for_all("loaded", deadline)
             self.num_blocks = decide_num_blocks(kv_bytes)
@@ -155,6 +148,59 @@ class MultiprocExecutor:
         self._threads.append(threading.Thread(target=self._monitor, daemon=True, name="monitor"))
         for t in self._threads:
             t.start()
+
+    def _start_rank(
+        self, ctx: BaseContext, head: tuple[Any, ...], log_level: str, deadline: float
+    ) -> None:
+        """Start a rank's process by ``deadline`` (``head``: ``worker_entry``'s arguments
+        before its pipes, the rank second). Past it, what holds the start is ended
+        (``_abandon_start``) and the start fails naming the rank."""
+        rank = head[1]
+        task_r, task_w = ctx.Pipe(duplex=False)
+        res_r, res_w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=worker_entry,
+            args=(*head, task_r, res_w, log_level),
+            name=f"pdserve-tp{rank}",
+            daemon=True,
+        )
+        try:
+            start_within(proc, deadline - time.monotonic())
+        except StartTimeout as e:
+            why = self._abandon_start(ctx, e.thread)
+            for conn in (task_r, task_w, res_r, res_w):
+                conn.close()
+            raise RuntimeError(
+                f"TP worker {rank} did not start within {self._startup_timeout:.0f}s "
+                f"(its process start was held: {why})"
+            ) from None
+        except BaseException:
+            for conn in (task_r, task_w, res_r, res_w):
+                conn.close()
+            raise
+        task_r.close()
+        res_w.close()
+        self.procs.append(proc)
+        self._task.append(task_w)
+        self._result.append(res_r)
+
+    def _abandon_start(self, ctx: BaseContext, thread: threading.Thread) -> str:
+        """A process start is past the deadline: kill the ranks started (they wait in the
+        rendezvous for this one) and, from the fork server, the server (the held start
+        reads its end and fails, so its thread ends; the next start gets a fresh server).
+        A spawned child still being written to is not known by pid: it is left, with its
+        thread. Returns what was done, for the error."""
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                proc.kill()
+        why = "a spawned child did not read its start-up data; left running"
+        if ctx.get_start_method() == "forkserver":
+            pid = stop_fork_server()
+            why = f"the fork server (pid {pid}) did not fork it; killed"
+        thread.join(SHUTDOWN_GRACE_S)
+        if thread.is_alive():
+            logger.error("the held start of a TP worker still runs in %s; leaving it", thread.name)
+        return why
 
     @property
     def pids(self) -> list[int]:

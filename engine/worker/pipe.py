@@ -83,17 +83,18 @@ def worker_context() -> BaseContext:
     return ctx
 
 
-def stop_fork_server() -> None:
+def stop_fork_server() -> int | None:
     """End this process's fork server, if it started one, at once (SIGKILL: it ignores
     SIGTERM, ``engine.worker.fork_server``): its own exit, the interpreter tearing torch
     down, takes a second of CPU that nothing waits for. Only when no worker is left (they
-    are its children)."""
+    are its children). Returns its pid, if there was one."""
     from multiprocessing import forkserver
 
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # CPython's
     if pid:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def _set_process_name(name: str) -> None:
