@@ -215,8 +215,11 @@ class MultiprocExecutor:
         sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs)}
         while len(got) < self.world_size:
             waiting = [conn for conn, rank in conns.items() if rank not in got]
-            left = max(0.0, deadline - time.monotonic())
-            ready = wait([*waiting, *sentinels], timeout=left)
+            left = deadline - time.monotonic()
+            # Past the deadline nothing is waited for, not even a report that raced in
+            # (``wait`` with no time left still returned one: the start's outcome was
+            # the race's).
+            ready = wait([*waiting, *sentinels], timeout=left) if left > 0 else []
             if not ready:
                 raise self._not_ready([r for r in range(self.world_size) if r not in got])
             for obj in ready:
