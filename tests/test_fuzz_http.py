@@ -567,7 +567,10 @@ AUTH = {  # Authorization values the proxy (--api-key) must refuse with a 401
 
 def exchange(url: str, raw: bytes, timeout: float = 30) -> bytes:
     """``raw`` sent on a fresh connection; what came back until the answer ended (its
-    Content-Length, a chunked end, or the server closed)."""
+    Content-Length, a chunked end, or the server closed). The answer to a HEAD request
+    ends with its head: it has no body, whatever its Content-Length says (RFC 9110, 9.3.2;
+    waiting for one waited out the server's keep-alive timeout)."""
+    no_body = raw.startswith(b"HEAD ")
     parts = urlsplit(url)
     with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as s:
         with contextlib.suppress(OSError):  # refused while we sent (past a cap): read on
@@ -584,6 +587,8 @@ def exchange(url: str, raw: bytes, timeout: float = 30) -> bytes:
             head_, sep, rest = got.partition(b"\r\n\r\n")
             if sep and head_.startswith(b"HTTP/1.1 100"):
                 head_, sep, rest = rest.partition(b"\r\n\r\n")
+            if sep and no_body:
+                break
             lines = head_.lower().split(b"\r\n")
             length = [ln.split(b":", 1)[1] for ln in lines if ln.startswith(b"content-length:")]
             if sep and length and len(rest) >= int(length[0]):
