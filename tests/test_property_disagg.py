@@ -508,7 +508,7 @@ def test_disaggregated_requests_get_their_colocated_answers(
 
 
 @pytest.mark.timeout(1200 * SCALE)
-@examples(50)
+@examples(25)
 @given(case=cases((PIPELINED, WHOLE, HETERO), big=True))
 def test_disaggregated_requests_get_their_colocated_answers_many(
     pairs: Pairs, reference: Reference, case: Case

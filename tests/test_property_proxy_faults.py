@@ -74,7 +74,7 @@ Asserted for every example (docs/proxy.md, "Failures"):
 The examples are fixed (``derandomize``, no example database) and are not shrunk (a
 failing one is printed as drawn, ``note``); CI runs ``CI_EXAMPLES`` and the explicit ones
 (the bugs this test found; about 20 s), the ``slow`` form
-``SLOW_EXAMPLES`` (about 60 s); ``PDSERVE_PROXY_EXAMPLES=N`` multiplies both (a hunt:
+``SLOW_EXAMPLES`` (about 30 s); ``PDSERVE_PROXY_EXAMPLES=N`` multiplies both (a hunt:
 ``PDSERVE_PROXY_EXAMPLES=4 pytest -m slow tests/test_property_proxy_faults.py``).
 """
 
@@ -130,7 +130,7 @@ from tests.standin_http import StandIn
 
 SCALE = max(1, int(os.environ.get("PDSERVE_PROXY_EXAMPLES", "1")))
 CI_EXAMPLES = 100
-SLOW_EXAMPLES = 250
+SLOW_EXAMPLES = 120
 
 
 def _acts(kinds: tuple[str, ...], length: int, after_tokens: bool) -> st.SearchStrategy[Act]:
