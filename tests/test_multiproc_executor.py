@@ -66,13 +66,16 @@ class _Unkillable:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_shutdown_ends_even_when_a_killed_worker_does_not_exit(caplog):
+def test_a_shutdown_ends_even_when_a_killed_worker_does_not_exit(caplog, monkeypatch):
     """The shutdown waits the grace, SIGKILLs, and then waits a bounded time: a worker that
     even SIGKILL does not end is logged and left (it waited in ``join()`` for good, so a
-    node with such a worker never exited on SIGTERM)."""
+    node with such a worker never exited on SIGTERM). A 1 s grace here (5 s by default:
+    waited out twice)."""
     import threading
 
     from engine.executor import multiproc
+
+    monkeypatch.setattr(multiproc, "SHUTDOWN_GRACE_S", 1.0)
 
     cfg = EngineConfig(
         model=ModelConfig(dtype="float32"),
@@ -143,14 +146,17 @@ def _signal_when_born(name: str, sig: int) -> Iterator[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_rank_that_dies_before_the_rendezvous_fails_the_start_naming_it():
+def test_a_rank_that_dies_before_the_rendezvous_fails_the_start_naming_it(monkeypatch):
     """TP 2, rank 1 killed as soon as it exists: rank 0 waits in the rendezvous for it. The
     start waited on rank 0 alone -- until the TCP store's own timeout (minutes), then
     blamed rank 0 -- or ``STARTUP_TIMEOUT_S`` (600 s). Now every rank's death ends the wait
-    of any rank's report, naming the rank that died."""
+    of any rank's report, naming the rank that died. (Rank 0, in the rendezvous, is killed
+    after the shutdown's grace: 1 s here.)"""
     import signal
 
     from engine.executor import multiproc
+
+    monkeypatch.setattr(multiproc, "SHUTDOWN_GRACE_S", 1.0)
 
     died = r"TP worker 1 died during startup \(exit -9\)"
     with (
@@ -172,22 +178,22 @@ def _tp(tp: int) -> EngineConfig:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_start_up_deadline_is_one_for_the_whole_start(monkeypatch):
-    """``STARTUP_TIMEOUT_S`` (here 20 s) bounds the whole start, not each report: the
-    workers load in time, but the start is past its deadline before their ready reports
+    """``STARTUP_TIMEOUT_S`` (here 10 s; a tiny model's worker loads in about 1 s) bounds
+    the whole start, not each report: the workers load in time, but the start is past its deadline before their ready reports
     (``decide_num_blocks`` took the rest), so it fails. Each report had its own 600 s,
     so a start could take 2 x TP x 600 s."""
     import time
 
     from engine.executor import multiproc
 
-    monkeypatch.setattr(multiproc, "STARTUP_TIMEOUT_S", 20.0)
+    monkeypatch.setattr(multiproc, "STARTUP_TIMEOUT_S", 10.0)
     began = time.monotonic()
 
     def slow_decision(kv_bytes: list) -> int:
-        time.sleep(max(0.0, began + 21.0 - time.monotonic()))
+        time.sleep(max(0.0, began + 11.0 - time.monotonic()))
         return 16
 
-    with pytest.raises(RuntimeError, match=r"TP worker 0 not ready after 20s"):
+    with pytest.raises(RuntimeError, match=r"TP worker 0 not ready after 10s"):
         multiproc.MultiprocExecutor(_tp(1), slow_decision).shutdown()
 
 
@@ -202,10 +208,11 @@ def test_a_stopped_rank_at_start_up_is_the_one_named(monkeypatch):
 
     from engine.executor import multiproc
 
-    monkeypatch.setattr(multiproc, "STARTUP_TIMEOUT_S", 15.0)
+    monkeypatch.setattr(multiproc, "STARTUP_TIMEOUT_S", 8.0)
+    monkeypatch.setattr(multiproc, "SHUTDOWN_GRACE_S", 1.0)  # the ranks are killed after it
     with _signal_when_born("pdserve-tp1", signal.SIGSTOP) as stopped:
         try:
-            with pytest.raises(RuntimeError, match=r"TP worker 1 .*not ready after 15s.*stopped"):
+            with pytest.raises(RuntimeError, match=r"TP worker 1 .*not ready after 8s.*stopped"):
                 multiproc.MultiprocExecutor(_tp(2), lambda kv_bytes: 16).shutdown()
         finally:
             for pid in stopped:  # killed by the failed start's shutdown; never left stopped
