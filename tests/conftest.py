@@ -75,14 +75,16 @@ def _own_port_slice() -> None:
 # entry only costs some balance. (xdist's own order, most tests first, is turned off in
 # ``pytest_configure``: it put the long files with few tests last.)
 LONGEST_FILES = (
-    "test_gpu_check_script.py", "test_property_engine.py", "test_overload.py",
-    "test_chaos.py", "test_disagg_faults.py", "test_proxy_failover.py", "test_drain.py",
-    "test_disagg_ucxx.py", "test_reasoning_structured.py", "test_proxy.py",
-    "test_proxy_prefix.py", "test_bench.py", "test_tool_calling.py",
-    "test_structured_output.py", "test_fast_path_cpu.py", "test_fuzz_http.py",
-    "test_reserve_first.py", "test_disagg.py", "test_server_http.py", "test_property_http.py",
-    "test_triton_attention.py", "test_ucxx_transport.py", "test_node_serving.py",
-    "test_bench_interference.py", "test_nixl_transport.py",
+    "test_gpu_check_script.py", "test_tool_calling.py", "test_structured_output.py",
+    "test_disagg_faults.py", "test_overload.py", "test_bench.py", "test_chaos.py",
+    "test_disagg_ucxx.py", "test_proxy_failover.py", "test_proxy.py", "test_fuzz_http.py",
+    "test_server_http.py", "test_property_proxy_faults.py", "test_disagg.py",
+    "test_fast_path_cpu.py", "test_proxy_prefix.py", "test_reasoning_structured.py",
+    "test_drain.py", "test_property_http.py", "test_ucxx_transport.py",
+    "test_triton_attention.py", "test_reserve_first.py", "test_bench_interference.py",
+    "test_uniproc_executor.py", "test_logprobs.py", "test_property_engine.py",
+    "test_choices.py", "test_request_metrics.py", "test_multiproc_executor.py",
+    "test_property_disagg.py",
 )  # fmt: skip
 _FIRST = {name: i for i, name in enumerate(LONGEST_FILES)}
 
