@@ -31,21 +31,36 @@ t.close()
 """
 
 
-def _new_threads(progress: str) -> int:
-    """Threads a fresh process has after creating one transport (UCX's own included)."""
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, progress],
-        cwd=Path(__file__).resolve().parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return int(out.stdout.strip().splitlines()[-1])
+def _new_threads(*modes: str) -> list[int]:
+    """For each progress mode, the threads a fresh process has after creating one
+    transport (UCX's own included). The processes run at once: each imports torch."""
+    probes = [
+        subprocess.Popen(
+            [sys.executable, "-c", PROBE, mode],
+            cwd=Path(__file__).resolve().parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for mode in modes
+    ]
+    counts = []
+    try:
+        for probe in probes:
+            out, err = probe.communicate(timeout=120)
+            assert probe.returncode == 0, err
+            counts.append(int(out.strip().splitlines()[-1]))
+    finally:
+        for probe in probes:
+            if probe.poll() is None:
+                probe.kill()
+                probe.wait(10)
+    return counts
 
 
 def test_without_the_progress_thread_a_transport_starts_no_thread_of_its_own():
-    assert _new_threads("on") == _new_threads("off") + 1  # the busy-polling one
+    on, off = _new_threads("on", "off")
+    assert on == off + 1  # the busy-polling one
 
 
 @pytest.mark.parametrize(
