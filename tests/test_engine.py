@@ -146,17 +146,22 @@ def test_a_step_that_raises_in_a_worker_fails_with_the_workers_traceback():
 
 
 @pytest.mark.timeout(180)
-def test_a_step_larger_than_the_pipe_to_a_hung_worker_fails_and_the_engine_still_shuts_down():
+def test_a_step_larger_than_the_pipe_to_a_hung_worker_fails_and_the_engine_still_shuts_down(
+    monkeypatch: pytest.MonkeyPatch,
+):
     """A step's message (here ~95 KB: 64 prompts with penalties and min_tokens' banned stop
     ids) is larger than the task pipe holds (64 KiB), so sending it to a SIGSTOPped worker
     cannot finish. The send is bounded by --step-timeout like the wait for the result (it
     blocked for good: no step timeout, /health 200, every request hung), and the shutdown
     that follows kills the stopped worker (its own message could not enter the full pipe
-    either: a node never exited on SIGTERM)."""
+    either: a node never exited on SIGTERM). The shutdown's grace is 1 s here (5 s)."""
     import os
     import signal
 
+    from engine.executor import multiproc
     from engine.executor.multiproc import WorkerDiedError
+
+    monkeypatch.setattr(multiproc, "SHUTDOWN_GRACE_S", 1.0)
 
     cfg = EngineConfig(
         cache=CacheConfig(num_blocks=512),
