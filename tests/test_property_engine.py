@@ -534,7 +534,7 @@ def test_every_request_gets_its_alone_output_under_stress(reference: Reference, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200 * SCALE)
-@examples(20)  # ~25 s on one core: CI runs it; PDSERVE_ENGINE_EXAMPLES=N for a hunt
+@examples(20)  # ~20 s on one core: CI runs it; PDSERVE_ENGINE_EXAMPLES=N for a hunt
 @given(case=cases(big=True))
 def test_every_request_gets_its_alone_output_under_stress_many(
     reference: Reference, case: Case

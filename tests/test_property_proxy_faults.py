@@ -74,7 +74,7 @@ Asserted for every example (docs/proxy.md, "Failures"):
 The examples are fixed (``derandomize``, no example database) and are not shrunk (a
 failing one is printed as drawn, ``note``); CI runs ``CI_EXAMPLES`` and the explicit ones
 (the bugs this test found; about 20 s), the ``slow`` form
-``SLOW_EXAMPLES`` (about 30 s); ``PDSERVE_PROXY_EXAMPLES=N`` multiplies both (a hunt:
+``SLOW_EXAMPLES`` (about 25 s); ``PDSERVE_PROXY_EXAMPLES=N`` multiplies both (a hunt:
 ``PDSERVE_PROXY_EXAMPLES=4 pytest -m slow tests/test_property_proxy_faults.py``).
 """
 
