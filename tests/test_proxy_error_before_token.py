@@ -390,6 +390,33 @@ def test_a_decode_failure_after_the_prefill_token_on_every_pair_ends_with_an_err
     assert seen == [1, 1]
 
 
+def test_a_response_failing_after_the_prefill_token_closes_its_open_message() -> None:
+    """Every D fails after P's token on ``/v1/responses``: as OpenAI's streams, the open
+    message is closed before the failure -- its ``.done`` events carry the text streamed
+    so far (``t7``), status ``incomplete`` -- then ``error`` and ``response.failed``,
+    whose ``output`` holds that same item. It listed the message ``in_progress`` with no
+    text, and no ``.done`` event was sent."""
+
+    async def main() -> httpx.Response:
+        legs = [error_first(SERVER, 500, delay=AFTER_P)] * 2
+        async with proxy_over(legs, max_retries=1) as (client, _, _pool):
+            return await post(client, "responses", True)
+
+    resp = asyncio.run(main())
+    assert resp.status_code == 200, resp.text
+    events = sse_chunk_events([resp.text])
+    kinds = [e["type"] for e in events]
+    assert kinds[-5:] == [
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "error", "response.failed",
+    ], kinds  # fmt: skip
+    item = events[-3]["item"]
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == "t7", item
+    assert events[-5]["text"] == events[-4]["part"]["text"] == "t7"
+    assert events[-1]["response"]["output"] == [item], events[-1]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
 def test_a_rerun_after_a_decode_error_event_must_agree_on_the_prefill_token() -> None:
     """The rerun's P samples another first token than the one the client has (a node
     with other weights): the stream ends with ``retry_diverged``, never two answers

@@ -7,9 +7,9 @@ events each one makes. The events follow OpenAI's order: ``response.created`` an
 content part), grows by deltas (reasoning text, output text, function-call arguments)
 and is closed (the ``.done`` events) before the next one opens; last comes
 ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it,
-``response.failed``, after an ``error`` event, when it failed) with the whole ``response``
-object. ``sse`` frames an event (``event:`` + ``data:``; no ``[DONE]`` follows, as
-OpenAI's).
+``response.failed``, after an ``error`` event, when it failed: the open item closed
+``incomplete`` first) with the whole ``response`` object. ``sse`` frames an event
+(``event:`` + ``data:``; no ``[DONE]`` follows, as OpenAI's).
 
 A body (``response_object``) is built by the same ``ResponsesStream``: its parts fed as
 the chunks of a stream, so that it is the final ``response`` a stream of the same answer
@@ -179,12 +179,14 @@ class ResponsesStream:
         )  # fmt: skip
         return item, events
 
-    def _close(self) -> list[Event]:
-        """The ``.done`` events of the open item (none open: none)."""
+    def _close(self, failed: bool = False) -> list[Event]:
+        """The ``.done`` events of the open item (none open: none); ``incomplete`` when
+        the length cut it or the response failed while it was open."""
         item, self.open = self.open, None
         if item is None:
             return []
-        status = "incomplete" if self.finish_reason == "length" else "completed"
+        cut = failed or self.finish_reason == "length"
+        status = "incomplete" if cut else "completed"
         at = {"item_id": item.body["id"], "output_index": item.index}
         if item.kind == "call":
             item.body = out.function_call_item(
@@ -235,11 +237,13 @@ class ResponsesStream:
         return events + [self._event(kind, response=response)]
 
     def fail(self, error: Any) -> list[Event]:
-        """An error in the chat stream: an ``error`` event saying it (its own code), then
+        """An error in the chat stream: the open item closed ``incomplete`` (its text so
+        far in its ``.done`` events), an ``error`` event saying it (its own code), then
         ``response.failed`` carrying it (OpenAI's code for it), as OpenAI's streams end."""
         if self.ended:
             return []
         events = [] if self.started else self._start({})
+        events += self._close(failed=True)
         self.ended = True
         response = self._response("failed")
         response.update(
