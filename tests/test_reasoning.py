@@ -580,6 +580,32 @@ def test_content_before_the_reasoning_streams_before_it_and_the_body_says_so(
     assert "before_reasoning" not in _chat(plain)["choices"][0]["message"]
 
 
+@pytest.mark.parametrize("pre", ["Sure. ", ""])  # content before the reasoning, or none
+def test_chat_echo_is_content_said_before_the_reasoning(pre: str) -> None:
+    """vLLM's chat echo leads the content, and a stream says it first (its role chunk),
+    before the reasoning: the body's ``before_reasoning`` counts it -- the content said
+    before the reasoning is the echo and what the answer wrote there, the tokens those
+    the answer had said (none for the echo) -- so the places are in the content the
+    client sees. It said the answer's content alone, and nothing when the echo was all."""
+    echo, text = "Go: ", f"{pre}<think>why</think> 4"
+    client = TestClient(build_app(ScriptedEngine(text, per_output=3), reasoning_parser="qwen3"))  # type: ignore[arg-type]
+    messages = [*MSG, {"role": "assistant", "content": echo}]
+    body = {"add_generation_prompt": False, "continue_final_message": True}
+    chunks = chat_chunks(client, messages, echo=True, **body)
+    said = ""  # the content a stream says before the reasoning
+    for c in chunks:
+        delta = c["choices"][0]["delta"] if c["choices"] else {}
+        if delta.get("reasoning_content"):
+            break
+        said += delta.get("content") or ""
+    assert said == echo + pre
+    msg = chat(client, messages, echo=True, **body)["choices"][0]["message"]
+    assert msg["content"] == f"{echo}{pre} 4" and msg["reasoning_content"] == "why"
+    alone = chat(client, messages, **body)["choices"][0]["message"].get("before_reasoning")
+    tokens = alone["tokens"] if alone else 0
+    assert msg["before_reasoning"] == {"content": said, "tool_calls": 0, "tokens": tokens}, msg
+
+
 @pytest.mark.parametrize("before", ["", "a"])  # the call before the reasoning, or after it
 def test_a_call_with_a_reasoning_parser_finishes_tool_calls_streamed_or_not(before: str) -> None:
     """With a reasoning parser and tool calls the body's ``finish_reason`` is the stream's:

@@ -1113,3 +1113,45 @@ def test_content_after_a_call_streams_after_it_and_the_body_says_where_the_call_
                       tool_call_parser="hermes")  # fmt: skip
     msg = TestClient(plain).post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert "before_tool_calls" not in msg and msg["content"] == "a"
+
+
+def test_chat_echo_with_tool_calls_leads_the_content_and_before_tool_calls_counts_it() -> None:
+    """vLLM's chat echo with tools (vLLM takes it): the final assistant message's text
+    leads the content, body and stream, and the body's ``before_tool_calls`` counts the
+    characters of the content the client sees -- the echo's too -- as a stream says them
+    before each call; a Responses answer built from the body puts the echo and the text
+    before the call in the message before it. It was a 400 naming ``echo``."""
+    from scripted_engine import ScriptedEngine
+    from starlette.testclient import TestClient
+
+    from engine.responses_api.request import to_chat
+    from engine.responses_api.stream import response_object
+    from engine.server.app import build_app
+
+    echo, text = "Sure: ", f"a{HERMES_GET}b"
+    client = TestClient(build_app(ScriptedEngine(text, per_output=3), tool_call_parser="hermes"))  # type: ignore[arg-type]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": echo}]
+    body = {"model": "m", "messages": messages, "max_tokens": 99, "echo": True,
+            "add_generation_prompt": False, "continue_final_message": True,
+            "tools": [{"type": "function", "function": {"name": "get", "parameters": {}}}]}  # fmt: skip
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    chat = resp.json()
+    msg = chat["choices"][0]["message"]
+    assert msg["content"] == f"{echo}ab" and [c["function"]["name"] for c in msg["tool_calls"]] == [
+        "get"
+    ]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        frames = [f.removeprefix("data: ") for f in r.read().decode().split("\n\n") if f]
+    said = 0  # the content a stream says before its call
+    for f in frames[:-1]:
+        delta = json.loads(f)["choices"][0]["delta"]
+        if delta.get("tool_calls"):
+            break
+        said += len(delta.get("content") or "")
+    assert said == len(f"{echo}a")
+    assert [m["chars"] for m in msg["before_tool_calls"]] == [said], msg
+    _, responses_echo = to_chat({"input": "x"})
+    items = response_object(responses_echo, chat)["output"]
+    assert [i["type"] for i in items] == ["message", "function_call", "message"], items
+    assert [items[0]["content"][0]["text"], items[2]["content"][0]["text"]] == [f"{echo}a", "b"]

@@ -256,11 +256,6 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
 def _chat_echo(req: ChatCompletionRequest) -> str:
     """vLLM's rule: the answer's role is the assistant's (with ``add_generation_prompt``)
     or the final message's; the final message's text is echoed when it has that role."""
-    if req.tools is not None and req.tools.parses_calls:
-        raise APIError(
-            "'echo' puts text before the answer; an answer parsed into tool calls has none",
-            param="echo",
-        )
     last = req.messages[-1]
     role = "assistant" if req.add_generation_prompt else last["role"]
     content = last.get("content")

@@ -17,6 +17,7 @@ from engine.reasoning.output import ReasoningOutput
 from engine.reasoning.tokens import ReasoningTokens
 from engine.sampling_params import SamplingParams
 from engine.server.answer_text import AnswerText
+from engine.server.chat_echo import lead_with
 from engine.server.engine_client import EngineClient
 from engine.server.logprobs import (
     TokenStrings,
@@ -122,8 +123,8 @@ class Job:
         echo = getattr(self.req, "chat_echo", "") if self.chat and (first or not stream) else ""
         if tool_part is None:
             text = echo + text  # vLLM's chat echo
-        elif echo:  # a message parsed into reasoning and content: the echo leads the content
-            tool_part = {**tool_part, "content": echo + (tool_part.get("content") or "")}
+        else:  # a message parsed into reasoning, content, calls: the echo leads the content
+            tool_part = lead_with(tool_part, echo)
         if not self.chat:
             c["text"] = text
         elif tool_part is not None:
