@@ -694,6 +694,9 @@ CALL_TEXT = '<tool_call>{"name": "get", "arguments": {}}</tool_call>'
         ("qwen3", f"<think>r</think>a{CALL_TEXT}b{CALL_TEXT}c",
          ["reasoning", "message", "function_call", "message", "function_call", "message"],
          ["r", "a", "b", "c"]),
+        # Content between two calls, none after the last.
+        (None, f"a{CALL_TEXT}b{CALL_TEXT}",
+         ["message", "function_call", "message", "function_call"], ["a", "b"]),
     ],
 )  # fmt: skip
 def test_text_after_a_tool_call_is_answered_in_the_texts_order_streamed_or_not(

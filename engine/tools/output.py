@@ -227,9 +227,10 @@ class ToolOutput:
         return msg
 
     def order(self) -> dict[str, Any]:
-        """``{"before_tool_calls": marks}`` when content follows a call (pdserve's field:
-        where each call sits in the content), else nothing."""
-        if self.marks and self.marks[-1]["chars"] < self._chars:
+        """``{"before_tool_calls": marks}`` when content follows a call -- any call, the
+        first: content between two calls too (pdserve's field: where each call sits in
+        the content), else nothing."""
+        if self.marks and self.marks[0]["chars"] < self._chars:
             return {BEFORE_TOOL_CALLS: [dict(m) for m in self.marks]}
         return {}
 
