@@ -437,7 +437,7 @@ def test_the_receiver_refuses_writes_outside_its_cache_and_notifies_only_good_on
         raw.send(400, block)
         assert _drain(d) == [b"good"]
         assert torch.equal(d_kv[5].view(torch.uint8).reshape(-1), torch.from_numpy(block))
-        assert not d._rx  # every refused write was dropped
+        assert not d._receiver.rx  # every refused write was dropped
     finally:
         raw.close()
         d.close()
@@ -507,7 +507,7 @@ def test_a_stray_write_never_lands_in_blocks_its_notification_does_not_own(
         got = _steps_until(w, a, limit=2.5)  # past the 1 s transfer timeout
         assert got == set()
         assert torch.equal(d_kv, sentinel), "a stray write landed in D's blocks"
-        assert not w.transport._rx  # every stray write was dropped
+        assert not w.transport._receiver.rx  # every stray write was dropped
 
         write([5, 6], [5, 6], b)  # B's write comes before the step naming B
         assert _d_step(w) == set() and torch.equal(d_kv, sentinel)
