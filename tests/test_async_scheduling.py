@@ -124,7 +124,7 @@ def test_async_scheduling_gives_the_tokens_of_synchronous_scheduling(seed):
     assert s.num_preemptions_total > 0, "the test should exercise preemption"
     assert s.kv.pool.num_free == s.kv.num_blocks  # every block back
     assert not s.requests and not s.running
-    assert not s._scheduled_reqs, "a step's record outlived its update"
+    assert not s.in_flight.scheduled, "a step's record outlived its update"
 
 
 def test_an_abort_while_a_step_is_in_flight_leaves_the_others_untouched():

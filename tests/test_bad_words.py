@@ -191,7 +191,7 @@ def test_async_engine_bans_a_pair_every_step_as_the_sync_engine_does(backend, de
         execute = core.executor.execute_model
 
         def counting(sched: Any, non_block: bool = False) -> Any:
-            overlapped.append(len(core.scheduler._scheduled_reqs) == 2)  # one in flight
+            overlapped.append(len(core.scheduler.in_flight.scheduled) == 2)  # one in flight
             return execute(sched, non_block)
 
         core.executor.execute_model = counting  # type: ignore[method-assign]

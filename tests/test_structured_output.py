@@ -701,7 +701,7 @@ def test_async_scheduling_steps_a_constrained_request_every_step(
 
         def counting(sched: Any, non_block: bool = False) -> Any:
             # Steps sent and not updated yet, this one included: 2 while one is in flight.
-            overlapped.append(len(core.scheduler._scheduled_reqs) == 2)
+            overlapped.append(len(core.scheduler.in_flight.scheduled) == 2)
             return execute(sched, non_block)
 
         core.executor.execute_model = counting  # type: ignore[method-assign]

@@ -19,7 +19,12 @@ scheduled ahead, nor preempted; one that stops on EOS or a stop id has computed 
 too many, which is dropped. A step's results apply only to the requests it scheduled:
 not to one finished, preempted or replaced since. The blocks of a request that ends or is
 preempted while a step not yet updated scheduled it are freed at that step's update (its
-forward may still write them; a remote load given one must not take a late local write).
+forward may still write them; a remote load given one must not take a late local write):
+``steps_in_flight.py`` keeps those steps.
+
+What a new output token means to its request (an ending, or an output) is
+``output_tokens.py``'s; the checks of a new request against this node are
+``request_checks.py``'s.
 
 Requests arriving together with the same prompt prefix (``n`` > 1 choices, one system
 prompt) compute it once: a request whose next ``MIN_SHARED_PREFIX_TOKENS`` or more prompt
@@ -46,7 +51,9 @@ from typing import TYPE_CHECKING
 from engine.config import EngineConfig
 from engine.core.constraints import SamplingConstraints, Stuck
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.output_tokens import checked_first_token, request_output, token_ending
 from engine.core.request import Request, RequestStatus
+from engine.core.request_checks import check_request
 from engine.core.scheduler_output import (
     PLACEHOLDER_TOKEN_ID,
     DeferredSampling,
@@ -55,6 +62,7 @@ from engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from engine.core.scheduler_stats import RequestMetrics, SchedulerStats
+from engine.core.steps_in_flight import StepsInFlight
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import InvalidRequestError
 from engine.structured.matcher import GrammarState
@@ -112,12 +120,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         # Per step not yet updated: the requests it scheduled (its results go to these
-        # objects only: a request finished, preempted or replaced since is skipped).
-        # (The request's preemption count then: preempted since, the results are stale.)
-        self._scheduled_reqs: dict[int, dict[str, tuple[Request, int]]] = {}
-        # Blocks of requests that ended or were preempted while such a step may still
-        # write them: freed at that step's update.
-        self._free_after: dict[int, list[list[int]]] = {}
+        # objects only: a request finished, preempted or replaced since is skipped), and
+        # the blocks freed at its update.
+        self.in_flight = StepsInFlight(self.kv)
         self._outputs: list[RequestOutput] = []
         self._step = 0
         self.prompt_tokens_total = 0
@@ -135,51 +140,15 @@ class Scheduler:
         not in use, its prompt neither empty, outside the vocabulary nor too long for the
         context, its blocks -- whoever submits it (HTTP layer or offline caller); the HTTP
         layer checks the request's shape. Raises ``InvalidRequestError``."""
-        rid = request.request_id
-        if request.priority and not self.by_priority:
-            raise InvalidRequestError(
-                f"priority {request.priority} needs a node started with "
-                "--scheduling-policy priority (this one starts requests in arrival order)",
-                "priority",
-            )
-        if rid in self.requests or rid in self.quarantine:
-            raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        # vLLM's processor's check: an id past the embedding fails the step (on CUDA a
-        # device assert). The HTTP layer checked its token-id prompts; the offline LLM's
-        # are checked here.
-        ids = request.prompt_token_ids
-        vocab = self.vocab_size
-        if vocab is not None and not 0 <= min(ids) <= max(ids) < vocab:
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            raise InvalidRequestError(
-                f"token id {bad} in the prompt is out of range [0, {vocab})", "prompt"
-            )
-        # A prompt may fill the context (vLLM's engine: longer is refused): its one
-        # sampled token ends it (a length) and is never computed, so it needs no room.
-        # The HTTP layer lets it through only for echo with max_tokens 0.
-        if n > self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens; this model's maximum context length is "
-                f"{self.max_model_len} tokens",
-                "prompt",
-            )
-        params = request.kv_transfer_params
-        if params is not None and params.disaggregated and params.transfer_id is not None:
-            # One leg per transfer and side (a kv_role=both node could hold both legs).
-            tid, leg = params.transfer_id, params.do_remote_decode
-            if any(
-                (p := r.kv_transfer_params) is not None
-                and p.transfer_id == tid
-                and p.do_remote_decode == leg
-                for r in self.requests.values()
-            ):
-                raise InvalidRequestError(
-                    f"transfer id {tid[:128]!r} is in use by another request on this node",
-                    "kv_transfer_params",
-                )
+        check_request(
+            request,
+            self.requests,
+            self.quarantine,
+            by_priority=self.by_priority,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+        rid, n = request.request_id, request.num_prompt_tokens
         so = request.sampling_params.structured_output
         if so is not None and request.grammar is None:  # offline; HTTP requests come with it
             if self.grammars is None:
@@ -311,7 +280,7 @@ class Scheduler:
             finished_request_ids=self._finished_ids,
             preempted_request_ids=self._preempted_ids,
         )
-        self._scheduled_reqs[self._step] = scheduled
+        self.in_flight.sent(self._step, scheduled)
         self._finished_ids, self._preempted_ids = set(), set()
         self._end_stuck(self.constraints.end_step(out))  # masks, or sampling_deferred
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self.kv.block_ids)
@@ -337,7 +306,7 @@ class Scheduler:
         """Async scheduling: blocks return at the update of the step in flight -- of
         requests that ended or were preempted since it was sent, or that its samples end
         (a sync step would have finished those before scheduling). Never in sync mode."""
-        return bool(self._free_after) or any(
+        return self.in_flight.blocks_waiting() or any(
             r.num_output_placeholders and self._ends_with_pending(r) for r in self.running
         )
 
@@ -346,23 +315,12 @@ class Scheduler:
         it (async scheduling) -- at that step's update: its forward may still write them,
         and a block handed to a remote load must not take a late local write after the
         remote one."""
-        steps = [k for k, reqs in self._scheduled_reqs.items() if request_id in reqs]
-        if not steps:
-            self.kv.free(request_id)
-            return True
-        blocks = self.kv.detach(request_id)
-        if blocks:
-            self._free_after.setdefault(max(steps), []).append(blocks)
-        return False
+        return self.in_flight.free_blocks(request_id)
 
     def forget_steps_in_flight(self) -> None:
         """The workers are gone (the executor died): no step in flight will be updated or
         write anything, so the blocks waiting for those updates are free now."""
-        for step in sorted(self._free_after):
-            for blocks in self._free_after[step]:
-                self.kv.pool.free(blocks)
-        self._free_after.clear()
-        self._scheduled_reqs.clear()
+        self.in_flight.forget()
         self.constraints.forget_steps_in_flight()
         self.kv.forget_steps_in_flight()
 
@@ -495,10 +453,8 @@ class Scheduler:
     def update_from_output(
         self, sched_out: SchedulerOutput, output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        scheduled = self._scheduled_reqs.pop(sched_out.step_id, {})
         self.kv.step_done(sched_out.step_id)  # its blocks are cached below, or never
-        for blocks in self._free_after.pop(sched_out.step_id, ()):
-            self.kv.pool.free(blocks)  # the step's forward is done: no write is left
+        scheduled = self.in_flight.updated(sched_out.step_id)  # and its late frees done
         for seq in sched_out.seqs:
             req, preemptions = scheduled.get(seq.request_id, (None, 0))
             if req is None or req.status != RequestStatus.RUNNING:
@@ -541,69 +497,19 @@ class Scheduler:
         self._add_running(req)
         if req.prompt_logprobs is not None:  # computed by the prefill node, not here
             req.prompt_logprobs.extend([None] * (req.num_prompt_tokens - len(req.prompt_logprobs)))
-        first = info.get("first_token")
-        if first is not None and self.vocab_size is not None and not 0 <= first < self.vocab_size:
-            logger.warning(
-                "request %s: the prefill node's first token %.40r is not in the vocabulary "
-                "(%d ids); computing it here",
-                req.request_id, first, self.vocab_size,
-            )  # fmt: skip
-            first = None
-        elif first is not None and req.grammar is not None and not req.grammar.allows(first):
-            # P did not sample it under this grammar (P and D with different reasoning
-            # parsers, or a hand-made decode leg): the grammar decides here.
-            logger.warning(
-                "request %s: the prefill node's first token %d does not follow the "
-                "request's structured output; computing it here",
-                req.request_id, first,
-            )  # fmt: skip
-            first = None
+        first = checked_first_token(req, info, self.vocab_size)
         if first is None:  # no token came with the KV: compute the last prompt token again
             req.num_computed_tokens -= 1
             return
-        self._append(req, int(first))
+        self._append(req, first)
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> None:
         req.append_token(token, logprob)
         self.generation_tokens_total += 1
         self.request_metrics.token(req, time.monotonic())
-        grammar = req.grammar
-        if grammar is not None and not grammar.accept(token):
-            if not grammar.masked_out(token):
-                # Its mask allowed it (or, a prefill node's first token, ``allows`` did):
-                # the matcher's own limits stopped it (llguidance's lexer or item bounds,
-                # ``PARSER_LIMITS``), as a stuck grammar: the request's own doing.
-                why = (
-                    f"the structured output cannot go on after {req.num_output_tokens - 1} "
-                    f"tokens: {grammar.error}"
-                )
-                logger.info("request %s: %s", req.request_id, why)
-                self._finish(req, RequestStatus.FINISHED_ERROR, why, "structured_output_stuck")
-                return
-            # Sampled outside the grammar's mask: a bug.
-            logger.error(
-                "request %s: output token %d is not allowed by its structured output (%s)",
-                req.request_id, token, grammar.error,
-            )  # fmt: skip
-            self._finish(
-                req,
-                RequestStatus.FINISHED_ERROR,
-                f"internal error: output token {token} does not follow the structured output",
-                "structured_output_error",
-            )
-            return
-        sp = req.sampling_params
-        status = None
-        stop = (not sp.ignore_eos and token in req.eos_token_ids) or token in req.stop_token_set
-        if stop and req.num_output_tokens >= sp.min_tokens:  # before it they are masked
-            status = RequestStatus.FINISHED_STOPPED
-        elif grammar is not None and grammar.finished:  # the grammar allows nothing more
-            status = RequestStatus.FINISHED_STOPPED
-            req.ended_by_grammar = True
-        elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            self._finish(req, status)
+        ending = token_ending(req, token, self.max_model_len)
+        if ending is not None:
+            self._finish(req, *ending)
         else:
             self._emit(req)
 
@@ -648,27 +554,7 @@ class Scheduler:
             self.requests.pop(rid, None)
 
     def _emit(self, req: Request, kv_transfer_params: KVTransferParams | None = None) -> None:
-        ids, logprobs = req.take_new_outputs()
-        prompt_logprobs = None
-        if ids and req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-            req.prompt_logprobs_sent = True
-            prompt_logprobs = req.prompt_logprobs
-        self._outputs.append(
-            RequestOutput(
-                request_id=req.request_id,
-                new_token_ids=ids,
-                finished=req.status.finished,
-                finish_reason=req.status.finish_reason,
-                error=req.error,
-                error_code=req.error_code,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_output_tokens=req.num_output_tokens,
-                kv_transfer_params=kv_transfer_params,
-                new_logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                ended_by_grammar=req.ended_by_grammar,
-            )
-        )
+        self._outputs.append(request_output(req, kv_transfer_params))
 
     def _apply_connector_events(self) -> None:
         events = self.connector.take_events()

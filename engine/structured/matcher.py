@@ -2,7 +2,8 @@
 
 The engine process keeps one ``GrammarState`` per structured request (``Request.grammar``)
 and advances it with every output token the request gets -- sampled here, or sampled by
-a prefill node and received with the KV -- in ``Scheduler._append``. Each step the
+a prefill node and received with the KV -- in ``Scheduler._append``
+(``engine/core/output_tokens.py``). Each step the
 scheduler's ``SamplingConstraints`` (``engine/core/constraints.py``) fills one bitmask for
 the rows that sample under a grammar (``fill_bitmask``), which goes with the step; rank
 0's sampler applies it.
