@@ -26,7 +26,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from engine.config import EngineConfig
@@ -47,6 +47,12 @@ IDLE_WAIT_S = 0.05
 # by a wait for a wake-up -- a new request or abort, a worker saying a transfer
 # completed, a peer's message -- or this long (deadlines are checked every step).
 EMPTY_STEP_WAIT_S = 0.05
+# How a request that ended by itself ended, while its final output is not yet taken by its
+# reader (``AsyncLLMEngine.abort``'s answer): at most this many kept, the oldest dropped (a
+# reader that stops early without an abort leaves its entry).
+MAX_UNREAD_ENDS = 4096
+# ``abort`` waits this long for the engine thread's answer (a step, normally).
+ABORT_ANSWER_TIMEOUT_S = 10.0
 
 
 class _Stream:
@@ -98,6 +104,12 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
         loop.call_soon_threadsafe(fn, *args)
 
 
+def _resolve(done: Future[Any], value: Any) -> None:
+    """``done.set_result(value)`` unless its waiter gave up (cancelled it) already."""
+    with contextlib.suppress(InvalidStateError):
+        done.set_result(value)
+
+
 def _put_each(items: list[tuple[_Stream, RequestOutput]]) -> None:
     for stream, out in items:
         stream._put(out)  # noqa: SLF001 - on the stream's loop, as put() would
@@ -117,6 +129,9 @@ class AsyncLLMEngine:
         self.dead_reason: str | None = None
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # accepted requests' output queues
+        # Requests that ended by themselves, their final output delivered to a stream and
+        # not yet taken by its reader: their finish reasons (under ``_streams_lock``).
+        self._unread_ends: dict[str, str] = {}
         self._streams_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -182,15 +197,31 @@ class AsyncLLMEngine:
                     return
         finally:
             if finished:
-                self._unregister(request_id, stream)
+                self._unregister(request_id, stream, taken=True)
             else:  # the engine thread aborts the request if it is still ours
                 self._post(("cancel", (request_id, stream)))
 
-    async def abort(self, request_id: str, reason: str = "abort") -> None:
+    async def abort(self, request_id: str, reason: str = "abort") -> str | None:
         """Abort the request whose engine id (the id given to ``generate``) is this.
         ``reason``: "abort", or "stop" when the caller ended it at a stop string (its
-        finish reason in the request metrics, ``vllm:request_success_total``)."""
-        self._post(("abort", (request_id, reason)))
+        finish reason in the request metrics, ``vllm:request_success_total``).
+
+        With "abort", waits for the engine thread (a step at most) and returns the finish
+        reason the request had ended with by itself before the abort reached it -- its
+        final output not yet read by the caller (a client that went away as the request
+        ended): the metrics count that one, not an abort -- or None when the abort ended
+        it (or no such request was known). With "stop" (the caller knows how it ended),
+        or a dead engine: None at once."""
+        if reason != "abort" or not self.healthy:
+            self._post(("abort", (request_id, reason, None)))
+            return None
+        done: Future[str | None] = Future()
+        self._post(("abort", (request_id, reason, done)))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(done), ABORT_ANSWER_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("request %s: no answer to its abort from the engine", request_id)
+            return None
 
     async def settle(self, request_id: str, stop_string: bool) -> None:
         """The caller has the whole answer of ``request_id``, whose engine output said it
@@ -226,12 +257,15 @@ class AsyncLLMEngine:
         self._inbox.put(item)
         self._wake.set()
 
-    def _unregister(self, request_id: str, stream: _Stream) -> bool:
-        """Forget ``stream`` if it is still the one registered for ``request_id``."""
+    def _unregister(self, request_id: str, stream: _Stream, taken: bool = False) -> bool:
+        """Forget ``stream`` if it is still the one registered for ``request_id``;
+        ``taken``: its reader took the final output (how it ended is known to it)."""
         with self._streams_lock:
             if self._streams.get(request_id) is not stream:
                 return False
             del self._streams[request_id]
+            if taken:
+                self._unread_ends.pop(request_id, None)
             return True
 
     # -- engine thread -----------------------------------------------------------------------
@@ -240,12 +274,29 @@ class AsyncLLMEngine:
         hand-off per event loop (one wake-up of the loop per step, not one per request)."""
         with self._streams_lock:
             found = [(self._streams.get(o.request_id), o) for o in outputs]
+            for stream, o in found:
+                if o.finished and stream is not None:
+                    self._note_end(o)
         pairs = [(s, o) for s, o in found if s is not None]
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for stream, out in pairs:
             by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_each, items)
+
+    def _note_end(self, out: RequestOutput) -> None:
+        """(Under ``_streams_lock``.) ``out`` ends its request: how, until its reader takes it."""
+        ends = self._unread_ends
+        ends[out.request_id] = out.finish_reason or "stop"
+        if len(ends) > MAX_UNREAD_ENDS:
+            del ends[next(iter(ends))]
+
+    def _abort(self, request_id: str, reason: str) -> str | None:
+        """Abort ``request_id``; how it had ended by itself, if it had (``abort``)."""
+        with self._streams_lock:
+            ended = self._unread_ends.pop(request_id, None)
+        self.core.abort_request(request_id, reason=reason)
+        return ended
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -268,8 +319,10 @@ class AsyncLLMEngine:
                 if self._unregister(request_id, stream):
                     self.core.abort_request(request_id)
             elif kind == "abort":
-                request_id, reason = payload
-                self.core.abort_request(request_id, reason=reason)
+                request_id, reason, answer = payload
+                ended = self._abort(request_id, reason)
+                if answer is not None:
+                    _resolve(answer, ended)
             elif kind == "settle":
                 request_id, stop_string = payload
                 self.core.settle_request(request_id, stop_string)
@@ -278,7 +331,7 @@ class AsyncLLMEngine:
                 ids = self._matching(key, by)
                 for rid in ids:
                     self.core.abort_request(rid)
-                done.set_result(ids)
+                _resolve(done, ids)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -339,7 +392,9 @@ class AsyncLLMEngine:
             if kind == "add":
                 payload[1].put(RuntimeError(f"engine is dead: {reason}"))
             elif kind == "abort_matching":
-                payload[2].set_result([])
+                _resolve(payload[2], [])
+            elif kind == "abort" and payload[2] is not None:
+                _resolve(payload[2], None)
 
     def shutdown(self) -> None:
         self._stop.set()

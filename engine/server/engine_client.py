@@ -31,9 +31,11 @@ class EngineClient(Protocol):
         grammar: Any = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
-    async def abort(self, request_id: str, reason: str = "abort") -> None:
+    async def abort(self, request_id: str, reason: str = "abort") -> str | None:
         """``reason``: "stop" for a request ended at a stop string (its finish reason in
-        the engine's metrics), else "abort"."""
+        the engine's metrics), else "abort". Returns, for "abort", the finish reason the
+        request had ended with by itself before the abort reached the engine (its final
+        output not yet read), which the engine's metrics count; else None."""
         ...
 
     async def settle(self, request_id: str, stop_string: bool) -> None:

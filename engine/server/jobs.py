@@ -78,6 +78,10 @@ class Job:
     # How it ended (a finish reason, "error", "abort"), once reported (``reported``).
     outcome: str | None = None
     reported: bool = False
+    # How the engine ended it, when it ended by itself (or at a stop string): its finish
+    # reason everywhere, also when the client went away before the answer's end reached it
+    # (the engine's metrics count it so).
+    ended_as: str | None = None
     # A chat choice whose tool calls are parsed (tools with a tool choice other than
     # "none"): its text becomes content and tool calls.
     tools: ToolOutput | None = None
@@ -300,13 +304,15 @@ def engine_error(
     return APIError(message or "internal engine error", status_code=500, err_type="server_error")
 
 
-async def abort_quietly(engine: EngineClient, request_id: str, reason: str = "abort") -> None:
-    """``reason``: "stop" for a request ended at a stop string (``EngineClient.abort``)."""
+async def abort_quietly(engine: EngineClient, request_id: str, reason: str = "abort") -> str | None:
+    """``reason``: "stop" for a request ended at a stop string; returns how the request had
+    ended by itself before the abort, if it had (``EngineClient.abort``)."""
     try:
         with anyio.CancelScope(shield=True):
-            await engine.abort(request_id, reason)
+            return await engine.abort(request_id, reason)
     except Exception:
         logger.warning("abort of request %s failed", request_id, exc_info=True)
+        return None
 
 
 async def settle_quietly(engine: EngineClient, request_id: str, stop_string: bool) -> None:
@@ -383,6 +389,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
             extra = {"logprobs": piece.logprobs, "prompt_logprobs": out.prompt_logprobs}
             if piece.stop_hit:
                 finished, stopped = out.finished, True
+                job.ended_as = "stop"
                 yield Step(
                     text, ids, "stop", kv_transfer_params=kv_out, stop_reason=piece.stop_reason,
                     **extra,
@@ -390,6 +397,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
                 return
             if out.finished:
                 finished = True
+                job.ended_as = out.finish_reason or "stop"
                 yield Step(
                     text, ids, out.finish_reason or "stop", out.error, kv_out, out.error_code,
                     **extra, stop_reason=piece.stop_reason,
@@ -401,7 +409,9 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
         yield Step("", [], "error", "engine output stream ended without a final output")
     finally:
         if not finished:
-            await abort_quietly(engine, job.request_id, "stop" if stopped else "abort")
+            ended = await abort_quietly(engine, job.request_id, "stop" if stopped else "abort")
+            if ended is not None and not stopped:  # it had ended by itself: that counts
+                job.ended_as = ended
         elif job.params.stop:  # the engine waits for our word on how it ended
             await settle_quietly(engine, job.request_id, stopped)
         aclose = getattr(outputs, "aclose", None)

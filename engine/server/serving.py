@@ -131,8 +131,13 @@ class OpenAIServing:
 
     # -- one job ------------------------------------------------------------------------------
     def _finish(self, job: Job, reason: str) -> None:
+        """``reason`` "abort" (the client went away, the answer cut) counts as how the
+        engine ended the request when it had ended by itself: one finish reason for it,
+        as the engine's metrics count it."""
         if job.reported:  # once per job, whichever path saw it end first
             return
+        if reason == "abort" and job.ended_as is not None:
+            reason = job.ended_as
         job.reported, job.outcome = True, reason
         now = time.monotonic()
         ttft = None if job.first_token_at is None else job.first_token_at - job.arrival
