@@ -212,7 +212,7 @@ class AsyncLLMEngine:
         ended): the metrics count that one, not an abort -- or None when the abort ended
         it (or no such request was known). With "stop" (the caller knows how it ended),
         or a dead engine: None at once."""
-        if reason != "abort" or not self.healthy:
+        if reason != "abort" or not self.healthy or self._stop.is_set():
             self._post(("abort", (request_id, reason, None)))
             return None
         done: Future[str | None] = Future()
@@ -354,6 +354,8 @@ class AsyncLLMEngine:
         except Exception as e:
             logger.exception("the engine loop failed")
             self._die(f"{type(e).__name__}: {e}")
+        else:  # shut down: no one waits on an answer the loop will never give
+            self._refuse_inbox("the engine is shut down")
 
     def _loop_once(self) -> None:
         self._drain_inbox(block=not self.core.has_work())
@@ -384,13 +386,18 @@ class AsyncLLMEngine:
         for stream in left:  # no output ended it: its reader must not wait for good
             stream.put(RuntimeError(f"engine is dead: {reason}"))
         # Requests still in the inbox, or added from now on, get the error too.
+        self._refuse_inbox(f"engine is dead: {reason}")
+
+    def _refuse_inbox(self, why: str) -> None:
+        """Answer what waits in the inbox without the loop: requests fail with ``why``,
+        aborts find nothing."""
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == "add":
-                payload[1].put(RuntimeError(f"engine is dead: {reason}"))
+                payload[1].put(RuntimeError(why))
             elif kind == "abort_matching":
                 _resolve(payload[2], [])
             elif kind == "abort" and payload[2] is not None:
