@@ -280,7 +280,7 @@ class ProxyConfig:
             )
             for name in ("allowed_methods", "allowed_headers"):
                 object.__setattr__(self, name, cors_list(getattr(self, name), name) or ("*",))
-            self.cors  # noqa: B018 - checked at start-up, the error naming the flag
+            self.cors.check_key_header(self.api_key)  # at start-up, the error naming the flag
         except ConfigError as e:
             raise ProxyConfigError(str(e)) from None
         for role in ("prefill", "decode"):

@@ -4,6 +4,7 @@ asked for, and allowed origins' answers carry the ``Access-Control-*`` headers."
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -124,3 +125,42 @@ def test_the_proxy_takes_the_same_flags_and_answers_preflights() -> None:
         "/v1/chat/completions", headers=PREFLIGHT
     )
     assert "access-control-allow-origin" not in off.headers
+
+
+@pytest.mark.parametrize(
+    "origin",
+    ["http://localhost:3000", "https://ui.example", "http://[::1]:8080", "http://10.0.0.5"],
+)
+def test_origins_as_browsers_send_them_are_taken(origin: str) -> None:
+    assert CorsPolicy(allowed_origins=(origin,)).allowed_origins == (origin,)
+
+
+@pytest.mark.parametrize(
+    ("origin", "form"),
+    [
+        ("https://ui.example/", "https://ui.example"),
+        ("HTTPS://UI.Example", "https://ui.example"),
+        ("http://ui.example:80", "http://ui.example"),
+        ("https://[::1]:443", "https://[::1]"),
+    ],
+)
+def test_an_origin_no_browser_sends_is_refused_naming_the_form_to_write(origin: str, form: str):
+    with pytest.raises(ConfigError, match=f"--allowed-origins: .*write it as '{re.escape(form)}'"):
+        CorsPolicy(allowed_origins=(origin,))
+
+
+@pytest.mark.parametrize(
+    ("headers", "ok"),
+    [(("*",), True), (("Authorization", "content-type"), True), (("content-type",), False)],
+)
+def test_with_an_api_key_the_allowed_headers_must_let_the_key_through(
+    headers: tuple[str, ...], ok: bool
+) -> None:
+    policy = CorsPolicy(allowed_origins=(UI,), allowed_headers=headers)
+    policy.check_key_header(None)  # no key: any list
+    if ok:
+        policy.check_key_header("k")
+    else:
+        with pytest.raises(ConfigError, match="--allowed-headers: add authorization"):
+            policy.check_key_header("k")
+    CorsPolicy(allowed_headers=headers).check_key_header("k")  # CORS off: nothing to check

@@ -51,14 +51,26 @@ def cors_list(values: Iterable[str] | str | None, name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(v.strip() for v in items if v.strip()))
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def _check_origin(origin: str) -> None:
+    """``origin`` as a browser sends it (``Origin: https://ui.example:3000``), or ``*``.
+    Starlette compares the two strings as they are, so a form a browser never sends
+    (upper case, a default port, a trailing slash) would never match: refused, naming
+    the form to write."""
     if origin == "*":
         return
     parts = urlsplit(origin)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
     if (
-        parts.scheme not in ("http", "https")
-        or not parts.netloc
-        or parts.path
+        parts.scheme not in _DEFAULT_PORTS
+        or not parts.hostname
+        or port == -1
+        or parts.path not in ("", "/")
         or parts.query
         or parts.fragment
         or "@" in parts.netloc
@@ -66,6 +78,14 @@ def _check_origin(origin: str) -> None:
         raise ConfigError(
             f"--allowed-origins: {origin!r:.80} is not an origin (scheme://host[:port], as a "
             "browser sends it, e.g. https://ui.example:3000; or *)"
+        )
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    shown = "" if port in (None, _DEFAULT_PORTS[parts.scheme]) else f":{port}"
+    form = f"{parts.scheme}://{host}{shown}"
+    if origin != form:
+        raise ConfigError(
+            f"--allowed-origins: {origin!r:.80} would never match: a browser sends that "
+            f"origin as {form!r}; write it as {form!r}"
         )
 
 
@@ -95,11 +115,28 @@ class CorsPolicy:
     def enabled(self) -> bool:
         return bool(self.allowed_origins)
 
+    def check_key_header(self, api_key: str | None) -> None:
+        """With an API key a browser must send ``Authorization``: a preflight asking for a
+        header not allowed is refused, so an ``--allowed-headers`` without it is an error."""
+        allowed = {h.lower() for h in self.allowed_headers}
+        if api_key and self.enabled and not allowed & {"*", "authorization"}:
+            raise ConfigError(
+                "--allowed-headers: add authorization: with --api-key a browser sends the key "
+                "in that header, and its preflight is refused unless it is allowed (or leave "
+                "--allowed-headers out: every header)"
+            )
+
     def wrap(self, app: ASGIApp) -> ASGIApp:
         """``app`` behind the CORS middleware, or ``app`` itself when no origin is allowed."""
         if not self.enabled:
             return app
         from starlette.middleware.cors import CORSMiddleware  # with the HTTP stack, not before
+
+        from engine.httpkit.request_id import REQUEST_ID_HEADER
+
+        # Answer headers a page may read besides the safelisted ones: the request id (to
+        # abort or report a request) and a 429's Retry-After.
+        exposed = [REQUEST_ID_HEADER, "Retry-After"]
 
         return CORSMiddleware(
             app,
@@ -107,6 +144,7 @@ class CorsPolicy:
             allow_credentials=self.allow_credentials,
             allow_methods=list(self.allowed_methods),
             allow_headers=list(self.allowed_headers),
+            expose_headers=exposed,
         )
 
 
@@ -127,14 +165,16 @@ def add_cors_args(group: Any) -> None:
 
 
 def policy_from(values: Any) -> CorsPolicy:
-    """The policy of parsed flags or a config object with the four attributes (ConfigError
-    naming the flag when one is wrong)."""
-    return CorsPolicy(
+    """The policy of parsed flags or a config object with the four attributes, checked
+    against its ``api_key`` if it has one (ConfigError naming the flag when one is wrong)."""
+    policy = CorsPolicy(
         allowed_origins=cors_list(values.allowed_origins, "allowed_origins"),
         allow_credentials=bool(values.allow_credentials),
         allowed_methods=cors_list(values.allowed_methods, "allowed_methods") or ("*",),
         allowed_headers=cors_list(values.allowed_headers, "allowed_headers") or ("*",),
     )
+    policy.check_key_header(getattr(values, "api_key", None))
+    return policy
 
 
 CORS_HELP = {
