@@ -475,6 +475,12 @@ class IncrementalDetokenizer:
     Decoding restarts from a few tokens before the new ones (``prompt_ids`` seeds that
     context), so tokenizers that drop a leading space at the start of a decode still
     produce the right spacing.
+
+    A prompt (given as token ids) that ends inside a multi-byte character: its text counts
+    as ending before that character, so the generated tokens that complete it print the
+    whole character (vLLM's ``DecodeStream`` primed with the prompt's last tokens), and
+    tokens that do not complete it print U+FFFD for the prompt's broken bytes first (vLLM
+    too). An answer with no generated text prints nothing of the prompt's.
     """
 
     CONTEXT_TOKENS = 5
@@ -489,7 +495,13 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS :]) if prompt_ids else []
         self._prefix_offset = 0  # start of the decode window
-        self._read_offset = len(self._ids)  # ids before this are already emitted
+        # ids before this are already emitted: the prompt's, less an incomplete UTF-8 tail
+        self._read_offset = len(self._ids)
+        while self._read_offset and self._decode(self._ids[: self._read_offset]).endswith(
+            REPLACEMENT_CHAR
+        ):
+            self._read_offset -= 1
+        self._prompt_end = len(self._ids)  # the generated ids follow
         self.text = ""  # everything emitted so far
 
     def _decode(self, ids: list[int]) -> str:
@@ -508,13 +520,16 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         """Append ``token_ids``; return the newly printable text (may be empty)."""
-        self._ids.extend(token_ids)
-        if self._read_offset == len(self._ids):
+        if not token_ids:
             return ""
+        self._ids.extend(token_ids)
         return self._emit(force=False)
 
     def flush(self) -> str:
-        """At the end of a stream: return held-back text (with U+FFFD for broken bytes)."""
-        if self._read_offset == len(self._ids):
+        """At the end of a stream: return held-back text (with U+FFFD for broken bytes).
+        Nothing when the generated ids held back have no text (a special token after the
+        prompt's incomplete tail: that tail is the prompt's)."""
+        generated = self._ids[max(self._read_offset, self._prompt_end) :]
+        if not generated or not self._decode(generated):
             return ""
         return self._emit(force=True)

@@ -1,0 +1,167 @@
+"""A prompt given as token ids that ends inside a multi-byte UTF-8 character: the answer's
+tokens that complete it print the whole character (vLLM's detokenizer, a ``tokenizers``
+``DecodeStream`` primed with the prompt's last tokens), in the detokenizer and in a node's
+completions (plain, streamed, echoed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from harness import sse_data
+
+from engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer
+
+TEXT = "héllo 世界 🎉 wörld, ünïcödé ✓"
+EMOJI = list("🎉".encode())
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    """A byte-level BPE whose merges never cover the multi-byte characters of ``TEXT``, so
+    their bytes are separate tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["hello world, the lazy dog"] * 5, trainer)
+    path = tmp_path_factory.mktemp("split_char_tok")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return HFTokenizer(str(path))
+
+
+def vllm_pieces(tok: HFTokenizer, prompt: list[int], output: list[int]) -> list[str]:
+    """vLLM's ``FastIncrementalDetokenizer``: a ``DecodeStream`` primed with the shortest
+    prompt suffix of 4..23 tokens that decodes without U+FFFD (else the whole prompt), then
+    stepped with each output token."""
+    from tokenizers.decoders import DecodeStream
+
+    rust = tok._tok
+    suffix = prompt
+    for i in range(4, min(len(prompt) + 1, 24)) if len(prompt) > 4 else ():
+        if "\ufffd" not in rust.decode(prompt[-i:]):
+            suffix = prompt[-i:]
+            break
+    stream = DecodeStream(skip_special_tokens=True)
+    for token in suffix:
+        stream.step(rust, token)
+    return [stream.step(rust, token) or "" for token in output]
+
+
+def _mid_character_cuts(tok: Any, ids: list[int]) -> list[int]:
+    return [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+
+
+def test_a_prompt_cut_inside_a_character_streams_as_vllm_does(hf_tok: HFTokenizer) -> None:
+    ids = hf_tok.encode(TEXT, add_special_tokens=False)
+    cuts = _mid_character_cuts(hf_tok, ids)
+    assert len(cuts) >= 4  # the 2-, 3- and 4-byte characters are cut
+    for k in cuts:
+        prompt, output = ids[:k], ids[k:]
+        detok = IncrementalDetokenizer(hf_tok, prompt)
+        pieces = [detok.add([t]) for t in output]
+        assert pieces == vllm_pieces(hf_tok, prompt, output), k
+        assert detok.flush() == ""
+        # The completed character is the answer's: no U+FFFD anywhere.
+        assert "\ufffd" not in detok.text, k
+
+
+def test_an_answer_that_does_not_complete_the_prompts_character(hf_tok: HFTokenizer) -> None:
+    """vLLM's rule: the prompt's broken tail is printed (U+FFFD) with the next token."""
+    ids = hf_tok.encode(TEXT, add_special_tokens=False)
+    other = hf_tok.encode("x", add_special_tokens=False)
+    for k in _mid_character_cuts(hf_tok, ids):
+        detok = IncrementalDetokenizer(hf_tok, ids[:k])
+        assert [detok.add(other)] == vllm_pieces(hf_tok, ids[:k], other), k
+
+
+def test_byte_tokens_completing_the_prompts_character() -> None:
+    tok = ByteTokenizer()
+    for cut in range(1, len(EMOJI)):
+        prompt = [*b"abc", *EMOJI[:cut]]
+        detok = IncrementalDetokenizer(tok, prompt)
+        pieces = [detok.add([t]) for t in [*EMOJI[cut:], ord("!")]]
+        assert pieces[-2:] == ["🎉", "!"], cut
+        assert detok.text == "🎉!"
+
+
+def test_no_answer_text_from_the_prompts_broken_tail_alone() -> None:
+    """An answer with no printable token (its EOS is left out) adds no text: the prompt's
+    incomplete bytes are not the answer's."""
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, [*b"abc", *EMOJI[:2]])
+    assert detok.flush() == ""
+    assert detok.add([]) == ""
+    assert detok.add([tok.EOS]) == "" and detok.flush() == ""
+    assert detok.text == ""
+
+
+# ---- a node's completions ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[Any]:
+    """A node's app on the tiny (byte) model, in this process (``uni`` executor)."""
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+    from engine.server.app import build_app
+
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256),
+        cache=CacheConfig(num_blocks=64),
+        parallel=ParallelConfig(device="cpu", distributed_executor_backend="uni"),
+    )
+    engine = AsyncLLMEngine(cfg, "WARNING")
+    loop = asyncio.new_event_loop()
+    try:
+        yield build_app(engine), loop
+    finally:
+        engine.shutdown()
+        loop.close()
+
+
+def _post(node: Any, body: dict[str, Any]) -> httpx.Response:
+    app, loop = node
+
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://n") as client:
+            return await client.post("/v1/completions", json={"model": "tiny", **body})
+
+    resp = loop.run_until_complete(main())
+    assert resp.status_code == 200, resp.text[:300]
+    return resp
+
+
+def test_a_nodes_completion_of_a_prompt_cut_inside_a_character(node: Any) -> None:
+    """The prompt's ids end with the emoji's first three bytes; a logit bias makes the
+    answer's one token its last byte."""
+    prompt = [*b"abc", *EMOJI[:3]]
+    body = {
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "logit_bias": {str(EMOJI[3]): 100},
+        "logprobs": 0,
+    }
+    whole = _post(node, body).json()["choices"][0]
+    assert whole["text"] == "🎉"
+    assert len(whole["logprobs"]["tokens"]) == 1
+    events = sse_data(_post(node, {**body, "stream": True}).text.splitlines())
+    streamed = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict))
+    assert streamed == whole["text"]
+    # echo: the prompt's text as decoded (vLLM's), then the answer's.
+    echoed = _post(node, {**body, "echo": True}).json()["choices"][0]
+    assert echoed["text"] == ByteTokenizer().decode(prompt) + whole["text"]
+    assert len(echoed["logprobs"]["tokens"]) == len(prompt) + 1
