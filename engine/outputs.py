@@ -52,8 +52,9 @@ class RequestOutput:
     # With ``SamplingParams.prompt_logprobs``: one entry per prompt token, in the first
     # output that carries tokens (else None).
     prompt_logprobs: Logprobs | None = None
-    # Finished "stop" because its structured output's grammar is complete: the last token
-    # is text of the answer, not a stop token whose text is left out.
+    # Finished "stop" by its structured output's grammar (``GrammarState.finished``): it
+    # took EOS where the stop check did not end the answer (``min_tokens``, ``ignore_eos``),
+    # or it is complete and the request cannot take EOS (its last token is text).
     ended_by_grammar: bool = False
 
     def copy(self) -> RequestOutput:

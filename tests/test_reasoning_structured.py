@@ -158,7 +158,9 @@ def test_deepseek_r1_the_grammar_waits_for_the_reasonings_end() -> None:
     state = _state(StructuredOutput.regex("[0-9]{2}"), R1_TAGS)
     for t in b"</think>42":
         assert state.accept(t)
-    assert state.finished
+    # Complete: only EOS may follow, and the answer ends with it (vLLM's convention).
+    assert not state.finished and _mask(state) == [ByteTokenizer.EOS]
+    assert state.accept(ByteTokenizer.EOS) and state.finished
     # Without tags (no reasoning part) the grammar constrains from the first token.
     plain = _state(StructuredOutput.regex("[0-9]{2}"), None)
     assert plain.constrains and _mask(plain) == DIGITS and not plain.accept(ord("<"))
@@ -226,6 +228,10 @@ def test_a_decode_node_takes_the_prefill_nodes_first_token_through_the_gate(
         (out,) = sch.update_from_output(step, ModelRunnerOutput(sampled_token_ids={"d": 55}))
         (out,) = sch.update_from_output(
             sch.schedule(), ModelRunnerOutput(sampled_token_ids={"d": 56})
+        )
+        assert not out.finished  # complete: its EOS comes next
+        (out,) = sch.update_from_output(
+            sch.schedule(), ModelRunnerOutput(sampled_token_ids={"d": ByteTokenizer.EOS})
         )
         assert out.finished and out.finish_reason == "stop" and out.ended_by_grammar
     else:
@@ -333,8 +339,10 @@ def test_live_deepseek_r1_reasons_freely_then_the_content_follows_the_schema(
             assert _is_free_reasoning(one["reasoning"]), one
             _check_schema(one["content"])
             assert one["finish"] == "stop"
-            # The reasoning's end and the content are the answer's tokens, in that order.
-            text = bytes(one["ids"]).decode()
+            # The reasoning's end and the content are the answer's tokens, in that order,
+            # then EOS (the grammar's end: vLLM's convention).
+            assert one["ids"][-1] == ByteTokenizer.EOS
+            text = bytes(one["ids"][:-1]).decode()
             assert text == one["reasoning"] + END + one["content"]
 
 
@@ -390,10 +398,11 @@ def test_live_qwen3_opens_its_reasoning_or_answers_content_under_the_schema(
         (one,) = _answers(ref, urls[through], {**base, "seed": seed, **STEER})
         assert _is_free_reasoning(one["reasoning"]) and one["finish"] == "stop", one
         _check_schema(one["content"])
-        assert bytes(one["ids"]).decode() == START + one["reasoning"] + END + one["content"]
+        assert one["ids"][-1] == ByteTokenizer.EOS  # the grammar's end
+        assert bytes(one["ids"][:-1]).decode() == START + one["reasoning"] + END + one["content"]
         (plain,) = _answers(ref, urls[through], {**base, "seed": seed, **steer(reason=False)})
         assert plain["reasoning"] == "" and plain["finish"] == "stop"
-        assert bytes(plain["ids"]).decode() == plain["content"]
+        assert bytes(plain["ids"][:-1]).decode() == plain["content"]
         _check_schema(plain["content"])
 
 

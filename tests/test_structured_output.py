@@ -295,7 +295,13 @@ def test_the_bitmask_allows_what_the_grammar_allows_next_and_names_its_rows() ->
     assert _allowed(buf, 2, 1) == [ord("n"), ord("y")]
     for t in b"3-ab":
         assert regex.accept(t)
-    assert regex.finished  # nothing but EOS may follow: the request ends
+    # Complete: nothing but EOS may follow, and the answer ends with it (vLLM's way).
+    assert not regex.finished and _allowed(fill_bitmask([(0, regex)], TINY_VOCAB), 1, 0) == [
+        ByteTokenizer.EOS
+    ]
+    # A prefill node's first token is checked with ``allows``: EOS, and nothing else.
+    assert regex.allows(ByteTokenizer.EOS) and not regex.allows(ord("c"))
+    assert regex.accept(ByteTokenizer.EOS) and regex.finished
     assert not regex.accept(ord("c")) and regex.error
 
 
@@ -463,6 +469,48 @@ def test_engine_output_follows_a_regex_a_choice_and_a_schema(llm: Any) -> None:
     # max_tokens still bounds it: the output is the grammar's prefix.
     (cut,) = _gen(llm, ["x"], StructuredOutput.regex(REGEX), max_tokens=2, **GREEDY)
     assert len(cut) == 2 and cut.isdigit()
+
+
+def _one(llm: Any, so: StructuredOutput | None, **kw: Any) -> Any:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        **{"max_tokens": 16, "temperature": 0.0, "logprobs": 0, **kw}, structured_output=so
+    )
+    return llm.generate({"prompt_token_ids": list(b"hi")}, params)[0].outputs[0]
+
+
+@pytest.mark.slow
+def test_a_grammar_ended_answer_ends_with_eos_as_an_eos_ended_one(llm: Any) -> None:
+    """vLLM's convention: a complete grammar allows only EOS, which is sampled and ends
+    the answer as any EOS does -- in ``token_ids`` (and the usage), with its log
+    probability, its text left out (``skip_special_tokens`` false would show it),
+    ``stop_reason`` null. The reference is an answer EOS ended where the grammar could
+    still go on (a regex ``a+``; a logit bias picks EOS once it is allowed)."""
+    eos = ByteTokenizer.EOS
+    plain = {"skip_special_tokens": False}
+    free = _one(llm, StructuredOutput.regex("a+"), logit_bias={eos: 100.0}, **plain)
+    assert free.token_ids == [ord("a"), eos] and free.text == "a"
+    for kw in ({}, plain, {"min_tokens": 8, **plain}):  # min_tokens yields to the grammar
+        out = _one(llm, StructuredOutput.choice(["ab"]), **kw)
+        assert out.token_ids == [*b"ab", eos], kw
+        assert (out.text, out.finish_reason, out.stop_reason) == (
+            "ab", free.finish_reason, free.stop_reason
+        ), kw  # fmt: skip
+        assert len(out.logprobs) == len(out.token_ids), kw
+        assert list(out.logprobs[-1]) == [eos], kw
+    # No room left for EOS: the answer is cut, "length" (vLLM's too).
+    cut = _one(llm, StructuredOutput.choice(["ab"]), max_tokens=2)
+    assert (cut.token_ids, cut.finish_reason) == (list(b"ab"), "length")
+
+
+@pytest.mark.slow
+def test_a_grammar_ended_answer_whose_allowed_token_ids_have_no_eos(llm: Any) -> None:
+    """``allowed_token_ids`` without EOS: the complete grammar ends the answer itself,
+    at its last token (it cannot take EOS; not a stuck request)."""
+    out = _one(llm, StructuredOutput.choice(["ab"]), allowed_token_ids=list(b"abc"))
+    assert (out.token_ids, out.text, out.finish_reason) == (list(b"ab"), "ab", "stop")
+    assert out.stop_reason is None
 
 
 @pytest.mark.slow
@@ -668,7 +716,7 @@ def test_async_scheduling_steps_a_constrained_request_every_step(
     flight (its mask is made after that token's update, while the step's forward runs):
     each of its steps goes to the workers while the one before is still in flight, as an
     unconstrained request's do -- and it samples what sync scheduling samples. One grammar
-    ends (after 5 tokens) while a step that samples for it is in flight."""
+    ends (after 5 tokens and its EOS) while a step that samples for it is in flight."""
     from engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
@@ -707,7 +755,7 @@ def test_async_scheduling_steps_a_constrained_request_every_step(
         core.executor.execute_model = counting  # type: ignore[method-assign]
         got = asyn.generate_token_ids(prompts, params)
     assert got == want
-    assert [len(ids) for ids in got] == [40, 40, 5]
+    assert [len(ids) for ids in got] == [40, 40, 6] and got[2][-1] == tok.EOS
     assert tok.decode(got[2]).isdigit()
     # The prompts' step goes alone; every decode step behind the step before it (without
     # the overlap, every other schedule found nothing to send and the steps went one by one).

@@ -111,7 +111,7 @@ class Request:
         # Structured output: the grammar's state after the output tokens so far
         # (``engine/structured/matcher.py``; set by the scheduler when it admits the request).
         self.grammar: GrammarState | None = None
-        self.ended_by_grammar = False  # finished "stop": the grammar allowed nothing more
+        self.ended_by_grammar = False  # finished "stop" by its grammar (``GrammarState.finished``)
 
     @functools.cached_property
     def stop_token_set(self) -> frozenset[int]:

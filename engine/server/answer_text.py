@@ -79,8 +79,14 @@ class AnswerText:
         lps = out.new_logprobs
         self.num_tokens += len(ids)
         self.last_id = ids[-1] if ids else self.last_id
-        # The engine stopped on a token (stop strings are found below, in the text).
-        stop_token = out.finished and out.finish_reason == "stop" and not out.ended_by_grammar
+        # The engine stopped on a token (stop strings are found below, in the text). A
+        # grammar ends an answer on EOS (vLLM's convention; min_tokens yielded to it), a
+        # stop token as any EOS -- unless ``ignore_eos`` (EOS is text then) or the request
+        # could not take EOS (its last token is the grammar's last text).
+        stop_token = out.finished and out.finish_reason == "stop"
+        if stop_token and out.ended_by_grammar:
+            eos_ids = getattr(self.detok.tokenizer, "eos_token_ids", [self.eos_token_id])
+            stop_token = self.last_id in eos_ids and not self.params.ignore_eos
         hidden = stop_token and bool(ids) and not self.keep_stop
         skipped = ""
         if self.skip_first and ids:

@@ -27,7 +27,7 @@ class GrammarState:
     """One request's ``llguidance.LLMatcher``, advanced token by token (the content's
     tokens only, when the answer reasons: ``reasoning``)."""
 
-    __slots__ = ("_allowed", "_mask", "_matched", "matcher", "reasoning")
+    __slots__ = ("_allowed", "_ended", "_mask", "_matched", "matcher", "reasoning")
 
     def __init__(self, matcher: Any, reasoning: ReasoningTags | None = None) -> None:
         self.matcher = matcher
@@ -41,6 +41,8 @@ class GrammarState:
         # The last mask made (``fill_mask``): whether a token the matcher refused was one
         # it had allowed (its own limits stopped it) or not (sampled outside the mask).
         self._mask: np.ndarray | None = None
+        # The matcher took EOS: the answer is over (``finished``).
+        self._ended = False
 
     @property
     def constrains(self) -> bool:
@@ -58,10 +60,16 @@ class GrammarState:
         outside (a prefill node's first) is checked before it is taken."""
         gate = self.reasoning
         if gate is None or gate.phase is Phase.CONTENT:
-            return self.matcher.validate_tokens([token]) == 1
+            return self._validates(token)
         if gate.phase is Phase.REASONING or token == gate.next_start_token:
             return True
-        return self._matched and self.matcher.validate_tokens([token]) == 1  # off the tag
+        return self._matched and self._validates(token)  # off the tag
+
+    def _validates(self, token: int) -> bool:
+        if self.matcher.is_stopped():  # complete: EOS alone, which validate_tokens refuses
+            mask = self.matcher.compute_bitmask()
+            return 0 <= token < len(mask) * 8 and bool(mask[token >> 3] >> (token & 7) & 1)
+        return bool(self.matcher.validate_tokens([token]) == 1)
 
     def accept(self, token: int) -> bool:
         """Advance with the request's next output token; False (and the matcher in its
@@ -69,22 +77,31 @@ class GrammarState:
         (the end tag's included) is not the grammar's: the matcher stays as it is."""
         gate = self.reasoning
         if gate is None or gate.phase is Phase.CONTENT:
-            return bool(self.matcher.consume_token(token))
+            return self._consume(token)
         if gate.phase is Phase.REASONING:
             gate.feed(token)
             return True
         # OPENING: the token may go on with the start tag, or be the content's.
         phase = gate.feed(token)
         if phase is Phase.CONTENT:  # off the tag: the tokens so far are all content
-            return self._matched and bool(self.matcher.consume_token(token))
+            return self._matched and self._consume(token)
         if self._matched and self.matcher.validate_tokens([token]) == 1:
             self.matcher.consume_token(token)  # the content may still be this prefix
         else:
             self._matched = False
         if phase is Phase.REASONING:  # the tag is complete: no content so far
             self.matcher.reset()
-            self._matched = True
+            self._matched, self._ended = True, False
         return True
+
+    def _consume(self, token: int) -> bool:
+        """A content token into the matcher. Once the grammar is complete it takes only
+        EOS; a token that completes it, EOS or not, leaves it stopped (llguidance)."""
+        complete = bool(self.matcher.is_stopped())
+        took = bool(self.matcher.consume_token(token))
+        if took and (complete or self.matcher.stop_reason() == "EndOfSentence"):
+            self._ended = True
+        return took
 
     def fill_mask(self, mask: np.ndarray) -> None:
         """The ids the next token may be, one bit each, into ``mask`` (``bitmask_words``
@@ -110,8 +127,19 @@ class GrammarState:
 
     @property
     def finished(self) -> bool:
-        """The grammar is complete: no token but EOS may follow."""
-        return self.constrains and self._matched and bool(self.matcher.is_stopped())
+        """The answer is over: the grammar took EOS -- vLLM's convention: a complete
+        grammar allows only EOS, sampled as any EOS (in the answer's ids, counted, its
+        text left out) -- or it is complete and the request cannot take EOS (none of its
+        ``allowed_token_ids`` is one: the grammar's last token ends it)."""
+        if not (self.constrains and self._matched):
+            return False
+        if self._ended:
+            return True
+        if self._allowed is None or self._mask is None or not self.matcher.is_stopped():
+            return False
+        mask = np.empty_like(self._mask)  # the complete grammar's: its EOS ids
+        self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        return not allows_any(mask, self._allowed)
 
     @property
     def error(self) -> str:
