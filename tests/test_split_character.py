@@ -165,3 +165,36 @@ def test_a_nodes_completion_of_a_prompt_cut_inside_a_character(node: Any) -> Non
     echoed = _post(node, {**body, "echo": True}).json()["choices"][0]
     assert echoed["text"] == ByteTokenizer().decode(prompt) + whole["text"]
     assert len(echoed["logprobs"]["tokens"]) == len(prompt) + 1
+
+
+@pytest.mark.slow
+def test_through_the_proxy_the_character_is_the_colocated_nodes(module_procs: Any) -> None:
+    """P/D: P's first token completes the prompt's character (its text is the whole
+    character, the proxy's first chunk), or does not (D's text carries it): the proxy's
+    answers, whole and streamed, are a colocated node's."""
+    from harness import MODEL
+
+    pair = module_procs.pd(1, 1, "--num-blocks", "64", colocated=True)
+    proxy = module_procs.proxy([pair.p.url], [pair.d.url])
+    for cut, bias in ((3, EMOJI[3:]), (2, EMOJI[2:])):
+        body = {
+            "model": MODEL,
+            "prompt": [*b"abc", *EMOJI[:cut]],
+            "max_tokens": 3,
+            "temperature": 0,
+            "logit_bias": {str(t): 100 for t in bias},
+        }
+        answers = []
+        for url in (pair.colocated.url, proxy.url):
+            whole = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert whole.status_code == 200, whole.text
+            text = whole.json()["choices"][0]["text"]
+            streamed = httpx.post(
+                url + "/v1/completions", json={**body, "stream": True}, timeout=60
+            )
+            events = sse_data(streamed.text.splitlines())
+            assert "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict)) == text
+            answers.append(text)
+        assert answers[0] == answers[1], cut
+        if cut == 3:  # the one biased byte completes it first
+            assert answers[0].startswith("🎉"), answers
