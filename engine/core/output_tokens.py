@@ -58,7 +58,8 @@ def token_ending(req: Request, token: int, max_model_len: int) -> Ending | None:
     stop = (not sp.ignore_eos and token in req.eos_token_ids) or token in req.stop_token_set
     if stop and req.num_output_tokens >= sp.min_tokens:  # before it they are masked
         return Ending(RequestStatus.FINISHED_STOPPED)
-    if grammar is not None and grammar.finished:  # the grammar allows nothing more
+    if grammar is not None and grammar.finished:  # it took EOS (min_tokens, ignore_eos), or cannot
+        # (none of its allowed_token_ids is an EOS: the grammar's last token ends it)
         req.ended_by_grammar = True
         return Ending(RequestStatus.FINISHED_STOPPED)
     if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_model_len:
