@@ -578,10 +578,23 @@ class Setup:
             wait_for(lambda p=proxy: nodes(p, "prefill")[0]["healthy"], 30, "p in rotation")
         self.d: Proc | None = None
 
-    def decode(self) -> Proc:
-        if self.d is None:
-            pytest.skip("needs the decode node the first test registers")
+    def register_decode(self) -> Proc:
+        """A decode node that registers (and heartbeats) with proxy a, once it is in a's
+        rotation."""
+        self.d = self.procs.node(
+            *NIXL, "--num-blocks", "256", "--register-with", self.a.url,
+            "--registration-key", KEY, "--registration-interval", "1",
+            module="decode_node", name="d",
+        )  # fmt: skip
+        a = self.a.url
+        wait_for(lambda: httpx.get(a + "/health").status_code == 200, 30, "the node to join")
         return self.d
+
+    def decode(self) -> Proc:
+        """The registered decode node: the first test's, or a new one when this test runs
+        without it (under ``-n 2`` without ``--dist loadfile`` xdist hands a module's tests
+        to both workers, each with its own ``setup``; or the test was picked alone)."""
+        return self.d if self.d is not None else self.register_decode()
 
 
 @pytest.fixture(scope="module")
@@ -596,12 +609,7 @@ def test_a_node_registering_is_routed_to(setup: Setup) -> None:
     assert resp.status_code == 503, resp.text
     assert httpx.get(a.url + "/health").json()["reason"] == "no healthy decode node"
     assert nodes(a) == []
-    d = setup.procs.node(
-        *NIXL, "--num-blocks", "256", "--register-with", a.url, "--registration-key", KEY,
-        "--registration-interval", "1", module="decode_node", name="d",
-    )  # fmt: skip
-    setup.d = d
-    wait_for(lambda: httpx.get(a.url + "/health").status_code == 200, 30, "the node to join")
+    d = setup.register_decode()
     (entry,) = nodes(a)
     assert (entry["url"], entry["healthy"], entry["sources"]) == (d.url, True, ["registered"])
     assert_completes_with(a.url, BODY, complete(d.url).json()["choices"][0]["token_ids"])
