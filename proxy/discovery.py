@@ -36,7 +36,8 @@ class Membership:
     def __init__(self, pool: NodePool) -> None:
         self.pool = pool
         # Events: added, removed (its last source went), expired, refused (a registration
-        # answered 4xx), dns_error (a lookup failed; what it listed was kept).
+        # answered 4xx), dns_error (a lookup failed; what it listed was kept), dns_timeout
+        # (of those, no answer within the deadline), dns_late (an answer taken past it).
         self.events: Counter[str] = Counter()
         self.checker: Callable[[Node], Awaitable[None]] | None = None
         self.on_removed: Callable[[Node], None] | None = None  # e.g. close its connections

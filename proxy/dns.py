@@ -6,9 +6,11 @@ node ``http://ADDR:PORT`` of that role: new addresses join the pool, vanished on
 (``proxy/discovery.py``). A name that does not exist (NXDOMAIN: e.g. a headless service
 with no pods) lists no node; any other lookup failure (timeout, no DNS server) keeps what
 the name listed before, since the nodes are health-checked anyway. A refresh waits for a
-lookup up to its deadline (``LOOKUP_TIMEOUT_S``: past it, it counts as failed), and the
-lookup runs on: its answer, when it comes, is the name's answer then (a resolver slower
-than the deadline still moves the pool, late), and a name whose lookup still runs is not
+lookup up to its deadline (``LOOKUP_TIMEOUT_S``: past it, it counts as failed,
+``dns_timeout`` as well as ``dns_error``), and the lookup runs on: its answer, when it
+comes, is the name's answer then (``dns_late``; a resolver slower than the deadline still
+moves the pool, late; no newer answer can exist, since no other lookup of the name ran
+beside it, so it is not dropped as stale), and a name whose lookup still runs is not
 looked up again (a hung resolver holds one thread per name, not one per refresh); a name
 lists at most ``MAX_NODES_PER_NAME`` addresses. The resolver is a plain function
 ``name -> [address, ...]`` so tests can inject one.
@@ -42,6 +44,11 @@ HOST_NAME = re.compile(
 
 class NameNotFound(OSError):
     """The name does not exist (or has no address): it lists no node."""
+
+
+class LookupTimeout(TimeoutError):
+    """No answer within ``LOOKUP_TIMEOUT_S``, or the name's lookup of an earlier refresh
+    still runs: counted as ``dns_timeout`` (and ``dns_error``)."""
 
 
 def parse_dns_name(text: str) -> tuple[str, int]:
@@ -109,7 +116,7 @@ class DnsDiscovery:
     async def _lookup(self, name: str) -> list[str] | Exception:
         running = self._running.get(name)
         if running is not None and not running.done():
-            return TimeoutError(f"the lookup of {name} from an earlier refresh still runs")
+            return LookupTimeout(f"the lookup of {name} from an earlier refresh still runs")
         began = time.monotonic()
         future = asyncio.ensure_future(asyncio.to_thread(self.resolver, name))
         future.add_done_callback(_retrieved)  # one past its deadline may fail unawaited
@@ -120,7 +127,7 @@ class DnsDiscovery:
             return await asyncio.wait_for(asyncio.shield(future), LOOKUP_TIMEOUT_S)
         except TimeoutError:
             future.add_done_callback(functools.partial(self._late, name, began))
-            return TimeoutError(f"no answer within {LOOKUP_TIMEOUT_S:g} s")
+            return LookupTimeout(f"no answer within {LOOKUP_TIMEOUT_S:g} s")
         except NameNotFound:
             return []
         # OSError, or e.g. UnicodeError (IDNA): this name's failure alone.
@@ -147,7 +154,8 @@ class DnsDiscovery:
                 LOOKUP_TIMEOUT_S,
             )  # fmt: skip
         for role, listed, port in self.names:
-            if listed == name:
+            if listed == name:  # per NAME:PORT, as dns_error and dns_timeout
+                self.members.events["dns_late"] += 1
                 self._apply(role, name, port, addrs)
 
     async def refresh(self) -> None:
@@ -161,6 +169,8 @@ class DnsDiscovery:
             source = f"dns:{name}:{port}"
             if isinstance(addrs, Exception):
                 self.members.events["dns_error"] += 1
+                if isinstance(addrs, LookupTimeout):
+                    self.members.events["dns_timeout"] += 1
                 if source not in self._failing:
                     logger.warning("%s: lookup failed, keeping its nodes: %s", source, addrs)
                 self._failing.add(source)

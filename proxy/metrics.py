@@ -67,10 +67,15 @@ class _NodeCollector(Collector):
             events = CounterMetricFamily(
                 f"{PREFIX}_discovery_events",
                 "Node discovery: added, removed (no source lists it any more), expired "
-                "(registration not renewed), refused (a registration answered 4xx), dns_error",
+                "(registration not renewed), refused (a registration answered 4xx), dns_error "
+                "(a name's lookup gave no answer: its nodes kept), dns_timeout (of those, no "
+                "answer within the lookup's deadline), dns_late (a lookup's answer taken after "
+                "its deadline)",
                 labels=["event"],
             )
-            for event in ("added", "removed", "expired", "refused", "dns_error"):
+            events_shown = ("added", "removed", "expired", "refused", "dns_error", "dns_timeout",
+                            "dns_late")  # fmt: skip
+            for event in events_shown:
                 events.add_metric([event], float(self._members.events[event]))
             yield events
         if self._router is not None:

@@ -399,3 +399,56 @@ def test_a_late_answer_after_the_proxy_stopped_changes_nothing(
         assert members.pool.decode == [] and members.events["added"] == 0
 
     asyncio.run(main())
+
+
+def test_timed_out_and_late_lookups_have_their_own_counters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``dns_error`` counted every lookup that gave no answer, so a slow resolver (its
+    answers taken late) looked like a broken one (no answer at all): lookups past their
+    deadline are ``dns_timeout`` too (and still ``dns_error``), and a late answer taken
+    is ``dns_late``."""
+    monkeypatch.setattr(proxy.dns, "LOOKUP_TIMEOUT_S", 0.05)
+    asyncio.run(_late_counters_case())
+
+
+async def _late_counters_case() -> None:
+    release = threading.Event()
+    answer: list[list[str] | Exception] = [["127.0.0.9"]]
+
+    def slow(name: str) -> list[str]:
+        release.wait(30)
+        out = answer[0]
+        if isinstance(out, Exception):
+            raise out
+        return list(out)
+
+    cfg = ProxyConfig(
+        prefill=("http://127.0.0.1:1",), decode_dns=("svc:1",), health_interval=3600,
+        discovery_interval=3600, health_timeout=0.5,
+    )  # fmt: skip
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(release.set)  # a failed test leaves no thread waiting
+        app, client = await stack.enter_async_context(proxy_app(cfg, slow))
+
+        async def events() -> dict[str, float]:
+            text = (await client.get("/metrics")).text
+            prefix = 'pdproxy_discovery_events_total{event="'
+            return {
+                line[len(prefix) :].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith(prefix)
+            }
+
+        # Start-up's lookup passed its deadline; the next refresh finds it still running.
+        await app.state.discovery.run_once()
+        seen = await events()
+        assert (seen["dns_error"], seen["dns_timeout"], seen["dns_late"]) == (2, 2, 0), seen
+        release.set()  # the lookup answers, late: its answer is taken
+        await until(lambda: node_at(app, "http://127.0.0.9:1") is not None, "the late answer")
+        seen = await events()
+        assert (seen["dns_error"], seen["dns_timeout"], seen["dns_late"]) == (2, 2, 1), seen
+        answer[0] = OSError("Temporary failure in name resolution")  # fails in time
+        await app.state.discovery.run_once()
+        seen = await events()
+        assert (seen["dns_error"], seen["dns_timeout"], seen["dns_late"]) == (3, 2, 1), seen
