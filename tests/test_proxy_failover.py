@@ -47,6 +47,17 @@ class Setup:
         wait_healthy(self.fast, self.slow_stream, self.slow_plain, timeout=60)
         self.killed: Proc | None = None
 
+    def killed_node(self) -> Proc:
+        """The decode node the first test killed; killed here (SIGKILL, once ``fast`` saw
+        it down) when that test did not run in this process (xdist's default ``--dist
+        load`` hands a module's tests to both workers, each with its own ``setup``; or the
+        test was picked alone). The slow proxies still believe it healthy either way."""
+        if self.killed is None:
+            victim = self.killed = self.d[0]
+            victim.kill9()
+            wait_for(lambda: not _decode_health(self.fast)[victim.url]["healthy"], 10, "down")
+        return self.killed
+
     def proxy(self, name: str, *extra: str) -> Proc:
         urls = [d.url for d in self.d]
         # The default --health-timeout: these tests time hang detection by it.
@@ -116,9 +127,7 @@ def _retries(proxy: Proc) -> float:
 
 
 def test_dead_decode_before_first_token_is_retried(setup: Setup) -> None:
-    if setup.killed is None:
-        pytest.skip("needs the node killed by the previous test")
-    victim = setup.killed
+    victim = setup.killed_node()
     ref = httpx.post(setup.fast.url + "/v1/completions", json=BODY, timeout=60).json()
     ref_ids = ref["choices"][0]["token_ids"]
     # The slow proxies still route to the dead node (their last health check passed):
