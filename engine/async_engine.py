@@ -219,7 +219,7 @@ class AsyncLLMEngine:
         self._post(("abort", (request_id, reason, done)))
         try:
             return await asyncio.wait_for(asyncio.wrap_future(done), ABORT_ANSWER_TIMEOUT_S)
-        except asyncio.TimeoutError:  # TimeoutError's alias from Python 3.11 on
+        except TimeoutError:
             logger.warning("request %s: no answer to its abort from the engine", request_id)
             return None
 

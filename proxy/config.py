@@ -12,16 +12,12 @@ import dataclasses
 import json
 import os
 import re
+import tomllib
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: JSON config files only
-    tomllib = None  # type: ignore[assignment]
 
 from engine.config import DEFAULT_MAX_LOGPROB_ENTRIES, ConfigError, flag_name, require
 from engine.httpkit.cors import CORS_HELP, CorsPolicy, cors_list
@@ -434,8 +430,6 @@ def load_config_file(path: str) -> dict[str, Any]:
             raw = f.read()
     except OSError as e:
         raise ProxyConfigError(f"--config: cannot read {path}: {e}") from e
-    if tomllib is None and path.endswith(".toml"):
-        raise ProxyConfigError("--config: TOML files need Python >= 3.11; use JSON")
     try:
         if path.endswith((".yaml", ".yml")):  # as the nodes' --config
             import yaml
@@ -450,7 +444,7 @@ def load_config_file(path: str) -> dict[str, Any]:
             try:
                 data = json.loads(raw)
             except json.JSONDecodeError:
-                if path.endswith(".json") or tomllib is None:
+                if path.endswith(".json"):
                     raise
                 data = tomllib.loads(raw.decode())
     except (ValueError, UnicodeDecodeError) as e:

@@ -125,7 +125,7 @@ class DnsDiscovery:
             # shield: past the deadline the thread runs on, and its answer is taken when
             # it comes (``_late``); the next refresh sees it running
             return await asyncio.wait_for(asyncio.shield(future), LOOKUP_TIMEOUT_S)
-        except asyncio.TimeoutError:  # TimeoutError's alias from Python 3.11 on only
+        except TimeoutError:
             future.add_done_callback(functools.partial(self._late, name, began))
             return LookupTimeout(f"no answer within {LOOKUP_TIMEOUT_S:g} s")
         except NameNotFound:

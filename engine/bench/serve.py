@@ -143,7 +143,7 @@ async def send_one(
     r = RequestResult(prompt_tokens=prompt.num_tokens)
     try:
         await asyncio.wait_for(_stream(client, url, body, r, idle_timeout), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         r.error = f"timed out after {timeout:g}s"
     except Exception as e:  # a failed request never stops the benchmark
         r.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
