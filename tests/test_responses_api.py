@@ -697,6 +697,11 @@ CALL_TEXT = '<tool_call>{"name": "get", "arguments": {}}</tool_call>'
         # Content between two calls, none after the last.
         (None, f"a{CALL_TEXT}b{CALL_TEXT}",
          ["message", "function_call", "message", "function_call"], ["a", "b"]),
+        # Content, then a call, nothing after it: the call's tokens have no item's
+        # log probabilities, streamed or not.
+        (None, f"ab{CALL_TEXT}", ["message", "function_call"], ["ab"]),
+        ("qwen3", f"<think>r</think>ab{CALL_TEXT}", ["reasoning", "message", "function_call"],
+         ["r", "ab"]),
     ],
 )  # fmt: skip
 def test_text_after_a_tool_call_is_answered_in_the_texts_order_streamed_or_not(

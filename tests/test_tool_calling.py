@@ -1081,8 +1081,7 @@ def test_content_after_a_call_streams_after_it_and_the_body_says_where_the_call_
     """Content after a hermes call streams after the call's pieces even when one step
     holds both (a chunk of its own); the body's message has the same content and calls
     and says where each call was (``before_tool_calls``: the content's characters before
-    it, and the tokens up to the step that began it). Without content after a call the
-    message says nothing of it."""
+    it, and the tokens up to the step that began it), with content after a call or not."""
     from scripted_engine import ScriptedEngine
     from starlette.testclient import TestClient
 
@@ -1112,7 +1111,8 @@ def test_content_after_a_call_streams_after_it_and_the_body_says_where_the_call_
     plain = build_app(ScriptedEngine(f"a{HERMES_GET}", per_output=per_output),  # type: ignore[arg-type]
                       tool_call_parser="hermes")  # fmt: skip
     msg = TestClient(plain).post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-    assert "before_tool_calls" not in msg and msg["content"] == "a"
+    assert msg["content"] == "a"
+    assert msg["before_tool_calls"] == [{"chars": 1, "tokens": min(began, len(f"a{HERMES_GET}"))}]
 
 
 def test_chat_echo_with_tool_calls_leads_the_content_and_before_tool_calls_counts_it() -> None:

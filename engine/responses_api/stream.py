@@ -15,7 +15,7 @@ A body (``response_object``) is built by the same ``ResponsesStream``: its parts
 the chunks of a stream, so that it is the final ``response`` a stream of the same answer
 ends with -- its items in the text's order (a node's ``before_reasoning``: the content
 and tool calls written before the reasoning; ``before_tool_calls``: the content written
-before each call), their ids, statuses and log probabilities.
+before each call, and the tokens before it), their ids, statuses and log probabilities.
 """
 
 from __future__ import annotations

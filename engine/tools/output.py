@@ -216,7 +216,7 @@ class ToolOutput:
     def message_of(self, steps: list[tuple[str, int]]) -> dict[str, Any]:
         """The body's ``message`` for the answer the engine's ``steps`` (each its text and
         its tokens) make, fed as a stream feeds them: ``message``'s, with ``before_tool_calls``
-        when content follows a call."""
+        when it made calls."""
         for i, (text, tokens) in enumerate(steps):
             self._take(text, i == len(steps) - 1, tokens)
         if not steps:
@@ -227,10 +227,11 @@ class ToolOutput:
         return msg
 
     def order(self) -> dict[str, Any]:
-        """``{"before_tool_calls": marks}`` when content follows a call -- any call, the
-        first: content between two calls too (pdserve's field: where each call sits in
-        the content), else nothing."""
-        if self.marks and self.marks[0]["chars"] < self._chars:
+        """``{"before_tool_calls": marks}`` when the answer made calls (pdserve's field:
+        where each call sits in the content, and the tokens before it -- a Responses
+        answer's message leaves a final call's tokens out of its log probabilities, as a
+        stream does), else nothing."""
+        if self.marks:
             return {BEFORE_TOOL_CALLS: [dict(m) for m in self.marks]}
         return {}
 
