@@ -180,7 +180,9 @@ class AsyncLLMEngine:
             priority=priority,
         )
         if grammar is not None:
-            req.grammar = GrammarState(grammar.deep_copy(), params.reasoning_tags)
+            req.grammar = GrammarState(
+                grammar.deep_copy(), params.reasoning_tags, params.allowed_token_ids
+            )
         self._post(("add", (req, stream)))
         if not self.healthy:  # died between the check above and the put
             raise RuntimeError(f"engine is dead: {self.dead_reason}")

@@ -110,6 +110,52 @@ def test_request_that_finishes_as_its_kv_lands_is_not_treated_as_aborted(decode,
     assert sch.kv.pool.num_free == BLOCKS
 
 
+def test_a_first_token_that_completes_a_grammar_which_cannot_take_eos_ends_the_answer(
+    monkeypatch,
+):
+    """D's first token from P completes the request's grammar and none of its
+    ``allowed_token_ids`` is EOS: the answer ends "stop" at that token, as colocated (D had
+    made no mask for it yet: the next step found it stuck, ``structured_output_stuck``)."""
+    pytest.importorskip("llguidance")
+    from engine.structured.compiler import GrammarCompiler
+    from engine.structured.spec import StructuredOutput
+    from engine.tokenizer import ByteTokenizer
+
+    cfg = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=BLOCKS),
+        kv_transfer=KVTransferConfig(
+            kv_connector="nixl", kv_role="consumer", kv_transfer_timeout=30, peer_ping_interval=0
+        ),
+    )
+    conn = nixl_scheduler.NixlConnectorScheduler(
+        cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
+    )
+    try:
+        grammars = GrammarCompiler(ByteTokenizer, 512)
+        sch = Scheduler(cfg, BLOCKS, 256, conn, grammars=grammars, vocab_size=512)
+        monkeypatch.setattr(prefill_links.PrefillLinks, "reserve_job", lambda s, r: None)
+        req = remote("X", "tcp://127.0.0.1:1", max_tokens=8)
+        req.sampling_params = SamplingParams(
+            max_tokens=8, allowed_token_ids=list(b"abc"),
+            structured_output=StructuredOutput.choice(["a"]),
+        )  # fmt: skip
+        req.eos_token_ids = frozenset([ByteTokenizer.EOS])
+        sch.add_request(req)
+        step(sch)
+        nonce = conn.consumer.recvs["X"].nonce
+        info = {nonce: {"request_id": "X", "first_token": ord("a")}}
+        outs = step(sch, ModelRunnerOutput(finished_recving={nonce}, kv_recv_info=info))
+        outs += step(sch)  # the step after it: stuck, when the answer did not end
+        got = [
+            (o.new_token_ids, o.finish_reason, o.error_code) for o in outs if o.request_id == "X"
+        ]
+        assert got == [([ord("a")], "stop", None)], got
+        assert outs[0].ended_by_grammar
+    finally:
+        conn.shutdown()
+
+
 @pytest.fixture
 def prefill():
     cfg = EngineConfig(

@@ -915,6 +915,25 @@ def test_live_a_draw_at_the_largest_uniform_keeps_to_the_grammar(
         assert choice["text"].isdigit() and choice["token_ids"][0] in digits, choice
 
 
+@pytest.mark.slow
+def test_live_a_grammar_ps_first_token_completes_ends_on_d_as_colocated(
+    pd: tuple[PD, Proc],
+) -> None:
+    """``allowed_token_ids`` without EOS and a grammar that P's first token completes: D
+    ends the answer at that token ("stop"), body and stream, as a colocated node does.
+    (D had made no mask for the request yet, so it did not see the grammar could not take
+    EOS: the answer was a 400 ``structured_output_stuck``.)"""
+    pair, proxy = pd
+    assert pair.colocated is not None
+    body = {"prompt": "x", "max_tokens": 8, "temperature": 1.0, "seed": 3,
+            "guided_choice": ["a"], "allowed_token_ids": list(b"abc"), "return_token_ids": True}  # fmt: skip
+    want = _post(pair.colocated.url, "/v1/completions", body)["choices"][0]
+    assert (want["text"], want["token_ids"], want["finish_reason"]) == ("a", list(b"a"), "stop")
+    got = _post(proxy.url, "/v1/completions", body)["choices"][0]
+    assert (got["text"], got["token_ids"], got["finish_reason"]) == ("a", list(b"a"), "stop"), got
+    assert _stream_text(proxy.url, "/v1/completions", body) == ("a", list(b"a"), "stop")
+
+
 def test_a_boolean_schema_true_is_any_compact_json_and_false_is_a_400_saying_why() -> None:
     """JSON Schema's ``true`` (any value, as ``{}``) and ``false`` (none): ``true``
     compiles, compact as any schema; ``false`` is a 400 that says no value matches."""

@@ -140,10 +140,10 @@ class SamplingConstraints:
         words = bitmask_words(vocab)
         stuck: list[Stuck] = []
         for j, req in enumerate(reqs):
-            grammar, ids = req.grammar, req.sampling_params.allowed_token_ids
+            grammar = req.grammar
             assert grammar is not None
             mask = bitmask[j * words : (j + 1) * words]
-            allowed = grammar.allowed_ids(ids, vocab) if ids else None
+            allowed = grammar.allowed_ids(vocab)  # the request's allowed_token_ids
             if grammar.matcher.is_error():
                 why = f"the structured output cannot go on: {grammar.error}"
             elif allowed is not None and not allows_any(mask, allowed):

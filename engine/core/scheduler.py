@@ -154,7 +154,8 @@ class Scheduler:
             if self.grammars is None:
                 raise InvalidRequestError("this engine has no structured outputs", so.param)
             matcher = self.grammars.new_matcher(so)
-            request.grammar = GrammarState(matcher, request.sampling_params.reasoning_tags)
+            sp = request.sampling_params
+            request.grammar = GrammarState(matcher, sp.reasoning_tags, sp.allowed_token_ids)
         if request.sampling_params.max_tokens is None:  # vLLM's: up to the context
             request.sampling_params = dataclasses.replace(
                 request.sampling_params, max_tokens=max(1, self.max_model_len - n)

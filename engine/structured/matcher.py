@@ -25,12 +25,19 @@ from engine.structured.reasoning import Phase, ReasoningGate, ReasoningTags
 
 class GrammarState:
     """One request's ``llguidance.LLMatcher``, advanced token by token (the content's
-    tokens only, when the answer reasons: ``reasoning``)."""
+    tokens only, when the answer reasons: ``reasoning``); ``allowed_token_ids``: the
+    request's (None: any id), which ``finished`` asks whether EOS is among."""
 
-    __slots__ = ("_allowed", "_ended", "_mask", "_matched", "matcher", "reasoning")
+    __slots__ = ("_allowed", "_ended", "_ids", "_mask", "_matched", "matcher", "reasoning")
 
-    def __init__(self, matcher: Any, reasoning: ReasoningTags | None = None) -> None:
+    def __init__(
+        self,
+        matcher: Any,
+        reasoning: ReasoningTags | None = None,
+        allowed_token_ids: Sequence[int] | None = None,
+    ) -> None:
         self.matcher = matcher
+        self._ids = list(allowed_token_ids) if allowed_token_ids else None
         self._allowed: np.ndarray | None = None
         self.reasoning = None if reasoning is None else ReasoningGate(reasoning)
         # The matcher took every output token so far. False only while a qwen3 answer is
@@ -49,10 +56,11 @@ class GrammarState:
         """The next token is sampled under the grammar's mask (not while reasoning)."""
         return self.reasoning is None or self.reasoning.phase is not Phase.REASONING
 
-    def allowed_ids(self, ids: list[int], vocab_size: int) -> np.ndarray:
-        """The request's ``allowed_token_ids`` as ``allows_any`` takes them (made once)."""
-        if self._allowed is None:
-            self._allowed = allowed_ids_array(ids, vocab_size)
+    def allowed_ids(self, vocab_size: int) -> np.ndarray | None:
+        """The request's ``allowed_token_ids`` as ``allows_any`` takes them (made once;
+        None: any id)."""
+        if self._allowed is None and self._ids is not None:
+            self._allowed = allowed_ids_array(self._ids, vocab_size)
         return self._allowed
 
     def allows(self, token: int) -> bool:
@@ -130,16 +138,17 @@ class GrammarState:
         """The answer is over: the grammar took EOS -- vLLM's convention: a complete
         grammar allows only EOS, sampled as any EOS (in the answer's ids, counted, its
         text left out) -- or it is complete and the request cannot take EOS (none of its
-        ``allowed_token_ids`` is one: the grammar's last token ends it)."""
+        ``allowed_token_ids`` is one: the grammar's last token ends it). No mask need
+        have been made: a prefill node's first token may complete it."""
         if not (self.constrains and self._matched):
             return False
         if self._ended:
             return True
-        if self._allowed is None or self._mask is None or not self.matcher.is_stopped():
+        if self._ids is None or not self.matcher.is_stopped():
             return False
-        mask = np.empty_like(self._mask)  # the complete grammar's: its EOS ids
-        self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        return not allows_any(mask, self._allowed)
+        # The complete grammar's mask: its EOS ids (one bit per id, in 32-bit words).
+        mask = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
+        return not allows_any(mask, allowed_ids_array(self._ids, mask.size * 32))
 
     @property
     def error(self) -> str:
