@@ -6,7 +6,8 @@ Only the transport is a stand-in: side-channel calls (D's reservations, cancels 
 liveness pings, P's failure notices and checks of a new peer's claim) are queued instead
 of run on a peer's lane, and delivered when the test says (in any order, lost, their
 reply lost, sent twice, not sent; a message replayed late, even at a process that
-restarted since; a reservation on the wire while its request ends). Both nodes' TP ranks
+restarted since; a reservation on the wire while its request ends, or lost there; a lost
+message arriving once after all, ``Router.lost``). Both nodes' TP ranks
 are the real worker-side connectors (``pd_ranks``): P's post their WRITEs -- whole sends,
 or a pipelined send's layer-group pieces, head slices when P's and D's TP sizes differ --
 into a transport whose WRITEs the test completes (each piece on its own, ok or failed)
@@ -144,22 +145,29 @@ class Router:
     """The side-channel client of both nodes: a request reaches the node serving the
     address at once, or is lost (``fault``) as the test decides."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: FakeTime) -> None:
+        self.clock = clock
         self.nodes: dict[str, Any] = {}  # address -> connector
-        self.fault = "ok"  # ok | lost | no_reply | twice | not_sent | ended_meanwhile
+        # ok | lost | no_reply | twice | not_sent | ended_meanwhile | reserve_lost
+        self.fault = "ok"
         # ended_meanwhile: the call's reservation is on the wire while its request ends
-        # and the clock runs (``Pair.ended_meanwhile``); the call's handshake goes first.
+        # and the clock runs (``Pair.ended_meanwhile``); reserve_lost: the call's
+        # reservation is lost (it may arrive later); for both, the handshake goes first.
         self.meanwhile: Callable[[dict[str, Any]], None] = lambda msg: None
         self.sent: list[tuple[str, dict[str, Any], Any]] = []  # (address, message, node)
+        # Lost messages that have not arrived yet: (index in ``sent``, when sent). Each
+        # may still arrive once, late (``late``), as bytes held in a socket buffer or a
+        # partition do.
+        self.lost: list[tuple[int, float]] = []
         self.signed = False
 
     def request(self, address: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
-        if self.fault == "ended_meanwhile" and msg.get("kind") != "reserve":
+        if self.fault in ("ended_meanwhile", "reserve_lost") and msg.get("kind") != "reserve":
             return self._to(address, msg)  # the reservation's handshake
         fault, self.fault = self.fault, "ok"
         if fault == "ended_meanwhile":
             self.meanwhile(msg)
-        return self._to(address, msg, fault)
+        return self._to(address, msg, "lost" if fault == "reserve_lost" else fault)
 
     def _to(self, address: str, msg: dict[str, Any], fault: str = "ok") -> dict[str, Any]:
         node = self.nodes.get(address)
@@ -167,7 +175,8 @@ class Router:
             raise SideChannelNotSent(f"{address}: not sent")
         if node is None:
             raise SideChannelTimeout(f"{address}: no reply")
-        if fault == "lost":  # ... for now: it may still arrive (``replay``)
+        if fault == "lost":  # ... for now: it may still arrive (``late``, ``replay``)
+            self.lost.append((len(self.sent), self.clock.now))
             self.sent.append((address, msg, node))
             raise SideChannelTimeout(f"{address}: no reply")
         self.sent.append((address, msg, node))
@@ -266,7 +275,7 @@ class Pair:
     def __init__(self, clock: FakeTime, setup: Setup = Setup()) -> None:
         self.clock, self.setup = clock, setup
         IDS.counter = itertools.count()
-        self.router = Router()
+        self.router = Router(clock)
         self.calls: list[Call] = []
         self.pieces: list[Piece] = []
         self.notifs: list[Piece] = []  # not landed yet (a failed piece's: maybe never)

@@ -2,7 +2,10 @@
 prefill node and a decode node (each with the real scheduler and block pool) talk through
 a message queue the test controls (``pd_model.Pair``), under drawn interleavings: side-
 channel calls delivered in any order, lost, their reply lost, sent twice, replayed late
-(at a restarted process too), a reservation on the wire while its request ends; P's ranks
+(at a restarted process too), a reservation on the wire while its request ends, a
+reservation lost on the wire (now and then in the course of progress too); a lost message
+arriving after all, once: at once, at the edge of a reservation's age limit, at a deadline
+of either side, or much later (past every deadline and P's memory of cancels); P's ranks
 (the real worker-side connectors, ``pd_ranks``) posting whole sends or a pipelined send's
 layer-group pieces, head slices where P's and D's TP sizes differ (2->2, 1->2, 2->1), with
 checksums or without; each WRITE reported on its own, ok or failed, its data and
@@ -42,11 +45,14 @@ from pd_model import (
     fake_clock,
 )
 
-from kvconnector.nixl.messages import Refusal
+from kvconnector.nixl.messages import RESERVE_MAX_AGE_S, Refusal
 from kvconnector.nixl.metadata import TOO_LATE
 
 EXAMPLES = 250 * int(os.environ.get("PDSERVE_PD_PROTOCOL_EXAMPLES", "1"))
-FAULTS = ("ok", "ok", "ok", "lost", "no_reply", "twice", "not_sent", "ended_meanwhile")
+FAULTS = (
+    *("ok",) * 3,
+    *("lost", "no_reply", "twice", "not_sent", "ended_meanwhile", "reserve_lost"),
+)
 ACTIONS = (
     *("new_pair",) * 2,
     "new_d_only",
@@ -69,7 +75,13 @@ ACTIONS = (
     "restart_p",
     "restart_d",
     "replay",
+    *("late",) * 2,  # a lost message arrives after all
 )
+# When a lost message arrives after all (``late``): now; at the edge of a reservation's age
+# limit (RESERVE_MAX_AGE_S after its send); at a deadline still ahead on either side; or
+# much later, past all of them and every cancel P remembers now (the bytes sat in a
+# socket buffer, a partition healed). The clock never goes back.
+LATE = ("now", "age_limit", "deadline", *("much_later",) * 3)
 
 
 # P TP2 -> D TP2 (whole blocks), P TP1 -> D TP2 and P TP2 -> D TP1 (head slices); whole
@@ -196,8 +208,10 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
     elif action == "tick":
         pair.step_d()
         pair.step_p()
-        if pair.calls:
-            pair.deliver(0)
+        if pair.calls:  # a reservation is now and then lost on the wire (it may come late)
+            lost = pair.faults and is_reserve(pair.calls[0]) and draw(st.integers(0, 3)) == 0
+            pair.faulty |= lost
+            pair.deliver(0, "reserve_lost" if lost else "ok")
     elif action == "flush":
         for _ in range(3):
             while pair.calls:
@@ -208,12 +222,8 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
         pair.step_d()
     elif action == "step_p":
         pair.step_p()
-    elif action == "deliver" and pair.calls:
-        # Mostly in order (a lane is FIFO), sometimes any queued call first.
-        i = draw(st.integers(0, len(pair.calls) - 1)) if draw(st.booleans()) else 0
-        fault = draw(st.sampled_from(FAULTS)) if pair.faults else "ok"
-        pair.faulty |= fault != "ok"
-        pair.deliver(i, fault)
+    elif action == "deliver":
+        deliver_one(pair, data)
     elif action == "report" and pair.writes:
         # Any posted WRITE: a rank's, a piece of a pipelined send, in any order.
         piece = draw(st.sampled_from(pair.writes))
@@ -281,6 +291,47 @@ def run_action(pair: Pair, data: Any, action: str, n: int) -> None:
         reply = pair.router.replay(i, restarted=draw(st.booleans()))  # even at a restarted one
         if reply is not None and reply.get("code") == Refusal.STALE_RESERVATION:
             event("a reservation that came too late was refused")
+    elif action == "late" and pair.router.lost and pair.faults:
+        pair.faulty = True
+        index, sent = pair.router.lost.pop(draw(st.integers(0, len(pair.router.lost) - 1)))
+        arrive_at(pair, data, sent)
+        reply = pair.router.replay(index, restarted=draw(st.booleans()))
+        if pair.router.sent[index][1].get("kind") == "reserve" and reply is not None:
+            taken = reply.get("ok", False)
+            event(f"a lost reservation arrived late and was {'taken' if taken else 'refused'}")
+
+
+def is_reserve(call: Any) -> bool:
+    return bool(call.fn.__name__ == "reserve_job")
+
+
+def deliver_one(pair: Pair, data: Any) -> None:
+    """A queued call is delivered, mostly in order (a lane is FIFO), sometimes any queued
+    call first. None queued: D steps first (it may queue one)."""
+    if not pair.calls:
+        pair.step_d()
+    if pair.calls:
+        i = data.draw(st.integers(0, len(pair.calls) - 1)) if data.draw(st.booleans()) else 0
+        fault = data.draw(st.sampled_from(FAULTS)) if pair.faults else "ok"
+        pair.faulty |= fault != "ok"
+        pair.deliver(i, fault)
+
+
+def arrive_at(pair: Pair, data: Any, sent: float) -> None:
+    """The clock moves to when a message lost at ``sent`` arrives (``LATE``); both nodes
+    step on the way (D may free what it quarantined, P forget a cancel)."""
+    when = data.draw(st.sampled_from(LATE))
+    at = pair.clock.now
+    if when == "age_limit":
+        at = sent + RESERVE_MAX_AGE_S + data.draw(st.sampled_from((-0.1, 0.0, 0.1)))
+    elif when == "deadline" and (edges := deadlines(pair)):
+        at = data.draw(st.sampled_from(edges)) - data.draw(st.sampled_from((0.1, 0.0)))
+    elif when == "much_later":  # P's memory of cancels outlives every other deadline
+        at = pair.clock.now + pair.p_conn.producer.cancelled.lifetime + 0.1
+    if at > pair.clock.now:
+        pair.clock.now = at
+        pair.step_d()
+        pair.step_p()
 
 
 @fixed_examples(EXAMPLES)
@@ -294,6 +345,10 @@ def test_pd_protocol_holds_under_drawn_interleavings(clock: FakeTime, data: Any)
         for n in range(steps):
             action = data.draw(st.sampled_from(ACTIONS))
             run_action(pair, data, action, n)
+            check_no_block_free_while_writable(pair)
+            check_no_block_free_while_read(pair)
+        while pair.router.lost and data.draw(st.integers(0, 3)) > 0:  # lost ones arrive, or never
+            run_action(pair, data, "late", steps)
             check_no_block_free_while_writable(pair)
             check_no_block_free_while_read(pair)
         settle(pair)
