@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from pd_model import P_ADDRESS, TIMEOUT, Pair, check_no_block_free_while_writable, fake_clock
 
+from kvconnector.nixl.messages import RESERVE_MAX_AGE_S
 from kvconnector.nixl.prefill_links import RPC_TIMEOUT_S, PrefillLinks
 
 
@@ -357,3 +358,40 @@ def test_a_notification_for_a_restarted_decode_process_on_one_rank_leaves_no_cou
     assert not pair.d_agg.pending_ids, "the aggregator waits for the old process's nonce"
     for w in pair.d_workers:
         assert not w._parts
+
+
+def test_a_lost_reservation_p_takes_at_its_age_limit_keeps_ds_blocks_until_its_push_ends(
+    pair: Pair,
+) -> None:
+    """D's reservation call fails before its timeout (the model's lost call fails at once;
+    a real one when its connection breaks after the bytes left), D quarantines the
+    blocks, and its cancel finds no connection. The reservation reaches P
+    ``RESERVE_MAX_AGE_S`` after its send -- still fresh: P takes it and pushes, a WRITE that
+    may land until its deadline (T after P got it) plus T. Counted 2T from the failed call
+    (not from the send + ``RESERVE_MAX_AGE_S`` + ``CLOCK_SLACK_S``), D's quarantine freed
+    the blocks while that WRITE could still land in them (seen failing with
+    ``Consumer._writable_until`` ignoring ``sent_at``; the property test does not reach
+    it: it takes an arrival at the age limit, an unconfirmed cancel, P's push left
+    unreported and D's quarantine end, in that order)."""
+    pair.add_d("t0")
+    pair.step_d()
+    while pair.calls:
+        pair.deliver(0)  # D paired with P (t0's reservation went through)
+    pair.add_p("t1")
+    pair.add_d("t1")
+    pair.step_d()
+    reserve = next(i for i, c in enumerate(pair.calls) if c.fn.__name__ == "reserve_job")
+    pair.deliver(reserve, "reserve_lost")
+    (lost, sent), *_ = pair.router.lost
+    pair.step_d()  # quarantined, its cancel queued
+    while pair.calls:
+        pair.deliver(0, "not_sent")  # no connection
+    pair.clock.now = sent + RESERVE_MAX_AGE_S
+    reply = pair.router.replay(lost)  # P gets it at its age limit
+    assert reply is not None and reply.get("ok"), reply
+    pair.step_p()  # P prefills t1 (it waited for the reservation)
+    pair.step_p()  # ... and pushes: its WRITEs posted
+    assert pair.writes
+    pair.clock.now = pair.d_conn.consumer.quarantine["d-t1"][0]
+    pair.step_d()  # the quarantine ended
+    check_no_block_free_while_writable(pair)
