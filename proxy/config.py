@@ -483,8 +483,9 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not dataclasses.MISSING else None
         env = ENV_PREFIX + name.upper()
         help_text = f.metadata.get("help", "")
-        if default not in (None, ()):
-            help_text += f" (default: {default})"
+        if default not in (None, ()) and "default:" not in help_text:
+            shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
+            help_text += f" (default: {shown})"
         help_text += f" [env {env}]"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if tp is tuple:

@@ -432,3 +432,16 @@ def test_the_cli_modules_run_as_scripts_too(module: str) -> None:
         [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_proxy_serve_help_gives_each_default_once_and_readably() -> None:
+    # `pd-proxy serve --help` said "--allowed-methods ... (vLLM's flag; default: *)
+    # (default: ('*',))": the default twice, once as a Python tuple.
+    from proxy.cli import build_parser as proxy_parser
+
+    parser = proxy_parser()
+    sub = parser._subparsers._group_actions[0].choices["serve"]
+    for action in sub._actions:
+        text = action.help or ""
+        assert text.count("default:") <= 1, (action.option_strings, text)
+        assert "(default: (" not in text, (action.option_strings, text)
