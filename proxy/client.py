@@ -44,6 +44,13 @@ def _sse_objects(resp: httpx.Response) -> Iterator[dict[str, Any]]:
         yield obj
 
 
+def _describe(e: Exception, url: str) -> str:
+    """The error line: a connection that never opened names the URL tried."""
+    if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+        return f"cannot reach {url}: {e} (is the proxy running there? --url sets it)"
+    return str(e)
+
+
 def _body(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.model:
@@ -84,7 +91,7 @@ def run_complete(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             out.write(resp.json()["choices"][0]["text"] + "\n")
             return 0
         except (ClientError, httpx.HTTPError) as e:
-            sys.stderr.write(f"error: {e}\n")
+            sys.stderr.write(f"error: {_describe(e, args.url)}\n")
             return 1
 
 
@@ -113,7 +120,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = 
                 )
             except (ClientError, httpx.HTTPError) as e:
                 messages.pop()
-                sys.stderr.write(f"error: {e}\n")
+                sys.stderr.write(f"error: {_describe(e, args.url)}\n")
                 status = 1
                 continue
             out.write("\n")

@@ -445,3 +445,28 @@ def test_proxy_serve_help_gives_each_default_once_and_readably() -> None:
         text = action.help or ""
         assert text.count("default:") <= 1, (action.option_strings, text)
         assert "(default: (" not in text, (action.option_strings, text)
+
+
+@pytest.mark.parametrize("command", ["complete", "chat"])
+def test_proxy_client_names_the_url_it_cannot_reach(command: str, capsys, monkeypatch) -> None:
+    # `pd-proxy complete hi --url http://127.0.0.1:8999` (nothing listening) printed
+    # "error: [Errno 111] Connection refused": which URL, and what to check, unsaid.
+    import io
+    import socket
+
+    from proxy.cli import build_parser as proxy_parser
+    from proxy.client import run_chat, run_complete
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    argv = [command, "hi", "--url", url] if command == "complete" else [command, "--url", url]
+    args = proxy_parser().parse_args(argv)
+    if command == "complete":
+        rc = run_complete(args, out=io.StringIO())
+    else:
+        rc = run_chat(args, stdin=io.StringIO("hi\n"), out=io.StringIO())
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"cannot reach {url}" in err and "--url" in err, err
