@@ -37,7 +37,7 @@ from proxy.health import MAX_CALLS_PER_NODE, MAX_HEALTH_BODY_BYTES, HealthChecke
 from proxy.legs import Legs
 from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeClient
-from proxy.nodes import Node, NodePool, Role
+from proxy.nodes import Node, NodePool, Role, not_ready_summary
 from proxy.registration import DEREGISTER_PATH, REGISTER_PATH, Registry, serve_registration
 from proxy.responses import serve as serve_proxy_responses
 from proxy.router import Router
@@ -115,9 +115,11 @@ def build_app(cfg: ProxyConfig, resolver: Resolver = system_resolver) -> Fronted
             health.start()
             discovery.start()
             await health.wait_first_round(cfg.health_timeout + 1.0)
+            waiting = not_ready_summary(pool)
             logger.info(
-                "proxy up: %d prefill, %d decode node(s); ready: %s",
+                "proxy up: %d prefill, %d decode node(s); ready: %s%s",
                 len(pool.prefill), len(pool.decode), pool.serving,
+                f" (not ready: {waiting}; checked every {cfg.health_interval:g} s)" if waiting else "",
             )  # fmt: skip
             try:
                 yield

@@ -79,6 +79,8 @@ class Node:
     # Why it is in the pool: "static" (--prefill/--decode), "registered", "dns:NAME:PORT".
     sources: set[str] = field(default_factory=lambda: {"static"})
     removed: bool = False  # left the pool (never routable again; a new Node may join)
+    # It passed a health check once: only then is its next healthy check "healthy again".
+    was_healthy: bool = False
     # Its last health check got no answer at all (refused, reset, timed out): requests
     # waiting on it give up. A node that answers "not ready" (503: draining, starting)
     # still finishes what it has, so waits on it go on.
@@ -121,7 +123,8 @@ class Node:
         self.healthy = healthy
         self.changed_at = time.monotonic()
         if healthy:
-            again = " again" if self.last_error is not None else ""
+            again = " again" if self.was_healthy else ""
+            self.was_healthy = True
             logger.info("%s node %s is healthy%s", self.role, self.url, again)
             self.last_error = None
         else:
@@ -230,6 +233,20 @@ class Node:
             yield self
         finally:
             self.outstanding -= 1
+
+
+def not_ready_summary(pool: NodePool) -> str:
+    """Each node not ready and why, for the start-up line ("" when all are ready)."""
+    parts = []
+    for n in pool.all():
+        if n.ready:
+            continue
+        if n.healthy:
+            why = "healthy, its model not learned yet"
+        else:
+            why = n.last_error or "not checked yet"
+        parts.append(f"{n.role} node {n.url}: {why}")
+    return "; ".join(parts)
 
 
 class NodePool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,33 @@ def test_counters_alerts_read_are_exported_at_zero_from_the_start() -> None:
     ]:
         for value in values:
             assert series.get((name, ((label, value),))) == 0, (name, value)
+
+
+def test_a_node_healthy_for_the_first_time_is_not_healthy_again(caplog) -> None:
+    # A proxy started before its decode node logged "decode node ... is healthy again"
+    # once the node came up: it had never been healthy (its first check was refused).
+    from proxy.nodes import Node
+
+    node = Node("http://127.0.0.1:1", "decode")
+    with caplog.at_level(logging.INFO, logger="proxy.nodes"):
+        node.set_healthy(False, "connection refused")  # the first check, node not up yet
+        node.set_healthy(True)
+        node.set_healthy(False, "connection refused")
+        node.set_healthy(True)
+    lines = [r.getMessage() for r in caplog.records if "is healthy" in r.getMessage()]
+    assert lines == [
+        "decode node http://127.0.0.1:1 is healthy",
+        "decode node http://127.0.0.1:1 is healthy again",
+    ], lines
+
+
+def test_proxy_up_line_says_why_a_node_is_not_ready() -> None:
+    # "proxy up: 1 prefill, 1 decode node(s); ready: False" and nothing else: which node
+    # was missing, and why, a new user had to find in /health.
+    from proxy.nodes import NodePool, not_ready_summary
+
+    pool = NodePool(("http://127.0.0.1:1",), ("http://127.0.0.1:2",))
+    pool.decode[0].set_healthy(False, "connection refused")
+    text = not_ready_summary(pool)
+    assert "decode node http://127.0.0.1:2: connection refused" in text, text
+    assert "prefill node http://127.0.0.1:1: not checked yet" in text, text
