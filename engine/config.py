@@ -339,7 +339,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """Connector settings. ``kv_connector='none'`` is colocated serving."""
+    """P/D connector settings; --kv-connector none (the default) serves each request on this node alone (colocated)."""
 
     kv_connector: Literal["none", "nixl"] = field(
         default="none", metadata={"help": "KV connector: none (colocated) or nixl"}

@@ -470,3 +470,14 @@ def test_proxy_client_names_the_url_it_cannot_reach(command: str, capsys, monkey
     err = capsys.readouterr().err
     assert rc == 1
     assert f"cannot reach {url}" in err and "--url" in err, err
+
+
+def test_node_help_groups_read_as_prose() -> None:
+    # `decode-node --help` showed "KVTransfer options: Connector settings.
+    # ``kv_connector='none'`` is colocated serving." (a docstring's reST markup and class
+    # name) beside "server options" and "tool calling options" in lower case.
+    text = build_parser("decode").format_help()
+    assert "``" not in text, text
+    titles = [g.title for g in build_parser("decode")._action_groups if g.title]
+    assert all(t == t.lower() or t.startswith(("KV ", "vLLM")) for t in titles), titles
+    assert "KV transfer options" in titles, titles

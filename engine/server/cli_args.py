@@ -91,6 +91,11 @@ def _add_field(group: Any, f: dataclasses.Field[Any], tp: Any) -> None:
     group.add_argument(flag_name(f.name), *f.metadata.get("aliases", ()), **kwargs)
 
 
+# --help group titles of the EngineConfig sections, in the lower case of the others
+# ("server options", "tool calling options").
+_GROUP_TITLES = {"Cache": "KV cache", "KVTransfer": "KV transfer"}
+
+
 def add_config_args(
     parser: argparse.ArgumentParser, dataclass_types: list[type] | None = None
 ) -> argparse.ArgumentParser:
@@ -99,7 +104,8 @@ def add_config_args(
     for cls in dataclass_types or list(config_sections().values()):
         hints = typing.get_type_hints(cls)
         title = cls.__name__.removesuffix("Config") or cls.__name__
-        doc = (cls.__doc__ or "").strip()
+        title = _GROUP_TITLES.get(title, title.lower())
+        doc = (cls.__doc__ or "").strip().replace("``", "")
         if doc.startswith(cls.__name__ + "("):  # dataclass-generated signature, not prose
             doc = ""
         group = parser.add_argument_group(f"{title} options", doc or None)
