@@ -480,7 +480,8 @@ class IncrementalDetokenizer:
     as ending before that character, so the generated tokens that complete it print the
     whole character (vLLM's ``DecodeStream`` primed with the prompt's last tokens), and
     tokens that do not complete it print U+FFFD for the prompt's broken bytes first (vLLM
-    too). An answer with no generated text prints nothing of the prompt's.
+    too). An answer with no generated text prints nothing of the prompt's. A prompt ending
+    with a real U+FFFD reads like a broken tail: the answer reprints it (vLLM's too).
     """
 
     CONTEXT_TOKENS = 5
@@ -493,7 +494,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS :]) if prompt_ids else []
+        self._ids: list[int] = self._context(tokenizer, prompt_ids or [])
         self._prefix_offset = 0  # start of the decode window
         # ids before this are already emitted: the prompt's, less an incomplete UTF-8 tail
         self._read_offset = len(self._ids)
@@ -503,6 +504,21 @@ class IncrementalDetokenizer:
             self._read_offset -= 1
         self._prompt_end = len(self._ids)  # the generated ids follow
         self.text = ""  # everything emitted so far
+
+    @classmethod
+    def _context(cls, tokenizer: Tokenizer, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last ``CONTEXT_TOKENS`` ids, widened back to a character's start
+        (at most 3 ids more): a window opening on UTF-8 continuation bytes would decode
+        them to U+FFFD, and backing off a broken tail could reach that U+FFFD and print it
+        as the answer's (vLLM primes its stream with a suffix that decodes cleanly)."""
+        start = max(0, len(prompt_ids) - cls.CONTEXT_TOKENS)
+        lowest = max(0, start - 3)  # a UTF-8 character has at most 3 continuation bytes
+        while (
+            start > lowest
+            and 0x80 <= (tokenizer.token_bytes(prompt_ids[start])[:1] or b"\0")[0] < 0xC0
+        ):
+            start -= 1
+        return list(prompt_ids[start:])
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

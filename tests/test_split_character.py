@@ -77,6 +77,51 @@ def test_a_prompt_cut_inside_a_character_streams_as_vllm_does(hf_tok: HFTokenize
         assert "\ufffd" not in detok.text, k
 
 
+# Prompts whose last few tokens begin inside a character (the detokenizer's context window
+# opens mid-character) or that end with a real U+FFFD (complete bytes EF BF BD).
+AWKWARD = ["世🎉!", "ab世🎉!", "x世界🎉!", "a\ufffd🎉!", "abc\ufffd\ufffdx!", "é🎉!"]
+
+
+@pytest.mark.parametrize("text", AWKWARD)
+def test_a_context_opening_inside_a_character_streams_as_vllm_does(
+    hf_tok: HFTokenizer, text: str
+) -> None:
+    ids = hf_tok.encode(text, add_special_tokens=False)
+    for k in range(1, len(ids)):
+        prompt, output = ids[:k], ids[k:]
+        detok = IncrementalDetokenizer(hf_tok, prompt)
+        pieces = [detok.add([t]) for t in output]
+        assert pieces == vllm_pieces(hf_tok, prompt, output), (text, k)
+
+
+@pytest.mark.parametrize("text", AWKWARD)
+def test_byte_tokens_after_a_context_opening_inside_a_character(text: str) -> None:
+    """The answer's text is the prompt's text up to its last complete character removed
+    from the whole text: no U+FFFD for the prompt's earlier characters."""
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    for k in range(1, len(ids)):
+        done = k
+        while done and tok.decode(ids[:done]).endswith("\ufffd"):
+            done -= 1
+        detok = IncrementalDetokenizer(tok, ids[:k])
+        answer = "".join(detok.add([t]) for t in ids[k:]) + detok.flush()
+        assert answer == tok.decode(ids[done:]), (text, k)
+
+
+def test_a_prompt_ending_with_a_real_replacement_character() -> None:
+    """A prompt whose text ends with U+FFFD itself (the complete character EF BF BD): by
+    text it cannot be told from a broken tail, and vLLM's ``DecodeStream`` prints it again
+    with the answer's first text; so does pdserve (one U+FFFD, not more). (Behind a
+    broken tail, vLLM reprints every U+FFFD of a run of them; pdserve only those among
+    the prompt's last few tokens.)"""
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, tok.encode("abc\ufffd"))
+    assert [detok.add([t]) for t in b"x!"] == ["\ufffdx", "!"]
+    detok = IncrementalDetokenizer(tok, tok.encode("abc\ufffd\ufffd"))
+    assert [detok.add([t]) for t in b"x!"] == ["\ufffd\ufffdx", "!"]
+
+
 def test_an_answer_that_does_not_complete_the_prompts_character(hf_tok: HFTokenizer) -> None:
     """vLLM's rule: the prompt's broken tail is printed (U+FFFD) with the next token."""
     ids = hf_tok.encode(TEXT, add_special_tokens=False)
