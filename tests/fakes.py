@@ -3,9 +3,11 @@ several test files; integration tests use the real parts)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 from engine.config import EngineConfig
@@ -67,6 +69,20 @@ def fixed_examples(n: int) -> settings:
             HealthCheck.function_scoped_fixture,
         ],
     )
+
+
+def example_scale(env: str) -> int:
+    """A hunt's multiplier of a property test's example counts: the ``PDSERVE_*_EXAMPLES``
+    variable ``env`` (1 when unset)."""
+    return max(1, int(os.environ.get(env, "1")))
+
+
+def hunt_timeout(scale: int, seconds: int = 300) -> pytest.MarkDecorator:
+    """The pytest-timeout of a property test whose examples ``scale`` multiplies: its CI
+    count's limit ``seconds`` (300, pyproject's default) times ``scale``. A fixed limit
+    fires inside an example of a long hunt: a failure to hypothesis, whose replay of the
+    cut example then fails with FlakyStrategyDefinition instead of naming a bug."""
+    return pytest.mark.timeout(seconds * scale)
 
 
 class PagedToyModel:

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -61,7 +60,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import test_property_engine
-from fakes import fixed_examples
+from fakes import example_scale, fixed_examples, hunt_timeout
 from hypothesis import Phase, event, given, note, settings
 from hypothesis import strategies as st
 from pd_utils import nixl_config
@@ -91,7 +90,7 @@ pytestmark = pytest.mark.slow  # engines with worker processes and NIXL agents
 
 logger = logging.getLogger(__name__)
 
-SCALE = max(1, int(os.environ.get("PDSERVE_DISAGG_EXAMPLES", "1")))
+SCALE = example_scale("PDSERVE_DISAGG_EXAMPLES")
 MAX_MODEL_LEN = 320
 BASE = tuple((31 * i + 7) % VOCAB for i in range(MAX_MODEL_LEN))
 # Long enough that no transfer times out on a loaded box; a round is asserted to take
@@ -498,7 +497,7 @@ def examples(n: int) -> settings:
     return settings(fixed_examples(n * SCALE), phases=(Phase.explicit, Phase.generate))
 
 
-@pytest.mark.timeout(300 * SCALE)
+@hunt_timeout(SCALE)
 @examples(12)
 @given(case=cases((PIPELINED, WHOLE)))
 def test_disaggregated_requests_get_their_colocated_answers(
@@ -507,7 +506,7 @@ def test_disaggregated_requests_get_their_colocated_answers(
     _check(pairs, reference, case)
 
 
-@pytest.mark.timeout(1200 * SCALE)
+@hunt_timeout(SCALE, 1200)
 @examples(25)
 @given(case=cases((PIPELINED, WHOLE, HETERO), big=True))
 def test_disaggregated_requests_get_their_colocated_answers_many(

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from fakes import fixed_examples
+from fakes import example_scale, fixed_examples, hunt_timeout
 from hypothesis import Phase, event, example, given, note, settings
 from hypothesis import strategies as st
 
@@ -64,7 +64,7 @@ from engine.worker.model_runner import DEFER_READBACK_ENV
 
 logger = logging.getLogger(__name__)
 
-SCALE = max(1, int(os.environ.get("PDSERVE_ENGINE_EXAMPLES", "1")))
+SCALE = example_scale("PDSERVE_ENGINE_EXAMPLES")
 EOS = 257  # the tiny model's
 VOCAB = 512
 # Stop ids, bans, biases and allowed ids come from here, so that they take effect: an
@@ -524,6 +524,7 @@ _EMPTIED_ROW = (
 )
 
 
+@hunt_timeout(SCALE)
 @examples(12)
 @example(case=_BOUNDARIES)
 @example(case=_EMPTIED_ROW)
@@ -533,7 +534,7 @@ def test_every_request_gets_its_alone_output_under_stress(reference: Reference, 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200 * SCALE)
+@hunt_timeout(SCALE, 1200)
 @examples(20)  # ~20 s on one core: CI runs it; PDSERVE_ENGINE_EXAMPLES=N for a hunt
 @given(case=cases(big=True))
 def test_every_request_gets_its_alone_output_under_stress_many(

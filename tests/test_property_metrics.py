@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -42,7 +41,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import fixed_examples
+from fakes import example_scale, fixed_examples, hunt_timeout
 from harness import wait_for
 from hypothesis import event, given, note
 from hypothesis import strategies as st
@@ -55,7 +54,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.httpkit.serve import make_server
 from engine.server.app import build_app
 
-SCALE = max(1, int(os.environ.get("PDSERVE_METRICS_EXAMPLES", "1")))
+SCALE = example_scale("PDSERVE_METRICS_EXAMPLES")
 MODEL = "tiny"
 MAX_LEN = 128
 BLOCK = 16
@@ -460,6 +459,7 @@ def run_batch(node: Node, batch: list[Spec]) -> tuple[Samples, Samples]:
 batches = st.lists(specs(), min_size=1, max_size=5)
 
 
+@hunt_timeout(SCALE)
 @given(batch=batches)
 @fixed_examples(25 * SCALE)
 def test_metrics_agree_with_the_work_served(node: Node, batch: list[Spec]) -> None:

@@ -28,11 +28,10 @@ them for a longer hunt, and its pytest-timeout (300 s x N).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
-from fakes import fixed_examples
+from fakes import example_scale, fixed_examples, hunt_timeout
 from hypothesis import event, given
 from hypothesis import strategies as st
 from pd_model import (
@@ -48,7 +47,7 @@ from pd_model import (
 from kvconnector.nixl.messages import RESERVE_MAX_AGE_S, Refusal
 from kvconnector.nixl.metadata import TOO_LATE
 
-SCALE = max(1, int(os.environ.get("PDSERVE_PD_PROTOCOL_EXAMPLES", "1")))
+SCALE = example_scale("PDSERVE_PD_PROTOCOL_EXAMPLES")
 EXAMPLES = 250 * SCALE
 FAULTS = (
     *("ok",) * 3,
@@ -335,10 +334,9 @@ def arrive_at(pair: Pair, data: Any, sent: float) -> None:
         pair.step_p()
 
 
-# A hunt's time limit grows with its count: pytest-timeout's alarm, raised inside an
-# example, is a failure to hypothesis, whose replay of that cut example then fails with
-# FlakyStrategyDefinition (seen at 8x on a loaded box).
-@pytest.mark.timeout(300 * SCALE)
+# A hunt's time limit grows with its count (hunt_timeout: FlakyStrategyDefinition at 8x
+# on a loaded box was pytest-timeout's alarm inside an example).
+@hunt_timeout(SCALE)
 @fixed_examples(EXAMPLES)
 @given(data=st.data())
 def test_pd_protocol_holds_under_drawn_interleavings(clock: FakeTime, data: Any) -> None:

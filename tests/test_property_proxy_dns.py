@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-from fakes import fixed_examples
+from fakes import example_scale, fixed_examples, hunt_timeout
 from hypothesis import Phase, given, note, settings
 from hypothesis import strategies as st
 
@@ -59,11 +58,11 @@ from tests.proxy_churn_nodes import (
 )
 from tests.standin_http import StandIn
 
-SCALE = max(1, int(os.environ.get("PDSERVE_PROXY_EXAMPLES", "1")))
+SCALE = example_scale("PDSERVE_PROXY_EXAMPLES")
 CI_EXAMPLES = 12
 ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 FAILURES = ("error", "hang", "nxdomain")
-pytestmark = pytest.mark.timeout(60 + 5 * CI_EXAMPLES * SCALE)  # (a hunt takes longer)
+pytestmark = hunt_timeout(SCALE, 60 + 5 * CI_EXAMPLES)  # (a hunt takes longer)
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,7 +90,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import fixed_examples
+from fakes import example_scale, fixed_examples, hunt_timeout
 from hypothesis import Phase, event, example, given, note, settings
 from hypothesis import strategies as st
 
@@ -128,7 +127,7 @@ from tests.proxy_fault_membership import (
 )
 from tests.standin_http import StandIn
 
-SCALE = max(1, int(os.environ.get("PDSERVE_PROXY_EXAMPLES", "1")))
+SCALE = example_scale("PDSERVE_PROXY_EXAMPLES")
 CI_EXAMPLES = 100
 SLOW_EXAMPLES = 120
 
@@ -615,7 +614,7 @@ _BREAK_WITH_NO_DECODE_LEFT = Case(
 )  # fmt: skip
 
 
-@pytest.mark.timeout(120 * SCALE)
+@hunt_timeout(SCALE, 120)
 @examples(CI_EXAMPLES)
 @example(case=_NO_ROOM_AND_A_FAILING_DECODE)
 @example(case=_LOAD_WITH_NO_DECODE_LEFT)
@@ -627,7 +626,7 @@ def test_every_request_ends_well_whatever_the_nodes_do(case: Case) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900 * SCALE)
+@hunt_timeout(SCALE, 900)
 @examples(SLOW_EXAMPLES)
 @given(case=cases())
 def test_every_request_ends_well_whatever_the_nodes_do_many(case: Case) -> None:

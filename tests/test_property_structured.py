@@ -24,12 +24,11 @@ The examples are fixed (``derandomize``, no example database);
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import numpy as np
 import pytest
-from fakes import fixed_examples
+from fakes import example_scale, fixed_examples, hunt_timeout
 from hypothesis import event, given, note
 from hypothesis import strategies as st
 
@@ -44,7 +43,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 regex_mod = pytest.importorskip("regex")
 
-SCALE = max(1, int(os.environ.get("PDSERVE_STRUCTURED_EXAMPLES", "1")))
+SCALE = example_scale("PDSERVE_STRUCTURED_EXAMPLES")
 VOCAB = 512  # the tiny model's logits (ids 0-255 bytes, BOS 256, EOS 257)
 EOS = ByteTokenizer.EOS
 MAX_STEPS = 80
@@ -237,6 +236,7 @@ def content_of(tags: ReasoningTags | None, tokens: list[int]) -> list[int] | Non
     return None
 
 
+@hunt_timeout(SCALE)
 @fixed_examples(200 * SCALE)
 @given(case=constraints(), tags=st.sampled_from([None, None, R1_TAGS, Q3_TAGS]), data=st.data())
 def test_a_walk_under_the_mask_ends_accepted_and_never_dead_ends(
@@ -387,6 +387,7 @@ def reference() -> Any:
         ref.close()
 
 
+@hunt_timeout(SCALE)
 @fixed_examples(20 * SCALE)
 @given(case=engine_cases())
 def test_constrained_requests_get_their_alone_output_under_stress(

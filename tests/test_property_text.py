@@ -29,13 +29,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from fakes import fixed_examples
+from fakes import example_scale, fixed_examples, hunt_timeout
 from hypothesis import given, note
 from hypothesis import strategies as st
 from scripted_engine import StubEngine, TemplateBytes
@@ -55,7 +54,8 @@ from engine.tools.parsers.hermes import HermesToolParser
 
 logger = logging.getLogger(__name__)
 
-SCALE = max(1, int(os.environ.get("PDSERVE_TEXT_EXAMPLES", "1")))
+SCALE = example_scale("PDSERVE_TEXT_EXAMPLES")
+pytestmark = hunt_timeout(SCALE)
 TOK = ByteTokenizer()
 EOS = ByteTokenizer.EOS
 # Characters of 1-4 bytes, U+FFFD itself (which the detokenizer holds back like a broken
