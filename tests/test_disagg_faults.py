@@ -10,7 +10,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
-from harness import GREEDY, PD, Proc, Procs, descendants, free_port, wait_for, wait_gone
+from harness import (
+    GREEDY,
+    Proc,
+    Procs,
+    descendants,
+    free_port,
+    wait_for,
+    wait_gone,
+    wait_healthy,
+)
 
 pytest.importorskip("nixl._api")
 pytestmark = pytest.mark.slow
@@ -23,27 +32,59 @@ NODE_ARGS = ("--kv-transfer-timeout", str(TIMEOUT_S), "--num-blocks", "128")
 NIXL_ARGS = ("--kv-connector", "nixl", *NODE_ARGS)
 
 
-@pytest.fixture(scope="module")
-def pd_node_args() -> tuple[str, ...]:
-    return NODE_ARGS
+# Each of these tests starts its own nodes (with other flags, or to kill them): all are
+# started with the module's shared nodes, at once (their start-ups overlap; idle, a node
+# costs next to nothing), and each is used by its one test alone.
+LIVENESS_ARGS = ("--kv-connector", "nixl", "--kv-transfer-timeout", "120", "--num-blocks", "64")
+PUSH_ARGS = ("--kv-connector", "nixl", "--kv-transfer-timeout", "60", "--num-blocks", "128")
 
 
 @pytest.fixture(scope="module")
-def decode(pd_pair: PD) -> Proc:
-    return pd_pair.d
+def restart_port() -> int:
+    """The side-channel port of the restarted decode node's two incarnations."""
+    return free_port()
 
 
 @pytest.fixture(scope="module")
-def prefill(pd_pair: PD) -> Proc:
-    return pd_pair.p
+def module_nodes(module_procs: Procs, restart_port: int) -> dict[str, Proc]:
+    """Every node the module starts before its tests, started at once. Shared, never
+    killed: a P/D pair; a prefill node that computes a leg before any reservation
+    (--no-kv-reserve-first), so that it holds the blocks for a decode node (the waits of
+    that hold); a node without a connector. The others belong to one test each."""
+
+    def spawn(key: str, *args: str, module: str = "decode_node") -> tuple[str, Proc]:
+        return key, module_procs.node(*args, module=module, name=key, wait=False)
+
+    restart = ("--side-channel-port", str(restart_port))
+    nodes = dict([
+        spawn("prefill", *NIXL_ARGS, module="prefill_node"),
+        spawn("decode", *NIXL_ARGS),
+        spawn("eager_prefill", *NIXL_ARGS, "--no-kv-reserve-first", module="prefill_node"),
+        spawn("plain", "--num-blocks", "64"),
+        spawn("killed_prefill", *NIXL_ARGS, module="prefill_node"),
+        spawn("liveness_prefill", *LIVENESS_ARGS, module="prefill_node"),
+        spawn("liveness_decode", *LIVENESS_ARGS),
+        spawn("push_prefill", *PUSH_ARGS, module="prefill_node"),
+        spawn("push_decode", *PUSH_ARGS),
+        spawn("restart_decode", *NIXL_ARGS, *restart),
+    ])  # fmt: skip
+    wait_healthy(*nodes.values())
+    return nodes
 
 
 @pytest.fixture(scope="module")
-def eager_prefill(module_procs: Procs) -> Proc:
-    """A prefill node that computes a leg before any reservation (--no-kv-reserve-first),
-    so that it holds the blocks for a decode node: the waits of that hold."""
-    return module_procs.node(*NIXL_ARGS, "--no-kv-reserve-first", module="prefill_node",
-                             name="p-eager")  # fmt: skip
+def decode(module_nodes: dict[str, Proc]) -> Proc:
+    return module_nodes["decode"]
+
+
+@pytest.fixture(scope="module")
+def prefill(module_nodes: dict[str, Proc]) -> Proc:
+    return module_nodes["prefill"]
+
+
+@pytest.fixture(scope="module")
+def eager_prefill(module_nodes: dict[str, Proc]) -> Proc:
+    return module_nodes["eager_prefill"]
 
 
 def test_kv_transfer_info_reports_the_transport(prefill: Proc):
@@ -106,13 +147,13 @@ def pools_full(node: Proc) -> bool:
     return node.metric("pdserve_kv_blocks_used") == 0
 
 
-def test_prefill_killed_after_decode_reserved(decode: Proc, procs: Procs):
+def test_prefill_killed_after_decode_reserved(decode: Proc, module_nodes: dict[str, Proc]):
     """P dies holding D's reservation: D quarantines the reserved blocks (a late WRITE may
     land there) and recomputes the prompt into new blocks. Once the answer is out, only the
     quarantined blocks stay out of use: the new ones were never named to P. They used to be
     held, with the finished request, until the quarantine ended (2 x the timeout). P's
     engine worker, orphaned by the SIGKILL of P alone, exits on its own."""
-    prefill = procs.node(*NIXL_ARGS, module="prefill_node")
+    prefill = module_nodes["killed_prefill"]
     prompt = [random.Random(1).randint(0, 255) for _ in range(40)]  # 3 blocks
     before_prompt = decode.metric("pdserve_prompt_tokens_total")
     with decode_leg_waiting(prefill, decode, prompt, "killed-1") as fut:
@@ -148,11 +189,10 @@ def test_prefill_killed_after_decode_reserved(decode: Proc, procs: Procs):
     wait_gone(kids, 10)
 
 
-def test_liveness_ends_the_wait_long_before_the_deadline(procs: Procs):
+def test_liveness_ends_the_wait_long_before_the_deadline(module_nodes: dict[str, Proc]):
     """With a 120 s transfer deadline, D notices the dead P by its missed pings and
     recomputes within seconds; the reserved blocks stay quarantined (P went silent)."""
-    pd = procs.pd(1, 1, "--kv-transfer-timeout", "120", "--num-blocks", "64")
-    prefill, decode = pd.p, pd.d
+    prefill, decode = module_nodes["liveness_prefill"], module_nodes["liveness_decode"]
     prompt = list(range(7, 47))
     with decode_leg_waiting(prefill, decode, prompt, "liveness-1", timeout=120) as fut:
         prefill.proc.kill()
@@ -252,12 +292,14 @@ def _disagg(prefill: Proc, decode: Proc, prompt: list[int], tid: str) -> list[in
     return d.json()["choices"][0]["token_ids"]
 
 
-def test_restarted_decode_replaces_its_old_incarnation(prefill: Proc, procs: Procs):
+def test_restarted_decode_replaces_its_old_incarnation(
+    prefill: Proc, procs: Procs, module_nodes: dict[str, Proc], restart_port: int
+):
     """A D restarted behind the same side-channel address is a new peer; the old one is
     dropped on P (its NIXL agents and descriptor lists), and pushes go to the new one."""
-    args = (*NIXL_ARGS, "--side-channel-port", str(free_port()))
+    args = (*NIXL_ARGS, "--side-channel-port", str(restart_port))
     prompt = list(range(3, 40))
-    first = procs.node(*args, module="decode_node")
+    first = module_nodes["restart_decode"]
     tokens = _disagg(prefill, first, prompt, "restart-1")
     peers = prefill.metric("pdserve_engine_kv_decode_peers")
     first.stop()
@@ -269,14 +311,12 @@ def test_restarted_decode_replaces_its_old_incarnation(prefill: Proc, procs: Pro
     assert second.metric("pdserve_prompt_tokens_total") == 0  # the KV was pushed
 
 
-def test_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(procs: Procs):
+def test_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(module_nodes: dict[str, Proc]):
     """D reserved, then died before P's push: the WRITE errors (no hang), P frees its
     blocks, counts the failure and forgets the dead peer's agents. Its own pair with a
     long transfer timeout: D's early reservation must outlive killing D on a loaded box
     (with the module's 3 s it expired first once, and P then had nothing to push)."""
-    slow = ("--kv-connector", "nixl", "--kv-transfer-timeout", "60", "--num-blocks", "128")
-    prefill = procs.node(*slow, module="prefill_node")
-    dead = procs.node(*slow, module="decode_node")
+    prefill, dead = module_nodes["push_prefill"], module_nodes["push_decode"]
     _disagg(prefill, dead, list(range(5, 30)), "dead-0")  # the peer is known to P
     peers = prefill.metric("pdserve_engine_kv_decode_peers")
     failures = prefill.metric("pdserve_engine_kv_transfer_failures_total")
@@ -294,10 +334,9 @@ def test_push_to_a_dead_decode_fails_cleanly_and_drops_the_peer(procs: Procs):
     assert prefill.metric("pdserve_engine_kv_transfers_in_flight") == 0
 
 
-def test_transfer_params_without_connector_are_refused(procs: Procs):
-    node = procs.node("--num-blocks", "64")
+def test_transfer_params_without_connector_are_refused(module_nodes: dict[str, Proc]):
     resp = httpx.post(
-        node.url + "/v1/completions",
+        module_nodes["plain"].url + "/v1/completions",
         json={"prompt": "x", "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}},
         timeout=30,
     )
