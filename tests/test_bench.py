@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO_ROOT, Proc, Procs
+from harness import REPO_ROOT, Proc, Procs, wait_healthy
 
 from engine.bench.stats import (
     RequestResult,
@@ -434,8 +434,21 @@ def test_serve_against_a_dead_endpoint_exits_1_without_a_traceback():
 
 
 @pytest.fixture(scope="module")
-def tiny_node(module_procs: Procs) -> Proc:
-    return module_procs.node("--model", "tiny", "--max-num-seqs", "8")
+def bench_nodes(module_procs: Procs) -> dict[str, Proc]:
+    """The module's two nodes, started at once (their start-ups overlap): a plain one, and
+    one with ``--api-key``."""
+    nodes = {
+        "tiny": module_procs.node("--model", "tiny", "--max-num-seqs", "8", wait=False),
+        "keyed": module_procs.node("--model", "tiny", "--max-num-seqs", "4", "--api-key", _KEY,
+                                   name="keyed", wait=False),
+    }  # fmt: skip
+    wait_healthy(*nodes.values())
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def tiny_node(bench_nodes: dict[str, Proc]) -> Proc:
+    return bench_nodes["tiny"]
 
 
 # serve must run where only the proxy is installed: it never imports torch.
@@ -671,8 +684,8 @@ def test_a_bad_serve_flag_prints_the_serve_usage(argv: list[str], needle: str):
 
 
 @pytest.fixture(scope="module")
-def keyed_node(module_procs: Procs) -> Proc:
-    return module_procs.node("--model", "tiny", "--max-num-seqs", "4", "--api-key", _KEY)
+def keyed_node(bench_nodes: dict[str, Proc]) -> Proc:
+    return bench_nodes["keyed"]
 
 
 def _serve_keyed(
@@ -778,7 +791,6 @@ def test_serve_ctrl_c_exits_130_without_a_traceback():
     """Ctrl-C mid-run: a one-line message, exit 130, no asyncio traceback."""
     import signal
     import socket
-    import time
 
     with socket.socket() as srv:  # accepts (kernel backlog), never answers: requests hang
         srv.bind(("127.0.0.1", 0))
@@ -791,8 +803,12 @@ def test_serve_ctrl_c_exits_130_without_a_traceback():
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
-        time.sleep(3)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        srv.settimeout(60)
+        conn, _ = srv.accept()
+        with conn:
+            conn.settimeout(60)
+            assert conn.recv(1)  # a request is out: the run is under way
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err, err
