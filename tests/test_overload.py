@@ -15,6 +15,7 @@ import pytest
 from harness import (
     GREEDY,
     PD,
+    Proc,
     Procs,
     descendants,
     kv_pool_full,
@@ -24,6 +25,7 @@ from harness import (
     sse_events,
     stream_ids,
     wait_for,
+    wait_healthy,
 )
 
 pytestmark = pytest.mark.slow
@@ -31,6 +33,8 @@ pytestmark = pytest.mark.slow
 # Two running, one waiting: the fourth generation request in flight is refused.
 BOUNDED = ("--max-num-seqs", "2", "--max-queued-requests", "1", "--num-blocks", "256")
 LIMIT = 3
+# The memory test's node: 240 requests a round against a limit of 8.
+MEMORY_BOUNDS = ("--max-num-seqs", "4", "--max-queued-requests", "4", "--num-blocks", "256")
 # Long enough to still run while the test sends a few short requests.
 HOLD = {"prompt": "hold the line", "max_tokens": 800, "stream": True, **GREEDY}
 # Runs until the test cuts it (closes the stream; the node aborts the request).
@@ -108,8 +112,23 @@ def check_overloaded(resp: httpx.Response) -> None:
 
 
 @pytest.fixture(scope="module")
-def pd(module_procs: Procs) -> PD:
-    return module_procs.pd(1, 2, *BOUNDED)
+def memory_node_started(module_procs: Procs) -> Proc:
+    """The memory test's own node (other bounds), not yet healthy: ``pd`` starts it with
+    its nodes (their start-ups overlap; idle, it costs next to nothing)."""
+    return module_procs.node(*MEMORY_BOUNDS, name="memory", wait=False)
+
+
+@pytest.fixture(scope="module")
+def memory_node(memory_node_started: Proc) -> Proc:
+    wait_healthy(memory_node_started)
+    return memory_node_started
+
+
+@pytest.fixture(scope="module")
+def pd(module_procs: Procs, memory_node_started: Proc) -> PD:
+    pd = module_procs.pd(1, 2, *BOUNDED)
+    wait_healthy(memory_node_started)
+    return pd
 
 
 @pytest.fixture(scope="module")
@@ -261,8 +280,8 @@ def _round(url: str, pid: int) -> tuple[dict[int, int], int]:
     return counts, tree_rss_bytes(pid)
 
 
-def test_node_memory_stays_flat_across_two_rounds_of_overload(procs: Procs):
-    node = procs.node("--max-num-seqs", "4", "--max-queued-requests", "4", "--num-blocks", "256")
+def test_node_memory_stays_flat_across_two_rounds_of_overload(memory_node: Proc):
+    node = memory_node
     _round(node.url, node.pid)  # warm-up: allocator pools, caches, lazily built objects
     counts1, rss1 = _round(node.url, node.pid)
     counts2, rss2 = _round(node.url, node.pid)
