@@ -408,6 +408,11 @@ class PD:
     def nodes(self) -> list[Proc]:
         return [*self.prefill, *self.decode]
 
+    @property
+    def all(self) -> list[Proc]:
+        """``nodes`` and the colocated node, if any."""
+        return [*self.nodes, *([self.colocated] if self.colocated else [])]
+
 
 @dataclass
 class Procs:
@@ -437,9 +442,17 @@ class Procs:
             wait_healthy(p, timeout=60)
         return p
 
-    def pd(self, n_prefill: int = 1, n_decode: int = 1, *args: str, colocated: bool = False) -> PD:
+    def pd(
+        self,
+        n_prefill: int = 1,
+        n_decode: int = 1,
+        *args: str,
+        colocated: bool = False,
+        wait: bool = True,
+    ) -> PD:
         """``n_prefill`` prefill and ``n_decode`` decode nodes with ``--kv-connector nixl``
-        and ``args``; with ``colocated``, also a node without a connector (same ``args``)."""
+        and ``args``; with ``colocated``, also a node without a connector (same ``args``).
+        With ``wait=False`` returns at once (``wait_healthy(*pd.all)`` before use)."""
         pd = PD(
             [self.node(*NIXL, *args, module="prefill_node", name=f"p{i}", wait=False)
              for i in range(1, n_prefill + 1)],
@@ -448,7 +461,8 @@ class Procs:
         )  # fmt: skip
         if colocated:
             pd.colocated = self.node(*args, name="colocated", wait=False)
-        wait_healthy(*pd.nodes, *([pd.colocated] if pd.colocated else []))
+        if wait:
+            wait_healthy(*pd.all)
         return pd
 
     def stop_all(self) -> None:

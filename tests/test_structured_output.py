@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from harness import MODEL, PD, Proc, Procs, metric, sse_events
+from harness import MODEL, PD, Proc, Procs, metric, sse_events, stop, wait_healthy
 
 from engine.sampling_params import InvalidRequestError
 from engine.server.chat_protocol import parse_chat_request
@@ -765,15 +765,30 @@ def test_async_scheduling_steps_a_constrained_request_every_step(
 # -- live: a node, and P/D through the proxy ---------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def live_nodes(module_procs: Procs) -> dict[str, PD]:
+    """Both modes' nodes, started at once (their start-ups overlap; idle, a node costs
+    next to nothing): each a P/D pair and a colocated node; with ``async``, every node
+    runs ``--async-scheduling``."""
+    pairs = {
+        mode: module_procs.pd(1, 1, "--num-blocks", "256", *extra, colocated=True, wait=False)
+        for mode, extra in (("sync", ()), ("async", ("--async-scheduling",)))
+    }
+    wait_healthy(*(node for pair in pairs.values() for node in pair.all))
+    return pairs
+
+
 @pytest.fixture(scope="module", params=["sync", "async"])
-def pd(module_procs: Procs, request: pytest.FixtureRequest) -> Iterator[tuple[PD, Proc]]:
+def pd(
+    module_procs: Procs, live_nodes: dict[str, PD], request: pytest.FixtureRequest
+) -> Iterator[tuple[PD, Proc]]:
     """A P/D pair behind a proxy, and a colocated node; with ``async``, every node runs
     ``--async-scheduling`` (D's constrained decodes get their masks after the token in
     flight, P's first token included)."""
-    extra = ["--async-scheduling"] if request.param == "async" else []
-    pair = module_procs.pd(1, 1, "--num-blocks", "256", *extra, colocated=True)
-    yield pair, module_procs.proxy([pair.p.url], [pair.d.url])
-    module_procs.stop_all()  # the other mode's nodes start next
+    pair = live_nodes[request.param]
+    proxy = module_procs.proxy([pair.p.url], [pair.d.url])
+    yield pair, proxy
+    stop(proxy, *pair.all)  # this mode's tests are done
 
 
 def _post(url: str, path: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
