@@ -76,7 +76,7 @@ def _own_port_slice() -> None:
 # ``pytest_configure``: it put the long files with few tests last.)
 LONGEST_FILES = (
     "test_gpu_check_script.py", "test_tool_calling.py", "test_structured_output.py",
-    "test_disagg_faults.py", "test_overload.py", "test_bench.py", "test_chaos.py",
+    "test_overload.py", "test_chaos.py", "test_bench.py", "test_disagg_faults.py",
     "test_disagg_ucxx.py", "test_proxy_failover.py", "test_proxy.py", "test_fuzz_http.py",
     "test_server_http.py", "test_property_proxy_faults.py", "test_disagg.py",
     "test_fast_path_cpu.py", "test_proxy_prefix.py", "test_reasoning_structured.py",
