@@ -24,10 +24,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from harness import parse_metric, wait_for
+from inproc_node import served, uni_config
 
 from engine.async_engine import AsyncLLMEngine, _Stream
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from engine.httpkit.serve import make_server
 from engine.outputs import RequestOutput
 from engine.server.app import build_app
 
@@ -54,29 +53,15 @@ def hold_final_outputs(held: threading.Event) -> Any:
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[tuple[str, threading.Event]]:
-    cfg = EngineConfig(
-        model=ModelConfig(model=MODEL, max_model_len=128),
-        cache=CacheConfig(block_size=16, num_blocks=16),
-        parallel=ParallelConfig(device="cpu", distributed_executor_backend="uni"),
-    )
+    cfg = uni_config(MODEL, max_model_len=128, num_blocks=16)
     held = threading.Event()
     patch = pytest.MonkeyPatch()
     patch.setattr(_Stream, "get", hold_final_outputs(held))
     engine = AsyncLLMEngine(cfg, "WARNING")
-    app = build_app(engine, log_requests=False)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    srv = make_server(app, log_level="WARNING", banner="", own_signals=True)
-    thread = threading.Thread(target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True)
-    thread.start()
     try:
-        wait_for(lambda: srv.started, 60, "the node to start")
-        host, port = sock.getsockname()
-        yield f"http://{host}:{port}", held
+        with served(build_app(engine, log_requests=False)) as url:
+            yield url, held
     finally:
-        srv.should_exit = True
-        thread.join(10)
-        sock.close()
         engine.shutdown()
         patch.undo()
 

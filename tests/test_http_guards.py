@@ -284,6 +284,7 @@ def test_a_node_aborts_a_stream_its_client_stopped_reading_and_frees_its_slot(
     aborted (not run to its length) and its admission slot is free again. Without the
     deadline the request runs to its end and its slot stays taken for good."""
     from harness import wait_for
+    from inproc_node import served
 
     from engine.async_engine import AsyncLLMEngine
     from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
@@ -302,32 +303,28 @@ def test_a_node_aborts_a_stream_its_client_stopped_reading_and_frees_its_slot(
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     sock.bind(("127.0.0.1", 0))
-    srv = make_server(app, log_level="WARNING", banner="", own_signals=True)
-    thread = threading.Thread(target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True)
-    thread.start()
     try:
-        wait_for(lambda: srv.started, 30, "the server to start")
-        body = (
-            b'{"model": "tiny", "prompt": "go", "max_tokens": 4000, "stream": true, '
-            b'"ignore_eos": true, "temperature": 0}'
-        )
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.connect(sock.getsockname())
-            s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            admission = app.state.admission
-            wait_for(lambda: admission.in_flight == 1, 30, "the request to be admitted")
-            wait_for(lambda: admission.in_flight == 0, 60, "the unread stream to be cut off")
+        with served(app, sock):
+            body = (
+                b'{"model": "tiny", "prompt": "go", "max_tokens": 4000, "stream": true, '
+                b'"ignore_eos": true, "temperature": 0}'
+            )
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(sock.getsockname())
+                s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                admission = app.state.admission
+                wait_for(lambda: admission.in_flight == 1, 30, "the request to be admitted")
+                wait_for(lambda: admission.in_flight == 0, 60, "the unread stream to be cut off")
 
-        def finished_by(reason: str) -> float:
-            entry = next(e for e in engine.stats().entries() if e.name == "request_success_total")
-            return dict(entry.by_label).get(reason, 0.0)
+            def finished_by(reason: str) -> float:
+                entry = next(
+                    e for e in engine.stats().entries() if e.name == "request_success_total"
+                )
+                return dict(entry.by_label).get(reason, 0.0)
 
-        wait_for(lambda: finished_by("abort") == 1, 30, "the engine request to end as aborted")
-        assert finished_by("length") == 0
+            wait_for(lambda: finished_by("abort") == 1, 30, "the engine request to end as aborted")
+            assert finished_by("length") == 0
     finally:
-        srv.should_exit = True
-        thread.join(10)
-        sock.close()
         engine.shutdown()

@@ -5,7 +5,6 @@ probabilities, and the keyword arguments (``engine/llm_args.py``)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +12,7 @@ import httpx
 import pytest
 
 from engine import LLM, CompletionOutput, RequestOutput, SamplingParams
-from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig
+from engine.config import ConfigError, EngineConfig
 from engine.llm_args import config_keywords, engine_config
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "abc"]
@@ -30,21 +29,10 @@ def node() -> Iterator[Any]:
     """A node's app on the same model: what ``decode-node --model tiny`` answers. Its
     requests run on one event loop, kept open between them (the engine thread delivers
     the outputs of a request the node aborted -- a stop string's -- to the loop it began on)."""
-    from engine.async_engine import AsyncLLMEngine
-    from engine.server.app import build_app
+    from inproc_node import app_on_loop, uni_config
 
-    cfg = EngineConfig(
-        model=ModelConfig(model="tiny", max_model_len=512),
-        cache=CacheConfig(num_blocks=256),
-        parallel=ParallelConfig(device="cpu", distributed_executor_backend="uni"),
-    )
-    engine = AsyncLLMEngine(cfg, "WARNING")
-    loop = asyncio.new_event_loop()
-    try:
-        yield build_app(engine), loop
-    finally:
-        engine.shutdown()
-        loop.close()
+    with app_on_loop(uni_config(max_model_len=512, num_blocks=256)) as node:
+        yield node
 
 
 def _post(node: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +45,10 @@ from hypothesis import event, given, note
 from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 from hypothesis.errors import InvalidArgument
+from inproc_node import served, uni_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.async_engine import AsyncLLMEngine
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from engine.httpkit.serve import make_server
 from engine.server.app import build_app
 
 SCALE = example_scale("PDSERVE_METRICS_EXAMPLES")
@@ -85,26 +82,12 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
-    cfg = EngineConfig(
-        model=ModelConfig(model=MODEL, max_model_len=MAX_LEN),
-        cache=CacheConfig(block_size=BLOCK, num_blocks=NUM_BLOCKS),
-        parallel=ParallelConfig(device="cpu", distributed_executor_backend="uni"),
-    )
+    cfg = uni_config(MODEL, max_model_len=MAX_LEN, num_blocks=NUM_BLOCKS, block_size=BLOCK)
     engine = AsyncLLMEngine(cfg, "WARNING")
-    app = build_app(engine, log_requests=False)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    srv = make_server(app, log_level="WARNING", banner="", own_signals=True)
-    thread = threading.Thread(target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True)
-    thread.start()
     try:
-        wait_for(lambda: srv.started, 60, "the node to start")
-        host, port = sock.getsockname()
-        yield Node(f"http://{host}:{port}", engine)
+        with served(build_app(engine, log_requests=False)) as url:
+            yield Node(url, engine)
     finally:
-        srv.should_exit = True
-        thread.join(10)
-        sock.close()
         engine.shutdown()
 
 

@@ -5,7 +5,6 @@ completions (plain, streamed, echoed)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -158,22 +157,10 @@ def test_no_answer_text_from_the_prompts_broken_tail_alone() -> None:
 @pytest.fixture(scope="module")
 def node() -> Iterator[Any]:
     """A node's app on the tiny (byte) model, in this process (``uni`` executor)."""
-    from engine.async_engine import AsyncLLMEngine
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-    from engine.server.app import build_app
+    from inproc_node import app_on_loop, uni_config
 
-    cfg = EngineConfig(
-        model=ModelConfig(model="tiny", max_model_len=256),
-        cache=CacheConfig(num_blocks=64),
-        parallel=ParallelConfig(device="cpu", distributed_executor_backend="uni"),
-    )
-    engine = AsyncLLMEngine(cfg, "WARNING")
-    loop = asyncio.new_event_loop()
-    try:
-        yield build_app(engine), loop
-    finally:
-        engine.shutdown()
-        loop.close()
+    with app_on_loop(uni_config(max_model_len=256, num_blocks=64)) as node:
+        yield node
 
 
 def _post(node: Any, body: dict[str, Any]) -> httpx.Response:
