@@ -249,7 +249,8 @@ def test_pd_requests_count_once_per_leg_on_p_d_and_the_proxy(pd_pair: PD, proxy_
 
 
 def test_a_client_gone_mid_answer_is_an_abort_on_d_alone(pd_pair: PD, proxy_url: str) -> None:
-    """A stream whose client goes away after its first token: P's leg had ended (its one
+    """A stream whose client goes away after its second token (the first is P's; the
+    second D's, so D's leg has begun and counted its prompt): P's leg had ended (its one
     token, "length"), D's is aborted -- or, had it run out before the proxy's abort came,
     ended by its length: either way one finish reason, its HTTP layer's too."""
     urls = {"p": pd_pair.p.url, "d": pd_pair.d.url, "proxy": proxy_url}
@@ -258,9 +259,13 @@ def test_a_client_gone_mid_answer_is_an_abort_on_d_alone(pd_pair: PD, proxy_url:
             "temperature": 0, "stream": True}  # fmt: skip
     with httpx.stream("POST", proxy_url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
+        texts = 0
         for line in resp.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                break  # a token came: go away
+                texts += 1
+            if texts == 2:
+                break  # D's first token came: go away (after P's alone, D may be aborted
+                # before its KV landed: it never ran the request nor counted its prompt)
 
     def counted(k: str) -> bool:
         m = scrape(urls[k])
