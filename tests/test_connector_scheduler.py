@@ -32,15 +32,20 @@ def dead_address() -> str:
     return f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
 
 
-@pytest.fixture
-def decode():
-    cfg = EngineConfig(
+def connector_config(role: str) -> EngineConfig:
+    """A tiny model's config with the NIXL connector in ``role`` (no peer pings)."""
+    return EngineConfig(
         model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=BLOCKS),
         kv_transfer=KVTransferConfig(
-            kv_connector="nixl", kv_role="consumer", kv_transfer_timeout=30, peer_ping_interval=0
+            kv_connector="nixl", kv_role=role, kv_transfer_timeout=30, peer_ping_interval=0
         ),
     )
+
+
+@pytest.fixture
+def decode():
+    cfg = connector_config("consumer")
     spec = KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
     conn = nixl_scheduler.NixlConnectorScheduler(cfg, spec)
     try:
@@ -121,13 +126,7 @@ def test_a_first_token_that_completes_a_grammar_which_cannot_take_eos_ends_the_a
     from engine.structured.spec import StructuredOutput
     from engine.tokenizer import ByteTokenizer
 
-    cfg = EngineConfig(
-        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
-        cache=CacheConfig(block_size=4, num_blocks=BLOCKS),
-        kv_transfer=KVTransferConfig(
-            kv_connector="nixl", kv_role="consumer", kv_transfer_timeout=30, peer_ping_interval=0
-        ),
-    )
+    cfg = connector_config("consumer")
     conn = nixl_scheduler.NixlConnectorScheduler(
         cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
     )
@@ -158,13 +157,7 @@ def test_a_first_token_that_completes_a_grammar_which_cannot_take_eos_ends_the_a
 
 @pytest.fixture
 def prefill():
-    cfg = EngineConfig(
-        model=ModelConfig(model="tiny", max_model_len=256, dtype="float32"),
-        cache=CacheConfig(block_size=4, num_blocks=BLOCKS),
-        kv_transfer=KVTransferConfig(
-            kv_connector="nixl", kv_role="producer", kv_transfer_timeout=30, peer_ping_interval=0
-        ),
-    )
+    cfg = connector_config("producer")
     conn = nixl_scheduler.NixlConnectorScheduler(
         cfg, KVCacheSpec.for_model(load_arch_config("tiny"), cfg)
     )
