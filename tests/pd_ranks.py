@@ -240,3 +240,12 @@ def holds(
 
 
 __all__ = ["DONE", "Hooks", "Piece", "holds", "kv_cache", "land", "p_rank_step", "p_workers"]
+
+
+def counts_left(agg: Any, workers: list[NixlConnectorWorker]) -> dict[str, Any]:
+    """The all-ranks counts a D still holds: the aggregator's ids, each rank's partial counts
+    (``{"aggregator": set(), "rank0": {}, ...}`` when none is left open)."""
+    return {"aggregator": agg.pending_ids} | {
+        f"rank{i}": dict(w._parts)  # noqa: SLF001 - what the rank still counts
+        for i, w in enumerate(workers)
+    }

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from harness import free_port
-from pd_ranks import d_rank_step
+from pd_ranks import counts_left, d_rank_step
 
 import kvconnector.nixl.scheduler as nixl_scheduler
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig
@@ -134,11 +134,7 @@ class DecodeTP2:
         return set(blocks) & set(self.sch.kv.pool._free)
 
     def counts_left(self) -> dict[str, Any]:
-        return {
-            "aggregator": self.agg.pending_ids,
-            "rank0": dict(self.workers[0]._parts),
-            "rank1": dict(self.workers[1]._parts),
-        }
+        return counts_left(self.agg, self.workers)
 
     def close(self) -> None:
         for close in reversed(self.closers):

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from fakes import NotifsOnly
 from harness import free_port
-from pd_ranks import d_rank_step
+from pd_ranks import counts_left, d_rank_step
 
 import kvconnector.nixl.scheduler as nixl_scheduler
 import kvconnector.nixl.worker as nixl_worker
@@ -95,11 +95,7 @@ class DecodeTP2:
         return self.sch.update_from_output(so, self.agg.aggregate(outs))
 
     def counts_left(self) -> dict[str, Any]:
-        return {
-            "aggregator": self.agg.pending_ids,
-            "rank0": dict(self.workers[0]._parts),
-            "rank1": dict(self.workers[1]._parts),
-        }
+        return counts_left(self.agg, self.workers)
 
     def close(self) -> None:
         self.conn.shutdown()
