@@ -762,3 +762,110 @@ def test_before_tool_calls_that_does_not_fit_the_message_puts_the_calls_last(mar
     r = response_object(echo, _chat_body({**msg, "before_tool_calls": marks}))
     kinds = [(o["type"], o.get("content") and o["content"][0]["text"]) for o in r["output"]]
     assert kinds == [("message", "abc"), ("function_call", None), ("function_call", None)]
+
+
+# -- truncation: "auto" on a node's real engine (tiny, a 256-token context, in process) ----
+
+CONTEXT = 256
+SENTENCE = "the river runs by the old stone road to the lake "  # 49 bytes: 49 tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_node() -> Any:
+    from inproc_node import app_on_loop, uni_config
+
+    with app_on_loop(uni_config(max_model_len=CONTEXT, num_blocks=64)) as node:
+        yield node
+
+
+def _respond(node: Any, items: Any, truncation: str, **body: Any) -> Any:
+    import httpx
+
+    app, loop = node
+    body = {"model": "tiny", "input": items, "truncation": truncation, "temperature": 0,
+            "ignore_eos": True, "max_output_tokens": 8, **body}  # fmt: skip
+
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://n") as client:
+            return await client.post("/v1/responses", json=body)
+
+    return loop.run_until_complete(main())
+
+
+def _turns(n: int) -> list[dict[str, Any]]:
+    """``n`` messages, user and assistant in turn (odd ``n``: the last is the user's)."""
+    return [{"role": ("user", "assistant")[i % 2], "content": f"{i}: {SENTENCE}"} for i in range(n)]
+
+
+def _kept_alone(node: Any, head: list[Any], items: list[Any], **body: Any) -> tuple[int, Any]:
+    """The fewest leading ``items`` whose drop lets ``head + items[k:]`` fit with
+    ``truncation: disabled``, and that request's answer."""
+    for k in range(1, len(items)):
+        resp = _respond(node, head + items[k:], "disabled", **body)
+        if resp.status_code == 200:
+            return k, resp.json()
+        assert resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+    raise AssertionError("no suffix fits")
+
+
+@pytest.mark.parametrize("max_output_tokens", [8, 120])
+def test_truncation_auto_drops_the_oldest_items_and_answers_as_the_kept_ones_alone(
+    tiny_node: Any, max_output_tokens: int
+):
+    """The instructions and the leading developer message stay; the fewest oldest items
+    go that let the prompt and ``max_output_tokens`` fit; the answer is the one the kept
+    items alone get (greedy), and ``usage.input_tokens`` counts them."""
+    head = [{"role": "developer", "content": "answer briefly"}]
+    items = _turns(11)
+    ask = {"instructions": "be kind", "max_output_tokens": max_output_tokens}
+    refused = _respond(tiny_node, head + items, "disabled", **ask)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    resp = _respond(tiny_node, head + items, "auto", **ask)
+    assert resp.status_code == 200, resp.text
+    got = resp.json()
+    k, want = _kept_alone(tiny_node, head, items, **ask)
+    assert _shape(got) == _shape(want)
+    assert got["usage"] == want["usage"]
+    assert got["usage"]["input_tokens"] + max_output_tokens <= CONTEXT
+    assert got["truncation"] == "auto"
+
+
+def test_truncation_auto_changes_nothing_for_a_conversation_that_fits(tiny_node: Any):
+    items = _turns(3)
+    auto = _respond(tiny_node, items, "auto", instructions="be kind")
+    disabled = _respond(tiny_node, items, "disabled", instructions="be kind")
+    assert auto.status_code == disabled.status_code == 200, auto.text
+    assert _shape(auto.json()) == _shape(disabled.json())
+    assert auto.json()["usage"] == disabled.json()["usage"]
+
+
+def test_truncation_auto_drops_a_function_call_with_its_output(tiny_node: Any):
+    """A cut never keeps a function call's output without the call: where dropping up to
+    the call would fit, the output goes with it."""
+    args = json.dumps({"q": SENTENCE * 2})
+    items = [
+        {"role": "user", "content": SENTENCE},
+        {"type": "function_call", "call_id": "c1", "name": "look", "arguments": args},
+        {"type": "function_call_output", "call_id": "c1", "output": SENTENCE},
+        {"role": "user", "content": SENTENCE},
+    ]
+    # The setting: dropping the first message is not enough; dropping the call too (the
+    # output left an orphan) would fit.
+    assert _respond(tiny_node, items[1:], "disabled").status_code == 400
+    assert _respond(tiny_node, items[2:], "disabled").status_code == 200
+    resp = _respond(tiny_node, items, "auto")
+    assert resp.status_code == 200, resp.text
+    want = _respond(tiny_node, items[3:], "disabled").json()
+    assert _shape(resp.json()) == _shape(want)
+    assert resp.json()["usage"] == want["usage"]
+
+
+def test_truncation_auto_refuses_a_last_item_too_long_alone_as_disabled_does(tiny_node: Any):
+    items = [*_turns(3), {"role": "user", "content": SENTENCE * 6}]
+    auto = _respond(tiny_node, items, "auto", instructions="be kind")
+    disabled = _respond(tiny_node, items, "disabled", instructions="be kind")
+    assert auto.status_code == disabled.status_code == 400, auto.text
+    assert auto.json() == disabled.json()
+    assert auto.json()["error"]["code"] == "context_length_exceeded"

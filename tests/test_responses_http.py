@@ -121,3 +121,31 @@ def test_a_client_leaving_a_stream_aborts_its_request(pd: PD, proxy: Proc):
         wait_for(lambda n=node: node_idle(n.url), 30, f"{node.name} idle after the client left")
     served = metric(pd.colocated.url, "pdserve_http_requests_total", {"path": "/v1/responses"})
     assert served > 0  # the node's own route is counted under its path
+
+
+def _respond(url: str, items: list[dict[str, str]], truncation: str) -> httpx.Response:
+    body = {"model": MODEL, "input": items, "truncation": truncation, "instructions": INSTRUCTIONS,
+            "max_output_tokens": 12, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    return httpx.post(url + "/v1/responses", json=body, timeout=120)
+
+
+def test_truncation_auto_through_the_proxy_answers_as_the_kept_items_alone(pd: PD, proxy: Proc):
+    """A conversation longer than the context (4096 tokens): refused with ``disabled``;
+    with ``auto`` the P/D pair answers what the colocated node answers the fewest newest
+    items alone that fit (both legs cut alike: D's answer continues P's token)."""
+    items = [
+        {"role": ("user", "assistant")[i % 2], "content": f"{i}: " + PROMPT * 10} for i in range(11)
+    ]
+    refused = _respond(proxy.url, items, "disabled")
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    got = _respond(proxy.url, items, "auto")
+    assert got.status_code == 200, got.text
+    for k in range(1, len(items)):
+        want = _respond(pd.colocated.url, items[k:], "disabled")
+        if want.status_code == 200:
+            break
+    assert want.status_code == 200, want.text
+    text = [r.json()["output"][0]["content"][0]["text"] for r in (got, want)]
+    assert text[0] == text[1]
+    assert got.json()["usage"] == want.json()["usage"]

@@ -126,6 +126,8 @@ def to_chat(body: Any) -> tuple[dict[str, Any], ResponseEcho]:
             f"'truncation' must be 'disabled' or 'auto', got {truncation!r:.40}",
             param="truncation",
         )
+    if truncation == "auto":  # the node cuts the rendered prompt (-1: to its context)
+        chat["truncate_messages_to"] = -1
     echo = ResponseEcho(
         instructions=instructions,
         max_output_tokens=max_output,

@@ -14,6 +14,7 @@ from engine.server.request_fields import (
     APIError,
     bad_type,
     get_bool,
+    get_int,
     get_str,
     require_object,
     text_of_parts,
@@ -219,6 +220,19 @@ def parse_generation_prompt(body: dict[str, Any]) -> tuple[bool, bool]:
     return add, cont
 
 
+def parse_truncate_messages_to(body: dict[str, Any]) -> int | None:
+    """pdserve's ``truncate_messages_to``: -1 (the model's context length) or a context of
+    at least 2 tokens (a prompt's one and an answer's one)."""
+    keep = get_int(body, "truncate_messages_to", None)
+    if keep is not None and keep < 2 and keep != -1:
+        raise APIError(
+            f"'truncate_messages_to' must be -1 (the model's context length) or at least 2, "
+            f"got {keep}",
+            param="truncate_messages_to",
+        )
+    return keep
+
+
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
     """Validate a ``/v1/chat/completions`` JSON body. ``max_tokens`` stays None if absent."""
     body = require_object(body)
@@ -228,6 +242,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     req.chat_template = parse_chat_template(body, req.chat_template_kwargs)
     req.add_generation_prompt, req.continue_final_message = parse_generation_prompt(body)
     req.reasoning_effort = parse_reasoning_effort(body)
+    req.truncate_messages_to = parse_truncate_messages_to(body)
     mct = parse_max_tokens(body, "max_completion_tokens", None)
     mt = parse_max_tokens(body, "max_tokens", None)
     req.max_tokens = mct if mct is not None else mt

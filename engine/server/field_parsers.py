@@ -194,7 +194,8 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "chat_template_kwargs", "chat_template",
     "top_logprobs", "tools",
     "add_generation_prompt", "continue_final_message", "echo", "parallel_tool_calls",
-    "functions", "tool_choice", "function_call", "reasoning_effort", *_VLLM_CHAT_FIELDS,
+    "functions", "tool_choice", "function_call", "reasoning_effort", "truncate_messages_to",
+    *_VLLM_CHAT_FIELDS,
 }  # fmt: skip
 
 

@@ -6,6 +6,7 @@ choice. ``OpenAIServing`` runs it in a worker thread (``prepare_*``), then runs 
 from __future__ import annotations
 
 import functools
+import logging
 import uuid
 from typing import Any
 
@@ -25,11 +26,17 @@ from engine.server.chat_protocol import (
     template_kwargs,
     thinking_kwargs,
 )
+from engine.server.chat_truncation import Render, fit_messages
 from engine.server.engine_client import EngineClient
 from engine.server.jobs import Job, engine_error
 from engine.server.json_body import parse_json_body
 from engine.server.logprobs import TokenIdStrings, TokenStrings
-from engine.server.protocol import BaseRequest, CompletionRequest, parse_completion_request
+from engine.server.protocol import (
+    BaseRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_completion_request,
+)
 from engine.server.request_checks import (
     check_logprob_entries,
     check_logprobs,
@@ -46,6 +53,8 @@ from engine.structured.matcher import start_allows_any
 from engine.structured.reasoning import ReasoningTags
 from engine.tools.output import ToolOutput, new_parser
 from engine.tools.parsers import PARSERS
+
+logger = logging.getLogger(__name__)
 
 
 def engine_request_id(label: str) -> str:
@@ -168,24 +177,38 @@ class JobBuilder:
                 param="tool_choice",
             )
         tok = self.engine.tokenizer
-        ids = list(
-            tok.encode(
-                render_chat(
-                    tok,
-                    req.messages,
-                    template_kwargs(
-                        req, req.chat_template is not None or tok.supports_template_kwargs
-                    ),
-                    req.add_generation_prompt,
-                    req.continue_final_message,
-                    req.tools.template_tools() if req.tools is not None else None,
-                    req.chat_template,
-                ),
-                add_special_tokens=False,
-            )
-        )
+        kwargs = template_kwargs(req, req.chat_template is not None or tok.supports_template_kwargs)
+        tools = req.tools.template_tools() if req.tools is not None else None
+
+        def render(messages: list[dict[str, Any]]) -> list[int]:
+            text = render_chat(
+                tok, messages, kwargs, req.add_generation_prompt, req.continue_final_message,
+                tools, req.chat_template,
+            )  # fmt: skip
+            return list(tok.encode(text, add_special_tokens=False))
+
+        if req.truncate_messages_to is None:
+            ids = render(req.messages)
+        else:
+            ids = self._fit(req, render)
         ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.engine.max_model_len)
         return req.n, [(child, ids) for child in req.children()]
+
+    def _fit(self, req: ChatCompletionRequest, render: Render) -> list[int]:
+        """``truncate_messages_to``: the prompt with the fewest leading messages dropped
+        that lets it and the answer fit (the context the proxy named, so that both legs of
+        a P/D pair cut alike; -1: this node's); the whole prompt when nothing fits."""
+        context = req.truncate_messages_to
+        if context is None or context == -1:
+            context = self.engine.max_model_len
+        fitted = fit_messages(req.messages, render, context, req.max_tokens)
+        if fitted.dropped:
+            logger.info(
+                "truncation: dropped the first %d of %d messages (after the leading system "
+                "and developer ones) to fit a prompt of %d tokens in a context of %d",
+                fitted.dropped, len(req.messages), len(fitted.ids), context,
+            )  # fmt: skip
+        return fitted.ids
 
     def _check_serving(self, req: BaseRequest) -> None:
         check_model(req.model, self.served_names)

@@ -239,6 +239,10 @@ class ChatCompletionRequest(BaseRequest):
     # vLLM's ``reasoning_effort``: a Jinja chat template's ``reasoning_effort`` variable
     # (over a ``chat_template_kwargs`` one); None: not set.
     reasoning_effort: str | None = None
+    # pdserve's (``/v1/responses``' ``truncation: "auto"``): leading messages dropped until
+    # the prompt and its answer fit this many tokens (-1: the model's context length;
+    # ``engine/server/chat_truncation.py``); None: never cut.
+    truncate_messages_to: int | None = None
 
 
 def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
