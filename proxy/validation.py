@@ -100,6 +100,13 @@ def validate_request(
         # longer context than the decode nodes' would keep more than D does).
         body = {**body, "truncate_prompt_tokens": limit}
         parsed.truncate_prompt_tokens = limit
+    cut = getattr(parsed, "truncate_messages_to", None)
+    if cut == -1 and limit is not None:
+        # ``/v1/responses``' ``truncation: "auto"``: both legs drop the same messages, cut
+        # to the context the client's prompt and answer share (the decode nodes' least; a
+        # prefill node with a longer context would keep more than D does).
+        body = {**body, "truncate_messages_to": limit}
+        parsed.truncate_messages_to = limit  # type: ignore[attr-defined]
     # Hashed here, off the event loop (a prompt may be megabytes).
     if parsed.num_choices == 1:
         return ProxyRequest(endpoint, body, parsed, prompt_key(parsed))

@@ -51,3 +51,18 @@ def test_a_responses_request_being_read_counts_against_max_inflight() -> None:
     assert json.loads(second.text)["error"]["code"] == "too_many_requests"
     assert _requests_total(metrics, "responses", "429") == 1
     assert _requests_total(metrics, "chat", "429") == 0
+
+
+def test_truncation_auto_is_cut_to_the_context_the_proxy_knows() -> None:
+    """Both legs of a P/D pair cut a conversation to the same context (the decode nodes'
+    least), not each to its own: the proxy names it in the chat body they get."""
+    from engine.responses_api.request import to_chat
+    from proxy.validation import CHAT, validate_request
+
+    chat, _ = to_chat({"model": "tiny", "input": "hi", "truncation": "auto"})
+    assert chat["truncate_messages_to"] == -1
+    req = validate_request(CHAT, json.dumps(chat).encode(), ["tiny"], 4096)
+    assert req.body["truncate_messages_to"] == 4096
+    chat, _ = to_chat({"model": "tiny", "input": "hi"})
+    req = validate_request(CHAT, json.dumps(chat).encode(), ["tiny"], 4096)
+    assert "truncate_messages_to" not in req.body
