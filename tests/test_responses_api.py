@@ -811,21 +811,24 @@ def _kept_alone(node: Any, head: list[Any], items: list[Any], **body: Any) -> tu
 
 @pytest.mark.parametrize("max_output_tokens", [8, 120])
 def test_truncation_auto_drops_the_oldest_items_and_answers_as_the_kept_ones_alone(
-    tiny_node: Any, max_output_tokens: int
+    tiny_node: Any, max_output_tokens: int, caplog: Any
 ):
     """The instructions and the leading developer message stay; the fewest oldest items
     go that let the prompt and ``max_output_tokens`` fit; the answer is the one the kept
-    items alone get (greedy), and ``usage.input_tokens`` counts them."""
+    items alone get (greedy), and ``usage.input_tokens`` counts them. The node logs the
+    count it dropped."""
     head = [{"role": "developer", "content": "answer briefly"}]
     items = _turns(11)
     ask = {"instructions": "be kind", "max_output_tokens": max_output_tokens}
     refused = _respond(tiny_node, head + items, "disabled", **ask)
     assert refused.status_code == 400
     assert refused.json()["error"]["code"] == "context_length_exceeded"
-    resp = _respond(tiny_node, head + items, "auto", **ask)
+    with caplog.at_level("INFO", logger="engine.server.job_builder"):
+        resp = _respond(tiny_node, head + items, "auto", **ask)
     assert resp.status_code == 200, resp.text
     got = resp.json()
     k, want = _kept_alone(tiny_node, head, items, **ask)
+    assert f"dropped the first {k} of {len(items) + 2} messages" in caplog.text
     assert _shape(got) == _shape(want)
     assert got["usage"] == want["usage"]
     assert got["usage"]["input_tokens"] + max_output_tokens <= CONTEXT
@@ -869,3 +872,39 @@ def test_truncation_auto_refuses_a_last_item_too_long_alone_as_disabled_does(tin
     assert auto.status_code == disabled.status_code == 400, auto.text
     assert auto.json() == disabled.json()
     assert auto.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_the_cut_keeps_the_leading_rules_and_tool_results_with_their_calls():
+    """``fit_messages`` on a render that counts characters: the fewest drops a scan from
+    the start finds, found by bisection; leading system/developer messages and tool
+    messages are never where the kept part begins."""
+    from engine.server.chat_truncation import cut_points, fit_messages
+
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [
+        {"role": "system", "content": "s" * 5},
+        {"role": "developer", "content": "d" * 5},
+        *[{"role": ("user", "assistant")[i % 2], "content": "x" * 10} for i in range(6)],
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "t" * 10},
+        {"role": "tool", "tool_call_id": "c", "content": "t" * 10},
+        {"role": "user", "content": "u" * 10},
+    ]
+    assert cut_points(msgs) == [3, 4, 5, 6, 7, 8, 11]
+
+    def render(ms: list[dict[str, Any]]) -> list[int]:
+        return [0] * sum(len(m["content"]) + 2 for m in ms)
+
+    full = len(render(msgs))
+    for context in range(2, full + 5):
+        got = fit_messages(msgs, render, context, 3)
+        want = next(
+            (i for i in cut_points(msgs) if len(render(msgs[:2] + msgs[i:])) + 3 <= context), None
+        )
+        if full + 3 <= context or want is None:
+            assert (got.dropped, len(got.ids)) == (0, full), context
+        else:
+            kept = len(render(msgs[:2] + msgs[want:]))
+            assert (got.dropped, len(got.ids)) == (want - 2, kept), context
+    assert fit_messages(msgs, render, full + 1, None).dropped == 0  # one token of room
+    assert fit_messages(msgs, render, full, None).dropped == 1
