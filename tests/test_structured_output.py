@@ -982,3 +982,12 @@ def test_a_cached_check_names_the_field_of_the_request_at_hand() -> None:
     assert messages[0] == messages[2]
     assert messages[1] == messages[0].replace("'guided_grammar'", "'structured_outputs.grammar'")
     assert "guided_grammar" not in messages[1], messages[1]
+
+
+def test_a_regex_llguidance_panics_on_is_a_400_saying_so() -> None:
+    # llguidance 1.9.1 panics (derivre's simplify: an unwrap on None) on this regex; the
+    # panic is pyo3's PanicException, a BaseException the check did not catch.
+    so = StructuredOutput.regex("([éü]|([éü]|é|\\{)|([^a])*)", "guided_regex")
+    with pytest.raises(APIError) as e:
+        check_structured(so)
+    assert e.value.param == "guided_regex" and "llguidance failed" in e.value.message

@@ -163,6 +163,10 @@ def check_structured_output(so: StructuredOutput) -> None:
             reason = llg.LLMatcher.validate_grammar(_build(so, llg), limits=parser_limits(llg))
         except (ValueError, RecursionError) as e:
             reason = str(e) or type(e).__name__
+        except BaseException as e:  # noqa: BLE001 -- a Rust panic is pyo3's BaseException
+            if type(e).__name__ != "PanicException":
+                raise
+            reason = f"llguidance failed on it ({str(e).strip()[:200]})"
         _checked.put(so.key, reason)
     if reason:
         raise _invalid(so, reason)
