@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import Any
 
 from engine.sampling_params import InvalidRequestError
+from engine.structured.lark_grammar import is_gbnf, llguidance_lark
 from engine.structured.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,9 @@ def _build(so: StructuredOutput, llg: ModuleType) -> str:
     if so.kind == "choice":
         lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(so.spec))
         return llg.LLMatcher.grammar_from_lark(lark)
-    return llg.grammar_from("grammar", so.spec)  # Lark, or GBNF converted to Lark
+    if is_gbnf(so.spec):
+        return llg.grammar_from("grammar", so.spec)  # GBNF, converted to Lark
+    return llg.LLMatcher.grammar_from_lark(llguidance_lark(so.spec))
 
 
 def _json_grammar(spec: str, llg: ModuleType) -> str:
