@@ -800,8 +800,10 @@ def _turns(n: int) -> list[dict[str, Any]]:
 
 def _kept_alone(node: Any, head: list[Any], items: list[Any], **body: Any) -> tuple[int, Any]:
     """The fewest leading ``items`` whose drop lets ``head + items[k:]`` fit with
-    ``truncation: disabled``, and that request's answer."""
+    ``truncation: disabled`` and leaves a user turn first, and that request's answer."""
     for k in range(1, len(items)):
+        if items[k].get("role") != "user":
+            continue
         resp = _respond(node, head + items[k:], "disabled", **body)
         if resp.status_code == 200:
             return k, resp.json()
@@ -890,7 +892,7 @@ def test_the_cut_keeps_the_leading_rules_and_tool_results_with_their_calls():
         {"role": "tool", "tool_call_id": "c", "content": "t" * 10},
         {"role": "user", "content": "u" * 10},
     ]
-    assert cut_points(msgs) == [3, 4, 5, 6, 7, 8, 11]
+    assert cut_points(msgs) == [4, 6, 11]
 
     def render(ms: list[dict[str, Any]]) -> list[int]:
         return [0] * sum(len(m["content"]) + 2 for m in ms)
@@ -907,4 +909,18 @@ def test_the_cut_keeps_the_leading_rules_and_tool_results_with_their_calls():
             kept = len(render(msgs[:2] + msgs[want:]))
             assert (got.dropped, len(got.ids)) == (want - 2, kept), context
     assert fit_messages(msgs, render, full + 1, None).dropped == 0  # one token of room
-    assert fit_messages(msgs, render, full, None).dropped == 1
+    assert fit_messages(msgs, render, full, None).dropped == 2  # back to a user turn
+
+
+def test_a_cut_conversation_resumes_at_a_user_turn_when_it_has_one():
+    """Templates that insist on user/assistant turns alternating after the system message
+    (Mistral's, Llama 2's) refuse a conversation resuming at an assistant turn: a cut keeps
+    a user turn first where the conversation has one to resume at, any other message but a
+    tool result only where it has none."""
+    from engine.server.chat_truncation import cut_points
+
+    turns = [{"role": r, "content": "x"} for r in ("user", "assistant") * 3]
+    assert cut_points([{"role": "system", "content": "s"}, *turns]) == [3, 5]
+    assert cut_points(turns) == [2, 4]
+    lone = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}] * 1
+    assert cut_points([*lone, {"role": "assistant", "content": "z"}]) == [1, 2]

@@ -4,7 +4,7 @@ long for the context, cut by dropping whole messages from the start of the conve
 What may go: the messages after the leading system and developer ones (the instructions,
 and the rules a conversation opens with, stay), oldest first, an assistant message's tool
 calls together with the tool messages that follow it (a template never sees a tool result
-without its call). What must fit is what ``resolve_max_tokens`` refuses otherwise: the
+without its call); what is kept begins with a user turn where there is one to begin with. What must fit is what ``resolve_max_tokens`` refuses otherwise: the
 prompt and ``max_tokens`` (without one, the prompt and one token). The fewest messages are
 dropped that make it fit; when even the last of them alone does not, nothing is dropped
 (the request is refused as it would be without the cut, with the same numbers).
@@ -44,10 +44,15 @@ def fits(prompt_len: int, max_tokens: int | None, context: int) -> bool:
 
 def cut_points(messages: Sequence[dict[str, Any]]) -> list[int]:
     """The indices a cut conversation may resume at, in order: after the leading system and
-    developer messages (the first of the others is never a cut: at least one goes), never
-    at a tool message (it stays with the call before it). The last message is always kept."""
+    developer messages (the first of the others is never a cut: at least one goes), at a
+    user message -- templates that want turns to alternate (Mistral's, Llama 2's) refuse
+    a conversation resuming at an assistant's -- or, in a conversation with no user message
+    to resume at, at any message but a tool result (it stays with the call before it).
+    The last message is always kept."""
     head = _head_len(messages)
-    return [i for i in range(head + 1, len(messages)) if messages[i].get("role") != "tool"]
+    points = [i for i in range(head + 1, len(messages)) if messages[i].get("role") != "tool"]
+    users = [i for i in points if messages[i].get("role") == "user"]
+    return users or points
 
 
 def fit_messages(
