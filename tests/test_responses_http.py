@@ -132,7 +132,7 @@ def _respond(url: str, items: list[dict[str, str]], truncation: str) -> httpx.Re
 def test_truncation_auto_through_the_proxy_answers_as_the_kept_items_alone(pd: PD, proxy: Proc):
     """A conversation longer than the context (4096 tokens): refused with ``disabled``;
     with ``auto`` the P/D pair answers what the colocated node answers the fewest newest
-    items alone that fit (both legs cut alike: D's answer continues P's token)."""
+    items alone that fit and begin with a user turn (both legs cut alike: D's answer continues P's token)."""
     items = [
         {"role": ("user", "assistant")[i % 2], "content": f"{i}: " + PROMPT * 10} for i in range(11)
     ]
@@ -141,7 +141,7 @@ def test_truncation_auto_through_the_proxy_answers_as_the_kept_items_alone(pd: P
     assert refused.json()["error"]["code"] == "context_length_exceeded"
     got = _respond(proxy.url, items, "auto")
     assert got.status_code == 200, got.text
-    for k in range(1, len(items)):
+    for k in range(2, len(items), 2):  # a cut resumes at a user turn
         want = _respond(pd.colocated.url, items[k:], "disabled")
         if want.status_code == 200:
             break
