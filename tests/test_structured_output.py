@@ -875,16 +875,6 @@ def test_live_bad_grammars_are_400s(pd: tuple[PD, Proc], through: str) -> None:
         assert err["param"] == param, err
 
 
-# vLLM's docs' Lark grammar for guided_grammar, as written there (its '?' prefixes were
-# read as GBNF by llguidance: a 400; tests/test_structured_lark.py has the rest).
-SQL_LARK = (
-    "?start: select_statement\n"
-    '?select_statement: "SELECT " column_list " FROM " table_name\n'
-    '?column_list: column_name ("," column_name)*\n'
-    "?table_name: identifier\n"
-    "?column_name: identifier\n"
-    "?identifier: /[a-zA-Z_][a-zA-Z0-9_]*/"
-)
 SQL_TEXT = r"SELECT [a-zA-Z_]\w*(,[a-zA-Z_]\w*)* FROM [a-zA-Z_]\w*"
 
 
@@ -896,10 +886,12 @@ def test_live_a_standard_lark_grammar_is_answered_in_its_language(
     pair, proxy = pd
     assert pair.colocated is not None
     url = pair.colocated.url if through == "node" else proxy.url
+    from test_structured_lark import SQL  # vLLM's docs' Lark grammar, '?' prefixes and all
+
     # A few letters and EOS: a random model reaches " FROM " and the end soon.
     allowed = [*sorted(set(b"SELECT FROM,ab")), ByteTokenizer.EOS]
     body = {"prompt": "SQL:", "max_tokens": 200, "temperature": 1.0, "seed": 1,
-            "allowed_token_ids": allowed, "guided_grammar": SQL_LARK}  # fmt: skip
+            "allowed_token_ids": allowed, "guided_grammar": SQL}  # fmt: skip
     got = _post(url, "/v1/completions", body)["choices"][0]
     assert re.fullmatch(SQL_TEXT, got["text"], re.ASCII), got
     assert got["finish_reason"] == "stop", got
