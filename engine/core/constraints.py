@@ -134,7 +134,8 @@ class SamplingConstraints:
         """Each request whose grammar allows no next token it may take (with why): its
         matcher is in its error state (a step past its lexer fuel, a schema that cannot go
         on), none of its ``allowed_token_ids`` is allowed, or its ``bad_words`` ban every id
-        left (they hold where ``min_tokens`` yields). Its row of this step samples in vain
+        left (they hold where ``min_tokens`` yields). A call of its matcher that failed
+        (``GrammarState.is_error``) is its error state. Its row of this step samples in vain
         (token 0 of a row of -inf; the grammar refused it: an "internal error")."""
         vocab = self.grammars.vocab_size  # type: ignore[union-attr]
         words = bitmask_words(vocab)
@@ -144,7 +145,7 @@ class SamplingConstraints:
             assert grammar is not None
             mask = bitmask[j * words : (j + 1) * words]
             allowed = grammar.allowed_ids(vocab)  # the request's allowed_token_ids
-            if grammar.matcher.is_error():
+            if grammar.is_error():
                 why = f"the structured output cannot go on: {grammar.error}"
             elif allowed is not None and not allows_any(mask, allowed):
                 why = (

@@ -11,16 +11,33 @@ the rows that sample under a grammar (``fill_bitmask``), which goes with the ste
 An answer with reasoning (``SamplingParams.reasoning_tags``) is constrained only once its
 reasoning ended: until then its rows sample freely and the matcher is not advanced
 (``engine/structured/reasoning.py``).
+
+An llguidance call that fails -- raises, or panics in Rust: regex derivatives are computed
+lazily, so a grammar that validated may still panic in a mask or a token's consumption --
+fails its request alone: ``GrammarState`` keeps the failure as the matcher's error state
+(``is_error``, ``error``), and the scheduler ends the request as it ends a matcher in its
+error state. The engine thread goes on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from engine.structured.reasoning import Phase, ReasoningGate, ReasoningTags
+
+logger = logging.getLogger(__name__)
+
+
+def is_llguidance_failure(e: BaseException) -> bool:
+    """Whether ``e``, raised by an llguidance call, is that call failing: an ``Exception``,
+    or a Rust panic (pyo3's ``PanicException``, a ``BaseException`` whose class is not
+    importable by name). ``KeyboardInterrupt``, ``SystemExit`` and the like are not."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
 
 
 class GrammarState:
@@ -28,7 +45,9 @@ class GrammarState:
     tokens only, when the answer reasons: ``reasoning``); ``allowed_token_ids``: the
     request's (None: any id), which ``finished`` asks whether EOS is among."""
 
-    __slots__ = ("_allowed", "_ended", "_ids", "_mask", "_matched", "matcher", "reasoning")
+    __slots__ = (
+        "_allowed", "_ended", "_failure", "_ids", "_mask", "_matched", "matcher", "reasoning"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -50,6 +69,27 @@ class GrammarState:
         self._mask: np.ndarray | None = None
         # The matcher took EOS: the answer is over (``finished``).
         self._ended = False
+        # Why an llguidance call failed (``_guard``): the matcher is not called again.
+        self._failure: str | None = None
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """An llguidance call that fails in the block is kept as the matcher's error
+        state; the block's caller goes on as with a matcher in its error state."""
+        try:
+            yield
+        except BaseException as e:
+            if not is_llguidance_failure(e):
+                raise
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            self._failure = f"llguidance failed ({why})"
+            logger.warning("structured output: llguidance failed", exc_info=True)
+
+    def is_error(self) -> bool:
+        """The matcher is in its error state, or a call of it failed (``error``: why)."""
+        with self._guard():
+            return self._failure is not None or bool(self.matcher.is_error())
+        return True
 
     @property
     def constrains(self) -> bool:
@@ -66,6 +106,11 @@ class GrammarState:
     def allows(self, token: int) -> bool:
         """Whether ``accept(token)`` would take it (nothing advances): a token from
         outside (a prefill node's first) is checked before it is taken."""
+        with self._guard():
+            return self._failure is None and self._allows(token)
+        return False
+
+    def _allows(self, token: int) -> bool:
         gate = self.reasoning
         if gate is None or gate.phase is Phase.CONTENT:
             return self._validates(token)
@@ -83,6 +128,11 @@ class GrammarState:
         """Advance with the request's next output token; False (and the matcher in its
         error state, ``error``) when the grammar does not allow it. A reasoning token
         (the end tag's included) is not the grammar's: the matcher stays as it is."""
+        with self._guard():
+            return self._failure is None and self._accept(token)
+        return False
+
+    def _accept(self, token: int) -> bool:
         gate = self.reasoning
         if gate is None or gate.phase is Phase.CONTENT:
             return self._consume(token)
@@ -113,11 +163,13 @@ class GrammarState:
 
     def fill_mask(self, mask: np.ndarray) -> None:
         """The ids the next token may be, one bit each, into ``mask`` (``bitmask_words``
-        int32 words): the grammar's; while opening, the start tag's next token too."""
-        if self._matched:
-            self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        else:
-            mask[:] = 0
+        int32 words): the grammar's; while opening, the start tag's next token too. None
+        once a call of the matcher failed."""
+        if self._matched and self._failure is None:
+            with self._guard():
+                self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if not self._matched or self._failure is not None:
+            mask[:] = 0  # none (a call that failed may have written part of it)
         gate = self.reasoning
         if gate is not None and gate.phase is Phase.OPENING:
             t = gate.next_start_token
@@ -127,9 +179,10 @@ class GrammarState:
 
     def masked_out(self, token: int) -> bool:
         """Whether the last mask made did not allow ``token`` (False when none was made: a
-        prefill node's first token, checked with ``allows`` when it came)."""
+        prefill node's first token, checked with ``allows`` when it came; or a call of the
+        matcher failed: the matcher refused it, not the mask)."""
         mask = self._mask
-        if mask is None:
+        if mask is None or self._failure is not None:
             return False
         return not allows_any(mask, np.asarray([token], dtype=np.int64))
 
@@ -140,6 +193,11 @@ class GrammarState:
         text left out) -- or it is complete and the request cannot take EOS (none of its
         ``allowed_token_ids`` is one: the grammar's last token ends it). No mask need
         have been made: a prefill node's first token may complete it."""
+        with self._guard():
+            return self._failure is None and self._finished()
+        return False
+
+    def _finished(self) -> bool:
         if not (self.constrains and self._matched):
             return False
         if self._ended:
@@ -153,7 +211,10 @@ class GrammarState:
     @property
     def error(self) -> str:
         """The matcher's error, on one line (it goes to clients and to log lines)."""
-        return " ".join(str(self.matcher.get_error()).split())[:500]
+        if self._failure is None:
+            with self._guard():
+                return " ".join(str(self.matcher.get_error()).split())[:500]
+        return self._failure or ""  # the guard set it
 
 
 def bitmask_words(vocab_size: int) -> int:
