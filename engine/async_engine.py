@@ -349,11 +349,14 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         """The engine thread. Whatever raises in it -- a step, or the bookkeeping around one
-        -- makes the engine dead (``_die``): never a thread gone while requests wait."""
+        -- makes the engine dead (``_die``): never a thread gone while requests wait. So
+        does a Rust panic (pyo3's ``PanicException``: a ``BaseException``)."""
         try:
             while not self._stop.is_set():
                 self._loop_once()
-        except Exception as e:
+        except BaseException as e:
+            if not (isinstance(e, Exception) or type(e).__name__ == "PanicException"):
+                raise
             logger.exception("the engine loop failed")
             self._die(f"{type(e).__name__}: {e}")
         else:  # shut down: no one waits on an answer the loop will never give

@@ -84,11 +84,20 @@ def test_a_duplicate_id_is_refused_and_does_not_take_over_the_first_stream(engin
     assert len(asyncio.run(_collect(engine, "dup", [9]))) == GREEDY.max_tokens
 
 
-def test_an_engine_loop_that_raises_between_steps_ends_its_requests_and_health():
+@pytest.mark.parametrize("raises", ["exception", "panic"])
+def test_an_engine_loop_that_raises_between_steps_ends_its_requests_and_health(raises):
     """Fault injection: what the engine thread does after a step (here its stats snapshot,
     a bug) raises. The thread used to die silently there -- outside the guard that turns a
     failed step into a dead engine -- so every request waited for good and ``/health``
-    stayed 200; now the engine is dead: requests end with its error, ``healthy`` is False."""
+    stayed 200; now the engine is dead: requests end with its error, ``healthy`` is False.
+    So with a Rust panic (pyo3's ``PanicException``, a ``BaseException``)."""
+    if raises == "panic":
+        from test_structured_faults import panic_exception
+
+        bug: BaseException = panic_exception()
+        bug.args = ("stats bug",)
+    else:
+        bug = RuntimeError("stats bug")
     eng = AsyncLLMEngine(
         EngineConfig(model=ModelConfig(max_model_len=64), cache=CacheConfig(num_blocks=64)),
         log_level="WARNING",
@@ -98,7 +107,7 @@ def test_an_engine_loop_that_raises_between_steps_ends_its_requests_and_health()
 
         def broken_stats():  # once a request is in: after its first step
             if eng.core.scheduler.requests:
-                raise RuntimeError("stats bug")
+                raise bug
             return real_stats()
 
         eng.core.stats = broken_stats  # type: ignore[method-assign]
