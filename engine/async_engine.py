@@ -36,7 +36,7 @@ from engine.model.hub import resolve_model_config
 from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.stats import StatsGroup
-from engine.structured.matcher import GrammarState
+from engine.structured.matcher import GrammarState, is_rust_panic
 from engine.tokenizer import load_tokenizer
 from kvconnector.params import KVTransferParams
 
@@ -355,7 +355,7 @@ class AsyncLLMEngine:
             while not self._stop.is_set():
                 self._loop_once()
         except BaseException as e:
-            if not (isinstance(e, Exception) or type(e).__name__ == "PanicException"):
+            if not (isinstance(e, Exception) or is_rust_panic(e)):
                 raise
             logger.exception("the engine loop failed")
             self._die(f"{type(e).__name__}: {e}")

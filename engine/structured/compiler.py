@@ -29,6 +29,7 @@ from typing import Any
 
 from engine.sampling_params import InvalidRequestError
 from engine.structured.lark_grammar import is_gbnf, llguidance_lark
+from engine.structured.matcher import is_rust_panic
 from engine.structured.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def check_structured_output(so: StructuredOutput) -> None:
         except (ValueError, RecursionError) as e:
             reason = str(e) or type(e).__name__
         except BaseException as e:  # noqa: BLE001 -- a Rust panic is pyo3's BaseException
-            if type(e).__name__ != "PanicException":
+            if not is_rust_panic(e):
                 raise
             reason = f"llguidance failed on it ({str(e).strip()[:200]})"
         _checked.put(so.key, reason)

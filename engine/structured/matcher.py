@@ -33,11 +33,17 @@ from engine.structured.reasoning import Phase, ReasoningGate, ReasoningTags
 logger = logging.getLogger(__name__)
 
 
+def is_rust_panic(e: BaseException) -> bool:
+    """Whether ``e`` is a Rust panic raised through pyo3 (``PanicException``: a
+    ``BaseException``, its class not importable by name)."""
+    return type(e).__name__ == "PanicException"
+
+
 def is_llguidance_failure(e: BaseException) -> bool:
     """Whether ``e``, raised by an llguidance call, is that call failing: an ``Exception``,
-    or a Rust panic (pyo3's ``PanicException``, a ``BaseException`` whose class is not
-    importable by name). ``KeyboardInterrupt``, ``SystemExit`` and the like are not."""
-    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+    or a Rust panic (``is_rust_panic``). ``KeyboardInterrupt``, ``SystemExit`` and the like
+    are not."""
+    return isinstance(e, Exception) or is_rust_panic(e)
 
 
 class GrammarState:
