@@ -164,9 +164,11 @@ class AsyncLLMEngine:
         label: str | None = None,
         priority: int = 0,
         grammar: Any = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``grammar``: the compiled matcher of ``params.structured_output`` (the request
-        gets a copy; without it the engine thread compiles, as offline callers do)."""
+        gets a copy; without it the engine thread compiles, as offline callers do);
+        ``cache_salt``: vLLM's, the request's prefix-cache isolation (``Request``)."""
         if not self.healthy:
             raise RuntimeError(f"engine is dead: {self.dead_reason}")
         stream = _Stream(asyncio.get_running_loop())
@@ -178,6 +180,7 @@ class AsyncLLMEngine:
             kv_transfer_params=kv_transfer_params,
             label=label,
             priority=priority,
+            cache_salt=cache_salt,
         )
         if grammar is not None:
             req.grammar = GrammarState(

@@ -31,9 +31,11 @@ from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# A prompt of ``generate``: text, vLLM's ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``,
-# or token ids.
+# A prompt of ``generate``: text, vLLM's ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``
+# (either with vLLM's ``"cache_salt"``), or token ids.
 PromptType = str | dict[str, Any] | list[int]
+# A prompt as ``_generate_text`` runs it: its text (None: ids given), ids and cache salt.
+PromptItem = tuple[str | None, list[int], str | None]
 Params = SamplingParams | Sequence[SamplingParams] | None
 
 
@@ -101,7 +103,9 @@ class LLM:
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's: run the prompts (one or a list: text, ``{"prompt": text}``,
-        ``{"prompt_token_ids": ids}`` or ids) to completion together; one
+        ``{"prompt_token_ids": ids}`` -- either with vLLM's ``"cache_salt"``, a node's
+        rule: a non-empty string, at most 1 KiB, else ``ValueError`` -- or ids) to
+        completion together; one
         ``RequestOutput`` per prompt, in order. ``sampling_params``: one for all or one per
         prompt (None: ``get_default_sampling_params()``); ``priority`` one per prompt.
         A text prompt is tokenized as a node's completion prompt is; the answer's text is
@@ -158,7 +162,7 @@ class LLM:
             except APIError as e:
                 where = f"conversation {c}: " if len(convs) > 1 else ""
                 raise ValueError(where + str(e)) from None
-            items.append((text, list(tok.encode(text, add_special_tokens=False))))
+            items.append((text, list(tok.encode(text, add_special_tokens=False)), None))
         return self._generate_text(items, sampling_params, None)
 
     # -- token ids (tests, benchmarks) --------------------------------------------------------
@@ -191,16 +195,18 @@ class LLM:
         return [results[r.request_id] for r in reqs]
 
     # -- the one engine path ------------------------------------------------------------------
-    def _prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _prompt(self, prompt: PromptType) -> PromptItem:
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, list(self.tokenizer.encode(prompt)), None
         if isinstance(prompt, dict):
+            salt = _cache_salt(prompt.get("cache_salt"))
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt
             if isinstance(prompt.get("prompt"), str):
-                return self._prompt(prompt["prompt"])
+                text, ids, _ = self._prompt(prompt["prompt"])
+                return text, ids, salt
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+            return None, list(prompt), None
         raise TypeError(
             f"a prompt is a string, {{'prompt': str}}, {{'prompt_token_ids': [int]}} or a "
             f"list of token ids, got {prompt!r:.80}"
@@ -226,7 +232,7 @@ class LLM:
 
     def _generate_text(
         self,
-        items: list[tuple[str | None, list[int]]],
+        items: list[PromptItem],
         params: Params,
         priority: list[int] | None,
     ) -> list[RequestOutput]:
@@ -240,7 +246,7 @@ class LLM:
         reqs: list[Request] = []
         answers: dict[str, Answer] = {}
         parents: list[tuple[str, list[Answer]]] = []
-        for (_, ids), sp, prio in zip(items, plist, prios, strict=True):
+        for (_, ids, salt), sp, prio in zip(items, plist, prios, strict=True):
             parent, mine = str(next(self._ids)), []
             for j in range(sp.n):  # answer j seeded seed + j (a node's n)
                 child = sp if sp.n == 1 else dataclasses.replace(
@@ -252,12 +258,14 @@ class LLM:
                 text = AnswerText(detok, child, stop, child.include_stop_str_in_output)
                 answers[rid] = Answer(j, text)
                 mine.append(answers[rid])
-                reqs.append(Request(rid, ids, child, tok.eos_token_ids, priority=prio))
+                reqs.append(
+                    Request(rid, ids, child, tok.eos_token_ids, priority=prio, cache_salt=salt)
+                )
             parents.append((parent, mine))
         self._run(reqs, lambda out: answers[out.request_id].add(out))
         name = TokenStrings(tok).text
         results = []
-        for (prompt, ids), sp, (parent, mine) in zip(items, plist, parents, strict=True):
+        for (prompt, ids, _), sp, (parent, mine) in zip(items, plist, parents, strict=True):
             prompt_lps = None
             if sp.prompt_logprobs is not None:
                 entries = mine[0].prompt_entries or [None] * len(ids)
@@ -340,3 +348,14 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _cache_salt(salt: Any) -> str | None:
+    """A prompt dict's ``cache_salt``, checked as a node checks it (a ``ValueError``)."""
+    from engine.server.field_parsers import parse_cache_salt
+    from engine.server.request_fields import APIError
+
+    try:
+        return parse_cache_salt(salt)
+    except APIError as e:
+        raise ValueError(str(e)) from None

@@ -44,12 +44,20 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def _hash_chain(self, request: Request, num_full_blocks: int) -> list[int]:
+        """Block ``i``'s hash stands for the tokens up to its end: its tokens chained with
+        block ``i - 1``'s hash; the first block's with the request's ``cache_salt`` (vLLM's
+        rule), so a salted chain shares no hash with another salt's or an unsalted one."""
         hashes = request.block_hashes
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else 0
-            hashes.append(hash((parent, tuple(request.all_token_ids[i * bs : (i + 1) * bs]))))
+            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            if hashes:
+                hashes.append(hash((hashes[-1], tokens)))
+            elif request.cache_salt is None:
+                hashes.append(hash((0, tokens)))
+            else:
+                hashes.append(hash((0, tokens, request.cache_salt)))
         return hashes  # at least num_full_blocks long
 
     def get_computed_blocks(self, request: Request) -> list[int]:

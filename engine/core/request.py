@@ -63,11 +63,16 @@ class Request:
         kv_transfer_params: KVTransferParams | None = None,
         label: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, KVTransferParams):
             raise TypeError(
                 "kv_transfer_params must be a KVTransferParams (parse a dict with "
                 f"KVTransferParams.from_dict), got {type(kv_transfer_params).__name__}"
+            )
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise TypeError(
+                f"cache_salt must be None or a non-empty string, got {cache_salt!r:.60}"
             )
         self.request_id = request_id
         # The client's name for it (``X-Request-Id``): logged, echoed, never a key.
@@ -86,6 +91,9 @@ class Request:
         self.num_preemptions = 0
         # Penalties: how many of ``all_token_ids`` the workers were sent (0: a new table).
         self.penalty_tokens_sent = 0
+        # vLLM's ``cache_salt``: mixed into the first full block's hash, so the whole chain
+        # (``block_hashes``) is this salt's: other salts, or none, never hit its blocks.
+        self.cache_salt = cache_salt
         self.block_hashes: list[int] = []  # hashes of this request's full blocks
         self.arrival_time = time.monotonic()
         # Request-level metrics (``scheduler_stats.RequestMetrics``), monotonic seconds.

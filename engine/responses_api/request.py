@@ -30,7 +30,7 @@ SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
     "bad_words", "allowed_token_ids", "skip_special_tokens", "priority",
-    "chat_template_kwargs", "include_stop_str_in_output",
+    "chat_template_kwargs", "include_stop_str_in_output", "cache_salt",
 )  # fmt: skip
 # Accepted and repeated back (or ignored): they change nothing here.
 ECHOED_FIELDS = (

@@ -29,6 +29,7 @@ class EngineClient(Protocol):
         label: str | None = None,
         priority: int = 0,
         grammar: Any = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str, reason: str = "abort") -> str | None:

@@ -42,6 +42,9 @@ LOGIT_BIAS_CLAMP = 100.0  # each bias is clamped to [-100, 100] (vLLM, OpenAI's 
 # Each is its own engine request (a P/D pair through the proxy).
 MAX_CHOICES = 128
 INT64_MAX = 2**63 - 1
+# vLLM's ``cache_salt`` (prefix-cache isolation): hashed into a request's first KV block
+# and its proxy routing key; a tenant's secret needs no more (vLLM suggests 43 characters).
+MAX_CACHE_SALT_CHARS = 1024
 
 
 def parse_stop(body: dict[str, Any]) -> list[str]:
@@ -141,6 +144,23 @@ def parse_bad_words(words: Any) -> tuple[str, ...]:
     return tuple(words)
 
 
+def parse_cache_salt(salt: Any) -> str | None:
+    """vLLM's ``cache_salt``: None, or a non-empty string (vLLM's rule) of at most
+    ``MAX_CACHE_SALT_CHARS`` characters."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise bad_type("cache_salt", "a non-empty string if provided", salt)
+    if not salt:
+        raise APIError("'cache_salt' must be a non-empty string if provided", param="cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise APIError(
+            f"'cache_salt' may be at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
+            param="cache_salt",
+        )
+    return salt
+
+
 def logprobs_count(body: dict[str, Any], name: str) -> int | None:
     """A log-probability count: >= 0 (a node's --max-logprobs bounds it:
     ``request_checks.check_logprobs``)."""
@@ -184,7 +204,7 @@ COMMON_FIELDS = frozenset(
         "truncate_prompt_tokens", "return_tokens_as_token_ids", "return_token_ids",
         "skip_special_tokens",
         "spaces_between_special_tokens",
-        "prompt_logprobs", "priority", "bad_words",
+        "prompt_logprobs", "priority", "bad_words", "cache_salt",
         "allowed_token_ids", *STRUCTURED_FIELDS, *_VLLM_FIELDS,
     }
 )  # fmt: skip

@@ -369,6 +369,7 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
         label=job.label,
         priority=job.req.priority,
         grammar=job.req.grammar_template,
+        cache_salt=job.req.cache_salt,
     )
     try:
         async for out in outputs:

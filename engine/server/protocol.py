@@ -32,6 +32,7 @@ from engine.server.field_parsers import (
     logprobs_count,
     parse_allowed_token_ids,
     parse_bad_words,
+    parse_cache_salt,
     parse_chat_logprobs,
     parse_logit_bias,
     parse_max_tokens,
@@ -113,6 +114,9 @@ class BaseRequest:
     priority: int = 0
     # vLLM's: words the answer must not contain (``engine.bad_words``; the node tokenizes).
     bad_words: tuple[str, ...] = ()
+    # vLLM's: prefix-cache isolation -- hashed into the first KV block's hash (every later
+    # block's chains from it), so requests with other salts (or none) share no cached block.
+    cache_salt: str | None = field(default=None, repr=False)  # a tenant's secret: not logged
     # A structured output (response_format, structured_outputs, guided_*): one constraint.
     structured_output: StructuredOutput | None = None
     # Its grammar compiled by the node's HTTP layer (the matcher's start state, copied for
@@ -282,6 +286,7 @@ def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
     req.prompt_logprobs = logprobs_count(body, "prompt_logprobs")
     req.priority = get_int(body, "priority", 0)
     req.bad_words = parse_bad_words(body.get("bad_words"))
+    req.cache_salt = parse_cache_salt(body.get("cache_salt"))
     keep = req.truncate_prompt_tokens
     if keep is not None and keep < 1 and keep != -1:
         raise APIError(
