@@ -21,6 +21,11 @@ blocks are touched last block first, so a prefix is always more recent than its
 extensions and eviction trims prompts from their ends, never leaves a hole in a chain.
 A node that goes out of rotation or restarts loses its entries (``drop``).
 
+A request's ``cache_salt`` (vLLM's prefix-cache isolation) roots its chain: the engine
+mixes it into the first KV block's hash, so a salted prompt hits only its own salt's
+blocks, and its key here shares no hash with another salt's or an unsalted one -- tenants'
+identical prompts are routed independently, never after another tenant's cache.
+
 ``TokenEstimator`` turns characters into prompt tokens for ``--disagg-min-prompt-tokens``:
 ``--chars-per-token`` at first, then learned (a moving average) from the
 ``usage.prompt_tokens`` the nodes answer with.
@@ -32,7 +37,7 @@ import itertools
 import json
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.server.chat_protocol import parse_messages
@@ -80,16 +85,17 @@ class PromptKey:
     length: int  # characters ("ids": token ids)
     hashes: tuple[int, ...]  # one per full block
     tail: str | tuple[int, ...]  # what follows the last full block (for ``extend``)
+    salt: str | None = field(default=None, repr=False)  # ``cache_salt``: the chain's root
 
     @property
     def block(self) -> int:
         return ID_BLOCK if self.kind == "ids" else CHAR_BLOCK
 
     @classmethod
-    def of(cls, kind: str, seq: str | Sequence[int]) -> PromptKey:
+    def of(cls, kind: str, seq: str | Sequence[int], salt: str | None = None) -> PromptKey:
         if kind == "ids":
             seq = tuple(seq)
-        return _chain(kind, hash(kind), (), seq, 0)
+        return _chain(kind, salt, _root(kind, salt), (), seq, 0)
 
     def extend(self, more: str | Sequence[int]) -> PromptKey:
         """The key of this prompt followed by ``more`` (e.g. the answer, which the
@@ -98,29 +104,38 @@ class PromptKey:
             more = tuple(more)
         elif not isinstance(more, str):
             raise TypeError("a text key extends with text")
-        parent = self.hashes[-1] if self.hashes else hash(self.kind)
+        parent = self.hashes[-1] if self.hashes else _root(self.kind, self.salt)
         seq = self.tail + more  # type: ignore[operator]
-        return _chain(self.kind, parent, self.hashes, seq, self.length - len(self.tail))
+        done = self.length - len(self.tail)
+        return _chain(self.kind, self.salt, parent, self.hashes, seq, done)
 
 
-def _chain(kind: str, parent: int, hashes: tuple[int, ...], seq: Any, done: int) -> PromptKey:
+def _root(kind: str, salt: str | None) -> int:
+    """The parent of a key's first block: its kind's, or its kind's and salt's."""
+    return hash(kind) if salt is None else hash((kind, "cache_salt", salt))
+
+
+def _chain(
+    kind: str, salt: str | None, parent: int, hashes: tuple[int, ...], seq: Any, done: int
+) -> PromptKey:
     b = ID_BLOCK if kind == "ids" else CHAR_BLOCK
     full = len(seq) // b
     out = list(hashes)
     for i in range(full):
         parent = hash((parent, seq[i * b : (i + 1) * b]))
         out.append(parent)
-    return PromptKey(kind, done + len(seq), tuple(out), seq[full * b :])
+    return PromptKey(kind, done + len(seq), tuple(out), seq[full * b :], salt)
 
 
 def prompt_key(parsed: BaseRequest) -> PromptKey:
-    """The key of a validated completion or chat request."""
+    """The key of a validated completion or chat request (its ``cache_salt`` the root)."""
+    salt = parsed.cache_salt
     if isinstance(parsed, ChatCompletionRequest):
-        return PromptKey.of("chat", _chat_head(parsed) + _chat_text(parsed.messages))
+        return PromptKey.of("chat", _chat_head(parsed) + _chat_text(parsed.messages), salt)
     assert isinstance(parsed, CompletionRequest)
     if parsed.prompt_token_ids is not None:
-        return PromptKey.of("ids", parsed.prompt_token_ids)
-    return PromptKey.of("text", parsed.prompt_text or "")
+        return PromptKey.of("ids", parsed.prompt_token_ids, salt)
+    return PromptKey.of("text", parsed.prompt_text or "", salt)
 
 
 def answer_suffix(

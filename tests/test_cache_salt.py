@@ -22,9 +22,12 @@ from starlette.testclient import TestClient
 
 from engine import LLM, SamplingParams
 from engine.server.app import build_app
+from engine.server.chat_protocol import parse_chat_request
 from engine.server.field_parsers import MAX_CACHE_SALT_CHARS
+from engine.server.protocol import parse_completion_request
 from proxy.app import build_app as build_proxy_app
 from proxy.config import ProxyConfig
+from proxy.prefix import PrefixIndex, prompt_key
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 BS = 16  # the engine's default --block-size
@@ -167,3 +170,41 @@ def test_the_proxy_refuses_a_bad_salt_before_any_node(salt: Any) -> None:
     for resp in asyncio.run(main()):
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == "cache_salt", resp.text
+
+
+def test_the_routing_key_of_a_salted_prompt_is_its_tenants_own() -> None:
+    text = "The same long system prompt, shared by every tenant. " * 8
+
+    def completion(salt: str | None) -> Any:
+        body: dict[str, Any] = {"prompt": text}
+        if salt is not None:
+            body["cache_salt"] = salt
+        return prompt_key(parse_completion_request(body))
+
+    def chat(salt: str | None) -> Any:
+        body: dict[str, Any] = {"messages": [{"role": "system", "content": text}]}
+        if salt is not None:
+            body["cache_salt"] = salt
+        return prompt_key(parse_chat_request(body))
+
+    def ids(salt: str | None) -> Any:
+        body: dict[str, Any] = {"prompt": list(range(1, 70))}
+        if salt is not None:
+            body["cache_salt"] = salt
+        return prompt_key(parse_completion_request(body))
+
+    for key in (completion, chat, ids):
+        a, b, plain = key("a"), key("b"), key(None)
+        assert a.hashes and a == key("a")
+        assert not {a.hashes[0], b.hashes[0], plain.hashes[0]} & set(a.hashes[1:] + b.hashes[1:])
+        assert len({a.hashes[0], b.hashes[0], plain.hashes[0]}) == 3, key.__name__
+        # An answer extends a salted key within its tenant's chain.
+        more = "x" * 64 if a.kind != "ids" else list(range(16))
+        assert a.extend(more).hashes[: len(a.hashes)] == a.hashes
+        assert a.extend(more).hashes[-1] != plain.extend(more).hashes[-1]
+
+    index = PrefixIndex(1000)
+    index.insert("http://d1", completion("a"))
+    assert index.match("http://d1", completion("a")) == len(completion("a").hashes)
+    assert index.match("http://d1", completion("b")) == 0
+    assert index.match("http://d1", completion(None)) == 0
