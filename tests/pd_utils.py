@@ -56,8 +56,10 @@ def disagg_generate(
     submit_prefill: bool = True,
     timeout: float = 120.0,
     reserve_first: bool = False,
+    cache_salt: str | None = None,
 ) -> dict[str, RequestOutput | list[int]]:
     """P prefills, D decodes. Returns per D request: tokens, and the final output.
+    ``cache_salt``: both legs' (as the proxy forwards a client's to both).
 
     ``reserve_first``: D's requests go first, and P's only once every reservation reached
     P (P then knows where to write before its prefill step: a pipelined push)."""
@@ -72,6 +74,7 @@ def disagg_generate(
                 prompt,
                 replace(params, max_tokens=1),
                 kv_transfer_params=KVTransferParams(do_remote_decode=True, transfer_id=tid),
+                cache_salt=cache_salt,
             )
         )
 
@@ -93,6 +96,7 @@ def disagg_generate(
                         **(d_params or {}),
                     }
                 ),
+                cache_salt=cache_salt,
             )
         )
 

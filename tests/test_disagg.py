@@ -214,6 +214,44 @@ def test_decode_prefix_cache_hit_shrinks_the_transfer():
         d.shutdown()
 
 
+def test_a_cache_salt_on_both_legs_keeps_each_tenants_prefix_cache_its_own():
+    """Both legs carry the client's ``cache_salt``: D's prefix cache shrinks the push only
+    for blocks of the same salt, P hits only its own salt's blocks, and every answer is
+    the one D computes alone."""
+    from pd_utils import run_until
+
+    from engine.core.request import Request
+
+    base = EngineConfig(cache=CacheConfig(num_blocks=128, block_size=BS))
+    p = EngineCore(nixl_config(base, "producer"))
+    d = EngineCore(nixl_config(base, "consumer"))
+
+    def p_hits() -> int:
+        return p.scheduler.stats().prompt_tokens_by_source_total["local_cache_hit"]
+
+    try:
+        prompt = random_prompt(5 * BS + 3, 256, seed=12)
+        local: list[int] = []
+        d.add_request(Request("warm", prompt, GREEDY, cache_salt="tenant-a"))
+        run_until([d], lambda: not d.has_work(), lambda e, o: local.extend(o.new_token_ids))
+        res = disagg_generate(p, d, [prompt], GREEDY, tag="b", cache_salt="tenant-b")
+        assert res["tokens"][0] == local
+        assert p.stats()["kv_blocks_sent_total"] == 6  # tenant-a's blocks are not tenant-b's
+        hits = p_hits()
+        res = disagg_generate(p, d, [prompt], GREEDY, tag="a", cache_salt="tenant-a")
+        assert res["tokens"][0] == local
+        assert p.stats()["kv_blocks_sent_total"] == 7  # D held tenant-a's blocks 0-4
+        assert p_hits() == hits  # P had computed tenant-b's only
+        res = disagg_generate(p, d, [prompt], GREEDY, tag="b2", cache_salt="tenant-b")
+        assert res["tokens"][0] == local
+        assert p.stats()["kv_blocks_sent_total"] == 8
+        assert p_hits() == hits + 5 * BS
+        assert_pools_full(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 def test_handshake_wait_does_not_stall_other_requests(monkeypatch):
     """A prefill peer that never answers: the request waiting on it does not hold up the
     engine loop (the other request finishes while it still waits); it fails over
