@@ -21,6 +21,9 @@ per choice):
   first included.
 - the proxy: one ``pdproxy_requests_total{status="200"}`` per request, one request per
   leg on each node, one TTFT and one latency sample per choice, no retry, no error.
+
+And ``cache_salt`` through the proxy: P's prefix-cache hits (its
+``vllm:prompt_tokens_by_source_total``) are those of the request's own salt alone.
 """
 
 from __future__ import annotations
@@ -293,3 +296,32 @@ def test_a_client_gone_mid_answer_is_an_abort_on_d_alone(pd_pair: PD, proxy_url:
     assert delta(*x, "pdproxy_requests_total", status="200") == 1
     assert delta(*x, "pdproxy_node_requests_total", role="prefill") == 1
     assert delta(*x, "pdproxy_node_requests_total", role="decode") == 1
+
+
+def test_a_cache_salt_reaches_both_legs_and_prefill_hits_only_its_own(
+    pd_pair: PD, proxy_url: str
+) -> None:
+    """``cache_salt`` through the proxy: the body goes to both legs, P's prefix cache hits
+    only blocks of the same salt (``vllm:prompt_tokens_by_source_total``), and every
+    answer is token-identical to the decode node's own, colocated and unsalted."""
+    prompt = list(range(3, 3 + 5 * 16 + 3))  # five full blocks and three tokens
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "allowed_token_ids": LETTERS}  # fmt: skip
+
+    def ids(url: str, salt: str | None) -> list[int]:
+        one = body if salt is None else {**body, "cache_salt": salt}
+        resp = httpx.post(url + "/v1/completions", json=one, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["token_ids"]
+
+    def p_hits() -> float:
+        return val(scrape(pd_pair.p.url), "vllm:prompt_tokens_by_source_total",
+                   source="local_cache_hit")  # fmt: skip
+
+    colocated = ids(pd_pair.d.url, None)
+    hits: list[float] = []
+    for salt in ("tenant-a", "tenant-a", "tenant-b", "tenant-b"):
+        before = p_hits()
+        assert ids(proxy_url, salt) == colocated, salt
+        hits.append(p_hits() - before)
+    assert hits == [0, 5 * 16, 0, 5 * 16]
