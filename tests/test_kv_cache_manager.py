@@ -35,7 +35,7 @@ class _CountingCache:
         self._cache = pool.cache
         pool.cache = self
 
-    def __call__(self, block: int, content_hash: int) -> None:
+    def __call__(self, block: int, content_hash: bytes) -> None:
         self.calls += 1
         self._cache(block, content_hash)
 
@@ -82,3 +82,34 @@ def test_a_preempted_request_registers_its_recomputed_blocks_again():
         tokens = list(range(base, base + 30)) + [5] * 30
         hits = s.kv.get_computed_blocks(Request(rid + "2", tokens + [1], SamplingParams()))
         assert hits, rid
+
+
+def test_the_prefix_cache_is_keyed_by_sha256_chains_of_the_blocks_tokens():
+    """A cache key stands for every token before it, so it must resist a client choosing a
+    prompt to collide with another's (Python's 64-bit tuple hash does not: CVE-2025-25183
+    in vLLM). The keys are SHA-256 digests chained block to block, the first block's with
+    the request's cache_salt, recomputed here from hashlib alone."""
+    import hashlib
+    import struct
+
+    def le(tokens: list[int]) -> bytes:
+        return b"".join(struct.pack("<q", t) for t in tokens)
+
+    s = _scheduler()
+    prompt = list(range(300, 313))  # 13 tokens: 3 full blocks
+    for salt in (None, "tenant-é"):
+        r = Request(f"r{salt}", prompt, SamplingParams(max_tokens=1), cache_salt=salt)
+        s.add_request(r)
+        _step(s)
+        assert not s.has_work()
+        if salt is None:
+            want = [hashlib.sha256(b"\x00" + le(prompt[:BLOCK])).digest()]
+        else:
+            raw = salt.encode()
+            head = b"\x01" + struct.pack("<I", len(raw)) + raw
+            want = [hashlib.sha256(head + le(prompt[:BLOCK])).digest()]
+        for i in (1, 2):
+            block = prompt[i * BLOCK : (i + 1) * BLOCK]
+            want.append(hashlib.sha256(b"\x02" + want[-1] + le(block)).digest())
+        assert r.block_hashes[:3] == want
+        assert all(s.kv.pool.lookup(k) is not None for k in want)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.core.block_hash import BlockKey
+
 
 class BlockPool:
     """Owns the ids ``0 .. num_blocks-1`` of one node's KV cache (same ids on every rank).
@@ -19,8 +21,8 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         # Free blocks in eviction order (oldest first); value unused.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._hash_of: dict[int, int] = {}  # block id -> content hash
-        self._block_of: dict[int, int] = {}  # content hash -> block id
+        self._hash_of: dict[int, BlockKey] = {}  # block id -> content hash
+        self._block_of: dict[BlockKey, int] = {}  # content hash -> block id
 
     @property
     def num_free(self) -> int:
@@ -42,7 +44,7 @@ class BlockPool:
             out.append(block)
         return out
 
-    def lookup(self, content_hash: int) -> int | None:
+    def lookup(self, content_hash: BlockKey) -> int | None:
         return self._block_of.get(content_hash) if self.enable_caching else None
 
     def touch(self, block: int) -> None:
@@ -59,7 +61,7 @@ class BlockPool:
             if self.ref_cnt[block] == 0:
                 self._free[block] = None
 
-    def cache(self, block: int, content_hash: int) -> None:
+    def cache(self, block: int, content_hash: BlockKey) -> None:
         """Record that ``block`` holds the full block whose prefix hash is ``content_hash``."""
         if not self.enable_caching or block in self._hash_of:
             return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from engine.core.block_hash import BlockKey, block_key
 from engine.core.block_pool import BlockPool
 from engine.core.request import Request
 
@@ -27,8 +28,8 @@ class KVCacheManager:
         # Per step not finished yet: the hashes of the full prompt blocks it computes
         # (each a prefix-cache entry once the step is done), and how many such steps
         # compute each hash.
-        self._in_flight: dict[int, list[int]] = {}
-        self._in_flight_count: Counter[int] = Counter()
+        self._in_flight: dict[int, list[BlockKey]] = {}
+        self._in_flight_count: Counter[BlockKey] = Counter()
 
     @property
     def num_blocks(self) -> int:
@@ -43,21 +44,18 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def _hash_chain(self, request: Request, num_full_blocks: int) -> list[int]:
-        """Block ``i``'s hash stands for the tokens up to its end: its tokens chained with
-        block ``i - 1``'s hash; the first block's with the request's ``cache_salt`` (vLLM's
-        rule), so a salted chain shares no hash with another salt's or an unsalted one."""
+    def _hash_chain(self, request: Request, num_full_blocks: int) -> list[BlockKey]:
+        """Block ``i``'s key stands for the tokens up to its end: its tokens chained with
+        block ``i - 1``'s key; the first block's with the request's ``cache_salt`` (vLLM's
+        rule), so a salted chain shares no key with another salt's or an unsalted one
+        (``engine/core/block_hash.py``: SHA-256, a chosen collision is out of reach)."""
         hashes = request.block_hashes
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
-            if hashes:
-                hashes.append(hash((hashes[-1], tokens)))
-            elif request.cache_salt is None:
-                hashes.append(hash((0, tokens)))
-            else:
-                hashes.append(hash((0, tokens, request.cache_salt)))
+            tokens = request.all_token_ids[i * bs : (i + 1) * bs]
+            parent = hashes[-1] if hashes else None
+            hashes.append(block_key(parent, tokens, request.cache_salt))
         return hashes  # at least num_full_blocks long
 
     def get_computed_blocks(self, request: Request) -> list[int]:

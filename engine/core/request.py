@@ -94,7 +94,7 @@ class Request:
         # vLLM's ``cache_salt``: mixed into the first full block's hash, so the whole chain
         # (``block_hashes``) is this salt's: other salts, or none, never hit its blocks.
         self.cache_salt = cache_salt
-        self.block_hashes: list[int] = []  # hashes of this request's full blocks
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of its full blocks (block_hash.py)
         self.arrival_time = time.monotonic()
         # Request-level metrics (``scheduler_stats.RequestMetrics``), monotonic seconds.
         self.scheduled_time: float | None = None  # first admitted
