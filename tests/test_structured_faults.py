@@ -140,7 +140,7 @@ def test_an_llguidance_call_that_raises_fails_its_request_alone(
 @pytest.mark.parametrize("method", ["validate_tokens", "consume_token"])
 @pytest.mark.parametrize("raises", ["exception", "panic"])
 def test_a_decode_node_whose_llguidance_fails_on_the_first_token_fails_the_request(
-    method: str, raises: str
+    method: str, raises: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """D checks the prefill node's first token (``allows``: ``validate_tokens``) and takes
     it (``consume_token``): either call raising ends the request with llguidance's
@@ -178,3 +178,6 @@ def test_a_decode_node_whose_llguidance_fails_on_the_first_token_fails_the_reque
     assert last.error_code == "structured_output_stuck", last
     assert "llguidance failed" in (last.error or ""), last.error
     assert not sch.has_work() and sch.kv.pool.num_free == sch.kv.num_blocks
+    if method == "validate_tokens":  # the log says the check failed, not P's token
+        assert "does not follow" not in caplog.text
+        assert "checking the prefill node's first token" in caplog.text

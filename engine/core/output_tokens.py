@@ -79,6 +79,12 @@ def checked_first_token(req: Request, info: dict[str, Any], vocab_size: int | No
         )  # fmt: skip
         return None
     if first is not None and req.grammar is not None and not req.grammar.allows(first):
+        if req.grammar.is_error():  # llguidance failed: the request ends at its next mask
+            logger.warning(
+                "request %s: checking the prefill node's first token %d: %s",
+                req.request_id, first, req.grammar.error,
+            )  # fmt: skip
+            return None
         # P did not sample it under this grammar (P and D with different reasoning
         # parsers, or a hand-made decode leg): the grammar decides here.
         logger.warning(
