@@ -173,12 +173,15 @@ COMMON_FIELDS = [
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
     "ignore_eos", "stream", "stream_options", "kv_transfer_params", "user", "n", "best_of",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-    "logprobs", "min_p", "allowed_token_ids",
+    "logprobs", "min_p", "allowed_token_ids", "bad_words", "priority", "cache_salt",
+    "truncate_prompt_tokens", "return_tokens_as_token_ids", "structured_outputs",
 ]  # fmt: skip
 COMPLETION_FIELDS = [*COMMON_FIELDS, "prompt", "echo", "suffix"]
 CHAT_FIELDS = [
     *COMMON_FIELDS, "messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs",
     "tools", "functions", "tool_choice", "function_call", "response_format",
+    "truncate_messages_to", "reasoning_effort", "add_generation_prompt",
+    "continue_final_message",
 ]  # fmt: skip
 
 
