@@ -25,19 +25,20 @@ from engine.server.request_fields import (
 )
 
 # Passed to the chat request as they are (vLLM's ResponsesRequest takes its sampling
-# extras so too); the chat request checks them.
+# extras so too); the chat request checks them. ``prompt_cache_key`` too: the proxy routes
+# the chat request by it.
 SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
     "bad_words", "allowed_token_ids", "skip_special_tokens", "priority",
-    "chat_template_kwargs", "include_stop_str_in_output", "cache_salt",
+    "chat_template_kwargs", "include_stop_str_in_output", "cache_salt", "prompt_cache_key",
 )  # fmt: skip
 # Accepted and repeated back (or ignored): they change nothing here.
 ECHOED_FIELDS = (
     "model", "input", "instructions", "max_output_tokens", "stream", "tools", "tool_choice",
     "parallel_tool_calls", "text", "reasoning", "store", "metadata", "user", "include",
     "top_logprobs", "truncation", "previous_response_id", "background", "service_tier",
-    "prompt_cache_key", "safety_identifier", "stream_options", "max_tool_calls",
+    "safety_identifier", "stream_options", "max_tool_calls",
     "conversation", "prompt",
 )  # fmt: skip
 KNOWN_FIELDS = frozenset(SAMPLING_FIELDS) | frozenset(ECHOED_FIELDS)
@@ -51,7 +52,7 @@ SCHEMA_FORMAT_KEYS = ("name", "schema", "strict", "description")
 VERBOSITIES = ("low", "medium", "high")
 SUMMARIES = ("auto", "concise", "detailed")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
-# ``user`` (an end-user id; OpenAI's safety_identifier and prompt_cache_key are 64): at most.
+# ``user`` (an end-user id; OpenAI's safety_identifier is 64): at most.
 MAX_USER_CHARS = 512
 
 
@@ -182,7 +183,7 @@ def _check_accepted(body: dict[str, Any]) -> None:
     a stream sends)."""
     get_bool(body, "store", True)
     get_int(body, "max_tool_calls")
-    for name in ("service_tier", "prompt_cache_key", "safety_identifier"):
+    for name in ("service_tier", "safety_identifier"):
         get_str(body, name)
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
         raise bad_type("stream_options", "an object", body["stream_options"])

@@ -45,6 +45,9 @@ INT64_MAX = 2**63 - 1
 # vLLM's ``cache_salt`` (prefix-cache isolation): hashed into a request's first KV block
 # and its proxy routing key; a tenant's secret needs no more (vLLM suggests 43 characters).
 MAX_CACHE_SALT_CHARS = 1024
+# OpenAI's ``prompt_cache_key`` (which cache a request should go to: the proxy's routing
+# affinity): OpenAI's bound.
+MAX_PROMPT_CACHE_KEY_CHARS = 64
 
 
 def parse_stop(body: dict[str, Any]) -> list[str]:
@@ -161,6 +164,22 @@ def parse_cache_salt(salt: Any) -> str | None:
     return salt
 
 
+def parse_prompt_cache_key(key: Any) -> str | None:
+    """OpenAI's ``prompt_cache_key``: None, or a string of at most
+    ``MAX_PROMPT_CACHE_KEY_CHARS`` characters; an empty one is none (no affinity)."""
+    if key is None:
+        return None
+    if not isinstance(key, str):
+        raise bad_type("prompt_cache_key", "a string", key)
+    if len(key) > MAX_PROMPT_CACHE_KEY_CHARS:
+        raise APIError(
+            f"'prompt_cache_key' may be at most {MAX_PROMPT_CACHE_KEY_CHARS} characters, "
+            f"got {len(key)}",
+            param="prompt_cache_key",
+        )
+    return key or None
+
+
 def logprobs_count(body: dict[str, Any], name: str) -> int | None:
     """A log-probability count: >= 0 (a node's --max-logprobs bounds it:
     ``request_checks.check_logprobs``)."""
@@ -204,7 +223,7 @@ COMMON_FIELDS = frozenset(
         "truncate_prompt_tokens", "return_tokens_as_token_ids", "return_token_ids",
         "skip_special_tokens",
         "spaces_between_special_tokens",
-        "prompt_logprobs", "priority", "bad_words", "cache_salt",
+        "prompt_logprobs", "priority", "bad_words", "cache_salt", "prompt_cache_key",
         "allowed_token_ids", *STRUCTURED_FIELDS, *_VLLM_FIELDS,
     }
 )  # fmt: skip

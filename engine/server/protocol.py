@@ -37,6 +37,7 @@ from engine.server.field_parsers import (
     parse_logit_bias,
     parse_max_tokens,
     parse_n,
+    parse_prompt_cache_key,
     parse_stop,
     parse_stop_token_ids,
     reject_unsupported,
@@ -117,6 +118,9 @@ class BaseRequest:
     # vLLM's: prefix-cache isolation -- hashed into the first KV block's hash (every later
     # block's chains from it), so requests with other salts (or none) share no cached block.
     cache_salt: str | None = field(default=None, repr=False)  # a tenant's secret: not logged
+    # OpenAI's: which cache the request should go to (the proxy's routing affinity; a node
+    # has one cache, so it changes nothing there). None: no key (or an empty one).
+    prompt_cache_key: str | None = field(default=None, repr=False)
     # A structured output (response_format, structured_outputs, guided_*): one constraint.
     structured_output: StructuredOutput | None = None
     # Its grammar compiled by the node's HTTP layer (the matcher's start state, copied for
@@ -287,6 +291,7 @@ def parse_common(body: dict[str, Any], req: BaseRequest, *, chat: bool) -> None:
     req.priority = get_int(body, "priority", 0)
     req.bad_words = parse_bad_words(body.get("bad_words"))
     req.cache_salt = parse_cache_salt(body.get("cache_salt"))
+    req.prompt_cache_key = parse_prompt_cache_key(body.get("prompt_cache_key"))
     keep = req.truncate_prompt_tokens
     if keep is not None and keep < 1 and keep != -1:
         raise APIError(
