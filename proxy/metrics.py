@@ -85,7 +85,7 @@ class _NodeCollector(Collector):
         decisions = CounterMetricFamily(
             f"{PREFIX}_route_decisions",
             "Nodes chosen, by role and why (least_load, round_robin; --routing prefix: "
-            "prefix, spread, load)",
+            "cache_key, prefix, spread, load)",
             labels=["role", "reason"],
         )
         for (role, reason), n in sorted(router.decisions.items()):

@@ -33,6 +33,7 @@ identical prompts are routed independently, never after another tenant's cache.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections import Counter, OrderedDict
@@ -43,6 +44,7 @@ from typing import Any
 from engine.server.chat_protocol import parse_messages
 from engine.server.protocol import BaseRequest, ChatCompletionRequest, CompletionRequest
 from engine.server.request_fields import APIError
+from proxy.cache_keys import affinity
 
 CHAR_BLOCK = 64  # characters per block of a text key (about 16 tokens of English)
 ID_BLOCK = 16  # token ids per block of an ids key (the engine's default --block-size)
@@ -86,6 +88,9 @@ class PromptKey:
     hashes: tuple[int, ...]  # one per full block
     tail: str | tuple[int, ...]  # what follows the last full block (for ``extend``)
     salt: str | None = field(default=None, repr=False)  # ``cache_salt``: the chain's root
+    # ``prompt_cache_key`` (with the salt) as ``proxy/cache_keys.py`` remembers it; None:
+    # the request has none. Routes with ``--routing prefix``, never a block of the chain.
+    affinity: bytes | None = field(default=None, repr=False)
 
     @property
     def block(self) -> int:
@@ -107,7 +112,8 @@ class PromptKey:
         parent = self.hashes[-1] if self.hashes else _root(self.kind, self.salt)
         seq = self.tail + more  # type: ignore[operator]
         done = self.length - len(self.tail)
-        return _chain(self.kind, self.salt, parent, self.hashes, seq, done)
+        key = _chain(self.kind, self.salt, parent, self.hashes, seq, done)
+        return key if self.affinity is None else dataclasses.replace(key, affinity=self.affinity)
 
 
 def _root(kind: str, salt: str | None) -> int:
@@ -128,14 +134,19 @@ def _chain(
 
 
 def prompt_key(parsed: BaseRequest) -> PromptKey:
-    """The key of a validated completion or chat request (its ``cache_salt`` the root)."""
+    """The key of a validated completion or chat request (its ``cache_salt`` the root,
+    its ``prompt_cache_key`` the affinity)."""
     salt = parsed.cache_salt
     if isinstance(parsed, ChatCompletionRequest):
-        return PromptKey.of("chat", _chat_head(parsed) + _chat_text(parsed.messages), salt)
-    assert isinstance(parsed, CompletionRequest)
-    if parsed.prompt_token_ids is not None:
-        return PromptKey.of("ids", parsed.prompt_token_ids, salt)
-    return PromptKey.of("text", parsed.prompt_text or "", salt)
+        key = PromptKey.of("chat", _chat_head(parsed) + _chat_text(parsed.messages), salt)
+    else:
+        assert isinstance(parsed, CompletionRequest)
+        if parsed.prompt_token_ids is not None:
+            key = PromptKey.of("ids", parsed.prompt_token_ids, salt)
+        else:
+            key = PromptKey.of("text", parsed.prompt_text or "", salt)
+    near = affinity(parsed.prompt_cache_key, salt)
+    return key if near is None else dataclasses.replace(key, affinity=near)
 
 
 def answer_suffix(

@@ -12,7 +12,10 @@ request's ``PromptKey``), return one. ``--routing``:
   that prefix is at least ``--cache-threshold`` of the prompt, else the node with the
   least remembered (so that different prefixes spread); when the load is imbalanced
   (max - min outstanding > ``--balance-abs-threshold`` and max > min x
-  ``--balance-rel-threshold``), the least loaded node.
+  ``--balance-rel-threshold``), the least loaded node. A request's ``prompt_cache_key``
+  (OpenAI's) comes first: its node (``proxy/cache_keys.py``) counts as holding the whole
+  prompt, so it gets the request while the load is balanced and it is a candidate; a key
+  without a node takes the node this rule picks.
 
 ``Router.plan`` picks the decode node first, then decides the mode (Dynamo's conditional
 disaggregation): when the prompt minus the prefix that decode node already holds is
@@ -36,6 +39,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from proxy.cache_keys import KeyOwners
 from proxy.config import ProxyConfig
 from proxy.nodes import Node, NodePool, Role
 from proxy.prefix import CHAR_BLOCK, PrefixIndex, PromptKey, TokenEstimator
@@ -103,8 +107,10 @@ class RoundRobin:
 class CacheAware:
     """SGLang's cache-aware rule over the proxy's ``PrefixIndex`` (see the module doc).
 
-    ``last_reason``: ``prefix`` (longest cached prefix), ``spread`` (no node holds enough:
-    the one with the least remembered), ``load`` (imbalanced, or nothing to match)."""
+    ``last_reason``: ``cache_key`` (the node of the request's ``prompt_cache_key``),
+    ``prefix`` (longest cached prefix), ``spread`` (no node holds enough: the one with the
+    least remembered), ``load`` (imbalanced, or nothing to match). ``owners``: the nodes
+    of the keys (default: as many keys per role as ``index`` holds blocks per node)."""
 
     def __init__(
         self,
@@ -112,8 +118,10 @@ class CacheAware:
         cache_threshold: float = 0.5,
         balance_abs_threshold: int = 32,
         balance_rel_threshold: float = 1.5,
+        owners: KeyOwners | None = None,
     ) -> None:
         self.index = index
+        self.owners = owners or KeyOwners(index.max_blocks)
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs_threshold
         self.balance_rel = balance_rel_threshold
@@ -126,6 +134,26 @@ class CacheAware:
         return hi - lo > self.balance_abs and hi > lo * self.balance_rel
 
     def choose(self, role: Role, candidates: Sequence[Node], key: PromptKey | None = None) -> Node:
+        near = key.affinity if key is not None else None
+        if near is None:
+            return self._by_prefix(role, candidates, key)
+        # A ``prompt_cache_key``: its node counts as holding the whole prompt, so it wins
+        # whatever the text matches, unless the load is imbalanced. A key without a node
+        # (new, or its node left) takes the one the rule picks.
+        url = self.owners.owner(role, near)
+        if url is None:
+            node = self._by_prefix(role, candidates, key)
+            self.owners.assign(role, near, node.url)
+            return node
+        owner = next((n for n in candidates if n.url == url), None)
+        if owner is None or self.imbalanced(candidates):
+            # Avoided by this attempt (a retry), or too busy: the rule, this once; the
+            # key stays with its node.
+            return self._by_prefix(role, candidates, key)
+        self.last_reason = "cache_key"
+        return owner
+
+    def _by_prefix(self, role: Role, candidates: Sequence[Node], key: PromptKey | None) -> Node:
         if key is None or not key.hashes or self.imbalanced(candidates):
             self.last_reason = "load"
             return self._least.choose(role, candidates)
@@ -216,6 +244,12 @@ class Router:
         if self.index is not None and self.index.size(node.url):
             logger.info("%s node %s: forgetting its cached prefixes", node.role, node.url)
             self.index.drop(node.url)
+        owners = getattr(self.policy, "owners", None)
+        if isinstance(owners, KeyOwners) and (moved := owners.drop(node.role, node.url)):
+            logger.info(
+                "%s node %s: its %s prompt_cache_key(s) move with their next requests",
+                node.role, node.url, moved,
+            )  # fmt: skip
 
     def _node_left(self, node: Node) -> None:
         """``node`` left the pool: its pairs' parser warnings go (a node joining at its URL
