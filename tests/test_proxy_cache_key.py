@@ -142,3 +142,57 @@ def test_keys_are_per_tenant_and_their_memory_is_bounded() -> None:
     assert owners.size("prefill") == 16 and owners.size("decode") == 16
     assert owners.owner("prefill", _key("x", "user-49").affinity) is not None
     assert owners.owner("prefill", _key("x", "user-0").affinity) is None
+
+
+def test_served_same_key_requests_with_other_texts_reach_one_prefill_node() -> None:
+    """Through a proxy ``Session`` against stand-in nodes (two prefill, one decode): six
+    requests with one key and six texts all reach one prefill node, and each node gets
+    the key in its body (a node accepts it)."""
+    import asyncio
+    import json
+
+    from proxy.legs import Legs
+    from proxy.node_client import NodeClient
+    from proxy.session import Session
+    from proxy.validation import COMPLETIONS, validate_request
+    from tests.standin_http import SeenRequest, StandIn, answer
+    from tests.test_proxy_node_config import D_ANSWER
+    from tests.test_proxy_waits import PREFILL_ANSWER, _node, _ready_pool
+
+    seen: dict[str, list[Any]] = {}
+
+    def leg(name: str, body: dict[str, Any]) -> Any:
+        async def handle(req: SeenRequest) -> bytes:
+            seen.setdefault(name, []).append(req.json().get("prompt_cache_key"))
+            return answer(200, {**body, "model": "tiny"})
+
+        return _node(handle)
+
+    async def main() -> None:
+        async with (
+            StandIn(leg("p0", PREFILL_ANSWER)) as p0,
+            StandIn(leg("p1", PREFILL_ANSWER)) as p1,
+            StandIn(leg("d", D_ANSWER)) as d,
+        ):
+            cfg = ProxyConfig(prefill=(p0.url, p1.url), decode=(d.url,), routing="prefix")
+            pool = _ready_pool(cfg)
+            router = Router.from_config(pool, cfg)
+            async with NodeClient(timeout=20) as client:
+                legs = Legs(client)
+                for i in range(6):
+                    raw = json.dumps(
+                        {"prompt": _text(i), "max_tokens": 3, "prompt_cache_key": "chat-42"}
+                    ).encode()
+                    req = validate_request(COMPLETIONS, raw, ["tiny"], None)
+                    session = Session(req, f"r{i}", cfg, router, legs, ProxyMetrics(pool))
+                    try:
+                        body = await asyncio.wait_for(session.complete(), 15)
+                    finally:
+                        session.close()
+                    assert body["choices"][0]["token_ids"] == [7, 8, 9], body
+                await legs.drain()
+
+    asyncio.run(main())
+    prefills = {k: v for k, v in seen.items() if k != "d"}
+    assert len(prefills) == 1 and sum(map(len, prefills.values())) == 6, seen
+    assert all(k == "chat-42" for v in seen.values() for k in v), seen
