@@ -175,6 +175,7 @@ COMMON_FIELDS = [
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
     "logprobs", "min_p", "allowed_token_ids", "bad_words", "priority", "cache_salt",
     "truncate_prompt_tokens", "return_tokens_as_token_ids", "structured_outputs",
+    "prompt_cache_key",
 ]  # fmt: skip
 COMPLETION_FIELDS = [*COMMON_FIELDS, "prompt", "echo", "suffix"]
 CHAT_FIELDS = [
