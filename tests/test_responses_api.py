@@ -924,3 +924,23 @@ def test_a_cut_conversation_resumes_at_a_user_turn_when_it_has_one():
     assert cut_points(turns) == [2, 4]
     lone = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}] * 1
     assert cut_points([*lone, {"role": "assistant", "content": "z"}]) == [1, 2]
+
+
+def test_the_response_repeats_the_cache_key_the_safety_identifier_and_max_tool_calls():
+    """OpenAI's ``response`` object repeats them (null when the request left them out);
+    ``safety_identifier`` is bounded as OpenAI bounds it (64 characters): it is repeated
+    in every event of a stream."""
+    _, echo = to_chat(
+        {"input": "x", "prompt_cache_key": "conv-1", "safety_identifier": "u-9",
+         "max_tool_calls": 3}
+    )  # fmt: skip
+    fields = echo.fields()
+    assert (fields["prompt_cache_key"], fields["safety_identifier"]) == ("conv-1", "u-9")
+    assert fields["max_tool_calls"] == 3
+    none = to_chat({"input": "x"})[1].fields()
+    assert [none[k] for k in ("prompt_cache_key", "safety_identifier", "max_tool_calls")] == [
+        None, None, None
+    ]  # fmt: skip
+    with pytest.raises(APIError) as e:
+        to_chat({"input": "x", "safety_identifier": "s" * 65})
+    assert e.value.param == "safety_identifier"

@@ -54,6 +54,8 @@ SUMMARIES = ("auto", "concise", "detailed")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 # ``user`` (an end-user id; OpenAI's safety_identifier is 64): at most.
 MAX_USER_CHARS = 512
+# OpenAI's bound on ``safety_identifier`` (repeated in every response object a stream sends).
+MAX_SAFETY_IDENTIFIER_CHARS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,9 @@ class ResponseEcho:
     truncation: str
     top_logprobs: int | None
     service_tier: str | None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    max_tool_calls: int | None = None
     ignored_fields: tuple[str, ...] = ()
 
     def fields(self) -> dict[str, Any]:
@@ -146,6 +151,9 @@ def to_chat(body: Any) -> tuple[dict[str, Any], ResponseEcho]:
         truncation=truncation,
         top_logprobs=get_int(body, "top_logprobs"),
         service_tier=get_str(body, "service_tier"),
+        prompt_cache_key=get_str(body, "prompt_cache_key") or None,
+        safety_identifier=get_str(body, "safety_identifier"),
+        max_tool_calls=get_int(body, "max_tool_calls"),
         ignored_fields=tuple(k for k in body if k not in KNOWN_FIELDS),
     )
     return chat, echo
@@ -187,6 +195,13 @@ def _check_accepted(body: dict[str, Any]) -> None:
         get_str(body, name)
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
         raise bad_type("stream_options", "an object", body["stream_options"])
+    safety = get_str(body, "safety_identifier")
+    if safety is not None and len(safety) > MAX_SAFETY_IDENTIFIER_CHARS:
+        raise APIError(
+            f"'safety_identifier' is at most {MAX_SAFETY_IDENTIFIER_CHARS} characters, got "
+            f"{len(safety)}",
+            param="safety_identifier",
+        )
     user = get_str(body, "user")
     if user is not None and len(user) > MAX_USER_CHARS:
         raise APIError(
