@@ -271,7 +271,8 @@ class LLM:
                 entries = mine[0].prompt_entries or [None] * len(ids)
                 prompt_lps = [position_logprobs(e, sp.prompt_logprobs, name) for e in entries]
             outs = [a.output(name) for a in mine]
-            results.append(RequestOutput(parent, prompt, ids, prompt_lps, outs))
+            cached = mine[0].num_cached_tokens
+            results.append(RequestOutput(parent, prompt, ids, prompt_lps, outs, True, cached))
         return results
 
     def _run(self, reqs: list[Request], take: Callable[[EngineOutput], bool]) -> None:

@@ -57,6 +57,8 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool = True
+    # The prompt tokens the prefix cache held (not computed) for its first answer (``n`` >
+    # 1: answer 0's; vLLM's field), None when it never started.
     num_cached_tokens: int | None = None
 
 
@@ -87,6 +89,8 @@ class Answer:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    # Prompt tokens the prefix cache held when it started (vLLM's ``num_cached_tokens``).
+    num_cached_tokens: int | None = None
 
     def add(self, out: engine_outputs.RequestOutput) -> bool:
         """Take the engine's next output; True when the answer ended (the engine finished
@@ -96,6 +100,8 @@ class Answer:
         self.token_ids.extend(piece.token_ids)
         self.entries.extend(piece.logprobs or [None] * len(piece.token_ids))
         self.prompt_entries = self.prompt_entries or out.prompt_logprobs
+        if out.num_cached_tokens is not None:
+            self.num_cached_tokens = out.num_cached_tokens
         if piece.stop_hit or out.finished:
             self.finish_reason = "stop" if piece.stop_hit else out.finish_reason or "stop"
             self.stop_reason, self.error = piece.stop_reason, out.error

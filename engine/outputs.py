@@ -56,6 +56,9 @@ class RequestOutput:
     # took EOS where the stop check did not end the answer (``min_tokens``, ``ignore_eos``),
     # or it is complete and the request cannot take EOS (its last token is text).
     ended_by_grammar: bool = False
+    # Prompt tokens the prefix cache held when the request started (``Request.
+    # num_cached_tokens``); None while it waits.
+    num_cached_tokens: int | None = None
 
     def copy(self) -> RequestOutput:
         """A copy whose lists a later ``merge`` may extend."""
@@ -81,3 +84,5 @@ class RequestOutput:
         self.num_output_tokens = later.num_output_tokens
         self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
         self.ended_by_grammar = later.ended_by_grammar
+        if later.num_cached_tokens is not None:
+            self.num_cached_tokens = later.num_cached_tokens

@@ -119,4 +119,5 @@ def request_output(
         new_logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         ended_by_grammar=req.ended_by_grammar,
+        num_cached_tokens=req.num_cached_tokens,
     )

@@ -104,6 +104,11 @@ class Request:
         # source): prefix-cache hits here, and KV a prefill node pushed.
         self.num_cached_prompt_tokens = 0
         self.num_external_prompt_tokens = 0
+        # vLLM's ``num_cached_tokens``: the prompt tokens this node's prefix cache held at
+        # the first admission (None until then), so not those recomputed after a
+        # preemption nor, on a decode node, the KV the prefill node pushed (the usage's
+        # ``prompt_tokens_details.cached_tokens``; docs/api.md).
+        self.num_cached_tokens: int | None = None
         self.error: str | None = None
         self.error_code: str | None = None  # machine-readable, for the HTTP answer
         # Log probabilities, when the sampling params ask for them: one entry per output

@@ -351,7 +351,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 return _Start.NO_ROOM
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            RequestMetrics.scheduled(req, time.monotonic())
+            self._first_admission(req)
             self.remote_waiting[req.request_id] = req
             self.connector.update_state_after_alloc(req, blocks, ext)
             return _Start.STARTED
@@ -369,10 +369,18 @@ class Scheduler:
             req.num_computed_tokens = 0
             return _Start.NO_ROOM
         req.status = RequestStatus.RUNNING
-        RequestMetrics.scheduled(req, time.monotonic())
+        self._first_admission(req)
         self._add_running(req)
         seqs.append(self._scheduled(req, n))
         return _Start.STARTED
+
+    @staticmethod
+    def _first_admission(req: Request) -> None:
+        """``req`` started: its first start is its scheduled time and fixes how many
+        prompt tokens the prefix cache gave it (vLLM's ``num_cached_tokens``)."""
+        RequestMetrics.scheduled(req, time.monotonic())
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = req.num_cached_prompt_tokens
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         """``req``'s slice of this step: ``n`` tokens from ``num_computed_tokens`` on, which
