@@ -116,10 +116,21 @@ def _reasoning_tokens(usage: dict[str, Any] | None) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def cached_tokens(usage: dict[str, Any] | None) -> int:
+    """A usage's ``prompt_tokens_details.cached_tokens``; 0 when absent or not a
+    non-negative integer."""
+    details = (usage or {}).get("prompt_tokens_details")
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if ok else 0  # type: ignore[return-value]
+
+
 def sum_usage(usages: Sequence[dict[str, Any] | None], n: int) -> dict[str, Any]:
     """The request's usage from its choices' (prompt-major, ``n`` per prompt): each
     prompt's tokens once (vLLM's count), every choice's completion tokens, and their
-    reasoning tokens (``completion_tokens_details``) when every choice counted them."""
+    reasoning tokens (``completion_tokens_details``) when every choice counted them; each
+    prompt's cached tokens once too, its first choice's (``prompt_tokens_details``, absent
+    when none: vLLM's ``--enable-prompt-tokens-details``)."""
     prompt = sum(int((u or {}).get("prompt_tokens") or 0) for u in usages[::n])
     completion = sum(int((u or {}).get("completion_tokens") or 0) for u in usages)
     out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -127,6 +138,9 @@ def sum_usage(usages: Sequence[dict[str, Any] | None], n: int) -> dict[str, Any]
     counted = [r for r in map(_reasoning_tokens, usages) if r is not None]
     if usages and len(counted) == len(usages):
         out["completion_tokens_details"] = {"reasoning_tokens": sum(counted)}
+    cached = sum(map(cached_tokens, usages[::n]))
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
 
 

@@ -64,6 +64,7 @@ def build_app(
     served_model_names: list[str] | None = None,
     model_root: str | None = None,
     cors: CorsPolicy | None = None,
+    prompt_tokens_details: bool = False,
 ) -> FrontedApp:
     """The app serving ``engine`` (an ``AsyncLLMEngine`` or another EngineClient).
     ``app.state.drainer`` drains it on shutdown (``engine.httpkit.drain``). At
@@ -83,14 +84,17 @@ def build_app(
     ``served_model_names``: every name a request's ``model`` may give (default: the
     engine's ``model_name``), each with a card in ``/v1/models`` whose ``root`` is
     ``model_root`` (vLLM's: the ``--model`` given; default: the engine's name). ``cors``: which browser
-    origins may call it (``--allowed-origins`` and vLLM's other CORS flags; None: none)."""
+    origins may call it (``--allowed-origins`` and vLLM's other CORS flags; None: none).
+    ``prompt_tokens_details``: answers' usage has ``prompt_tokens_details.cached_tokens``
+    (``--enable-prompt-tokens-details``), also told to proxies in ``/v1/kv_transfer_info``
+    (they put the prefill node's count there)."""
     names = served_model_names or [engine.model_name]
     app = FrontedApp()
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(
         engine, metrics, max_request_bytes, tool_call_parser, reasoning_parser,
         trust_request_chat_template, log_requests, sampling_defaults, max_logprobs, names,
-        max_logprob_entries,
+        max_logprob_entries, prompt_tokens_details,
     )  # fmt: skip
     tokenize_serving = TokenizeServing(
         engine, max_request_bytes, trust_request_chat_template, names
@@ -177,9 +181,14 @@ def build_app(
     @app.get("/v1/kv_transfer_info")
     async def kv_transfer_info() -> JSONResponse:
         """What a proxy needs to pair this node: engine id, side channel, role, whether
-        its chat answers are parsed for reasoning, and which chat template it renders
-        with (a digest: P and D must render the same prompt)."""
-        info = {"reasoning_parser": reasoning_parser, "chat_template": chat_template}
+        its chat answers are parsed for reasoning, which chat template it renders with (a
+        digest: P and D must render the same prompt), and whether its usage has
+        ``prompt_tokens_details``."""
+        info = {
+            "reasoning_parser": reasoning_parser,
+            "chat_template": chat_template,
+            "prompt_tokens_details": prompt_tokens_details,
+        }
         return JSONResponse({**engine.kv_info(), **info})
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks

@@ -227,6 +227,13 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
         "request line (default: --log-level's)",
     )
     group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="completions' and chat answers' usage carries prompt_tokens_details."
+        "cached_tokens, the prompt tokens the prefix cache held (absent when none, as "
+        "vLLM's; Responses: input_tokens_details.cached_tokens) (default: off)",
+    )
+    group.add_argument(
         "--kv-transfer-config",
         metavar="JSON",
         default=None,

@@ -81,6 +81,7 @@ class JobBuilder:
         max_logprobs: int = MAX_LOGPROBS,
         served_names: list[str] | None = None,
         max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+        prompt_tokens_details: bool = False,
     ) -> None:
         """``tool_call_parser``: the parser of "auto" tool choice (``--enable-auto-tool-choice
         --tool-call-parser NAME``); None: such requests are refused (vLLM's rule).
@@ -93,7 +94,8 @@ class JobBuilder:
         ``--max-logprobs``. ``served_names``: every name a request's ``model`` may give
         (default: the engine's ``model_name``). ``max_logprob_entries``: the most
         log-probability entries the answer of a request with several choices may hold
-        (``--max-logprob-entries``)."""
+        (``--max-logprob-entries``). ``prompt_tokens_details``: answers' usage tells the
+        prompt tokens the prefix cache held (``--enable-prompt-tokens-details``)."""
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"unknown tool call parser {tool_call_parser!r}")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -107,6 +109,7 @@ class JobBuilder:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.max_logprobs = max_logprobs
         self.max_logprob_entries = max_logprob_entries
+        self.prompt_tokens_details = prompt_tokens_details
         self.served_names = served_names or [engine.model_name]
         self.engine = engine
         self._strings: TokenStrings | None = None  # token names for logprobs, made once
@@ -339,4 +342,5 @@ class JobBuilder:
             tools=calls,
             reasoning=reasoning,
             reasoning_tokens=counted,
+            prompt_tokens_details=self.prompt_tokens_details,
         )

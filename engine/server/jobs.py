@@ -93,18 +93,26 @@ class Job:
     reasoning_tokens: ReasoningTokens | None = None
     # With return_token_ids, a stream's first chunk carried the prompt's ids.
     _prompt_ids_sent: bool = False
+    # ``--enable-prompt-tokens-details``: the usage's ``prompt_tokens_details``, with the
+    # prompt tokens the engine's prefix cache held (``cached_tokens``) when it started.
+    prompt_tokens_details: bool = False
+    cached_tokens: int = 0
 
     @property
     def endpoint(self) -> str:
         return "chat" if self.chat else "completions"
 
-    def usage(self, before_tokens: bool = False) -> dict[str, Any]:
-        """``before_tokens``: the usage of a chunk before any token (a stream's role chunk)."""
+    def usage(self, before_tokens: bool = False, final: bool = True) -> dict[str, Any]:
+        """``before_tokens``: the usage of a chunk before any token (a stream's role chunk);
+        ``final``: the answer's (its body's, a stream's usage chunk), not a chunk's so far
+        (``continuous_usage_stats``), which carries no ``prompt_tokens_details`` (vLLM's)."""
         p, c = len(self.prompt_ids), 0 if before_tokens else self.completion_tokens
         usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
         if self.reasoning_tokens is not None:
             r = 0 if before_tokens else self.reasoning_tokens.count
             usage["completion_tokens_details"] = {"reasoning_tokens": r}
+        if final and self.prompt_tokens_details and self.cached_tokens:  # 0: absent (vLLM)
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return usage
 
     def envelope(self, choices: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
@@ -212,7 +220,7 @@ class Job:
         if self.req.include_usage:
             # The role chunk carries no tokens: 0 so far (vLLM's); the others count the
             # choice's tokens up to theirs.
-            body["usage"] = self.usage(first) if self.req.continuous_usage else None
+            body["usage"] = self.usage(first, final=False) if self.req.continuous_usage else None
         if step.kv_transfer_params is not None and last:
             body["kv_transfer_params"] = step.kv_transfer_params
         return body
@@ -376,6 +384,8 @@ async def generate_steps(engine: EngineClient, job: Job, detok: Any) -> AsyncIte
             if out.new_token_ids and job.first_token_at is None:
                 job.first_token_at = time.monotonic()
             job.completion_tokens += len(out.new_token_ids)
+            if out.num_cached_tokens is not None:
+                job.cached_tokens = out.num_cached_tokens
             piece = answer.add(out)
             job.completion_tokens -= piece.dropped  # past a stop string: not the answer's
             if job.reasoning_tokens is not None:  # the whole answer's ids, P's first included

@@ -237,6 +237,7 @@ def run_node(role: Role, argv: list[str] | None = None) -> int:
             served_model_names=list(engine.config.model.served_names),
             model_root=model_root,
             cors=cors,
+            prompt_tokens_details=args.enable_prompt_tokens_details,
         )
         server = make_server(
             app,

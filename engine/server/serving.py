@@ -68,6 +68,7 @@ class OpenAIServing:
         max_logprobs: int = MAX_LOGPROBS,
         served_names: list[str] | None = None,
         max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+        prompt_tokens_details: bool = False,
     ) -> None:
         """``log_requests``: each request's start and end at INFO, else DEBUG
         (``--disable-log-requests``). The others are the ``JobBuilder``'s: how a request
@@ -75,6 +76,7 @@ class OpenAIServing:
         self.builder = JobBuilder(
             engine, tool_call_parser, reasoning_parser, trust_request_chat_template,
             sampling_defaults, max_logprobs, served_names, max_logprob_entries,
+            prompt_tokens_details,
         )  # fmt: skip
         self.request_log_level = logging.INFO if log_requests else logging.DEBUG
         self.engine = engine
