@@ -19,16 +19,25 @@ Keys a node accepts (proxy -> node):
   already streamed it from the prefill node).
 
 Keys a prefill node answers with (on the final output of a ``do_remote_decode`` request):
-``transfer_id``, ``first_token``, ``remote_engine_id``, ``remote_side_channel``.
+``transfer_id``, ``first_token``, ``remote_engine_id``, ``remote_side_channel``, and
+``num_cached_tokens`` -- the prompt tokens P's prefix cache held (P computed the rest; the
+proxy puts it in the client's ``usage.prompt_tokens_details``: docs/api.md). Added
+without a version: optional both ways (a proxy that does not know it ignores it; without
+it the proxy leaves D's usage as D wrote it). A decode leg may carry it back (vLLM's toy
+proxy sends P's answer's params on); the node ignores it there, and drops a value that is
+not a non-negative integer with a warning instead of refusing the request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 PARAM = "kv_transfer_params"
 
@@ -56,7 +65,10 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "remote_engine_id": (lambda v: isinstance(v, str) and len(v) <= 512, "a string"),
     "first_token": (lambda v: _is_int(v) and v >= 0, "a non-negative integer (a token id)"),
     "skip_first_token": (lambda v: isinstance(v, bool), "a boolean"),
+    "num_cached_tokens": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
 }
+# Facts a prefill node reports, not instructions: a bad value is dropped, not refused.
+_REPORTED = frozenset({"num_cached_tokens"})
 
 
 def _error(message: str, field: str | None = None) -> InvalidRequestError:
@@ -72,6 +84,7 @@ class KVTransferParams:
     remote_engine_id: str | None = None
     first_token: int | None = None
     skip_first_token: bool = False
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name, (ok, what) in _CHECKS.items():
@@ -107,7 +120,13 @@ class KVTransferParams:
                 known = ", ".join(_CHECKS)
                 raise _error(f"'{PARAM}.{key}' is not a known field (known: {known})", str(key))
         # None stands for "absent", as JSON null does.
-        return cls(**{k: v for k, v in raw.items() if v is not None})
+        fields = {k: v for k, v in raw.items() if v is not None}
+        for key in _REPORTED & fields.keys():
+            ok, what = _CHECKS[key]
+            if not ok(fields[key]):
+                logger.warning("%s.%s is not %s (%.60r): ignored", PARAM, key, what, fields[key])
+                del fields[key]
+        return cls(**fields)
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form: only the fields that are set (not None, not False)."""

@@ -35,6 +35,7 @@ from typing import Any
 
 from engine.httpkit.sse import sse_event
 from engine.server.logprobs import fill_missing, has_missing, num_entries
+from proxy.cached_tokens import prefill_cached_tokens, set_cached_tokens
 from proxy.client_stream import ClientStream
 from proxy.decode_events import DecodeEvents
 from proxy.legs import Attempt, UpstreamError, event_error
@@ -144,6 +145,7 @@ class DecodeRelay:
                 yield sse_event(obj)
                 return
             if isinstance(obj.get("usage"), dict) and not obj.get("choices"):  # the last
+                await self.fix_cached_tokens(obj["usage"], attempt)
                 self.router.observe_usage(self.req.key, obj)
                 if self.keep_usage:
                     self.usage = obj["usage"]  # the request's is the sum of its choices'
@@ -161,6 +163,17 @@ class DecodeRelay:
                 self._last = now
             self.sent = True
             yield sse_event(out)
+
+    async def fix_cached_tokens(self, usage: Any, attempt: Attempt) -> None:
+        """D's answer's usage (its body's, its stream's usage chunk) with P's prefix-cache
+        hit as its cached prompt tokens (``proxy/cached_tokens.py``), where D reports them
+        and P's answer says it; D alone (no P leg) computed the prompt: its own count."""
+        if not isinstance(usage, dict) or attempt.p is None or not attempt.d.prompt_tokens_details:
+            return
+        p_body = await self._prefill_answer(attempt)
+        cached = prefill_cached_tokens(p_body, usage.get("prompt_tokens"), self.request_id)
+        if cached is not None:
+            set_cached_tokens(usage, cached)
 
     async def fill_logprobs(self, body: dict[str, Any], attempt: Attempt) -> None:
         """Fill the log-prob entries D left null (what P computed) from P's answer; the
@@ -216,7 +229,9 @@ class DecodeRelay:
             if task.done() and not task.cancelled() and task.exception() is None:
                 source = task.result()
             else:
-                logger.warning("request %s: no prefill answer for logprobs", self.request_id)
+                logger.warning(
+                    "request %s: no prefill answer (its logprobs, cached tokens)", self.request_id
+                )
         self._p_answer = (attempt, source)
         return source
 

@@ -66,6 +66,9 @@ class Node:
     # A digest of the chat template it renders chats with (None: not advertised): a P and
     # a D that differ compute different prompts for one chat (warned about: ``HealthChecker``).
     chat_template: str | None = None
+    # Its usage has ``prompt_tokens_details`` (``--enable-prompt-tokens-details``): a
+    # decode node's then gets the prefill node's cached count (``proxy/cached_tokens.py``).
+    prompt_tokens_details: bool = False
     model: str | None = None
     # Every name it serves (its /v1/models cards: --served-model-name's names), model first.
     names: tuple[str, ...] = ()
@@ -188,6 +191,7 @@ class Node:
             self.reasoning_parser = parser if isinstance(parser, str) and parser else None
             template = kv_info.get("chat_template")
             self.chat_template = template[:64] if isinstance(template, str) and template else None
+            self.prompt_tokens_details = kv_info.get("prompt_tokens_details") is True
         if models is not None:
             cards = models.get("data")
             if not (isinstance(cards, list) and cards and isinstance(cards[0], dict)):

@@ -250,6 +250,7 @@ class Session:
             body["id"] = self.response_id
             self.relay.restart()
             await self.relay.fill_logprobs(body, attempt)
+            await self.relay.fix_cached_tokens(body.get("usage"), attempt)
             if self.req.parsed.prompt_logprobs is not None:
                 await self.relay.fill_prompt_logprobs(body, attempt)
             self.outcome = "ok"

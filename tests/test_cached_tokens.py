@@ -148,3 +148,27 @@ def test_responses_input_tokens_details_follow(nodes: dict[bool, Any]) -> None:
     )
     usage = loop.run_until_complete(main()).json()["usage"]
     assert usage["input_tokens_details"]["cached_tokens"] > 0, usage
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "80", 121])
+def test_a_prefill_nodes_bad_count_is_ignored_with_a_warning(
+    value: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from proxy.cached_tokens import prefill_cached_tokens
+
+    body = {"kv_transfer_params": {"num_cached_tokens": value}}
+    assert prefill_cached_tokens(body, 120, "r") is None
+    assert "num_cached_tokens" in caplog.text
+    assert prefill_cached_tokens({"kv_transfer_params": {"num_cached_tokens": 80}}, 120, "r") == 80
+    assert prefill_cached_tokens({"kv_transfer_params": {}}, 120, "r") is None
+
+
+def test_a_decode_leg_carrying_ps_count_back_is_served(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's toy proxy sends P's answer's params on to D: the count is known, and a bad
+    one is dropped with a warning, not a 400."""
+    from kvconnector.params import KVTransferParams
+
+    leg = {"do_remote_prefill": True, "transfer_id": "t", "remote_side_channel": "tcp://h:1"}
+    assert KVTransferParams.from_dict({**leg, "num_cached_tokens": 16}).num_cached_tokens == 16
+    assert KVTransferParams.from_dict({**leg, "num_cached_tokens": -3}).num_cached_tokens is None
+    assert "num_cached_tokens" in caplog.text

@@ -24,6 +24,10 @@ per choice):
 
 And ``cache_salt`` through the proxy: P's prefix-cache hits (its
 ``vllm:prompt_tokens_by_source_total``) are those of the request's own salt alone.
+
+Both nodes run with ``--enable-prompt-tokens-details``: through the proxy an answer's
+``usage.prompt_tokens_details.cached_tokens`` is P's prefix-cache hit (what a colocated
+node with P's cache would report), whatever D held itself.
 """
 
 from __future__ import annotations
@@ -112,6 +116,11 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> lis
 async def send_all(url: str, bodies: list[dict[str, Any]]) -> list[list[Answer]]:
     async with httpx.AsyncClient(timeout=120) as client:
         return list(await asyncio.gather(*(send(client, url, b) for b in bodies)))
+
+
+@pytest.fixture(scope="module")
+def pd_node_args() -> tuple[str, ...]:
+    return ("--num-blocks", "256", "--enable-prompt-tokens-details")
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +334,43 @@ def test_a_cache_salt_reaches_both_legs_and_prefill_hits_only_its_own(
         assert ids(proxy_url, salt) == colocated, salt
         hits.append(p_hits() - before)
     assert hits == [0, 5 * 16, 0, 5 * 16]
+
+
+def test_cached_tokens_through_the_proxy_are_the_prefill_nodes_hit(
+    pd_pair: PD, proxy_url: str
+) -> None:
+    """``usage.prompt_tokens_details.cached_tokens`` through the proxy: P's prefix-cache
+    hit (absent when none, as a colocated vLLM node answers), not what D held -- D
+    computes no prompt token, P computes those it did not hit."""
+    prompt = list(range(7, 7 + 5 * 16 + 3))  # five full blocks and three tokens
+
+    def cached(url: str, salt: str, stream: bool = False) -> int | None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                "cache_salt": salt, "stream": stream}  # fmt: skip
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        if stream:
+            lines = [ln[6:] for ln in resp.text.splitlines() if ln.startswith("data: {")]
+            usage = json.loads(lines[-1])["usage"]
+        else:
+            usage = resp.json()["usage"]
+        details = usage.get("prompt_tokens_details")
+        assert details is None or details["cached_tokens"] > 0, usage  # 0: absent (vLLM)
+        return None if details is None else details["cached_tokens"]
+
+    # The same prompt twice through the proxy: nothing cached, then P's five blocks.
+    for stream in (False, True):
+        salt = f"twice-{stream}"
+        assert cached(proxy_url, salt, stream) is None
+        assert cached(proxy_url, salt, stream) == 5 * 16
+    # P holds the prompt (asked directly), D does not: P's hit.
+    assert cached(pd_pair.p.url, "p-warm") is None
+    assert cached(pd_pair.p.url, "p-warm") == 5 * 16  # what a colocated node reports
+    assert cached(proxy_url, "p-warm") == 5 * 16
+    assert cached(proxy_url, "p-warm", stream=True) == 5 * 16
+    # D holds the prompt, P does not: P computed it all, nothing came from a cache.
+    assert cached(pd_pair.d.url, "d-warm") is None
+    assert cached(pd_pair.d.url, "d-warm") == 5 * 16
+    assert cached(proxy_url, "d-warm") is None

@@ -349,6 +349,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             first_token=first,
             remote_engine_id=self.engine_id,
             remote_side_channel=self.address,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _cancel_unreserved(self, request: Request, params: KVTransferParams) -> None:
