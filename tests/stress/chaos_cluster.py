@@ -55,6 +55,21 @@ def rss_detail(pid: int) -> list[float]:
     return [round(rss_bytes(p) / MIB, 1) for p in [pid, *descendants(pid)]]
 
 
+def scrape_labelled(url: str, sample: str, timeout: float = 10) -> dict[str, float]:
+    """The samples named ``sample`` of a ``/metrics`` page by their labels' values
+    ("a/b"); empty when the page cannot be read."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=timeout).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == sample:
+                    out["/".join(s.labels.values())] = s.value
+        return out
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
 def safe_scrape(url: str, timeout: float = 10) -> dict[str, float]:
     try:
         return scrape(url, timeout)
@@ -185,6 +200,8 @@ class Cluster:
             "--max-num-seqs",
             "32",
         ]
+        if cfg.tenants:  # usage's cached_tokens, through the proxy P's prefix-cache hit
+            common.append("--enable-prompt-tokens-details")
         nixl = [
             "--kv-connector",
             "nixl",
@@ -241,6 +258,8 @@ class Cluster:
             "--decode",
             *[n.url for n in self.decode],
         ]
+        if self.cfg.tenants:  # prompt_cache_key's affinity, cache_salt's routing keys
+            cmd += ["--routing", "prefix"]
         self.proxy = spawn("proxy", cmd, f"http://127.0.0.1:{port}", self.tmp)
         wait_healthy(self.proxy, timeout=60)
 

@@ -155,6 +155,15 @@ class ChaosConfig:
     # The reference without node_args and node_env (async nodes against a synchronous
     # reference, say); by default it gets them too.
     plain_reference: bool = False
+    # Tenants (``--tenants``; 0: none): each request gets its tenant's ``cache_salt`` and
+    # its conversation's ``prompt_cache_key``; every node runs with
+    # --enable-prompt-tokens-details and the proxy with --routing prefix, and no answer's
+    # ``cached_tokens`` may exceed what its own tenant's requests could have cached.
+    tenants: int = 0
+    # The isolation check's negative control: tenants and their keys, but no salt sent
+    # (tenants then share prefix-cache blocks: the check must fail).
+    tenant_unsalted: bool = False
+    block_size: int = 16  # the nodes' --block-size (the default): cached_tokens' unit
 
     def faults_for(self, round_no: int) -> tuple[str, ...]:
         if round_no == self.rounds and self.last_round_faults is not None:

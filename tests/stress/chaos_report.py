@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,23 @@ def tracebacks_in(tmp: Path) -> dict[str, int]:
             n = path.read_text(errors="replace").count("Traceback (most recent call last)")
             if n:
                 out[path.name] = n
+    return out
+
+
+# The proxy's log line of a request's attempt after its first (proxy/session.py).
+_RETRY = re.compile(r"request (\S+): .*\(attempt (?:[2-9]|\d\d+)\b")
+
+
+def retried_labels(tmp: Path) -> set[str]:
+    """The labels (``X-Request-Id``) of the requests the proxy tried more than once, from
+    its log (a reused label counts as retried if any of its requests was)."""
+    out: set[str] = set()
+    for path in sorted(tmp.glob("proxy*.err")):
+        with contextlib.suppress(OSError), path.open(errors="replace") as f:
+            for line in f:
+                m = _RETRY.search(line)
+                if m:
+                    out.add(m.group(1))
     return out
 
 
@@ -119,6 +137,16 @@ def format_table(s: dict[str, Any]) -> str:
         "",
         "faults injected: " + ", ".join(f"{k} × {v}" for k, v in sorted(s["faults"].items())),
     ]
+    if s.get("tenants"):
+        t, routes = s["tenants"], s["tenants"].get("routes", {})
+        lines.append(
+            f"tenants: {s['config']['tenants']} ({'unsalted: negative control, ' if s['config'].get('tenant_unsalted') else ''}"
+            f"--routing prefix, prompt_cache_key per conversation): {t['checked']} answers' "
+            f"cached_tokens checked, {t['hits']} with cached tokens ({t['cached_tokens']} "
+            f"tokens), {t['exposed']} exposed to another tenant's cache, "
+            f"{len(t['violations'])} isolation violations; route decisions "
+            + ", ".join(f"{k} × {v:.0f}" for k, v in sorted(routes.items()))
+        )  # noqa: E501
     if s["config"].get("node_args") or s["config"].get("node_env"):
         env = " ".join(f"{k}={v}" for k, v in sorted(s["config"].get("node_env", {}).items()))
         who = "every node but the reference" if s["config"].get("plain_reference") else "every node"
@@ -151,6 +179,12 @@ def failures(s: dict[str, Any]) -> list[str]:
         out.append(f"{s['broken']} broken answer(s) (neither completed nor a clear error)")
     if s["wrong"]:
         out.append(f"{s['wrong']} wrong answer(s)")
+    tenants = s.get("tenants")
+    if tenants and tenants["violations"]:
+        out.append(
+            f"{len(tenants['violations'])} answer(s) with cached tokens their tenant could not "
+            f"have cached (cross-tenant prefix cache): {tenants['violations'][:5]}"
+        )
     for r in s["rounds"]:
         if r["leaks"]:
             out.append(f"round {r['round']}: left over after the deadlines: {r['leaks']}")

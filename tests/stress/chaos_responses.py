@@ -57,6 +57,7 @@ class ResponsesStream:
     error: str | None = None
     ended: bool = False  # its last event (completed, incomplete or failed) came
     final_text: str | None = None  # the final response object's text
+    usage: Any = None  # the final response object's usage
 
     def feed(self, data: str) -> str | None:
         """One ``data:`` line; what is wrong with it (None: nothing)."""
@@ -72,6 +73,7 @@ class ResponsesStream:
             response = ev.get("response") or {}
             self.finish = FINISH.get(response.get("status"))
             self.final_text = output_text(response)
+            self.usage = response.get("usage")
         elif kind == "response.failed":
             self.ended = True
             err = (ev.get("response") or {}).get("error") or {}

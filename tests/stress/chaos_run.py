@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from chaos_cluster import Cluster, live_pids, rss_detail, safe_scrape
+from chaos_cluster import Cluster, live_pids, rss_detail, safe_scrape, scrape_labelled
 from chaos_config import (
     IDLE_GAUGES,
     PROXY_IDLE_GAUGES,
@@ -30,13 +30,17 @@ from chaos_report import (
     blames_client,
     error_kind,
     fault_failed,
+    retried_labels,
     tracebacks_in,
 )
 from chaos_workload import (
     Result,
     Spec,
+    TokKey,
     check_answer,
+    check_isolation,
     compute_references,
+    compute_tokens,
     make_prompts,
     make_specs,
     run_request,
@@ -50,6 +54,7 @@ class ChaosRun:
         self.cluster = Cluster(cfg, tmp)
         self.prompts = make_prompts(cfg.num_prompts, self.rng, cfg.long_bytes)
         self.refs: dict[RefKey, tuple[list[int], str]] = {}
+        self.tokens: dict[TokKey, list[int]] = {}  # --tenants: the prompts' token ids
         self.results: list[Result] = []
         self.faults: list[dict[str, Any]] = []
         self.rounds: list[RoundReport] = []
@@ -190,6 +195,10 @@ class ChaosRun:
         for r in results:
             check_answer(r, self.refs[r.ref_key])
         report.wrong = sum(r.wrong for r in results)
+        if cfg.tenants:
+            compute_tokens(
+                self.cluster.reference.url, {k[:2] for k in keys}, self.prompts, self.tokens
+            )
         log(
             f"round {round_no}: {len(keys)} reference answers checked in {time.monotonic() - t2:.0f}s"
         )
@@ -260,6 +269,7 @@ class ChaosRun:
     def summary(self) -> dict[str, Any]:
         cfg = self.cfg
         totals = Counter(r.outcome for r in self.results)
+        tenants = self.tenants() if cfg.tenants else None  # marks results' ``isolation``
         return {
             "commit": git_commit(),
             "config": public_config(cfg),
@@ -280,7 +290,9 @@ class ChaosRun:
             "fault_log": self.faults,
             "node_exits": {n.name: n.exits for n in self.cluster.nodes},
             "problems": [
-                r.public() for r in self.results if r.wrong or r.outcome in ("hung", "broken")
+                r.public()
+                for r in self.results
+                if r.wrong or r.isolation or r.outcome in ("hung", "broken")
             ],
             "errors": dict(
                 Counter(error_kind(r.error) for r in self.results if r.outcome == "errored")
@@ -300,7 +312,18 @@ class ChaosRun:
                 if r.outcome == "errored" and blames_client(r)
             ],
             "log_tracebacks": tracebacks_in(self.tmp),
+            "tenants": tenants,
         }
+
+    def tenants(self) -> dict[str, Any]:
+        """``--tenants``: the isolation check over every round's answers (caches outlive
+        rounds) and the proxy's route decisions (``cache_key``: a prompt_cache_key's node)."""
+        out = check_isolation(
+            self.results, self.tokens, self.cfg.block_size, retried_labels(self.tmp)
+        )
+        if self.cluster.proxy is not None:
+            out["routes"] = scrape_labelled(self.cluster.proxy.url, "pdproxy_route_decisions_total")
+        return out
 
     def rss_check(self) -> dict[str, dict[str, float]]:
         """Resident memory of the survivors: the processes that ran through all of the

@@ -73,6 +73,17 @@ that is neither: a stream cut without ``[DONE]``, a 200 that is not JSON, a non-
 without an error body). ``wrong`` counts completed answers that differ from the reference
 and partial answers (errored or aborted streams) whose tokens are not a prefix of it.
 
+``--tenants N`` makes the workload multi-tenant: every request is one of N tenants', with
+its tenant's ``cache_salt`` (the tenants send the same prompts, so without the salts they
+would share prefix-cache blocks) and its conversation's ``prompt_cache_key`` (a tenant's
+long prompts after one shared prefix are one conversation; every other prompt its own);
+nodes run with ``--enable-prompt-tokens-details`` and the proxy with ``--routing prefix``
+(key affinity and salted routing keys under the faults). Besides the usual checks (a salt
+never changes an answer), no answer's ``usage`` may report more cached prompt tokens than
+its own tenant's requests sent before it ended share with it in whole blocks
+(``check_isolation``); ``--tenants-unsalted`` leaves the salts out, a negative control the
+isolation check should fail.
+
 Run it with ``python tests/stress/chaos_suite.py --help`` (the long form is
 ``scripts/chaos.sh``); the short form is ``tests/stress/test_chaos.py``.
 """
@@ -244,6 +255,22 @@ def main(argv: list[str] | None = None) -> int:
         "against the chat reference by its text) (env CHAOS_RESPONSES_RATE; default 0)",
     )
     ap.add_argument(
+        "--tenants",
+        type=int,
+        default=int(env("CHAOS_TENANTS", "0")),
+        help="tenants sharing the prompt pool (0: none): each request gets its tenant's "
+        "cache_salt and its conversation's prompt_cache_key; nodes run with "
+        "--enable-prompt-tokens-details, the proxy with --routing prefix, and no answer's "
+        "cached_tokens may exceed what its own tenant could have cached (env CHAOS_TENANTS)",
+    )
+    ap.add_argument(
+        "--tenants-unsalted",
+        action="store_true",
+        default=env("CHAOS_TENANTS_UNSALTED") == "1",
+        help="the isolation check's negative control: --tenants without sending the salts "
+        "(tenants share the cache; the check should fail) (env CHAOS_TENANTS_UNSALTED=1)",
+    )
+    ap.add_argument(
         "--json", default=env("CHAOS_JSON"), help="write the summary here (env CHAOS_JSON)"
     )
     ap.add_argument(
@@ -275,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, share in (("structured", a.structured_rate), ("responses", a.responses_rate)):
         if not 0 <= share <= 1:
             ap.error(f"--{name}-rate: a share in [0, 1], got {share}")
+    if a.tenants < 0 or (a.tenants_unsalted and a.tenants < 2):
+        ap.error("--tenants: 0 (none) or more; --tenants-unsalted needs 2 or more")
     cfg = ChaosConfig(
         requests=a.requests,
         rounds=a.rounds,
@@ -297,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         kill_worker_rank=a.kill_worker_rank,
         plain_reference=a.plain_reference,
         stop_worker_rank=a.stop_worker_rank,
+        tenants=a.tenants,
+        tenant_unsalted=a.tenants_unsalted,
     )
     if a.unsigned:
         cfg.kv_secret = ""

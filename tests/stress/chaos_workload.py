@@ -4,9 +4,11 @@ reference."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -71,6 +73,9 @@ class Spec:
     burst: bool = False  # part of a fault's long-prompt burst
     structured: int = -1  # an index into STRUCTURED; -1: none
     responses: bool = False  # a chat as POST /v1/responses (checked against the chat's answer)
+    tenant: int = -1  # ``--tenants``: whose request (-1: no tenant, no salt, no key)
+    salt: str | None = None  # the tenant's ``cache_salt`` (None: unsalted)
+    cache_key: str | None = None  # the conversation's ``prompt_cache_key``
 
     @property
     def ref_key(self) -> RefKey:
@@ -100,13 +105,22 @@ class Result:
     ids: list[int] = field(default_factory=list, repr=False)  # what the client got
     text: str = field(default="", repr=False)
     responses: bool = False  # asked as /v1/responses: no token ids, checked by its text
+    tenant: int = -1
+    # ``--tenants``: the usage's cached prompt tokens (None: no usage seen), its prompt
+    # tokens, and when the request was sent and ended (monotonic seconds).
+    cached: int | None = None
+    prompt_tokens: int | None = None
+    t_start: float = 0.0
+    t_end: float = 0.0
+    isolation: str | None = None  # what the tenant isolation check found wrong
 
     @classmethod
     def of(cls, spec: Spec, prompt_len: int, planned_abort: str | None, **kw: Any) -> Result:
         """The result of ``spec``'s request, before it ran."""
         return cls(
             spec.index, spec.round, spec.label, spec.chat, spec.stream, spec.max_tokens,
-            prompt_len, planned_abort, ref_key=spec.ref_key, responses=spec.responses, **kw,
+            prompt_len, planned_abort, ref_key=spec.ref_key, responses=spec.responses,
+            tenant=spec.tenant, **kw,
         )  # fmt: skip
 
     def public(self) -> dict[str, Any]:
@@ -162,19 +176,51 @@ def make_specs(
             spec = specs[-1]
             if spec.structured < 0 or "response_format" in STRUCTURED[spec.structured]:
                 spec.chat = spec.responses = True
+        if cfg.tenants > 0:  # draws only then (a seed's workload without tenants stays)
+            spec = specs[-1]
+            spec.tenant = rng.randrange(cfg.tenants)
+            spec.salt = None if cfg.tenant_unsalted else tenant_salt(cfg.seed, spec.tenant)
+            spec.cache_key = f"t{spec.tenant}-{conversation(spec.prompt, num_prompts)}"
     return specs
+
+
+def tenant_salt(seed: int, tenant: int) -> str:
+    """Tenant ``tenant``'s ``cache_salt`` (a secret per tenant, as vLLM suggests; here
+    derived from the seed, so a run can be repeated)."""
+    return hashlib.sha256(f"chaos-tenant-{seed}-{tenant}".encode()).hexdigest()[:43]
+
+
+def conversation(prompt: int, num_prompts: int) -> str:
+    """The conversation a prompt of the pool belongs to (``make_prompts``): the long
+    prompts after one shared prefix are one conversation, every other prompt its own."""
+    if prompt % 3 == 2:
+        return f"shared-{(prompt // 3) % max(1, num_prompts // 6)}"
+    return f"prompt-{prompt}"
+
+
+def tenant_fields(spec: Spec) -> dict[str, Any]:
+    """A tenant's request's extra fields: its salt and its conversation's key."""
+    if spec.tenant < 0:
+        return {}
+    out: dict[str, Any] = {"prompt_cache_key": spec.cache_key}
+    if spec.salt is not None:
+        out["cache_salt"] = spec.salt
+    return out
 
 
 def body_of(spec: Spec, prompts: list[str]) -> dict[str, Any]:
     if spec.responses:
-        return responses_body(prompts[spec.prompt], spec.max_tokens, spec.stream, spec.structured)
-    body: dict[str, Any] = {"model": MODEL, "max_tokens": spec.max_tokens, **GREEDY}
+        body = responses_body(prompts[spec.prompt], spec.max_tokens, spec.stream, spec.structured)
+        return {**body, **tenant_fields(spec)}
+    body = {"model": MODEL, "max_tokens": spec.max_tokens, **GREEDY, **tenant_fields(spec)}
     if spec.chat:
         body["messages"] = [{"role": "user", "content": prompts[spec.prompt]}]
     else:
         body["prompt"] = prompts[spec.prompt]
     if spec.stream:
         body["stream"] = True
+        if spec.tenant >= 0:  # the usage (its cached tokens) in the last chunk
+            body["stream_options"] = {"include_usage": True}
     if spec.structured >= 0:
         body.update(STRUCTURED[spec.structured])
     return body
@@ -227,9 +273,10 @@ def run_request(proxy_url: str, spec: Spec, prompts: list[str], deadline_s: floa
         f"{spec.abort[0]}={spec.abort[1]}" if spec.abort else None,
         burst=spec.burst,
     )
-    start = time.monotonic()
+    start = r.t_start = time.monotonic()
     ids: list[int] = []
     text = ""
+    usage: Any = None  # the answer's usage (a stream's: its usage chunk's)
     leave_after_s = spec.abort[1] if spec.abort and spec.abort[0] == "after_s" else None
     leave_after_events = int(spec.abort[1]) if spec.abort and spec.abort[0] == "events" else None
     read_timeout = leave_after_s if leave_after_s is not None else deadline_s
@@ -249,13 +296,16 @@ def run_request(proxy_url: str, spec: Spec, prompts: list[str], deadline_s: floa
                     r.finish, r.error = (
                         (detail, None) if r.outcome == "completed" else (None, detail)
                     )
+                    if r.outcome == "completed":
+                        usage = json.loads(raw).get("usage")
                 else:
                     _classify_body(r, resp.status_code, raw, spec.chat, ids_out=ids)
                     if r.outcome == "completed":
                         text = _json_text(raw, spec.chat)
+                        usage = json.loads(raw).get("usage")
             elif spec.responses:
-                text = _read_responses_stream(r, resp, start, deadline_s, leave_after_s,
-                                              leave_after_events)  # fmt: skip
+                text, usage = _read_responses_stream(r, resp, start, deadline_s, leave_after_s,
+                                                     leave_after_events)  # fmt: skip
             else:
                 events = 0
                 finish = None
@@ -286,6 +336,8 @@ def run_request(proxy_url: str, spec: Spec, prompts: list[str], deadline_s: floa
                         err = ev["error"] or {}
                         r.error = f"event {err.get('code')}: {str(err.get('message'))[:160]}"
                         continue  # [DONE] must follow
+                    if ev.get("usage") is not None:
+                        usage = ev["usage"]
                     for c in ev.get("choices", []):
                         ids.extend(c.get("token_ids") or [])
                         text += choice_text(c, spec.chat)
@@ -311,10 +363,29 @@ def run_request(proxy_url: str, spec: Spec, prompts: list[str], deadline_s: floa
             r.outcome, r.error = "hung", f"{type(e).__name__} after {time.monotonic() - start:.0f}s"
     except httpx.HTTPError as e:
         r.outcome, r.error = "broken", f"{type(e).__name__}: {e}"[:200]
-    r.elapsed_s = round(time.monotonic() - start, 2)
+    r.t_end = time.monotonic()
+    r.elapsed_s = round(r.t_end - start, 2)
     r.tokens = len(ids)
     r.ids, r.text = ids, text
+    if spec.tenant >= 0 and r.outcome == "completed":
+        _read_usage(r, usage)
     return r
+
+
+def _read_usage(r: Result, usage: Any) -> None:
+    """A tenant's completed answer's cached and prompt tokens (from its usage, which
+    every answer has: a stream's by ``stream_options.include_usage``)."""
+    responses = r.responses
+    details = "input_tokens_details" if responses else "prompt_tokens_details"
+    prompt = usage.get("input_tokens" if responses else "prompt_tokens") if usage else None
+    if not isinstance(prompt, int):
+        r.outcome, r.error = "broken", f"completed without a usage: {str(usage)[:120]}"
+        return
+    cached = (usage.get(details) or {}).get("cached_tokens") or 0
+    if not isinstance(cached, int) or not 0 <= cached <= prompt:
+        r.outcome, r.error = "broken", f"usage's cached_tokens {cached!r} of {prompt} prompt tokens"
+        return
+    r.cached, r.prompt_tokens = cached, prompt
 
 
 def _read_responses_stream(
@@ -324,28 +395,29 @@ def _read_responses_stream(
     deadline_s: float,
     leave_after_s: float | None,
     leave_after_events: int | None,
-) -> str:
-    """A /v1/responses stream read into ``r`` (as a chat stream is); its text."""
+) -> tuple[str, Any]:
+    """A /v1/responses stream read into ``r`` (as a chat stream is); its text and its
+    final response's usage."""
     stream, events = ResponsesStream(), 0
     for line in resp.iter_lines():
         if time.monotonic() - start > deadline_s:
             r.outcome, r.error = "hung", f"stream still open after {deadline_s}s"
-            return stream.text
+            return stream.text, stream.usage
         if leave_after_s is not None and time.monotonic() - start > leave_after_s:
             r.outcome = "aborted"
-            return stream.text
+            return stream.text, stream.usage
         if not line or line.startswith("event: "):
             continue
         wrong = stream.feed(line[6:]) if line.startswith("data: ") else f"not SSE: {line[:80]!r}"
         if wrong is not None:
             r.outcome, r.error = "broken", wrong
-            return stream.text
+            return stream.text, stream.usage
         events += 1
         if stream.ended:
             break
         if leave_after_events is not None and events >= leave_after_events:
             r.outcome = "aborted"
-            return stream.text
+            return stream.text, stream.usage
     if not stream.ended:
         r.outcome, r.error = "broken", "stream ended without its final event"
     elif stream.error is not None:
@@ -354,7 +426,7 @@ def _read_responses_stream(
         r.outcome, r.error = "broken", "the final response's text is not the deltas'"
     else:
         r.outcome, r.finish = "completed", stream.finish
-    return stream.text
+    return stream.text, stream.usage
 
 
 def _read_within(
@@ -434,3 +506,109 @@ def check_answer(r: Result, ref: tuple[list[int], str]) -> None:
         r.wrong_detail = (
             f"partial answer is not a prefix of the reference: {ids[:8]} vs {ref_ids[:8]}"
         )
+
+
+# -- tenants (``--tenants``) ----------------------------------------------------------------
+
+TokKey = tuple[int, bool]  # (prompt, chat): a prompt as the node tokenizes it
+
+
+def compute_tokens(
+    url: str, keys: set[TokKey], prompts: list[str], out: dict[TokKey, list[int]]
+) -> None:
+    """The prompt token ids (the reference node's ``/tokenize``, as a completion or chat
+    renders them) of every (prompt, chat) in ``keys`` not in ``out`` yet."""
+    for prompt, chat in sorted(set(keys) - set(out)):
+        body: dict[str, Any] = {"model": MODEL}
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompts[prompt]}]
+            body["add_generation_prompt"] = True
+        else:
+            body["prompt"] = prompts[prompt]
+        resp = httpx.post(url + "/tokenize", json=body, timeout=60)
+        resp.raise_for_status()
+        out[(prompt, chat)] = list(resp.json()["tokens"])
+
+
+def _shared(a: list[int], b: list[int], block: int) -> int:
+    """The tokens of the longest common prefix of ``a`` and ``b`` in whole blocks: the
+    most of one a prefix cache holding the other's blocks can give."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n // block * block
+
+
+def check_isolation(
+    results: list[Result],
+    tokens: dict[TokKey, list[int]],
+    block: int,
+    retried: Collection[str] = (),
+) -> dict[str, Any]:
+    """The tenants' prefix caches are apart: no answer's ``cached_tokens`` exceeds what
+    its own tenant's requests could have left in a cache, whatever node served them
+    (restarts only empty caches, D's own hits and P's are both within the tenant; every
+    request of the tenant sent before this one ended counts, whatever its outcome, so
+    concurrent ones and in-batch sharing are allowed for). A request the proxy ``retried``
+    (by label) may hit what its own earlier attempt left (a prefill node it went to again,
+    a decode node that recomputed the prompt when the KV did not come): its own prompt
+    counts as sent before it, so only another prompt's hit is checked there. Marks each
+    offending result's
+    ``isolation``; returns the figures: answers checked, those with cached tokens, those
+    ``exposed`` (another tenant had sent a longer shared prefix before: a cache shared
+    across tenants would have shown there) and the violations."""
+    keys = sorted({(r.ref_key[0], r.ref_key[1]) for r in results if r.tenant >= 0})
+    shared = {(a, b): _shared(tokens[a], tokens[b], block) for a in keys for b in keys}
+    # Per tenant and prompt: the requests' start times, earliest first.
+    starts: dict[tuple[int, TokKey], list[tuple[float, int]]] = {}
+    for r in results:
+        if r.tenant >= 0:
+            starts.setdefault((r.tenant, (r.ref_key[0], r.ref_key[1])), []).append(
+                (r.t_start, id(r))
+            )
+    for v in starts.values():
+        v.sort()
+
+    def before(tenant: int, key: TokKey, r: Result) -> bool:
+        """A request of ``tenant`` with ``key`` other than ``r`` sent before ``r`` ended."""
+        return any(t < r.t_end and i != id(r) for t, i in starts.get((tenant, key), [])[:2])
+
+    tenants = sorted({r.tenant for r in results if r.tenant >= 0})
+    figures: dict[str, Any] = {
+        "checked": 0, "hits": 0, "cached_tokens": 0, "exposed": 0, "retried": 0,
+    }  # fmt: skip
+    violations: list[str] = []
+    for r in results:
+        if r.tenant < 0 or r.cached is None:
+            continue
+        mine = (r.ref_key[0], r.ref_key[1])
+        figures["checked"] += 1
+        figures["hits"] += r.cached > 0
+        figures["cached_tokens"] += r.cached
+        if len(tokens[mine]) != r.prompt_tokens:  # the bound would be of another prompt
+            r.isolation = (
+                f"the check's tokenization of prompt {mine} has {len(tokens[mine])} tokens, "
+                f"the answer's usage {r.prompt_tokens}"
+            )
+            violations.append(f"{r.label} #{r.index}: {r.isolation}")
+            continue
+        own = max((shared[mine, k] for k in keys if before(r.tenant, k, r)), default=0)
+        if r.label in retried:  # its earlier attempts' blocks are its tenant's too
+            own = max(own, shared[mine, mine])
+            figures["retried"] += 1
+        other = max(
+            (shared[mine, k] for t in tenants if t != r.tenant for k in keys if before(t, k, r)),
+            default=0,
+        )
+        figures["exposed"] += other > own
+        if r.cached > own:
+            r.isolation = (
+                f"tenant {r.tenant}'s answer reports {r.cached} cached prompt tokens of "
+                f"{r.prompt_tokens}; its own tenant's earlier requests share at most {own} "
+                f"(another tenant's {other})"
+            )
+            violations.append(f"{r.label} #{r.index}: {r.isolation}")
+    figures["violations"] = violations
+    return figures

@@ -158,3 +158,114 @@ def test_a_responses_share_asks_chats_as_the_responses_api_and_checks_their_text
     r.text = "ac"
     check_answer(r, ([1, 2], "ab"))
     assert r.wrong
+
+
+def test_tenants_salt_and_key_every_request_and_draw_nothing_without_them():
+    from engine.responses_api.request import to_chat
+
+    plain = make_specs(ChaosConfig(), random.Random(0), 1, 0, 100, 24)
+    assert all(s.tenant == -1 and s.salt is None and s.cache_key is None for s in plain)
+    prompts = make_prompts(24, random.Random(1))
+    assert all(
+        set(body_of(s, prompts)) & {"cache_salt", "prompt_cache_key"} == set() for s in plain
+    )
+    cfg = ChaosConfig(tenants=3, responses_rate=0.2)
+    specs = make_specs(cfg, random.Random(0), 1, 0, 200, 24)
+    assert {s.tenant for s in specs} == {0, 1, 2}
+    salts = {s.tenant: s.salt for s in specs}
+    assert len(set(salts.values())) == 3 and all(
+        s.salt == salts[s.tenant] and s.cache_key.startswith(f"t{s.tenant}-") for s in specs
+    )
+    # The tenants send the same prompts (long ones after a shared prefix): unsalted, they
+    # would share prefix-cache blocks.
+    by_prompt: dict[int, set[int]] = {}
+    for s in specs:
+        by_prompt.setdefault(s.prompt, set()).add(s.tenant)
+    assert any(len(t) > 1 for p, t in by_prompt.items() if p % 3 == 2)
+    # One conversation per shared prefix: long prompts after one prefix share a key.
+    long_keys = {(s.tenant, s.prompt): s.cache_key for s in specs if s.prompt % 3 == 2}
+    assert len(set(long_keys.values())) < len(long_keys)
+    for s in specs:
+        body = body_of(s, prompts)
+        assert body["cache_salt"] == s.salt and body["prompt_cache_key"] == s.cache_key
+        if s.responses:
+            body, _ = to_chat(body)
+        req = parse_chat_request(body) if s.chat else parse_completion_request(body)
+        assert (req.cache_salt, req.prompt_cache_key) == (s.salt, s.cache_key)
+        if s.stream and not s.responses:  # the usage (cached tokens) in the last chunk
+            assert body["stream_options"] == {"include_usage": True}
+    # The negative control: same tenants and keys, no salt.
+    unsalted = make_specs(
+        ChaosConfig(tenants=3, tenant_unsalted=True), random.Random(0), 1, 0, 5, 24
+    )
+    assert all(s.salt is None and "cache_salt" not in body_of(s, prompts) for s in unsalted)
+
+
+def _answer(tenant: int, prompt: int, t: tuple[float, float], cached: int | None, n: int) -> Result:
+    r = Result(0, 1, f"t{tenant}", False, False, 4, 1, None, outcome="completed", tenant=tenant)
+    r.ref_key, r.t_start, r.t_end, r.cached, r.prompt_tokens = (prompt, False, 4, -1), *t, cached, n
+    return r
+
+
+def test_the_isolation_check_fails_a_hit_only_another_tenant_could_have_left():
+    from chaos_workload import check_isolation
+
+    shared = list(range(40))
+    tokens = {(0, False): shared + [1000, 1001], (1, False): shared + [2000], (2, False): [7] * 50}
+    a = _answer(0, 0, (0.0, 1.0), 0, 42)  # tenant 0 sends prefix P first
+    b = _answer(1, 1, (2.0, 3.0), 32, 41)  # tenant 1's first of P: a hit of tenant 0's
+    figures = check_isolation([a, b], tokens, 16)
+    assert len(figures["violations"]) == 1 and b.isolation and not a.isolation
+    assert "share at most 0 (another tenant's 32)" in b.isolation
+    assert figures["exposed"] == 1 and figures["hits"] == 1
+    # Not counted: the same without the hit; a later request of tenant 1 hitting its own
+    # earlier one; one hitting a same-tenant request still running (sent before it ended).
+    b.cached, b.isolation = 0, None
+    c = _answer(1, 0, (4.0, 5.0), 32, 42)
+    d = _answer(2, 2, (6.0, 7.5), 48, 50)
+    e = _answer(2, 2, (7.0, 8.0), 48, 50)
+    figures = check_isolation([a, b, c, d, e], tokens, 16)
+    assert figures["violations"] == [] and figures["exposed"] == 1, figures
+    # A hit larger than the blocks its tenant shares: 48 of a 32-token block prefix.
+    c.cached = 48
+    assert len(check_isolation([a, b, c], tokens, 16)["violations"]) == 1
+    # A request the proxy retried may hit its own earlier attempt's blocks (the prefill
+    # node it went to again, a decode node that recomputed the prompt when the KV did not
+    # come): its own prompt counts as sent before it (so such a request is not checked).
+    b.cached = 32
+    figures = check_isolation([a, b], tokens, 16, retried={"t1"})
+    assert figures["violations"] == [] and figures["retried"] == 1 and figures["exposed"] == 0
+    # The check's own tokenization must be the node's (else its bound is another prompt's).
+    a.prompt_tokens = 43
+    assert "tokenization" in check_isolation([a], tokens, 16)["violations"][0]
+
+
+def test_a_tenant_answer_without_its_usage_is_broken():
+    from chaos_workload import _read_usage
+
+    r = Result(0, 1, "x", True, True, 4, 1, None, outcome="completed", tenant=0)
+    _read_usage(r, None)  # a stream asked with include_usage that sent no usage chunk
+    assert r.outcome == "broken"
+    r = Result(0, 1, "x", True, False, 4, 1, None, outcome="completed", tenant=0, responses=True)
+    _read_usage(r, {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}})
+    assert (r.outcome, r.cached, r.prompt_tokens) == ("completed", 32, 40)
+    r = Result(0, 1, "x", False, False, 4, 1, None, outcome="completed", tenant=0)
+    _read_usage(r, {"prompt_tokens": 40})  # no details: nothing cached (vLLM's rule)
+    assert (r.cached, r.prompt_tokens) == (0, 40)
+
+
+def test_retried_labels_are_read_from_the_proxy_log(tmp_path: Path):
+    from chaos_report import retried_labels
+
+    (tmp_path / "proxy-1.err").write_text(
+        "INFO proxy.session: request chaos-r1-3: chat via prefill http://a + decode "
+        "http://b (attempt 1, transfer chaos-r1-3-aa)\n"
+        "INFO proxy.session: request chaos-r1-4: completions via prefill http://a + decode "
+        "http://b (attempt 1, transfer chaos-r1-4-aa)\n"
+        "INFO proxy.session: request chaos-r1-4: completions on decode http://b alone, "
+        "prompt ~40 tokens, ~0 cached there (attempt 2, transfer chaos-r1-4-bb)\n"
+        "INFO proxy.session: request dup-1: chat via prefill http://a + decode http://b "
+        "(attempt 12, transfer dup-1-cc)\n"
+    )
+    (tmp_path / "p1.1-1.err").write_text("request chaos-r1-5: x (attempt 2, transfer t)\n")
+    assert retried_labels(tmp_path) == {"chaos-r1-4", "dup-1"}
