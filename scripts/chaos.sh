@@ -37,6 +37,12 @@
 #                            async nodes)                         (--plain-reference)
 #   CHAOS_KILL_WORKER_RANK=-1, CHAOS_STOP_WORKER_RANK=0: the TP rank kill_worker and
 #                            stop_worker hit (rank 0 waits for the grammar masks)
+#   CHAOS_TENANTS=0          tenants (--tenants N): each request gets its tenant's cache_salt
+#                            and its conversation's prompt_cache_key; nodes with
+#                            --enable-prompt-tokens-details, the proxy with --routing prefix;
+#                            no answer may report cached tokens only another tenant could
+#                            have left (CHAOS_TENANTS_UNSALTED=1, --tenants-unsalted: no salt
+#                            sent, a negative control that check must fail)
 #   CHAOS_JSON=path          also write the summary as JSON there  (--json)
 #   CHAOS_LOGS_DIR=dir       keep every process's log there (default: a temporary
 #                            directory, removed at the end)        (--logs-dir)

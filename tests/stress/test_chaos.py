@@ -13,6 +13,8 @@ proxy, which run through both rounds, is compared between them.
 quarter of the requests with a structured output (their grammar masks follow each step on
 rank 0's pipe): opt-in, CI runs the synchronous form, a tenth of its requests structured.
 Either way some requests are asked as `POST /v1/responses` (`--responses-rate`).
+``CHAOS_SHORT_TENANTS=N`` (opt-in) adds N tenants (``--tenants``: salts, cache keys,
+``--routing prefix`` and the tenant isolation check).
 
 Asserts 0 hung, 0 broken, 0 wrong, 0 leaked, no valid request answered with a 4xx, flat memory, and that every fault was
 injected as planned. The summary table is printed; ``CHAOS_JSON=path`` also writes it as
@@ -45,6 +47,10 @@ def test_chaos_short_form(tmp_path):
             "structured_rate": 0.25,
             "responses_rate": 0.15,
         }
+    # Opt-in: tenants (cache_salt, prompt_cache_key, --routing prefix, the isolation
+    # check). Off in CI: on this short form's 12 prompts key affinity keeps every key on
+    # the node that never restarts, so kill_worker and drain met no load on d1 and p1.
+    extra["tenants"] = int(os.environ.get("CHAOS_SHORT_TENANTS", "0"))
     cfg = ChaosConfig(
         requests=int(os.environ.get("CHAOS_SHORT_REQUESTS", "32")),  # ~110 s on 2 cores
         rounds=2,
@@ -62,5 +68,7 @@ def test_chaos_short_form(tmp_path):
     assert summary["faults"] == want, summary["fault_log"]
     assert summary["client_abort_planned"] and summary["reused_ids"], summary
     assert summary["structured"] and summary["responses"], summary
+    if cfg.tenants:
+        assert summary["tenants"]["checked"], summary["tenants"]
     assert {"p2", "d2", "proxy"} <= set(summary["rss_growth"]), summary["rounds"]
     assert not failures(summary), "\n".join(failures(summary))
