@@ -8,7 +8,10 @@ For every generated request:
   for a request that changed some fields of a valid one, its ``param`` names one of them
   (or a field tied to it: the context budget, ``stream``/``stream_options``). A 413 is
   fine for anything too big. A 200 is a well-formed answer (completion, chat completion,
-  an event stream ending in ``[DONE]`` without an error event, tokenize/detokenize/abort).
+  an event stream ending in ``[DONE]`` without an error event, tokenize/detokenize/abort;
+  for ``/v1/responses`` a ``response`` object, or OpenAI's typed events numbered in order
+  and ending with the final ``response``, no ``[DONE]``). ``/v1/responses`` errors name
+  the field as the Responses API does: ``input[3].content[0].type`` names ``input``.
 - every server stays healthy: ``/health`` 200 after each example (for the proxy: its
   nodes too, still in rotation).
 
@@ -219,7 +222,11 @@ def _depth(v: Any) -> int:
     return 0
 
 
-def names_a_changed_field(err: dict[str, Any], changed: dict[str, Any]) -> bool:
+def names_a_changed_field(
+    err: dict[str, Any], changed: dict[str, Any], coupled: list[set[str]] = COUPLED
+) -> bool:
+    """Whether error ``err``'s ``param`` is a field of ``changed``, a part of one
+    (``input[3].content[0].type`` is part of ``input``), or a field ``coupled`` to one."""
     param = err.get("param")
     if err.get("code") == "invalid_json":  # nested deeper than the parser allows
         return any(_depth(v) > 60 for v in changed.values())
@@ -228,7 +235,7 @@ def names_a_changed_field(err: dict[str, Any], changed: dict[str, Any]) -> bool:
     if not isinstance(param, str):
         return False
     related = set(changed)
-    for group in COUPLED:
+    for group in coupled:
         if related & group:
             related |= group
     return any(param == f or param.startswith((f + ".", f + "[")) for f in related)
@@ -241,9 +248,15 @@ def _error(resp: httpx.Response) -> dict[str, Any]:
     return err
 
 
-def check_answer(resp: httpx.Response, path: str, changed: dict[str, Any] | None) -> None:
-    """Never a 5xx; a 4xx is a JSON error naming a changed field (``changed`` given); a 200
-    is a well-formed answer for ``path``."""
+def check_answer(
+    resp: httpx.Response,
+    path: str,
+    changed: dict[str, Any] | None,
+    coupled: list[set[str]] = COUPLED,
+) -> None:
+    """Never a 5xx; a 4xx is a JSON error naming a changed field (``changed`` given; or a
+    field ``coupled`` to one); a 200 is a well-formed answer for ``path`` (a Responses one
+    is ``check_responses_answer``'s)."""
     what = f"{path} changed={_short(changed)} -> {resp.status_code} {resp.text[:400]}"
     event(f"{path} {resp.status_code}")  # --hypothesis-show-statistics: what the inputs reached
     assert resp.status_code < 500, what
@@ -252,7 +265,9 @@ def check_answer(resp: httpx.Response, path: str, changed: dict[str, Any] | None
         assert 400 <= resp.status_code < 500, what
         err = _error(resp)
         if changed is not None and resp.status_code == 400:
-            assert names_a_changed_field(err, changed), what
+            assert names_a_changed_field(err, changed, coupled), what
+        return
+    if path == "/v1/responses":  # check_responses_answer's
         return
     if resp.headers.get("content-type", "").startswith("text/event-stream"):
         events = sse_data(resp.text.splitlines())
@@ -319,6 +334,249 @@ def test_completions_with_generated_fields(cluster: Cluster, target: str, change
 def test_chat_with_generated_fields(cluster: Cluster, target: str, changed) -> None:
     resp = post(cluster, target, "/v1/chat/completions", dumps({**CHAT_BASE, **changed}))
     check_answer(resp, "/v1/chat/completions", changed)
+    cluster.assert_healthy(target)
+
+
+# -- /v1/responses, field by field ---------------------------------------------------------------
+
+RESPONSES_BASE = {"input": "Hello there", "max_output_tokens": 2}
+RESPONSES_FIELDS = [
+    "model", "input", "instructions", "max_output_tokens", "tools", "tool_choice",
+    "parallel_tool_calls", "text", "reasoning", "truncation", "include", "metadata", "user",
+    "store", "stream", "stream_options", "top_logprobs", "previous_response_id", "background",
+    "conversation", "prompt", "service_tier", "safety_identifier", "max_tool_calls",
+    "prompt_cache_key", "cache_salt", "temperature", "top_p", "top_k", "seed", "stop",
+    "logit_bias", "min_tokens", "bad_words", "priority", "chat_template_kwargs",
+    "max_tokens", "messages", "n",  # chat's, not Responses': ignored
+]  # fmt: skip
+# Fields whose errors may name one another on /v1/responses: the context budget (the
+# rendered conversation, with its tools, against max_output_tokens; an error there names
+# "input"), the tools and the choice among them, log probabilities, streaming options.
+RESPONSES_COUPLED = [
+    {"input", "instructions", "max_output_tokens", "truncation", "tools"},
+    {"tools", "tool_choice", "parallel_tool_calls"},
+    {"include", "top_logprobs"},
+    {"stream", "stream_options"},
+]
+
+flags_ = st.one_of(st.booleans(), st.booleans(), json_values)
+ids = st.one_of(st.sampled_from(["call_1", "call_2", "", "x" * 300]), texts, json_values)
+names_ = st.one_of(st.sampled_from(["get_weather", "f", "", "a b", "x" * 100]), texts, json_values)
+arguments = st.one_of(
+    st.sampled_from(['{"city": "Paris"}', "{}", "", "{", "null", "[1, 2]"]), texts, json_values
+)
+PART_TYPES = ["input_text", "output_text", "text", "input_image", "input_file", "input_audio",
+              "refusal", "summary_text", "reasoning_text"]  # fmt: skip
+content_parts = st.fixed_dictionaries(
+    {"type": st.one_of(st.sampled_from(PART_TYPES), texts, json_values)},
+    optional={"text": st.one_of(texts, texts, json_values), "annotations": json_values,
+              "image_url": texts, "file_id": texts, "logprobs": json_values},
+)  # fmt: skip
+contents = st.one_of(texts, st.lists(content_parts, max_size=3), json_values)
+ITEM_ROLES = ["user", "system", "developer", "assistant", "tool"]
+message_items = st.fixed_dictionaries(
+    {"role": st.one_of(st.sampled_from(ITEM_ROLES), json_values), "content": contents},
+    optional={"type": st.just("message"), "id": ids, "status": texts},
+)
+function_calls = st.fixed_dictionaries(
+    {"type": st.just("function_call"), "call_id": ids, "name": names_, "arguments": arguments},
+    optional={"id": ids, "status": texts},
+)
+function_outputs = st.fixed_dictionaries(
+    {"type": st.just("function_call_output"), "call_id": ids,
+     "output": st.one_of(texts, st.lists(content_parts, max_size=2), json_values)},
+    optional={"id": ids},
+)  # fmt: skip
+reasoning_items = st.fixed_dictionaries(
+    {"type": st.just("reasoning")},
+    optional={"id": ids, "summary": json_values, "content": contents,
+              "encrypted_content": texts},
+)  # fmt: skip
+other_items = st.fixed_dictionaries(
+    {"type": st.one_of(st.sampled_from(["item_reference", "web_search_call", "computer_call",
+                                        "mcp_call", "custom_tool_call", "image_generation_call"]),
+                       texts, json_values)},
+    optional={"id": ids, "call_id": ids},
+)  # fmt: skip
+input_items = st.one_of(
+    message_items, message_items, function_calls, function_outputs, reasoning_items,
+    other_items, json_values,
+)  # fmt: skip
+schemas = st.one_of(
+    st.sampled_from([
+        {"type": "object"}, {}, {"type": "string", "maxLength": 3}, {"enum": ["a", "b"]},
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
+         "additionalProperties": False},
+        {"type": "array", "items": {"type": "integer"}, "maxItems": 1},
+        {"type": "nope"}, {"$ref": "#/nowhere"},
+    ]),
+    json_values,
+)  # fmt: skip
+function_tools = st.fixed_dictionaries(
+    {"type": st.just("function"), "name": names_},
+    optional={"description": st.one_of(texts, json_values), "parameters": schemas,
+              "strict": flags_, "function": json_values},
+)  # fmt: skip
+TOOL_TYPES = ["web_search", "web_search_preview", "file_search", "mcp", "code_interpreter",
+              "image_generation", "computer_use_preview", "local_shell", "custom"]  # fmt: skip
+other_tools = st.fixed_dictionaries(
+    {"type": st.one_of(st.sampled_from(TOOL_TYPES), texts, json_values)},
+    optional={"name": names_},
+)
+formats = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.just("json_schema"), "schema": schemas},
+        optional={"name": names_, "strict": flags_, "description": texts},
+    ),
+    st.fixed_dictionaries({"type": st.sampled_from(["json_object", "text", "grammar", "x"])}),
+    json_values,
+)
+RESPONSES_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "input": st.one_of(texts, st.lists(input_items, max_size=5)),
+    "instructions": texts,
+    "max_output_tokens": st.one_of(st.integers(-2, 40), st.sampled_from([10**6, 2**63])),
+    "tools": st.lists(st.one_of(function_tools, function_tools, other_tools), max_size=3),
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required", "any"]),
+        st.fixed_dictionaries({"type": st.just("function"), "name": names_}),
+        st.fixed_dictionaries({"type": st.sampled_from(["file_search", "allowed_tools", "mcp",
+                                                        "custom", "web_search_preview"])}),
+    ),  # fmt: skip
+    "parallel_tool_calls": flags_,
+    "text": st.fixed_dictionaries(
+        {}, optional={"format": formats,
+                      "verbosity": st.one_of(st.sampled_from(["low", "medium", "high", "x"]),
+                                             json_values)},
+    ),  # fmt: skip
+    "reasoning": st.fixed_dictionaries(
+        {}, optional={"effort": st.sampled_from(["minimal", "low", "medium", "high", "x", None]),
+                      "summary": st.sampled_from(["auto", "concise", "detailed", "x", None]),
+                      "generate_summary": texts},
+    ),  # fmt: skip
+    "truncation": st.sampled_from(["auto", "disabled", "x", None]),
+    "include": st.lists(
+        st.one_of(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content",
+                                   "file_search_call.results"]), texts),
+        max_size=3,
+    ),  # fmt: skip
+    "metadata": st.one_of(
+        st.dictionaries(texts, st.one_of(texts, texts, json_values), max_size=4),
+        st.sampled_from([{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}]),
+    ),
+    "user": st.one_of(texts, st.just("u" * 513)),
+    "store": flags_, "stream": flags_, "background": flags_,
+    "top_logprobs": st.one_of(st.integers(-2, 25), numbers),
+    "previous_response_id": st.one_of(st.none(), texts),
+    "prompt_cache_key": st.one_of(texts, st.just("k" * 65)),
+    "cache_salt": texts,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": flags_,
+                                                          "include_obfuscation": flags_}),
+}  # fmt: skip
+
+
+@st.composite
+def responses_mutations(draw: st.DrawFn) -> dict[str, Any]:
+    """1-3 Responses fields (mostly known ones, some unknown) set to values shaped as the
+    field's (mostly) or to anything."""
+    names = draw(st.lists(st.one_of(st.sampled_from(RESPONSES_FIELDS), texts),
+                          min_size=1, max_size=3))  # fmt: skip
+    if "tools" in names and draw(st.booleans()):  # without a choice, tools want a parser
+        names.append("tool_choice")
+    shaped = {n: RESPONSES_VALUES.get(n, values) for n in names}
+    return {n: draw(st.one_of(shaped[n], shaped[n], values)) for n in shaped}
+
+
+RESPONSE_ENDS = {"response.completed": "completed", "response.incomplete": "incomplete",
+                 "response.failed": "failed"}  # fmt: skip
+OUTPUT_ITEM_TYPES = ("message", "function_call", "reasoning")
+
+
+def check_response_object(obj: Any, what: str, statuses: tuple[str, ...]) -> None:
+    """A ``response`` object: its kind, status, output items and usage."""
+    assert isinstance(obj, dict) and obj.get("object") == "response", what
+    assert isinstance(obj.get("id"), str) and obj["id"].startswith("resp_"), what
+    assert obj.get("status") in statuses, what
+    if obj["status"] == "incomplete":
+        assert obj["incomplete_details"] == {"reason": "max_output_tokens"}, what
+    output = obj.get("output")
+    assert isinstance(output, list), what
+    for item in output:
+        assert isinstance(item, dict) and item.get("type") in OUTPUT_ITEM_TYPES, what
+        assert item.get("status") in ("completed", "incomplete"), what
+    usage = obj.get("usage")
+    if obj["status"] == "failed" and usage is None:
+        return
+    assert isinstance(usage, dict), what
+    counts = [usage.get(k) for k in ("input_tokens", "output_tokens", "total_tokens")]
+    assert all(isinstance(c, int) and c >= 0 for c in counts), what
+    assert counts[2] == counts[0] + counts[1], what
+
+
+def _not_json(literal: str) -> Any:
+    raise AssertionError(f"{literal} is not JSON")
+
+
+def responses_events(text: str) -> list[dict[str, Any]]:
+    """A Responses stream's events: each an ``event: <type>`` line and a ``data:`` line
+    whose JSON (JSON: no ``NaN``) has that ``type``."""
+    out = []
+    for frame in text.replace("\r\n", "\n").split("\n\n"):
+        if not frame.strip():
+            continue
+        lines = frame.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("event: "), frame[:300]
+        assert lines[1].startswith("data: "), frame[:300]
+        data = json.loads(lines[1][len("data: ") :], parse_constant=_not_json)
+        assert data["type"] == lines[0][len("event: ") :], frame[:300]
+        out.append(data)
+    return out
+
+
+def check_responses_stream(text: str, what: str) -> None:
+    """Typed events numbered from 0 in order, opening with ``response.created``, ending
+    with the final ``response`` (no ``[DONE]``: OpenAI's streams have none); a failure is
+    not the server's own (``server_error``); the text deltas add up to the final text."""
+    events = responses_events(text)
+    assert events and events[0]["type"] == "response.created", what
+    assert [e["sequence_number"] for e in events] == list(range(len(events))), what
+    last = events[-1]
+    assert last["type"] in RESPONSE_ENDS, what
+    assert not any(e["type"] in RESPONSE_ENDS for e in events[:-1]), what
+    final = last["response"]
+    check_response_object(final, what, (RESPONSE_ENDS[last["type"]],))
+    if last["type"] == "response.failed":
+        assert final["error"]["code"] != "server_error", what
+    deltas: dict[str, str] = {}
+    for e in events:
+        if e["type"] == "response.output_text.delta":
+            deltas[e["item_id"]] = deltas.get(e["item_id"], "") + e["delta"]
+    for item in final["output"]:
+        if item["type"] == "message" and item["content"]:
+            assert item["content"][0]["text"] == deltas.get(item["id"], ""), what
+
+
+def check_responses_answer(resp: httpx.Response, changed: dict[str, Any]) -> None:
+    """``check_answer``'s error checks; a 200 is a ``response`` object, or its stream."""
+    check_answer(resp, "/v1/responses", changed, RESPONSES_COUPLED)
+    if resp.status_code != 200:
+        return
+    what = f"/v1/responses changed={_short(changed)} -> {resp.text[:600]}"
+    if resp.headers.get("content-type", "").startswith("text/event-stream"):
+        check_responses_stream(resp.text, what)
+    else:
+        obj = json.loads(resp.text, parse_constant=_not_json)
+        check_response_object(obj, what, ("completed", "incomplete"))
+
+
+@pytest.mark.parametrize("target", ["node", "proxy"])
+@_settings(40)
+@given(changed=responses_mutations(), stream=st.booleans())
+def test_responses_with_generated_fields(
+    cluster: Cluster, target: str, changed: dict[str, Any], stream: bool
+) -> None:
+    body = {**RESPONSES_BASE, **({"stream": True} if stream else {}), **changed}
+    resp = post(cluster, target, "/v1/responses", dumps(body))
+    check_responses_answer(resp, changed)
     cluster.assert_healthy(target)
 
 
