@@ -571,6 +571,17 @@ def check_responses_answer(resp: httpx.Response, changed: dict[str, Any]) -> Non
 @pytest.mark.parametrize("target", ["node", "proxy"])
 @_settings(40)
 @given(changed=responses_mutations(), stream=st.booleans())
+@example(  # echoed back: a non-finite number in it was a 500, or NaN in the event stream
+    changed={"text": {"format": {"type": "json_schema", "name": float("nan"),
+                                 "schema": {"type": "object"}}}},
+    stream=False,
+)  # fmt: skip
+@example(
+    changed={"tools": [{"type": "function", "name": "f",
+                        "parameters": {"type": "object", "x": float("inf")}}],
+             "tool_choice": "none"},
+    stream=True,
+)  # fmt: skip
 def test_responses_with_generated_fields(
     cluster: Cluster, target: str, changed: dict[str, Any], stream: bool
 ) -> None:

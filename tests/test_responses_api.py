@@ -169,6 +169,19 @@ def test_tools_tool_choice_text_format_reasoning_and_logprobs_translate():
         ({"input": "x", "stream_options": True}, "stream_options"),
         ({"input": "x", "service_tier": 1}, "service_tier"),
         ({"input": "x", "user": "u" * 513}, "user"),
+        # Repeated back in the response object: no NaN/Infinity (no JSON has them), the
+        # json_schema format's fields as OpenAI types them.
+        ({"input": "x", "tools": [{"type": "function", "name": "f",
+                                   "parameters": {"type": "object", "x": [float("inf")]}}],
+          "tool_choice": "none"}, "tools[0].parameters.x[0]"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"a": float("nan")},
+                                            "name": "n"}}}, "text.format.schema.a"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {},
+                                            "name": float("nan")}}}, "text.format.name"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {},
+                                            "strict": "yes"}}}, "text.format.strict"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {},
+                                            "description": 1}}}, "text.format.description"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_responses_field(body, param):

@@ -11,6 +11,7 @@ back to the client.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from engine.server.request_fields import (
@@ -49,6 +50,9 @@ INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text"}
 TOOL_KEYS = ("name", "description", "parameters", "strict")
 SCHEMA_FORMAT_KEYS = ("name", "schema", "strict", "description")
+SCHEMA_FORMAT_TYPES = (
+    ("name", str, "a string"), ("description", str, "a string"), ("strict", bool, "a boolean"),
+)  # fmt: skip
 VERBOSITIES = ("low", "medium", "high")
 SUMMARIES = ("auto", "concise", "detailed")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -305,6 +309,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
                 f"tools[{i}].type", f"= {tool.get('type')!r:.40} (function tools only)"
             )
         fn = {k: tool[k] for k in TOOL_KEYS if k in tool}
+        _check_finite(fn, f"tools[{i}]")
         out.append({"type": "function", "function": fn})
     return out
 
@@ -348,12 +353,31 @@ def _text(body: dict[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
     elif kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise bad_type("text.format.schema", "an object", fmt.get("schema"))
+        for key, typ, expected in SCHEMA_FORMAT_TYPES:  # repeated back: as OpenAI types them
+            if fmt.get(key) is not None and not isinstance(fmt[key], typ):
+                raise bad_type(f"text.format.{key}", expected, fmt[key])
         spec = {k: fmt[k] for k in SCHEMA_FORMAT_KEYS if k in fmt}
+        _check_finite(spec, "text.format")
         chat["response_format"] = {"type": "json_schema", "json_schema": spec}
         echo["format"] = {"type": "json_schema", **spec}
     elif kind != "text":
         raise unsupported("text.format.type", f"= {kind!r:.40} (text, json_object or json_schema)")
     return echo
+
+
+def _check_finite(value: Any, where: str) -> None:
+    """No NaN or Infinity (Python's parser takes them; JSON has no such number) in what the
+    ``response`` object repeats: it could not be written back (a 500; ``NaN`` in a stream's
+    events). The chat request checks only what it uses (a schema a choice does not
+    constrain by is not compiled)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise APIError(f"'{where}' must be a finite number, got {value}", param=where)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for j, item in enumerate(value):
+            _check_finite(item, f"{where}[{j}]")
 
 
 def _reasoning(body: dict[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
