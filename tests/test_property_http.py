@@ -285,10 +285,16 @@ def check_answer(
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     elif path == "/tokenize":
         assert body["count"] == len(body["tokens"]), what
+        strs = body["token_strs"]
+        assert strs is None or (len(strs) == body["count"] and all(map(_is_str, strs))), what
     elif path == "/detokenize":
         assert isinstance(body["prompt"], str), what
     elif path == "/v1/abort":
         assert body["aborted"] is True and isinstance(body["request_ids"], list), what
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
 
 
 def _short(v: Any) -> str:
@@ -658,7 +664,8 @@ def test_bodies_that_are_not_a_valid_object(cluster: Cluster, target: str, data)
 
 UTILITY_FIELDS = {
     "/tokenize": ["prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                  "chat_template_kwargs", "model"],
+                  "chat_template_kwargs", "model", "tools", "continue_final_message",
+                  "return_token_strs", "chat_template"],
     "/detokenize": ["tokens", "model"],
     "/v1/abort": ["request_id", "transfer_id"],
 }  # fmt: skip
@@ -667,6 +674,17 @@ UTILITY_BASES = {
     "/detokenize": [{"tokens": [1, 2, 3]}],
     "/v1/abort": [{"request_id": "no-such-request"}, {"transfer_id": "no-such-transfer"}],
 }
+
+
+# /tokenize's fields whose errors may name one another: "prompt" and "messages" exclude
+# each other; the generation prompt and continuing the final message; the template and its
+# arguments; what the template renders.
+TOKENIZE_COUPLED = [
+    {"prompt", "messages"},
+    {"add_generation_prompt", "continue_final_message", "messages"},
+    {"chat_template", "chat_template_kwargs"},
+    {"messages", "tools", "chat_template", "chat_template_kwargs"},
+]
 
 
 @pytest.mark.parametrize("target", ["node", "proxy", "decode"])
@@ -679,12 +697,7 @@ def test_utility_endpoints_with_generated_fields(cluster: Cluster, target: str, 
     changed = data.draw(mutations(UTILITY_FIELDS[path]))
     body = {**base, **changed}
     resp = post(cluster, target, path, dumps(body))
-    # /tokenize's "prompt" and "messages" exclude each other: an error may name either.
-    related = dict(changed)
-    if path == "/tokenize" and {"prompt", "messages"} & set(changed):
-        related.setdefault("prompt", body.get("prompt"))
-        related.setdefault("messages", body.get("messages"))
-    check_answer(resp, path, related)
+    check_answer(resp, path, changed, TOKENIZE_COUPLED if path == "/tokenize" else [])
     cluster.assert_healthy(target)
 
 
