@@ -597,6 +597,29 @@ def test_responses_with_generated_fields(
     cluster.assert_healthy(target)
 
 
+BUDGET_PROMPT = "a" * 950  # leaves an answer's default budget (the context's rest) short
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": BUDGET_PROMPT}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": BUDGET_PROMPT}]}),
+        ("/v1/responses", {"input": BUDGET_PROMPT}),
+    ],
+)
+def test_min_tokens_without_max_tokens_answered_through_the_pair_as_by_a_node(
+    cluster: Cluster, path: str, body: dict[str, Any]
+) -> None:
+    """``min_tokens`` and no ``max_tokens``: the answer's budget is the rest of the context
+    on a node and through a P/D pair alike (the prefill leg's was 1: a 400 naming
+    ``min_tokens`` only through the proxy; found comparing node and proxy on generated
+    ``/v1/responses`` bodies, whose errors the fuzz above takes as the client's)."""
+    for target in ("node", "proxy"):
+        resp = post(cluster, target, path, dumps({**body, "min_tokens": 3}))
+        assert resp.status_code == 200, f"{target}: {resp.text[:300]}"
+
+
 @pytest.mark.parametrize("target", ["node", "proxy"])
 def test_generation_answers_unchanged_after_the_barrage(cluster: Cluster, target: str) -> None:
     cluster.assert_still_right(target)

@@ -297,7 +297,9 @@ class JobBuilder:
                     req.max_tokens_param,
                 )  # fmt: skip
                 raise
-            max_tokens = req.max_tokens or 1
+            # Its one token ends it whatever the budget; without max_tokens the answer's is
+            # D's (the rest of D's context), so any min_tokens is left to D to check.
+            max_tokens = req.max_tokens or max(1, req.min_tokens)
         else:
             max_tokens = resolve_max_tokens(
                 req.max_tokens, len(ids), self.engine.max_model_len, param, req.max_tokens_param
