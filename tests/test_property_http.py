@@ -597,6 +597,92 @@ def test_responses_with_generated_fields(
     cluster.assert_healthy(target)
 
 
+# Near-valid bodies: known shapes with valid values, for the node/proxy comparison below.
+SCHEMA_A = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}},
+            "required": ["a"], "additionalProperties": False}  # fmt: skip
+plain_texts = st.text(max_size=8)
+valid_input_items = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "developer", "assistant"]),
+         "content": st.one_of(plain_texts, st.lists(st.fixed_dictionaries(
+             {"type": st.sampled_from(["input_text", "output_text"]), "text": plain_texts}),
+             max_size=2))},
+        optional={"type": st.just("message")},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": st.sampled_from(["c1", "c2"]),
+         "name": st.sampled_from(["f", "g"]), "arguments": st.sampled_from(["{}", "{"])},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", "zz"]),
+         "output": plain_texts},
+    ),
+    st.just({"type": "reasoning", "summary": []}),
+)  # fmt: skip
+valid_tools = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.just("function"), "name": st.sampled_from(["f", "g"])},
+        optional={"parameters": st.sampled_from([{"type": "object"}, SCHEMA_A]),
+                  "strict": st.booleans(), "description": plain_texts},
+    ),
+    min_size=1, max_size=2, unique_by=lambda t: t["name"],
+)  # fmt: skip
+VALID_FORMATS = [{"type": "json_object"}, {"type": "text"},
+                 {"type": "json_schema", "name": "a", "schema": SCHEMA_A, "strict": True},
+                 {"type": "json_schema", "name": "b", "schema": {"enum": ["x", "y"]}}]  # fmt: skip
+VALID_EXTRAS: dict[str, st.SearchStrategy[Any]] = {
+    "instructions": plain_texts,
+    "include": st.just(["message.output_text.logprobs"]), "top_logprobs": st.integers(0, 3),
+    "truncation": st.sampled_from(["auto", "disabled"]), "min_tokens": st.integers(0, 4),
+    "reasoning": st.just({"effort": "low", "summary": "auto"}), "stop": st.just(["a", "}"]),
+    "metadata": st.just({"k": "v"}), "user": st.just("u"), "prompt_cache_key": st.just("k"),
+    "ignore_eos": st.booleans(), "logit_bias": st.just({"65": 5}),
+}  # fmt: skip
+
+
+@st.composite
+def valid_responses_bodies(draw: st.DrawFn) -> dict[str, Any]:
+    """A greedy /v1/responses body of known shapes and valid values (with or without
+    tools and a choice among them, a text format, and some of ``VALID_EXTRAS``)."""
+    items = st.lists(valid_input_items, min_size=1, max_size=5)
+    body: dict[str, Any] = {"input": draw(st.one_of(plain_texts, items)), "temperature": 0,
+                            "max_output_tokens": draw(st.integers(1, 8))}  # fmt: skip
+    if draw(st.booleans()):
+        body["tools"] = tools = draw(valid_tools)
+        named = [{"type": "function", "name": t["name"]} for t in tools]
+        body["tool_choice"] = draw(st.sampled_from(["none", "required", *named]))
+    elif draw(st.booleans()):
+        body["text"] = {"format": draw(st.sampled_from(VALID_FORMATS))}
+    names = draw(st.lists(st.sampled_from(sorted(VALID_EXTRAS)), max_size=4))
+    return {**body, **{n: draw(VALID_EXTRAS[n]) for n in names}}
+
+
+def _outcome(resp: httpx.Response) -> tuple[int, Any]:
+    """An answer's status, and its error's ``param`` or the response's ``status``."""
+    body = resp.json()
+    return resp.status_code, body["status"] if resp.status_code == 200 else body["error"]["param"]
+
+
+@_settings(15)
+@given(body=valid_responses_bodies())
+@example(  # no max_output_tokens: the answer's budget is the context's rest (short here)
+    body={"input": "a" * 950, "temperature": 0, "min_tokens": 3, "max_output_tokens": None}
+)
+def test_responses_answered_alike_by_a_node_and_the_proxy(
+    cluster: Cluster, body: dict[str, Any]
+) -> None:
+    """The same near-valid body is refused or answered alike by a node and through the
+    proxy's P/D pair: a 400 the fuzz above takes as the client's (it names a field it
+    changed) may still be one only the pair answers."""
+    raw = dumps(body)
+    node, proxy = (post(cluster, t, "/v1/responses", raw) for t in ("node", "proxy"))
+    check_responses_answer(node, body)
+    check_responses_answer(proxy, body)
+    assert _outcome(node) == _outcome(proxy), (
+        f"{_short(body)}: {node.text[:300]} | {proxy.text[:300]}"
+    )
+
+
 BUDGET_PROMPT = "a" * 950  # leaves an answer's default budget (the context's rest) short
 
 
