@@ -683,6 +683,24 @@ def test_responses_answered_alike_by_a_node_and_the_proxy(
     )
 
 
+@pytest.mark.parametrize("target", ["node", "proxy"])
+def test_after_a_large_responses_body_the_connection_answers_json(
+    cluster: Cluster, target: str
+) -> None:
+    """A /v1/responses body large enough that the server paused reading it, then a
+    completion on the same keep-alive connection: a JSON answer. (The client's connection,
+    read again inside the Responses answer's ``keeping_objects``, took that context along:
+    the connection's next request answered 200 with an empty body; found by the barrage's
+    reference answers after the /v1/responses fuzz.)"""
+    with httpx.Client(timeout=60) as client:  # one connection, kept alive
+        body = {**RESPONSES_BASE, "padding": "a" * 300_000}  # ignored, past 64 KiB
+        resp = client.post(cluster.url(target) + "/v1/responses", json=body)
+        assert resp.status_code == 200, resp.text[:300]
+        for _ in range(2):
+            resp = client.post(cluster.url(target) + "/v1/completions", json=REF_COMPLETION)
+            assert resp.status_code == 200 and resp.text.startswith("{"), repr(resp.text[:300])
+
+
 BUDGET_PROMPT = "a" * 950  # leaves an answer's default budget (the context's rest) short
 
 

@@ -126,9 +126,10 @@ class JSONAnswer(Response):
 
 
 @contextlib.contextmanager
-def keeping_objects() -> Iterator[None]:
-    """``json_response`` answers carry their object unrendered (``JSONAnswer.obj``)."""
-    token = _keep_objects.set(True)
+def keeping_objects(keep: bool = True) -> Iterator[None]:
+    """``json_response`` answers carry their object unrendered (``JSONAnswer.obj``);
+    ``keep`` False: rendered again (around a read of the client's connection, below)."""
+    token = _keep_objects.set(keep)
     try:
         yield
     finally:

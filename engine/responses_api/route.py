@@ -55,7 +55,10 @@ def _translate(raw: bytes) -> tuple[bytes, ResponseEcho]:
 
 def _with_body(request: Request, raw: bytes) -> Request:
     """``request`` with ``raw`` as its body: once read, its receive is the client's again
-    (a disconnect is still seen)."""
+    (a disconnect is still seen), read outside ``keeping_objects``: uvicorn resumes
+    reading the connection there, and the callbacks that read it -- and start the
+    connection's next request -- keep the context they were scheduled from (that next
+    request's answers would all carry their objects unrendered: empty bodies)."""
     sent = False
 
     async def receive() -> Message:
@@ -63,7 +66,8 @@ def _with_body(request: Request, raw: bytes) -> Request:
         if not sent:
             sent = True
             return {"type": "http.request", "body": raw, "more_body": False}
-        return await request.receive()
+        with keeping_objects(False):
+            return await request.receive()
 
     headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-length"]
     scope = {**request.scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
