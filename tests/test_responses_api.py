@@ -941,8 +941,8 @@ def test_a_cut_conversation_resumes_at_a_user_turn_when_it_has_one():
 
 def test_the_response_repeats_the_cache_key_the_safety_identifier_and_max_tool_calls():
     """OpenAI's ``response`` object repeats them (null when the request left them out);
-    ``safety_identifier`` is bounded as OpenAI bounds it (64 characters): it is repeated
-    in every event of a stream."""
+    the strings it repeats are bounded (``safety_identifier`` as OpenAI bounds it, 64
+    characters; ``service_tier`` 64, ``user`` 512): they are in every event of a stream."""
     _, echo = to_chat(
         {"input": "x", "prompt_cache_key": "conv-1", "safety_identifier": "u-9",
          "max_tool_calls": 3}
@@ -954,6 +954,8 @@ def test_the_response_repeats_the_cache_key_the_safety_identifier_and_max_tool_c
     assert [none[k] for k in ("prompt_cache_key", "safety_identifier", "max_tool_calls")] == [
         None, None, None
     ]  # fmt: skip
-    with pytest.raises(APIError) as e:
-        to_chat({"input": "x", "safety_identifier": "s" * 65})
-    assert e.value.param == "safety_identifier"
+    for name, most in (("safety_identifier", 64), ("service_tier", 64), ("user", 512)):
+        to_chat({"input": "x", name: "s" * most})
+        with pytest.raises(APIError) as e:
+            to_chat({"input": "x", name: "s" * (most + 1)})
+        assert e.value.param == name

@@ -56,10 +56,10 @@ SCHEMA_FORMAT_TYPES = (
 VERBOSITIES = ("low", "medium", "high")
 SUMMARIES = ("auto", "concise", "detailed")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
-# ``user`` (an end-user id; OpenAI's safety_identifier is 64): at most.
-MAX_USER_CHARS = 512
-# OpenAI's bound on ``safety_identifier`` (repeated in every response object a stream sends).
-MAX_SAFETY_IDENTIFIER_CHARS = 64
+# Strings the ``response`` object repeats (in every event of a stream), at most this long:
+# ``user`` (an end-user id), OpenAI's bound on ``safety_identifier``, and ``service_tier``
+# (OpenAI's values are a few short words).
+ECHOED_STRINGS = {"user": 512, "safety_identifier": 64, "service_tier": 64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,26 +191,16 @@ def _metadata(metadata: Any) -> dict[str, str] | None:
 
 def _check_accepted(body: dict[str, Any]) -> None:
     """The types of the fields accepted and changing nothing here (a client's mistake in
-    them is still told), and ``user``'s length (it is repeated in every response object
-    a stream sends)."""
+    them is still told), and the lengths of those the response object repeats (in every
+    event of a stream: ``ECHOED_STRINGS``)."""
     get_bool(body, "store", True)
     get_int(body, "max_tool_calls")
-    for name in ("service_tier", "safety_identifier"):
-        get_str(body, name)
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
         raise bad_type("stream_options", "an object", body["stream_options"])
-    safety = get_str(body, "safety_identifier")
-    if safety is not None and len(safety) > MAX_SAFETY_IDENTIFIER_CHARS:
-        raise APIError(
-            f"'safety_identifier' is at most {MAX_SAFETY_IDENTIFIER_CHARS} characters, got "
-            f"{len(safety)}",
-            param="safety_identifier",
-        )
-    user = get_str(body, "user")
-    if user is not None and len(user) > MAX_USER_CHARS:
-        raise APIError(
-            f"'user' is at most {MAX_USER_CHARS} characters, got {len(user)}", param="user"
-        )
+    for name, most in ECHOED_STRINGS.items():
+        value = get_str(body, name)
+        if value is not None and len(value) > most:
+            raise APIError(f"'{name}' is at most {most} characters, got {len(value)}", param=name)
 
 
 def _refuse_stored_state(body: dict[str, Any]) -> None:
