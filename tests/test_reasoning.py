@@ -389,7 +389,10 @@ def test_the_flag_and_what_the_node_tells_proxies() -> None:
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         _client(ANSWER, "nope")
     info = _client(ANSWER, "qwen3").get("/v1/kv_transfer_info").json()
-    assert info == {"engine_id": "e", "reasoning_parser": "qwen3", "chat_template": "builtin"}
+    assert info == {
+        "engine_id": "e", "reasoning_parser": "qwen3", "chat_template": "builtin",
+        "prompt_tokens_details": False,
+    }  # fmt: skip
     assert _client(ANSWER, None).get("/v1/kv_transfer_info").json()["reasoning_parser"] is None
 
 
