@@ -154,20 +154,26 @@ def test_every_choice_of_a_request_carries_its_salt(node) -> None:
 # -- the proxy -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("salt", BAD_SALTS, ids=lambda s: repr(s)[:20])
-def test_the_proxy_refuses_a_bad_salt_before_any_node(salt: Any) -> None:
+def proxy_entry_answers(name: str, value: Any) -> list[httpx.Response]:
+    """A proxy's answers to ``BODIES`` with ``name`` set to ``value``, from a proxy app
+    without its lifespan: no node is ever asked, so only its entry checks answer."""
     cfg = ProxyConfig(prefill=("http://10.0.0.1:8100",), decode=("http://10.0.0.2:8200",))
-    app = build_proxy_app(cfg)  # no lifespan: no node is ever asked
+    app = build_proxy_app(cfg)
 
     async def main() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
             return [
-                await client.post(path, json={**body, "model": "tiny", "cache_salt": salt})
+                await client.post(path, json={**body, "model": "tiny", name: value})
                 for path, body in BODIES.items()
             ]
 
-    for resp in asyncio.run(main()):
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("salt", BAD_SALTS, ids=lambda s: repr(s)[:20])
+def test_the_proxy_refuses_a_bad_salt_before_any_node(salt: Any) -> None:
+    for resp in proxy_entry_answers("cache_salt", salt):
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == "cache_salt", resp.text
 

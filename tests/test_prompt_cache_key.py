@@ -7,29 +7,20 @@ unknown field. The proxy's routing by it: ``tests/test_proxy_cache_key.py``.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-import httpx
 import pytest
 from scripted_engine import ScriptedEngine
 from starlette.testclient import TestClient
+from test_cache_salt import BODIES, MESSAGES, proxy_entry_answers
 
 from engine.responses_api.request import to_chat
 from engine.server.app import build_app
 from engine.server.chat_protocol import parse_chat_request
 from engine.server.field_parsers import MAX_PROMPT_CACHE_KEY_CHARS
 from engine.server.protocol import parse_completion_request
-from proxy.app import build_app as build_proxy_app
-from proxy.config import ProxyConfig
 
 BAD_KEYS = [123, 1.5, True, ["a"], {"a": "b"}, "x" * (MAX_PROMPT_CACHE_KEY_CHARS + 1)]
-MESSAGES = [{"role": "user", "content": "hello"}]
-BODIES = {
-    "/v1/completions": {"model": "m", "prompt": "hello", "max_tokens": 4},
-    "/v1/chat/completions": {"model": "m", "messages": MESSAGES, "max_tokens": 4},
-    "/v1/responses": {"model": "m", "input": "hello", "max_output_tokens": 4},
-}
 
 
 def test_openais_bound() -> None:
@@ -72,17 +63,6 @@ def test_the_key_is_a_known_field_of_every_endpoint() -> None:
 
 @pytest.mark.parametrize("key", BAD_KEYS, ids=lambda s: repr(s)[:20])
 def test_the_proxy_refuses_a_bad_key_before_any_node(key: Any) -> None:
-    cfg = ProxyConfig(prefill=("http://10.0.0.1:8100",), decode=("http://10.0.0.2:8200",))
-    app = build_proxy_app(cfg)  # no lifespan: no node is ever asked
-
-    async def main() -> list[httpx.Response]:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
-            return [
-                await client.post(path, json={**body, "model": "tiny", "prompt_cache_key": key})
-                for path, body in BODIES.items()
-            ]
-
-    for resp in asyncio.run(main()):
+    for resp in proxy_entry_answers("prompt_cache_key", key):
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == "prompt_cache_key", resp.text
