@@ -959,3 +959,12 @@ def test_the_response_repeats_the_cache_key_the_safety_identifier_and_max_tool_c
         with pytest.raises(APIError) as e:
             to_chat({"input": "x", name: "s" * (most + 1)})
         assert e.value.param == name
+
+
+def test_an_input_of_reasoning_items_alone_is_refused_saying_why():
+    """Reasoning items are dropped; an input of nothing else says so (it said "'input'
+    must not be empty" of a list that was not)."""
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": []}
+    with pytest.raises(APIError) as e:
+        to_chat({"input": [reasoning, reasoning], "instructions": "be brief"})
+    assert e.value.param == "input" and "reasoning items are dropped" in str(e.value)

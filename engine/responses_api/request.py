@@ -268,6 +268,12 @@ def _messages(items: Any) -> list[dict[str, Any]]:
                 f"= {kind!r:.40} (input items here: message, function_call, "
                 "function_call_output, reasoning)",
             )
+    if not out:  # reasoning items alone
+        raise APIError(
+            "'input' has no message, function_call or function_call_output: reasoning "
+            "items are dropped (chat templates leave past reasoning out)",
+            param="input",
+        )
     return out
 
 
