@@ -36,6 +36,7 @@ from engine.model.hub import resolve_model_config
 from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.stats import StatsGroup
+from engine.structured.compiler import copy_matcher
 from engine.structured.matcher import GrammarState, is_rust_panic
 from engine.tokenizer import load_tokenizer
 from kvconnector.params import KVTransferParams
@@ -183,8 +184,10 @@ class AsyncLLMEngine:
             cache_salt=cache_salt,
         )
         if grammar is not None:
+            so = params.structured_output
+            assert so is not None  # a grammar is compiled from it
             req.grammar = GrammarState(
-                grammar.deep_copy(), params.reasoning_tags, params.allowed_token_ids
+                copy_matcher(grammar, so), params.reasoning_tags, params.allowed_token_ids
             )
         self._post(("add", (req, stream)))
         if not self.healthy:  # died between the check above and the put

@@ -181,3 +181,43 @@ def test_a_decode_node_whose_llguidance_fails_on_the_first_token_fails_the_reque
     if method == "validate_tokens":  # the log says the check failed, not P's token
         assert "does not follow" not in caplog.text
         assert "checking the prefill node's first token" in caplog.text
+
+
+class _CopyFails:
+    """A compiled matcher whose copy -- what each request gets -- fails."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self._exc = exc
+
+    def deep_copy(self) -> Any:
+        raise self._exc
+
+
+@pytest.mark.parametrize("raises", ["exception", "panic"])
+def test_a_matcher_whose_copy_fails_refuses_its_request_and_the_scheduler_goes_on(
+    raises: str,
+) -> None:
+    """An offline request's matcher is copied on the engine thread (``add_request``): an
+    llguidance failure there is that request's ``InvalidRequestError`` naming its field
+    (the engine thread died of it), and the next request is taken."""
+    from fakes import RemotePrefill
+    from test_request_metrics import _config
+
+    from engine.core.request import Request
+    from engine.core.scheduler import Scheduler
+    from engine.sampling_params import InvalidRequestError, SamplingParams
+
+    exc = RuntimeError("llguidance bug") if raises == "exception" else panic_exception()
+    compiler = _compiler()
+    sch = Scheduler(_config(), 64, 256, RemotePrefill(_config()), compiler, VOCAB)
+    so = StructuredOutput.regex("[0-9]{2}")
+    compiler._cache.put(so.key, _CopyFails(exc))  # the compiled template, as cached
+    with pytest.raises(InvalidRequestError) as e:
+        sch.add_request(Request("a", [1, 2, 3], SamplingParams(structured_output=so)))
+    assert e.value.param == so.param and "llguidance failed" in str(e.value)
+    sch.add_request(Request("b", [1, 2, 3], SamplingParams(max_tokens=2)))
+    assert sch.has_work()
+    with pytest.raises(KeyboardInterrupt):  # not an llguidance failure: raised as it is
+        from engine.structured.compiler import copy_matcher
+
+        copy_matcher(_CopyFails(KeyboardInterrupt()), so)

@@ -29,7 +29,7 @@ from typing import Any
 
 from engine.sampling_params import InvalidRequestError
 from engine.structured.lark_grammar import is_gbnf, llguidance_lark
-from engine.structured.matcher import is_rust_panic
+from engine.structured.matcher import is_llguidance_failure, is_rust_panic
 from engine.structured.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,18 @@ def _json_grammar(spec: str, llg: ModuleType) -> str:
 def _invalid(so: StructuredOutput, reason: str) -> InvalidRequestError:
     reason = " ".join(reason.split())[:500]
     return InvalidRequestError(f"'{so.param}' is not a valid {_what(so)}: {reason}", so.param)
+
+
+def copy_matcher(template: Any, so: StructuredOutput) -> Any:
+    """A request's own copy of a compiled matcher; an llguidance failure making it (an
+    exception, or a Rust panic) is ``so``'s ``InvalidRequestError``, not the caller's
+    crash (the engine thread's, offline)."""
+    try:
+        return template.deep_copy()
+    except BaseException as e:  # noqa: BLE001 -- a Rust panic is pyo3's BaseException
+        if not is_llguidance_failure(e):
+            raise
+        raise _invalid(so, f"llguidance failed on it ({type(e).__name__}: {e})") from None
 
 
 def _what(so: StructuredOutput) -> str:
@@ -262,7 +274,7 @@ class GrammarCompiler:
 
     def new_matcher(self, so: StructuredOutput) -> Any:
         """A fresh matcher of ``so``'s grammar, for one request."""
-        return self.compile(so).deep_copy()
+        return copy_matcher(self.compile(so), so)
 
     @property
     def num_cached(self) -> int:
