@@ -22,8 +22,7 @@ error state. The engine thread goes on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -75,27 +74,27 @@ class GrammarState:
         self._mask: np.ndarray | None = None
         # The matcher took EOS: the answer is over (``finished``).
         self._ended = False
-        # Why an llguidance call failed (``_guard``): the matcher is not called again.
+        # Why an llguidance call failed (``_failed``): the matcher is not called again.
         self._failure: str | None = None
 
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
-        """An llguidance call that fails in the block is kept as the matcher's error
-        state; the block's caller goes on as with a matcher in its error state."""
-        try:
-            yield
-        except BaseException as e:
-            if not is_llguidance_failure(e):
-                raise
-            why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-            self._failure = f"llguidance failed ({why})"
-            logger.warning("structured output: llguidance failed", exc_info=True)
+    def _failed(self, e: BaseException) -> None:
+        """An llguidance call raised ``e``: kept as the matcher's error state (the caller
+        goes on as with a matcher in its error state), or raised again when ``e`` is no
+        llguidance failure. Each caller catches in a plain ``try`` (free unless raised:
+        these run per request and step on the engine thread)."""
+        if not is_llguidance_failure(e):
+            raise e
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        self._failure = f"llguidance failed ({why})"
+        logger.warning("structured output: llguidance failed", exc_info=e)
 
     def is_error(self) -> bool:
         """The matcher is in its error state, or a call of it failed (``error``: why)."""
-        with self._guard():
+        try:
             return self._failure is not None or bool(self.matcher.is_error())
-        return True
+        except BaseException as e:
+            self._failed(e)
+            return True
 
     @property
     def constrains(self) -> bool:
@@ -112,9 +111,11 @@ class GrammarState:
     def allows(self, token: int) -> bool:
         """Whether ``accept(token)`` would take it (nothing advances): a token from
         outside (a prefill node's first) is checked before it is taken."""
-        with self._guard():
+        try:
             return self._failure is None and self._allows(token)
-        return False
+        except BaseException as e:
+            self._failed(e)
+            return False
 
     def _allows(self, token: int) -> bool:
         gate = self.reasoning
@@ -134,9 +135,11 @@ class GrammarState:
         """Advance with the request's next output token; False (and the matcher in its
         error state, ``error``) when the grammar does not allow it. A reasoning token
         (the end tag's included) is not the grammar's: the matcher stays as it is."""
-        with self._guard():
+        try:
             return self._failure is None and self._accept(token)
-        return False
+        except BaseException as e:
+            self._failed(e)
+            return False
 
     def _accept(self, token: int) -> bool:
         gate = self.reasoning
@@ -172,8 +175,10 @@ class GrammarState:
         int32 words): the grammar's; while opening, the start tag's next token too. None
         once a call of the matcher failed."""
         if self._matched and self._failure is None:
-            with self._guard():
+            try:
                 self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            except BaseException as e:
+                self._failed(e)
         if not self._matched or self._failure is not None:
             mask[:] = 0  # none (a call that failed may have written part of it)
         gate = self.reasoning
@@ -199,9 +204,11 @@ class GrammarState:
         text left out) -- or it is complete and the request cannot take EOS (none of its
         ``allowed_token_ids`` is one: the grammar's last token ends it). No mask need
         have been made: a prefill node's first token may complete it."""
-        with self._guard():
+        try:
             return self._failure is None and self._finished()
-        return False
+        except BaseException as e:
+            self._failed(e)
+            return False
 
     def _finished(self) -> bool:
         if not (self.constrains and self._matched):
@@ -218,9 +225,11 @@ class GrammarState:
     def error(self) -> str:
         """The matcher's error, on one line (it goes to clients and to log lines)."""
         if self._failure is None:
-            with self._guard():
+            try:
                 return " ".join(str(self.matcher.get_error()).split())[:500]
-        return self._failure or ""  # the guard set it
+            except BaseException as e:
+                self._failed(e)
+        return self._failure or ""  # set by _failed
 
 
 def bitmask_words(vocab_size: int) -> int:
