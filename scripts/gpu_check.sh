@@ -125,7 +125,10 @@ else
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$LOG"
   say "$(ldd --version 2>&1 | head -1)"  # which manylinux wheels this host takes
 fi
-say "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), budget ${BUDGET}s, only '${ONLY}'"
+# The device tool's copy of the tree may carry an older .git: GPU_CHECK_COMMIT (set by the
+# caller, e.g. GPU_CHECK_COMMIT=$(git rev-parse --short HEAD) spelled out in the command)
+# names the tree that ran.
+say "commit ${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} (GPU_CHECK_COMMIT: ${GPU_CHECK_COMMIT:-unset}), budget ${BUDGET}s, only '${ONLY}'"
 # What the steps import, from this host or the wheels: a missing one is named at once.
 step "preflight imports" 60 5 $PY -c "import starlette, uvicorn, httptools, zmq, nixl._api, torch, triton; print('imports ok')"
 # Optional: llguidance, for the structured step only (skipped with this reason without it).
