@@ -149,7 +149,7 @@ S=($PY -m engine.bench serve --no-progress --slo-ttft-ms 150 --slo-itl-ms 25 "${
 # Steps, most valuable first (each stage below is skipped when the budget is spent).
 # 1. The compiled Triton kernels and the device sampler against their references.
 if [ "$SMOKE" != 1 ] && selected kernels; then
-  step "pytest kernels" 150 40 $PY -m pytest -q -p no:cacheprovider --junitxml "$WORK/pytest_kernels.xml" tests/test_triton_attention.py tests/test_sampler.py
+  step "pytest kernels" 150 40 $PY -m pytest -q -p no:cacheprovider --junitxml "$WORK/pytest_kernels.xml" tests/test_triton_attention.py tests/test_triton_ops.py tests/test_sampler.py
 fi
 
 # 2. Offline: the throughput workload (with transformers in the same run) and one stream.

@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from engine.model.config import ModelArchConfig
+from engine.model.ops import ModelOps, get_model_ops
 from engine.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -23,7 +24,7 @@ from engine.model.parallel import (
     VocabParallelEmbedding,
     load_replicated,
 )
-from engine.model.rotary import RotaryEmbedding, apply_rotary
+from engine.model.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +33,24 @@ ReaderFactory = Callable[[str], ShardReader]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: str) -> None:
+    """HF Llama's RMSNorm; ``add`` folds the residual add in (one launch with Triton ops)."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, device: str, ops: ModelOps
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(
             torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -55,10 +63,12 @@ class LlamaAttention(nn.Module):
         dtype: torch.dtype,
         device: str,
         backend: AttentionBackend,
+        ops: ModelOps,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.backend = backend
+        self.ops = ops
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_heads_per_rank(tp_size)
         # This rank's KV heads: a split of them, or one replicated head when tp > KV heads.
@@ -96,16 +106,23 @@ class LlamaAttention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rotary(rope, q, k)
+        q, k = self.ops.rotary(rope, q, k)
         out = self.backend.forward(q, k, v, kv_cache, self.layer_idx, attn, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))  # [T, H]
 
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, cfg: ModelArchConfig, tp_rank: int, tp_size: int, dtype: torch.dtype, device: str
+        self,
+        cfg: ModelArchConfig,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype,
+        device: str,
+        ops: ModelOps,
     ) -> None:
         super().__init__()
+        self.ops = ops
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
             cfg.hidden_size, [inter, inter], False, tp_rank, tp_size, dtype, device
@@ -115,8 +132,8 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, inter / tp]
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * inter / tp]: gate, then up
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -129,22 +146,35 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: str,
         backend: AttentionBackend,
+        ops: ModelOps,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, tp_rank, tp_size, dtype, device, backend)
-        self.mlp = LlamaMLP(cfg, tp_rank, tp_size, dtype, device)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(
+            cfg, layer_idx, tp_rank, tp_size, dtype, device, backend, ops
+        )
+        self.mlp = LlamaMLP(cfg, tp_rank, tp_size, dtype, device, ops)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, ops)
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``: the layer's output is their sum, which the next norm adds
+        (HF's ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, the adds folded into the
+        norms). ``residual`` is None for the first layer, whose ``x`` is the embeddings."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h = self.self_attn(h, rope, attn, kv_cache)
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -181,6 +211,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         cfg.validate_tp(tp_size)
         self.attn_backend = get_attention_backend(attention_backend, device)
+        self.ops = get_model_ops(self.attn_backend.name)
         self.config = cfg
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -188,10 +219,10 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size, dtype, device
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, tp_rank, tp_size, dtype, device, self.attn_backend)
+            LlamaDecoderLayer(cfg, i, tp_rank, tp_size, dtype, device, self.attn_backend, self.ops)
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, self.ops)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.lm_head = ParallelLMHead(
             cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size, dtype, device
@@ -212,11 +243,14 @@ class LlamaForCausalLM(nn.Module):
         push posts a piece there)."""
         x = self.embed_tokens(input_ids)  # [T, H]
         rope = self.rotary.cos_sin(positions)  # once per step, shared by all layers
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, attn, kv_cache)
+            x, residual = layer(x, residual, rope, attn, kv_cache)
             if after_layer is not None:
                 after_layer(i)
-        return self.norm(x)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.model.ops.reference import rotary
+
 
 def rope_inv_freq(
     head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None
@@ -36,11 +38,6 @@ def rope_inv_freq(
     raise ValueError(f"unsupported rope_type {rope_type!r}")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -63,15 +60,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions [T]`` (math in fp32)."""
-        return apply_rotary(self.cos_sin(positions), q, k)
-
-
-def apply_rotary(
-    rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``rope = (cos, sin) [T, 1, D]``."""
-    cos, sin = rope
-    qf, kf = q.float(), k.float()
-    q_out = qf * cos + _rotate_half(qf) * sin
-    k_out = kf * cos + _rotate_half(kf) * sin
-    return q_out.to(q.dtype), k_out.to(k.dtype)
+        return rotary(self.cos_sin(positions), q, k)
