@@ -50,11 +50,17 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
 
 
-def test_the_op_set_follows_the_attention_backend():
+def test_the_op_set_follows_the_attention_backend_unless_the_environment_names_one(monkeypatch):
+    monkeypatch.delenv("PDSERVE_MODEL_OPS", raising=False)
     assert get_model_ops("reference").name == "reference"
     assert get_model_ops("triton").name == "triton"
     with pytest.raises(ValueError, match="no model ops"):
         get_model_ops("auto")
+    monkeypatch.setenv("PDSERVE_MODEL_OPS", "reference")  # the A/B switch of gpu_check.sh
+    assert get_model_ops("triton").name == "reference"
+    monkeypatch.setenv("PDSERVE_MODEL_OPS", "fast")
+    with pytest.raises(ValueError, match="PDSERVE_MODEL_OPS='fast': choose from reference, triton"):
+        get_model_ops("triton")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

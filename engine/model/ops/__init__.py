@@ -10,6 +10,8 @@ embedding and SiLU-and-multiply, in two interchangeable sets.
 
 The set follows the attention backend (``--attention-backend``): ``triton`` attention gets
 the Triton ops, ``reference`` the torch ones, so one flag picks the whole fast path.
+``PDSERVE_MODEL_OPS=reference|triton`` overrides that, for A/B measurements in one run
+(``scripts/gpu_check.sh``'s "torch ops" rows); it is not a serving option.
 
 The contract, for ``x [T, H]`` rows of ``dtype`` and fp32 math inside every op::
 
@@ -23,6 +25,7 @@ The contract, for ``x [T, H]`` rows of ``dtype`` and fp32 math inside every op::
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -44,8 +47,21 @@ class ModelOps(Protocol):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+OPS_ENV = "PDSERVE_MODEL_OPS"
+OP_SETS = ("reference", "triton")
+
+
 def get_model_ops(attention_backend: str) -> ModelOps:
-    """The op set that goes with the (resolved) attention backend ``reference`` or ``triton``."""
+    """The op set that goes with the (resolved) attention backend ``reference`` or ``triton``,
+    unless ``PDSERVE_MODEL_OPS`` names one."""
+    forced = os.environ.get(OPS_ENV, "")
+    if forced:
+        if forced not in OP_SETS:
+            raise ValueError(
+                f"{OPS_ENV}={forced!r}: choose from {', '.join(OP_SETS)}, or unset it to "
+                "follow the attention backend"
+            )
+        attention_backend = forced
     if attention_backend == "triton":
         from engine.model.ops.triton_ops import TritonOps
 
@@ -57,4 +73,4 @@ def get_model_ops(attention_backend: str) -> ModelOps:
     raise ValueError(f"no model ops for attention backend {attention_backend!r}")
 
 
-__all__ = ["ModelOps", "get_model_ops"]
+__all__ = ["OPS_ENV", "OP_SETS", "ModelOps", "get_model_ops"]
