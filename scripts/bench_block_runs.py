@@ -51,7 +51,7 @@ class Churn:
 
     def row(self, name: str) -> str:
         return (
-            f"{name:<28} transfers {self.transfers:5d}  blocks {self.blocks:7d}  "
+            f"{name:<24} transfers {self.transfers:5d}  blocks {self.blocks:7d}  "
             f"descs {self.descriptors:6d} ({self.ratio:.3f}/block, "
             f"{self.blocks / max(1, self.descriptors):.1f} blocks/desc)  "
             f"P runs {self.p_runs / max(1, self.blocks):.3f}/block  "
@@ -203,15 +203,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[0.1, 0.35],
+        help="new requests per step: 0.1 leaves D some free room, 0.35 keeps it full",
+    )
     ap.add_argument("--timeit", action="store_true", help="also time allocate(n)")
     args = ap.parse_args()
-    for caching in (False, True):
-        total = Churn()
-        for seed in range(args.seeds):
-            r = simulate(caching=caching, seed=seed, requests=args.requests)
-            for k in ("transfers", "blocks", "descriptors", "p_runs", "d_runs"):
-                setattr(total, k, getattr(total, k) + getattr(r, k))
-        print(total.row(f"prefix caching {'on' if caching else 'off'}"))
+    for rate in args.rates:
+        for caching in (False, True):
+            total = Churn()
+            for seed in range(args.seeds):
+                r = simulate(
+                    caching=caching, seed=seed, requests=args.requests, arrivals_per_step=rate
+                )
+                for k in ("transfers", "blocks", "descriptors", "p_runs", "d_runs"):
+                    setattr(total, k, getattr(total, k) + getattr(r, k))
+            print(total.row(f"rate {rate:g}, caching {'on' if caching else 'off'}"))
     if args.timeit:
         for n, us in time_allocate().items():
             print(f"allocate({n:3d}) of a churned 100k-block pool: {us:8.1f} us")
