@@ -42,7 +42,7 @@ class Churn:
     descriptors: int = 0
     p_runs: int = 0
     d_runs: int = 0
-    per_transfer: list[tuple[int, int]] = field(default_factory=list)  # (blocks, descs)
+    per_transfer: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (blocks, descs)
 
     @property
     def ratio(self) -> float:
@@ -63,30 +63,34 @@ def simulate(
     *,
     caching: bool,
     seed: int = 0,
-    requests: int = 600,
+    requests: int = 2000,
     p_blocks: int = 4096,
     d_blocks: int = 4096,
     block_size: int = 16,
     budget: int = 2048,
     arrivals_per_step: float = 0.35,
-    warmup: int = 100,
+    warmup: int = 1000,
+    prompt_tokens: tuple[int, int] = (32, 3000),
+    prefix_tokens: tuple[int, ...] = (256, 1024, 2048),
+    output_tokens: tuple[int, int] = (8, 600),
 ) -> Churn:
-    """P's and D's pools through ``requests`` P/D requests; totals past ``warmup``."""
+    """P's and D's pools through ``requests`` P/D requests; totals past the first
+    ``warmup`` (a fresh pool hands out ascending ids: the pools take ~1000 requests of
+    the default sizes to reach a steady state)."""
     rng = random.Random(seed)
     p = KVCacheManager(p_blocks, block_size, enable_caching=caching)
     d = KVCacheManager(d_blocks, block_size, enable_caching=caching)
-    prefixes = [[1000 + 10 * i + j for j in range(n)] for i, n in enumerate((256, 1024, 2048))]
+    prefixes = [[1000 + 10 * i + j for j in range(n)] for i, n in enumerate(prefix_tokens)]
     out = Churn()
 
     def new_request(i: int) -> tuple[Request, Request, int]:
         head = rng.choice(prefixes) if rng.random() < 0.5 else []
-        tail = [rng.randrange(1, 1 << 30) for _ in range(rng.randint(32, 3000))]
+        tail = [rng.randrange(1, 1 << 30) for _ in range(rng.randint(*prompt_tokens))]
         prompt = head + tail
         params = SamplingParams(max_tokens=1)
         # P's leg and D's leg: the same prompt, each node its own Request
-        return Request(f"p{i}", prompt, params), Request(f"d{i}", prompt, params), rng.randint(
-            8, 600
-        )
+        out_len = rng.randint(*output_tokens)
+        return Request(f"p{i}", prompt, params), Request(f"d{i}", prompt, params), out_len
 
     queued: deque[tuple[Request, Request, int]] = deque()  # arrived, D not reserved yet
     prefilling: list[tuple[Request, Request, int, list[int]]] = []  # P computing; D's dst
@@ -201,8 +205,9 @@ def time_allocate(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=600)
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--warmup", type=int, default=1000, help="requests not counted")
+    ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument(
         "--rates",
         type=float,
@@ -217,7 +222,11 @@ def main() -> None:
             total = Churn()
             for seed in range(args.seeds):
                 r = simulate(
-                    caching=caching, seed=seed, requests=args.requests, arrivals_per_step=rate
+                    caching=caching,
+                    seed=seed,
+                    requests=args.requests,
+                    warmup=args.warmup,
+                    arrivals_per_step=rate,
                 )
                 for k in ("transfers", "blocks", "descriptors", "p_runs", "d_runs"):
                     setattr(total, k, getattr(total, k) + getattr(r, k))
