@@ -32,16 +32,56 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (evicting cached content) or raise if too few."""
-        if n > len(self._free):
-            raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            block, _ = self._free.popitem(last=False)
-            self._evict(block)
-            self.ref_cnt[block] = 1
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Take ``n`` free blocks (evicting cached content) or raise if too few.
+
+        Which blocks: the ``n`` least recently freed (LRU), except that a free block that
+        holds no cached content may stand in for one -- taking it evicts nothing, so the
+        cached content an allocation evicts is always the oldest in LRU order and never
+        more than LRU alone would evict. Such blocks are taken to lengthen runs of
+        consecutive ids: after each block taken from the LRU list, the ids right above it
+        while they are free and hold nothing; and first, when ``after`` (the requesting
+        sequence's last block) is given, the ids right above it, so a sequence allocated a
+        few blocks at a time continues its run.
+
+        Order: the run continuing ``after`` first, then the rest ascending. A KV push
+        moves each run of consecutive ids (on both nodes) as one NIXL descriptor
+        (``kvconnector/nixl/block_runs.py``); the LRU list alone, a sequence's blocks freed
+        tail first, handed them out in descending order: one descriptor per block.
+        """
+        free = self._free
+        if n > len(free):
+            raise MemoryError(f"need {n} KV blocks, {len(free)} free")
+        # Inline, no call per block: the scheduler allocates every step.
+        hash_of, block_of, ref_cnt = self._hash_of, self._block_of, self.ref_cnt
+        out: list[int] = []
+        if after is not None:
+            block = after + 1
+            while len(out) < n and block in free and block not in hash_of:
+                del free[block]
+                ref_cnt[block] = 1
+                out.append(block)
+                block += 1
+        continued = len(out)
+        while len(out) < n:
+            block, _ = free.popitem(last=False)  # the least recently freed
+            content = hash_of.pop(block, None)
+            if content is not None:
+                del block_of[content]  # evicted from the prefix cache
+            ref_cnt[block] = 1
             out.append(block)
+            block += 1
+            while len(out) < n and block in free and block not in hash_of:
+                del free[block]
+                ref_cnt[block] = 1
+                out.append(block)
+                block += 1
+        if continued == 0:
+            out.sort()
+        elif continued < n:
+            rest = out[continued:]
+            rest.sort()
+            out[continued:] = rest
         return out
 
     def lookup(self, content_hash: BlockKey) -> int | None:
@@ -69,8 +109,3 @@ class BlockPool:
             return  # another block already holds this content
         self._hash_of[block] = content_hash
         self._block_of[content_hash] = block
-
-    def _evict(self, block: int) -> None:
-        h = self._hash_of.pop(block, None)
-        if h is not None:
-            del self._block_of[h]

@@ -129,7 +129,10 @@ class KVCacheManager:
             self.pool.touch(b)
         blocks = self._blocks.setdefault(request.request_id, [])
         blocks.extend(computed_blocks)
-        blocks.extend(self.pool.allocate(need))
+        if need:
+            # after its last block: a request allocated a few blocks at a time (chunked
+            # prefill, decode growth) continues its run of ids where the next ones are free
+            blocks.extend(self.pool.allocate(need, blocks[-1] if blocks else None))
         return blocks
 
     def cache_computed_blocks(self, request: Request) -> None:
