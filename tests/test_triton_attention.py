@@ -15,10 +15,6 @@ import importlib
 import itertools
 import math
 import random
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -27,6 +23,7 @@ pytest.importorskip("triton")
 import torch.nn.functional as F
 
 import engine.model.attention.triton_kernels as tk
+from tests.triton_sm90 import compile_in_fresh_python
 
 if not torch.cuda.is_available() and type(tk._unified_attention_kernel).__name__ != (
     "InterpretedFunction"
@@ -414,28 +411,14 @@ def test_launch_config_choices():
     assert tk.choose_launch_config(1, 4, 1, 64, 9, torch.float32, cpu).num_segments == 1
 
 
-# Run in a fresh interpreter without TRITON_INTERPRET: captures the launches the wrappers make
-# (kernel, arguments, constexprs, options) and compiles each for sm_90a with Triton's own
-# compiler down to a cubin (ptxas ships with triton), as the runtime would on an H200.
+# Compiled for sm_90a in a fresh interpreter (tests/triton_sm90.py).
 _COMPILE_SCRIPT = """
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import torch
 import engine.model.attention.triton_kernels as tk
+from tests.triton_sm90 import capture, compile_launches
 
 assert not tk._INTERPRETED
-DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-          torch.int32: "i32", torch.int64: "i64"}
-launches = []
-
-class Capture:
-    def __init__(self, kernel):
-        self.kernel = kernel
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
-
-for name in ("_unified_attention_kernel", "_merge_segments_kernel", "_reshape_and_cache_kernel"):
-    setattr(tk, name, Capture(getattr(tk, name)))
+capture(tk, ("_unified_attention_kernel", "_merge_segments_kernel", "_reshape_and_cache_kernel"))
 
 def attention(dtype, hq, hkv, d, bs, q_len, config=None):
     kv = torch.empty((9, 2, 2, hkv, bs, d), dtype=dtype)
@@ -455,29 +438,7 @@ attention(torch.bfloat16, 8, 2, 64, 32, 1, tk.AttentionLaunchConfig(1, 16, 16, n
 kv = torch.empty((4, 2, 2, 8, 16, 128), dtype=torch.bfloat16)
 k = torch.empty((3, 8, 128), dtype=torch.float32)
 tk.reshape_and_cache(k, k, kv, 1, torch.zeros(3, dtype=torch.int64))
-
-for kernel, args, kwargs in launches:
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    values = dict(zip(kernel.arg_names, args), **kwargs)
-    signature, constexprs, attrs = {}, {}, {}
-    for i, param in enumerate(kernel.params):
-        value = values[param.name]
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constexprs[(i,)] = value
-            continue
-        if isinstance(value, torch.Tensor):
-            signature[param.name] = "*" + DTYPES[value.dtype]
-        elif isinstance(value, float):
-            signature[param.name] = "fp32"
-        else:
-            signature[param.name] = param.annotation_type or "i32"
-        if isinstance(value, torch.Tensor) or (isinstance(value, int) and value % 16 == 0):
-            attrs[(i,)] = [["tt.divisibility", 16]]  # what the runtime specializes on
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    assert compiled.asm["cubin"], kernel.__name__
-    print(kernel.__name__, "wgmma" if "wgmma" in compiled.asm["ptx"] else "", options)
+compile_launches()
 """
 
 
@@ -485,13 +446,6 @@ for kernel, args, kwargs in launches:
 def test_kernels_compile_for_sm90():
     """The compiled path (``for`` loops, tensor-core dots), which the interpreter never runs."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_COMPILE_SCRIPT)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.splitlines()
-    assert len(lines) == 6, result.stdout
+    lines = compile_in_fresh_python(_COMPILE_SCRIPT)
+    assert len(lines) == 6, lines
     assert "wgmma" in lines[0]  # the bf16 prefill runs on Hopper's tensor cores

@@ -12,10 +12,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import importlib
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -25,6 +21,7 @@ import engine.model.ops.triton_ops as to  # noqa: E402
 from engine.model.ops import get_model_ops  # noqa: E402
 from engine.model.ops.reference import ReferenceOps  # noqa: E402
 from engine.model.rotary import RotaryEmbedding  # noqa: E402
+from tests.triton_sm90 import compile_in_fresh_python  # noqa: E402
 
 if not torch.cuda.is_available() and type(to._rms_norm_kernel).__name__ != "InterpretedFunction":
     to = importlib.reload(to)  # imported before the interpreter was switched on
@@ -143,26 +140,13 @@ def test_the_model_on_the_triton_ops_matches_the_reference_ops():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-# Compiles each kernel for sm_90a with Triton's own compiler (the interpreter never runs the
-# compiled path), in a fresh interpreter without TRITON_INTERPRET.
+# Compiled for sm_90a in a fresh interpreter (tests/triton_sm90.py).
 _COMPILE_SCRIPT = """
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import torch
 import engine.model.ops.triton_ops as to
+from tests.triton_sm90 import capture, compile_launches
 
-DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-launches = []
-
-class Capture:
-    def __init__(self, kernel):
-        self.kernel = kernel
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
-
-for name in ("_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"):
-    setattr(to, name, Capture(getattr(to, name)))
-
+capture(to, ("_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"))
 ops = to.TritonOps()
 for dtype in (torch.bfloat16, torch.float32):
     x = torch.empty((4, 2048), dtype=dtype)
@@ -173,37 +157,12 @@ for dtype in (torch.bfloat16, torch.float32):
     cos = torch.empty((4, 1, 128), dtype=torch.float32)
     ops.rotary((cos, cos), q.reshape(4, 16, 128), k.reshape(4, 8, 128))
     ops.silu_and_mul(torch.empty((4, 2 * 5632), dtype=dtype))
-
-for kernel, args, kwargs in launches:
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    values = dict(zip(kernel.arg_names, args), **kwargs)
-    signature, constexprs = {}, {}
-    for i, param in enumerate(kernel.params):
-        value = values[param.name]
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constexprs[(i,)] = value
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = "*" + DTYPES[value.dtype]
-        elif isinstance(value, float):
-            signature[param.name] = "fp32"
-        else:
-            signature[param.name] = "i32"
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    assert compiled.asm["cubin"], kernel.__name__
-    print(kernel.__name__)
+compile_launches()
 """
 
 
 @pytest.mark.slow
 def test_the_ops_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_COMPILE_SCRIPT)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert len(result.stdout.splitlines()) == 8, result.stdout
+    lines = compile_in_fresh_python(_COMPILE_SCRIPT)
+    assert len(lines) == 8, lines
