@@ -67,6 +67,23 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _rotate_heads(
+    ptr, stride_head, num_heads, d, d_mask, half, cos1, cos2, sin1, sin2, BLOCK_H: tl.constexpr
+):
+    """Rotate one token's ``num_heads`` heads at ``ptr`` in place: a ``[BLOCK_H, D/2]`` tile
+    per half; rotate_half(x) = cat(-x2, x1), so out1 = x1 cos1 - x2 sin1, out2 = x2 cos2 +
+    x1 sin2."""
+    h = tl.arange(0, BLOCK_H)
+    mask = (h < num_heads)[:, None] & d_mask[None, :]
+    first = ptr + h[:, None] * stride_head + d[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + half, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(first, (x1f * cos1 - x2f * sin1).to(x1.dtype), mask=mask)
+    tl.store(first + half, (x2f * cos2 + x1f * sin2).to(x1.dtype), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr,
     k_ptr,
@@ -92,26 +109,10 @@ def _rotary_kernel(
     cos2 = tl.load(cos_ptr + rope + half, mask=d_mask, other=0.0)[None, :]
     sin1 = tl.load(sin_ptr + rope, mask=d_mask, other=0.0)[None, :]
     sin2 = tl.load(sin_ptr + rope + half, mask=d_mask, other=0.0)[None, :]
-
-    # Query heads: [BLOCK_HQ, BLOCK_D] tiles of the first and second halves.
-    hq = tl.arange(0, BLOCK_HQ)
-    q_mask = (hq < num_q_heads)[:, None] & d_mask[None, :]
-    q1_ptrs = q_ptr + token * stride_q_token + hq[:, None] * stride_q_head + d[None, :]
-    q1 = tl.load(q1_ptrs, mask=q_mask, other=0.0)
-    q2 = tl.load(q1_ptrs + half, mask=q_mask, other=0.0)
-    q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
-    # rotate_half(x) = cat(-x2, x1): out1 = x1 cos1 - x2 sin1, out2 = x2 cos2 + x1 sin2
-    tl.store(q1_ptrs, (q1f * cos1 - q2f * sin1).to(q1.dtype), mask=q_mask)
-    tl.store(q1_ptrs + half, (q2f * cos2 + q1f * sin2).to(q1.dtype), mask=q_mask)
-
-    hk = tl.arange(0, BLOCK_HK)
-    k_mask = (hk < num_k_heads)[:, None] & d_mask[None, :]
-    k1_ptrs = k_ptr + token * stride_k_token + hk[:, None] * stride_k_head + d[None, :]
-    k1 = tl.load(k1_ptrs, mask=k_mask, other=0.0)
-    k2 = tl.load(k1_ptrs + half, mask=k_mask, other=0.0)
-    k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-    tl.store(k1_ptrs, (k1f * cos1 - k2f * sin1).to(k1.dtype), mask=k_mask)
-    tl.store(k1_ptrs + half, (k2f * cos2 + k1f * sin2).to(k1.dtype), mask=k_mask)
+    q = q_ptr + token * stride_q_token
+    _rotate_heads(q, stride_q_head, num_q_heads, d, d_mask, half, cos1, cos2, sin1, sin2, BLOCK_HQ)
+    k = k_ptr + token * stride_k_token
+    _rotate_heads(k, stride_k_head, num_k_heads, d, d_mask, half, cos1, cos2, sin1, sin2, BLOCK_HK)
 
 
 @triton.jit
