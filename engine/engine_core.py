@@ -288,8 +288,9 @@ class EngineCore:
         if not idle:
             self.step_stats.step_schedule_seconds_total += t1 - t0
             self._last_dispatch = time.monotonic()
+            sent = time.perf_counter()  # before: in process, the call may run the step
             fut = self.executor.execute_model(sched, non_block=True)
-            self._in_flight = (sched, fut, time.perf_counter())  # type: ignore[assignment]
+            self._in_flight = (sched, fut, sent)  # type: ignore[assignment]
         try:
             outputs = self._wait_and_update(prev) if prev is not None else []
         except BaseException as e:
@@ -327,11 +328,15 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result)
         # Execute: from when the workers could start the step (sent, and the step before it
         # done) to its result, as in sync mode; the engine's scheduling and updating
-        # overlapped it (the phases add up to more than the wall time).
+        # overlapped it (the phases add up to more than the wall time). "Done" is when the
+        # result was there, not when this thread got to it: that is later by the engine's
+        # own work -- in process (``uni`` on CPU), by the whole next step, which ran in
+        # the call that sent it.
+        done = result.done_at or t
         st = self.step_stats
         st.steps_total += 1
-        st.step_execute_seconds_total += t - max(sent, self._last_result_at)
-        self._last_result_at = t
+        st.step_execute_seconds_total += done - max(sent, self._last_result_at)
+        self._last_result_at = done
         st.step_worker_seconds_total += result.worker_busy_s
         st.step_update_seconds_total += time.perf_counter() - t
         return outputs

@@ -12,6 +12,7 @@ TP 1 and 2, token-identical to synchronous scheduling.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
 from typing import Any
@@ -603,3 +604,41 @@ def test_blocks_a_step_in_flight_still_writes_are_freed_at_its_update(ending):
         s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={"r": 3}))
     s.update_from_output(ahead, ModelRunnerOutput(sampled_token_ids={"r": 4}))
     assert s.kv.pool.num_free == 16
+
+
+@pytest.mark.parametrize(
+    ("backend", "defer"), [("uni", "0"), ("uni", "1"), ("mp", "0"), ("mp", "1")]
+)
+def test_the_step_split_puts_each_steps_worker_time_inside_its_executor_time(
+    backend, defer, monkeypatch
+):
+    """``pd-bench offline``'s step split (``StepStats``): under async scheduling a step's
+    executor round trip is counted from when its workers could start it to when its result
+    was there, and the worker's own time inside it -- so the executor's share (the round
+    trip less the worker's) is never negative. In process (``uni``, the offline default at
+    TP 1) the step ran inside ``execute_model`` (CPU), or was launched behind the step
+    before it and read back late (``defer``, as on CUDA); both gave a negative share (the
+    window began after the forward, or at the step before's collection)."""
+    from engine.llm import LLM
+
+    monkeypatch.setenv(DEFER_READBACK_ENV, defer)
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(_engine_config(True, backend=backend)) as llm:
+        llm.generate_token_ids(_engine_prompts()[:2], sp)  # warm: first steps are slow
+        core, steps = llm.core, []
+        step = core.step
+
+        def measured() -> Any:
+            before = dataclasses.replace(core.step_stats)
+            out = step()
+            steps.append(core.step_stats.per_step_ms(before))
+            return out
+
+        core.step = measured  # type: ignore[method-assign]
+        llm.generate_token_ids(_engine_prompts()[:2], sp)
+    split = [s for s in steps if s]  # the steps whose update counted a worker step
+    assert len(split) >= 24
+    if backend == "uni":  # no pipe between them: each step's own window holds its worker's
+        assert all(s["ipc_ms"] >= 0 for s in split), split
+    total = sum(s["ipc_ms"] for s in split)
+    assert total >= 0, split

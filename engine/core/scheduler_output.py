@@ -116,7 +116,9 @@ class WorkerOutput:
     # Per-request transfer failures seen by this rank: request id -> reason.
     kv_failed: dict[str, str] = field(default_factory=dict)
     kv_stats: Stats | None = None  # the connector's per-rank counters (typed)
-    busy_s: float = 0.0  # from receiving the step to this output ready (step_stats.py)
+    # From receiving the step (and the step before's output gone) to this output ready
+    # (step_stats.py).
+    busy_s: float = 0.0
     # Async scheduling (rank 0): the sampled ids still on their way from the device, as
     # (request ids, staging.PendingIds); the worker puts them into ``sampled_token_ids``
     # (``resolve_sampled``) before the output leaves the process. Never pickled.
@@ -143,3 +145,6 @@ class ModelRunnerOutput:
     kv_failed: dict[str, str] = field(default_factory=dict)
     kv_stats: Stats | None = None  # the connector's per-rank counters (typed)
     worker_busy_s: float = 0.0  # the slowest rank's busy_s
+    # ``time.perf_counter()`` when the ranks' outputs were aggregated: when the step's
+    # result was there (async scheduling's step split: the engine waits for it later).
+    done_at: float = 0.0

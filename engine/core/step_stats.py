@@ -3,7 +3,8 @@
 For every step that went to the workers: the scheduler's ``schedule()`` and
 ``update_from_output()`` (the engine's host work), the executor's round trip (send the
 step, every rank runs it, results back and aggregated), and inside that the slowest rank's
-own time (from receiving the step to its output ready, ``WorkerOutput.busy_s``). The
+own time (from when it could start the step -- received, and its output of the step
+before gone (async scheduling) -- to its output ready, ``WorkerOutput.busy_s``). The
 round trip minus the worker is the executor's cost: pickling, pipes, wake-ups.
 
 Rates of these counters split a step: e.g. ``rate(pdserve_engine_step_update_seconds_total)

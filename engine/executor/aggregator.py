@@ -19,6 +19,7 @@ One implementation serves both collection paths: ``aggregate`` takes the outputs
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -107,6 +108,7 @@ class KVOutputAggregator:
             kv_failed=kv_failed,
             kv_stats=kv_stats,
             worker_busy_s=max(o.busy_s for o in outputs),
+            done_at=time.perf_counter(),
         )
 
     def async_aggregate(

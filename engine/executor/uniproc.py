@@ -85,6 +85,7 @@ class UniProcExecutor:
         self._step_lock = threading.Lock()
         # Async scheduling: the futures of launched steps whose outputs wait for ``wait``.
         self._deferred: dict[Future[ModelRunnerOutput], tuple[WorkerOutput, float]] = {}
+        self._last_done = 0.0  # when the last step's output was aggregated (``_finish``)
         # A step waiting for its masks on the step thread: their queue, the
         # thread's task and the step's future.
         self._split: tuple[queue.SimpleQueue, Future[None], Future[ModelRunnerOutput]] | None
@@ -235,8 +236,13 @@ class UniProcExecutor:
             logger.exception("reading back the sampled ids of a step failed")
             fut.set_exception(WorkerError(0, traceback.format_exc()))
             return
-        out.busy_s = time.perf_counter() - t0
-        fut.set_result(self.aggregator.aggregate([out]))
+        # From when the rank could start the step -- launched, and the step before it done
+        # (async scheduling launches a step behind the one still on the device) -- as
+        # the engine counts the step's round trip, which holds it.
+        out.busy_s = time.perf_counter() - max(t0, self._last_done)
+        result = self.aggregator.aggregate([out])
+        self._last_done = result.done_at
+        fut.set_result(result)
 
     def wait(self, result: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
         self._join_split(result)

@@ -209,9 +209,15 @@ def worker_main(
     # Async scheduling: a step's output whose sampled ids are still on their way from the
     # device, held while the next step (already queued) is launched, then sent before it.
     held: tuple[WorkerOutput, float] | None = None
+    last_sent = 0.0
 
     def send(out: WorkerOutput, t0: float) -> None:
-        send_output(result_conn, rank, out, t0)
+        # The step's time counts from when this rank could start it: received, and the
+        # output of the step before it gone (a step launched while that one's ids were
+        # read back ran behind it), as the engine counts the round trip that holds it.
+        nonlocal last_sent
+        send_output(result_conn, rank, out, max(t0, last_sent))
+        last_sent = time.perf_counter()
 
     def deferred_source(step_id: int) -> DeferredSampling:
         # The engine makes the masks from the step before's output: send that first.
