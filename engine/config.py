@@ -296,12 +296,15 @@ class SchedulerConfig:
             "human_readable": True,
         },
     )
-    async_scheduling: bool = field(
-        default=False,
+    async_scheduling: bool | None = field(
+        default=None,
         metadata={
             "help": "schedule step N+1 while step N runs (vLLM's flag): the host's "
             "scheduling and output work overlaps the forward; the workers fill in the "
-            "tokens step N sampled"
+            "tokens step N sampled. On by default, as vLLM's (every pdserve feature "
+            "supports it: P/D roles, TP, both executors, structured outputs, penalties, "
+            "the pipelined push); --no-async-scheduling: each step scheduled once the "
+            "one before it ended"
         },
     )
     scheduling_policy: Literal["fcfs", "priority"] = field(
@@ -322,6 +325,8 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.async_scheduling is None:  # unset: on, vLLM's default (the config holds it)
+            object.__setattr__(self, "async_scheduling", True)
         require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         require(

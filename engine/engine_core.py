@@ -3,10 +3,11 @@
 ``EngineCore`` owns the scheduler, the scheduler-side connector and the executor. It is
 driven by one thread (``AsyncLLMEngine``'s loop, or ``LLM.generate`` offline).
 
-With ``--async-scheduling`` one step stays in flight: a step schedules and sends step
-N+1, then waits for step N and updates from it, so the workers start N+1 as soon as N is
-done while the engine turns N's results into outputs (``core/scheduler.py`` says how the
-tokens N samples are scheduled before they are known).
+With async scheduling (the default; ``--no-async-scheduling`` turns it off) one step
+stays in flight: a step schedules and sends step N+1, then waits for step N and updates
+from it, so the workers start N+1 as soon as N is done while the engine turns N's
+results into outputs (``core/scheduler.py`` says how the tokens N samples are scheduled
+before they are known).
 """
 
 from __future__ import annotations
@@ -172,6 +173,16 @@ class EngineCore:
             self.num_blocks * spec.block_bytes / 2**30,
             self.max_model_len,
         )
+        if config.scheduler.async_scheduling:
+            logger.info(
+                "async scheduling: on (the default, as vLLM's: step N+1 is scheduled while "
+                "step N runs; --no-async-scheduling turns it off)"
+            )
+        else:
+            logger.info(
+                "async scheduling: off (--no-async-scheduling: each step is scheduled once "
+                "the one before it ended)"
+            )
         try:
             self.connector.set_worker_info(self.executor.worker_infos)
         except BaseException:

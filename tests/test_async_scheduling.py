@@ -363,7 +363,7 @@ def test_an_async_node_over_http_matches_a_synchronous_one(procs):
     import httpx
     from harness import wait_for, wait_healthy
 
-    sync = procs.node("--num-blocks", "256", name="sync", wait=False)
+    sync = procs.node("--num-blocks", "256", "--no-async-scheduling", name="sync", wait=False)
     fast = procs.node(
         "--num-blocks", "256", "--async-scheduling", name="async", env={DEFER_READBACK_ENV: "1"}
     )

@@ -175,7 +175,10 @@ def test_async_engine_bans_a_pair_every_step_as_the_sync_engine_does(backend, de
 
     monkeypatch.setenv(DEFER_READBACK_ENV, defer)
     prompt = [3, 14, 15, 9, 26, 5]
-    with LLM(EngineConfig(cache=CacheConfig(num_blocks=64))) as sync:
+    sync_config = EngineConfig(
+        cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(async_scheduling=False)
+    )
+    with LLM(sync_config) as sync:
         (free,) = sync.generate_token_ids([prompt], SamplingParams(max_tokens=40, temperature=0))
         pairs = (_bigrams(free)[5], _bigrams(free)[20])
         params = SamplingParams(max_tokens=40, temperature=0, bad_words_token_ids=pairs)

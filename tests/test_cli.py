@@ -189,6 +189,27 @@ def test_config_file(tmp_path) -> None:
     assert cfg.model.model == "org/other" and cfg.scheduler.max_num_batched_tokens == 512
 
 
+@pytest.mark.parametrize(
+    "argv, file, on",
+    [
+        ([], None, True),  # vLLM's default: on
+        (["--async-scheduling"], None, True),
+        (["--no-async-scheduling"], None, False),
+        ([], "async-scheduling: false\n", False),
+        ([], "async-scheduling: null\n", True),  # null: the flag's default
+        (["--async-scheduling"], "async_scheduling: false\n", True),  # the command line wins
+    ],
+)
+def test_async_scheduling_is_on_unless_turned_off(tmp_path, argv, file, on) -> None:
+    if file is not None:
+        path = tmp_path / "node.yaml"
+        path.write_text(file)
+        argv = [*argv, "--config", str(path)]
+    for role in ("prefill", "decode"):
+        _, cfg = parse_config(build_parser(role), argv)
+        assert cfg.scheduler.async_scheduling is on, (role, argv, file)
+
+
 def test_a_side_channel_port_in_use_exits_2_naming_it_not_a_traceback() -> None:
     # Two nodes given one --side-channel-port (or one VLLM_NIXL_SIDE_CHANNEL_PORT): the
     # second's connector could not bind and the node printed a zmq traceback (exit 1).

@@ -36,7 +36,9 @@ def checkpoint(tmp_path_factory) -> dict:
     prompts = [random_prompt(n, 256, seed=n) for n in LENGTHS]
     hf = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
     base = EngineConfig(model=ModelConfig(model=str(path)), cache=CacheConfig(num_blocks=256))
-    with LLM(base) as llm:
+    # The reference: a colocated engine scheduling synchronously (P/D runs async, the default).
+    sync = base.replace(scheduler=SchedulerConfig(async_scheduling=False))
+    with LLM(sync) as llm:
         colocated = llm.generate_token_ids(prompts, GREEDY)
         seeded = llm.generate_token_ids(prompts, SEEDED)
     return {
@@ -49,14 +51,22 @@ def checkpoint(tmp_path_factory) -> dict:
     }
 
 
-@pytest.mark.parametrize(("tp", "backend"), [(1, "mp"), (1, "uni"), (2, "mp")])
-def test_disaggregated_output_matches_colocated_and_transformers(checkpoint, tp, backend):
+@pytest.mark.parametrize(
+    ("tp", "backend", "async_scheduling"),
+    [(1, "mp", False), (1, "mp", None), (1, "uni", None), (2, "mp", None)],
+    ids=["1-mp-sync", "1-mp", "1-uni", "2-mp"],
+)
+def test_disaggregated_output_matches_colocated_and_transformers(
+    checkpoint, tp, backend, async_scheduling
+):
     """``uni``: P's and D's ranks run in this process (their transfers advanced between
-    steps by the executors' watcher threads)."""
+    steps by the executors' watcher threads). Async scheduling is the default; ``sync``:
+    P and D with ``--no-async-scheduling``."""
     base = EngineConfig(
         model=ModelConfig(model=checkpoint["path"]),
         cache=CacheConfig(num_blocks=256),
         parallel=ParallelConfig(tp=tp, distributed_executor_backend=backend),
+        scheduler=SchedulerConfig(async_scheduling=async_scheduling),
     )
     p = EngineCore(nixl_config(base, "producer"))
     d = EngineCore(nixl_config(base, "consumer"))

@@ -74,7 +74,8 @@ def test_cuda_graph_decode_is_token_identical_to_eager_and_async(llama):
     # 24 prompts: decode batches of 24 down to 1 replay padded buckets.
     prompts = [random_prompt(5 + 7 * i, 256, seed=100 + i) for i in range(24)]
     params = [SamplingParams(max_tokens=8 + i, temperature=0.0) for i in range(24)]
-    with LLM(_config(llama["path"], enforce_eager=True)) as llm:
+    sync = SchedulerConfig(async_scheduling=False)  # eager and graphs, then graphs async
+    with LLM(_config(llama["path"], enforce_eager=True).replace(scheduler=sync)) as llm:
         eager = llm.generate_token_ids(prompts, params)
     # Two-token bad words (a pair each request's eager answer holds): under async
     # scheduling their bans follow the token in flight, so those steps go out with
@@ -83,7 +84,7 @@ def test_cuda_graph_decode_is_token_identical_to_eager_and_async(llama):
         dataclasses.replace(sp, bad_words_token_ids=(tuple(out[2:4]),))
         for sp, out in zip(params, eager, strict=True)
     ]
-    with LLM(_config(llama["path"])) as llm:
+    with LLM(_config(llama["path"]).replace(scheduler=sync)) as llm:
         graphs = llm.generate_token_ids(prompts, params)
         graphs_banned = llm.generate_token_ids(prompts, banned)
     assert graphs == eager

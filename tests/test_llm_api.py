@@ -116,11 +116,13 @@ def test_stop_strings_count_as_stop_in_the_metrics(llm: LLM) -> None:
     assert {r: after[r] - before[r] for r in after} == {"stop": 2, "length": 0, "abort": 0}
 
 
-def test_a_stop_string_cut_leaves_an_async_scheduling_engine_idle(llm: LLM) -> None:
+def test_a_stop_string_cut_leaves_an_async_scheduling_engine_idle() -> None:
     """With a step in flight when a stop string ends a request, the next call gets none of
-    its outputs and the engine's blocks are back."""
+    its outputs and the engine's blocks are back; the answers are a synchronous engine's."""
     greedy = SamplingParams(temperature=0, max_tokens=24)
-    (want,) = llm.generate("abc", greedy)
+    with LLM(model="tiny", device="cpu", num_blocks=256, max_model_len=512,
+             async_scheduling=False) as sync:  # fmt: skip
+        (want,) = sync.generate("abc", greedy)
     stop = want.outputs[0].text[4:6]
     with LLM(model="tiny", device="cpu", num_blocks=256, max_model_len=512,
              async_scheduling=True) as asyn:  # fmt: skip
@@ -207,6 +209,29 @@ def test_vllm_keywords_map_to_the_config() -> None:
         kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
     )
     assert (kv.kv_transfer.kv_connector, kv.kv_transfer.kv_role) == ("nixl", "consumer")
+
+
+def test_async_scheduling_is_on_unless_turned_off_and_the_engine_says_which(caplog) -> None:
+    from engine.config import SchedulerConfig
+
+    assert SchedulerConfig().async_scheduling is True  # vLLM's default (unset: None)
+    assert EngineConfig().scheduler.async_scheduling is True
+    assert engine_config().scheduler.async_scheduling is True
+    assert engine_config(async_scheduling=None).scheduler.async_scheduling is True
+    assert engine_config(async_scheduling=False).scheduler.async_scheduling is False
+    with pytest.raises(ConfigError, match="async_scheduling='no': must be bool"):
+        engine_config(async_scheduling="no")
+    for kwargs, line in (
+        ({}, "async scheduling: on (the default"),
+        ({"async_scheduling": False}, "async scheduling: off (--no-async-scheduling"),
+    ):
+        caplog.clear()
+        with (
+            caplog.at_level("INFO", logger="engine.engine_core"),
+            LLM(model="tiny", device="cpu", num_blocks=64, max_model_len=256, **kwargs) as llm,
+        ):
+            assert llm.core.scheduler.async_scheduling is kwargs.get("async_scheduling", True)
+        assert any(r.getMessage().startswith(line) for r in caplog.records), caplog.text
 
 
 def test_bad_keywords_are_refused_before_an_engine_starts() -> None:

@@ -123,17 +123,20 @@ def test_greedy_with_penalties_equals_the_step_by_step_reference_in_every_schedu
     want = [reference_greedy(model, p, sp) for p in prompts]
     plain = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     want[1] = reference_greedy(model, prompts[1], plain)  # no penalties, in the same batch
+    # The prompts fit 14 blocks, their answers do not (preempted).
     schedules = {
-        "one step": {},
+        "one step": {"async_scheduling": False},
         "async": {"async_scheduling": True},
-        "chunked": {"max_num_batched_tokens": 8},
-        "preempted": {"num_blocks": 14},  # the prompts fit, their answers do not
+        "chunked": {"max_num_batched_tokens": 8, "async_scheduling": False},
+        "preempted": {"num_blocks": 14, "async_scheduling": False},
+        "async chunked": {"max_num_batched_tokens": 8, "async_scheduling": True},
+        "async preempted": {"num_blocks": 14, "async_scheduling": True},
     }
     for name, sched in schedules.items():
         with LLM(_config(path, **sched)) as llm:
             got = llm.generate_token_ids(prompts, [sp, plain, sp])
             assert got == want, name
-            if name == "preempted":
+            if name.endswith("preempted"):
                 assert llm.core.stats()["num_preemptions_total"] > 0
     assert want[0] != reference_greedy(model, prompts[0], plain)  # the penalties mattered
 

@@ -90,7 +90,13 @@ import sys  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
+from engine.config import (  # noqa: E402
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from engine.core.request import Request  # noqa: E402
 from engine.engine_core import EngineCore  # noqa: E402
 from engine.llm import LLM  # noqa: E402
@@ -145,7 +151,11 @@ def test_pipelined_push_is_token_identical_to_colocated_and_unpipelined(tp, tp_d
     prompts = [random_prompt(n, 256, seed=n) for n in (5, 32, 990)]
     p, d = _engines(tp, tp_d=tp_d, kv_checksum=kv_checksum)
     try:
-        base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
+        base = EngineConfig(
+            model=ModelConfig(model="tiny"),
+            cache=CacheConfig(num_blocks=160),
+            scheduler=SchedulerConfig(async_scheduling=False),  # P and D: the default, async
+        )
         with LLM(base) as llm:
             want = [llm.generate_token_ids(prompts, sp) for sp in (GREEDY, SEEDED)]
         for sp, tokens in zip((GREEDY, SEEDED), want, strict=True):
@@ -175,14 +185,13 @@ def test_async_scheduling_pipelined_push_carries_the_first_token(group, monkeypa
     last piece still carries P's first token -- also with one layer group, where the
     forward has no layer hook -- so D computes no prompt token and the tokens are the
     colocated ones."""
-    from engine.config import SchedulerConfig
     from engine.worker.model_runner import DEFER_READBACK_ENV
 
     monkeypatch.setenv(DEFER_READBACK_ENV, "1")
     prompts = [random_prompt(n, 256, seed=n) for n in (5, 32, 90)]
     base = EngineConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(num_blocks=160))
-    with LLM(base) as llm:
-        want = llm.generate_token_ids(prompts, SEEDED)
+    with LLM(base.replace(scheduler=SchedulerConfig(async_scheduling=False))) as llm:
+        want = llm.generate_token_ids(prompts, SEEDED)  # a synchronous colocated engine
     base = base.replace(scheduler=SchedulerConfig(async_scheduling=True))
     p = EngineCore(nixl_config(base, "producer", kv_layer_group_size=group))
     d = EngineCore(nixl_config(base, "consumer"))

@@ -692,7 +692,9 @@ def test_async_scheduling_gives_the_same_structured_outputs() -> None:
 
     prompts = ["one", "two two", "three three three"]
     so = StructuredOutput.json_schema(SCHEMA)
-    cfg = EngineConfig(cache=CacheConfig(num_blocks=256))
+    cfg = EngineConfig(
+        cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(async_scheduling=False)
+    )
     with LLM(cfg) as sync:
         want = _gen(sync, prompts, so, max_tokens=120, temperature=1.0)
     acfg = EngineConfig(
@@ -736,8 +738,9 @@ def test_async_scheduling_steps_a_constrained_request_every_step(
         )
         for i, so in enumerate(["[a-z]{40}", None, "[0-9]{5}"])
     ]
-    with LLM(EngineConfig(cache=CacheConfig(num_blocks=64))) as sync:
-        want = sync.generate_token_ids(prompts, params)
+    sync = SchedulerConfig(async_scheduling=False)
+    with LLM(EngineConfig(cache=CacheConfig(num_blocks=64), scheduler=sync)) as sync_llm:
+        want = sync_llm.generate_token_ids(prompts, params)
     cfg = EngineConfig(
         cache=CacheConfig(num_blocks=64),
         scheduler=SchedulerConfig(async_scheduling=True),
@@ -769,10 +772,11 @@ def test_async_scheduling_steps_a_constrained_request_every_step(
 def live_nodes(module_procs: Procs) -> dict[str, PD]:
     """Both modes' nodes, started at once (their start-ups overlap; idle, a node costs
     next to nothing): each a P/D pair and a colocated node; with ``async``, every node
-    runs ``--async-scheduling``."""
+    runs ``--async-scheduling`` (the default), with ``sync`` ``--no-async-scheduling``."""
+    modes = (("sync", ("--no-async-scheduling",)), ("async", ("--async-scheduling",)))
     pairs = {
         mode: module_procs.pd(1, 1, "--num-blocks", "256", *extra, colocated=True, wait=False)
-        for mode, extra in (("sync", ()), ("async", ("--async-scheduling",)))
+        for mode, extra in modes
     }
     wait_healthy(*(node for pair in pairs.values() for node in pair.all))
     return pairs

@@ -10,10 +10,11 @@ forward pass. When blocks run out, the most recently admitted running request is
 preempted and later recomputed from scratch (its prefix cache entries usually make that
 cheap).
 
-With ``--async-scheduling`` the engine schedules step N+1 while step N runs: a token
-step N samples is not known yet, so it counts as a placeholder
-(``Request.num_output_placeholders``) -- step N+1 computes it (the workers fill in what
-they sampled in step N) and ``update_from_output`` of step N turns it into a real token.
+With async scheduling (the default; ``--no-async-scheduling``: off) the engine schedules
+step N+1 while step N runs: a token step N samples is not known yet, so it counts as a
+placeholder (``Request.num_output_placeholders``) -- step N+1 computes it (the workers
+fill in what they sampled in step N) and ``update_from_output`` of step N turns it into a
+real token.
 A request whose pending sample surely ends it (``max_tokens``, the context) is not
 scheduled ahead, nor preempted; one that stops on EOS or a stop id has computed one token
 too many, which is dropped. A step's results apply only to the requests it scheduled:
