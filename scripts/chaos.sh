@@ -28,13 +28,14 @@
 #   every node's --kv-transfer-timeout), CHAOS_DEADLINE_S=180 (a request not ended by then
 #   is hung), CHAOS_UNSIGNED=1 (nodes without --kv-secret; default: a random secret)
 #   CHAOS_TP=2,2,2,2         TP of p1,p2,d1,d2 (unequal TP: the heterogeneous-TP connector)
-#   CHAOS_ASYNC=1            every node (the reference too) with --async-scheduling
-#                            (and PDSERVE_DEFER_READBACK=1)     (--async-scheduling)
+#   CHAOS_ASYNC=1            every node (the reference too) with --async-scheduling (the
+#                            nodes' default) and PDSERVE_DEFER_READBACK=1 (outputs read
+#                            back late, as on CUDA)             (--async-scheduling)
 #   CHAOS_NODE_ARGS="--f v"  extra flags of every node, the reference too (--node-arg=--f,
 #                            repeatable; --node-env NAME=VALUE for the environment)
 #   CHAOS_STRUCTURED_RATE=0  share of requests with a structured output (--structured-rate)
-#   CHAOS_PLAIN_REFERENCE=1  the reference without those flags (a synchronous reference for
-#                            async nodes)                         (--plain-reference)
+#   CHAOS_PLAIN_REFERENCE=1  the reference without those flags, with --no-async-scheduling
+#                            (a synchronous reference)            (--plain-reference)
 #   CHAOS_KILL_WORKER_RANK=-1, CHAOS_STOP_WORKER_RANK=0: the TP rank kill_worker and
 #                            stop_worker hit (rank 0 waits for the grammar masks)
 #   CHAOS_TENANTS=0          tenants (--tenants N): each request gets its tenant's cache_salt

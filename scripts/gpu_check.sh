@@ -18,7 +18,7 @@
 #   timeout_s). Steps run most valuable first; each one's limit is cut to what is left, and
 #   a step that no longer fits is recorded as `rc=budget` rather than started.
 # - GPU_CHECK_ONLY="key ..." runs only those steps (keys below: kernels model throughput
-#   latency async colocated pd gpu-tests prefill eager executor profile transfer structured
+#   latency sync colocated pd gpu-tests prefill eager executor profile transfer structured
 #   multi-gpu), e.g. a rerun of what the budget cut. Steps that need the model build it
 #   when it is missing.
 # The summary is printed to stdout at the end (the tool's output tail) as well.
@@ -163,11 +163,12 @@ if selected latency; then
   step "offline latency" 90 30 "${B[@]}" "${LAT[@]}" --json "$WORK/offline_latency.json"
 fi
 
-# The same two with --async-scheduling (step N+1 scheduled while N runs).
-if selected async; then
+# The same two with --no-async-scheduling (each step scheduled once the one before ended;
+# async scheduling, step N+1 scheduled while N runs, is the default the rows above run).
+if selected sync; then
   need_model
-  step "offline throughput async" 120 40 "${B[@]}" "${THR[@]}" --async-scheduling --json "$WORK/offline_throughput_async.json"
-  step "offline latency async" 90 30 "${B[@]}" "${LAT[@]}" --async-scheduling --json "$WORK/offline_latency_async.json"
+  step "offline throughput sync" 120 40 "${B[@]}" "${THR[@]}" --no-async-scheduling --json "$WORK/offline_throughput_sync.json"
+  step "offline latency sync" 90 30 "${B[@]}" "${LAT[@]}" --no-async-scheduling --json "$WORK/offline_latency_sync.json"
 fi
 
 # 3. HTTP: colocated node.
@@ -257,7 +258,8 @@ fi
 selected transfer && step "transfer" 150 40 $PY -m engine.bench transfer "${XFER[@]}" --json "$WORK/transfer.json"
 
 # Constrained decoding (each request its own JSON schema, llguidance): the same batch on
-# an engine without and one with --async-scheduling (the masks sent while the forward runs).
+# an engine with --no-async-scheduling and one with async scheduling (the default: the
+# masks sent while the forward runs).
 # Late: no target of the issues rests on it, and it starts two engines.
 if selected structured; then
   if [ -n "$STRUCTURED_SKIP" ]; then

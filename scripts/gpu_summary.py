@@ -45,8 +45,8 @@ def rows(out: str) -> list[Row]:
     lat = _load(out, "offline_latency.json")
     eager = _load(out, "offline_latency_eager.json")
     lat_mp = _load(out, "offline_latency_mp.json")
-    thr_async = _load(out, "offline_throughput_async.json")
-    lat_async = _load(out, "offline_latency_async.json")
+    thr_sync = _load(out, "offline_throughput_sync.json")
+    lat_sync = _load(out, "offline_latency_sync.json")
     pre = _load(out, "offline_prefill.json")
     table: list[Row] = [
         (
@@ -64,9 +64,9 @@ def rows(out: str) -> list[Row]:
             "{}",
         ),
         (
-            "  same, --async-scheduling: output tok/s",
+            "  same, --no-async-scheduling: output tok/s",
             "(info)",
-            _get(thr_async, "result", "output_tokens_per_s"),
+            _get(thr_sync, "result", "output_tokens_per_s"),
             lambda v: True,
             "{:,.0f}",
         ),
@@ -92,9 +92,9 @@ def rows(out: str) -> list[Row]:
             "{}",
         ),
         (
-            "  same, --async-scheduling",
+            "  same, --no-async-scheduling",
             "(info)",
-            _get(lat_async, "result", "ms_per_output_token"),
+            _get(lat_sync, "result", "ms_per_output_token"),
             lambda v: True,
             "{:.3f}",
         ),
@@ -179,7 +179,8 @@ def rows(out: str) -> list[Row]:
 
 def structured_rows(report: dict[str, Any] | None) -> list[Row]:
     """``pd-bench offline --structured json``: constrained requests (each its own schema)
-    on an engine without and one with ``--async-scheduling``, or why the step skipped."""
+    on an engine with ``--no-async-scheduling`` and one with async scheduling (the
+    default), or why the step skipped."""
     shape = _get(report, "shape")
     size = "" if not shape else " {num_prompts}x{input_len}->{output_len}".format(**shape)
     label = f"structured JSON{size}, a schema each"
@@ -203,7 +204,7 @@ def structured_rows(report: dict[str, Any] | None) -> list[Row]:
             "{:,.0f}",
         ),
         (
-            "  same, --async-scheduling",
+            "  same, async scheduling (the default)",
             "(info)",
             _get(s, "async", "result", "output_tokens_per_s"),
             lambda v: True,

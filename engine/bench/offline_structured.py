@@ -1,7 +1,7 @@
 """``pd-bench offline --structured json|regex``: the same constrained batch (each request its
-own grammar, ``structured_specs``) on an engine without, then one with
-``--async-scheduling``; both reported, with their ratio, and every output that completed
-its grammar checked against it."""
+own grammar, ``structured_specs``) on an engine with ``--no-async-scheduling``, then one
+with async scheduling (the default); both reported, with their ratio, and every output
+that completed its grammar checked against it."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def run_structured(
     shape: dict[str, int],
     report: dict[str, Any],
 ) -> int:
-    """``--structured``: the same constrained batch on an engine without, then one with
-    ``--async-scheduling``; both reported, with their ratio. Exit 1 when an output that
-    completed its grammar does not follow it."""
+    """``--structured``: the same constrained batch on an engine with
+    ``--no-async-scheduling``, then one with async scheduling; both reported, with their
+    ratio. Exit 1 when an output that completed its grammar does not follow it."""
     from engine.structured.compiler import import_llguidance
     from engine.tokenizer import load_tokenizer
 

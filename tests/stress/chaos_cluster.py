@@ -215,7 +215,8 @@ class Cluster:
         tp = dict(zip(("p1", "p2", "d1", "d2"), cfg.tp, strict=True))
 
         def node(name: str, module: str, *extra: str, plain: bool = False) -> Node:
-            own = () if plain else cfg.node_args
+            # A plain reference schedules synchronously (async scheduling is the default).
+            own = ("--no-async-scheduling",) if plain else cfg.node_args
             args = [*common, *own, "--tp", str(tp.get(name, tp["d1"])), *extra]
             node_env = {**({} if plain else cfg.node_env), **(env if extra else {})}
             return Node(name, module, args, tmp, node_env or None)

@@ -152,8 +152,8 @@ class ChaosConfig:
     # async scheduling it is the one waiting for a step's grammar masks.
     kill_worker_rank: int = -1
     stop_worker_rank: int = 0
-    # The reference without node_args and node_env (async nodes against a synchronous
-    # reference, say); by default it gets them too.
+    # The reference without node_args and node_env, with --no-async-scheduling (the
+    # nodes against a synchronous reference); by default it gets them too.
     plain_reference: bool = False
     # Tenants (``--tenants``; 0: none): each request gets its tenant's ``cache_salt`` and
     # its conversation's ``prompt_cache_key``; every node runs with

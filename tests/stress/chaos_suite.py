@@ -34,17 +34,19 @@ Client aborts and reused request ids are part of every request mix (``--abort-ra
 
 Other node set-ups: ``--node-arg=--FLAG`` (repeatable) and ``--node-env NAME=VALUE`` give
 every node, the colocated reference included, an extra flag or environment variable;
-``--async-scheduling`` is ``--node-arg=--async-scheduling`` with
+``--async-scheduling`` is ``--node-arg=--async-scheduling`` (the nodes' default) with
 ``--node-env PDSERVE_DEFER_READBACK=1`` (a worker holds a step's output until the next
-step is launched, as on CUDA). ``--structured-rate R`` gives a share R of the requests a
+step is launched, as on CUDA); ``--node-arg=--no-async-scheduling`` runs every node
+synchronously. ``--structured-rate R`` gives a share R of the requests a
 structured output (``STRUCTURED``: two regexes, a ``guided_choice``, a JSON schema;
 greedy, so the reference is deterministic; nodes need llguidance); under async
 scheduling such a request's step goes to the workers with ``sampling_deferred`` and its
 grammar masks follow on rank 0's task pipe, so a fault can meet rank 0 waiting for them
 (``--kill-worker-rank 0`` makes ``kill_worker`` hit that rank; ``stop_worker`` stops
 rank 0 by default). A completed structured answer must also keep to its grammar.
-``--plain-reference`` starts the reference without those flags and variables, so async
-nodes are checked against a synchronous reference (greedy answers are the same).
+``--plain-reference`` starts the reference without those flags and variables and with
+``--no-async-scheduling``, so the nodes (async scheduling is the default) are checked
+against a synchronous reference (greedy answers are the same).
 ``--responses-rate R`` asks a share R of the requests as ``POST /v1/responses`` (a chat
 conversation, its JSON schema as ``text.format``; ``chaos_responses.py``): checked
 against the chat reference by text (the Responses API gives no token ids), a stream's
@@ -199,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         "--async-scheduling",
         action="store_true",
         default=env("CHAOS_ASYNC") == "1",
-        help="every node (the reference too) with --async-scheduling, and "
-        f"{DEFER_READBACK_ENV}=1: workers hold a step's output until the next step is "
-        "launched, as on CUDA (env CHAOS_ASYNC=1)",
+        help="every node (the reference too) with --async-scheduling (the nodes' "
+        f"default), and {DEFER_READBACK_ENV}=1: workers hold a step's output until the "
+        "next step is launched, as on CUDA (env CHAOS_ASYNC=1)",
     )
     ap.add_argument(
         "--node-arg",
@@ -223,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         default=env("CHAOS_PLAIN_REFERENCE") == "1",
         help="the colocated reference without --node-arg, --node-env and "
-        "--async-scheduling (e.g. async nodes checked against a synchronous reference; "
-        "greedy answers are the same) (env CHAOS_PLAIN_REFERENCE=1)",
+        "--async-scheduling, with --no-async-scheduling (the nodes checked against a "
+        "synchronous reference; greedy answers are the same) (env CHAOS_PLAIN_REFERENCE=1)",
     )
     ap.add_argument(
         "--kill-worker-rank",

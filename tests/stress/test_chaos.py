@@ -11,7 +11,9 @@ proxy, which run through both rounds, is compared between them.
 ``CHAOS_SHORT_ASYNC=1`` runs it with every node (the reference too) started with
 ``--async-scheduling`` (and ``PDSERVE_DEFER_READBACK=1``, outputs held as on CUDA) and a
 quarter of the requests with a structured output (their grammar masks follow each step on
-rank 0's pipe): opt-in, CI runs the synchronous form, a tenth of its requests structured.
+rank 0's pipe): opt-in, CI runs the nodes' default (async scheduling, a step's output
+sent at once on CPU), a tenth of its requests structured. ``CHAOS_SHORT_SYNC=1`` (opt-in)
+starts every node with ``--no-async-scheduling``.
 Either way some requests are asked as `POST /v1/responses` (`--responses-rate`).
 ``CHAOS_SHORT_TENANTS=N`` (opt-in) adds N tenants (``--tenants``: salts, cache keys,
 ``--routing prefix`` and the tenant isolation check).
@@ -47,6 +49,8 @@ def test_chaos_short_form(tmp_path):
             "structured_rate": 0.25,
             "responses_rate": 0.15,
         }
+    elif os.environ.get("CHAOS_SHORT_SYNC") == "1":
+        extra["node_args"] = ("--no-async-scheduling",)
     # Opt-in: tenants (cache_salt, prompt_cache_key, --routing prefix, the isolation
     # check). Off in CI: on this short form's 12 prompts key affinity keeps every key on
     # the node that never restarts, so kill_worker and drain met no load on d1 and p1.

@@ -85,6 +85,7 @@ def test_node_flags_and_environment_reach_every_node(tmp_path: Path, plain: bool
         assert cmd[len(cmd) - 1 - cmd[::-1].index("--num-blocks") + 1] == "200"
     ref = cluster.reference
     assert ("--async-scheduling" in ref.command()) is not plain
+    assert ("--no-async-scheduling" in ref.command()) is plain  # a synchronous reference
     assert ((ref.env or {}).get("PDSERVE_DEFER_READBACK") == "1") is not plain
     assert "PDSERVE_KV_SECRET" not in (ref.env or {})
 
