@@ -18,7 +18,7 @@
 #   timeout_s). Steps run most valuable first; each one's limit is cut to what is left, and
 #   a step that no longer fits is recorded as `rc=budget` rather than started.
 # - GPU_CHECK_ONLY="key ..." runs only those steps (keys below: kernels model throughput
-#   latency sync colocated pd gpu-tests prefill eager executor profile transfer structured
+#   latency sync colocated pd gpu-tests prefill eager torch-ops executor profile transfer structured
 #   multi-gpu), e.g. a rerun of what the budget cut. Steps that need the model build it
 #   when it is missing.
 # The summary is printed to stdout at the end (the tool's output tail) as well.
@@ -245,6 +245,14 @@ fi
 if selected eager; then
   need_model
   step "offline latency eager" 90 30 "${B[@]}" "${LAT[@]}" --enforce-eager --json "$WORK/offline_latency_eager.json"
+fi
+# The small per-layer ops (RMSNorm + residual, rotary, SiLU-and-multiply) as torch ops
+# instead of our Triton kernels (engine/model/ops/): what the fused ops buy, in this run.
+if selected torch-ops; then
+  need_model
+  step "offline throughput torch ops" 120 40 env PDSERVE_MODEL_OPS=reference "${B[@]}" "${THR[@]}" --json "$WORK/offline_throughput_torch_ops.json"
+  step "offline latency torch ops" 90 30 env PDSERVE_MODEL_OPS=reference "${B[@]}" "${LAT[@]}" --json "$WORK/offline_latency_torch_ops.json"
+  step "offline latency eager torch ops" 90 30 env PDSERVE_MODEL_OPS=reference "${B[@]}" "${LAT[@]}" --enforce-eager --json "$WORK/offline_latency_eager_torch_ops.json"
 fi
 if selected executor; then  # the offline default at TP 1 is in-process (uni): the pipes' cost
   need_model

@@ -40,6 +40,14 @@ def step_split(report: dict[str, Any] | None) -> str | None:
     return " + ".join(f"{v:.3f}" for v in parts)
 
 
+def _pair(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str | None:
+    """Two reports' ms per output token as ``a / b`` (``-`` for a missing one)."""
+    va, vb = (_get(r, "result", "ms_per_output_token") for r in (a, b))
+    if va is None and vb is None:
+        return None
+    return " / ".join("-" if v is None else f"{v:.3f}" for v in (va, vb))
+
+
 def rows(out: str) -> list[Row]:
     thr = _load(out, "offline_throughput.json")
     lat = _load(out, "offline_latency.json")
@@ -48,6 +56,9 @@ def rows(out: str) -> list[Row]:
     thr_sync = _load(out, "offline_throughput_sync.json")
     lat_sync = _load(out, "offline_latency_sync.json")
     pre = _load(out, "offline_prefill.json")
+    thr_torch_ops = _load(out, "offline_throughput_torch_ops.json")
+    lat_torch_ops = _load(out, "offline_latency_torch_ops.json")
+    eager_torch_ops = _load(out, "offline_latency_eager_torch_ops.json")
     table: list[Row] = [
         (
             "offline 32x512->128 output tok/s",
@@ -67,6 +78,13 @@ def rows(out: str) -> list[Row]:
             "  same, --no-async-scheduling: output tok/s",
             "(info)",
             _get(thr_sync, "result", "output_tokens_per_s"),
+            lambda v: True,
+            "{:,.0f}",
+        ),
+        (
+            "  same, torch ops (PDSERVE_MODEL_OPS=reference): output tok/s",
+            "(info)",
+            _get(thr_torch_ops, "result", "output_tokens_per_s"),
             lambda v: True,
             "{:,.0f}",
         ),
@@ -104,6 +122,13 @@ def rows(out: str) -> list[Row]:
             _get(eager, "result", "ms_per_output_token"),
             lambda v: True,
             "{:.3f}",
+        ),
+        (
+            "  same, torch ops / torch ops and --enforce-eager",
+            "(info)",
+            _pair(lat_torch_ops, eager_torch_ops),
+            lambda v: True,
+            "{}",
         ),
         (
             "  same, a worker process (--distributed-executor-backend mp)",
