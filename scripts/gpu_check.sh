@@ -18,7 +18,7 @@
 #   timeout_s). Steps run most valuable first; each one's limit is cut to what is left, and
 #   a step that no longer fits is recorded as `rc=budget` rather than started.
 # - GPU_CHECK_ONLY="key ..." runs only those steps (keys below: kernels model throughput
-#   latency sync colocated pd gpu-tests prefill eager torch-ops executor profile transfer structured
+#   latency sync colocated pd gpu-tests prefill eager triton-ops executor profile transfer structured
 #   multi-gpu), e.g. a rerun of what the budget cut. Steps that need the model build it
 #   when it is missing.
 # The summary is printed to stdout at the end (the tool's output tail) as well.
@@ -246,13 +246,17 @@ if selected eager; then
   need_model
   step "offline latency eager" 90 30 "${B[@]}" "${LAT[@]}" --enforce-eager --json "$WORK/offline_latency_eager.json"
 fi
-# The small per-layer ops (RMSNorm + residual, rotary, SiLU-and-multiply) as torch ops
-# instead of our Triton kernels (engine/model/ops/): what the fused ops buy, in this run.
-if selected torch-ops; then
+# The small per-layer ops (RMSNorm + residual, rotary, SiLU-and-multiply) as our Triton
+# kernels (PDSERVE_MODEL_OPS=triton, opt-in until measured; engine/model/ops/) instead of
+# torch ops: the offline rows again, and the engine's gpu tests on them, same run.
+if selected triton-ops; then
   need_model
-  step "offline throughput torch ops" 120 40 env PDSERVE_MODEL_OPS=reference "${B[@]}" "${THR[@]}" --json "$WORK/offline_throughput_torch_ops.json"
-  step "offline latency torch ops" 90 30 env PDSERVE_MODEL_OPS=reference "${B[@]}" "${LAT[@]}" --json "$WORK/offline_latency_torch_ops.json"
-  step "offline latency eager torch ops" 90 30 env PDSERVE_MODEL_OPS=reference "${B[@]}" "${LAT[@]}" --enforce-eager --json "$WORK/offline_latency_eager_torch_ops.json"
+  step "offline latency triton ops" 90 30 env PDSERVE_MODEL_OPS=triton "${B[@]}" "${LAT[@]}" --json "$WORK/offline_latency_triton_ops.json"
+  step "offline throughput triton ops" 120 40 env PDSERVE_MODEL_OPS=triton "${B[@]}" "${THR[@]}" --json "$WORK/offline_throughput_triton_ops.json"
+  step "offline latency eager triton ops" 90 30 env PDSERVE_MODEL_OPS=triton "${B[@]}" "${LAT[@]}" --enforce-eager --json "$WORK/offline_latency_eager_triton_ops.json"
+  if [ "$SMOKE" != 1 ]; then
+    step "pytest gpu triton ops" 150 40 env PDSERVE_MODEL_OPS=triton $PY -m pytest -q -p no:cacheprovider --junitxml "$WORK/pytest_gpu_triton_ops.xml" tests/test_gpu.py -k "fp32_greedy or bf16_triton or cuda_graph_decode or chunks_prefix"
+  fi
 fi
 if selected executor; then  # the offline default at TP 1 is in-process (uni): the pipes' cost
   need_model

@@ -56,9 +56,9 @@ def rows(out: str) -> list[Row]:
     thr_sync = _load(out, "offline_throughput_sync.json")
     lat_sync = _load(out, "offline_latency_sync.json")
     pre = _load(out, "offline_prefill.json")
-    thr_torch_ops = _load(out, "offline_throughput_torch_ops.json")
-    lat_torch_ops = _load(out, "offline_latency_torch_ops.json")
-    eager_torch_ops = _load(out, "offline_latency_eager_torch_ops.json")
+    thr_triton_ops = _load(out, "offline_throughput_triton_ops.json")
+    lat_triton_ops = _load(out, "offline_latency_triton_ops.json")
+    eager_triton_ops = _load(out, "offline_latency_eager_triton_ops.json")
     table: list[Row] = [
         (
             "offline 32x512->128 output tok/s",
@@ -82,9 +82,9 @@ def rows(out: str) -> list[Row]:
             "{:,.0f}",
         ),
         (
-            "  same, torch ops (PDSERVE_MODEL_OPS=reference): output tok/s",
+            "  same, Triton model ops (PDSERVE_MODEL_OPS=triton): output tok/s",
             "(info)",
-            _get(thr_torch_ops, "result", "output_tokens_per_s"),
+            _get(thr_triton_ops, "result", "output_tokens_per_s"),
             lambda v: True,
             "{:,.0f}",
         ),
@@ -124,9 +124,9 @@ def rows(out: str) -> list[Row]:
             "{:.3f}",
         ),
         (
-            "  same, torch ops / torch ops and --enforce-eager",
+            "  same, Triton model ops / Triton model ops and --enforce-eager",
             "(info)",
-            _pair(lat_torch_ops, eager_torch_ops),
+            _pair(lat_triton_ops, eager_triton_ops),
             lambda v: True,
             "{}",
         ),

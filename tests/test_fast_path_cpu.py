@@ -67,12 +67,15 @@ def test_padded_decode_buffers_give_the_eager_rows_and_write_no_padding_slot():
 
 @pytest.mark.slow
 def test_engine_on_the_triton_backend_matches_the_reference_backend(monkeypatch):
-    """Chunked prefill, prefix-cache hits and decode batches, through real workers."""
+    """Chunked prefill, prefix-cache hits and decode batches, through real workers; the
+    Triton attention alone and with the Triton model ops (``PDSERVE_MODEL_OPS=triton``)."""
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
     prompts = [list(range(1, 41)), list(range(1, 41)) + [7, 8], [5] * 3, list(range(50, 70))]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     out = {}
-    for backend in ("reference", "triton"):
+    # The Triton attention with the torch ops (the default), and with the Triton ops.
+    for backend, ops in (("reference", ""), ("triton", ""), ("triton", "triton")):
+        monkeypatch.setenv("PDSERVE_MODEL_OPS", ops)
         cfg = EngineConfig(
             model=ModelConfig(attention_backend=backend),
             cache=CacheConfig(num_blocks=64, block_size=BS),
@@ -84,5 +87,6 @@ def test_engine_on_the_triton_backend_matches_the_reference_backend(monkeypatch)
             again = llm.generate_token_ids(prompts[:2], params)
             computed = llm.stats()["prompt_tokens_total"]
         assert computed < sum(len(p) for p in prompts + prompts[:2]) - 2 * BS
-        out[backend] = first + again
-    assert out["triton"] == out["reference"]
+        out[backend, ops] = first + again
+    assert out["triton", ""] == out["reference", ""]
+    assert out["triton", "triton"] == out["reference", ""]

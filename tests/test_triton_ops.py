@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+import engine.model.ops as ops_module  # noqa: E402
 import engine.model.ops.triton_ops as to  # noqa: E402
 from engine.model.ops import get_model_ops  # noqa: E402
 from engine.model.ops.reference import ReferenceOps  # noqa: E402
@@ -47,16 +48,20 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
 
 
-def test_the_op_set_follows_the_attention_backend_unless_the_environment_names_one(monkeypatch):
+def test_the_op_set_is_the_default_unless_the_environment_names_one(monkeypatch):
     monkeypatch.delenv("PDSERVE_MODEL_OPS", raising=False)
+    default = ops_module.DEFAULT_OPS
     assert get_model_ops("reference").name == "reference"
-    assert get_model_ops("triton").name == "triton"
+    assert get_model_ops("triton").name == default
     with pytest.raises(ValueError, match="no model ops"):
         get_model_ops("auto")
-    monkeypatch.setenv("PDSERVE_MODEL_OPS", "reference")  # the A/B switch of gpu_check.sh
+    monkeypatch.setenv("PDSERVE_MODEL_OPS", "triton")  # gpu_check.sh's opt-in
+    assert get_model_ops("triton").name == "triton"
+    assert get_model_ops("reference").name == "reference"  # the reference stays all torch
+    monkeypatch.setenv("PDSERVE_MODEL_OPS", "reference")
     assert get_model_ops("triton").name == "reference"
     monkeypatch.setenv("PDSERVE_MODEL_OPS", "fast")
-    with pytest.raises(ValueError, match="PDSERVE_MODEL_OPS='fast': choose from reference, triton"):
+    with pytest.raises(ValueError, match="PDSERVE_MODEL_OPS='fast': choose from reference"):
         get_model_ops("triton")
 
 

@@ -8,10 +8,14 @@ embedding and SiLU-and-multiply, in two interchangeable sets.
   showed"); these ops were most of them. Checked against the reference on CPU tensors
   with ``TRITON_INTERPRET=1`` (``tests/test_triton_ops.py``).
 
-The set follows the attention backend (``--attention-backend``): ``triton`` attention gets
-the Triton ops, ``reference`` the torch ones, so one flag picks the whole fast path.
-``PDSERVE_MODEL_OPS=reference|triton`` overrides that, for A/B measurements in one run
-(``scripts/gpu_check.sh``'s "torch ops" rows); it is not a serving option.
+Which set runs: the torch ops, unless ``PDSERVE_MODEL_OPS=triton`` and the attention
+backend is ``triton`` (the ``reference`` backend stays all torch: the definition of
+correct that the fast path is checked against). The Triton ops are opt-in until a
+GPU run has checked them compiled and measured what they buy (``scripts/gpu_check.sh``
+step ``triton-ops``: the offline rows and the ``gpu`` tests with them, next to the
+default's in the same run); then ``DEFAULT_OPS`` below becomes ``triton``, as the
+async-scheduling default waited for its rows. The variable
+is for that measurement, not a serving option.
 
 The contract, for ``x [T, H]`` rows of ``dtype`` and fp32 math inside every op::
 
@@ -49,28 +53,28 @@ class ModelOps(Protocol):
 
 OPS_ENV = "PDSERVE_MODEL_OPS"
 OP_SETS = ("reference", "triton")
+# Until the Triton ops are measured on a GPU (see above): the torch ops everywhere.
+DEFAULT_OPS = "reference"
 
 
 def get_model_ops(attention_backend: str) -> ModelOps:
-    """The op set that goes with the (resolved) attention backend ``reference`` or ``triton``,
-    unless ``PDSERVE_MODEL_OPS`` names one."""
-    forced = os.environ.get(OPS_ENV, "")
-    if forced:
-        if forced not in OP_SETS:
-            raise ValueError(
-                f"{OPS_ENV}={forced!r}: choose from {', '.join(OP_SETS)}, or unset it to "
-                "follow the attention backend"
-            )
-        attention_backend = forced
-    if attention_backend == "triton":
+    """The op set for a model on the (resolved) attention backend ``reference`` or
+    ``triton``: ``PDSERVE_MODEL_OPS`` when set, else ``DEFAULT_OPS``."""
+    if attention_backend not in OP_SETS:
+        raise ValueError(f"no model ops for attention backend {attention_backend!r}")
+    chosen = os.environ.get(OPS_ENV, "") or DEFAULT_OPS
+    if chosen not in OP_SETS:
+        raise ValueError(
+            f"{OPS_ENV}={chosen!r}: choose from {', '.join(OP_SETS)}, or unset it "
+            f"for the default ({DEFAULT_OPS})"
+        )
+    if chosen == "triton" and attention_backend == "triton":
         from engine.model.ops.triton_ops import TritonOps
 
         return TritonOps()
-    if attention_backend == "reference":
-        from engine.model.ops.reference import ReferenceOps
+    from engine.model.ops.reference import ReferenceOps
 
-        return ReferenceOps()
-    raise ValueError(f"no model ops for attention backend {attention_backend!r}")
+    return ReferenceOps()
 
 
-__all__ = ["OPS_ENV", "OP_SETS", "ModelOps", "get_model_ops"]
+__all__ = ["DEFAULT_OPS", "OPS_ENV", "OP_SETS", "ModelOps", "get_model_ops"]
