@@ -91,6 +91,17 @@ def test_add_rms_norm_returns_the_norm_of_the_sum_and_the_sum(dtype, rows, hidde
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # inputs kept
 
 
+def test_rows_wider_than_one_program_loads_fall_back_to_the_reference_norm():
+    hidden = to.MAX_NORM_BLOCK + 1
+    x = _randn(2, hidden, dtype=torch.float32, seed=8)
+    residual = _randn(2, hidden, dtype=torch.float32, seed=9)
+    weight = _randn(hidden, dtype=torch.float32, seed=10)
+    assert torch.equal(FAST.rms_norm(x, weight, 1e-6), REF.rms_norm(x, weight, 1e-6))
+    got, got_sum = FAST.add_rms_norm(x, residual, weight, 1e-6)
+    want, want_sum = REF.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(got, want) and torch.equal(got_sum, want_sum)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(4, 2, 16), (6, 2, 48), (3, 3, 8)])
 def test_rotary_rotates_the_split_views_of_qkv_in_place_like_the_reference(

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.ops.reference import ReferenceOps
+
 try:
     import triton
     import triton.language as tl
@@ -209,24 +211,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], n_cols)
 
 
-class TritonOps:
+class TritonOps(ReferenceOps):
+    """The Triton kernels; rows wider than ``MAX_NORM_BLOCK`` keep the reference norm."""
+
     name = "triton"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if triton.next_power_of_2(x.shape[-1]) > MAX_NORM_BLOCK:
-            from engine.model.ops.reference import rms_norm as reference_rms_norm
-
-            return reference_rms_norm(x, weight, eps)
+            return super().rms_norm(x, weight, eps)
         return rms_norm(x, weight, eps)[0]
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if triton.next_power_of_2(x.shape[-1]) > MAX_NORM_BLOCK:
-            from engine.model.ops.reference import rms_norm as reference_rms_norm
-
-            s = x + residual
-            return reference_rms_norm(s, weight, eps), s
+            return super().add_rms_norm(x, residual, weight, eps)
         out, s = rms_norm(x, weight, eps, residual)
         assert s is not None
         return out, s
