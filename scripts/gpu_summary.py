@@ -31,6 +31,11 @@ def _get(d: dict[str, Any] | None, *path: str) -> Any:
 Row = tuple[str, str, Any, Callable[[float], bool], str]
 
 
+def _info(label: str, value: Any, fmt: str) -> Row:
+    """A row without a target: shown, never counted as missed."""
+    return (label, "(info)", value, lambda v: True, fmt)
+
+
 def step_split(report: dict[str, Any] | None) -> str | None:
     """``pd-bench offline``'s mean split of a measured step (engine/core/step_stats.py)."""
     d = _get(report, "step_ms")
@@ -67,25 +72,19 @@ def rows(out: str) -> list[Row]:
             lambda v: v >= 10_000,
             "{:,.0f}",
         ),
-        (
+        _info(
             "  where a step goes, ms: schedule + executor + worker + update",
-            "(info)",
             step_split(thr),
-            lambda v: True,
             "{}",
         ),
-        (
+        _info(
             "  same, --no-async-scheduling: output tok/s",
-            "(info)",
             _get(thr_sync, "result", "output_tokens_per_s"),
-            lambda v: True,
             "{:,.0f}",
         ),
-        (
+        _info(
             "  same, Triton model ops (PDSERVE_MODEL_OPS=triton): output tok/s",
-            "(info)",
             _get(thr_triton_ops, "result", "output_tokens_per_s"),
-            lambda v: True,
             "{:,.0f}",
         ),
         (
@@ -102,39 +101,29 @@ def rows(out: str) -> list[Row]:
             lambda v: v <= 1.5,
             "{:.3f}",
         ),
-        (
+        _info(
             "  where a step goes, ms: schedule + executor + worker + update",
-            "(info)",
             step_split(lat),
-            lambda v: True,
             "{}",
         ),
-        (
+        _info(
             "  same, --no-async-scheduling",
-            "(info)",
             _get(lat_sync, "result", "ms_per_output_token"),
-            lambda v: True,
             "{:.3f}",
         ),
-        (
+        _info(
             "  same, --enforce-eager",
-            "(info)",
             _get(eager, "result", "ms_per_output_token"),
-            lambda v: True,
             "{:.3f}",
         ),
-        (
+        _info(
             "  same, Triton model ops / Triton model ops and --enforce-eager",
-            "(info)",
             _pair(lat_triton_ops, eager_triton_ops),
-            lambda v: True,
             "{}",
         ),
-        (
+        _info(
             "  same, a worker process (--distributed-executor-backend mp)",
-            "(info)",
             _get(lat_mp, "result", "ms_per_output_token"),
-            lambda v: True,
             "{:.3f}",
         ),
     ]
@@ -147,11 +136,9 @@ def rows(out: str) -> list[Row]:
             lambda v: v >= 0.30,
             "{:.1%}",
         ),
-        (
+        _info(
             "  prefill TFLOP/s (achieved)",
-            "(info)",
             _get(pre, "prefill", "achieved_tflops"),
-            lambda v: True,
             "{:.1f}",
         ),
     ]
@@ -211,9 +198,7 @@ def structured_rows(report: dict[str, Any] | None) -> list[Row]:
     label = f"structured JSON{size}, a schema each"
     skipped = _get(report, "skipped")
     if skipped:
-        return [
-            (f"{label}: output tok/s, sync", "(info)", f"skipped: {skipped}", lambda v: True, "{}")
-        ]
+        return [_info(f"{label}: output tok/s, sync", f"skipped: {skipped}", "{}")]
     s = _get(report, "structured")
 
     def both(key: str, fmt: str) -> str | None:
@@ -221,32 +206,24 @@ def structured_rows(report: dict[str, Any] | None) -> list[Row]:
         return None if a is None or b is None else f"{fmt.format(a)} / {fmt.format(b)}"
 
     return [
-        (
+        _info(
             f"{label}: output tok/s, sync",
-            "(info)",
             _get(s, "sync", "result", "output_tokens_per_s"),
-            lambda v: True,
             "{:,.0f}",
         ),
-        (
+        _info(
             "  same, async scheduling (the default)",
-            "(info)",
             _get(s, "async", "result", "output_tokens_per_s"),
-            lambda v: True,
             "{:,.0f}",
         ),
-        (
+        _info(
             "  async / sync output tok/s",
-            "(info)",
             _get(s, "async_over_sync", "output_tokens_per_s"),
-            lambda v: True,
             "{:.2f}x",
         ),
-        (
+        _info(
             "  ms/token (TPOT mean), sync / async",
-            "(info)",
             both("result.tpot_ms.mean", "{:.3f}"),
-            lambda v: True,
             "{}",
         ),
         (
@@ -267,9 +244,7 @@ def low_load_rows(out: str) -> list[Row]:
         for name in ("colocated", "pd", "pd_pipelined")
     }
     colo = ttft["colocated"]
-    table: list[Row] = [
-        ("low load 1x1024->16: TTFT p50 ms, colocated", "(info)", colo, lambda v: True, "{:.1f}")
-    ]
+    table: list[Row] = [_info("low load 1x1024->16: TTFT p50 ms, colocated", colo, "{:.1f}")]
     files = {"pd": "prefill_metrics.txt", "pd_pipelined": "prefill_pipelined_metrics.txt"}
     for name, label in (("pd", "P/D"), ("pd_pipelined", "P/D pipelined (4 layers/piece)")):
         extra = None if colo is None or ttft[name] is None else ttft[name] - colo
@@ -282,11 +257,9 @@ def low_load_rows(out: str) -> list[Row]:
                 lambda v: v <= 5.0,
                 "{:+.1f}",
             ),
-            (
+            _info(
                 f"  {label}: exposed push, mean ms (all pushes of the run)",
-                "(info)",
                 None if exposed is None else exposed * 1000,
-                lambda v: True,
                 "{:.2f}",
             ),
         ]
