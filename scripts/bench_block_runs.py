@@ -44,6 +44,11 @@ class Churn:
     d_runs: int = 0
     per_transfer: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (blocks, descs)
 
+    def add(self, other: Churn) -> None:
+        """Add ``other``'s totals (not its per-transfer list) to these."""
+        for k in ("transfers", "blocks", "descriptors", "p_runs", "d_runs"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
     @property
     def ratio(self) -> float:
         """Descriptors per block moved: 1.0 is one descriptor per block."""
@@ -228,8 +233,7 @@ def main() -> None:
                     warmup=args.warmup,
                     arrivals_per_step=rate,
                 )
-                for k in ("transfers", "blocks", "descriptors", "p_runs", "d_runs"):
-                    setattr(total, k, getattr(total, k) + getattr(r, k))
+                total.add(r)
             print(total.row(f"rate {rate:g}, caching {'on' if caching else 'off'}"))
     if args.timeit:
         for n, us in time_allocate().items():
